@@ -1,0 +1,1 @@
+"""attention: exact context-parallel attention over packed variable-length documents."""

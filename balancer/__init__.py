@@ -1,0 +1,9 @@
+"""balancer: sequence-length-aware packing and DP x CP x PP scheduling for mixed long/short training data."""
+__version__ = "0.1.0"
+
+from .cost import CostModel
+from .topology import Topology
+from .plan import Plan
+from .planner import plan, pack_step
+
+__all__ = ["CostModel", "Topology", "Plan", "plan", "pack_step", "__version__"]

@@ -1,0 +1,449 @@
+"""The planner: cost-aware assignment of documents to steps, DP replicas and micro-batches.
+
+An epoch is planned in three moves, all vectorised except for loops over steps and over the few heavy documents:
+
+1. *Shuffle and cut into steps.* Documents are shuffled by `seed`. Documents heavier than a fraction of a
+   micro-batch's fair share ("heavy") are spread over the steps in shuffled order so that every step gets an equal
+   share of heavy cost; the light documents then fill each step, in shuffled order, up to the step's token target.
+   Only heavy documents move by more than a few positions (`mean_delay_steps` reports it); nothing is sorted by
+   length.
+2. *Pack each step* (`pack_step`): heavy documents go one by one, largest first, to the micro-batch that least
+   raises its replica's 1F1B time `(P-1) * max_m t_m + sum_m t_m`; a water-filling solve then gives every
+   micro-batch a target so that all replicas finish together; the light documents, largest first, are dealt in
+   rounds of `dp*M` to the micro-batches furthest below target (batched LPT), never above `max_tokens * cp` tokens.
+3. *Repair.* Empty micro-batches take a small document from the fullest one; documents that fit nowhere move to the
+   next step; a too-small last step borrows small documents from the one before.
+
+Inside each micro-batch, documents keep their shuffled order.
+"""
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from .cost import CostModel
+from .metrics import natural_steps, step_times
+from .plan import Plan
+from .topology import Topology
+
+OVERFLOW_POLICIES = ("error", "split", "truncate")
+HEAVY_STEP = 0.25   # heavier than this share of a micro-batch's average work: spread evenly over the steps
+HEAVY_PACK = 0.5    # heavier than this share of a micro-batch's average work: placed one by one in pack_step
+
+
+def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
+    """1-D positive integer lengths as int64, or a ValueError naming the first bad document."""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D array of document lengths, got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"{name} is empty: there is nothing to plan")
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "f":
+        bad = ~np.isfinite(arr) | (arr != np.round(arr))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{name}[{i}] = {arr[i]!r} is not an integer token count (document {i})")
+    bad = arr <= 0
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{name}[{i}] = {arr[i]} : document {i} has no tokens (lengths must be >= 1)")
+    return arr.astype(np.int64)
+
+
+def _units(lengths: np.ndarray, cap: int, overflow: str, topology: Topology):
+    """Cut documents into planning units (doc, start, end) honouring the overflow policy."""
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+    n = len(lengths)
+    over = lengths > cap
+    if not over.any():
+        return np.arange(n), np.zeros(n, dtype=np.int64), lengths.copy()
+    if overflow == "error":
+        i = int(np.argmax(lengths * over))
+        raise ValueError(
+            f"document {i} has {lengths[i]} tokens, more than a micro-batch holds: max_tokens*cp = "
+            f"{topology.max_tokens}*{topology.cp} = {cap} ({int(over.sum())} documents are over); raise "
+            f"max_tokens or cp, or pass overflow='split' (windows) or 'truncate'")
+    if overflow == "truncate":
+        return np.arange(n), np.zeros(n, dtype=np.int64), np.minimum(lengths, cap)
+    pieces = -(-lengths // cap)
+    doc = np.repeat(np.arange(n), pieces)
+    first = np.cumsum(pieces) - pieces
+    start = (np.arange(len(doc)) - np.repeat(first, pieces)) * cap
+    end = np.minimum(start + cap, lengths[doc])
+    return doc, start, end
+
+
+def step_token_targets(total_tokens: int, tokens_per_step: int, capacity: int) -> np.ndarray:
+    """Token target of every step: equal steps within 5% of `tokens_per_step` when that works, else full steps
+    of `tokens_per_step` and a smaller last one."""
+    s = max(1, int(round(total_tokens / tokens_per_step)))
+    even = total_tokens / s
+    if abs(even - tokens_per_step) <= 0.05 * tokens_per_step and even <= 0.97 * capacity:
+        return np.full(s, even)
+    s = max(1, int(np.ceil(total_tokens / tokens_per_step)))
+    targets = np.full(s, float(tokens_per_step))
+    targets[-1] = total_tokens - tokens_per_step * (s - 1)
+    return targets
+
+
+def _effective_step_tokens(c: np.ndarray, tok: np.ndarray, topology: Topology) -> int:
+    """Step size in tokens, shrunk (by at most 10%) when heavy documents need the room to be balanced.
+
+    A heavy document costs more per token than the light ones that fill the other micro-batches, so a balanced
+    step needs token room beyond its token count: `excess = cost/rho - tokens` summed over heavy documents, rho
+    being the light documents' cost per token. A step can only be balanced if its tokens stay below
+    `capacity - excess` (less a little for packing loss); otherwise token-full micro-batches can't reach the
+    replicas that hold heavy documents.
+    """
+    tps, capacity, nb = topology.tokens_per_step, topology.capacity, topology.bins_per_step
+    total = float(tok.sum())
+    target = float(tps)
+    for _ in range(3):
+        steps = max(1.0, total / target)
+        heavy = c > HEAVY_PACK * c.sum() / (steps * nb)
+        if not heavy.any() or heavy.all():
+            return tps
+        rho = c[~heavy].sum() / tok[~heavy].sum()
+        excess = float(np.sum(c[heavy] / rho - tok[heavy])) / steps
+        target = float(np.clip(0.98 * capacity - excess, 0.9 * tps, tps))
+    return int(target)
+
+
+def _assign_steps(c: np.ndarray, tok: np.ndarray, targets: np.ndarray, bins: int,
+                  rng: np.random.Generator, grouped: bool) -> np.ndarray:
+    """Step of each unit (units given in shuffled order); heavy units spread by cost, light ones fill by tokens.
+
+    Every step gets an equal share of the heavy cost. Without pipelining the heavy units keep their shuffled
+    order. With pipelining (`grouped`) they are taken heaviest first, so each step holds heavy units of similar
+    cost that can share replicas without a pipeline bubble (the idea behind WLB-LLM's outlier queue, but without
+    breaking the step's token budget), and these groups go to steps in random order.
+    """
+    s = len(targets)
+    if s == 1:
+        return np.zeros(len(c), dtype=np.int64)
+    heavy = c > HEAVY_STEP * c.sum() / (s * bins)
+    step = np.empty(len(c), dtype=np.int64)
+    if heavy.any() and grouped:
+        step[heavy] = _group_heavy(np.flatnonzero(heavy), c, tok, targets, bins, rng)
+    elif heavy.any():
+        hc = c[heavy]
+        mid = (np.cumsum(hc) - hc / 2) / hc.sum()
+        step[heavy] = np.minimum(np.searchsorted(np.cumsum(targets) / targets.sum(), mid, side="right"), s - 1)
+    heavy_tok = np.bincount(step[heavy], weights=tok[heavy], minlength=s)
+    budget = np.maximum(targets - heavy_tok, 0.0)
+    lt = tok[~heavy].astype(np.float64)
+    before = np.cumsum(lt) - lt
+    step[~heavy] = np.minimum(np.searchsorted(np.cumsum(budget), before, side="right"), s - 1)
+    return step
+
+
+def _group_heavy(idx: np.ndarray, c: np.ndarray, tok: np.ndarray, targets: np.ndarray, bins: int,
+                 rng: np.random.Generator) -> np.ndarray:
+    """Pipelined plans: heavy units, heaviest first, in groups of one per micro-batch (`bins`) of similar cost,
+    each group within 90% of a step's tokens; groups go to steps in random order, spread over the epoch."""
+    order = idx[np.argsort(-c[idx], kind="stable")]
+    limit = 0.9 * float(np.median(targets))
+    group = np.empty(len(order), dtype=np.int64)
+    g, count, used = 0, 0, 0.0
+    for k, i in enumerate(order):
+        if count and (count == bins or used + tok[i] > limit):
+            g, count, used = g + 1, 0, 0.0
+        group[k] = g
+        count += 1
+        used += tok[i]
+    n_groups, s = g + 1, len(targets)
+    full = np.flatnonzero(targets >= 0.9 * np.median(targets))          # never the small last step
+    slots = rng.permutation(np.resize(full, max(n_groups, 1)) if n_groups > len(full) else
+                            np.sort(rng.choice(full, n_groups, replace=False)))
+    out = np.empty(len(c), dtype=np.int64)
+    out[order] = slots[group]
+    return out[idx]
+
+
+def _water_fill(loads: np.ndarray, work: float, pp: int) -> np.ndarray:
+    """Deficits [dp, M] so that adding `work` in those amounts leaves every replica at the same 1F1B time.
+
+    A replica whose micro-batches cost b_1..b_M (largest h) takes light work up to a level l on every
+    micro-batch below l; its time is (P-1)*max(h, l) + sum_j max(b_j, l). We solve for the common time T by
+    bisection, with each replica's level inverted exactly from its piecewise-linear time curve.
+    """
+    dp, m = loads.shape
+    if work <= 0:
+        return np.zeros_like(loads)
+    srt = np.sort(loads, axis=1)
+    h = srt[:, -1]
+    k = np.arange(1, m + 1, dtype=np.float64)
+    suffix = srt.sum(axis=1, keepdims=True) - np.cumsum(srt, axis=1)        # sum of the bins above the k-th
+    curve = (pp - 1) * h[:, None] + k * srt + suffix                          # time when level = k-th smallest
+    rows = np.arange(dp)
+
+    def levels(t: float) -> np.ndarray:
+        kk = (curve <= t).sum(axis=1)
+        idx = np.maximum(kk - 1, 0)
+        lvl = (t - (pp - 1) * h - suffix[rows, idx]) / np.maximum(kk, 1)
+        lvl = np.where(kk == m, t / (pp - 1 + m), lvl)
+        return np.where(kk == 0, -np.inf, lvl)
+
+    def room(t: float) -> float:
+        return float(np.maximum(levels(t)[:, None] - loads, 0.0).sum())
+
+    lo, hi = float(curve[:, 0].min()), float(curve[:, -1].max() + work * (pp - 1 + m) / m + work)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if room(mid) < work:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-12 * hi:
+            break
+    return np.maximum(levels(hi)[:, None] - loads, 0.0)
+
+
+def pack_step(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray:
+    """Assign one step's units to its `dp * micro_batches` micro-batches.
+
+    `cost[i]`, `tokens[i]`: unit i's cost and token count. Returns the micro-batch index (replica * M + m) of each
+    unit, or -1 for units that fit in no micro-batch of this step (the caller moves them to the next step).
+    With pipeline stages (P > 1) two placements of the heavy units are tried (spread by marginal bubble, or
+    shared to minimise the sum of the replicas' largest micro-batches) and the faster step is kept.
+    """
+    cost = np.asarray(cost, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if topology.pp == 1:
+        return _pack(cost, tokens, topology, share_heavy=False)
+    best, best_t = None, np.inf
+    for share in (False, True):
+        assign = _pack(cost, tokens, topology, share_heavy=share)
+        t = _step_time(assign, cost, topology)
+        if t < best_t:
+            best, best_t = assign, t
+    return best
+
+
+def _step_time(assign: np.ndarray, cost: np.ndarray, topology: Topology) -> float:
+    placed = assign >= 0
+    mb = np.bincount(assign[placed], weights=cost[placed], minlength=topology.bins_per_step)
+    mb = mb.reshape(1, topology.dp, topology.micro_batches)
+    # unplaced units count as a penalty: they will slow a later step
+    return float(step_times(mb, topology)[0] + cost[~placed].sum())
+
+
+def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy: bool) -> np.ndarray:
+    t = topology
+    dp, m, pp, cap = t.dp, t.micro_batches, t.pp, t.micro_batch_tokens
+    nb = dp * m
+    n = len(cost)
+    load = np.zeros(nb)
+    tok = np.zeros(nb, dtype=np.int64)
+    assign = np.full(n, -1, dtype=np.int64)
+    if n == 0:
+        return assign
+    order = np.argsort(-cost, kind="stable")
+    avg = cost.sum() / nb
+    n_heavy = int(np.sum(cost > HEAVY_PACK * avg))
+    rep = np.arange(nb) // m
+    if share_heavy:
+        _place_heavy_pipelined(order[:n_heavy], cost, tokens, load, tok, assign, topology, float(cost.sum()))
+    for i in order[:n_heavy]:
+        if assign[i] >= 0:
+            continue
+        lb = load.reshape(dp, m)
+        new_t = (pp - 1) * np.maximum(lb.max(axis=1)[rep], load + cost[i]) + lb.sum(axis=1)[rep] + cost[i]
+        new_t[tok + tokens[i] > cap] = np.inf
+        j = int(np.lexsort((load, new_t))[0])
+        if np.isfinite(new_t[j]):
+            assign[i], load[j], tok[j] = j, load[j] + cost[i], tok[j] + tokens[i]
+
+    light = order[n_heavy:]
+    deficit = _water_fill(load.reshape(dp, m), float(cost[light].sum()), pp).ravel()
+    failed = []
+    a = 0
+    while a < len(light):
+        # one round: the next-largest units go to the micro-batches furthest below target, largest to neediest
+        k = min(len(light) - a, max(int(np.count_nonzero(deficit > 0)), 1))
+        if k == 1 and len(light) - a > 1:
+            k = min(len(light) - a, nb)     # every target met (rounding): deal to all, least over target first
+        chunk = light[a:a + k]
+        a += k
+        # largest units are also the densest (cost per token grows with length): send them to the micro-batches
+        # that must gain the most cost per token of room left, so token-full micro-batches still reach target
+        need = np.where(deficit > 0, deficit / np.maximum(cap - tok, 1), deficit)
+        bins = np.argsort(-need, kind="stable")[:k]
+        fits = tok[bins] + tokens[chunk] <= cap
+        ok_units, ok_bins = chunk[fits], bins[fits]
+        assign[ok_units] = ok_bins
+        np.add.at(deficit, ok_bins, -cost[ok_units])
+        np.add.at(load, ok_bins, cost[ok_units])
+        np.add.at(tok, ok_bins, tokens[ok_units])
+        for i in chunk[~fits]:      # rare: the matched micro-batch is full; take the neediest one that fits
+            room = np.where(tok + tokens[i] <= cap, deficit, -np.inf)
+            j = int(np.argmax(room))
+            if np.isfinite(room[j]):
+                assign[i], deficit[j], load[j], tok[j] = j, deficit[j] - cost[i], load[j] + cost[i], tok[j] + tokens[i]
+            else:
+                failed.append(i)
+    _fill_empty(assign, cost, nb)
+    return assign
+
+
+def _place_heavy_pipelined(heavy: np.ndarray, cost: np.ndarray, tokens: np.ndarray, load: np.ndarray,
+                           tok: np.ndarray, assign: np.ndarray, topology: Topology, work: float) -> None:
+    """Heavy units with P > 1 stages: share replicas where that costs no extra pipeline bubble (in place).
+
+    When all replicas finish together at time T, replica r runs `T - (P-1) h_r` of work (h_r its largest
+    micro-batch), so `T = (W + (P-1) * sum_r h_r) / dp`: the plan is best when the sum of the replicas' largest
+    micro-batches is smallest. Units come largest first; a unit joins a replica that already holds a larger one
+    (in a micro-batch that stays <= h_r) while that replica still has room under T, and opens a new replica only
+    when none has. Units left unplaced go to the marginal greedy.
+    """
+    t = topology
+    dp, m, pp, cap = t.dp, t.micro_batches, t.pp, t.micro_batch_tokens
+    h = np.zeros(dp)
+    s = np.zeros(dp)
+    hsum, k = 0.0, 0
+    for i in heavy:
+        c = cost[i]
+        level = (work + (pp - 1) * hsum) / (dp - (pp - 1) * (dp - k) / (pp - 1 + m))
+        bl, bt = load.reshape(dp, m), tok.reshape(dp, m)
+        ok_bin = (bl + c <= h[:, None] * (1 + 1e-12)) & (bt + tokens[i] <= cap) & (h[:, None] > 0)
+        slack = level - (pp - 1) * h - s
+        ok_rep = ok_bin.any(axis=1) & (slack >= c)
+        if ok_rep.any():
+            r = int(np.argmax(np.where(ok_rep, slack, -np.inf)))
+            j = r * m + int(np.argmin(np.where(ok_bin[r], bl[r], np.inf)))
+        elif k < dp:
+            r = int(np.argmin(h))
+            j = r * m
+            h[r] = c
+            hsum += c
+            k += 1
+        else:
+            return
+        assign[i], load[j], tok[j] = j, load[j] + c, tok[j] + tokens[i]
+        s[r] += c
+
+
+def _fill_empty(assign: np.ndarray, cost: np.ndarray, nb: int) -> None:
+    """Give every empty micro-batch the cheapest unit of the micro-batch with the most units (in place)."""
+    placed = assign >= 0
+    counts = np.bincount(assign[placed], minlength=nb)
+    for j in np.flatnonzero(counts == 0):
+        donor = int(np.argmax(counts))
+        if counts[donor] < 2:
+            return                      # not enough units: the caller sees the empty micro-batch
+        members = np.flatnonzero(assign == donor)
+        i = members[np.argmin(cost[members])]
+        assign[i] = j
+        counts[donor] -= 1
+        counts[j] += 1
+
+
+def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostModel, seed: int = 0,
+         overflow: str = "error", progress: bool = False) -> Plan:
+    """Plan a whole epoch: every document exactly once, `micro_batches` non-empty micro-batches per replica per step.
+
+    `overflow` decides what happens to a document longer than `max_tokens * cp`: "error" (default) raises,
+    "split" cuts it into consecutive windows (recorded as spans), "truncate" keeps its first `max_tokens * cp`
+    tokens (the rest is counted in `dropped_tokens`).
+    """
+    t0 = time.perf_counter()
+    lengths = validate_lengths(lengths)
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a balancer.Topology, got {type(topology).__name__}")
+    if not isinstance(cost, CostModel):
+        raise TypeError(f"cost must be a balancer.CostModel, got {type(cost).__name__}")
+    nb = topology.bins_per_step
+    u_doc, u_start, u_end = _units(lengths, topology.micro_batch_tokens, overflow, topology)
+    if len(u_doc) < nb:
+        raise ValueError(f"{len(u_doc)} documents cannot fill dp*micro_batches = {topology.dp}*"
+                         f"{topology.micro_batches} = {nb} non-empty micro-batches; lower dp or micro_batches")
+    rng = np.random.default_rng(seed)
+    doc_order = rng.permutation(len(lengths))
+    rank = np.empty_like(doc_order)
+    rank[doc_order] = np.arange(len(doc_order))
+    shuffled = np.lexsort((u_start, rank[u_doc]))               # units in shuffled document order
+    u_tok = (u_end - u_start)[shuffled]
+    u_cost = cost.cost(u_tok)
+    targets = step_token_targets(int(u_tok.sum()), _effective_step_tokens(u_cost, u_tok, topology),
+                                 topology.capacity)
+    step_of = _assign_steps(u_cost, u_tok, targets, nb, rng, grouped=topology.pp > 1)
+    by_step = np.argsort(step_of, kind="stable")                 # shuffled order kept inside a step
+    bounds = np.searchsorted(step_of[by_step], np.arange(len(targets) + 1))
+    groups = [by_step[bounds[s]:bounds[s + 1]] for s in range(len(targets))]
+    _borrow_for_small_tail(groups, u_cost, nb)
+
+    mbs: list[np.ndarray] = []                                   # per micro-batch: unit positions in `shuffled`
+    carry = np.zeros(0, dtype=np.int64)
+    s = 0
+    bar = _progress(len(groups), progress)
+    while s < len(groups) or len(carry):
+        units = groups[s] if s < len(groups) else np.zeros(0, dtype=np.int64)
+        units = np.concatenate([carry, units])
+        if s >= len(groups) and len(units) < nb:
+            units = _reopen_last_step(mbs, units, u_cost, nb)
+        assign = pack_step(u_cost[units], u_tok[units], topology)
+        carry = units[assign < 0]
+        placed = units[assign >= 0]
+        bins = assign[assign >= 0]
+        srt = np.lexsort((placed, bins))                         # by micro-batch, shuffled order inside
+        cuts = np.searchsorted(bins[srt], np.arange(nb + 1))
+        for j in range(nb):
+            mbs.append(placed[srt][cuts[j]:cuts[j + 1]])
+        s += 1
+        bar.update(1) if bar else None
+        if s > 4 * len(groups) + 10:
+            raise RuntimeError("planner failed to place all documents (units fit no micro-batch)")
+    bar.close() if bar else None
+
+    sizes = np.array([len(x) for x in mbs])
+    flat = np.concatenate(mbs) if mbs else np.zeros(0, dtype=np.int64)
+    # inside a micro-batch: whole documents first, then spans (the Plan layout)
+    unit = shuffled[flat]
+    whole = (u_start[unit] == 0) & (u_end[unit] == lengths[u_doc[unit]])
+    mb_id = np.repeat(np.arange(len(mbs)), sizes)
+    reorder = np.lexsort((np.arange(len(flat)), ~whole, mb_id))
+    unit = unit[reorder]
+    ptr = np.concatenate([[0], np.cumsum(sizes)])
+    natural = natural_steps(doc_order, lengths, int(round(float(np.mean(targets)))))
+    return Plan(lengths, topology, cost, u_doc[unit], u_start[unit], u_end[unit], ptr, seed=seed,
+                natural_step=natural, plan_seconds=time.perf_counter() - t0)
+
+
+def _borrow_for_small_tail(groups: list[np.ndarray], u_cost: np.ndarray, nb: int) -> None:
+    """Make every step hold at least `nb` units by moving the cheapest units of the step before (in place)."""
+    for s in range(len(groups) - 1, 0, -1):
+        need = nb - len(groups[s])
+        if need <= 0:
+            continue
+        prev = groups[s - 1]
+        take = np.argsort(u_cost[prev], kind="stable")[:need]
+        keep = np.ones(len(prev), dtype=bool)
+        keep[take] = False
+        groups[s] = np.sort(np.concatenate([prev[take], groups[s]]))
+        groups[s - 1] = prev[keep]
+    if len(groups[0]) < nb:             # only possible when the whole epoch is smaller than one step's needs
+        merged = np.sort(np.concatenate(groups))
+        groups[:] = [merged]
+
+
+def _reopen_last_step(mbs: list[np.ndarray], units: np.ndarray, u_cost: np.ndarray, nb: int) -> np.ndarray:
+    """An overflow step too small to fill every micro-batch borrows the cheapest units of the previous step."""
+    need = nb - len(units)
+    prev = mbs[-nb:]
+    pool = np.concatenate(prev)
+    take = set(pool[np.argsort(u_cost[pool], kind="stable")[:need]].tolist())
+    for j in range(len(prev)):
+        mbs[-nb + j] = np.array([u for u in prev[j] if u not in take], dtype=np.int64)
+    return np.concatenate([units, np.array(sorted(take), dtype=np.int64)])
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc="planning steps", unit="step")
