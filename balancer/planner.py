@@ -31,6 +31,7 @@ from .topology import Topology
 OVERFLOW_POLICIES = ("error", "split", "truncate")
 HEAVY_STEP = 0.25   # heavier than this share of a micro-batch's average work: spread evenly over the steps
 HEAVY_PACK = 0.5    # heavier than this share of a micro-batch's average work: placed one by one in pack_step
+POLISH_MAX_UNITS = 64  # steps this small also get a move/swap local search (exact-gap territory)
 
 
 def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
@@ -199,7 +200,7 @@ def _water_fill(loads: np.ndarray, work: float, pp: int) -> np.ndarray:
             lo = mid
         else:
             hi = mid
-        if hi - lo <= 1e-12 * hi:
+        if hi - lo <= 1e-9 * hi:
             break
     return np.maximum(levels(hi)[:, None] - loads, 0.0)
 
@@ -215,14 +216,77 @@ def pack_step(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.nd
     cost = np.asarray(cost, dtype=np.float64)
     tokens = np.asarray(tokens, dtype=np.int64)
     if topology.pp == 1:
-        return _pack(cost, tokens, topology, share_heavy=False)
-    best, best_t = None, np.inf
-    for share in (False, True):
-        assign = _pack(cost, tokens, topology, share_heavy=share)
-        t = _step_time(assign, cost, topology)
-        if t < best_t:
-            best, best_t = assign, t
+        best = _pack(cost, tokens, topology, share_heavy=False)
+    else:
+        best, best_t = None, np.inf
+        for share in (False, True):
+            assign = _pack(cost, tokens, topology, share_heavy=share)
+            t = _step_time(assign, cost, topology)
+            if t < best_t:
+                best, best_t = assign, t
+    if len(cost) <= POLISH_MAX_UNITS and np.all(best >= 0):
+        _polish(best, cost, tokens, topology)
     return best
+
+
+def _polish(assign: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology,
+            rounds: int = 100) -> None:
+    """Local search for small steps (in place): best single move or swap out of the slowest replica, repeated
+    while it lowers the step time."""
+    t = topology
+    m, pp, cap, nb = t.micro_batches, t.pp, t.micro_batch_tokens, t.bins_per_step
+    load = np.bincount(assign, weights=cost, minlength=nb)
+    tok = np.bincount(assign, weights=tokens, minlength=nb).astype(np.int64)
+    cnt = np.bincount(assign, minlength=nb)
+
+    def rep_time(r: int, ld: np.ndarray) -> float:
+        b = ld[r * m:(r + 1) * m]
+        return (pp - 1) * b.max() + b.sum()
+
+    for _ in range(rounds):
+        times = np.array([rep_time(r, load) for r in range(t.dp)])
+        r0 = int(np.argmax(times))
+        current = times[r0]
+        best, best_val = None, current * (1 - 1e-12)
+        for i in np.flatnonzero(assign // m == r0):
+            a = assign[i]
+            for j in range(nb):
+                if j == a:
+                    continue
+                # move i to j
+                if cnt[a] > 1 and tok[j] + tokens[i] <= cap:
+                    ld = load.copy()
+                    ld[a] -= cost[i]
+                    ld[j] += cost[i]
+                    val = max(rep_time(r0, ld), rep_time(j // m, ld),
+                              np.max(np.delete(times, [r0, j // m])) if t.dp > 2 else -np.inf)
+                    if val < best_val:
+                        best, best_val = ("move", i, j), val
+            for k in np.flatnonzero(assign != a):
+                b = assign[k]
+                if tok[a] - tokens[i] + tokens[k] > cap or tok[b] - tokens[k] + tokens[i] > cap:
+                    continue
+                ld = load.copy()
+                ld[a] += cost[k] - cost[i]
+                ld[b] += cost[i] - cost[k]
+                val = max(rep_time(r0, ld), rep_time(b // m, ld),
+                          np.max(np.delete(times, [r0, b // m])) if t.dp > 2 else -np.inf)
+                if val < best_val:
+                    best, best_val = ("swap", i, k), val
+        if best is None:
+            return
+        if best[0] == "move":
+            _, i, j = best
+            a = assign[i]
+            load[a] -= cost[i]; tok[a] -= tokens[i]; cnt[a] -= 1        # noqa: E702
+            load[j] += cost[i]; tok[j] += tokens[i]; cnt[j] += 1        # noqa: E702
+            assign[i] = j
+        else:
+            _, i, k = best
+            a, b = assign[i], assign[k]
+            load[a] += cost[k] - cost[i]; tok[a] += tokens[k] - tokens[i]  # noqa: E702
+            load[b] += cost[i] - cost[k]; tok[b] += tokens[i] - tokens[k]  # noqa: E702
+            assign[i], assign[k] = b, a
 
 
 def _step_time(assign: np.ndarray, cost: np.ndarray, topology: Topology) -> float:
@@ -276,10 +340,10 @@ def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy:
         bins = np.argsort(-need, kind="stable")[:k]
         fits = tok[bins] + tokens[chunk] <= cap
         ok_units, ok_bins = chunk[fits], bins[fits]
-        assign[ok_units] = ok_bins
-        np.add.at(deficit, ok_bins, -cost[ok_units])
-        np.add.at(load, ok_bins, cost[ok_units])
-        np.add.at(tok, ok_bins, tokens[ok_units])
+        assign[ok_units] = ok_bins                     # bins are distinct within a round
+        deficit[ok_bins] -= cost[ok_units]
+        load[ok_bins] += cost[ok_units]
+        tok[ok_bins] += tokens[ok_units]
         for i in chunk[~fits]:      # rare: the matched micro-batch is full; take the neediest one that fits
             room = np.where(tok + tokens[i] <= cap, deficit, -np.inf)
             j = int(np.argmax(room))
@@ -366,7 +430,7 @@ def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostMode
     doc_order = rng.permutation(len(lengths))
     rank = np.empty_like(doc_order)
     rank[doc_order] = np.arange(len(doc_order))
-    shuffled = np.lexsort((u_start, rank[u_doc]))               # units in shuffled document order
+    shuffled = np.argsort(rank[u_doc], kind="stable")           # units in shuffled document order
     u_tok = (u_end - u_start)[shuffled]
     u_cost = cost.cost(u_tok)
     targets = step_token_targets(int(u_tok.sum()), _effective_step_tokens(u_cost, u_tok, topology),
@@ -377,7 +441,7 @@ def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostMode
     groups = [by_step[bounds[s]:bounds[s + 1]] for s in range(len(targets))]
     _borrow_for_small_tail(groups, u_cost, nb)
 
-    mbs: list[np.ndarray] = []                                   # per micro-batch: unit positions in `shuffled`
+    packed: list[tuple[np.ndarray, np.ndarray]] = []   # per step: units sorted by micro-batch, micro-batch sizes
     carry = np.zeros(0, dtype=np.int64)
     s = 0
     bar = _progress(len(groups), progress)
@@ -385,29 +449,25 @@ def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostMode
         units = groups[s] if s < len(groups) else np.zeros(0, dtype=np.int64)
         units = np.concatenate([carry, units])
         if s >= len(groups) and len(units) < nb:
-            units = _reopen_last_step(mbs, units, u_cost, nb)
+            units = _reopen_last_step(packed, units, u_cost, nb)
         assign = pack_step(u_cost[units], u_tok[units], topology)
         carry = units[assign < 0]
         placed = units[assign >= 0]
         bins = assign[assign >= 0]
-        srt = np.lexsort((placed, bins))                         # by micro-batch, shuffled order inside
-        cuts = np.searchsorted(bins[srt], np.arange(nb + 1))
-        for j in range(nb):
-            mbs.append(placed[srt][cuts[j]:cuts[j + 1]])
+        srt = np.argsort(bins * len(shuffled) + placed, kind="stable")   # by micro-batch, shuffled order inside
+        packed.append((placed[srt], np.bincount(bins, minlength=nb)))
         s += 1
         bar.update(1) if bar else None
         if s > 4 * len(groups) + 10:
             raise RuntimeError("planner failed to place all documents (units fit no micro-batch)")
     bar.close() if bar else None
 
-    sizes = np.array([len(x) for x in mbs])
-    flat = np.concatenate(mbs) if mbs else np.zeros(0, dtype=np.int64)
-    # inside a micro-batch: whole documents first, then spans (the Plan layout)
-    unit = shuffled[flat]
+    sizes = np.concatenate([sz for _, sz in packed])
+    unit = shuffled[np.concatenate([u for u, _ in packed])]
     whole = (u_start[unit] == 0) & (u_end[unit] == lengths[u_doc[unit]])
-    mb_id = np.repeat(np.arange(len(mbs)), sizes)
-    reorder = np.lexsort((np.arange(len(flat)), ~whole, mb_id))
-    unit = unit[reorder]
+    if not whole.all():                 # inside a micro-batch: whole documents first, then spans (the Plan layout)
+        mb_id = np.repeat(np.arange(len(sizes)), sizes)
+        unit = unit[np.argsort(mb_id * 2 + ~whole, kind="stable")]
     ptr = np.concatenate([[0], np.cumsum(sizes)])
     natural = natural_steps(doc_order, lengths, int(round(float(np.mean(targets)))))
     return Plan(lengths, topology, cost, u_doc[unit], u_start[unit], u_end[unit], ptr, seed=seed,
@@ -431,15 +491,23 @@ def _borrow_for_small_tail(groups: list[np.ndarray], u_cost: np.ndarray, nb: int
         groups[:] = [merged]
 
 
-def _reopen_last_step(mbs: list[np.ndarray], units: np.ndarray, u_cost: np.ndarray, nb: int) -> np.ndarray:
-    """An overflow step too small to fill every micro-batch borrows the cheapest units of the previous step."""
-    need = nb - len(units)
-    prev = mbs[-nb:]
-    pool = np.concatenate(prev)
-    take = set(pool[np.argsort(u_cost[pool], kind="stable")[:need]].tolist())
-    for j in range(len(prev)):
-        mbs[-nb + j] = np.array([u for u in prev[j] if u not in take], dtype=np.int64)
-    return np.concatenate([units, np.array(sorted(take), dtype=np.int64)])
+def _reopen_last_step(packed: list, units: np.ndarray, u_cost: np.ndarray, nb: int) -> np.ndarray:
+    """An overflow step too small to fill every micro-batch borrows the cheapest units of the previous step,
+    never emptying one of its micro-batches (in place on `packed`)."""
+    flat, sizes = packed[-1]
+    mb_of = np.repeat(np.arange(nb), sizes)
+    left = sizes.copy()
+    take = []
+    for k in np.argsort(u_cost[flat], kind="stable"):
+        if len(take) == nb - len(units):
+            break
+        if left[mb_of[k]] > 1:
+            left[mb_of[k]] -= 1
+            take.append(k)
+    keep = np.ones(len(flat), dtype=bool)
+    keep[take] = False
+    packed[-1] = (flat[keep], left)
+    return np.concatenate([units, np.sort(flat[take])])
 
 
 def _progress(total: int, enabled: bool):
