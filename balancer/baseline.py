@@ -52,7 +52,8 @@ def token_count_plan(lengths, topology: Topology, cost: CostModel, seed: int = 0
             if not bins[j]:
                 donor = max(range(nb), key=lambda k: len(bins[k]))
                 bins[j].append(bins[donor].pop())
-        mbs.extend(bins)
+        # micro-batch j goes to replica j % dp, so the longest documents (dealt first) land on different replicas
+        mbs.extend(bins[r::topology.dp][k] for r in range(topology.dp) for k in range(topology.micro_batches))
         s += 1
     steps = [[mbs[(k * topology.dp + r) * topology.micro_batches:(k * topology.dp + r + 1) * topology.micro_batches]
               for r in range(topology.dp)] for k in range(len(mbs) // nb)]

@@ -9,7 +9,7 @@ Model (binary x[i, j]: unit i in micro-batch j; micro-batch j belongs to replica
     sum_i tokens_i x[i, j] <= max_tokens*cp
     fixed + sum_i cost_i x[i, j] <= h_r    (only with P > 1) h_r: the replica's largest micro-batch
     (P-1) h_r + sum_{j in r} (fixed + sum_i cost_i x[i, j]) <= T
-Symmetry is cut by ordering the micro-batches of a replica by load and pinning the heaviest unit to micro-batch 0.
+Symmetry is cut by ordering the micro-batches of a replica by load and pinning the heaviest unit to replica 0.
 Times are in cost units; divide by cp for per-rank time (the metrics do).
 """
 from __future__ import annotations
@@ -95,8 +95,8 @@ def optimal_step(lengths, topology: Topology, cost: CostModel, time_limit: float
     obj[it] = 1
     lb, ub = np.zeros(nv), np.full(nv, np.inf)
     ub[:nx] = 1
-    heaviest = int(np.argmax(c))
-    lb[xi(heaviest, 0)] = 1
+    heaviest = int(np.argmax(c))                        # replicas are interchangeable: it sits in replica 0
+    ub[[xi(heaviest, j) for j in range(m, nb)]] = 0
     integrality = np.zeros(nv)
     integrality[:nx] = 1
     res = milp(obj, constraints=LinearConstraint(a, lo, hi), integrality=integrality, bounds=Bounds(lb, ub),

@@ -31,6 +31,7 @@ from .topology import Topology
 OVERFLOW_POLICIES = ("error", "split", "truncate")
 HEAVY_STEP = 0.25   # heavier than this share of a micro-batch's average work: spread evenly over the steps
 HEAVY_PACK = 0.5    # heavier than this share of a micro-batch's average work: placed one by one in pack_step
+SPREAD_WINDOW = 8     # heavy units are evened out over windows of this many steps (bounds their delay)
 POLISH_MAX_UNITS = 64  # steps this small also get a move/swap local search (exact-gap territory)
 
 
@@ -47,11 +48,11 @@ def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
         bad = ~np.isfinite(arr) | (arr != np.round(arr))
         if bad.any():
             i = int(np.argmax(bad))
-            raise ValueError(f"{name}[{i}] = {arr[i]!r} is not an integer token count (document {i})")
+            raise ValueError(f"{name}[{i}] = {arr[i].item()!r} is not an integer token count (document {i})")
     bad = arr <= 0
     if bad.any():
         i = int(np.argmax(bad))
-        raise ValueError(f"{name}[{i}] = {arr[i]} : document {i} has no tokens (lengths must be >= 1)")
+        raise ValueError(f"{name}[{i}] = {arr[i].item()} : document {i} has no tokens (lengths must be >= 1)")
     return arr.astype(np.int64)
 
 
@@ -112,7 +113,7 @@ def _effective_step_tokens(c: np.ndarray, tok: np.ndarray, topology: Topology) -
         rho = c[~heavy].sum() / tok[~heavy].sum()
         excess = float(np.sum(c[heavy] / rho - tok[heavy])) / steps
         target = float(np.clip(0.98 * capacity - excess, 0.9 * tps, tps))
-    return int(target)
+    return max(1, int(round(target)))
 
 
 def _assign_steps(c: np.ndarray, tok: np.ndarray, targets: np.ndarray, bins: int,
@@ -132,15 +133,34 @@ def _assign_steps(c: np.ndarray, tok: np.ndarray, targets: np.ndarray, bins: int
     if heavy.any() and grouped:
         step[heavy] = _group_heavy(np.flatnonzero(heavy), c, tok, targets, bins, rng)
     elif heavy.any():
-        hc = c[heavy]
-        mid = (np.cumsum(hc) - hc / 2) / hc.sum()
-        step[heavy] = np.minimum(np.searchsorted(np.cumsum(targets) / targets.sum(), mid, side="right"), s - 1)
+        step[heavy] = _spread_heavy(np.flatnonzero(heavy), c, tok, targets)
     heavy_tok = np.bincount(step[heavy], weights=tok[heavy], minlength=s)
     budget = np.maximum(targets - heavy_tok, 0.0)
     lt = tok[~heavy].astype(np.float64)
     before = np.cumsum(lt) - lt
     step[~heavy] = np.minimum(np.searchsorted(np.cumsum(budget), before, side="right"), s - 1)
     return step
+
+
+def _spread_heavy(idx: np.ndarray, c: np.ndarray, tok: np.ndarray, targets: np.ndarray,
+                  window: int = SPREAD_WINDOW) -> np.ndarray:
+    """Heavy units (shuffled order) to steps: inside each window of `window` steps (by natural position), every
+    step gets an equal share of the window's heavy cost. Windows keep the drift from the natural step bounded."""
+    s = len(targets)
+    ends = np.cumsum(targets)
+    natural = np.minimum(np.searchsorted(ends, (np.cumsum(tok) - tok)[idx], side="right"), s - 1)
+    win = natural // window
+    hc = c[idx]
+    csum = np.cumsum(hc)
+    first = np.searchsorted(win, win, side="left")            # win is non-decreasing along shuffled order
+    last = np.searchsorted(win, win, side="right") - 1
+    start_cost = csum[first] - hc[first]
+    frac = (csum - hc / 2 - start_cost) / (csum[last] - start_cost)
+    lo = win * window
+    hi = np.minimum(lo + window, s)
+    wt = np.concatenate([[0.0], ends])
+    pos = wt[lo] + frac * (wt[hi] - wt[lo])                     # token position inside the window's steps
+    return np.clip(np.searchsorted(ends, pos, side="right"), lo, hi - 1)
 
 
 def _group_heavy(idx: np.ndarray, c: np.ndarray, tok: np.ndarray, targets: np.ndarray, bins: int,
@@ -475,39 +495,56 @@ def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostMode
 
 
 def _borrow_for_small_tail(groups: list[np.ndarray], u_cost: np.ndarray, nb: int) -> None:
-    """Make every step hold at least `nb` units by moving the cheapest units of the step before (in place)."""
-    for s in range(len(groups) - 1, 0, -1):
-        need = nb - len(groups[s])
-        if need <= 0:
-            continue
-        prev = groups[s - 1]
-        take = np.argsort(u_cost[prev], kind="stable")[:need]
+    """Make every step hold at least `nb` units (in place).
+
+    A too-small last step borrows the cheapest units of the step before when that one can spare them; any other
+    too-small step (documents large against the step size) is merged into its neighbour.
+    """
+    if len(groups) > 1 and len(groups[-1]) < nb and len(groups[-2]) - (nb - len(groups[-1])) >= nb:
+        prev = groups[-2]
+        take = np.argsort(u_cost[prev], kind="stable")[:nb - len(groups[-1])]
         keep = np.ones(len(prev), dtype=bool)
         keep[take] = False
-        groups[s] = np.sort(np.concatenate([prev[take], groups[s]]))
-        groups[s - 1] = prev[keep]
-    if len(groups[0]) < nb:             # only possible when the whole epoch is smaller than one step's needs
-        merged = np.sort(np.concatenate(groups))
-        groups[:] = [merged]
+        groups[-1] = np.sort(np.concatenate([prev[take], groups[-1]]))
+        groups[-2] = prev[keep]
+    s = 0
+    while s < len(groups) and len(groups) > 1:
+        if len(groups[s]) >= nb:
+            s += 1
+            continue
+        other = s + 1 if s + 1 < len(groups) else s - 1
+        groups[min(s, other)] = np.sort(np.concatenate([groups[s], groups[other]]))
+        del groups[max(s, other)]
+        s = min(s, other)
 
 
 def _reopen_last_step(packed: list, units: np.ndarray, u_cost: np.ndarray, nb: int) -> np.ndarray:
-    """An overflow step too small to fill every micro-batch borrows the cheapest units of the previous step,
-    never emptying one of its micro-batches (in place on `packed`)."""
-    flat, sizes = packed[-1]
-    mb_of = np.repeat(np.arange(nb), sizes)
-    left = sizes.copy()
-    take = []
-    for k in np.argsort(u_cost[flat], kind="stable"):
-        if len(take) == nb - len(units):
+    """An overflow step too small to fill every micro-batch borrows the cheapest units of earlier steps (latest
+    first), never emptying one of their micro-batches (in place on `packed`)."""
+    borrowed = [units]
+    need = nb - len(units)
+    for back in range(len(packed) - 1, -1, -1):
+        if need <= 0:
             break
-        if left[mb_of[k]] > 1:
-            left[mb_of[k]] -= 1
-            take.append(k)
-    keep = np.ones(len(flat), dtype=bool)
-    keep[take] = False
-    packed[-1] = (flat[keep], left)
-    return np.concatenate([units, np.sort(flat[take])])
+        flat, sizes = packed[back]
+        mb_of = np.repeat(np.arange(nb), sizes)
+        left = sizes.copy()
+        take = []
+        for k in np.argsort(u_cost[flat], kind="stable"):
+            if len(take) == need:
+                break
+            if left[mb_of[k]] > 1:
+                left[mb_of[k]] -= 1
+                take.append(k)
+        keep = np.ones(len(flat), dtype=bool)
+        keep[take] = False
+        packed[back] = (flat[keep], left)
+        borrowed.append(np.sort(flat[take]))
+        need -= len(take)
+    if need > 0:
+        raise ValueError(f"cannot give every one of the {nb} micro-batches of the last step a document: the "
+                         "documents are too large for the step size; raise max_tokens or lower micro_batches")
+    return np.concatenate(borrowed)
 
 
 def _progress(total: int, enabled: bool):

@@ -1,0 +1,158 @@
+"""Planner properties (hypothesis) and bad input."""
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings, strategies as st
+
+import balancer
+from balancer import CostModel, Topology
+from balancer.baseline import token_count_plan
+
+COST = CostModel(attn_coef=2 / 53000, linear_coef=1.0)
+
+
+@st.composite
+def instances(draw, max_docs=300):
+    dp = draw(st.integers(1, 4))
+    cp = draw(st.integers(1, 3))
+    pp = draw(st.integers(1, 3))
+    m = draw(st.integers(1, 4))
+    n = draw(st.integers(dp * m, max_docs))
+    kind = draw(st.sampled_from(["uniform", "heavy", "tiny"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    if kind == "uniform":
+        lengths = rng.integers(1, 3000, n)
+    elif kind == "tiny":
+        lengths = rng.integers(1, 4, n)
+    else:
+        lengths = np.minimum((rng.pareto(1.1, n) + 1) * 200, 60000).astype(np.int64)
+    max_tokens = int(-(-lengths.max() // cp) * draw(st.sampled_from([1.0, 1.3, 2.0])))
+    fill = draw(st.floats(0.3, 1.0))
+    cap = dp * cp * m * max_tokens
+    topo = Topology(dp=dp, cp=cp, pp=pp, micro_batches=m, max_tokens=max_tokens,
+                    tokens_per_step=max(1, int(fill * cap)))
+    return lengths, topo, draw(st.integers(0, 1000))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_every_token_once_caps_and_counts(inst):
+    lengths, topo, seed = inst
+    try:
+        p = balancer.plan(lengths, topo, COST, seed=seed)
+    except ValueError as e:                        # a handful of documents too large to give every micro-batch one
+        assert "cannot give every one" in str(e) and len(lengths) < 3 * topo.bins_per_step
+        assume(False)
+    p.validate()                                   # exactly once, caps, no empty micro-batch
+    assert len(p.mb_ptr) - 1 == p.num_steps * topo.dp * topo.micro_batches
+    assert np.all(p.micro_batch_tokens() <= topo.max_tokens * topo.cp)
+    assert np.all(np.diff(p.mb_ptr) > 0)
+    assert sorted(p.doc.tolist()) == list(range(len(lengths)))
+    m = p.metrics()
+    assert m["dropped_tokens"] == 0 and m["padding_tokens"] == 0
+    assert m["imbalance"] >= 1 - 1e-9 and m["worst_step"] >= 1 - 1e-9
+    assert 0 < m["epoch_efficiency"] <= 1 + 1e-9
+    # every replica of a step runs exactly M micro-batches: the shape of the per-rank view says so
+    for r in range(topo.dp):
+        view = p.rank_view(r)
+        assert len(view) == p.num_steps and all(len(s) == topo.micro_batches for s in view)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(max_docs=200))
+def test_deterministic_per_seed(inst):
+    lengths, topo, seed = inst
+    a = balancer.plan(lengths, topo, COST, seed=seed)
+    b = balancer.plan(lengths, topo, COST, seed=seed)
+    assert np.array_equal(a.doc, b.doc) and np.array_equal(a.mb_ptr, b.mb_ptr)
+
+
+def test_different_seeds_differ():
+    lengths = np.random.default_rng(0).integers(100, 4000, 2000)
+    topo = Topology(dp=4, micro_batches=2, max_tokens=8192)
+    a = balancer.plan(lengths, topo, COST, seed=0)
+    b = balancer.plan(lengths, topo, COST, seed=1)
+    assert not np.array_equal(a.doc, b.doc)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 10_000), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]))
+def test_steps_hold_tokens_per_step_within_10_percent(seed, dp, pp):
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum((rng.pareto(1.3, 20000) + 1) * 300, 30000).astype(np.int64)
+    topo = Topology(dp=dp, pp=pp, micro_batches=4, max_tokens=32768)
+    p = balancer.plan(lengths, topo, COST, seed=seed)
+    tokens = p.micro_batch_tokens().sum(axis=(1, 2))
+    assert np.all(np.abs(tokens[:-1] / topo.tokens_per_step - 1) <= 0.10)
+    assert tokens[-1] <= 1.10 * topo.tokens_per_step
+
+
+def test_not_sorted_by_length_and_shuffled():
+    lengths = np.random.default_rng(3).integers(1, 5000, 5000)
+    p = balancer.plan(lengths, Topology(dp=2, micro_batches=2, max_tokens=8192), COST)
+    first = p.lengths[p.doc[:1000]]
+    # documents inside micro-batches keep shuffled order: no monotone runs by length
+    assert abs(np.corrcoef(np.arange(len(first)), first)[0, 1]) < 0.2
+    assert p.metrics()["mean_delay_steps"] < 1.0
+
+
+def test_balances_cost_not_tokens():
+    rng = np.random.default_rng(0)
+    lengths = np.concatenate([rng.integers(500, 4000, 20000), rng.integers(40000, 60000, 200)])
+    topo = Topology(dp=8, micro_batches=4, max_tokens=65536)
+    m = balancer.plan(lengths, topo, COST).metrics()
+    base = token_count_plan(lengths, topo, COST).metrics()
+    assert m["imbalance"] < 1.03
+    assert m["imbalance"] < base["imbalance"]
+    assert m["epoch_efficiency"] > 0.95
+
+
+def test_overflow_policies():
+    lengths = np.array([10, 250, 30, 40, 95, 5, 7, 8])
+    topo = Topology(dp=2, micro_batches=2, max_tokens=100)
+    with pytest.raises(ValueError, match=r"document 1 has 250 tokens.*max_tokens\*cp = 100\*1 = 100"):
+        balancer.plan(lengths, topo, COST)
+    p = balancer.plan(lengths, topo, COST, overflow="split")
+    p.validate()
+    spans = [s for st_ in p.steps for r in st_.replicas for mb in r.micro_batches for s in mb.spans]
+    assert sorted(spans) == [(1, 0, 100), (1, 100, 200), (1, 200, 250)]
+    assert p.metrics()["dropped_tokens"] == 0
+    t = balancer.plan(lengths, topo, COST, overflow="truncate")
+    assert t.metrics()["dropped_tokens"] == 150
+    with pytest.raises(ValueError, match="overflow must be one of"):
+        balancer.plan(lengths, topo, COST, overflow="drop-silently")
+
+
+@pytest.mark.parametrize("lengths, match", [
+    ([], "empty"),
+    ([3, 0, 2], r"lengths\[1\] = 0 : document 1 has no tokens"),
+    ([3, -4], r"document 1"),
+    ([1.5, 2], r"lengths\[0\] = 1.5 is not an integer"),
+    ([[1, 2]], "1-D"),
+    (["a"], "integers"),
+])
+def test_bad_lengths(lengths, match):
+    with pytest.raises(ValueError, match=match):
+        balancer.plan(lengths, Topology(dp=1, max_tokens=10), COST)
+
+
+def test_too_few_documents_for_topology():
+    with pytest.raises(ValueError, match=r"3 documents cannot fill dp\*micro_batches = 2\*2 = 4"):
+        balancer.plan([1, 2, 3], Topology(dp=2, micro_batches=2, max_tokens=10), COST)
+
+
+def test_integer_valued_floats_accepted():
+    p = balancer.plan(np.array([3.0, 4.0, 5.0]), Topology(dp=1, max_tokens=10), COST)
+    assert p.lengths.dtype == np.int64
+
+
+def test_pack_step_one_global_batch():
+    from balancer.traces import load_trace
+    lengths = load_trace("wlbllm", n=2000, seed=1)
+    topo = Topology(dp=8, micro_batches=4, max_tokens=int(lengths.sum() / 0.8 / 32) + 1)
+    assign = balancer.pack_step(COST.cost(lengths), lengths, topo)
+    assert np.all(assign >= 0) and np.all(np.bincount(assign, minlength=32) > 0)
+    tok = np.bincount(assign, weights=lengths, minlength=32)
+    assert tok.max() <= topo.micro_batch_tokens
+    rep = np.bincount(assign // 4, weights=COST.cost(lengths), minlength=8)
+    assert rep.max() / rep.mean() < 1.02
