@@ -5,5 +5,10 @@ from .cost import CostModel
 from .topology import Topology
 from .plan import Plan
 from .planner import plan, pack_step
+from .sampler import BalancedBatchSampler, Span, SpanDataset
+from .collate import PackedCollator
+from .shards import ShardDataset, read_lengths
+from . import loss
 
-__all__ = ["CostModel", "Topology", "Plan", "plan", "pack_step", "__version__"]
+__all__ = ["CostModel", "Topology", "Plan", "plan", "pack_step", "BalancedBatchSampler", "PackedCollator",
+           "Span", "SpanDataset", "ShardDataset", "read_lengths", "loss", "__version__"]

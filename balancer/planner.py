@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from .cost import CostModel
-from .metrics import natural_steps, step_times
+from .metrics import lower_bound, natural_steps, step_times
 from .plan import Plan
 from .topology import Topology
 
@@ -32,7 +32,10 @@ OVERFLOW_POLICIES = ("error", "split", "truncate")
 HEAVY_STEP = 0.25   # heavier than this share of a micro-batch's average work: spread evenly over the steps
 HEAVY_PACK = 0.5    # heavier than this share of a micro-batch's average work: placed one by one in pack_step
 SPREAD_WINDOW = 8     # heavy units are evened out over windows of this many steps (bounds their delay)
-POLISH_MAX_UNITS = 64  # steps this small also get a move/swap local search (exact-gap territory)
+GROUP_WINDOW = 32     # with pipelining, heavy units are grouped by cost inside windows of this many steps
+ATTN_SHARE = 1 / 3    # a unit is attention-heavy when attention is at least this share of its cost
+POLISH_MAX_UNITS = 64  # steps this small also get a move/swap local search (exact-gap territory) ...
+POLISH_ABOVE = 1.005   # ... when their time is this far above the step's lower bound
 
 
 def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
@@ -80,16 +83,20 @@ def _units(lengths: np.ndarray, cap: int, overflow: str, topology: Topology):
     return doc, start, end
 
 
-def step_token_targets(total_tokens: int, tokens_per_step: int, capacity: int) -> np.ndarray:
-    """Token target of every step: equal steps within 5% of `tokens_per_step` when that works, else full steps
-    of `tokens_per_step` and a smaller last one."""
-    s = max(1, int(round(total_tokens / tokens_per_step)))
-    even = total_tokens / s
-    if abs(even - tokens_per_step) <= 0.05 * tokens_per_step and even <= 0.97 * capacity:
-        return np.full(s, even)
-    s = max(1, int(np.ceil(total_tokens / tokens_per_step)))
-    targets = np.full(s, float(tokens_per_step))
-    targets[-1] = total_tokens - tokens_per_step * (s - 1)
+def step_token_targets(total_tokens: int, step_tokens: int, capacity: int,
+                       tokens_per_step: int | None = None) -> np.ndarray:
+    """Token target of every step: equal steps near `step_tokens` when that keeps every step within 10% of
+    `tokens_per_step` (default: `step_tokens`) and under 97% of capacity; otherwise full steps of `step_tokens`
+    and a smaller last one."""
+    tps = step_tokens if tokens_per_step is None else tokens_per_step
+    base = max(1, int(round(total_tokens / step_tokens)))
+    for s in sorted({base, base + 1, max(1, base - 1)}, key=lambda s: abs(total_tokens / s - step_tokens)):
+        even = total_tokens / s
+        if 0.9 * tps <= even <= 1.1 * tps and even <= 0.97 * capacity:
+            return np.full(s, even)
+    s = max(1, int(np.ceil(total_tokens / step_tokens)))
+    targets = np.full(s, float(step_tokens))
+    targets[-1] = total_tokens - step_tokens * (s - 1)
     return targets
 
 
@@ -117,7 +124,7 @@ def _effective_step_tokens(c: np.ndarray, tok: np.ndarray, topology: Topology) -
 
 
 def _assign_steps(c: np.ndarray, tok: np.ndarray, targets: np.ndarray, bins: int,
-                  rng: np.random.Generator, grouped: bool) -> np.ndarray:
+                  rng: np.random.Generator, grouped: bool, attn_heavy: np.ndarray) -> np.ndarray:
     """Step of each unit (units given in shuffled order); heavy units spread by cost, light ones fill by tokens.
 
     Every step gets an equal share of the heavy cost. Without pipelining the heavy units keep their shuffled
@@ -128,7 +135,7 @@ def _assign_steps(c: np.ndarray, tok: np.ndarray, targets: np.ndarray, bins: int
     s = len(targets)
     if s == 1:
         return np.zeros(len(c), dtype=np.int64)
-    heavy = c > HEAVY_STEP * c.sum() / (s * bins)
+    heavy = (c > HEAVY_STEP * c.sum() / (s * bins)) & attn_heavy
     step = np.empty(len(c), dtype=np.int64)
     if heavy.any() and grouped:
         step[heavy] = _group_heavy(np.flatnonzero(heavy), c, tok, targets, bins, rng)
@@ -142,48 +149,70 @@ def _assign_steps(c: np.ndarray, tok: np.ndarray, targets: np.ndarray, bins: int
     return step
 
 
-def _spread_heavy(idx: np.ndarray, c: np.ndarray, tok: np.ndarray, targets: np.ndarray,
-                  window: int = SPREAD_WINDOW) -> np.ndarray:
-    """Heavy units (shuffled order) to steps: inside each window of `window` steps (by natural position), every
-    step gets an equal share of the window's heavy cost. Windows keep the drift from the natural step bounded."""
+def _windows(idx: np.ndarray, tok: np.ndarray, targets: np.ndarray, window: int):
+    """Group heavy units (positions `idx` in shuffled order) by the window of `window` steps they naturally fall in.
+    Yields (first step, end step, member positions) per non-empty window."""
     s = len(targets)
     ends = np.cumsum(targets)
     natural = np.minimum(np.searchsorted(ends, (np.cumsum(tok) - tok)[idx], side="right"), s - 1)
     win = natural // window
-    hc = c[idx]
-    csum = np.cumsum(hc)
-    first = np.searchsorted(win, win, side="left")            # win is non-decreasing along shuffled order
-    last = np.searchsorted(win, win, side="right") - 1
-    start_cost = csum[first] - hc[first]
-    frac = (csum - hc / 2 - start_cost) / (csum[last] - start_cost)
-    lo = win * window
-    hi = np.minimum(lo + window, s)
-    wt = np.concatenate([[0.0], ends])
-    pos = wt[lo] + frac * (wt[hi] - wt[lo])                     # token position inside the window's steps
-    return np.clip(np.searchsorted(ends, pos, side="right"), lo, hi - 1)
+    cuts = np.flatnonzero(np.diff(win)) + 1
+    for members, w in zip(np.split(np.arange(len(idx)), cuts), win[np.concatenate([[0], cuts])] if len(idx) else []):
+        lo = int(w) * window
+        hi = min(lo + window, s)
+        if hi - lo > 1 and targets[hi - 1] < 0.9 * targets[lo]:
+            hi -= 1                                                # keep heavy units off a small last step
+        yield lo, hi, members
+
+
+def _spread_heavy(idx: np.ndarray, c: np.ndarray, tok: np.ndarray, targets: np.ndarray,
+                  window: int = SPREAD_WINDOW) -> np.ndarray:
+    """Heavy units to steps, window by window (windows of `window` steps bound how far a unit moves).
+
+    Inside a window the `window` heaviest units anchor one step each; the other heavy units go, heaviest first, to
+    the step furthest below a share of the window's heavy cost proportional to its anchor. A step whose heaviest
+    document is big then also carries more work, so that document does not stall it (its replica's fair share
+    `W_s / dp` stays above the document's cost).
+    """
+    out = np.empty(len(idx), dtype=np.int64)
+    for lo, hi, members in _windows(idx, tok, targets, window):
+        k = hi - lo
+        mc = c[idx[members]]
+        order = members[np.argsort(-mc, kind="stable")]
+        anchors = np.sort(order[:k])                              # in shuffled order, one per step
+        steps = np.arange(lo, lo + len(anchors))
+        out[anchors] = steps
+        load = np.zeros(k)
+        load[:len(anchors)] = c[idx[anchors]]
+        share = load / load.sum() * c[idx[members]].sum()
+        for i in order[k:]:
+            j = int(np.argmax(share - load))
+            out[i] = lo + j
+            load[j] += c[idx[i]]
+    return out
 
 
 def _group_heavy(idx: np.ndarray, c: np.ndarray, tok: np.ndarray, targets: np.ndarray, bins: int,
-                 rng: np.random.Generator) -> np.ndarray:
-    """Pipelined plans: heavy units, heaviest first, in groups of one per micro-batch (`bins`) of similar cost,
-    each group within 90% of a step's tokens; groups go to steps in random order, spread over the epoch."""
-    order = idx[np.argsort(-c[idx], kind="stable")]
+                 rng: np.random.Generator, window: int = GROUP_WINDOW) -> np.ndarray:
+    """Pipelined plans: inside each window of steps, heavy units, heaviest first, form groups of one per
+    micro-batch (`bins`) of similar cost, each within 90% of a step's tokens; groups go to the window's steps in
+    random order (wrapping round when there are more groups than steps)."""
+    out = np.empty(len(idx), dtype=np.int64)
     limit = 0.9 * float(np.median(targets))
-    group = np.empty(len(order), dtype=np.int64)
-    g, count, used = 0, 0, 0.0
-    for k, i in enumerate(order):
-        if count and (count == bins or used + tok[i] > limit):
-            g, count, used = g + 1, 0, 0.0
-        group[k] = g
-        count += 1
-        used += tok[i]
-    n_groups, s = g + 1, len(targets)
-    full = np.flatnonzero(targets >= 0.9 * np.median(targets))          # never the small last step
-    slots = rng.permutation(np.resize(full, max(n_groups, 1)) if n_groups > len(full) else
-                            np.sort(rng.choice(full, n_groups, replace=False)))
-    out = np.empty(len(c), dtype=np.int64)
-    out[order] = slots[group]
-    return out[idx]
+    for lo, hi, members in _windows(idx, tok, targets, window):
+        order = members[np.argsort(-c[idx[members]], kind="stable")]
+        group = np.empty(len(order), dtype=np.int64)
+        g, count, used = 0, 0, 0.0
+        for k, i in enumerate(order):
+            t = tok[idx[i]]
+            if count and (count == bins or used + t > limit):
+                g, count, used = g + 1, 0, 0.0
+            group[k] = g
+            count += 1
+            used += t
+        slots = lo + rng.permutation(hi - lo)
+        out[order] = slots[group % (hi - lo)]
+    return out
 
 
 def _water_fill(loads: np.ndarray, work: float, pp: int) -> np.ndarray:
@@ -245,12 +274,13 @@ def pack_step(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.nd
             if t < best_t:
                 best, best_t = assign, t
     if len(cost) <= POLISH_MAX_UNITS and np.all(best >= 0):
-        _polish(best, cost, tokens, topology)
+        if _step_time(best, cost, topology) > POLISH_ABOVE * float(lower_bound(cost.sum(), cost.max(), topology)):
+            _polish(best, cost, tokens, topology)
     return best
 
 
 def _polish(assign: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology,
-            rounds: int = 100) -> None:
+            rounds: int = 30) -> None:
     """Local search for small steps (in place): best single move or swap out of the slowest replica, repeated
     while it lowers the step time."""
     t = topology
@@ -453,9 +483,30 @@ def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostMode
     shuffled = np.argsort(rank[u_doc], kind="stable")           # units in shuffled document order
     u_tok = (u_end - u_start)[shuffled]
     u_cost = cost.cost(u_tok)
-    targets = step_token_targets(int(u_tok.sum()), _effective_step_tokens(u_cost, u_tok, topology),
-                                 topology.capacity)
-    step_of = _assign_steps(u_cost, u_tok, targets, nb, rng, grouped=topology.pp > 1)
+    # only documents whose attention is a large part of their cost need spreading or grouping over the steps;
+    # the rest fill the steps by tokens in shuffled order
+    attn_heavy = (u_cost - cost.linear_coef * u_tok) >= ATTN_SHARE * u_cost
+    step_tokens = _choose_step_tokens(u_cost, u_tok, attn_heavy, topology, seed)
+    targets = step_token_targets(int(u_tok.sum()), step_tokens, topology.capacity, topology.tokens_per_step)
+    packed = _pack_epoch(u_cost, u_tok, attn_heavy, targets, topology, np.random.default_rng([seed, 1]), progress)
+
+    sizes = np.concatenate([sz for _, sz in packed])
+    unit = shuffled[np.concatenate([u for u, _ in packed])]
+    whole = (u_start[unit] == 0) & (u_end[unit] == lengths[u_doc[unit]])
+    if not whole.all():                 # inside a micro-batch: whole documents first, then spans (the Plan layout)
+        mb_id = np.repeat(np.arange(len(sizes)), sizes)
+        unit = unit[np.argsort(mb_id * 2 + ~whole, kind="stable")]
+    ptr = np.concatenate([[0], np.cumsum(sizes)])
+    natural = natural_steps(doc_order, lengths, int(round(float(np.mean(targets)))))
+    return Plan(lengths, topology, cost, u_doc[unit], u_start[unit], u_end[unit], ptr, seed=seed,
+                natural_step=natural, plan_seconds=time.perf_counter() - t0)
+
+
+def _pack_epoch(u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, targets: np.ndarray,
+                topology: Topology, rng: np.random.Generator, progress: bool = False) -> list:
+    """Cut the shuffled units into steps and pack each; returns per step (units sorted by micro-batch, sizes)."""
+    nb = topology.bins_per_step
+    step_of = _assign_steps(u_cost, u_tok, targets, nb, rng, grouped=topology.pp > 1, attn_heavy=attn_heavy)
     by_step = np.argsort(step_of, kind="stable")                 # shuffled order kept inside a step
     bounds = np.searchsorted(step_of[by_step], np.arange(len(targets) + 1))
     groups = [by_step[bounds[s]:bounds[s + 1]] for s in range(len(targets))]
@@ -468,30 +519,134 @@ def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostMode
     while s < len(groups) or len(carry):
         units = groups[s] if s < len(groups) else np.zeros(0, dtype=np.int64)
         units = np.concatenate([carry, units])
+        if s + 1 < len(groups):
+            units = _hold_step_tokens(units, groups, s, float(targets[s]), u_tok, attn_heavy, nb)
         if s >= len(groups) and len(units) < nb:
             units = _reopen_last_step(packed, units, u_cost, nb)
         assign = pack_step(u_cost[units], u_tok[units], topology)
         carry = units[assign < 0]
         placed = units[assign >= 0]
         bins = assign[assign >= 0]
-        srt = np.argsort(bins * len(shuffled) + placed, kind="stable")   # by micro-batch, shuffled order inside
+        if len(carry) and s + 1 < len(groups):
+            placed, bins = _backfill(placed, bins, float(u_tok[carry].sum()), groups, s, u_tok, u_cost,
+                                     attn_heavy, topology)
+        srt = np.argsort(bins * len(u_cost) + placed, kind="stable")     # by micro-batch, shuffled order inside
         packed.append((placed[srt], np.bincount(bins, minlength=nb)))
         s += 1
         bar.update(1) if bar else None
         if s > 4 * len(groups) + 10:
             raise RuntimeError("planner failed to place all documents (units fit no micro-batch)")
     bar.close() if bar else None
+    return packed
 
-    sizes = np.concatenate([sz for _, sz in packed])
-    unit = shuffled[np.concatenate([u for u, _ in packed])]
-    whole = (u_start[unit] == 0) & (u_end[unit] == lengths[u_doc[unit]])
-    if not whole.all():                 # inside a micro-batch: whole documents first, then spans (the Plan layout)
-        mb_id = np.repeat(np.arange(len(sizes)), sizes)
-        unit = unit[np.argsort(mb_id * 2 + ~whole, kind="stable")]
-    ptr = np.concatenate([[0], np.cumsum(sizes)])
-    natural = natural_steps(doc_order, lengths, int(round(float(np.mean(targets)))))
-    return Plan(lengths, topology, cost, u_doc[unit], u_start[unit], u_end[unit], ptr, seed=seed,
-                natural_step=natural, plan_seconds=time.perf_counter() - t0)
+
+def _hold_step_tokens(units: np.ndarray, groups: list, s: int, target: float, u_tok: np.ndarray,
+                      attn_heavy: np.ndarray, nb: int) -> np.ndarray:
+    """Keep step `s` within 2% of its token target by trading light units with the next step (in place on
+    `groups[s + 1]`): trailing light units move on when the step is too big, leading light units of the next step
+    come forward when it is too small. Units larger than what is left to trade are skipped."""
+    total = float(u_tok[units].sum())
+    tol = 0.01 * target
+    if abs(total - target) <= 2 * tol:
+        return units
+    nxt = groups[s + 1]
+    if total > target:
+        pool, budget, room = np.flatnonzero(~attn_heavy[units])[::-1], total - target, len(units) - nb
+    else:
+        pool, budget, room = np.flatnonzero(~attn_heavy[nxt]), target - total, len(nxt) - nb
+    src = units if total > target else nxt
+    chosen = []
+    for k in pool:
+        if budget <= tol or len(chosen) >= room:
+            break
+        t = u_tok[src[k]]
+        if t <= budget + tol:
+            chosen.append(k)
+            budget -= t
+    if not chosen:
+        return units
+    mask = np.zeros(len(src), dtype=bool)
+    mask[chosen] = True
+    if total > target:
+        groups[s + 1] = np.concatenate([units[mask], nxt])
+        return units[~mask]
+    groups[s + 1] = nxt[~mask]
+    return np.concatenate([units, nxt[mask]])
+
+
+def _backfill(placed: np.ndarray, bins: np.ndarray, gap: float, groups: list, s: int, u_tok: np.ndarray,
+              u_cost: np.ndarray, attn_heavy: np.ndarray, topology: Topology):
+    """Units that fit nowhere move to the next step; pull up to as many tokens of small light units of the next
+    step into the leftover room (neediest micro-batch first), so the step keeps its size (in place on groups)."""
+    nb, cap = topology.bins_per_step, topology.micro_batch_tokens
+    tok = np.bincount(bins, weights=u_tok[placed], minlength=nb)
+    load = np.bincount(bins, weights=u_cost[placed], minlength=nb)
+    nxt = groups[s + 1]
+    cand = np.flatnonzero(~attn_heavy[nxt])
+    cand = cand[np.argsort(u_tok[nxt[cand]], kind="stable")]
+    taken, new_bins, moved = [], [], 0.0
+    for k in cand:
+        if moved >= gap or len(nxt) - len(taken) <= nb:
+            break
+        u = nxt[k]
+        room = np.where(tok + u_tok[u] <= cap, -load, -np.inf)
+        j = int(np.argmax(room))
+        if not np.isfinite(room[j]):
+            break                                               # smallest remaining unit fits nowhere
+        taken.append(k)
+        new_bins.append(j)
+        tok[j] += u_tok[u]
+        load[j] += u_cost[u]
+        moved += u_tok[u]
+    if not taken:
+        return placed, bins
+    keep = np.ones(len(nxt), dtype=bool)
+    keep[taken] = False
+    groups[s + 1] = nxt[keep]
+    return np.concatenate([placed, nxt[taken]]), np.concatenate([bins, np.array(new_bins, dtype=np.int64)])
+
+
+def _epoch_time(packed: list, u_cost: np.ndarray, topology: Topology) -> float:
+    """Sum of step times of a packed epoch (per-CP-rank cost units)."""
+    total = 0.0
+    for units, sizes in packed:
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        per_mb = np.where(sizes > 0, np.add.reduceat(np.append(u_cost[units], 0.0), starts), 0.0)
+        total += float(step_times(per_mb.reshape(1, topology.dp, topology.micro_batches), topology)[0])
+    return total
+
+
+def _choose_step_tokens(u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, topology: Topology,
+                        seed: int) -> int:
+    """Step size in tokens, within 10% of `tokens_per_step`.
+
+    Two forces pull on it: heavy documents need token room beyond their tokens (smaller steps, see
+    `_effective_step_tokens`), and a document whose cost exceeds a replica's share of its step stalls that step
+    (bigger steps). When they disagree, both sizes are tried on a sample of the epoch (the first ~12 steps of the
+    shuffled order) and the faster one is kept.
+    """
+    tps = topology.tokens_per_step
+    shrunk = _effective_step_tokens(u_cost, u_tok, topology)
+    steps = max(1.0, float(u_tok.sum()) / tps)
+    t = topology
+    share = u_cost.sum() / steps / (t.dp * t.cp) * (1 + (t.pp - 1) / t.micro_batches)
+    stalls = t.pp * u_cost.max() / t.cp > 0.8 * share
+    if shrunk >= tps or not stalls or steps < 2:
+        return shrunk
+    candidates = sorted({shrunk, tps, min(int(1.1 * tps), int(0.98 * t.capacity))})
+    k = int(np.searchsorted(np.cumsum(u_tok), 12 * tps)) + 1
+    c, tok, heavy = u_cost[:k], u_tok[:k], attn_heavy[:k]
+    best, best_time = shrunk, np.inf
+    for x in candidates:
+        targets = step_token_targets(int(tok.sum()), x, t.capacity, tps)
+        try:
+            packed = _pack_epoch(c, tok, heavy, targets, t, np.random.default_rng([seed, 2]))
+        except (ValueError, RuntimeError):
+            continue
+        et = _epoch_time(packed, c, t)
+        if et < best_time * (1 - 1e-3):
+            best, best_time = x, et
+    return best
 
 
 def _borrow_for_small_tail(groups: list[np.ndarray], u_cost: np.ndarray, nb: int) -> None:

@@ -34,14 +34,14 @@ import sys
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
 import torch
 from tqdm import tqdm
 
-from .tokenize import Tokenizer, TokenizerError, load_tokenizer
+from .tokenize import EncoderConfig, Tokenizer, TokenizerError, encode_payloads, init_encoder, load_tokenizer
 
 FORMAT_NAME = "balancer-pretokenized"
 FORMAT_VERSION = 1
@@ -133,12 +133,13 @@ def _source_for_file(p: Path) -> Optional[InputSource]:
     return InputSource(kind, str(p))
 
 
-def resolve_inputs(specs: Sequence[str]) -> tuple[list[InputSource], list[str]]:
+def resolve_inputs(specs: Sequence[str], exclude: Optional[Path] = None) -> tuple[list[InputSource], list[str]]:
     """Expand INPUT arguments into sources, in command-line order (directory contents sorted by relative path).
 
     Returns (sources, ignored files found in directories). Raises PretokenizeError for a missing path, an
     unsupported file type or a directory without inputs. A path that does not exist and does not look like a file
-    path is taken as a Hugging Face hub dataset name."""
+    path is taken as a Hugging Face hub dataset name. Files under `exclude` (the output folder) are skipped."""
+    excl = exclude.resolve() if exclude is not None else None
     sources: list[InputSource] = []
     ignored: list[str] = []
     if not specs:
@@ -153,6 +154,8 @@ def resolve_inputs(specs: Sequence[str]) -> tuple[list[InputSource], list[str]]:
             found = []
             for f in sorted(p.rglob("*"), key=lambda q: q.relative_to(p).as_posix()):
                 if not f.is_file() or any(part.startswith(".") for part in f.relative_to(p).parts):
+                    continue
+                if excl is not None and (excl == f.resolve().parent or excl in f.resolve().parents):
                     continue
                 src = _source_for_file(f)
                 if src is None:
@@ -424,124 +427,22 @@ def _batched(records: Iterator[Record]) -> Iterator[tuple[list, list]]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# encoder: decode payloads, tokenize, append EOS (in the main process or in spawn workers)
-
-@dataclass(frozen=True)
-class EncoderConfig:
-    tokenizer: str
-    tokenizer_hash: str
-    text_field: str
-    add_eos: bool
-
-
-_WORKER: dict = {}
-
-
-def _init_worker(cfg: EncoderConfig, tok: Optional[Tokenizer] = None) -> None:
-    if tok is None:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
-        tok = load_tokenizer(cfg.tokenizer)
-        if tok.hash != cfg.tokenizer_hash:
-            raise TokenizerError(f"tokenizer {cfg.tokenizer!r} changed while running (hash {tok.hash})")
-    _WORKER["tok"] = tok
-    _WORKER["cfg"] = cfg
-
-
-def _decode(kind: str, payload: Any, field: str) -> tuple[Optional[str], Optional[tuple[str, str]]]:
-    """(text, None) or (None, (reason, message))."""
-    if kind == "json":
-        if not payload.strip():
-            return None, ("blank_line", "blank line")
-        try:
-            obj = json.loads(payload)
-        except json.JSONDecodeError as exc:
-            return None, ("bad_json", f"invalid JSON ({exc.msg} at column {exc.colno})")
-        except UnicodeDecodeError as exc:
-            return None, ("invalid_utf8", f"invalid UTF-8 at byte {exc.start} of the line ({exc.reason})")
-        kind, payload = "obj", obj
-    if kind == "obj":
-        if not isinstance(payload, dict):
-            return None, ("not_object", f"expected a JSON object, got {type(payload).__name__}")
-        payload = payload.get(field)
-        kind = "value"
-    if kind == "value":
-        if payload is None:
-            return None, ("missing_field", f"no text field {field!r} (or it is null)")
-        if not isinstance(payload, str):
-            return None, ("not_text", f"field {field!r} is {type(payload).__name__}, not a string")
-        return payload, None
-    if kind == "bytes":
-        try:
-            return payload.decode("utf-8"), None
-        except UnicodeDecodeError as exc:
-            line = payload.count(b"\n", 0, exc.start) + 1
-            return None, ("invalid_utf8", f"line {line}: invalid UTF-8 at byte {exc.start} ({exc.reason})")
-    raise ValueError(f"unknown record kind {kind}")  # pragma: no cover
-
-
-def encode_payloads(payloads: list) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Encode one batch with the process's tokenizer. Returns (lengths int64 [n] with -1 for a bad record,
-    flat ids of the good ones (EOS appended when configured), {index: (reason, message)})."""
-    tok: Tokenizer = _WORKER["tok"]
-    cfg: EncoderConfig = _WORKER["cfg"]
-    n = len(payloads)
-    errors: dict[int, tuple[str, str]] = {}
-    texts: list[str] = []
-    idx: list[int] = []
-    for j, (kind, payload) in enumerate(payloads):
-        text, err = _decode(kind, payload, cfg.text_field)
-        if err is not None:
-            errors[j] = err
-        elif text == "":
-            errors[j] = ("empty", "empty document")
-        else:
-            texts.append(text)
-            idx.append(j)
-    try:
-        lens, flat = tok.encode_batch(texts)
-    except Exception:  # find the culprits, encode the rest
-        good_t, good_i = [], []
-        for t, j in zip(texts, idx):
-            try:
-                tok.encode_batch([t])
-                good_t.append(t)
-                good_i.append(j)
-            except Exception as exc:  # noqa: BLE001 - reported per record
-                errors[j] = ("unencodable_text", f"cannot encode the text ({type(exc).__name__}: {exc})"[:300])
-        texts, idx = good_t, good_i
-        lens, flat = tok.encode_batch(texts)
-    zero = np.flatnonzero(lens == 0)
-    for z in zero:
-        errors[idx[z]] = ("empty", "the tokenizer produced no tokens")
-    if cfg.add_eos and len(texts):
-        ends = np.cumsum(lens)
-        keep = lens > 0
-        flat = np.insert(flat, ends[keep], np.asarray(tok.eos_id, dtype=flat.dtype))
-        lens = lens + keep
-    lengths = np.full(n, -1, dtype=np.int64)
-    lengths[np.asarray(idx, dtype=np.int64)] = lens
-    lengths[[idx[z] for z in zero]] = -1
-    return lengths, flat, errors
-
-
-def _encode_in_worker(payloads: list) -> tuple[np.ndarray, np.ndarray, dict]:
-    return encode_payloads(payloads)
-
+# encoder pool (the per-batch work is balancer.tokenize.encode_payloads, importable without torch/datasets)
 
 def _encode_stream(batches: Iterator[tuple[list, list]], cfg: EncoderConfig, tok: Tokenizer,
                    num_proc: int) -> Iterator[tuple[list, tuple]]:
     """(meta, encode result) per batch, in input order; `num_proc` > 1 encodes in that many spawn workers with at
     most 2 * num_proc batches in flight (bounded memory)."""
     if num_proc <= 1:
-        _init_worker(cfg, tok)
+        init_encoder(cfg, tok)
         for meta, payloads in batches:
             yield meta, encode_payloads(payloads)
         return
     ctx = mp.get_context("spawn")
-    with ctx.Pool(num_proc, initializer=_init_worker, initargs=(cfg,)) as pool:
+    with ctx.Pool(num_proc, initializer=init_encoder, initargs=(cfg,)) as pool:
         pending: deque = deque()
         for meta, payloads in batches:
-            pending.append((meta, pool.apply_async(_encode_in_worker, (payloads,))))
+            pending.append((meta, pool.apply_async(encode_payloads, (payloads,))))
             if len(pending) >= 2 * num_proc:
                 m, r = pending.popleft()
                 yield m, r.get()
@@ -782,7 +683,7 @@ def pretokenize(inputs: Sequence[str], output: str | os.PathLike, tokenizer: str
         raise PretokenizeError(f"--shard-index must be in [0, --num-shards), got {shard_index} of {num_shards}")
     out = Path(output)
     disable = None if progress is None else not progress
-    sources, ignored = resolve_inputs(list(inputs))
+    sources, ignored = resolve_inputs(list(inputs), exclude=out)
     try:
         tok = load_tokenizer(tokenizer)
     except TokenizerError as exc:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -123,3 +124,119 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if spec == "byte":
         return ByteTokenizer()
     return HFTokenizer(spec)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# batch encoding of raw records for `balancer pretokenize` (runs in the main process or in spawn workers, so this
+# module imports neither torch nor datasets). Record kinds: "json" (a raw JSON line, bytes), "obj" (a parsed JSON
+# value holding the text field), "value" (the text field's value; None = missing), "bytes" (a whole .txt file).
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """What an encoder process needs: the tokenizer spec and its expected hash, the text field, EOS or not."""
+
+    tokenizer: str
+    tokenizer_hash: str
+    text_field: str
+    add_eos: bool
+
+
+_WORKER: dict = {}
+
+
+def init_encoder(cfg: EncoderConfig, tok: Optional[Tokenizer] = None) -> None:
+    """Set this process's encoder (a pool initializer): `tok` when given, else load `cfg.tokenizer` and check that
+    its hash is the one the run started with."""
+    _WORKER.clear()
+    _WORKER["cfg"] = cfg
+    if tok is None:
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+        try:  # an initializer that raises makes multiprocessing.Pool respawn workers forever: report it per batch
+            tok = load_tokenizer(cfg.tokenizer)
+            if tok.hash != cfg.tokenizer_hash:
+                raise TokenizerError(f"tokenizer {cfg.tokenizer!r} changed while running (hash {tok.hash})")
+        except Exception as exc:  # noqa: BLE001
+            _WORKER["error"] = exc
+            return
+    _WORKER["tok"] = tok
+
+
+def _decode(kind: str, payload: Any, field: str) -> tuple[Optional[str], Optional[tuple[str, str]]]:
+    """(text, None) or (None, (reason, message))."""
+    if kind == "json":
+        if not payload.strip():
+            return None, ("blank_line", "blank line")
+        try:
+            obj = json.loads(payload)
+        except json.JSONDecodeError as exc:
+            return None, ("bad_json", f"invalid JSON ({exc.msg} at column {exc.colno})")
+        except UnicodeDecodeError as exc:
+            return None, ("invalid_utf8", f"invalid UTF-8 at byte {exc.start} of the line ({exc.reason})")
+        kind, payload = "obj", obj
+    if kind == "obj":
+        if not isinstance(payload, dict):
+            return None, ("not_object", f"expected a JSON object, got {type(payload).__name__}")
+        payload = payload.get(field)
+        kind = "value"
+    if kind == "value":
+        if payload is None:
+            return None, ("missing_field", f"no text field {field!r} (or it is null)")
+        if not isinstance(payload, str):
+            return None, ("not_text", f"field {field!r} is {type(payload).__name__}, not a string")
+        return payload, None
+    if kind == "bytes":
+        try:
+            return payload.decode("utf-8"), None
+        except UnicodeDecodeError as exc:
+            line = payload.count(b"\n", 0, exc.start) + 1
+            return None, ("invalid_utf8", f"line {line}: invalid UTF-8 at byte {exc.start} ({exc.reason})")
+    raise ValueError(f"unknown record kind {kind}")  # pragma: no cover
+
+
+def encode_payloads(payloads: list) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Encode one batch with the process's tokenizer. Returns (lengths int64 [n] with -1 for a bad record,
+    flat ids of the good ones (EOS appended when configured), {index: (reason, message)})."""
+    if "error" in _WORKER:
+        raise _WORKER["error"]
+    tok: Tokenizer = _WORKER["tok"]
+    cfg: EncoderConfig = _WORKER["cfg"]
+    n = len(payloads)
+    errors: dict[int, tuple[str, str]] = {}
+    texts: list[str] = []
+    idx: list[int] = []
+    for j, (kind, payload) in enumerate(payloads):
+        text, err = _decode(kind, payload, cfg.text_field)
+        if err is not None:
+            errors[j] = err
+        elif text == "":
+            errors[j] = ("empty", "empty document")
+        else:
+            texts.append(text)
+            idx.append(j)
+    if not texts:
+        return np.full(n, -1, dtype=np.int64), np.zeros(0, tok.dtype), errors
+    try:
+        lens, flat = tok.encode_batch(texts)
+    except Exception:  # find the culprits, encode the rest
+        good_t, good_i = [], []
+        for t, j in zip(texts, idx):
+            try:
+                tok.encode_batch([t])
+                good_t.append(t)
+                good_i.append(j)
+            except Exception as exc:  # noqa: BLE001 - reported per record
+                errors[j] = ("unencodable_text", f"cannot encode the text ({type(exc).__name__}: {exc})"[:300])
+        texts, idx = good_t, good_i
+        lens, flat = tok.encode_batch(texts)
+    zero = np.flatnonzero(lens == 0)
+    for z in zero:
+        errors[idx[z]] = ("empty", "the tokenizer produced no tokens")
+    if cfg.add_eos and len(texts):
+        ends = np.cumsum(lens)
+        keep = lens > 0
+        flat = np.insert(flat, ends[keep], np.asarray(tok.eos_id, dtype=flat.dtype))
+        lens = lens + keep
+    lengths = np.full(n, -1, dtype=np.int64)
+    lengths[np.asarray(idx, dtype=np.int64)] = lens
+    lengths[[idx[z] for z in zero]] = -1
+    return lengths, flat, errors

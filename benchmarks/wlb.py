@@ -78,12 +78,19 @@ def wlb_plan(lengths, topology: balancer.Topology, cost: balancer.CostModel, see
             bins[j].append(d)
             load[j] += costs[d]
             tok[j] += lengths[d]
-        for j in range(nb):
-            if not bins[j]:
-                donor = max(range(nb), key=lambda k: len(bins[k]))
-                bins[j].append(bins[donor].pop())
         mbs.extend(bins)
         s += 1
+    # no empty micro-batch: an empty one takes a document from the fullest micro-batch of its step, or (a tail
+    # step built from deferred documents only) of any earlier step
+    for j in range(len(mbs)):
+        if not mbs[j]:
+            first = (j // nb) * nb
+            pool = range(first, first + nb) if max(len(mbs[k]) for k in range(first, first + nb)) > 1 \
+                else range(len(mbs))
+            donor = max(pool, key=lambda k: len(mbs[k]))
+            if len(mbs[donor]) < 2:
+                raise ValueError("WLB packing: too few documents to fill every micro-batch")
+            mbs[j].append(mbs[donor].pop())
     m, dp = topology.micro_batches, topology.dp
     steps = [[mbs[(k * dp + r) * m:(k * dp + r + 1) * m] for r in range(dp)] for k in range(len(mbs) // nb)]
     return balancer.Plan.from_micro_batches(steps, lengths, topology, cost, seed=seed,

@@ -231,6 +231,13 @@ def test_output_folder_guard(corpus, tmp_path):
     (other / "notes.md").write_text("mine")
     with pytest.raises(PretokenizeError, match="not empty"):
         run([d / "a.jsonl"], other)
+    # an output folder inside an input directory is not read back as input
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "x.jsonl", ["abc", "de"])
+    m = run([data], data / "tok")
+    assert [i["path"] for i in m["inputs"]] == [str(data / "x.jsonl")]
+    assert run([data], data / "tok")["job"] == m["job"]
     with pytest.raises(PretokenizeError, match="no such file"):
         run([d / "nope.jsonl"], tmp_path / "x")
 
@@ -262,6 +269,24 @@ def test_hf_dataset_folder_input(corpus, tmp_path):
     assert m["inputs"][0]["kind"] == "hf_disk" and m["counts"]["documents"] == 50
     docs = reassemble(tmp_path / "out")
     assert all(docs[i].astype(np.uint8).tobytes() == t.encode() for i, t in enumerate(texts[:50]))
+
+
+def test_json_array_and_json_lines_files_and_ignored_files(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.json").write_text(json.dumps([{"text": "first"}, {"text": "sécond"}]))
+    (data / "b.json").write_text(json.dumps({"text": "third"}) + "\n" + json.dumps({"text": "fourth"}) + "\n")
+    (data / "notes.md").write_text("not an input")
+    m = run([data], tmp_path / "out", num_shards=2, shard_index=1)
+    assert [i["kind"] for i in m["inputs"]] == ["json_array", "jsonl"]
+    assert m["ignored_files"] == [str(data / "notes.md")] and m["slice"]["records"] == [2, 4]
+    ds = ShardDataset(tmp_path / "out")
+    assert ds.doc_ids.tolist() == [2, 3] and bytes(ds[1]["input_ids"].tolist()) == b"fourth"
+    m = run([data / "a.json"], tmp_path / "out2")
+    assert bytes(ShardDataset(tmp_path / "out2")[1]["input_ids"].tolist()) == "sécond".encode()
+    (data / "c.json").write_text('[{"text": "x"}, oops]')
+    with pytest.raises(PretokenizeError, match=r"c\.json line 1 column 17: invalid JSON"):
+        run([data / "c.json"], tmp_path / "out3")
 
 
 def test_shard_dataset_with_dataloader(corpus, tmp_path):
@@ -316,15 +341,22 @@ def test_kill9_and_resume_byte_identical(tmp_path):
     out = tmp_path / "out"
     rng = random.Random(1234)
     mid_run_kills = 0
+
+    def state_mtime():  # the run (re)writes the state file once it starts writing shards
+        try:
+            return os.stat(out / ".pretokenize-state.json").st_mtime_ns
+        except FileNotFoundError:
+            return None
     logs: list[str] = []
     for attempt in range(5):
+        before = state_mtime()
         proc = subprocess.Popen(cmd(out), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if attempt == 0:
             time.sleep(rng.uniform(0.2, 2.0))  # anywhere, imports and hashing included
         else:  # wait for the writing phase, then a random moment inside it
             t0 = time.time()
-            while not (out / ".pretokenize-state.json").exists() and proc.poll() is None and time.time() - t0 < 30:
-                time.sleep(0.01)
+            while state_mtime() == before and proc.poll() is None and time.time() - t0 < 30:
+                time.sleep(0.005)
             time.sleep(rng.uniform(0.0, 1.2))
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)

@@ -1,0 +1,107 @@
+"""Process-group helpers shared by ring and all-gather attention: group info, a cross-rank consistency check,
+P2P exchange and a reduce-scatter that works on backends without one (gloo)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class Group:
+    """A process group seen from one rank: ``size``, ``rank`` (in the group), global ranks of ring neighbours."""
+
+    group: Optional[dist.ProcessGroup]
+    size: int
+    rank: int
+    next_global: int
+    prev_global: int
+    comm_device: torch.device
+
+    @classmethod
+    def of(cls, group, device: torch.device) -> "Group":
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("cp_attention needs an initialised torch.distributed process group")
+        g = group if group is not None else dist.group.WORLD
+        size, rank = dist.get_world_size(g), dist.get_rank(g)
+        if rank < 0:
+            raise ValueError("this process is not a member of the given process group")
+        nxt, prv = dist.get_global_rank(g, (rank + 1) % size), dist.get_global_rank(g, (rank - 1) % size)
+        # collectives on gloo run on CPU tensors; other backends (nccl) on the tensors' device
+        comm = torch.device("cpu") if "gloo" in str(dist.get_backend(g)).lower() else device
+        return cls(g, size, rank, nxt, prv, comm)
+
+
+def consensus_check(g: Group, values: list[int], local_error: Optional[str]) -> None:
+    """All ranks exchange ``values`` (ints) and an error flag; every rank raises ValueError if any rank reported an
+    error or the values differ, so a bad call fails everywhere instead of hanging or computing garbage."""
+    t = torch.tensor([0 if local_error is None else 1] + [int(x) for x in values], dtype=torch.int64,
+                     device=g.comm_device)
+    parts = [torch.empty_like(t) for _ in range(g.size)]
+    dist.all_gather(parts, t, group=g.group)
+    allv = torch.stack(parts).cpu()
+    if local_error is not None:
+        raise ValueError(local_error)
+    bad = [r for r in range(g.size) if allv[r, 0] != 0]
+    if bad:
+        raise ValueError(f"cp_attention: invalid inputs on rank(s) {bad} of the CP group (see their error)")
+    diff = [r for r in range(g.size) if not torch.equal(allv[r, 1:], allv[g.rank, 1:])]
+    if diff:
+        raise ValueError(f"cp_attention: ranks disagree on (layout, heads, head_dim, dtype, causal, method, scale): "
+                         f"rank {g.rank} has {allv[g.rank, 1:].tolist()}, rank {diff[0]} has {allv[diff[0], 1:].tolist()}")
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else 99
+
+
+def sendrecv(g: Group, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
+    """Post: send ``send`` to the next rank, receive ``recv`` from the previous one (zero-size transfers are skipped:
+    both sides know the sizes from the layout). Returns requests to ``wait``."""
+    ops = []
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, g.next_global, g.group, tag))
+    if recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, g.prev_global, g.group, tag))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def wait_all(reqs: list) -> None:
+    for r in reqs:
+        r.wait()
+
+
+_RS_MODE: dict = {}
+
+
+def reduce_scatter_sum(g: Group, blocks: list[torch.Tensor]) -> torch.Tensor:
+    """``blocks[s]`` is this rank's contribution for rank ``s`` (equal shapes); returns the sum over ranks of the
+    contributions for this rank. Uses ``reduce_scatter`` where the backend has it, else ``all_to_all`` plus a local
+    sum, else ``all_reduce`` (detected once per backend by trying, not by version)."""
+    key = str(dist.get_backend(g.group))
+    modes = [_RS_MODE[key]] if key in _RS_MODE else ["reduce_scatter", "all_to_all", "all_reduce"]
+    blocks = [b.contiguous() for b in blocks]
+    for mode in modes:
+        try:
+            if mode == "reduce_scatter":
+                out = torch.empty_like(blocks[0])
+                dist.reduce_scatter(out, blocks, op=dist.ReduceOp.SUM, group=g.group)
+            elif mode == "all_to_all":
+                recv = [torch.empty_like(b) for b in blocks]
+                dist.all_to_all(recv, blocks, group=g.group)
+                out = torch.stack(recv).sum(0)
+            else:
+                allb = torch.stack(blocks)
+                dist.all_reduce(allb, group=g.group)
+                out = allb[g.rank].clone()
+        except (RuntimeError, NotImplementedError, ValueError):
+            if len(modes) == 1:
+                raise
+            continue
+        _RS_MODE[key] = mode
+        return out
+    raise RuntimeError("no reduce-scatter strategy worked")  # pragma: no cover

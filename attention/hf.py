@@ -1,0 +1,97 @@
+"""Hugging Face transformers integration: run a stock model (e.g. ``LlamaForCausalLM``) with exact CP attention on
+packed batches.
+
+Usage (every rank of the CP group)::
+
+    import attention, attention.hf
+    attention.hf.register()                                   # once; name: attention.hf.NAME ("cp_attention")
+    model = LlamaForCausalLM(config)                          # config._attn_implementation = attention.hf.NAME
+    layout = attention.CPLayout.build(cu_seqlens, cp_size, kind="zigzag")
+    ids = layout.shard(input_ids, rank)[None]                 # [1, T_local]: batch size 1, the packed batch
+    pos = torch.from_numpy(layout.position_ids(rank))[None]   # position inside each document (RoPE)
+    lab = layout.shard(shifted_labels, rank)[None]
+    with attention.hf.cp_context(layout, group=cp_group, method="ring"):
+        logits = model(input_ids=ids, position_ids=pos).logits
+    loss = cross_entropy(logits[0], lab[0], ignore_index=-100, reduction="sum") / global_label_count
+
+How inputs must be prepared:
+  - the batch is one packed sequence (batch size 1) of whole documents with global ``cu_seqlens``; every rank
+    passes its shard in ``layout.shard`` order;
+  - ``position_ids`` must be the position of each token inside its document (``layout.position_ids(rank)``), not
+    0..T_local-1: RoPE needs the true positions, and the attention itself takes the document structure from the
+    layout, not from ``position_ids`` or an attention mask (leave ``attention_mask`` None);
+  - labels must be shifted per document *before* sharding: ``shifted[t] = input_ids[t+1]`` inside a document and
+    ``-100`` at each document's last token (the next token of a shard is usually on another rank, and a document's
+    next token belongs to another document). Then compute the loss on the logits without any further shift (or pass
+    ``labels=lab, shift_labels=lab`` to the model, which then skips its own shift; add
+    ``num_items_in_batch=global_label_count`` to normalise by the step's global label count instead of the local
+    one). Summing the per-rank losses and gradients (as data parallelism does) gives the full-batch values.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from . import cp_attention
+from .layout import CPLayout
+
+NAME = "cp_attention"
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    layout: CPLayout
+    group: object
+    method: str
+    backend: str
+    head_chunks: int
+
+
+_CTX: contextvars.ContextVar[Optional[_Ctx]] = contextvars.ContextVar("cp_attention_ctx", default=None)
+
+
+@contextlib.contextmanager
+def cp_context(layout: CPLayout, group=None, method: str = "ring", backend: str = "auto",
+               head_chunks: int = 1) -> Iterator[None]:
+    """Inside this block, attention of models using ``attn_implementation=NAME`` runs :func:`attention.cp_attention`
+    with this layout, process group (default WORLD), method and backend."""
+    if not isinstance(layout, CPLayout):
+        raise TypeError(f"layout must be a CPLayout, got {type(layout).__name__}")
+    token = _CTX.set(_Ctx(layout, group, method, backend, head_chunks))
+    try:
+        yield
+    finally:
+        _CTX.reset(token)
+
+
+def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
+                         scaling: Optional[float] = None, is_causal: Optional[bool] = None,
+                         **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query ``[1, H, T_local, D]``, key/value ``[1, Hkv, T_local, D]`` ->
+    (``[1, T_local, H, D]``, None)."""
+    ctx = _CTX.get()
+    if ctx is None:
+        raise RuntimeError(f"attn_implementation={NAME!r} needs the CP layout: run the model inside "
+                           "`with attention.hf.cp_context(layout, group):`")
+    if query.shape[0] != 1:
+        raise ValueError(f"CP attention takes one packed sequence (batch size 1), got batch size {query.shape[0]}")
+    if dropout:
+        raise ValueError("CP attention does not implement attention dropout; set attention_dropout=0")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    out = cp_attention(q, k, v, ctx.layout, group=ctx.group, causal=bool(causal), softmax_scale=scaling,
+                       method=ctx.method, backend=ctx.backend, head_chunks=ctx.head_chunks)
+    return out.unsqueeze(0), None
+
+
+def register(name: str = NAME) -> str:
+    """Register :func:`cp_attention_forward` in transformers' ``AttentionInterface`` under ``name``; returns it."""
+    from transformers import AttentionInterface  # noqa: PLC0415
+
+    AttentionInterface.register(name, cp_attention_forward)
+    return name

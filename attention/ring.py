@@ -1,0 +1,109 @@
+"""Ring attention: KV blocks rotate around the CP group by P2P (``batch_isend_irecv``), the next transfer posted
+before the current block is computed; partial results merge in float32 with the log-sum-exp. The backward rotates
+KV again and circulates dK/dV in float32 with it, one extra hop returning each block's gradient to its owner.
+Blocks the causal mask leaves empty are skipped (:meth:`CPLayout.pieces`)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._dist import Group, sendrecv, wait_all
+from .backends import Backend, acc_dtype
+from .layout import CPLayout
+from .merge import Accumulator
+
+
+def _split_kv(buf: torch.Tensor, n_tok: int, hk: int, d: int):
+    half = n_tok * hk * d
+    return buf[:half].view(n_tok, hk, d), buf[half:].view(n_tok, hk, d)
+
+
+def ring_forward(q, k, v, layout: CPLayout, g: Group, causal: bool, scale: float, be: Backend):
+    """Returns (out in q.dtype, lse in the accumulation dtype) for this rank's queries."""
+    c, r = g.size, g.rank
+    counts = layout.local_counts
+    hk, d = k.shape[1], k.shape[2]
+    kv = torch.cat([k.reshape(-1), v.reshape(-1)])
+    kv_comm = kv.to(g.comm_device)            # gloo moves CPU tensors: CUDA KV is staged through the host
+    acc = Accumulator()
+    for i in range(c):
+        s = (r - i) % c
+        reqs, nxt = [], None
+        if i + 1 < c:
+            nxt = kv_comm.new_empty(int(counts[(r - i - 1) % c]) * 2 * hk * d)
+            reqs = sendrecv(g, kv_comm, nxt, tag=0)
+        p = layout.pieces(r, s, causal)
+        if len(p):
+            kb, vb = _split_kv(kv, int(counts[s]), hk, d)
+            acc.add(*be.forward(q, kb, vb, p, scale))
+        wait_all(reqs)
+        if nxt is not None:
+            kv_comm = nxt
+            kv = nxt.to(q.device)
+    if acc.out is None:
+        out = q.new_zeros(q.shape)
+        lse = torch.full(q.shape[:2], -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
+        return out, lse
+    return acc.out.to(q.dtype), acc.lse
+
+
+def ring_backward(dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal: bool, scale: float, be: Backend):
+    """Exact gradients (dq, dk, dv) in the accumulation dtype; dK/dV travel the ring in that dtype."""
+    c, r = g.size, g.rank
+    counts = layout.local_counts
+    hk, d = k.shape[1], k.shape[2]
+    a = acc_dtype(q.dtype)
+    kv = torch.cat([k.reshape(-1), v.reshape(-1)])
+    kv_comm = kv.to(g.comm_device)
+    dq = torch.zeros(q.shape, dtype=a, device=q.device)
+    dkv_reqs, dkv_in = [], None
+    for i in range(c):
+        s = (r - i) % c
+        kv_reqs, nxt = [], None
+        if i + 1 < c:
+            nxt = kv_comm.new_empty(int(counts[(r - i - 1) % c]) * 2 * hk * d)
+            kv_reqs = sendrecv(g, kv_comm, nxt, tag=0)
+        p = layout.pieces(r, s, causal)
+        grad = None
+        if len(p):
+            kb, vb = _split_kv(kv, int(counts[s]), hk, d)
+            gq, gk, gv = be.backward(dout, q, kb, vb, out, lse, p, scale)
+            dq += gq
+            grad = torch.cat([gk.reshape(-1), gv.reshape(-1)])
+        if i == 0:
+            dkv = grad if grad is not None else torch.zeros(int(counts[s]) * 2 * hk * d, dtype=a, device=q.device)
+        else:
+            wait_all(dkv_reqs)                 # dK/dV of block s accumulated by the previous ranks
+            dkv = dkv_in.to(q.device)
+            if grad is not None:
+                dkv += grad
+        if c > 1:
+            dkv_in = torch.empty(int(counts[(r - i - 1) % c]) * 2 * hk * d, dtype=a, device=g.comm_device)
+            dkv_reqs = sendrecv(g, dkv.to(g.comm_device), dkv_in, tag=1)
+        wait_all(kv_reqs)
+        if nxt is not None:
+            kv_comm = nxt
+            kv = nxt.to(q.device)
+    if c > 1:
+        wait_all(dkv_reqs)                     # the last hop brings this rank's own block home
+        dkv = dkv_in.to(q.device)
+    dk, dv = _split_kv(dkv, int(counts[r]), hk, d)
+    return dq, dk, dv
+
+
+class RingAttention(torch.autograd.Function):
+    """autograd wrapper: forward :func:`ring_forward`, backward :func:`ring_backward`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, layout, g, causal, scale, be):
+        out, lse = ring_forward(q, k, v, layout, g, causal, scale, be)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (layout, g, causal, scale, be)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

@@ -1,0 +1,125 @@
+"""PackedCollator: dataset items -> one packed micro-batch, already cut into this CP rank's share.
+
+The items of a micro-batch are concatenated into one sequence (batch size 1) in the order the sampler gives them.
+Everything that depends on the document structure is computed on the full packed sequence *before* sharding, then
+every tensor is sharded with the CP layout (`attention.CPLayout`, the only owner of the layout):
+
+- `labels[t]` is the next-token target: `labels_or_ids[t + 1]` inside a document and `ignore_index` at each
+  document's last token (its next token belongs to another document). The targets are pre-shifted because after CP
+  sharding a token's successor is usually on another rank; feed them to the loss *without* a further shift (for a
+  transformers model: `labels=lab, shift_labels=lab`, or `balancer.loss.token_loss`). Items with their own `labels`
+  (aligned with `input_ids`, -100 for untrained positions, Hugging Face convention) are shifted the same way.
+- `position_ids` is each token's position inside its document (RoPE needs the true positions).
+- `seq_ids` is the index of each token's document in the micro-batch (-1 for padding) and `seq_loss_tokens` the
+  loss-token count of every document (global): what the per-sequence loss needs.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+
+class PackedCollator:
+    """`collate_fn` for `DataLoader(dataset, batch_sampler=BalancedBatchSampler(...), collate_fn=...)`.
+
+    Returns a dict for this CP rank: `input_ids`, `position_ids`, `labels`, `seq_ids` ([1, T_local] int64),
+    global `cu_seqlens` (int32 [n_docs+1], padding included as a last document), `max_seqlen`, `layout`
+    (`attention.CPLayout`), `num_tokens` (real tokens, all CP ranks), `num_loss_tokens` (targets != ignore_index,
+    all CP ranks), `num_pad_tokens`, `seq_loss_tokens` (int64 [n_docs]), `num_sequences` (documents with >= 1 loss token).
+
+    `pad_to_multiple_of`: pad the packed sequence to a multiple of this many tokens; the pad tokens
+    (`pad_token_id`) form their own last document, with `ignore_index` labels and positions 0..p-1, counted in
+    `num_pad_tokens` and not in `num_tokens`.
+    """
+
+    def __init__(self, cp_rank: int = 0, cp_size: int = 1, layout: str = "zigzag",
+                 pad_to_multiple_of: Optional[int] = None, ignore_index: int = -100, pad_token_id: int = 0) -> None:
+        from attention.layout import KINDS
+        if isinstance(cp_size, bool) or int(cp_size) != cp_size or cp_size < 1:
+            raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+        if isinstance(cp_rank, bool) or int(cp_rank) != cp_rank or not 0 <= cp_rank < cp_size:
+            raise ValueError(f"cp_rank {cp_rank!r} out of range for cp_size {cp_size}")
+        if layout not in KINDS:
+            raise ValueError(f"layout must be one of {KINDS}, got {layout!r}")
+        if pad_to_multiple_of is not None and (int(pad_to_multiple_of) != pad_to_multiple_of
+                                               or pad_to_multiple_of < 1):
+            raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}")
+        self.cp_rank, self.cp_size, self.kind = int(cp_rank), int(cp_size), layout
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.ignore_index = int(ignore_index)
+        self.pad_token_id = int(pad_token_id)
+
+    @staticmethod
+    def _ids(item: Any, i: int, key: str, required: bool) -> Optional[torch.Tensor]:
+        if isinstance(item, dict):
+            x = item.get(key)
+        else:
+            x = getattr(item, key, None)
+        if x is None:
+            if required:
+                what = f"keys {sorted(item)}" if isinstance(item, dict) else f"type {type(item).__name__}"
+                raise ValueError(f"item {i} of the micro-batch has no '{key}' ({what})")
+            return None
+        t = torch.as_tensor(np.asarray(x) if not isinstance(x, torch.Tensor) else x)
+        if t.dim() != 1:
+            raise ValueError(f"item {i}: '{key}' must be 1-D, got shape {tuple(t.shape)}")
+        if t.numel() == 0:
+            return t.to(torch.int64)
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise ValueError(f"item {i}: '{key}' must hold integer token ids, got {t.dtype}")
+        return t.to(torch.int64)
+
+    def pack(self, items: Sequence[Any]) -> dict:
+        """The full packed micro-batch (no CP sharding): `input_ids`, `labels`, `position_ids`, `seq_ids` [T],
+        `cu_seqlens`, counts."""
+        if len(items) == 0:
+            raise ValueError("empty micro-batch: no items to collate")
+        ids, labs = [], []
+        for i, it in enumerate(items):
+            x = self._ids(it, i, "input_ids", True)
+            if x.numel() == 0:
+                raise ValueError(f"item {i} of the micro-batch has empty input_ids (documents need >= 1 token)")
+            lab = self._ids(it, i, "labels", False)
+            if lab is None:
+                lab = x
+            elif lab.shape != x.shape:
+                raise ValueError(f"item {i}: labels has {lab.numel()} entries, input_ids {x.numel()}")
+            shifted = torch.full_like(x, self.ignore_index)
+            shifted[:-1] = lab[1:]
+            ids.append(x)
+            labs.append(shifted)
+        lens = [len(x) for x in ids]
+        seq_loss = [int((lb != self.ignore_index).sum()) for lb in labs]
+        n_real = sum(lens)
+        pad = 0
+        if self.pad_to_multiple_of:
+            pad = -n_real % int(self.pad_to_multiple_of)
+        if pad:
+            ids.append(torch.full((pad,), self.pad_token_id, dtype=torch.int64))
+            labs.append(torch.full((pad,), self.ignore_index, dtype=torch.int64))
+            lens.append(pad)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+        seq = np.repeat(np.arange(len(lens), dtype=np.int64), lens)
+        if pad:
+            seq[n_real:] = -1
+        return {"input_ids": torch.cat(ids), "labels": torch.cat(labs),
+                "position_ids": torch.from_numpy(np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], lens)),
+                "seq_ids": torch.from_numpy(seq), "cu_seqlens": cu, "num_tokens": n_real,
+                "num_loss_tokens": sum(seq_loss), "num_pad_tokens": pad,
+                "seq_loss_tokens": torch.tensor(seq_loss, dtype=torch.int64), "num_sequences": sum(1 for c in seq_loss if c > 0),
+                "max_seqlen": int(max(lens))}
+
+    def __call__(self, items: Sequence[Any]) -> dict:
+        from attention.layout import CPLayout
+        full = self.pack(items)
+        layout = CPLayout.build(full["cu_seqlens"], self.cp_size, kind=self.kind)
+        r = self.cp_rank
+        out = {k: layout.shard(full[k], r)[None] for k in ("input_ids", "labels", "seq_ids")}
+        out["position_ids"] = torch.from_numpy(layout.position_ids(r))[None]
+        out.update(cu_seqlens=torch.from_numpy(full["cu_seqlens"].astype(np.int32)), max_seqlen=full["max_seqlen"],
+                   layout=layout, num_tokens=full["num_tokens"], num_loss_tokens=full["num_loss_tokens"],
+                   num_pad_tokens=full["num_pad_tokens"], seq_loss_tokens=full["seq_loss_tokens"],
+                   num_sequences=full["num_sequences"], cp_rank=r, cp_size=self.cp_size)
+        return out

@@ -1,0 +1,471 @@
+"""BalancedBatchSampler: this DP rank's micro-batches of a balanced epoch plan, as a torch batch sampler.
+
+Every rank plans the same epoch (`balancer.plan(lengths, topology, cost, seed=seed + epoch)`: deterministic, no
+communication) and yields its own view: exactly `micro_batches` micro-batches per step, the same number on every rank,
+every document once per epoch over all ranks (a last partial step is planned, not cut).
+
+    sampler = BalancedBatchSampler(lengths, topo, cost, dp_rank=r, seed=0)
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=PackedCollator(cp_rank=c, cp_size=topo.cp))
+    for epoch in range(E):
+        sampler.set_epoch(epoch)
+        for batch in loader: ...
+
+Yielded indices are Python ints. With `overflow="split"` or `"truncate"`, a part of a document is yielded as a
+:class:`Span` (doc, start, end); wrap the dataset in :class:`SpanDataset` so it returns that token range (a plain
+dataset refuses a Span with an error instead of silently returning the whole document).
+
+Resume contract (`state_dict` / `load_state_dict`, also the torchdata StatefulDataLoader protocol: the iterator
+returned by `iter(sampler)` has `state_dict`/`load_state_dict` too):
+  - the state holds the epoch, `position` (micro-batches of the current plan this rank has yielded), the seed, the
+    overflow policy, a fingerprint of the lengths, and the chain of plan *segments* of this epoch (topology, cost
+    model, steps consumed) - a few hundred bytes, no document lists: the consumed documents are re-derived by
+    re-planning deterministically;
+  - same topology and cost model: resume at any micro-batch; the remainder is identical to an uninterrupted run;
+  - a different topology (DP size, CP size, micro_batches, max_tokens, ...) or cost model: the state must sit at a
+    step boundary (`position % micro_batches == 0`, what every rank has after a finished optimizer step); the
+    documents (or, for split documents, the token windows) not yet consumed are re-planned for the new topology with
+    `seed + epoch`: nothing lost, nothing repeated. A mid-step state onto a new topology is refused;
+  - a state from another seed, data set (lengths) or overflow policy is refused with a ValueError.
+
+`len(sampler)` is the number of micro-batches this rank yields for the current plan of the epoch (the whole epoch,
+or, after an elastic resume, the re-planned remainder); it is the same on every DP rank.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+import numpy as np
+import torch
+
+from .cost import CostModel
+from .planner import OVERFLOW_POLICIES, plan as make_plan, validate_lengths
+from .topology import Topology
+
+STATE_FORMAT = "balancer.sampler/1"
+
+
+class Span:
+    """Part `[start, end)` of document `doc`; yielded for documents the plan splits or truncates.
+
+    Converting it to an int raises: a dataset that does not know spans must be wrapped in :class:`SpanDataset`.
+    """
+
+    __slots__ = ("doc", "start", "end")
+
+    def __init__(self, doc: int, start: int, end: int) -> None:
+        self.doc, self.start, self.end = int(doc), int(start), int(end)
+
+    def __index__(self) -> int:
+        raise TypeError(f"{self!r} is part of a document (the plan split or truncated it): wrap the dataset in "
+                        "balancer.sampler.SpanDataset(dataset) so it returns that token range")
+
+    __int__ = __index__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Span) and (self.doc, self.start, self.end) == (other.doc, other.start, other.end)
+
+    def __hash__(self) -> int:
+        return hash((self.doc, self.start, self.end))
+
+    def __repr__(self) -> str:
+        return f"Span(doc={self.doc}, start={self.start}, end={self.end})"
+
+    def __reduce__(self):
+        return (Span, (self.doc, self.start, self.end))
+
+
+class SpanDataset(torch.utils.data.Dataset):
+    """Wraps a map-style dataset: `ds[i]` as before, `ds[Span(d, a, b)]` -> item `d` with `input_ids` (and `labels`,
+    when present) cut to tokens `[a, b)`."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx):
+        if not isinstance(idx, Span):
+            return self.dataset[idx]
+        item = dict(self.dataset[idx.doc])
+        for key in ("input_ids", "labels"):
+            if key in item and item[key] is not None:
+                x = item[key]
+                n = len(x)
+                if idx.end > n:
+                    raise ValueError(f"{idx!r} is beyond document {idx.doc}'s {n} tokens: the lengths given to the "
+                                     "sampler do not match the dataset")
+                item[key] = x[idx.start:idx.end]
+        return item
+
+
+# ---------------------------------------------------------------------------------------------------- lengths input
+def resolve_lengths(lengths, dataset=None) -> tuple[np.ndarray, Optional[int]]:
+    """Lengths from an array/list, a pretokenized folder or lengths file path, a `ShardDataset` (`.lengths`), a
+    `datasets.Dataset` (its `input_ids` column), or a column name of `dataset`. Returns (lengths, dataset size)."""
+    src = lengths
+    if isinstance(src, (str, os.PathLike)):
+        if dataset is not None and isinstance(src, str) and _is_hf_dataset(dataset) and src in dataset.column_names:
+            arr = np.asarray(_hf_column(dataset, src))
+            if arr.dtype == object or arr.ndim != 1:      # a list column (e.g. input_ids): lengths of its rows
+                arr = np.asarray(_hf_list_lengths(dataset, src))
+        else:
+            from .shards import read_lengths
+            arr = read_lengths(src)
+    elif hasattr(src, "lengths") and not isinstance(src, np.ndarray):     # ShardDataset and alike
+        arr = np.asarray(src.lengths)
+        if dataset is None:
+            dataset = src
+    elif _is_hf_dataset(src):
+        if "input_ids" not in src.column_names:
+            raise ValueError(f"the datasets.Dataset has no 'input_ids' column (columns: {src.column_names}); pass "
+                             "lengths='<column>', dataset=ds or a lengths array")
+        arr = np.asarray(_hf_list_lengths(src, "input_ids"))
+        if dataset is None:
+            dataset = src
+    else:
+        arr = np.asarray(src)
+    arr = validate_lengths(arr)
+    n_ds = None
+    if dataset is not None:
+        n_ds = len(dataset)
+        if n_ds != len(arr):
+            raise ValueError(f"lengths has {len(arr)} entries but the dataset has {n_ds} items: the lengths do not "
+                             "match the dataset")
+    return arr, n_ds
+
+
+def _is_hf_dataset(x) -> bool:
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(x, datasets.Dataset)
+
+
+def _hf_column(ds, name: str):
+    tbl = ds.with_format("arrow")[:]
+    return tbl.column(name).to_numpy(zero_copy_only=False)
+
+
+def _hf_list_lengths(ds, name: str) -> np.ndarray:
+    import pyarrow.compute as pc
+    tbl = ds.with_format("arrow")[:]
+    return pc.list_value_length(tbl.column(name)).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def fingerprint_lengths(lengths: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:32]
+
+
+# ---------------------------------------------------------------------------------------------------- plan segments
+@dataclass
+class _Segment:
+    """One plan of (part of) an epoch: placements (doc, start, end) cut into micro-batches by mb_ptr."""
+
+    topology: Topology
+    cost: CostModel
+    doc: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    mb_ptr: np.ndarray
+    plan: Any
+
+    @property
+    def num_steps(self) -> int:
+        return (len(self.mb_ptr) - 1) // self.topology.bins_per_step
+
+    def mb_index(self, step: int, dp_rank: int, m: int) -> int:
+        t = self.topology
+        return step * t.bins_per_step + dp_rank * t.micro_batches + m
+
+    def placements(self, k: int):
+        a, b = self.mb_ptr[k], self.mb_ptr[k + 1]
+        return self.doc[a:b], self.start[a:b], self.end[a:b]
+
+    def consumed_mask(self, steps: int) -> np.ndarray:
+        """Placements of the first `steps` steps."""
+        n = int(self.mb_ptr[min(steps * self.topology.bins_per_step, len(self.mb_ptr) - 1)])
+        mask = np.zeros(len(self.doc), dtype=bool)
+        mask[:n] = True
+        return mask
+
+
+def _plan_units(lengths: np.ndarray, u_doc, u_start, u_end, topology: Topology, cost: CostModel, seed: int,
+                overflow: str) -> _Segment:
+    """Plan units (doc, start, end) - each planned as a document of end-start tokens - and map back."""
+    if len(u_doc) == 0:
+        e = np.zeros(0, dtype=np.int64)
+        return _Segment(topology, cost, e, e, e, np.zeros(1, dtype=np.int64), None)
+    whole = (len(u_doc) == len(lengths)) and np.array_equal(u_doc, np.arange(len(lengths))) \
+        and not np.any(u_start) and np.array_equal(u_end, lengths)
+    p = make_plan(lengths if whole else (u_end - u_start), topology, cost, seed=seed, overflow=overflow)
+    if whole:
+        return _Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p)
+    return _Segment(topology, cost, u_doc[p.doc], u_start[p.doc] + p.start, u_start[p.doc] + p.end, p.mb_ptr, p)
+
+
+# ---------------------------------------------------------------------------------------------------- the sampler
+class BalancedBatchSampler(torch.utils.data.Sampler):
+    """Yields this DP rank's micro-batches (lists of dataset indices) of the balanced plan of each epoch.
+
+    Args:
+        lengths: token count per dataset item: an array/list, a pretokenized folder (or `.npy`/`.json` lengths file)
+            path, a `ShardDataset`, a `datasets.Dataset` (lengths of its `input_ids` rows), or the name of a column
+            of `dataset` (an int column of lengths, or a list column such as `input_ids`).
+        topology, cost: the `Topology` and `CostModel` of the run.
+        dp_rank: this rank's data-parallel index. When None: from `device_mesh` (its `dp_dim` dimension) or, when
+            torch.distributed is initialised, `rank // (cp * pp)` of the default group (DP outermost; the world size
+            must equal `topology.world_size`); otherwise 0 when `topology.dp == 1`.
+        seed: the epoch plan is `balancer.plan(..., seed=seed + epoch)`.
+        overflow: the planner's policy for documents over `max_tokens * cp` ("error", "split", "truncate").
+        dataset: the dataset the indices go to (checked to have `len(lengths)` items).
+    """
+
+    def __init__(self, lengths, topology: Topology, cost: CostModel, dp_rank: Optional[int] = None, seed: int = 0,
+                 overflow: str = "error", dataset=None, device_mesh=None, dp_dim: str = "dp") -> None:
+        if not isinstance(topology, Topology):
+            raise TypeError(f"topology must be a balancer.Topology, got {type(topology).__name__}")
+        if not isinstance(cost, CostModel):
+            raise TypeError(f"cost must be a balancer.CostModel, got {type(cost).__name__}")
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+        self.lengths, _ = resolve_lengths(lengths, dataset)
+        longest = int(self.lengths.max())
+        if overflow == "error" and longest > topology.micro_batch_tokens:
+            i = int(np.argmax(self.lengths))
+            raise ValueError(f"document {i} has {longest} tokens, more than a micro-batch holds: max_tokens*cp = "
+                             f"{topology.max_tokens}*{topology.cp} = {topology.micro_batch_tokens}; raise max_tokens "
+                             "or cp, or pass overflow='split' or 'truncate'")
+        self.topology = topology
+        self.cost = cost
+        self.seed = int(seed)
+        self.overflow = overflow
+        self.dp_rank = _resolve_dp_rank(dp_rank, topology, device_mesh, dp_dim)
+        self.fingerprint = fingerprint_lengths(self.lengths)
+        self.epoch = 0
+        self.position = 0            # micro-batches of the current segment this rank has yielded
+        self._history: list[dict] = []   # earlier segments of this epoch: {"topology", "cost", "steps"}
+        self._segment: Optional[_Segment] = None
+        self._resume_pending = False
+
+    # ---- plan -------------------------------------------------------------------------------------------------
+    @property
+    def segment(self) -> _Segment:
+        """The current plan segment (the epoch's plan, or its re-planned remainder after an elastic resume)."""
+        if self._segment is None:
+            self._segment = self._build_segment(self._history)
+        return self._segment
+
+    @property
+    def plan(self):
+        """The `balancer.Plan` of the current segment (None if nothing is left)."""
+        return self.segment.plan
+
+    def _build_segment(self, history: list[dict]) -> _Segment:
+        seed = self.seed + self.epoch
+        n = len(self.lengths)
+        u_doc, u_start, u_end = np.arange(n), np.zeros(n, dtype=np.int64), self.lengths.copy()
+        for h in history:
+            seg = _plan_units(self.lengths, u_doc, u_start, u_end, h["topology"], h["cost"], seed, self.overflow)
+            if h["steps"] > seg.num_steps:
+                raise ValueError(f"the state says {h['steps']} steps were consumed but that plan has only "
+                                 f"{seg.num_steps}")
+            left = ~seg.consumed_mask(h["steps"])
+            u_doc, u_start, u_end = seg.doc[left], seg.start[left], seg.end[left]
+            order = np.lexsort((u_start, u_doc))
+            u_doc, u_start, u_end = u_doc[order], u_start[order], u_end[order]
+        return _plan_units(self.lengths, u_doc, u_start, u_end, self.topology, self.cost, seed, self.overflow)
+
+    @property
+    def num_steps(self) -> int:
+        return self.segment.num_steps
+
+    def __len__(self) -> int:
+        return self.segment.num_steps * self.topology.micro_batches
+
+    def micro_batch(self, step: int, m: int, dp_rank: Optional[int] = None) -> list:
+        """Indices of micro-batch `m` of `step` for `dp_rank` (default: this rank)."""
+        seg = self.segment
+        doc, start, end = seg.placements(seg.mb_index(step, self.dp_rank if dp_rank is None else dp_rank, m))
+        full = self.lengths[doc]
+        return [int(d) if (s == 0 and e == f) else Span(d, s, e) for d, s, e, f in zip(doc, start, end, full)]
+
+    def step_of(self, index: int) -> tuple[int, int]:
+        """(step, m) of the `index`-th micro-batch this rank yields in the current segment."""
+        return divmod(int(index), self.topology.micro_batches)
+
+    # ---- per-step information -----------------------------------------------------------------------------------
+    def _step_slice(self, step: int) -> slice:
+        seg = self.segment
+        if not 0 <= step < seg.num_steps:
+            raise IndexError(f"step {step} out of range: this plan has {seg.num_steps} steps")
+        nb = self.topology.bins_per_step
+        return slice(int(seg.mb_ptr[step * nb]), int(seg.mb_ptr[(step + 1) * nb]))
+
+    def step_loss_tokens(self, step: int) -> int:
+        """Global number of loss tokens of `step` (all DP ranks, all micro-batches): sum over its documents (or
+        document windows) of `tokens - 1`, each document's last token having no target. Pass it to
+        `balancer.loss.token_loss` as the normaliser (valid when every token is a training target; with masked
+        labels, sum the collator's `num_loss_tokens` over the step instead)."""
+        sl = self._step_slice(step)
+        seg = self.segment
+        return int((seg.end[sl] - seg.start[sl] - 1).sum())
+
+    def step_tokens(self, step: int) -> int:
+        sl = self._step_slice(step)
+        return int((self.segment.end[sl] - self.segment.start[sl]).sum())
+
+    def step_num_sequences(self, step: int) -> int:
+        """Documents (or windows) of `step` holding at least one loss token: the normaliser of the per-sequence
+        loss (`balancer.loss.token_loss(..., reduction="sequence")`)."""
+        sl = self._step_slice(step)
+        return int(((self.segment.end[sl] - self.segment.start[sl]) > 1).sum())
+
+    def predicted_times(self, step: int) -> np.ndarray:
+        """[dp, M] predicted time (cost-model units) of every micro-batch of `step` on one CP rank: cost / cp."""
+        seg = self.segment
+        if seg.plan is None:
+            raise IndexError("nothing left to plan in this epoch")
+        self._step_slice(step)
+        return seg.plan.micro_batch_costs()[step] / self.topology.cp
+
+    def predicted_step(self, step: int) -> dict:
+        """Telemetry of `step`: predicted per-replica 1F1B times (`replica_times`, [dp]), the step time (max), the
+        step's lower bound (DESIGN.md section 3) and their ratio (`imbalance`), loss tokens and tokens."""
+        t = self.topology
+        mb = self.predicted_times(step)
+        rep = (t.pp - 1) * mb.max(axis=1) + mb.sum(axis=1)
+        sl = self._step_slice(step)
+        seg = self.segment
+        c = self.cost.cost(seg.end[sl] - seg.start[sl])
+        lb = max(c.sum() / (t.dp * t.cp) * (1 + (t.pp - 1) / t.micro_batches), t.pp * c.max() / t.cp)
+        lb += self.cost.fixed * t.micro_batches
+        return {"replica_times": rep, "step_time": float(rep.max()), "lower_bound": float(lb),
+                "imbalance": float(rep.max() / lb) if lb > 0 else 1.0,
+                "loss_tokens": self.step_loss_tokens(step), "tokens": self.step_tokens(step)}
+
+    # ---- iteration ------------------------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (its plan uses seed + epoch). Setting the epoch a loaded state is in keeps the resume
+        position; any other epoch starts from its beginning."""
+        epoch = int(epoch)
+        if epoch == self.epoch:
+            return
+        self.epoch = epoch
+        self.position = 0
+        self._history = []
+        self._segment = None
+        self._resume_pending = False
+
+    def __iter__(self) -> "_SamplerIter":
+        if self._resume_pending:
+            self._resume_pending = False
+        else:
+            if self._history:               # a fresh pass over an epoch that was resumed elastically: whole epoch
+                self._history = []
+                self._segment = None
+            self.position = 0
+        return _SamplerIter(self)
+
+    # ---- state ------------------------------------------------------------------------------------------------
+    def state_dict(self, position: Optional[int] = None) -> dict:
+        """The resume state. `position` overrides the micro-batches counted as consumed (default: those handed
+        out; with DataLoader workers prefetching, pass the number your loop consumed in the current plan)."""
+        if position is None:
+            position = self.position
+        elif not 0 <= int(position) <= len(self):
+            raise ValueError(f"position {position} out of range 0..{len(self)}")
+        return {"format": STATE_FORMAT, "epoch": self.epoch, "position": int(position), "seed": self.seed,
+                "overflow": self.overflow, "fingerprint": self.fingerprint, "num_docs": int(len(self.lengths)),
+                "dp_rank": self.dp_rank,
+                "segments": [{"topology": h["topology"].to_dict(), "cost": h["cost"].to_dict(), "steps": h["steps"]}
+                             for h in self._history]
+                + [{"topology": self.topology.to_dict(), "cost": self.cost.to_dict(), "steps": None}]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()` output (see the module docstring for the contract); the next `iter()` yields
+        the remainder of the saved epoch."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a BalancedBatchSampler state (format {state.get('format') if isinstance(state, dict) else type(state).__name__!r})")
+        if state["fingerprint"] != self.fingerprint or state["num_docs"] != len(self.lengths):
+            raise ValueError(f"the state is from another data set: {state['num_docs']} documents with lengths "
+                             f"fingerprint {state['fingerprint']}, this sampler has {len(self.lengths)} documents "
+                             f"with fingerprint {self.fingerprint}")
+        if state["seed"] != self.seed:
+            raise ValueError(f"the state is from seed {state['seed']}, this sampler has seed {self.seed}")
+        if state["overflow"] != self.overflow:
+            raise ValueError(f"the state is from overflow={state['overflow']!r}, this sampler has "
+                             f"overflow={self.overflow!r}")
+        segs = state["segments"]
+        history = [{"topology": Topology.from_dict(s["topology"]), "cost": CostModel.from_dict(s["cost"]),
+                    "steps": int(s["steps"])} for s in segs[:-1]]
+        last_topo, last_cost = Topology.from_dict(segs[-1]["topology"]), CostModel.from_dict(segs[-1]["cost"])
+        position = int(state["position"])
+        self.epoch = int(state["epoch"])
+        if last_topo == self.topology and last_cost == self.cost:
+            self._history, self.position = history, position
+        else:
+            if position % last_topo.micro_batches:
+                raise ValueError(
+                    f"the state is mid-step (micro-batch {position % last_topo.micro_batches} of step "
+                    f"{position // last_topo.micro_batches}) of a plan for {last_topo}; it can resume only onto the "
+                    f"same topology and cost model. Save at a step boundary to change the topology (now {self.topology})")
+            self._history = history + [{"topology": last_topo, "cost": last_cost,
+                                        "steps": position // last_topo.micro_batches}]
+            self.position = 0
+        self._segment = None
+        if self.position > len(self):
+            raise ValueError(f"the state's position {self.position} is past the plan's {len(self)} micro-batches")
+        self._resume_pending = True
+
+
+class _SamplerIter:
+    """Iterator over the sampler's remaining micro-batches; Stateful (torchdata) through the sampler."""
+
+    def __init__(self, sampler: BalancedBatchSampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self) -> "_SamplerIter":
+        return self
+
+    def __next__(self) -> list:
+        s = self.sampler
+        if s.position >= len(s):
+            raise StopIteration
+        step, m = divmod(s.position, s.topology.micro_batches)
+        out = s.micro_batch(step, m)
+        s.position += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+        self.sampler._resume_pending = False
+
+
+def _resolve_dp_rank(dp_rank, topology: Topology, device_mesh, dp_dim: str) -> int:
+    if dp_rank is not None:
+        if isinstance(dp_rank, bool) or int(dp_rank) != dp_rank or not 0 <= int(dp_rank) < topology.dp:
+            raise ValueError(f"dp_rank {dp_rank!r} out of range for dp={topology.dp}")
+        return int(dp_rank)
+    if device_mesh is not None:
+        size = device_mesh.size(device_mesh.mesh_dim_names.index(dp_dim)) if device_mesh.mesh_dim_names else None
+        if size != topology.dp:
+            raise ValueError(f"the device mesh's {dp_dim!r} dimension has {size} ranks, topology has dp={topology.dp}")
+        return int(device_mesh.get_local_rank(dp_dim))
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if world != topology.world_size:
+            raise ValueError(f"torch.distributed has {world} ranks but the topology needs dp*cp*pp = "
+                             f"{topology.world_size}; pass dp_rank= or device_mesh=")
+        return dist.get_rank() // (topology.cp * topology.pp)
+    if topology.dp == 1:
+        return 0
+    raise ValueError(f"dp_rank is not given and torch.distributed is not initialised (topology has dp={topology.dp})")

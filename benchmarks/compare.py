@@ -1,0 +1,332 @@
+"""Side-by-side: this toolkit against what users would pick instead (issue 6).
+
+    .venv/bin/python benchmarks/compare.py            # full run, a few minutes on 2 cores
+    .venv/bin/python benchmarks/compare.py --quick    # 20M tokens per distribution instead of 200M
+
+For each length distribution (wlbllm, prolong, sft, heavy) and topology, every peer of benchmarks/peers.py (TRL BFD
+packing + trainer dealing, multipack, verl, WLB-LLM, balancer) plans one epoch of the same documents with the same
+topology, cost model and seed; `Plan.metrics()` (DESIGN.md section 3) scores them all. The predicted speedup is
+TRL's sum of step times over the peer's (`step_time_total`): the speedup a user switching from TRL would see if the
+cost model holds. max_tokens is the next power of two >= longest document / cp, tokens_per_step = 0.85 x capacity.
+
+Corpus size: TRL's packing materialises every token (Arrow int32), so each distribution is a seeded random subset
+(without replacement) of its trace holding at most `--tokens` tokens (200M; `--quick` 20M); every peer plans the
+same subset. Writes benchmarks/results/compare.json and compare.png and prints markdown tables.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+import balancer  # noqa: E402
+from balancer.cli import MODELS  # noqa: E402
+from balancer.traces import load_trace  # noqa: E402
+
+import peers  # noqa: E402
+
+DISTS = ("wlbllm", "prolong", "sft", "heavy")
+DEFAULT_COST = ("default", 2 / 53000, 1.0)    # attention per causal pair, linear per token (equal at 53K tokens)
+TOPOLOGIES = [
+    dict(label="dp8 M4", dp=8, cp=1, pp=1, micro_batches=4, cost="default"),
+    dict(label="dp4 cp8 M8", dp=4, cp=8, pp=1, micro_batches=8, cost="default"),
+    dict(label="dp4 cp2 pp4 M8", dp=4, cp=2, pp=4, micro_batches=8, cost="default"),
+    dict(label="dp64 cp4 M8", dp=64, cp=4, pp=1, micro_batches=8, cost="default"),
+    dict(label="dp8 cp2 M4 llama2-7b", dp=8, cp=2, pp=1, micro_batches=4, cost="llama2-7b"),
+    dict(label="dp8 cp2 M4 llama3-70b", dp=8, cp=2, pp=1, micro_batches=4, cost="llama3-70b"),
+]
+PEER_ORDER = ("trl", "multipack", "verl", "wlb", "balancer")
+TIE = 0.005          # within 0.5% (relative) of the best counts as tied-first
+GOAL_SPEEDUP = 1.2
+
+
+def cost_model(name: str) -> balancer.CostModel:
+    if name == "default":
+        return balancer.CostModel(attn_coef=DEFAULT_COST[1], linear_coef=DEFAULT_COST[2])
+    return balancer.CostModel.from_model(**MODELS[name])
+
+
+def corpus(name: str, max_tokens: int, seed: int) -> tuple[np.ndarray, int]:
+    """A seeded random subset (no replacement) of the trace with at most `max_tokens` tokens; (lengths, full n)."""
+    full = load_trace(name, seed=seed)
+    perm = np.random.default_rng([seed, 6]).permutation(len(full))
+    keep = int(np.searchsorted(np.cumsum(full[perm]), max_tokens, side="right"))
+    return full[np.sort(perm[:keep])], len(full)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << int(np.ceil(np.log2(max(1, x))))
+
+
+def topology_for(lengths: np.ndarray, spec: dict) -> balancer.Topology:
+    max_tokens = next_pow2(-(-int(lengths.max()) // spec["cp"]))
+    return balancer.Topology(dp=spec["dp"], cp=spec["cp"], pp=spec["pp"], micro_batches=spec["micro_batches"],
+                             max_tokens=max_tokens)   # tokens_per_step: the default 0.85 x capacity
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise _Timeout()
+
+
+def run_peer(fn, lengths, topo, cost, seed, budget_s, **kwargs) -> tuple[dict, object]:
+    """Plan with one peer under a wall-clock budget; every failure becomes a status, never an omission."""
+    rec: dict = {}
+    signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, budget_s)
+    t0 = time.perf_counter()
+    try:
+        plan = fn(lengths, topo, cost, seed=seed, **kwargs)
+    except _Timeout:
+        return {"status": f"failed: too slow (> {budget_s:.0f} s)"}, None
+    except MemoryError as e:
+        return {"status": f"failed: out of memory ({e})"}, None
+    except Exception as e:   # noqa: BLE001 - a peer's failure is a result
+        return {"status": f"failed: {type(e).__name__}: {e}"}, None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    rec["wall_seconds"] = time.perf_counter() - t0
+    m = plan.metrics()
+    try:
+        plan.validate()
+        status = "ok" if m["dropped_tokens"] == 0 else "drops data"
+    except ValueError as e:
+        status = "drops data" if m["dropped_tokens"] > 0 and "not in the plan" in str(e) else f"invalid: {e}"
+    tok = plan.micro_batch_tokens().sum(axis=(1, 2)).astype(np.float64)
+    dev = np.abs(tok[:-1] - topo.tokens_per_step) / topo.tokens_per_step if len(tok) > 1 else np.zeros(0)
+    rec.update(status=status, **{k: m[k] for k in ("steps", "imbalance", "worst_step", "epoch_efficiency",
+                                                   "dropped_tokens", "plan_seconds", "mean_delay_steps",
+                                                   "token_utilization", "step_time_total", "lower_bound_epoch")},
+               max_step_token_dev=float(dev.max()) if len(dev) else 0.0,
+               last_step_tokens=int(tok[-1]) if len(tok) else 0,
+               notes=getattr(plan, "peer_notes", {}))
+    return rec, plan
+
+
+def rank_row(row: dict) -> None:
+    """Mark the best imbalance / epoch_efficiency among valid plans and whether balancer is first or tied."""
+    valid = {p: r for p, r in row["peers"].items() if r["status"] == "ok"}
+    if not valid:
+        return
+    best_imb = min(r["imbalance"] for r in valid.values())
+    best_eff = max(r["epoch_efficiency"] for r in valid.values())
+    row["best_imbalance"] = [p for p, r in valid.items() if r["imbalance"] <= best_imb * (1 + TIE)]
+    row["best_efficiency"] = [p for p, r in valid.items() if r["epoch_efficiency"] >= best_eff * (1 - TIE)]
+    b = row["peers"].get("balancer", {})
+    row["balancer_first_imbalance"] = "balancer" in row["best_imbalance"]
+    row["balancer_first_efficiency"] = "balancer" in row["best_efficiency"]
+    row["balancer_zero_drop"] = b.get("dropped_tokens", 1) == 0 and b.get("status") == "ok"
+
+
+def fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def markdown(rows: list[dict]) -> str:
+    head = ("| distribution | topology | peer | status | imbalance | worst_step | epoch_eff | dropped tok | "
+            "plan s | steps | max step tok dev | speedup vs TRL |\n"
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    lines = []
+    for row in rows:
+        for p in PEER_ORDER:
+            r = row["peers"][p]
+            ok = "imbalance" in r
+            imb = fmt(r.get("imbalance")) if ok else "-"
+            eff = fmt(r.get("epoch_efficiency")) if ok else "-"
+            if p in row.get("best_imbalance", []):
+                imb = f"**{imb}**"
+            if p in row.get("best_efficiency", []):
+                eff = f"**{eff}**"
+            status = r["status"] if len(r["status"]) < 60 else r["status"][:57] + "..."
+            lines.append(
+                f"| {row['distribution']} | {row['topology']} | {p} | {status} | {imb} | "
+                f"{fmt(r.get('worst_step'), '.2f')} | {eff} | {r.get('dropped_tokens', '-')} | "
+                f"{fmt(r.get('plan_seconds'), '.2f')} | {r.get('steps', '-')} | "
+                f"{fmt(r.get('max_step_token_dev'), '.1%')} | {fmt(r.get('speedup_vs_trl'), '.2f')}x |")
+    return head + "\n".join(lines) + "\n"
+
+
+def summary_markdown(rows: list[dict]) -> str:
+    peers_ = PEER_ORDER[1:]
+    head = ("| distribution | topology | " + " | ".join(f"{p} speedup" for p in peers_) +
+            " | bound | balancer first (imb / eff) |\n|---|---|" + "---:|" * (len(peers_) + 1) + "---|\n")
+    lines = []
+    for row in rows:
+        cells = []
+        for p in peers_:
+            r = row["peers"][p]
+            cells.append(fmt(r.get("speedup_vs_trl"), ".2f") + "x" if r.get("speedup_vs_trl") else r["status"][:20])
+        first = ("yes" if row.get("balancer_first_imbalance") else "no") + " / " + \
+                ("yes" if row.get("balancer_first_efficiency") else "no")
+        lines.append(f"| {row['distribution']} | {row['topology']} | " + " | ".join(cells) +
+                     f" | {fmt(row.get('speedup_bound'), '.2f')}x | {first} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    peers_ = PEER_ORDER[1:]
+    colors = {"multipack": "#9aa5b1", "verl": "#7fb3d5", "wlb": "#f5b041", "balancer": "#1e8449"}
+    dists = [d for d in DISTS if any(r["distribution"] == d for r in rows)]
+    fig, axes = plt.subplots(len(dists), 1, figsize=(13, 3.6 * len(dists)), squeeze=False)
+    width = 0.8 / len(peers_)
+    for ax, dist in zip(axes[:, 0], dists):
+        drows = [r for r in rows if r["distribution"] == dist]
+        x = np.arange(len(drows))
+        top = 1.0
+        for i, p in enumerate(peers_):
+            vals = [r["peers"][p].get("speedup_vs_trl") for r in drows]
+            h = [v if v is not None else 0.0 for v in vals]
+            bars = ax.bar(x + (i - (len(peers_) - 1) / 2) * width, h, width, label=p, color=colors[p],
+                          edgecolor="black", linewidth=0.4)
+            for b, v, r in zip(bars, vals, drows):
+                st = r["peers"][p]["status"]
+                if v is None or st != "ok":
+                    tag = "failed" if v is None else ("drops data" if st == "drops data" else "invalid plan")
+                    ax.text(b.get_x() + b.get_width() / 2, (v or 0) + 0.03, tag, ha="center", va="bottom",
+                            fontsize=7, color="red", rotation=90)
+                elif p == "balancer":
+                    ax.text(b.get_x() + b.get_width() / 2, v + 0.03, f"{v:.2f}", ha="center", va="bottom",
+                            fontsize=8, fontweight="bold")
+            top = max([top] + [v for v in vals if v is not None])
+        ax.axhline(1.0, color="black", linewidth=1.0, label="TRL BFD (= 1.0)")
+        ax.axhline(GOAL_SPEEDUP, color="red", linewidth=0.8, linestyle="--", label=f"goal {GOAL_SPEEDUP}x")
+        ax.set_xticks(x)
+        ax.set_xticklabels([r["topology"] for r in drows], fontsize=9)
+        ax.set_ylim(0, top * 1.18)
+        ax.set_ylabel("predicted speedup vs TRL")
+        n = drows[0]["num_docs"]
+        ax.set_title(f"{dist}: {n:,} documents, {drows[0]['tokens'] / 1e6:.0f}M tokens", fontsize=11, loc="left")
+        ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.suptitle(title, fontsize=12, y=0.995)
+    fig.legend(handles, labels, ncol=6, fontsize=9, loc="upper center", bbox_to_anchor=(0.5, 0.975), frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 0.96 if len(dists) > 1 else 0.86))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="20M tokens per distribution (default 200M)")
+    ap.add_argument("--tokens", type=float, default=None, help="tokens per distribution (overrides --quick)")
+    ap.add_argument("--dists", default=",".join(DISTS), help="comma-separated distributions")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--budget", type=float, default=300.0, help="seconds one peer may take on one input")
+    ap.add_argument("--out", default=str(HERE / "results" / "compare.json"))
+    ap.add_argument("--png", default=None, help="plot path (default: next to --out, .png)")
+    args = ap.parse_args(argv)
+    budget_tokens = int(args.tokens if args.tokens else (20e6 if args.quick else 200e6))
+    out = Path(args.out)
+    png = Path(args.png) if args.png else out.with_suffix(".png")
+    t_start = time.perf_counter()
+    rows: list[dict] = []
+    corpora = {}
+    for dist in args.dists.split(","):
+        lengths, n_full = corpus(dist, budget_tokens, args.seed)
+        corpora[dist] = dict(num_docs=int(len(lengths)), trace_docs=int(n_full), tokens=int(lengths.sum()),
+                             max_length=int(lengths.max()), median_length=float(np.median(lengths)))
+        print(f"== {dist}: {len(lengths):,} of {n_full:,} documents, {lengths.sum() / 1e6:.0f}M tokens, "
+              f"max {lengths.max():,}", flush=True)
+        trl_cache: dict[int, object] = {}
+        for spec in TOPOLOGIES:
+            topo = topology_for(lengths, spec)
+            cost = cost_model(spec["cost"])
+            row = dict(distribution=dist, topology=spec["label"], cost=spec["cost"], topology_spec=topo.to_dict(),
+                       num_docs=int(len(lengths)), tokens=int(lengths.sum()), peers={})
+            seq = topo.micro_batch_tokens
+            if seq not in trl_cache:                     # seq_length = max_tokens * cp: pack once per value
+                t0 = time.perf_counter()
+                try:
+                    order = peers.shuffled_order(len(lengths), args.seed)
+                    trl_cache[seq] = peers.trl_pack(lengths, seq, order)
+                except MemoryError as e:
+                    trl_cache[seq] = f"failed: out of memory ({e})"
+                except Exception as e:   # noqa: BLE001
+                    trl_cache[seq] = f"failed: {type(e).__name__}: {e}"
+                print(f"   trl.pack_dataset(seq_length={seq:,}): {time.perf_counter() - t0:.1f} s", flush=True)
+            for p in PEER_ORDER:
+                if p == "trl":
+                    if isinstance(trl_cache[seq], str):
+                        rec = {"status": trl_cache[seq]}
+                    else:
+                        rec, _ = run_peer(peers.trl_plan, lengths, topo, cost, args.seed, args.budget,
+                                          packed=trl_cache[seq])
+                else:
+                    rec, _ = run_peer(peers.PEERS[p], lengths, topo, cost, args.seed, args.budget)
+                row["peers"][p] = rec
+            base = row["peers"]["trl"].get("step_time_total")
+            lb = row["peers"]["balancer"].get("lower_bound_epoch")
+            row["speedup_bound"] = base / lb if base and lb else None   # TRL time / LB_epoch: no plan beats it
+            for p, r in row["peers"].items():
+                r["speedup_vs_trl"] = (base / r["step_time_total"]) if base and r.get("step_time_total") else None
+            rank_row(row)
+            rows.append(row)
+            b, t = row["peers"]["balancer"], row["peers"]["trl"]
+            print(f"   {spec['label']:<24} max_tokens={topo.max_tokens:>7}  " + "  ".join(
+                f"{p}:{fmt(row['peers'][p].get('imbalance'), '.3f')}" for p in PEER_ORDER) +
+                f"  speedup={fmt(b.get('speedup_vs_trl'), '.2f')}x  trl_steps={t.get('steps')}", flush=True)
+    runtime = time.perf_counter() - t_start
+
+    goal_rows = [r for r in rows if r["distribution"] in ("wlbllm", "prolong", "heavy")
+                 and (r["topology_spec"]["cp"] > 1 or r["topology_spec"]["pp"] > 1)]
+    goal = dict(
+        balancer_first_imbalance_all=all(r.get("balancer_first_imbalance") for r in rows),
+        balancer_first_efficiency_all=all(r.get("balancer_first_efficiency") for r in rows),
+        balancer_zero_drop_all=all(r.get("balancer_zero_drop") for r in rows),
+        speedup_rows=len(goal_rows),
+        speedup_min=min((r["peers"]["balancer"].get("speedup_vs_trl") or 0.0) for r in goal_rows) if goal_rows
+        else None,
+        speedup_ge_goal_all=all((r["peers"]["balancer"].get("speedup_vs_trl") or 0.0) >= GOAL_SPEEDUP
+                                for r in goal_rows),
+        not_first_imbalance=[f"{r['distribution']} / {r['topology']}" for r in rows
+                             if not r.get("balancer_first_imbalance")],
+        not_first_efficiency=[f"{r['distribution']} / {r['topology']}" for r in rows
+                              if not r.get("balancer_first_efficiency")],
+    )
+    result = dict(
+        config=dict(quick=args.quick, tokens_per_distribution=budget_tokens, seed=args.seed, budget_s=args.budget,
+                    tie_tolerance=TIE, goal_speedup=GOAL_SPEEDUP, default_cost=dict(attn_coef=DEFAULT_COST[1],
+                                                                                    linear_coef=DEFAULT_COST[2]),
+                    models={k: MODELS[k] for k in ("llama2-7b", "llama3-70b")},
+                    rule="max_tokens = next power of two >= longest document / cp; tokens_per_step = 0.85 x capacity",
+                    trl="trl.pack_dataset(strategy='bfd', seq_length=max_tokens*cp), datasets.map default batches "
+                        "of 1000; packed once per seq_length per distribution, its measured time counted in every "
+                        "row's plan_seconds; rows shuffled by a seeded RandomSampler, row i of a step -> rank "
+                        "i % dp; the last partial step's rows are split into dp*M micro-batches (with fewer documents "
+                        "than dp*M, they and the step before are dealt over two steps)",
+                    corpora=corpora),
+        machine=dict(cpu=platform.machine(), cores=os.cpu_count(), python=platform.python_version()),
+        runtime_seconds=runtime, goal=goal, rows=rows)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(rows, png, "Predicted training speedup over TRL BFD packing (sum of step times, DESIGN.md section 3 "
+                    "cost model); higher is better")
+    print()
+    print(summary_markdown(rows))
+    print(markdown(rows))
+    print(f"goal: {json.dumps(goal)}")
+    print(f"wrote {out} and {png} in {runtime:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

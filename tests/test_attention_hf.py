@@ -1,0 +1,91 @@
+"""A stock transformers LlamaForCausalLM (tiny config, random weights, no download) with the registered CP
+attention on a gloo CP group equals the same model run document by document with stock attention: logits, loss and
+parameter gradients (summed over ranks)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist_utils import run_world
+
+transformers = pytest.importorskip("transformers")
+
+
+def _model(attn: str):
+    import attention.hf as ahf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ahf.register()
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      attn_implementation=attn)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).double()
+
+
+def _shifted_labels(ids: torch.Tensor, cu: np.ndarray) -> torch.Tensor:
+    lab = torch.full_like(ids, -100)
+    for a, b in zip(cu[:-1], cu[1:]):
+        lab[a:b - 1] = ids[a + 1:b]
+    return lab
+
+
+def _worker(rank, world, method):
+    import attention
+    import attention.hf as ahf
+
+    lens = np.array([5, 1, 23, 3, 14, 2 * world + 1])
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    T = int(cu[-1])
+    ids = torch.randint(0, 61, (T,), generator=torch.Generator().manual_seed(1))
+    labels = _shifted_labels(ids, cu)
+    n_labels = int((labels != -100).sum())
+
+    ref = _model("sdpa")
+    logits_ref, loss_ref = [], 0.0
+    for a, b in zip(cu[:-1], cu[1:]):                                # stock attention, one document at a time
+        lg = ref(input_ids=ids[None, a:b], position_ids=torch.arange(b - a)[None]).logits[0]
+        logits_ref.append(lg)
+        loss_ref = loss_ref + torch.nn.functional.cross_entropy(lg, labels[a:b], ignore_index=-100, reduction="sum")
+    logits_ref = torch.cat(logits_ref)
+    (loss_ref / n_labels).backward()
+
+    model = _model(ahf.NAME)
+    model.load_state_dict(ref.state_dict())
+    layout = attention.CPLayout.build(cu, world)
+    ids_l = layout.shard(ids, rank)[None]
+    pos_l = torch.from_numpy(layout.position_ids(rank))[None]
+    lab_l = layout.shard(labels, rank)
+    with ahf.cp_context(layout, method=method):
+        out = model(input_ids=ids_l, position_ids=pos_l)
+        hf_loss = model(input_ids=ids_l, position_ids=pos_l, labels=lab_l[None], shift_labels=lab_l[None]).loss
+    logits = out.logits[0]
+    assert (logits - layout.shard(logits_ref, rank)).abs().max() <= 1e-9 * logits_ref.abs().max()
+    loss = torch.nn.functional.cross_entropy(logits, lab_l, ignore_index=-100, reduction="sum")
+    n_local = int((lab_l != -100).sum())
+    if n_local:
+        # transformers computes its loss in float32
+        assert abs(float(hf_loss) - float(loss) / n_local) <= 1e-5 * abs(float(loss) / n_local)
+    (loss / n_labels).backward()
+    total = torch.tensor([float(loss)], dtype=torch.float64)
+    dist.all_reduce(total)
+    assert abs(float(total) / n_labels - float(loss_ref) / n_labels) <= 1e-10
+    for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
+        g = p.grad.clone()
+        dist.all_reduce(g)                                           # data-parallel style sum over the CP ranks
+        assert (g - pr.grad).abs().max() <= 1e-9 * max(float(pr.grad.abs().max()), 1e-12), name
+
+
+@pytest.mark.parametrize("world,method", [(2, "ring"), (3, "allgather")])
+def test_llama_packed_cp_equals_per_document(world, method):
+    run_world(world, _worker, method)
+
+
+def test_needs_context():
+    import attention.hf as ahf
+
+    model = _model(ahf.register())
+    with pytest.raises(RuntimeError, match="cp_context"):
+        model(input_ids=torch.zeros(1, 4, dtype=torch.long))
