@@ -357,6 +357,8 @@ def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy:
     assign = np.full(n, -1, dtype=np.int64)
     if n == 0:
         return assign
+    # largest first; a stable sort, so ties come out in the same order on every machine (unstable SIMD sorts
+    # may order float ties differently on another CPU, and every rank must compute the same plan)
     order = np.argsort(-cost, kind="stable")
     avg = cost.sum() / nb
     n_heavy = int(np.sum(cost > HEAVY_PACK * avg))
@@ -480,7 +482,10 @@ def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostMode
     doc_order = rng.permutation(len(lengths))
     rank = np.empty_like(doc_order)
     rank[doc_order] = np.arange(len(doc_order))
-    shuffled = np.argsort(rank[u_doc], kind="stable")           # units in shuffled document order
+    if len(u_doc) == len(lengths):                               # units in shuffled document order
+        shuffled = doc_order
+    else:
+        shuffled = np.argsort(rank[u_doc], kind="stable")
     u_tok = (u_end - u_start)[shuffled]
     u_cost = cost.cost(u_tok)
     # only documents whose attention is a large part of their cost need spreading or grouping over the steps;
@@ -507,7 +512,8 @@ def _pack_epoch(u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, t
     """Cut the shuffled units into steps and pack each; returns per step (units sorted by micro-batch, sizes)."""
     nb = topology.bins_per_step
     step_of = _assign_steps(u_cost, u_tok, targets, nb, rng, grouped=topology.pp > 1, attn_heavy=attn_heavy)
-    by_step = np.argsort(step_of, kind="stable")                 # shuffled order kept inside a step
+    key = step_of.astype(np.int16) if len(targets) < 2**15 else step_of      # 16-bit keys sort by radix
+    by_step = np.argsort(key, kind="stable")                     # shuffled order kept inside a step
     bounds = np.searchsorted(step_of[by_step], np.arange(len(targets) + 1))
     groups = [by_step[bounds[s]:bounds[s + 1]] for s in range(len(targets))]
     _borrow_for_small_tail(groups, u_cost, nb)
@@ -530,7 +536,7 @@ def _pack_epoch(u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, t
         if len(carry) and s + 1 < len(groups):
             placed, bins = _backfill(placed, bins, float(u_tok[carry].sum()), groups, s, u_tok, u_cost,
                                      attn_heavy, topology)
-        srt = np.argsort(bins * len(u_cost) + placed, kind="stable")     # by micro-batch, shuffled order inside
+        srt = np.argsort(bins * len(u_cost) + placed)            # by micro-batch, shuffled order inside (unique keys)
         packed.append((placed[srt], np.bincount(bins, minlength=nb)))
         s += 1
         bar.update(1) if bar else None
