@@ -281,62 +281,70 @@ def pack_step(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.nd
 
 def _polish(assign: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology,
             rounds: int = 30) -> None:
-    """Local search for small steps (in place): best single move or swap out of the slowest replica, repeated
-    while it lowers the step time."""
+    """Local search for small steps (in place): the best single move or swap of a unit of the slowest replica,
+    repeated while it lowers the step time. Each round is vectorised over the candidate partners."""
     t = topology
-    m, pp, cap, nb = t.micro_batches, t.pp, t.micro_batch_tokens, t.bins_per_step
-    load = np.bincount(assign, weights=cost, minlength=nb)
-    tok = np.bincount(assign, weights=tokens, minlength=nb).astype(np.int64)
-    cnt = np.bincount(assign, minlength=nb)
-
-    def rep_time(r: int, ld: np.ndarray) -> float:
-        b = ld[r * m:(r + 1) * m]
-        return (pp - 1) * b.max() + b.sum()
-
+    m, pp, cap, nb, dp = t.micro_batches, t.pp, t.micro_batch_tokens, t.bins_per_step, t.dp
+    n = len(cost)
+    rep_of_bin = np.arange(nb) // m
     for _ in range(rounds):
-        times = np.array([rep_time(r, load) for r in range(t.dp)])
+        load = np.bincount(assign, weights=cost, minlength=nb)
+        tok = np.bincount(assign, weights=tokens, minlength=nb)
+        cnt = np.bincount(assign, minlength=nb)
+        lb = load.reshape(dp, m)
+        srt = np.sort(lb, axis=1)
+        top, second = srt[:, -1], (srt[:, -2] if m > 1 else np.zeros(dp))
+        total = lb.sum(axis=1)
+        times = (pp - 1) * top + total
         r0 = int(np.argmax(times))
         current = times[r0]
-        best, best_val = None, current * (1 - 1e-12)
-        for i in np.flatnonzero(assign // m == r0):
-            a = assign[i]
-            for j in range(nb):
-                if j == a:
-                    continue
-                # move i to j
-                if cnt[a] > 1 and tok[j] + tokens[i] <= cap:
-                    ld = load.copy()
-                    ld[a] -= cost[i]
-                    ld[j] += cost[i]
-                    val = max(rep_time(r0, ld), rep_time(j // m, ld),
-                              np.max(np.delete(times, [r0, j // m])) if t.dp > 2 else -np.inf)
-                    if val < best_val:
-                        best, best_val = ("move", i, j), val
-            for k in np.flatnonzero(assign != a):
-                b = assign[k]
-                if tok[a] - tokens[i] + tokens[k] > cap or tok[b] - tokens[k] + tokens[i] > cap:
-                    continue
-                ld = load.copy()
-                ld[a] += cost[k] - cost[i]
-                ld[b] += cost[i] - cost[k]
-                val = max(rep_time(r0, ld), rep_time(b // m, ld),
-                          np.max(np.delete(times, [r0, b // m])) if t.dp > 2 else -np.inf)
-                if val < best_val:
-                    best, best_val = ("swap", i, k), val
+        # the largest replica time outside replicas r0 and x, for every x
+        order = np.argsort(-times, kind="stable")
+        first_other = times[order[1]] if dp > 1 else -np.inf
+        second_other = times[order[2]] if dp > 2 else -np.inf
+        rest = np.where(np.arange(dp) == order[min(1, dp - 1)], second_other, first_other)
+        # per bin: the largest other bin of its replica
+        other_max = np.where(load == top[rep_of_bin], second[rep_of_bin], top[rep_of_bin])
+        best, best_val = None, current * (1 - 1e-9)
+        rep_unit = assign // m
+        for i in np.flatnonzero(rep_unit == r0):
+            a, c = assign[i], cost[i]
+            t0_move = (pp - 1) * max(other_max[a], load[a] - c) + total[r0] - c
+            # moves to every micro-batch of another replica
+            ok = (rep_of_bin != r0) & (tok + tokens[i] <= cap) & (cnt[a] > 1)
+            tr = (pp - 1) * np.maximum(top[rep_of_bin], load + c) + total[rep_of_bin] + c
+            val = np.maximum(np.maximum(t0_move, tr), rest[rep_of_bin])
+            val = np.where(ok, val, np.inf)
+            j = int(np.argmin(val))
+            if val[j] < best_val:
+                best, best_val = ("move", i, j), val[j]
+            if pp > 1 and cnt[a] > 1:           # inside the replica: lowers its largest micro-batch
+                for j in range(r0 * m, (r0 + 1) * m):
+                    if j != a and tok[j] + tokens[i] <= cap:
+                        b = load[r0 * m:(r0 + 1) * m].copy()
+                        b[a - r0 * m] -= c
+                        b[j - r0 * m] += c
+                        v = max((pp - 1) * b.max() + total[r0], first_other)
+                        if v < best_val:
+                            best, best_val = ("move", i, j), v
+            # swaps with every unit of another replica
+            k_idx = np.flatnonzero(rep_unit != r0)
+            if len(k_idx):
+                ck, bk = cost[k_idx], assign[k_idx]
+                fit = (tok[a] - tokens[i] + tokens[k_idx] <= cap) & (tok[bk] - tokens[k_idx] + tokens[i] <= cap)
+                t0 = (pp - 1) * np.maximum(other_max[a], load[a] - c + ck) + total[r0] - c + ck
+                tk = (pp - 1) * np.maximum(other_max[bk], load[bk] - ck + c) + total[rep_of_bin[bk]] - ck + c
+                val = np.where(fit, np.maximum(np.maximum(t0, tk), rest[rep_of_bin[bk]]), np.inf)
+                q = int(np.argmin(val))
+                if val[q] < best_val:
+                    best, best_val = ("swap", i, int(k_idx[q])), val[q]
         if best is None:
             return
         if best[0] == "move":
-            _, i, j = best
-            a = assign[i]
-            load[a] -= cost[i]; tok[a] -= tokens[i]; cnt[a] -= 1        # noqa: E702
-            load[j] += cost[i]; tok[j] += tokens[i]; cnt[j] += 1        # noqa: E702
-            assign[i] = j
+            assign[best[1]] = best[2]
         else:
             _, i, k = best
-            a, b = assign[i], assign[k]
-            load[a] += cost[k] - cost[i]; tok[a] += tokens[k] - tokens[i]  # noqa: E702
-            load[b] += cost[i] - cost[k]; tok[b] += tokens[i] - tokens[k]  # noqa: E702
-            assign[i], assign[k] = b, a
+            assign[i], assign[k] = assign[k], assign[i]
 
 
 def _step_time(assign: np.ndarray, cost: np.ndarray, topology: Topology) -> float:

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _attn_ref import reference
 from _dist_utils import run_world
 from attention import CPLayout, cp_attention, varlen_attention
 
@@ -20,20 +21,6 @@ TOL = {torch.float64: 1e-9, torch.float32: 2e-5,
        # gradients pass through one more bf16 product (dS = P*(dP-D)) -> 2e-2.
        torch.bfloat16: 1e-2}
 TOL_GRAD = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 2e-2}
-
-
-def reference(q, k, v, cu, causal, scale):
-    """Plain float64 masked softmax over the whole packed batch (GQA by repeating KV heads)."""
-    lens = np.diff(cu)
-    doc = torch.from_numpy(np.repeat(np.arange(len(lens)), lens))
-    pos = torch.arange(q.shape[0]) - torch.from_numpy(np.repeat(cu[:-1], lens))
-    mask = doc[:, None] == doc[None, :]
-    if causal:
-        mask &= pos[None, :] <= pos[:, None]
-    g = q.shape[1] // k.shape[1]
-    s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(g, 1)) * scale
-    p = torch.softmax(s.masked_fill(~mask, -math.inf), dim=-1)
-    return torch.einsum("hqk,khd->qhd", p, v.repeat_interleave(g, 1))
 
 
 def rel(a, b, scale=None) -> float:

@@ -8,23 +8,13 @@ import numpy as np
 import pytest
 import torch
 
+from _attn_ref import reference
+
 from attention import Pieces, get_backend, merge_, varlen_attention
 from attention.backends import ReferenceBackend, TorchCPUBackend
 
 TOL = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 1e-2}
 TOL_GRAD = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 2e-2}
-
-
-def reference(q, k, v, cu, causal, scale):
-    lens = np.diff(cu)
-    doc = torch.from_numpy(np.repeat(np.arange(len(lens)), lens))
-    pos = torch.arange(q.shape[0]) - torch.from_numpy(np.repeat(cu[:-1], lens))
-    mask = doc[:, None] == doc[None, :]
-    if causal:
-        mask &= pos[None, :] <= pos[:, None]
-    g = q.shape[1] // k.shape[1]
-    s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(g, 1)) * scale
-    return torch.einsum("hqk,khd->qhd", torch.softmax(s.masked_fill(~mask, -math.inf), -1), v.repeat_interleave(g, 1))
 
 
 def rel(a, b, scale=None):
