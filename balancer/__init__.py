@@ -7,7 +7,7 @@ from .plan import Plan
 from .planner import plan, pack_step
 from .sampler import BalancedBatchSampler, Span, SpanDataset
 from .collate import PackedCollator
-from .shards import ShardDataset, read_lengths
+from .dataset import ShardDataset, read_lengths
 from . import loss
 
 __all__ = ["CostModel", "Topology", "Plan", "plan", "pack_step", "BalancedBatchSampler", "PackedCollator",

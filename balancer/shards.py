@@ -1,5 +1,6 @@
-"""Pretokenized shards: input readers, the streaming shard writer, manifest, resume, verify, merge, and the reader
-(`ShardDataset`, `read_lengths`).
+"""Pretokenized shards: the `balancer pretokenize` pipeline: the streaming shard writer, manifest, resume,
+verify and merge. Inputs are read by `balancer.readers`, finished folders by `balancer.dataset` (`ShardDataset`,
+`read_lengths`; re-exported here).
 
 On-disk layout of an output folder (`balancer pretokenize ... --output DIR`)::
 
@@ -23,7 +24,6 @@ the same job verifies the recorded shards by checksum, deletes everything else, 
 """
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import hashlib
 import json
@@ -38,45 +38,28 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
-import torch
 from tqdm import tqdm
 
+from .dataset import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, ShardDataset, _open_arrow,  # noqa: F401
+                      load_manifest, read_lengths, shard_file_names)
+from .readers import (INPUT_SUFFIXES, READ_BATCH_BYTES, READ_BATCH_DOCS, Cursor, InputSource,  # noqa: F401
+                      PretokenizeError, Record, _batched, cursor_for_record, fingerprint_input, iter_records,
+                      resolve_inputs, sha256_file)
 from .tokenize import EncoderConfig, Tokenizer, TokenizerError, encode_payloads, init_encoder, load_tokenizer
 
-FORMAT_NAME = "balancer-pretokenized"
-FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
 STATE_NAME = ".pretokenize-state.json"
 DEFAULT_SHARD_TOKENS = 100_000_000   # ~200 MB of uint16 ids per shard
 FLUSH_TOKENS = 1 << 20                # Arrow record batch: at most ~1M tokens ...
 FLUSH_ROWS = 4096                     # ... or this many rows
-READ_BATCH_DOCS = 1024                # documents per tokenization batch ...
-READ_BATCH_BYTES = 4 << 20            # ... or this many bytes of raw text
 MAX_SKIPPED_EXAMPLES = 100            # skipped records listed in the manifest (counts are always exact)
-INPUT_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
 OVERFLOW_CHOICES = ("split", "truncate", "drop")
 SKIP_REASONS = ("bad_json", "not_object", "missing_field", "not_text", "invalid_utf8", "unencodable_text",
                 "empty", "blank_line", "too_long")
 _SHARD_FILE_RE = re.compile(r"^shard-\d{5,}\.(arrow|lengths\.npy|doc_ids\.npy)$")
 
 
-class PretokenizeError(RuntimeError):
-    """A run cannot proceed: bad input (the message names the file and line), a refused output folder, ..."""
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # small file helpers
-
-def sha256_file(path: Path, chunk: int = 1 << 23) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                return h.hexdigest()
-            h.update(b)
-
 
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -100,330 +83,6 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 def _save_npy(path: Path, arr: np.ndarray) -> None:
     with open(path, "wb") as f:
         np.save(f, np.ascontiguousarray(arr, dtype=np.int64), allow_pickle=False)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# inputs
-
-@dataclass(frozen=True)
-class InputSource:
-    """One input: `kind` in jsonl | json_array | parquet | txt | hf_disk | hf_hub; `path` as a string."""
-
-    kind: str
-    path: str
-
-    @property
-    def display(self) -> str:
-        return self.path
-
-
-def _sniff_json(path: Path) -> str:
-    """`.json` files: a top-level array -> json_array, else JSON lines."""
-    with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
-    return "json_array" if head.startswith(b"[") else "jsonl"
-
-
-def _source_for_file(p: Path) -> Optional[InputSource]:
-    kind = INPUT_SUFFIXES.get(p.suffix.lower())
-    if kind is None:
-        return None
-    if kind == "json":
-        kind = _sniff_json(p)
-    return InputSource(kind, str(p))
-
-
-def resolve_inputs(specs: Sequence[str], exclude: Optional[Path] = None) -> tuple[list[InputSource], list[str]]:
-    """Expand INPUT arguments into sources, in command-line order (directory contents sorted by relative path).
-
-    Returns (sources, ignored files found in directories). Raises PretokenizeError for a missing path, an
-    unsupported file type or a directory without inputs. A path that does not exist and does not look like a file
-    path is taken as a Hugging Face hub dataset name. Files under `exclude` (the output folder) are skipped."""
-    excl = exclude.resolve() if exclude is not None else None
-    sources: list[InputSource] = []
-    ignored: list[str] = []
-    if not specs:
-        raise PretokenizeError("no INPUT given")
-    for spec in specs:
-        p = Path(spec)
-        if p.is_dir():
-            if (p / "state.json").is_file() and (p / "dataset_info.json").is_file() or \
-                    (p / "dataset_dict.json").is_file():
-                sources.append(InputSource("hf_disk", spec))
-                continue
-            found = []
-            for f in sorted(p.rglob("*"), key=lambda q: q.relative_to(p).as_posix()):
-                if not f.is_file() or any(part.startswith(".") for part in f.relative_to(p).parts):
-                    continue
-                if excl is not None and (excl == f.resolve().parent or excl in f.resolve().parents):
-                    continue
-                src = _source_for_file(f)
-                if src is None:
-                    ignored.append(str(f))
-                else:
-                    found.append(src)
-            if not found:
-                raise PretokenizeError(f"{spec}: directory holds no .jsonl/.json/.parquet/.txt files")
-            sources.extend(found)
-        elif p.is_file():
-            src = _source_for_file(p)
-            if src is None:
-                raise PretokenizeError(f"{spec}: unsupported input type {p.suffix!r} "
-                                       f"(expected .jsonl, .json, .parquet, .txt, a directory or a dataset name)")
-            sources.append(src)
-        elif p.suffix.lower() in INPUT_SUFFIXES or spec.startswith((".", "/", "~")) or os.sep + os.sep in spec:
-            raise PretokenizeError(f"{spec}: no such file or directory")
-        else:
-            sources.append(InputSource("hf_hub", spec))
-    return sources, ignored
-
-
-def _load_hf(source: InputSource):
-    """The `datasets.Dataset` of an hf_disk / hf_hub source (a DatasetDict contributes its 'train' split)."""
-    import datasets
-    try:
-        if source.kind == "hf_disk":
-            ds = datasets.load_from_disk(source.path)
-        else:
-            ds = datasets.load_dataset(source.path, split="train")
-    except Exception as exc:
-        raise PretokenizeError(f"{source.path}: cannot load with `datasets` ({type(exc).__name__}: {exc})") from exc
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise PretokenizeError(f"{source.path}: a DatasetDict without a 'train' split (splits: {list(ds)})")
-        ds = ds["train"]
-    return ds
-
-
-def fingerprint_input(source: InputSource, progress: Optional[tqdm] = None) -> dict:
-    """{path, kind, size, sha256, records}: content hash and record count of one input (one read of the file)."""
-    info: dict[str, Any] = {"path": source.path, "kind": source.kind}
-    if source.kind in ("hf_disk", "hf_hub"):
-        ds = _load_hf(source)
-        files = [c["filename"] for c in ds.cache_files]
-        h = hashlib.sha256()
-        size = 0
-        if files:
-            for fn in files:
-                h.update(sha256_file(Path(fn)).encode())
-                size += os.path.getsize(fn)
-            info["sha256"] = h.hexdigest()
-        else:
-            info["sha256"] = hashlib.sha256(str(ds._fingerprint).encode()).hexdigest()
-        info["size"] = size
-        info["records"] = len(ds)
-        return info
-    path = Path(source.path)
-    h = hashlib.sha256()
-    newlines = 0
-    last = b""
-    size = 0
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(1 << 23)
-            if not b:
-                break
-            h.update(b)
-            size += len(b)
-            if source.kind == "jsonl":
-                newlines += b.count(b"\n")
-            last = b[-1:]
-            if progress is not None:
-                progress.update(len(b))
-    info["size"] = size
-    info["sha256"] = h.hexdigest()
-    if source.kind == "jsonl":
-        info["records"] = newlines + (1 if size and last != b"\n" else 0)
-    elif source.kind == "txt":
-        info["records"] = 1
-    elif source.kind == "parquet":
-        import pyarrow.parquet as pq
-        info["records"] = pq.ParquetFile(path).metadata.num_rows
-    elif source.kind == "json_array":
-        info["records"] = len(_load_json_array(path))
-    return info
-
-
-def _load_json_array(path: Path) -> list:
-    try:
-        with open(path, "rb") as f:
-            data = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise PretokenizeError(f"{path} line {exc.lineno} column {exc.colno}: invalid JSON ({exc.msg}); "
-                               f"a JSON array file is parsed whole, use JSON lines to skip single bad records")
-    except UnicodeDecodeError as exc:
-        raise PretokenizeError(f"{path}: invalid UTF-8 at byte {exc.start} ({exc.reason})")
-    if not isinstance(data, list):
-        raise PretokenizeError(f"{path}: expected a JSON array or JSON lines")
-    return data
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# record stream: (doc_id, where, cursor_after) metadata + (kind, payload) for the encoder
-#   kinds: "json" (a raw JSON line, bytes), "value" (the text field's value; None = missing), "obj" (a parsed JSON
-#   value to take the field from), "bytes" (a whole .txt file)
-
-
-@dataclass
-class Cursor:
-    """Position in the input stream: `record` = global index of the next record; `input`/`local` locate it;
-    `offset` = byte offset of that line for JSON lines (None otherwise)."""
-
-    record: int = 0
-    input: int = 0
-    local: int = 0
-    offset: Optional[int] = 0
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, d: dict) -> "Cursor":
-        return cls(**d)
-
-
-def _offset_of_line(path: Path, n: int) -> int:
-    """Byte offset where (0-based) line `n` starts."""
-    if n == 0:
-        return 0
-    seen = pos = 0
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(1 << 23)
-            if not chunk:
-                raise PretokenizeError(f"{path}: has fewer than {n} lines (changed while running?)")
-            c = chunk.count(b"\n")
-            if seen + c >= n:
-                idx = -1
-                for _ in range(n - seen):
-                    idx = chunk.index(b"\n", idx + 1)
-                return pos + idx + 1
-            seen += c
-            pos += len(chunk)
-
-
-def cursor_for_record(record: int, inputs: list[dict]) -> Cursor:
-    """The cursor of global record index `record` (for a slice start), from the inputs' record counts."""
-    start = 0
-    for i, info in enumerate(inputs):
-        n = info["records"]
-        if record < start + n:
-            local = record - start
-            offset = _offset_of_line(Path(info["path"]), local) if info["kind"] == "jsonl" else None
-            return Cursor(record, i, local, offset)
-        start += n
-    return Cursor(record, len(inputs), 0, None)
-
-
-Record = tuple  # (doc_id, where, cursor_after: Cursor, kind, payload)
-
-
-def iter_records(sources: list[InputSource], text_field: str, cursor: Cursor, end: Optional[int]) -> Iterator[Record]:
-    """Records from `cursor` (inclusive) to global index `end` (exclusive; None = to the end), in input order."""
-    rec = cursor.record
-    for i in range(cursor.input, len(sources)):
-        if end is not None and rec >= end:
-            return
-        src = sources[i]
-        local = cursor.local if i == cursor.input else 0
-        offset = cursor.offset if i == cursor.input else 0
-        shown = src.display
-        if src.kind == "jsonl":
-            with open(src.path, "rb") as f:
-                f.seek(offset or 0)
-                pos = offset or 0
-                for line in f:
-                    if end is not None and rec >= end:
-                        return
-                    pos += len(line)
-                    yield rec, f"{shown} line {local + 1}", Cursor(rec + 1, i, local + 1, pos), "json", line
-                    rec += 1
-                    local += 1
-        elif src.kind == "txt":
-            if local == 0:
-                data = Path(src.path).read_bytes()
-                yield rec, shown, Cursor(rec + 1, i, 1, None), "bytes", data
-                rec += 1
-        elif src.kind == "json_array":
-            data = _load_json_array(Path(src.path))
-            for j in range(local, len(data)):
-                if end is not None and rec >= end:
-                    return
-                yield rec, f"{shown} element {j}", Cursor(rec + 1, i, j + 1, None), "obj", data[j]
-                rec += 1
-        elif src.kind == "parquet":
-            yield from _iter_parquet(src, i, text_field, rec, local, end)
-            n = _parquet_rows(src.path)
-            rec += max(0, n - local) if end is None else max(0, min(n - local, end - rec))
-        elif src.kind in ("hf_disk", "hf_hub"):
-            ds = _load_hf(src)
-            n = len(ds)
-            stop = n if end is None else min(n, local + (end - rec))
-            has_field = text_field in ds.column_names
-            if has_field:
-                ds = ds.select_columns([text_field])
-            for a in range(local, stop, READ_BATCH_DOCS):
-                b = min(stop, a + READ_BATCH_DOCS)
-                values = ds[a:b][text_field] if has_field else [None] * (b - a)
-                for j, v in enumerate(values):
-                    r = rec + (a - local) + j
-                    yield r, f"{shown} row {a + j}", Cursor(r + 1, i, a + j + 1, None), "value", v
-            rec += max(0, stop - local)
-        else:  # pragma: no cover
-            raise PretokenizeError(f"{src.path}: unknown input kind {src.kind}")
-
-
-def _parquet_rows(path: str) -> int:
-    import pyarrow.parquet as pq
-    return pq.ParquetFile(path).metadata.num_rows
-
-
-def _iter_parquet(src: InputSource, i: int, text_field: str, rec: int, local: int,
-                  end: Optional[int]) -> Iterator[Record]:
-    import pyarrow.parquet as pq
-    pf = pq.ParquetFile(src.path)
-    n = pf.metadata.num_rows
-    stop = n if end is None else min(n, local + (end - rec))
-    if local >= stop:
-        return
-    has_field = text_field in pf.schema_arrow.names
-    # first row group holding row `local`
-    starts = [0]
-    for g in range(pf.num_row_groups):
-        starts.append(starts[-1] + pf.metadata.row_group(g).num_rows)
-    g0 = bisect.bisect_right(starts, local) - 1
-    row = starts[g0]
-    if not has_field:
-        batches: Iterable = ([None] * (stop - local),)
-        row = local
-    else:
-        batches = (b.column(0).to_pylist() for b in
-                   pf.iter_batches(batch_size=READ_BATCH_DOCS, row_groups=list(range(g0, pf.num_row_groups)),
-                                   columns=[text_field]))
-    for values in batches:
-        for v in values:
-            if row >= stop:
-                return
-            if row >= local:
-                r = rec + (row - local)
-                yield r, f"{src.display} row {row}", Cursor(r + 1, i, row + 1, None), "value", v
-            row += 1
-
-
-def _batched(records: Iterator[Record]) -> Iterator[tuple[list, list]]:
-    """Group records into (metadata list, (kind, payload) list) batches for the encoder."""
-    meta: list = []
-    payloads: list = []
-    nbytes = 0
-    for doc_id, where, cur, kind, payload in records:
-        meta.append((doc_id, where, cur))
-        payloads.append((kind, payload))
-        nbytes += len(payload) if isinstance(payload, (bytes, str)) else 64
-        if len(meta) >= READ_BATCH_DOCS or nbytes >= READ_BATCH_BYTES:
-            yield meta, payloads
-            meta, payloads, nbytes = [], [], 0
-    if meta:
-        yield meta, payloads
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -460,9 +119,6 @@ def shard_features(dtype: np.dtype):
     return datasets.Features({"input_ids": datasets.List(datasets.Value(np.dtype(dtype).name)),
                               "doc_id": datasets.Value("int64")})
 
-
-def shard_file_names(name: str) -> tuple[str, str, str]:
-    return f"{name}.arrow", f"{name}.lengths.npy", f"{name}.doc_ids.npy"
 
 
 class ShardWriter:
@@ -839,26 +495,6 @@ def _version() -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # verify
 
-def load_manifest(path: str | os.PathLike) -> dict:
-    """The manifest of a finished output folder; PretokenizeError when there is none (unfinished or not ours)."""
-    p = Path(path) / MANIFEST_NAME
-    if not p.is_file():
-        raise PretokenizeError(f"{path}: no {MANIFEST_NAME} (not a finished `balancer pretokenize` output)")
-    try:
-        with open(p, encoding="utf-8") as f:
-            m = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise PretokenizeError(f"{p}: invalid JSON ({exc})") from exc
-    if m.get("format") != FORMAT_NAME:
-        raise PretokenizeError(f"{p}: not a {FORMAT_NAME} manifest")
-    return m
-
-
-def _open_arrow(path: Path) -> pa.Table:
-    """Memory-mapped table of a shard (zero-copy)."""
-    return pa.ipc.open_stream(pa.memory_map(str(path), "r")).read_all()
-
-
 def verify(path: str | os.PathLike) -> list[str]:
     """Check an output folder: checksums and sizes of every file, rows and tokens per shard and in total, the
     lengths and doc_id index against the Arrow data, doc_ids in input order, no stray files. Returns the problems
@@ -996,102 +632,3 @@ def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = Fal
     _summary(out, manifest)
     return manifest
 
-
-# ----------------------------------------------------------------------------------------------------------------
-# reading
-
-def read_lengths(path: str | os.PathLike) -> np.ndarray:
-    """Per-row token lengths (int64, 1-D) from a pretokenized folder (its lengths index; no token data read), a
-    `.npy` array, or a `.json` list of lengths (or an object with a "lengths" list). Raises ValueError naming the
-    file when it holds something else."""
-    p = Path(path)
-    if p.is_dir():
-        try:
-            m = load_manifest(p)
-        except PretokenizeError as exc:
-            raise ValueError(str(exc)) from exc
-        parts = [np.load(p / shard_file_names(e["name"])[1], allow_pickle=False) for e in m["shards"]]
-        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-    if not p.is_file():
-        raise ValueError(f"{path}: no such file or directory")
-    if p.suffix == ".npy":
-        try:
-            arr = np.load(p, allow_pickle=False)
-        except Exception as exc:  # noqa: BLE001
-            raise ValueError(f"{path}: not a readable .npy array ({exc})") from exc
-    elif p.suffix == ".json":
-        try:
-            with open(p, encoding="utf-8") as f:
-                data = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{path}: invalid JSON ({exc})") from exc
-        if isinstance(data, dict) and "lengths" in data:
-            data = data["lengths"]
-        if not isinstance(data, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in data):
-            raise ValueError(f"{path}: expected a JSON list of integer lengths (or {{\"lengths\": [...]}})")
-        arr = np.asarray(data, dtype=np.int64)
-    else:
-        raise ValueError(f"{path}: expected a pretokenized folder, a .npy or a .json file of lengths")
-    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(f"{path}: expected a 1-D integer array, got {arr.dtype} of shape {arr.shape}")
-    if len(arr) and arr.min() < 0:
-        raise ValueError(f"{path}: negative length at index {int(np.argmin(arr))}")
-    return arr.astype(np.int64)
-
-
-class ShardDataset(torch.utils.data.Dataset):
-    """Map-style dataset over a finished pretokenize folder: `len(ds)` rows, `ds[i]` ->
-    {"input_ids": LongTensor, "doc_id": int}. `.lengths` / `.doc_ids` (int64 numpy) come from the lengths index
-    without touching the token data. Shards are memory-mapped lazily, per process (safe with DataLoader workers)."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        self.path = Path(path)
-        m = load_manifest(self.path)
-        self.manifest = m
-        self._names = [e["name"] for e in m["shards"]]
-        lens = [np.load(self.path / shard_file_names(n)[1], allow_pickle=False) for n in self._names]
-        docs = [np.load(self.path / shard_file_names(n)[2], allow_pickle=False) for n in self._names]
-        self.lengths: np.ndarray = np.concatenate(lens).astype(np.int64) if lens else np.zeros(0, np.int64)
-        self.doc_ids: np.ndarray = np.concatenate(docs).astype(np.int64) if docs else np.zeros(0, np.int64)
-        self._row_starts = np.concatenate([[0], np.cumsum([len(x) for x in lens])]).astype(np.int64)
-        self._open: dict[int, tuple[np.ndarray, list]] = {}
-
-    def __len__(self) -> int:
-        return int(self._row_starts[-1])
-
-    def __getstate__(self) -> dict:
-        d = dict(self.__dict__)
-        d["_open"] = {}
-        return d
-
-    def _shard(self, s: int) -> tuple[np.ndarray, list]:
-        got = self._open.get(s)
-        if got is None:
-            table = _open_arrow(self.path / f"{self._names[s]}.arrow")
-            chunks = table.column("input_ids").chunks
-            starts = np.cumsum([0] + [len(c) for c in chunks]).astype(np.int64)
-            got = (starts, [(c.offsets.to_numpy(), c.values.to_numpy()) for c in chunks])
-            self._open[s] = got
-        return got
-
-    def token_ids(self, i: int) -> np.ndarray:
-        """Row `i`'s ids as a read-only numpy view into the memory map (no copy)."""
-        n = len(self)
-        if i < 0:
-            i += n
-        if not 0 <= i < n:
-            raise IndexError(f"row {i} out of range for {n} rows")
-        s = int(np.searchsorted(self._row_starts, i, side="right") - 1)
-        local = i - int(self._row_starts[s])
-        starts, chunks = self._shard(s)
-        c = int(np.searchsorted(starts, local, side="right") - 1)
-        offs, vals = chunks[c]
-        r = local - int(starts[c])
-        return vals[offs[r]:offs[r + 1]]
-
-    def __getitem__(self, i: int) -> dict:
-        i = int(i)
-        ids = self.token_ids(i)
-        if i < 0:
-            i += len(self)
-        return {"input_ids": torch.from_numpy(ids.astype(np.int64)), "doc_id": int(self.doc_ids[i])}
