@@ -60,7 +60,10 @@ def compare_table(plans: dict[str, Plan]) -> str:
 
 def plot(lengths: np.ndarray, cost: CostModel, path: str, plans: dict[str, Plan] | None = None) -> None:
     """PNG: length histogram with token/attention shares by length and, given plans, their per-step balance."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib (or the package's [plot] extra)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
