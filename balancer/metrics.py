@@ -65,7 +65,9 @@ def summarize(mb_cost: np.ndarray, step_work: np.ndarray, step_max: np.ndarray, 
         "token_utilization": float(total_tokens / capacity_used) if capacity_used else 0.0,
         "padding_tokens": int(padding_tokens),
         "dropped_tokens": int(dropped_tokens),
-        "mean_delay_steps": float(np.mean(delay_steps)) if delay_steps is not None and len(delay_steps) else 0.0,
+        # unknown (nan) for a plan that does not record where its documents would naturally have gone
+        "mean_delay_steps": (float(np.mean(delay_steps)) if len(delay_steps) else 0.0) if delay_steps is not None
+        else float("nan"),
         "plan_seconds": float(plan_seconds),
         "step_time_total": total_t,
         "lower_bound_epoch": lb_epoch,

@@ -244,6 +244,8 @@ class Plan:
         else:
             data = self.to_dict()
             data.update({k: v for k, v in self._header().items() if k not in data})
+            if self.natural_step is not None:
+                data["natural_step"] = self.natural_step.tolist()
             _atomic_write(path, lambda f: f.write(json.dumps(data, separators=(",", ":")).encode()))
 
     def _header(self) -> dict:
@@ -288,4 +290,4 @@ class Plan:
         return cls(lengths, topo, CostModel.from_dict(data["cost_model"]), np.asarray(doc, dtype=np.int64),
                    np.asarray(start, dtype=np.int64), np.asarray(end, dtype=np.int64), np.asarray(ptr),
                    seed=data.get("seed"), plan_seconds=data.get("plan_seconds", float("nan")),
-                   dropped_tokens=data.get("dropped_tokens"))
+                   natural_step=data.get("natural_step"), dropped_tokens=data.get("dropped_tokens"))

@@ -31,6 +31,7 @@ from .topology import Topology
 OVERFLOW_POLICIES = ("error", "split", "truncate")
 HEAVY_STEP = 0.25   # heavier than this share of a micro-batch's average work: spread evenly over the steps
 HEAVY_PACK = 0.5    # heavier than this share of a micro-batch's average work: placed one by one in pack_step
+STEP_BAND = (0.93, 1.07)  # step sizes the planner aims for, in tokens_per_step (3% margin to the +-10% rule)
 SPREAD_WINDOW = 8     # heavy units are evened out over windows of this many steps (bounds their delay)
 GROUP_WINDOW = 32     # with pipelining, heavy units are grouped by cost inside windows of this many steps
 ATTN_SHARE = 1 / 3    # a unit is attention-heavy when attention is at least this share of its cost
@@ -87,14 +88,16 @@ def _units(lengths: np.ndarray, cap: int, overflow: str, topology: Topology):
 
 def step_token_targets(total_tokens: int, step_tokens: int, capacity: int,
                        tokens_per_step: int | None = None) -> np.ndarray:
-    """Token target of every step: equal steps near `step_tokens` when that keeps every step within 10% of
-    `tokens_per_step` (default: `step_tokens`) and under 97% of capacity; otherwise full steps of `step_tokens`
-    and a smaller last one."""
+    """Token target of every step: equal steps near `step_tokens` when that keeps every step within 7% of
+    `tokens_per_step` (default: `step_tokens`; the 3% margin to the 10% rule absorbs packing granularity) and under
+    97% of capacity; otherwise full steps of `step_tokens` (at most 97% of capacity, what packing can reach) and a
+    smaller last one."""
     tps = step_tokens if tokens_per_step is None else tokens_per_step
+    step_tokens = int(min(max(step_tokens, STEP_BAND[0] * tps), STEP_BAND[1] * tps, 0.97 * capacity))
     base = max(1, int(round(total_tokens / step_tokens)))
     for s in sorted({base, base + 1, max(1, base - 1)}, key=lambda s: abs(total_tokens / s - step_tokens)):
         even = total_tokens / s
-        if 0.9 * tps <= even <= 1.1 * tps and even <= 0.97 * capacity:
+        if STEP_BAND[0] * tps <= even <= STEP_BAND[1] * tps and even <= 0.97 * capacity:
             return np.full(s, even)
     s = max(1, int(np.ceil(total_tokens / step_tokens)))
     targets = np.full(s, float(step_tokens))
@@ -121,7 +124,7 @@ def _effective_step_tokens(c: np.ndarray, tok: np.ndarray, topology: Topology) -
             return tps
         rho = c[~heavy].sum() / tok[~heavy].sum()
         excess = float(np.sum(c[heavy] / rho - tok[heavy])) / steps
-        target = float(np.clip(0.98 * capacity - excess, 0.9 * tps, tps))
+        target = float(np.clip(0.98 * capacity - excess, STEP_BAND[0] * tps, tps))
     return max(1, int(round(target)))
 
 
@@ -545,7 +548,8 @@ def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostMode
         mb_id = np.repeat(np.arange(len(sizes)), sizes)
         unit = unit[np.argsort(mb_id * 2 + ~whole, kind="stable")]
     ptr = np.concatenate([[0], np.cumsum(sizes)])
-    natural = natural_steps(doc_order, lengths, int(round(float(np.mean(targets)))))
+    placed_tokens = np.bincount(u_doc, weights=u_end - u_start, minlength=len(lengths)).astype(np.int64)
+    natural = natural_steps(doc_order, placed_tokens, int(round(float(np.mean(targets)))))
     return Plan(lengths, topology, cost, u_doc[unit], u_start[unit], u_end[unit], ptr, seed=seed,
                 natural_step=natural, plan_seconds=time.perf_counter() - t0)
 
@@ -568,7 +572,7 @@ def _pack_epoch(u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, t
     while s < len(groups) or len(carry):
         units = groups[s] if s < len(groups) else np.zeros(0, dtype=np.int64)
         units = np.concatenate([carry, units])
-        if s == len(groups) - 1 and u_tok[units].sum() > 1.05 * targets[-1] and len(units) > 2 * nb:
+        if s == len(groups) - 1 and u_tok[units].sum() > 1.1 * targets.max() and len(units) > 2 * nb:
             groups.append(np.zeros(0, dtype=np.int64))     # the last step overflows: open one more
         if s + 1 < len(groups):
             target = float(targets[s]) if s < len(targets) else float(targets.max())
@@ -685,7 +689,7 @@ def _choose_step_tokens(u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.nd
     stalls = t.pp * u_cost.max() / t.cp > 0.8 * share
     if shrunk >= tps or not stalls or steps < 2:
         return shrunk
-    candidates = sorted({shrunk, tps, min(int(1.1 * tps), int(0.98 * t.capacity))})
+    candidates = sorted({shrunk, tps, min(int(STEP_BAND[1] * tps), int(0.97 * t.capacity))})
     k = int(np.searchsorted(np.cumsum(u_tok), 12 * tps)) + 1
     c, tok, heavy = u_cost[:k], u_tok[:k], attn_heavy[:k]
     best, best_time = shrunk, np.inf

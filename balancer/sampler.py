@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from .cost import CostModel
+from .metrics import lower_bound
 from .planner import OVERFLOW_POLICIES, plan as make_plan, validate_lengths
 from .topology import Topology
 
@@ -342,8 +343,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         sl = self._step_slice(step)
         seg = self.segment
         c = self.cost.cost(seg.end[sl] - seg.start[sl])
-        lb = max(c.sum() / (t.dp * t.cp) * (1 + (t.pp - 1) / t.micro_batches), t.pp * c.max() / t.cp)
-        lb += self.cost.fixed * t.micro_batches
+        lb = float(lower_bound(c.sum(), c.max(), t, self.cost.fixed))
         return {"replica_times": rep, "step_time": float(rep.max()), "lower_bound": float(lb),
                 "imbalance": float(rep.max() / lb) if lb > 0 else 1.0,
                 "loss_tokens": self.step_loss_tokens(step), "tokens": self.step_tokens(step)}

@@ -160,3 +160,30 @@ def test_pack_step_one_global_batch():
     assert tok.max() <= topo.micro_batch_tokens
     rep = np.bincount(assign // 4, weights=COST.cost(lengths), minlength=8)
     assert rep.max() / rep.mean() < 1.02
+
+
+@pytest.mark.parametrize("lengths, topo, cost", [
+    # tokens_per_step == capacity: full steps are aimed at what packing can reach, no tiny second-to-last step
+    (np.full(925, 40), Topology(dp=1, cp=2, micro_batches=3, max_tokens=2048, tokens_per_step=12288), COST),
+    # an even split right at the -10% edge would let lumpy steps fall below it
+    (np.full(462, 40), Topology(dp=1, micro_batches=2, max_tokens=4096, tokens_per_step=4096),
+     CostModel(attn_coef=0.0, linear_coef=1.0)),
+])
+def test_step_sizes_at_the_edges(lengths, topo, cost):
+    p = balancer.plan(lengths, topo, cost, seed=0)
+    p.validate()
+    tokens = p.micro_batch_tokens().sum(axis=(1, 2))
+    assert np.all(np.abs(tokens[:-1] / topo.tokens_per_step - 1) <= 0.10), tokens
+    assert tokens[-1] <= 1.10 * topo.tokens_per_step
+
+
+def test_delay_counts_truncated_tokens_and_survives_json(tmp_path):
+    lengths = np.random.default_rng(0).integers(1, 20000, 300)
+    topo = Topology(dp=2, cp=2, pp=2, micro_batches=3, max_tokens=2000)
+    for overflow in ("truncate", "split"):
+        p = balancer.plan(lengths, topo, COST, seed=0, overflow=overflow)
+        assert p.natural_step.max() <= 1.05 * p.num_steps + 1
+        assert p.metrics()["mean_delay_steps"] < 3
+        p.save(tmp_path / "p.json")
+        back = balancer.Plan.load(tmp_path / "p.json")
+        assert back.metrics()["mean_delay_steps"] == pytest.approx(p.metrics()["mean_delay_steps"])

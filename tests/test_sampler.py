@@ -370,3 +370,14 @@ def test_dp_rank_from_device_mesh():
     assert BalancedBatchSampler(LENGTHS, TOPO, COST, device_mesh=Mesh(4, 3)).dp_rank == 3
     with pytest.raises(ValueError, match="device mesh"):
         BalancedBatchSampler(LENGTHS, TOPO, COST, device_mesh=Mesh(2, 1))
+
+
+def test_predicted_step_bound_with_fixed_cost():
+    from balancer.sampler import BalancedBatchSampler
+    lengths = np.random.default_rng(0).integers(100, 3000, 400)
+    topo = Topology(dp=2, cp=2, pp=3, micro_batches=4, max_tokens=4096)
+    s = BalancedBatchSampler(lengths, topo, CostModel(2 / 53000, 1.0, fixed=5000.0), dp_rank=0, seed=0)
+    for step in range(3):
+        info = s.predicted_step(step)
+        assert info["imbalance"] >= 1 - 1e-9
+        assert info["lower_bound"] <= info["step_time"] * (1 + 1e-9)
