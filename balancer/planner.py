@@ -87,13 +87,14 @@ def _units(lengths: np.ndarray, cap: int, overflow: str, topology: Topology):
 
 
 def step_token_targets(total_tokens: int, step_tokens: int, capacity: int,
-                       tokens_per_step: int | None = None) -> np.ndarray:
+                       tokens_per_step: int | None = None, floor: int = 0) -> np.ndarray:
     """Token target of every step: equal steps near `step_tokens` when that keeps every step within 7% of
     `tokens_per_step` (default: `step_tokens`; the 3% margin to the 10% rule absorbs packing granularity) and under
     97% of capacity; otherwise full steps of `step_tokens` (at most 97% of capacity, what packing can reach) and a
     smaller last one."""
     tps = step_tokens if tokens_per_step is None else tokens_per_step
     step_tokens = int(min(max(step_tokens, STEP_BAND[0] * tps), STEP_BAND[1] * tps, 0.97 * capacity))
+    step_tokens = max(step_tokens, int(min(floor, 0.97 * capacity)), 1)   # room for a document per micro-batch
     base = max(1, int(round(total_tokens / step_tokens)))
     for s in sorted({base, base + 1, max(1, base - 1)}, key=lambda s: abs(total_tokens / s - step_tokens)):
         even = total_tokens / s
@@ -537,8 +538,8 @@ def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostMode
     step_tokens = _choose_step_tokens(u_cost, u_tok, attn_heavy, topology, seed)
     # a step must hold at least one document per micro-batch: with tokens_per_step below that (tiny budgets or
     # huge documents) +-10% cannot hold, so steps grow to fit a few documents per micro-batch
-    step_tokens = int(max(step_tokens, min(1.25 * nb * u_tok.mean(), 0.9 * topology.capacity)))
-    targets = step_token_targets(int(u_tok.sum()), step_tokens, topology.capacity, topology.tokens_per_step)
+    floor = int(1.25 * nb * u_tok.mean())
+    targets = step_token_targets(int(u_tok.sum()), step_tokens, topology.capacity, topology.tokens_per_step, floor)
     packed = _pack_epoch(u_cost, u_tok, attn_heavy, targets, topology, np.random.default_rng([seed, 1]), progress)
 
     sizes = np.concatenate([sz for _, sz in packed])
