@@ -36,6 +36,17 @@ class _Gather:
         return [(p[0, :int(n)].to(device), p[1, :int(n)].to(device)) for p, n in zip(self.parts, self.counts)]
 
 
+def _gathered(k, v, heads: list[tuple[int, int]], counts: np.ndarray, g: Group, device):
+    """Yield (first head, end head, [(K, V) of every rank]) per KV head group, the next group's gather posted
+    before the current one is handed out."""
+    pending = _Gather(k, v, *heads[0], counts, g)
+    for j, (a, b) in enumerate(heads):
+        kvs = pending.wait(device)
+        if j + 1 < len(heads):
+            pending = _Gather(k, v, *heads[j + 1], counts, g)
+        yield a, b, kvs
+
+
 def allgather_forward(q, k, v, layout: CPLayout, g: Group, causal: bool, scale: float, be: Backend,
                       head_chunks: int = 1):
     counts = layout.local_counts
@@ -43,12 +54,7 @@ def allgather_forward(q, k, v, layout: CPLayout, g: Group, causal: bool, scale: 
     grp = q.shape[1] // hk
     out = q.new_zeros(q.shape)
     lse = torch.full(q.shape[:2], -float("inf"), dtype=acc_dtype(q.dtype), device=q.device)
-    heads = _head_groups(hk, head_chunks)
-    pending = _Gather(k, v, *heads[0], counts, g)
-    for j, (a, b) in enumerate(heads):
-        kvs = pending.wait(q.device)
-        if j + 1 < len(heads):
-            pending = _Gather(k, v, *heads[j + 1], counts, g)
+    for a, b, kvs in _gathered(k, v, _head_groups(hk, head_chunks), counts, g, q.device):
         qh = q[:, a * grp:b * grp]
         acc = Accumulator()
         for s in range(g.size):
@@ -70,12 +76,7 @@ def allgather_backward(dout, q, k, v, out, lse, layout: CPLayout, g: Group, caus
     dq = torch.zeros(q.shape, dtype=a_dt, device=q.device)
     tmax = int(counts.max())
     dkv = torch.zeros(g.size, 2, tmax, hk, d, dtype=a_dt, device=q.device)
-    heads = _head_groups(hk, head_chunks)
-    pending = _Gather(k, v, *heads[0], counts, g)
-    for j, (a, b) in enumerate(heads):
-        kvs = pending.wait(q.device)
-        if j + 1 < len(heads):
-            pending = _Gather(k, v, *heads[j + 1], counts, g)
+    for a, b, kvs in _gathered(k, v, _head_groups(hk, head_chunks), counts, g, q.device):
         qs = slice(a * grp, b * grp)
         for s in range(g.size):
             p = layout.pieces(g.rank, s, causal)

@@ -19,28 +19,36 @@ def _split_kv(buf: torch.Tensor, n_tok: int, hk: int, d: int):
     return buf[:half].view(n_tok, hk, d), buf[half:].view(n_tok, hk, d)
 
 
-def ring_forward(q, k, v, layout: CPLayout, g: Group, causal: bool, scale: float, be: Backend):
-    """Returns (out in q.dtype, lse in the accumulation dtype) for this rank's queries."""
+def _kv_ring(k: torch.Tensor, v: torch.Tensor, counts, g: Group, device: torch.device):
+    """Yield (i, s, kv) for i = 0..c-1: rank s = r - i's keys and values packed flat in `kv`, with the transfer of
+    the next block already posted; it is waited for when the caller asks for the next block (after computing)."""
     c, r = g.size, g.rank
-    counts = layout.local_counts
     hk, d = k.shape[1], k.shape[2]
     kv = torch.cat([k.reshape(-1), v.reshape(-1)])
     kv_comm = kv.to(g.comm_device)            # gloo moves CPU tensors: CUDA KV is staged through the host
-    acc = Accumulator()
     for i in range(c):
-        s = (r - i) % c
         reqs, nxt = [], None
         if i + 1 < c:
             nxt = kv_comm.new_empty(int(counts[(r - i - 1) % c]) * 2 * hk * d)
             reqs = sendrecv(g, kv_comm, nxt, tag=0)
+        yield i, (r - i) % c, kv
+        wait_all(reqs)
+        if nxt is not None:
+            kv_comm = nxt
+            kv = nxt.to(device)
+
+
+def ring_forward(q, k, v, layout: CPLayout, g: Group, causal: bool, scale: float, be: Backend):
+    """Returns (out in q.dtype, lse in the accumulation dtype) for this rank's queries."""
+    r = g.rank
+    counts = layout.local_counts
+    hk, d = k.shape[1], k.shape[2]
+    acc = Accumulator()
+    for _, s, kv in _kv_ring(k, v, counts, g, q.device):
         p = layout.pieces(r, s, causal)
         if len(p):
             kb, vb = _split_kv(kv, int(counts[s]), hk, d)
             acc.add(*be.forward(q, kb, vb, p, scale))
-        wait_all(reqs)
-        if nxt is not None:
-            kv_comm = nxt
-            kv = nxt.to(q.device)
     if acc.out is None:
         out = q.new_zeros(q.shape)
         lse = torch.full(q.shape[:2], -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
@@ -54,16 +62,9 @@ def ring_backward(dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal: b
     counts = layout.local_counts
     hk, d = k.shape[1], k.shape[2]
     a = acc_dtype(q.dtype)
-    kv = torch.cat([k.reshape(-1), v.reshape(-1)])
-    kv_comm = kv.to(g.comm_device)
     dq = torch.zeros(q.shape, dtype=a, device=q.device)
     dkv_reqs, dkv_in = [], None
-    for i in range(c):
-        s = (r - i) % c
-        kv_reqs, nxt = [], None
-        if i + 1 < c:
-            nxt = kv_comm.new_empty(int(counts[(r - i - 1) % c]) * 2 * hk * d)
-            kv_reqs = sendrecv(g, kv_comm, nxt, tag=0)
+    for i, s, kv in _kv_ring(k, v, counts, g, q.device):
         p = layout.pieces(r, s, causal)
         grad = None
         if len(p):
@@ -81,10 +82,6 @@ def ring_backward(dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal: b
         if c > 1:
             dkv_in = torch.empty(int(counts[(r - i - 1) % c]) * 2 * hk * d, dtype=a, device=g.comm_device)
             dkv_reqs = sendrecv(g, dkv.to(g.comm_device), dkv_in, tag=1)
-        wait_all(kv_reqs)
-        if nxt is not None:
-            kv_comm = nxt
-            kv = nxt.to(q.device)
     if c > 1:
         wait_all(dkv_reqs)                     # the last hop brings this rank's own block home
         dkv = dkv_in.to(q.device)
