@@ -10,9 +10,9 @@ An epoch is planned in three moves, all vectorised except for loops over steps a
 2. *Pack each step* (`pack_step`): heavy documents go one by one, largest first, to the micro-batch that least
    raises its replica's 1F1B time `(P-1) * max_m t_m + sum_m t_m`; a water-filling solve then gives every
    micro-batch a target so that all replicas finish together; the light documents, largest first, are dealt in
-   rounds of `dp*M` to the micro-batches furthest below target (batched LPT), never above `max_tokens * cp` tokens.
-3. *Repair.* Empty micro-batches take a small document from the fullest one; documents that fit nowhere move to the
-   next step; a too-small last step borrows small documents from the one before.
+   rounds to the micro-batches still below target (batched LPT), never above `max_tokens * cp` tokens.
+3. *Repair.* Empty micro-batches take a small document from the fullest one; documents that fit nowhere (or would
+   only slow the step) move to the next step; a too-small last step borrows small documents from earlier ones.
 
 Inside each micro-batch, documents keep their shuffled order.
 """
@@ -107,7 +107,7 @@ def step_token_targets(total_tokens: int, step_tokens: int, capacity: int,
 
 
 def _effective_step_tokens(c: np.ndarray, tok: np.ndarray, topology: Topology) -> int:
-    """Step size in tokens, shrunk (by at most 10%) when heavy documents need the room to be balanced.
+    """Step size in tokens, shrunk (down to STEP_BAND's lower end) when heavy documents need the room to be balanced.
 
     A heavy document costs more per token than the light ones that fill the other micro-batches, so a balanced
     step needs token room beyond its token count: `excess = cost/rho - tokens` summed over heavy documents, rho
@@ -291,7 +291,6 @@ def _polish(assign: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: 
     repeated while it lowers the step time. Each round is vectorised over the candidate partners."""
     t = topology
     m, pp, cap, nb, dp = t.micro_batches, t.pp, t.micro_batch_tokens, t.bins_per_step, t.dp
-    n = len(cost)
     rep_of_bin = np.arange(nb) // m
     for _ in range(rounds):
         load = np.bincount(assign, weights=cost, minlength=nb)
@@ -391,13 +390,13 @@ def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy:
 
     light = order[n_heavy:]
     deficit = _water_fill(load.reshape(dp, m), float(cost[light].sum()), pp).ravel()
-    failed = []
+    may_move = SPILL_MOVE * float(tokens.sum())       # tokens of this step that may move on to the next one
     a = 0
     while a < len(light):
         # one round: the next-largest units go to the micro-batches furthest below target, largest to neediest
         positive = int(np.count_nonzero(deficit > 0))
         if positive == 0:                   # every target met: the rest may only fill in below the step's time
-            failed += _spill(light[a:], cost, tokens, load, tok, assign, topology)
+            _spill(light[a:], cost, tokens, load, tok, assign, topology, may_move)
             break
         k = min(len(light) - a, positive)
         chunk = light[a:a + k]
@@ -418,7 +417,7 @@ def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy:
             if np.isfinite(room[j]):
                 assign[i], deficit[j], load[j], tok[j] = j, deficit[j] - cost[i], load[j] + cost[i], tok[j] + tokens[i]
             else:
-                failed += _spill(np.array([i]), cost, tokens, load, tok, assign, topology)
+                may_move = _spill(np.array([i]), cost, tokens, load, tok, assign, topology, may_move)
     _fill_empty(assign, cost, nb)
     return assign
 
@@ -461,18 +460,17 @@ def _place_heavy_pipelined(heavy: np.ndarray, cost: np.ndarray, tokens: np.ndarr
 
 
 def _spill(units: np.ndarray, cost: np.ndarray, tokens: np.ndarray, load: np.ndarray, tok: np.ndarray,
-           assign: np.ndarray, topology: Topology) -> list:
+           assign: np.ndarray, topology: Topology, may_move: float) -> float:
     """Place units once every micro-batch has met its target: each goes where it raises its replica's time least,
-    but only while the step's time stays within SPILL_SLACK of what it is; the others are returned (the caller
-    moves them to the next step, which keeps token-full steps from piling their overflow on one replica)."""
+    but only while the step's time stays within SPILL_SLACK of what it is; the others stay unplaced (the caller
+    moves them to the next step, which keeps token-full steps from piling their overflow on one replica), as long
+    as `may_move` tokens allow. Returns the tokens that may still move."""
     t = topology
     dp, m, pp, cap = t.dp, t.micro_batches, t.pp, t.micro_batch_tokens
     rep = np.arange(dp * m) // m
-    left = []
     lb = load.reshape(dp, m)
     top, total = lb.max(axis=1), lb.sum(axis=1)
     limit = float(((pp - 1) * top + total).max()) * (1 + SPILL_SLACK)
-    may_move = SPILL_MOVE * float(tokens.sum())       # move on at most this many of the step's tokens
     for i in units:
         new_t = (pp - 1) * np.maximum(top[rep], load + cost[i]) + total[rep] + cost[i]
         new_t[tok + tokens[i] > cap] = np.inf
@@ -483,9 +481,8 @@ def _spill(units: np.ndarray, cost: np.ndarray, tokens: np.ndarray, load: np.nda
             top[r], total[r] = max(top[r], load[j]), total[r] + cost[i]
             limit = max(limit, float(new_t[j]))
         else:
-            left.append(i)
             may_move -= tokens[i]
-    return left
+    return may_move
 
 
 def _fill_empty(assign: np.ndarray, cost: np.ndarray, nb: int) -> None:
@@ -524,11 +521,11 @@ def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostMode
                          f"{topology.micro_batches} = {nb} non-empty micro-batches; lower dp or micro_batches")
     rng = np.random.default_rng(seed)
     doc_order = rng.permutation(len(lengths))
-    rank = np.empty_like(doc_order)
-    rank[doc_order] = np.arange(len(doc_order))
     if len(u_doc) == len(lengths):                               # units in shuffled document order
         shuffled = doc_order
     else:
+        rank = np.empty_like(doc_order)
+        rank[doc_order] = np.arange(len(doc_order))
         shuffled = np.argsort(rank[u_doc], kind="stable")
     u_tok = (u_end - u_start)[shuffled]
     u_cost = cost.cost(u_tok)
@@ -590,10 +587,12 @@ def _pack_epoch(u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, t
         srt = np.argsort(bins * len(u_cost) + placed)            # by micro-batch, shuffled order inside (unique keys)
         packed.append((placed[srt], np.bincount(bins, minlength=nb)))
         s += 1
-        bar.update(1) if bar else None
+        if bar:
+            bar.update(1)
         if s > 4 * len(groups) + 10:
             raise RuntimeError("planner failed to place all documents (units fit no micro-batch)")
-    bar.close() if bar else None
+    if bar:
+        bar.close()
     return packed
 
 
@@ -675,7 +674,7 @@ def _epoch_time(packed: list, u_cost: np.ndarray, topology: Topology) -> float:
 
 def _choose_step_tokens(u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, topology: Topology,
                         seed: int) -> int:
-    """Step size in tokens, within 10% of `tokens_per_step`.
+    """Step size in tokens, inside STEP_BAND around `tokens_per_step`.
 
     Two forces pull on it: heavy documents need token room beyond their tokens (smaller steps, see
     `_effective_step_tokens`), and a document whose cost exceeds a replica's share of its step stalls that step
