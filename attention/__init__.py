@@ -4,6 +4,7 @@
 documents (ring or all-gather); ``varlen_attention`` is the single-device packed attention. Kernels: flash-attn on
 CUDA, PyTorch's fused kernels on CPU/CUDA, a plain reference (``attention.backends``).
 """
+
 from __future__ import annotations
 
 import math
@@ -22,13 +23,32 @@ from .varlen import varlen_attention
 
 METHODS = ("ring", "allgather")
 
-__all__ = ["CPLayout", "cp_attention", "varlen_attention", "get_backend", "Backend", "Pieces", "merge_",
-           "METHODS", "BACKENDS"]
+__all__ = [
+    "CPLayout",
+    "cp_attention",
+    "varlen_attention",
+    "get_backend",
+    "Backend",
+    "Pieces",
+    "merge_",
+    "METHODS",
+    "BACKENDS",
+]
 
 
-def cp_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Tensor, layout: CPLayout,
-                 group=None, causal: bool = True, softmax_scale: Optional[float] = None, method: str = "ring",
-                 backend: str = "auto", rank: Optional[int] = None, head_chunks: int = 1) -> torch.Tensor:
+def cp_attention(
+    q_local: torch.Tensor,
+    k_local: torch.Tensor,
+    v_local: torch.Tensor,
+    layout: CPLayout,
+    group=None,
+    causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    method: str = "ring",
+    backend: str = "auto",
+    rank: Optional[int] = None,
+    head_chunks: int = 1,
+) -> torch.Tensor:
     """Exact attention of this rank's queries over packed documents split across the CP ``group``.
 
     ``q_local`` ``[T_local, H, D]``, ``k_local``/``v_local`` ``[T_local, Hkv, D]``: this rank's tokens in
@@ -51,19 +71,24 @@ def cp_attention(q_local: torch.Tensor, k_local: torch.Tensor, v_local: torch.Te
         check_inputs(q_local, k_local, v_local)
         want = layout.num_local_tokens(g.rank)
         if q_local.shape[0] != want or k_local.shape[0] != want:
-            raise ValueError(f"rank {g.rank} holds {want} tokens in this layout, got q {q_local.shape[0]}, "
-                             f"k/v {k_local.shape[0]} rows")
+            raise ValueError(
+                f"rank {g.rank} holds {want} tokens in this layout, got q {q_local.shape[0]}, "
+                f"k/v {k_local.shape[0]} rows"
+            )
         if not isinstance(head_chunks, int) or head_chunks < 1:
             raise ValueError(f"head_chunks must be a positive int, got {head_chunks!r}")
         be = get_backend(backend, q_local, k_local)
     except ValueError as e:
         err = str(e)
-    shape = (list(q_local.shape[1:]) + list(k_local.shape[1:]) + [0] * 6)[:6]   # fixed length for the exchange
+    shape = (list(q_local.shape[1:]) + list(k_local.shape[1:]) + [0] * 6)[:6]  # fixed length for the exchange
     d = q_local.shape[-1] if q_local.dim() else 1
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(max(d, 1))
     scale_bits = struct.unpack("<q", struct.pack("<d", scale))[0]
-    consensus_check(g, [layout.fingerprint(), *shape, dtype_code(q_local.dtype), int(causal),
-                        METHODS.index(method), scale_bits], err)
+    consensus_check(
+        g,
+        [layout.fingerprint(), *shape, dtype_code(q_local.dtype), int(causal), METHODS.index(method), scale_bits],
+        err,
+    )
     if method == "ring":
         return RingAttention.apply(q_local, k_local, v_local, layout, g, bool(causal), scale, be)
     return AllGatherAttention.apply(q_local, k_local, v_local, layout, g, bool(causal), scale, be, head_chunks)

@@ -1,5 +1,6 @@
 """Process-group helpers shared by ring and all-gather attention: group info, a cross-rank consistency check,
 P2P exchange and a reduce-scatter that works on backends without one (gloo)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ class Group:
     comm_device: torch.device
 
     @classmethod
-    def of(cls, group, device: torch.device) -> "Group":
+    def of(cls, group, device: torch.device) -> Group:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("cp_attention needs an initialised torch.distributed process group")
         g = group if group is not None else dist.group.WORLD
@@ -39,8 +40,9 @@ class Group:
 def consensus_check(g: Group, values: list[int], local_error: Optional[str]) -> None:
     """All ranks exchange ``values`` (ints) and an error flag; every rank raises ValueError if any rank reported an
     error or the values differ, so a bad call fails everywhere instead of hanging or computing garbage."""
-    t = torch.tensor([0 if local_error is None else 1] + [int(x) for x in values], dtype=torch.int64,
-                     device=g.comm_device)
+    t = torch.tensor(
+        [0 if local_error is None else 1] + [int(x) for x in values], dtype=torch.int64, device=g.comm_device
+    )
     parts = [torch.empty_like(t) for _ in range(g.size)]
     dist.all_gather(parts, t, group=g.group)
     allv = torch.stack(parts).cpu()
@@ -51,8 +53,10 @@ def consensus_check(g: Group, values: list[int], local_error: Optional[str]) -> 
         raise ValueError(f"cp_attention: invalid inputs on rank(s) {bad} of the CP group (see their error)")
     diff = [r for r in range(g.size) if not torch.equal(allv[r, 1:], allv[g.rank, 1:])]
     if diff:
-        raise ValueError(f"cp_attention: ranks disagree on (layout, heads, head_dim, dtype, causal, method, scale): "
-                         f"rank {g.rank} has {allv[g.rank, 1:].tolist()}, rank {diff[0]} has {allv[diff[0], 1:].tolist()}")
+        raise ValueError(
+            f"cp_attention: ranks disagree on (layout, heads, head_dim, dtype, causal, method, scale): "
+            f"rank {g.rank} has {allv[g.rank, 1:].tolist()}, rank {diff[0]} has {allv[diff[0], 1:].tolist()}"
+        )
 
 
 def dtype_code(dtype: torch.dtype) -> int:

@@ -2,6 +2,7 @@
 it block by block (the same empty-block skipping and float32 merge as the ring), and in the backward reduce-scatters
 dK/dV (float32) back to the owners. ``head_chunks > 1`` gathers KV by groups of KV heads, the next group's gather
 overlapped with the current group's compute, so only one group's gathered KV is alive at a time."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -26,14 +27,14 @@ class _Gather:
         self.counts, self.shape = counts, (b - a, k.shape[2])
         tmax = int(counts.max())
         buf = k.new_zeros(2, tmax, b - a, k.shape[2], device=g.comm_device)
-        buf[0, :k.shape[0]] = k[:, a:b]
-        buf[1, :k.shape[0]] = v[:, a:b]
+        buf[0, : k.shape[0]] = k[:, a:b]
+        buf[1, : k.shape[0]] = v[:, a:b]
         self.parts = [torch.empty_like(buf) for _ in range(g.size)]
         self.work = dist.all_gather(self.parts, buf, group=g.group, async_op=True)
 
     def wait(self, device):
         self.work.wait()
-        return [(p[0, :int(n)].to(device), p[1, :int(n)].to(device)) for p, n in zip(self.parts, self.counts)]
+        return [(p[0, : int(n)].to(device), p[1, : int(n)].to(device)) for p, n in zip(self.parts, self.counts)]
 
 
 def _gathered(k, v, heads: list[tuple[int, int]], counts: np.ndarray, g: Group, device):
@@ -47,28 +48,30 @@ def _gathered(k, v, heads: list[tuple[int, int]], counts: np.ndarray, g: Group, 
         yield a, b, kvs
 
 
-def allgather_forward(q, k, v, layout: CPLayout, g: Group, causal: bool, scale: float, be: Backend,
-                      head_chunks: int = 1):
+def allgather_forward(
+    q, k, v, layout: CPLayout, g: Group, causal: bool, scale: float, be: Backend, head_chunks: int = 1
+):
     counts = layout.local_counts
     hk = k.shape[1]
     grp = q.shape[1] // hk
     out = q.new_zeros(q.shape)
     lse = torch.full(q.shape[:2], -float("inf"), dtype=acc_dtype(q.dtype), device=q.device)
     for a, b, kvs in _gathered(k, v, _head_groups(hk, head_chunks), counts, g, q.device):
-        qh = q[:, a * grp:b * grp]
+        qh = q[:, a * grp : b * grp]
         acc = Accumulator()
         for s in range(g.size):
             p = layout.pieces(g.rank, s, causal)
             if len(p):
                 acc.add(*be.forward(qh, kvs[s][0], kvs[s][1], p, scale))
         if acc.out is not None:
-            out[:, a * grp:b * grp] = acc.out.to(q.dtype)
-            lse[:, a * grp:b * grp] = acc.lse
+            out[:, a * grp : b * grp] = acc.out.to(q.dtype)
+            lse[:, a * grp : b * grp] = acc.lse
     return out, lse
 
 
-def allgather_backward(dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal: bool, scale: float,
-                       be: Backend, head_chunks: int = 1):
+def allgather_backward(
+    dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal: bool, scale: float, be: Backend, head_chunks: int = 1
+):
     counts = layout.local_counts
     hk, d = k.shape[1], k.shape[2]
     grp = q.shape[1] // hk
@@ -81,8 +84,7 @@ def allgather_backward(dout, q, k, v, out, lse, layout: CPLayout, g: Group, caus
         for s in range(g.size):
             p = layout.pieces(g.rank, s, causal)
             if len(p):
-                gq, gk, gv = be.backward(dout[:, qs], q[:, qs], kvs[s][0], kvs[s][1], out[:, qs], lse[:, qs], p,
-                                         scale)
+                gq, gk, gv = be.backward(dout[:, qs], q[:, qs], kvs[s][0], kvs[s][1], out[:, qs], lse[:, qs], p, scale)
                 dq[:, qs] += gq
                 n = int(counts[s])
                 dkv[s, 0, :n, a:b] = gk

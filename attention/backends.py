@@ -17,6 +17,7 @@ Backends: ``reference`` (plain masked softmax, any dtype and device, for tests a
 call per group of same-shape pieces; on CUDA the varlen ``aten._flash_attention_forward/backward``), ``flash_attn``
 (the flash-attn 2.x package on CUDA, private varlen API detected by signature).
 """
+
 from __future__ import annotations
 
 import inspect
@@ -56,18 +57,18 @@ class Pieces:
             raise ValueError("Pieces: causal pieces must be square (q_len == k_len)")
 
     @staticmethod
-    def empty() -> "Pieces":
+    def empty() -> Pieces:
         z = np.zeros(0, dtype=np.int64)
         return Pieces(z, z, z, z, False)
 
     def __len__(self) -> int:
         return int(self.q_len.shape[0])
 
-    def nonempty(self) -> "Pieces":
+    def nonempty(self) -> Pieces:
         keep = (self.q_len > 0) & (self.k_len > 0)
         return self if keep.all() else self.select(keep)
 
-    def select(self, sel) -> "Pieces":
+    def select(self, sel) -> Pieces:
         return Pieces(self.q_start[sel], self.q_len[sel], self.k_start[sel], self.k_len[sel], self.causal[sel])
 
     def pairs(self) -> int:
@@ -84,7 +85,7 @@ class Pieces:
         order = np.argsort(inv, kind="stable")
         bounds = np.searchsorted(inv[order], np.arange(uniq.shape[0] + 1))
         for g in range(uniq.shape[0]):
-            sel = order[bounds[g]:bounds[g + 1]]
+            sel = order[bounds[g] : bounds[g + 1]]
             yield int(self.q_len[sel[0]]), int(self.k_len[sel[0]]), bool(self.causal[sel[0]]), sel
 
 
@@ -95,8 +96,9 @@ def _row_index(starts: np.ndarray, length: int, device) -> torch.Tensor:
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Raise ValueError unless q ``[Tq, H, D]``, k/v ``[Tk, Hkv, D]`` agree (dtype, device, heads, head dim)."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [tokens, heads, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
+        raise ValueError(
+            f"q, k, v must be [tokens, heads, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
@@ -133,8 +135,11 @@ class Backend:
     @staticmethod
     def _zero_grads(q, k, v):
         a = acc_dtype(q.dtype)
-        return (torch.zeros(q.shape, dtype=a, device=q.device), torch.zeros(k.shape, dtype=a, device=k.device),
-                torch.zeros(v.shape, dtype=a, device=v.device))
+        return (
+            torch.zeros(q.shape, dtype=a, device=q.device),
+            torch.zeros(k.shape, dtype=a, device=k.device),
+            torch.zeros(v.shape, dtype=a, device=v.device),
+        )
 
 
 # ---------------------------------------------------------------------------------------------- reference
@@ -160,16 +165,19 @@ class ReferenceBackend(Backend):
         a = acc_dtype(q.dtype)
         out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=a, device=q.device)
         lse = torch.full((q.shape[0], q.shape[1]), -math.inf, dtype=a, device=q.device)
-        hk = k.shape[1]
         for i in range(len(pieces)):
-            qs, ql, ks, kl = (int(pieces.q_start[i]), int(pieces.q_len[i]), int(pieces.k_start[i]),
-                              int(pieces.k_len[i]))
-            qp, kp, vp = q[qs:qs + ql].to(a), k[ks:ks + kl].to(a), v[ks:ks + kl].to(a)
-            s = self._scores(qp, kp, bool(pieces.causal[i]), scale)             # [hk, g, lq, lk]
-            l = torch.logsumexp(s, dim=-1)
-            o = torch.einsum("hgqk,khd->qhgd", torch.exp(s - l[..., None]), vp)
-            out[qs:qs + ql] = o.reshape(ql, q.shape[1], v.shape[2])
-            lse[qs:qs + ql] = l.permute(2, 0, 1).reshape(ql, q.shape[1])
+            qs, ql, ks, kl = (
+                int(pieces.q_start[i]),
+                int(pieces.q_len[i]),
+                int(pieces.k_start[i]),
+                int(pieces.k_len[i]),
+            )
+            qp, kp, vp = q[qs : qs + ql].to(a), k[ks : ks + kl].to(a), v[ks : ks + kl].to(a)
+            s = self._scores(qp, kp, bool(pieces.causal[i]), scale)  # [hk, g, lq, lk]
+            piece_lse = torch.logsumexp(s, dim=-1)
+            o = torch.einsum("hgqk,khd->qhgd", torch.exp(s - piece_lse[..., None]), vp)
+            out[qs : qs + ql] = o.reshape(ql, q.shape[1], v.shape[2])
+            lse[qs : qs + ql] = piece_lse.permute(2, 0, 1).reshape(ql, q.shape[1])
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, pieces, scale):
@@ -178,19 +186,23 @@ class ReferenceBackend(Backend):
         h, hk, d = q.shape[1], k.shape[1], q.shape[2]
         g = h // hk
         for i in range(len(pieces)):
-            qs, ql, ks, kl = (int(pieces.q_start[i]), int(pieces.q_len[i]), int(pieces.k_start[i]),
-                              int(pieces.k_len[i]))
-            qp, kp, vp = q[qs:qs + ql].to(a), k[ks:ks + kl].to(a), v[ks:ks + kl].to(a)
-            do = dout[qs:qs + ql].to(a).reshape(ql, hk, g, d)
-            op = out[qs:qs + ql].to(a).reshape(ql, hk, g, d)
-            l = lse[qs:qs + ql].to(a).reshape(ql, hk, g).permute(1, 2, 0)
-            p = torch.exp(self._scores(qp, kp, bool(pieces.causal[i]), scale) - l[..., None])
-            dv[ks:ks + kl] += torch.einsum("hgqk,qhgd->khd", p, do)
+            qs, ql, ks, kl = (
+                int(pieces.q_start[i]),
+                int(pieces.q_len[i]),
+                int(pieces.k_start[i]),
+                int(pieces.k_len[i]),
+            )
+            qp, kp, vp = q[qs : qs + ql].to(a), k[ks : ks + kl].to(a), v[ks : ks + kl].to(a)
+            do = dout[qs : qs + ql].to(a).reshape(ql, hk, g, d)
+            op = out[qs : qs + ql].to(a).reshape(ql, hk, g, d)
+            piece_lse = lse[qs : qs + ql].to(a).reshape(ql, hk, g).permute(1, 2, 0)
+            p = torch.exp(self._scores(qp, kp, bool(pieces.causal[i]), scale) - piece_lse[..., None])
+            dv[ks : ks + kl] += torch.einsum("hgqk,qhgd->khd", p, do)
             dp = torch.einsum("qhgd,khd->hgqk", do, vp)
             delta = (do * op).sum(-1).permute(1, 2, 0)
             ds = p * (dp - delta[..., None])
-            dq[qs:qs + ql] += (torch.einsum("hgqk,khd->qhgd", ds, kp) * scale).reshape(ql, h, d)
-            dk[ks:ks + kl] += torch.einsum("hgqk,qhgd->khd", ds, qp.reshape(ql, hk, g, d)) * scale
+            dq[qs : qs + ql] += (torch.einsum("hgqk,khd->qhgd", ds, kp) * scale).reshape(ql, h, d)
+            dk[ks : ks + kl] += torch.einsum("hgqk,qhgd->khd", ds, qp.reshape(ql, hk, g, d)) * scale
         return dq, dk, dv
 
 
@@ -204,35 +216,35 @@ class _Batch:
             self.qs, self.ks = int(pieces.q_start[sel[0]]), int(pieces.k_start[sel[0]])
             self.lq, self.lk = lq, lk
         else:
-            self.qi = _row_index(pieces.q_start[sel], lq, device)                 # [B, lq]
+            self.qi = _row_index(pieces.q_start[sel], lq, device)  # [B, lq]
             self.ki = _row_index(pieces.k_start[sel], lk, device)
 
     def rows_q(self, x):  # [T, H, D] -> [B, H, lq, D]
         if self.single:
-            return x[self.qs:self.qs + self.lq].unsqueeze(0).transpose(1, 2)
+            return x[self.qs : self.qs + self.lq].unsqueeze(0).transpose(1, 2)
         return x[self.qi].transpose(1, 2)
 
     def rows_k(self, x):
         if self.single:
-            return x[self.ks:self.ks + self.lk].unsqueeze(0).transpose(1, 2)
+            return x[self.ks : self.ks + self.lk].unsqueeze(0).transpose(1, 2)
         return x[self.ki].transpose(1, 2)
 
     def rows_lse(self, lse):  # [T, H] -> [B, H, lq]
         if self.single:
-            return lse[self.qs:self.qs + self.lq].unsqueeze(0).transpose(1, 2)
+            return lse[self.qs : self.qs + self.lq].unsqueeze(0).transpose(1, 2)
         return lse[self.qi].transpose(1, 2)
 
     def put_q(self, dst, val):  # val [B, H, lq, ...] -> dst rows
         val = val.transpose(1, 2)
         if self.single:
-            dst[self.qs:self.qs + self.lq] = val[0]
+            dst[self.qs : self.qs + self.lq] = val[0]
         else:
             dst[self.qi] = val.to(dst.dtype)
 
     def add_k(self, dst, val):
         val = val.transpose(1, 2).to(dst.dtype)
         if self.single:
-            dst[self.ks:self.ks + self.lk] += val[0]
+            dst[self.ks : self.ks + self.lk] += val[0]
         else:
             dst.index_add_(0, self.ki.reshape(-1), val.reshape((-1,) + tuple(val.shape[2:])))
 
@@ -251,9 +263,9 @@ class TorchCPUBackend(Backend):
         out, lse = self._empty_fwd(q, v)
         for lq, lk, causal, sel in pieces.groups():
             b = _Batch(pieces, sel, lq, lk, q.device)
-            o, l = self._fwd(b.rows_q(q), b.rows_k(k), b.rows_k(v), 0.0, causal, scale=scale)
+            o, piece_lse = self._fwd(b.rows_q(q), b.rows_k(k), b.rows_k(v), 0.0, causal, scale=scale)
             b.put_q(out, o)
-            b.put_q(lse, l.to(lse.dtype))
+            b.put_q(lse, piece_lse.to(lse.dtype))
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, pieces, scale):
@@ -264,8 +276,17 @@ class TorchCPUBackend(Backend):
         lse = lse.to(kern_lse_dtype)
         for lq, lk, causal, sel in pieces.groups():
             b = _Batch(pieces, sel, lq, lk, q.device)
-            gq, gk, gv = self._bwd(b.rows_q(dout), b.rows_q(q), b.rows_k(k), b.rows_k(v), b.rows_q(out),
-                                   b.rows_lse(lse), 0.0, causal, scale=scale)
+            gq, gk, gv = self._bwd(
+                b.rows_q(dout),
+                b.rows_q(q),
+                b.rows_k(k),
+                b.rows_k(v),
+                b.rows_q(out),
+                b.rows_lse(lse),
+                0.0,
+                causal,
+                scale=scale,
+            )
             b.put_q(dq, gq)
             b.add_k(dk, gk)
             b.add_k(dv, gv)
@@ -302,20 +323,20 @@ class _Packed:
     @staticmethod
     def take(side, x):
         if side[0] == "slice":
-            return x[side[1]:side[1] + side[2]]
+            return x[side[1] : side[1] + side[2]]
         return x.index_select(0, side[1])
 
     @staticmethod
     def put(side, dst, val):
         if side[0] == "slice":
-            dst[side[1]:side[1] + side[2]] = val.to(dst.dtype)
+            dst[side[1] : side[1] + side[2]] = val.to(dst.dtype)
         else:
             dst.index_copy_(0, side[1], val.to(dst.dtype))
 
     @staticmethod
     def add(side, dst, val):
         if side[0] == "slice":
-            dst[side[1]:side[1] + side[2]] += val.to(dst.dtype)
+            dst[side[1] : side[1] + side[2]] += val.to(dst.dtype)
         else:
             dst.index_add_(0, side[1], val.to(dst.dtype))
 
@@ -348,8 +369,7 @@ class _VarlenCUDABackend(Backend):
     _lse_padded: Optional[bool] = None
 
     def supports(self, q, k) -> bool:
-        return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[2] % 8 == 0
-                and q.shape[2] <= 256)
+        return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[2] % 8 == 0 and q.shape[2] <= 256
 
     def _split(self, pieces):
         for flag in (False, True):
@@ -363,15 +383,15 @@ class _VarlenCUDABackend(Backend):
             pk = _Packed(p, q.device)
             qq = _Packed.take(pk.q, q).contiguous()
             kk, vv = _Packed.take(pk.k, k).contiguous(), _Packed.take(pk.k, v).contiguous()
-            o, l = self._kfwd(qq, kk, vv, pk, causal, scale)
-            type(self)._lse_padded = l.dim() == 3
+            o, piece_lse = self._kfwd(qq, kk, vv, pk, causal, scale)
+            type(self)._lse_padded = piece_lse.dim() == 3
             _Packed.put(pk.q, out, o)
-            _Packed.put(pk.q, lse, pk.lse_from_kernel(l, q.shape[1]))
+            _Packed.put(pk.q, lse, pk.lse_from_kernel(piece_lse, q.shape[1]))
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse, pieces, scale):
         dq, dk, dv = self._zero_grads(q, k, v)
-        if self._lse_padded is None and len(pieces):      # learn the kernel's lse layout once
+        if self._lse_padded is None and len(pieces):  # learn the kernel's lse layout once
             p0 = pieces.select(np.arange(1))
             self.forward(q, k, v, p0, scale)
         for causal, p in self._split(pieces):
@@ -394,21 +414,23 @@ class TorchCUDABackend(_VarlenCUDABackend):
     name = "torch"
 
     def _kfwd(self, q, k, v, pk, causal, scale):
-        res = torch.ops.aten._flash_attention_forward(q, k, v, pk.cu_q, pk.cu_k, pk.max_q, pk.max_k, 0.0, causal,
-                                                       False, scale=scale)
+        res = torch.ops.aten._flash_attention_forward(
+            q, k, v, pk.cu_q, pk.cu_k, pk.max_q, pk.max_k, 0.0, causal, False, scale=scale
+        )
         return res[0], res[1]
 
     def _kbwd(self, do, q, k, v, o, lse, pk, causal, scale):
         # dropout_p == 0: the philox seed/offset are not read; pass empty placeholders of the expected dtype
         seed = torch.zeros(2, dtype=torch.int64, device=q.device)
         off = torch.zeros((), dtype=torch.int64, device=q.device)
-        res = torch.ops.aten._flash_attention_backward(do, q, k, v, o, lse, pk.cu_q, pk.cu_k, pk.max_q, pk.max_k,
-                                                        0.0, causal, seed, off, scale=scale)
+        res = torch.ops.aten._flash_attention_backward(
+            do, q, k, v, o, lse, pk.cu_q, pk.cu_k, pk.max_q, pk.max_k, 0.0, causal, seed, off, scale=scale
+        )
         return res[0], res[1], res[2]
 
 
 def _signature_params(fn) -> dict:
-    for cand in (getattr(fn, "_init_fn", None), fn):   # torch.library custom ops keep the Python function
+    for cand in (getattr(fn, "_init_fn", None), fn):  # torch.library custom ops keep the Python function
         if cand is None:
             continue
         try:
@@ -463,10 +485,27 @@ class FlashAttnBackend(_VarlenCUDABackend):
 
     @staticmethod
     def _common(pk, causal, scale) -> dict:
-        return dict(cu_seqlens_q=pk.cu_q, cu_seqlens_k=pk.cu_k, max_seqlen_q=pk.max_q, max_seqlen_k=pk.max_k,
-                    dropout_p=0.0, softmax_scale=scale, causal=causal, window_size=(-1, -1), window_size_left=-1,
-                    window_size_right=-1, softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
-                    leftpad_k=None, seqused_k=None, zero_tensors=False, deterministic=False, rng_state=None)
+        return dict(
+            cu_seqlens_q=pk.cu_q,
+            cu_seqlens_k=pk.cu_k,
+            max_seqlen_q=pk.max_q,
+            max_seqlen_k=pk.max_k,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=causal,
+            window_size=(-1, -1),
+            window_size_left=-1,
+            window_size_right=-1,
+            softcap=0.0,
+            alibi_slopes=None,
+            return_softmax=False,
+            block_table=None,
+            leftpad_k=None,
+            seqused_k=None,
+            zero_tensors=False,
+            deterministic=False,
+            rng_state=None,
+        )
 
     def _kfwd(self, q, k, v, pk, causal, scale):
         kw = _fill_kwargs(self._fwd_params, dict(q=q, k=k, v=v, **self._common(pk, causal, scale)))
@@ -478,10 +517,16 @@ class FlashAttnBackend(_VarlenCUDABackend):
 
     def _kbwd(self, do, q, k, v, o, lse, pk, causal, scale):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        kw = _fill_kwargs(self._bwd_params, dict(dout=do, q=q, k=k, v=v, out=o, softmax_lse=lse, dq=dq, dk=dk, dv=dv,
-                                                 **self._common(pk, causal, scale)))
+        kw = _fill_kwargs(
+            self._bwd_params,
+            dict(
+                dout=do, q=q, k=k, v=v, out=o, softmax_lse=lse, dq=dq, dk=dk, dv=dv, **self._common(pk, causal, scale)
+            ),
+        )
         if kw is None:
-            raise RuntimeError(f"flash_attn: unsupported _flash_attn_varlen_backward signature {list(self._bwd_params)}")
+            raise RuntimeError(
+                f"flash_attn: unsupported _flash_attn_varlen_backward signature {list(self._bwd_params)}"
+            )
         self._bwd_fn(**kw)
         return dq, dk, dv
 
@@ -517,6 +562,8 @@ def get_backend(name: str, q: torch.Tensor, k: torch.Tensor) -> Backend:
         return _REFERENCE
     b = {"flash_attn": _flash(), "torch": torch_b, "reference": _REFERENCE}[name]
     if not b.supports(q, k):
-        raise ValueError(f"backend {name!r} cannot run {q.dtype} tensors on {q.device}"
-                         + ("" if name != "flash_attn" or _flash().available else " (flash_attn is not installed)"))
+        raise ValueError(
+            f"backend {name!r} cannot run {q.dtype} tensors on {q.device}"
+            + ("" if name != "flash_attn" or _flash().available else " (flash_attn is not installed)")
+        )
     return b

@@ -27,12 +27,14 @@ How inputs must be prepared:
     ``num_items_in_batch=global_label_count`` to normalise by the step's global label count instead of the local
     one). Summing the per-rank losses and gradients (as data parallelism does) gives the full-batch values.
 """
+
 from __future__ import annotations
 
 import contextlib
 import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -55,8 +57,9 @@ _CTX: contextvars.ContextVar[Optional[_Ctx]] = contextvars.ContextVar("cp_attent
 
 
 @contextlib.contextmanager
-def cp_context(layout: CPLayout, group=None, method: str = "ring", backend: str = "auto",
-               head_chunks: int = 1) -> Iterator[None]:
+def cp_context(
+    layout: CPLayout, group=None, method: str = "ring", backend: str = "auto", head_chunks: int = 1
+) -> Iterator[None]:
     """Inside this block, attention of models using ``attn_implementation=NAME`` runs :func:`attention.cp_attention`
     with this layout, process group (default WORLD), method and backend."""
     if not isinstance(layout, CPLayout):
@@ -68,24 +71,43 @@ def cp_context(layout: CPLayout, group=None, method: str = "ring", backend: str 
         _CTX.reset(token)
 
 
-def cp_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask: Optional[torch.Tensor], dropout: float = 0.0,
-                         scaling: Optional[float] = None, is_causal: Optional[bool] = None,
-                         **kwargs) -> tuple[torch.Tensor, None]:
+def cp_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    is_causal: Optional[bool] = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers attention function: query ``[1, H, T_local, D]``, key/value ``[1, Hkv, T_local, D]`` ->
     (``[1, T_local, H, D]``, None)."""
     ctx = _CTX.get()
     if ctx is None:
-        raise RuntimeError(f"attn_implementation={NAME!r} needs the CP layout: run the model inside "
-                           "`with attention.hf.cp_context(layout, group):`")
+        raise RuntimeError(
+            f"attn_implementation={NAME!r} needs the CP layout: run the model inside "
+            "`with attention.hf.cp_context(layout, group):`"
+        )
     if query.shape[0] != 1:
         raise ValueError(f"CP attention takes one packed sequence (batch size 1), got batch size {query.shape[0]}")
     if dropout:
         raise ValueError("CP attention does not implement attention dropout; set attention_dropout=0")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-    out = cp_attention(q, k, v, ctx.layout, group=ctx.group, causal=bool(causal), softmax_scale=scaling,
-                       method=ctx.method, backend=ctx.backend, head_chunks=ctx.head_chunks)
+    out = cp_attention(
+        q,
+        k,
+        v,
+        ctx.layout,
+        group=ctx.group,
+        causal=bool(causal),
+        softmax_scale=scaling,
+        method=ctx.method,
+        backend=ctx.backend,
+        head_chunks=ctx.head_chunks,
+    )
     return out.unsqueeze(0), None
 
 

@@ -19,10 +19,11 @@ On each rank, local tokens are ordered document by document, and within a docume
 ``r`` then chunk ``2cp-1-r``), so the local tokens of a document form one contiguous segment that is, as a sequence,
 in document order.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -65,14 +66,16 @@ class CPLayout:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def build(cls, cu_seqlens, cp_size: int, kind: str = "zigzag") -> "CPLayout":
+    def build(cls, cu_seqlens, cp_size: int, kind: str = "zigzag") -> CPLayout:
         """Layout of packed documents ``cu_seqlens`` (ints [n_docs+1], starting at 0, non-decreasing) over
         ``cp_size`` ranks. Vectorised: O(n_docs * cp_size) numpy work, no Python loop over documents or tokens."""
         if isinstance(cu_seqlens, torch.Tensor):
             cu_seqlens = cu_seqlens.detach().cpu().numpy()
         cu = np.asarray(cu_seqlens)
         if cu.ndim != 1 or cu.shape[0] < 1 or not np.issubdtype(cu.dtype, np.integer):
-            raise ValueError(f"cu_seqlens must be a 1-D integer array [n_docs+1], got shape {cu.shape} dtype {cu.dtype}")
+            raise ValueError(
+                f"cu_seqlens must be a 1-D integer array [n_docs+1], got shape {cu.shape} dtype {cu.dtype}"
+            )
         cu = cu.astype(np.int64)
         if cu[0] != 0:
             raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
@@ -97,15 +100,15 @@ class CPLayout:
             b, rem = lens // nch, lens % nch
             extra = np.arange(nch)[None, :] < rem[:, None]
             owner = np.arange(nch)
-        sizes = b[:, None] + extra.astype(np.int64)                     # [n, nch]
+        sizes = b[:, None] + extra.astype(np.int64)  # [n, nch]
         bounds = np.zeros((n, nch + 1), dtype=np.int64)
         np.cumsum(sizes, axis=1, out=bounds[:, 1:])
         seg_len = np.zeros((cp, n), dtype=np.int64)
         first_len = np.zeros((cp, n), dtype=np.int64)
-        for c in range(nch):                                              # loop over chunks, not documents
+        for c in range(nch):  # loop over chunks, not documents
             seg_len[owner[c]] += sizes[:, c]
         for r in range(cp):
-            first_len[r] = sizes[:, r]                                     # chunk r is rank r's first chunk
+            first_len[r] = sizes[:, r]  # chunk r is rank r's first chunk
         seg_start = np.cumsum(seg_len, axis=1) - seg_len
         return cls(cu, cp, kind, bounds, owner.astype(np.int64), seg_len, first_len, seg_start)
 
@@ -137,7 +140,7 @@ class CPLayout:
         rank = self._check_rank(rank)
         key = ("idx", rank)
         if key not in self._cache:
-            chunks = np.nonzero(self.owner == rank)[0]                   # increasing chunk order
+            chunks = np.nonzero(self.owner == rank)[0]  # increasing chunk order
             starts = self.cu_seqlens[:-1, None] + self.bounds[:, chunks]  # [n, k]
             lens = self.bounds[:, chunks + 1] - self.bounds[:, chunks]
             self._cache[key] = _ranges_to_index(starts.reshape(-1), lens.reshape(-1))
@@ -164,7 +167,7 @@ class CPLayout:
         if not causal:
             return (self.seg_len * np.diff(self.cu_seqlens)[None, :]).sum(axis=1)
         s, e = self.bounds[:, :-1], self.bounds[:, 1:]
-        per_chunk = (e * (e + 1) - s * (s + 1)) // 2                       # [n, nch]
+        per_chunk = (e * (e + 1) - s * (s + 1)) // 2  # [n, nch]
         per_chunk = per_chunk.sum(axis=0)
         out = np.zeros(self.cp_size, dtype=np.int64)
         np.add.at(out, self.owner, per_chunk)

@@ -4,6 +4,7 @@ Partial results over disjoint key sets merge exactly: ``lse = logaddexp(lse_a, l
 ``out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)``. Accumulators are float32 (float64 for float64 inputs),
 so precision does not degrade with the number of merged blocks. Rows with ``lse = -inf`` (no key seen) stay empty.
 """
+
 from __future__ import annotations
 
 import torch

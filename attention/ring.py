@@ -2,6 +2,7 @@
 before the current block is computed; partial results merge in float32 with the log-sum-exp. The backward rotates
 KV again and circulates dK/dV in float32 with it, one extra hop returning each block's gradient to its owner.
 Blocks the causal mask leaves empty are skipped (:meth:`CPLayout.pieces`)."""
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,7 @@ def _kv_ring(k: torch.Tensor, v: torch.Tensor, counts, g: Group, device: torch.d
     c, r = g.size, g.rank
     hk, d = k.shape[1], k.shape[2]
     kv = torch.cat([k.reshape(-1), v.reshape(-1)])
-    kv_comm = kv.to(g.comm_device)            # gloo moves CPU tensors: CUDA KV is staged through the host
+    kv_comm = kv.to(g.comm_device)  # gloo moves CPU tensors: CUDA KV is staged through the host
     for i in range(c):
         reqs, nxt = [], None
         if i + 1 < c:
@@ -75,7 +76,7 @@ def ring_backward(dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal: b
         if i == 0:
             dkv = grad if grad is not None else torch.zeros(int(counts[s]) * 2 * hk * d, dtype=a, device=q.device)
         else:
-            wait_all(dkv_reqs)                 # dK/dV of block s accumulated by the previous ranks
+            wait_all(dkv_reqs)  # dK/dV of block s accumulated by the previous ranks
             dkv = dkv_in.to(q.device)
             if grad is not None:
                 dkv += grad
@@ -83,7 +84,7 @@ def ring_backward(dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal: b
             dkv_in = torch.empty(int(counts[(r - i - 1) % c]) * 2 * hk * d, dtype=a, device=g.comm_device)
             dkv_reqs = sendrecv(g, dkv.to(g.comm_device), dkv_in, tag=1)
     if c > 1:
-        wait_all(dkv_reqs)                     # the last hop brings this rank's own block home
+        wait_all(dkv_reqs)  # the last hop brings this rank's own block home
         dkv = dkv_in.to(q.device)
     dk, dv = _split_kv(dkv, int(counts[r]), hk, d)
     return dq, dk, dv

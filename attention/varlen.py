@@ -1,5 +1,6 @@
 """Single-device attention over packed variable-length documents (THD layout), with autograd and optional
 key/value chunking merged in float32 through :mod:`attention.merge`."""
+
 from __future__ import annotations
 
 import math
@@ -18,8 +19,10 @@ def _cu_numpy(cu_seqlens, total: int) -> np.ndarray:
         raise ValueError(f"cu_seqlens must be a 1-D integer array [n_docs+1], got shape {cu.shape}")
     cu = cu.astype(np.int64)
     if cu[0] != 0 or (np.diff(cu) < 0).any() or cu[-1] != total:
-        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at the token count {total}, "
-                         f"got [{cu[0]}, ..., {cu[-1]}]")
+        raise ValueError(
+            f"cu_seqlens must start at 0, be non-decreasing and end at the token count {total}, "
+            f"got [{cu[0]}, ..., {cu[-1]}]"
+        )
     return cu
 
 
@@ -30,12 +33,12 @@ def varlen_rounds(cu: np.ndarray, causal: bool, chunk_size: Optional[int]) -> li
     starts, lens = cu[:-1], np.diff(cu)
     if chunk_size is None:
         return [Pieces(starts, lens, starts, lens, causal).nonempty()]
-    n_ch = -(-lens // chunk_size)                                   # chunks per document
+    n_ch = -(-lens // chunk_size)  # chunks per document
     doc = np.repeat(np.arange(lens.shape[0]), n_ch)
     idx = np.arange(doc.shape[0]) - np.repeat(np.cumsum(n_ch) - n_ch, n_ch)
     c_start = starts[doc] + idx * chunk_size
     c_len = np.minimum(chunk_size, lens[doc] - idx * chunk_size)
-    last = n_ch[doc] - 1 - idx                                      # chunks after this one in its document
+    last = n_ch[doc] - 1 - idx  # chunks after this one in its document
     rounds = []
     max_ch = int(n_ch.max()) if n_ch.shape[0] else 0
     offsets = range(max_ch) if causal else range(-(max_ch - 1), max_ch)
@@ -91,9 +94,16 @@ class _VarlenAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, causal: bool = True,
-                     softmax_scale: Optional[float] = None, backend: str = "auto",
-                     chunk_size: Optional[int] = None) -> torch.Tensor:
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens,
+    causal: bool = True,
+    softmax_scale: Optional[float] = None,
+    backend: str = "auto",
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
     """Attention over packed documents on one device, like ``flash_attn_varlen_func`` for self-attention.
 
     q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (``H % Hkv == 0``), ``cu_seqlens`` ints ``[n_docs+1]`` ending at ``T``.

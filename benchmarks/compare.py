@@ -13,6 +13,7 @@ Corpus size: TRL's packing materialises every token (Arrow int32), so each distr
 (without replacement) of its trace holding at most `--tokens` tokens (200M; `--quick` 20M); every peer plans the
 same subset. Writes benchmarks/results/compare.json and compare.png and prints markdown tables.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,14 +31,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import peers  # noqa: E402
+
 import balancer  # noqa: E402
 from balancer.cli import MODELS  # noqa: E402
 from balancer.traces import load_trace  # noqa: E402
 
-import peers  # noqa: E402
-
 DISTS = ("wlbllm", "prolong", "sft", "heavy")
-DEFAULT_COST = ("default", 2 / 53000, 1.0)    # attention per causal pair, linear per token (equal at 53K tokens)
+DEFAULT_COST = ("default", 2 / 53000, 1.0)  # attention per causal pair, linear per token (equal at 53K tokens)
 TOPOLOGIES = [
     dict(label="dp8 M4", dp=8, cp=1, pp=1, micro_batches=4, cost="default"),
     dict(label="dp4 cp8 M8", dp=4, cp=8, pp=1, micro_batches=8, cost="default"),
@@ -47,7 +48,7 @@ TOPOLOGIES = [
     dict(label="dp8 cp2 M4 llama3-70b", dp=8, cp=2, pp=1, micro_batches=4, cost="llama3-70b"),
 ]
 PEER_ORDER = ("trl", "multipack", "verl", "wlb", "balancer")
-TIE = 0.005          # within 0.5% (relative) of the best counts as tied-first
+TIE = 0.005  # within 0.5% (relative) of the best counts as tied-first
 GOAL_SPEEDUP = 1.2
 
 
@@ -71,8 +72,9 @@ def next_pow2(x: int) -> int:
 
 def topology_for(lengths: np.ndarray, spec: dict) -> balancer.Topology:
     max_tokens = next_pow2(-(-int(lengths.max()) // spec["cp"]))
-    return balancer.Topology(dp=spec["dp"], cp=spec["cp"], pp=spec["pp"], micro_batches=spec["micro_batches"],
-                             max_tokens=max_tokens)   # tokens_per_step: the default 0.85 x capacity
+    return balancer.Topology(
+        dp=spec["dp"], cp=spec["cp"], pp=spec["pp"], micro_batches=spec["micro_batches"], max_tokens=max_tokens
+    )  # tokens_per_step: the default 0.85 x capacity
 
 
 class _Timeout(Exception):
@@ -95,7 +97,7 @@ def run_peer(fn, lengths, topo, cost, seed, budget_s, **kwargs) -> tuple[dict, o
         return {"status": f"failed: too slow (> {budget_s:.0f} s)"}, None
     except MemoryError as e:
         return {"status": f"failed: out of memory ({e})"}, None
-    except Exception as e:   # noqa: BLE001 - a peer's failure is a result
+    except Exception as e:  # noqa: BLE001 - a peer's failure is a result
         return {"status": f"failed: {type(e).__name__}: {e}"}, None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
@@ -108,12 +110,27 @@ def run_peer(fn, lengths, topo, cost, seed, budget_s, **kwargs) -> tuple[dict, o
         status = "drops data" if m["dropped_tokens"] > 0 and "not in the plan" in str(e) else f"invalid: {e}"
     tok = plan.micro_batch_tokens().sum(axis=(1, 2)).astype(np.float64)
     dev = np.abs(tok[:-1] - topo.tokens_per_step) / topo.tokens_per_step if len(tok) > 1 else np.zeros(0)
-    rec.update(status=status, **{k: m[k] for k in ("steps", "imbalance", "worst_step", "epoch_efficiency",
-                                                   "dropped_tokens", "plan_seconds", "mean_delay_steps",
-                                                   "token_utilization", "step_time_total", "lower_bound_epoch")},
-               max_step_token_dev=float(dev.max()) if len(dev) else 0.0,
-               last_step_tokens=int(tok[-1]) if len(tok) else 0,
-               notes=getattr(plan, "peer_notes", {}))
+    rec.update(
+        status=status,
+        **{
+            k: m[k]
+            for k in (
+                "steps",
+                "imbalance",
+                "worst_step",
+                "epoch_efficiency",
+                "dropped_tokens",
+                "plan_seconds",
+                "mean_delay_steps",
+                "token_utilization",
+                "step_time_total",
+                "lower_bound_epoch",
+            )
+        },
+        max_step_token_dev=float(dev.max()) if len(dev) else 0.0,
+        last_step_tokens=int(tok[-1]) if len(tok) else 0,
+        notes=getattr(plan, "peer_notes", {}),
+    )
     return rec, plan
 
 
@@ -137,9 +154,11 @@ def fmt(x, spec=".3f"):
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| distribution | topology | peer | status | imbalance | worst_step | epoch_eff | dropped tok | "
-            "plan s | steps | max step tok dev | speedup vs TRL |\n"
-            "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+    head = (
+        "| distribution | topology | peer | status | imbalance | worst_step | epoch_eff | dropped tok | "
+        "plan s | steps | max step tok dev | speedup vs TRL |\n"
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
     lines = []
     for row in rows:
         for p in PEER_ORDER:
@@ -156,29 +175,42 @@ def markdown(rows: list[dict]) -> str:
                 f"| {row['distribution']} | {row['topology']} | {p} | {status} | {imb} | "
                 f"{fmt(r.get('worst_step'), '.2f')} | {eff} | {r.get('dropped_tokens', '-')} | "
                 f"{fmt(r.get('plan_seconds'), '.2f')} | {r.get('steps', '-')} | "
-                f"{fmt(r.get('max_step_token_dev'), '.1%')} | {fmt(r.get('speedup_vs_trl'), '.2f')}x |")
+                f"{fmt(r.get('max_step_token_dev'), '.1%')} | {fmt(r.get('speedup_vs_trl'), '.2f')}x |"
+            )
     return head + "\n".join(lines) + "\n"
 
 
 def summary_markdown(rows: list[dict]) -> str:
     peers_ = PEER_ORDER[1:]
-    head = ("| distribution | topology | " + " | ".join(f"{p} speedup" for p in peers_) +
-            " | bound | balancer first (imb / eff) |\n|---|---|" + "---:|" * (len(peers_) + 1) + "---|\n")
+    head = (
+        "| distribution | topology | "
+        + " | ".join(f"{p} speedup" for p in peers_)
+        + " | bound | balancer first (imb / eff) |\n|---|---|"
+        + "---:|" * (len(peers_) + 1)
+        + "---|\n"
+    )
     lines = []
     for row in rows:
         cells = []
         for p in peers_:
             r = row["peers"][p]
             cells.append(fmt(r.get("speedup_vs_trl"), ".2f") + "x" if r.get("speedup_vs_trl") else r["status"][:20])
-        first = ("yes" if row.get("balancer_first_imbalance") else "no") + " / " + \
-                ("yes" if row.get("balancer_first_efficiency") else "no")
-        lines.append(f"| {row['distribution']} | {row['topology']} | " + " | ".join(cells) +
-                     f" | {fmt(row.get('speedup_bound'), '.2f')}x | {first} |")
+        first = (
+            ("yes" if row.get("balancer_first_imbalance") else "no")
+            + " / "
+            + ("yes" if row.get("balancer_first_efficiency") else "no")
+        )
+        lines.append(
+            f"| {row['distribution']} | {row['topology']} | "
+            + " | ".join(cells)
+            + f" | {fmt(row.get('speedup_bound'), '.2f')}x | {first} |"
+        )
     return head + "\n".join(lines) + "\n"
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -194,17 +226,39 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         for i, p in enumerate(peers_):
             vals = [r["peers"][p].get("speedup_vs_trl") for r in drows]
             h = [v if v is not None else 0.0 for v in vals]
-            bars = ax.bar(x + (i - (len(peers_) - 1) / 2) * width, h, width, label=p, color=colors[p],
-                          edgecolor="black", linewidth=0.4)
+            bars = ax.bar(
+                x + (i - (len(peers_) - 1) / 2) * width,
+                h,
+                width,
+                label=p,
+                color=colors[p],
+                edgecolor="black",
+                linewidth=0.4,
+            )
             for b, v, r in zip(bars, vals, drows):
                 st = r["peers"][p]["status"]
                 if v is None or st != "ok":
                     tag = "failed" if v is None else ("drops data" if st == "drops data" else "invalid plan")
-                    ax.text(b.get_x() + b.get_width() / 2, (v or 0) + 0.03, tag, ha="center", va="bottom",
-                            fontsize=7, color="red", rotation=90)
+                    ax.text(
+                        b.get_x() + b.get_width() / 2,
+                        (v or 0) + 0.03,
+                        tag,
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        color="red",
+                        rotation=90,
+                    )
                 elif p == "balancer":
-                    ax.text(b.get_x() + b.get_width() / 2, v + 0.03, f"{v:.2f}", ha="center", va="bottom",
-                            fontsize=8, fontweight="bold")
+                    ax.text(
+                        b.get_x() + b.get_width() / 2,
+                        v + 0.03,
+                        f"{v:.2f}",
+                        ha="center",
+                        va="bottom",
+                        fontsize=8,
+                        fontweight="bold",
+                    )
             top = max([top] + [v for v in vals if v is not None])
         ax.axhline(1.0, color="black", linewidth=1.0, label="TRL BFD (= 1.0)")
         ax.axhline(GOAL_SPEEDUP, color="red", linewidth=0.8, linestyle="--", label=f"goal {GOAL_SPEEDUP}x")
@@ -242,25 +296,40 @@ def main(argv=None) -> int:
     corpora = {}
     for dist in args.dists.split(","):
         lengths, n_full = corpus(dist, budget_tokens, args.seed)
-        corpora[dist] = dict(num_docs=int(len(lengths)), trace_docs=int(n_full), tokens=int(lengths.sum()),
-                             max_length=int(lengths.max()), median_length=float(np.median(lengths)))
-        print(f"== {dist}: {len(lengths):,} of {n_full:,} documents, {lengths.sum() / 1e6:.0f}M tokens, "
-              f"max {lengths.max():,}", flush=True)
+        corpora[dist] = dict(
+            num_docs=int(len(lengths)),
+            trace_docs=int(n_full),
+            tokens=int(lengths.sum()),
+            max_length=int(lengths.max()),
+            median_length=float(np.median(lengths)),
+        )
+        print(
+            f"== {dist}: {len(lengths):,} of {n_full:,} documents, {lengths.sum() / 1e6:.0f}M tokens, "
+            f"max {lengths.max():,}",
+            flush=True,
+        )
         trl_cache: dict[int, object] = {}
         for spec in TOPOLOGIES:
             topo = topology_for(lengths, spec)
             cost = cost_model(spec["cost"])
-            row = dict(distribution=dist, topology=spec["label"], cost=spec["cost"], topology_spec=topo.to_dict(),
-                       num_docs=int(len(lengths)), tokens=int(lengths.sum()), peers={})
+            row = dict(
+                distribution=dist,
+                topology=spec["label"],
+                cost=spec["cost"],
+                topology_spec=topo.to_dict(),
+                num_docs=int(len(lengths)),
+                tokens=int(lengths.sum()),
+                peers={},
+            )
             seq = topo.micro_batch_tokens
-            if seq not in trl_cache:                     # seq_length = max_tokens * cp: pack once per value
+            if seq not in trl_cache:  # seq_length = max_tokens * cp: pack once per value
                 t0 = time.perf_counter()
                 try:
                     order = peers.shuffled_order(len(lengths), args.seed)
                     trl_cache[seq] = peers.trl_pack(lengths, seq, order)
                 except MemoryError as e:
                     trl_cache[seq] = f"failed: out of memory ({e})"
-                except Exception as e:   # noqa: BLE001
+                except Exception as e:  # noqa: BLE001
                     trl_cache[seq] = f"failed: {type(e).__name__}: {e}"
                 print(f"   trl.pack_dataset(seq_length={seq:,}): {time.perf_counter() - t0:.1f} s", flush=True)
             for p in PEER_ORDER:
@@ -268,58 +337,83 @@ def main(argv=None) -> int:
                     if isinstance(trl_cache[seq], str):
                         rec = {"status": trl_cache[seq]}
                     else:
-                        rec, _ = run_peer(peers.trl_plan, lengths, topo, cost, args.seed, args.budget,
-                                          packed=trl_cache[seq])
+                        rec, _ = run_peer(
+                            peers.trl_plan, lengths, topo, cost, args.seed, args.budget, packed=trl_cache[seq]
+                        )
                 else:
                     rec, _ = run_peer(peers.PEERS[p], lengths, topo, cost, args.seed, args.budget)
                 row["peers"][p] = rec
             base = row["peers"]["trl"].get("step_time_total")
             lb = row["peers"]["balancer"].get("lower_bound_epoch")
-            row["speedup_bound"] = base / lb if base and lb else None   # TRL time / LB_epoch: no plan beats it
-            for p, r in row["peers"].items():
+            row["speedup_bound"] = base / lb if base and lb else None  # TRL time / LB_epoch: no plan beats it
+            for r in row["peers"].values():
                 r["speedup_vs_trl"] = (base / r["step_time_total"]) if base and r.get("step_time_total") else None
             rank_row(row)
             rows.append(row)
             b, t = row["peers"]["balancer"], row["peers"]["trl"]
-            print(f"   {spec['label']:<24} max_tokens={topo.max_tokens:>7}  " + "  ".join(
-                f"{p}:{fmt(row['peers'][p].get('imbalance'), '.3f')}" for p in PEER_ORDER) +
-                f"  speedup={fmt(b.get('speedup_vs_trl'), '.2f')}x  trl_steps={t.get('steps')}", flush=True)
+            print(
+                f"   {spec['label']:<24} max_tokens={topo.max_tokens:>7}  "
+                + "  ".join(f"{p}:{fmt(row['peers'][p].get('imbalance'), '.3f')}" for p in PEER_ORDER)
+                + f"  speedup={fmt(b.get('speedup_vs_trl'), '.2f')}x  trl_steps={t.get('steps')}",
+                flush=True,
+            )
     runtime = time.perf_counter() - t_start
 
-    goal_rows = [r for r in rows if r["distribution"] in ("wlbllm", "prolong", "heavy")
-                 and (r["topology_spec"]["cp"] > 1 or r["topology_spec"]["pp"] > 1)]
+    goal_rows = [
+        r
+        for r in rows
+        if r["distribution"] in ("wlbllm", "prolong", "heavy")
+        and (r["topology_spec"]["cp"] > 1 or r["topology_spec"]["pp"] > 1)
+    ]
     goal = dict(
         balancer_first_imbalance_all=all(r.get("balancer_first_imbalance") for r in rows),
         balancer_first_efficiency_all=all(r.get("balancer_first_efficiency") for r in rows),
         balancer_zero_drop_all=all(r.get("balancer_zero_drop") for r in rows),
         speedup_rows=len(goal_rows),
-        speedup_min=min((r["peers"]["balancer"].get("speedup_vs_trl") or 0.0) for r in goal_rows) if goal_rows
+        speedup_min=min((r["peers"]["balancer"].get("speedup_vs_trl") or 0.0) for r in goal_rows)
+        if goal_rows
         else None,
-        speedup_ge_goal_all=all((r["peers"]["balancer"].get("speedup_vs_trl") or 0.0) >= GOAL_SPEEDUP
-                                for r in goal_rows),
-        not_first_imbalance=[f"{r['distribution']} / {r['topology']}" for r in rows
-                             if not r.get("balancer_first_imbalance")],
-        not_first_efficiency=[f"{r['distribution']} / {r['topology']}" for r in rows
-                              if not r.get("balancer_first_efficiency")],
+        speedup_ge_goal_all=all(
+            (r["peers"]["balancer"].get("speedup_vs_trl") or 0.0) >= GOAL_SPEEDUP for r in goal_rows
+        ),
+        not_first_imbalance=[
+            f"{r['distribution']} / {r['topology']}" for r in rows if not r.get("balancer_first_imbalance")
+        ],
+        not_first_efficiency=[
+            f"{r['distribution']} / {r['topology']}" for r in rows if not r.get("balancer_first_efficiency")
+        ],
     )
     result = dict(
-        config=dict(quick=args.quick, tokens_per_distribution=budget_tokens, seed=args.seed, budget_s=args.budget,
-                    tie_tolerance=TIE, goal_speedup=GOAL_SPEEDUP, default_cost=dict(attn_coef=DEFAULT_COST[1],
-                                                                                    linear_coef=DEFAULT_COST[2]),
-                    models={k: MODELS[k] for k in ("llama2-7b", "llama3-70b")},
-                    rule="max_tokens = next power of two >= longest document / cp; tokens_per_step = 0.85 x capacity",
-                    trl="trl.pack_dataset(strategy='bfd', seq_length=max_tokens*cp), datasets.map default batches "
-                        "of 1000; packed once per seq_length per distribution, its measured time counted in every "
-                        "row's plan_seconds; rows shuffled by a seeded RandomSampler, row i of a step -> rank "
-                        "i % dp; the last partial step's rows are split into dp*M micro-batches (with fewer documents "
-                        "than dp*M, they and the step before are dealt over two steps)",
-                    corpora=corpora),
+        config=dict(
+            quick=args.quick,
+            tokens_per_distribution=budget_tokens,
+            seed=args.seed,
+            budget_s=args.budget,
+            tie_tolerance=TIE,
+            goal_speedup=GOAL_SPEEDUP,
+            default_cost=dict(attn_coef=DEFAULT_COST[1], linear_coef=DEFAULT_COST[2]),
+            models={k: MODELS[k] for k in ("llama2-7b", "llama3-70b")},
+            rule="max_tokens = next power of two >= longest document / cp; tokens_per_step = 0.85 x capacity",
+            trl="trl.pack_dataset(strategy='bfd', seq_length=max_tokens*cp), datasets.map default batches "
+            "of 1000; packed once per seq_length per distribution, its measured time counted in every "
+            "row's plan_seconds; rows shuffled by a seeded RandomSampler, row i of a step -> rank "
+            "i % dp; the last partial step's rows are split into dp*M micro-batches (with fewer documents "
+            "than dp*M, they and the step before are dealt over two steps)",
+            corpora=corpora,
+        ),
         machine=dict(cpu=platform.machine(), cores=os.cpu_count(), python=platform.python_version()),
-        runtime_seconds=runtime, goal=goal, rows=rows)
+        runtime_seconds=runtime,
+        goal=goal,
+        rows=rows,
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    plot(rows, png, "Predicted training speedup over TRL BFD packing (sum of step times, DESIGN.md section 3 "
-                    "cost model); higher is better")
+    plot(
+        rows,
+        png,
+        "Predicted training speedup over TRL BFD packing (sum of step times, DESIGN.md section 3 "
+        "cost model); higher is better",
+    )
     print()
     print(summary_markdown(rows))
     print(markdown(rows))

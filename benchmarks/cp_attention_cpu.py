@@ -7,6 +7,7 @@ achieved GFLOP/s (causal forward, 4*pairs*H*D FLOPs) vs a plain fp32 matmul's, o
 
 Run: python benchmarks/cp_attention_cpu.py [--seed 0] [--reps 2]. Writes benchmarks/results/cp_attention_cpu.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,13 +64,18 @@ def _matmul_gflops() -> float:
     t = time.perf_counter()
     for _ in range(10):
         a @ b
-    return 2 * 1024 ** 3 * 10 / (time.perf_counter() - t) / 1e9
+    return 2 * 1024**3 * 10 / (time.perf_counter() - t) / 1e9
 
 
 def _worker(rank: int, world: int, port: int, lens: np.ndarray, reps: int, q) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=600),
+    )
     cu = np.concatenate([[0], np.cumsum(lens)])
     T = int(cu[-1])
     gen = torch.Generator().manual_seed(0)
@@ -81,13 +87,16 @@ def _worker(rank: int, world: int, port: int, lens: np.ndarray, reps: int, q) ->
 
     # single process (rank 0 alone; rank 1 waits, so the core is not shared)
     if rank == 0:
+
         def single(bwd):
             def run():
                 x = [t.clone().requires_grad_(bwd) for t in (qf, kf, vf)]
                 o = attention.varlen_attention(*x, cu, causal=True, backend="torch")
                 if bwd:
                     o.backward(dof)
+
             return run
+
         for name, bwd in (("fwd", False), ("fwd_bwd", True)):
             single(bwd)()
             res[f"single_{name}_s"], res[f"single_{name}_cpu_s"] = _timed(single(bwd), reps, barrier=False)
@@ -98,11 +107,13 @@ def _worker(rank: int, world: int, port: int, lens: np.ndarray, reps: int, q) ->
     ql, kl, vl, dol = (layout.shard(t, rank) for t in (qf, kf, vf, dof))
     for method in ("ring", "allgather"):
         for name, bwd in (("fwd", False), ("fwd_bwd", True)):
+
             def run():
                 x = [t.clone().requires_grad_(bwd) for t in (ql, kl, vl)]
                 o = attention.cp_attention(*x, layout, causal=True, method=method, backend="torch")
                 if bwd:
                     o.backward(dol)
+
             run()
             t_mine = torch.tensor(_timed(run, reps), dtype=torch.float64)
             parts = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
@@ -141,12 +152,28 @@ def main() -> None:
     pairs = int((lens * (lens + 1) // 2).sum())
     fwd_flops = 4.0 * pairs * HEADS * DIM
     summary = {
-        "config": {"world": world, "threads_per_rank": 1, "heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM,
-                   "dtype": "float32", "causal": True, "layout": "zigzag", "backend": "torch", "seed": args.seed,
-                   "reps": args.reps, "num_docs": int(lens.size), "tokens": int(lens.sum()),
-                   "max_doc": int(lens.max()), "lengths": lens.tolist()},
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "torch": torch.__version__},
+        "config": {
+            "world": world,
+            "threads_per_rank": 1,
+            "heads": HEADS,
+            "kv_heads": KV_HEADS,
+            "head_dim": DIM,
+            "dtype": "float32",
+            "causal": True,
+            "layout": "zigzag",
+            "backend": "torch",
+            "seed": args.seed,
+            "reps": args.reps,
+            "num_docs": int(lens.size),
+            "tokens": int(lens.sum()),
+            "max_doc": int(lens.max()),
+            "lengths": lens.tolist(),
+        },
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+        },
         "raw": res,
         "attention_fwd_gflops": fwd_flops / res["single_fwd_s"] / 1e9,
         "matmul_gflops": res["matmul_gflops"],
@@ -164,12 +191,17 @@ def main() -> None:
     with open(OUT, "w") as f:
         json.dump(summary, f, indent=2)
     cols = [f"{m}_{n}" for m in ("ring", "allgather") for n in ("fwd", "fwd_bwd")]
-    print("| tokens | docs | load | " + " | ".join(c.replace("_bwd", "+bwd") + " wall (cpu)" for c in cols)
-          + " | attn fwd GFLOP/s | matmul GFLOP/s |")
+    print(
+        "| tokens | docs | load | "
+        + " | ".join(c.replace("_bwd", "+bwd") + " wall (cpu)" for c in cols)
+        + " | attn fwd GFLOP/s | matmul GFLOP/s |"
+    )
     print("|" + "---|" * (len(cols) + 5))
-    print(f"| {lens.sum()} | {lens.size} | {max(summary['load_average_1min']):.1f} | "
-          + " | ".join(f"{summary[c + '_efficiency']:.2f} ({summary[c + '_cpu_efficiency']:.2f})" for c in cols)
-          + f" | {summary['attention_fwd_gflops']:.1f} | {summary['matmul_gflops']:.1f} |")
+    print(
+        f"| {lens.sum()} | {lens.size} | {max(summary['load_average_1min']):.1f} | "
+        + " | ".join(f"{summary[c + '_efficiency']:.2f} ({summary[c + '_cpu_efficiency']:.2f})" for c in cols)
+        + f" | {summary['attention_fwd_gflops']:.1f} | {summary['matmul_gflops']:.1f} |"
+    )
 
 
 if __name__ == "__main__":

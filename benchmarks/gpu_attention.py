@@ -6,6 +6,7 @@ blocks, merges included, no communication) are timed on the GPU; the fraction is
 compute efficiency of splitting (smaller kernel calls, merges, balance), not the interconnect. Causal, zigzag,
 bf16, documents drawn from the same mix as the CPU benchmark, scaled up. Writes benchmarks/results/gpu_attention.json.
 """
+
 from __future__ import annotations
 
 import json
@@ -59,9 +60,18 @@ def main() -> None:
     v = torch.randn(T, kv_heads, dim, device="cuda", dtype=dtype)
     dout = torch.randn_like(q)
     be = get_backend("auto", q, k)
-    scale = dim ** -0.5
-    res = {"backend": be.name, "tokens": T, "num_docs": int(lens.size), "heads": heads, "kv_heads": kv_heads,
-           "head_dim": dim, "dtype": "bfloat16", "device": torch.cuda.get_device_name(), "worlds": {}}
+    scale = dim**-0.5
+    res = {
+        "backend": be.name,
+        "tokens": T,
+        "num_docs": int(lens.size),
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": dim,
+        "dtype": "bfloat16",
+        "device": torch.cuda.get_device_name(),
+        "worlds": {},
+    }
 
     def single(bwd):
         def run():
@@ -69,6 +79,7 @@ def main() -> None:
             o = attention.varlen_attention(*x, cu, causal=True, backend=be.name)
             if bwd:
                 o.backward(dout)
+
         return run
 
     t_single = {n: cuda_time(single(b)) for n, b in (("fwd", False), ("fwd_bwd", True))}
@@ -100,10 +111,14 @@ def main() -> None:
 
             per_rank["fwd"].append(cuda_time(fwd))
             per_rank["fwd_bwd"].append(cuda_time(fwd_bwd))
-        res["worlds"][world] = {n: {"rank_s": per_rank[n],
-                                    "fraction": t_single[n] / world / max(per_rank[n])} for n in per_rank}
-        print(f"| W={world} | {be.name} | {T} | {res['worlds'][world]['fwd']['fraction']:.3f} | "
-              f"{res['worlds'][world]['fwd_bwd']['fraction']:.3f} |", flush=True)
+        res["worlds"][world] = {
+            n: {"rank_s": per_rank[n], "fraction": t_single[n] / world / max(per_rank[n])} for n in per_rank
+        }
+        print(
+            f"| W={world} | {be.name} | {T} | {res['worlds'][world]['fwd']['fraction']:.3f} | "
+            f"{res['worlds'][world]['fwd_bwd']['fraction']:.3f} |",
+            flush=True,
+        )
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(OUT, "w") as f:
         json.dump(res, f, indent=2)

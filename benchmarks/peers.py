@@ -21,6 +21,7 @@ Peers (see each function for what is the published algorithm and what is glue ne
 `notes` on the returned plan (a dict attribute, `plan.peer_notes`) say what glue did: documents deferred to a later
 step, micro-batches split to reach dp * M, rows dropped at the end of the epoch, and so on.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -32,11 +33,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import balancer  # noqa: E402
-from balancer.metrics import natural_steps  # noqa: E402
 from wlb import wlb_plan  # noqa: E402,F401  (re-exported: one WLB implementation)
 
-VERL_WORKLOAD_A = 24576   # verl.utils.seqlen_balancing.calculate_workload: 24576 * L + L^2 (6 * 4096 for a 7B)
+import balancer  # noqa: E402
+from balancer.metrics import natural_steps  # noqa: E402
+
+VERL_WORKLOAD_A = 24576  # verl.utils.seqlen_balancing.calculate_workload: 24576 * L + L^2 (6 * 4096 for a 7B)
 
 
 def shuffled_order(n: int, seed: int) -> np.ndarray:
@@ -44,18 +46,35 @@ def shuffled_order(n: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(n)
 
 
-def _finish(mbs: list[list[int]], lengths, topology, cost, seed, order, t0, notes,
-            placed: np.ndarray | None = None) -> balancer.Plan:
+def _finish(
+    mbs: list[list[int]], lengths, topology, cost, seed, order, t0, notes, placed: np.ndarray | None = None
+) -> balancer.Plan:
     """`mbs`: micro-batches in plan order (step-major, replica, m) -> Plan with notes attached."""
     m, dp, nb = topology.micro_batches, topology.dp, topology.bins_per_step
     assert len(mbs) % nb == 0
-    steps = [[mbs[(k * dp + r) * m:(k * dp + r + 1) * m] for r in range(dp)] for k in range(len(mbs) // nb)]
-    p = balancer.Plan.from_micro_batches(steps, lengths, topology, cost, seed=seed,
-                                         natural_step=natural_steps(order, lengths, topology.tokens_per_step),
-                                         plan_seconds=time.perf_counter() - t0)
-    if placed is not None and np.any(placed[p.doc] != p.end):   # truncated documents keep their first tokens
-        p = balancer.Plan(lengths, topology, cost, p.doc, p.start, placed[p.doc], p.mb_ptr, seed=seed,
-                          natural_step=p.natural_step, plan_seconds=p.plan_seconds)
+    steps = [[mbs[(k * dp + r) * m : (k * dp + r + 1) * m] for r in range(dp)] for k in range(len(mbs) // nb)]
+    p = balancer.Plan.from_micro_batches(
+        steps,
+        lengths,
+        topology,
+        cost,
+        seed=seed,
+        natural_step=natural_steps(order, lengths, topology.tokens_per_step),
+        plan_seconds=time.perf_counter() - t0,
+    )
+    if placed is not None and np.any(placed[p.doc] != p.end):  # truncated documents keep their first tokens
+        p = balancer.Plan(
+            lengths,
+            topology,
+            cost,
+            p.doc,
+            p.start,
+            placed[p.doc],
+            p.mb_ptr,
+            seed=seed,
+            natural_step=p.natural_step,
+            plan_seconds=p.plan_seconds,
+        )
     p.peer_notes = {k: v for k, v in notes.items() if v}
     return p
 
@@ -96,6 +115,7 @@ def split_to(bins: list[list[int]], count: int, lengths: np.ndarray) -> int:
 
 # ---- Karmarkar-Karp (verl.utils.seqlen_balancing, written from its description) -----------------------------------
 
+
 def karmarkar_karp(weights, k: int, equal_size: bool = False) -> list[list[int]]:
     """k-way largest differencing: partitions of the item indices with sums as close as possible.
 
@@ -124,7 +144,7 @@ def karmarkar_karp(weights, k: int, equal_size: bool = False) -> list[list[int]]
 
     if equal_size:
         for c in range(0, n, k):
-            chunk = idx[c:c + k]
+            chunk = idx[c : c + k]
             push([w[i] for i in chunk], [[i] for i in chunk])
     else:
         for i in idx:
@@ -133,11 +153,11 @@ def karmarkar_karp(weights, k: int, equal_size: bool = False) -> list[list[int]]
         _, _, sa, ia = heapq.heappop(heap)
         _, _, sb, ib = heapq.heappop(heap)
         sums, items = [], []
-        for j in range(k):                       # heaviest of one with the lightest of the other
+        for j in range(k):  # heaviest of one with the lightest of the other
             x, y = ia[j], ib[k - 1 - j]
             if len(x) < len(y):
                 x, y = y, x
-            x.extend(y)                          # small into large: O(n log n) copying overall
+            x.extend(y)  # small into large: O(n log n) copying overall
             items.append(x)
             sums.append(sa[j] + sb[k - 1 - j])
         push(sums, items)
@@ -153,6 +173,7 @@ def verl_workload(lengths) -> np.ndarray:
 
 
 # ---- shared step driver (glue common to the peers that plan step by step) ---------------------------------------
+
 
 def _ffd(docs: list[int], lengths: np.ndarray, cap: int) -> list[list[int]]:
     """First-fit decreasing by tokens, opening a bin when a document fits no open one."""
@@ -170,8 +191,9 @@ def _ffd(docs: list[int], lengths: np.ndarray, cap: int) -> list[list[int]]:
     return bins
 
 
-def _tail_steps(pool: list[int], lengths: np.ndarray, topology,
-                bins: list[list[int]] | None = None) -> list[list[list[int]]]:
+def _tail_steps(
+    pool: list[int], lengths: np.ndarray, topology, bins: list[list[int]] | None = None
+) -> list[list[list[int]]]:
     """Fallback for the epoch's end (too few leftover documents to fill a step of their own): FFD the leftovers and
     the last step's documents (or take the given `bins`), deal the bins over as few steps as they need (round robin,
     heaviest first), then give each step at least dp * M documents and split bins up to dp * M."""
@@ -180,12 +202,14 @@ def _tail_steps(pool: list[int], lengths: np.ndarray, topology,
     pool = [d for b in bins for d in b]
     n_steps = -(-len(bins) // nb)
     if n_steps * nb > len(pool):
-        raise ValueError(f"{len(pool)} leftover documents need {len(bins)} micro-batches: no whole number of "
-                         f"steps of {nb} non-empty micro-batches holds them")
+        raise ValueError(
+            f"{len(pool)} leftover documents need {len(bins)} micro-batches: no whole number of "
+            f"steps of {nb} non-empty micro-batches holds them"
+        )
     bins.sort(key=lambda b: -int(lengths[b].sum()))
     steps = [bins[k::n_steps] for k in range(n_steps)]
     for st in steps:
-        while sum(map(len, st)) < nb:                     # borrow single documents from a step with spare ones
+        while sum(map(len, st)) < nb:  # borrow single documents from a step with spare ones
             donor = max(steps, key=lambda x: sum(map(len, x)))
             b = max((b for b in donor if len(b) > 1), key=len)
             d = min(b, key=lambda d: lengths[d])
@@ -213,7 +237,7 @@ def _drive(groups: list[list[int]], step_fn, lengths: np.ndarray, topology, note
             carry = rest
         else:
             pool = list(carry)
-            while True:                                   # fold in as many last steps as the leftovers need
+            while True:  # fold in as many last steps as the leftovers need
                 if not steps:
                     raise ValueError(f"{len(pool)} documents cannot fill {nb} micro-batches")
                 pool = [d for b in steps.pop() for d in b] + pool
@@ -223,8 +247,12 @@ def _drive(groups: list[list[int]], step_fn, lengths: np.ndarray, topology, note
                 except ValueError:
                     continue
             notes["tail_fallback_docs"] = len(pool)
-            steps.extend(_lpt_ranks(st, np.array([lengths[b].sum() for b in st], dtype=np.float64),
-                                    topology.dp, topology.micro_batches) for st in tail)
+            steps.extend(
+                _lpt_ranks(
+                    st, np.array([lengths[b].sum() for b in st], dtype=np.float64), topology.dp, topology.micro_batches
+                )
+                for st in tail
+            )
             carry = []
     notes["extra_steps"] = len(steps) - len(groups)
     return [b for st in steps for b in st]
@@ -244,6 +272,7 @@ def _lpt_ranks(bins: list[list[int]], weight: np.ndarray, dp: int, m: int) -> li
 
 
 # ---- multipack ---------------------------------------------------------------------------------------------------
+
 
 def multipack_plan(lengths, topology, cost, seed: int = 0) -> balancer.Plan:
     """multipack: FFD bins by tokens (cap max_tokens * cp) per token-budget step, then LPT of the bins over the DP
@@ -274,6 +303,7 @@ def multipack_plan(lengths, topology, cost, seed: int = 0) -> balancer.Plan:
 
 # ---- verl --------------------------------------------------------------------------------------------------------
 
+
 def verl_plan(lengths, topology, cost, seed: int = 0) -> balancer.Plan:
     """verl: per token-budget global batch, KK partition over DP ranks by `24576*L + L^2` (equal_size=False, the
     dynamic-batch path), then each rank's documents KK-partitioned by tokens into M micro-batches.
@@ -294,7 +324,7 @@ def verl_plan(lengths, topology, cost, seed: int = 0) -> balancer.Plan:
     def step_fn(docs):
         carry: list[int] = []
         ranks = [[docs[i] for i in part] for part in karmarkar_karp(work[docs], dp)]
-        for r in range(dp):                              # every rank needs M documents for M micro-batches
+        for r in range(dp):  # every rank needs M documents for M micro-batches
             while len(ranks[r]) < m:
                 donor = max(range(dp), key=lambda q: len(ranks[q]))
                 if len(ranks[donor]) <= m:
@@ -307,7 +337,7 @@ def verl_plan(lengths, topology, cost, seed: int = 0) -> balancer.Plan:
         for r in range(dp):
             parts = [[ranks[r][i] for i in p] for p in karmarkar_karp(lengths[ranks[r]], m)]
             tok = [int(lengths[p].sum()) for p in parts]
-            for j in range(m):                           # cap repair inside the rank
+            for j in range(m):  # cap repair inside the rank
                 while tok[j] > cap:
                     d = min(parts[j], key=lambda d: lengths[d])
                     parts[j].remove(d)
@@ -322,7 +352,7 @@ def verl_plan(lengths, topology, cost, seed: int = 0) -> balancer.Plan:
                         carry.append(d)
                         notes["docs_deferred"] += 1
             for j in range(m):
-                if not parts[j]:                         # KK or the cap repair left it empty
+                if not parts[j]:  # KK or the cap repair left it empty
                     donor = max(range(m), key=lambda q: len(parts[q]))
                     if len(parts[donor]) < 2:
                         raise ValueError("verl: a rank cannot fill its micro-batches")
@@ -339,6 +369,7 @@ def verl_plan(lengths, topology, cost, seed: int = 0) -> balancer.Plan:
 
 # ---- TRL ---------------------------------------------------------------------------------------------------------
 
+
 def trl_pack(lengths, seq_length: int, order: np.ndarray | None = None, map_kwargs: dict | None = None):
     """Run the real `trl.pack_dataset(strategy="bfd")` on a dataset whose rows have the documents' lengths.
 
@@ -353,7 +384,7 @@ def trl_pack(lengths, seq_length: int, order: np.ndarray | None = None, map_kwar
     disable_progress_bars()
     lengths = np.asarray(lengths, dtype=np.int64)
     order = np.arange(len(lengths)) if order is None else np.asarray(order)
-    if lengths.sum() >= 2 ** 31:
+    if lengths.sum() >= 2**31:
         raise MemoryError(f"{lengths.sum()} tokens: more than one Arrow list column holds (2^31)")
     t0 = time.perf_counter()
     lo = lengths[order]
@@ -375,7 +406,8 @@ def trl_pack(lengths, seq_length: int, order: np.ndarray | None = None, map_kwar
     row_len = np.diff(ids.offsets.to_numpy()).astype(np.int64)
     row_of_seg = np.repeat(np.arange(len(seg_per_row)), seg_per_row)
     if len(vals) != int(seg_len.sum()) or not np.array_equal(
-            np.bincount(row_of_seg, weights=seg_len, minlength=len(row_len)).astype(np.int64), row_len):
+        np.bincount(row_of_seg, weights=seg_len, minlength=len(row_len)).astype(np.int64), row_len
+    ):
         raise RuntimeError("TRL packed rows do not match their seq_lengths")
     seg_start = np.cumsum(seg_len) - seg_len
     seg_doc = vals[seg_start].astype(np.int64)
@@ -403,15 +435,16 @@ def trl_plan(lengths, topology, cost, seed: int = 0, packed=None, tail: str = "s
     rows, pack_s, placed = packed
     notes = {"truncated_tokens": int((lengths - placed).sum()), "rows": len(rows), "tail": ""}
     import torch
+
     perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed)).numpy()
-    rows = [rows[i].tolist() for i in perm]              # RandomSampler over the packed rows
+    rows = [rows[i].tolist() for i in perm]  # RandomSampler over the packed rows
     nb, dp, m = topology.bins_per_step, topology.dp, topology.micro_batches
     full = len(rows) // nb
     mbs: list[list[int]] = []
     for k in range(full):
-        step = rows[k * nb:(k + 1) * nb]                 # row i of the step: rank i % dp, micro-batch i // dp
+        step = rows[k * nb : (k + 1) * nb]  # row i of the step: rank i % dp, micro-batch i // dp
         mbs.extend(step[j * dp + r] for r in range(dp) for j in range(m))
-    rest = rows[full * nb:]
+    rest = rows[full * nb :]
     if rest:
         ndocs = sum(map(len, rest))
         tok = int(sum(lengths[r].sum() for r in rest))
@@ -421,13 +454,15 @@ def trl_plan(lengths, topology, cost, seed: int = 0, packed=None, tail: str = "s
             mbs.extend(rest[j * dp + r] for r in range(dp) for j in range(m))
             notes["tail"] = f"last step: {n_rest} rows split into {nb} micro-batches ({splits} splits)"
         elif tail == "split" and full:
-            prev = rows[(full - 1) * nb:full * nb]
+            prev = rows[(full - 1) * nb : full * nb]
             del mbs[-nb:]
             steps = _tail_steps([], lengths, topology, bins=prev + rest)
             for st in steps:
                 mbs.extend(st[j * dp + r] for r in range(dp) for j in range(m))
-            notes["tail"] = (f"last step: {len(rest)} rows ({ndocs} docs) and the {nb} rows before dealt over "
-                             f"{len(steps)} steps, rows split to fill them")
+            notes["tail"] = (
+                f"last step: {len(rest)} rows ({ndocs} docs) and the {nb} rows before dealt over "
+                f"{len(steps)} steps, rows split to fill them"
+            )
         else:
             notes["tail"] = f"last step: {len(rest)} rows ({ndocs} docs, {tok} tokens) dropped (drop_last)"
     plan = _finish(mbs, lengths, topology, cost, seed, order, t0, notes, placed=placed)
@@ -436,6 +471,7 @@ def trl_plan(lengths, topology, cost, seed: int = 0, packed=None, tail: str = "s
 
 
 # ---- this toolkit ------------------------------------------------------------------------------------------------
+
 
 def balancer_plan(lengths, topology, cost, seed: int = 0) -> balancer.Plan:
     p = balancer.plan(lengths, topology, cost, seed=seed)

@@ -5,23 +5,25 @@ cost attention 2/53000 per causal pair + 1 per token; topologies dp8 (M4), dp4 x
 distributions: the two published traces, a near-uniform SFT mix and a generated heavy tail to 1M tokens.
 Writes benchmarks/results/planner_quality.json and prints the README table.
 """
+
 from __future__ import annotations
 
 import argparse
 
-import numpy as np
+from _common import DEFAULT_COST, TOPOLOGIES, standard_topology, write_result
+from wlb import wlb_plan
 
 import balancer
 from balancer.traces import load_trace
-from _common import DEFAULT_COST, TOPOLOGIES, standard_topology, write_result
-from wlb import wlb_plan
 
 KEYS = ("imbalance", "epoch_efficiency", "worst_step", "mean_delay_steps", "plan_seconds", "steps")
 
 
 def goal(name: str, pp: int, ours: dict, wlb: dict) -> dict:
-    out = {"no_worse_than_wlb": ours["imbalance"] <= wlb["imbalance"] + 1e-9
-           and ours["epoch_efficiency"] >= wlb["epoch_efficiency"] - 1e-9}
+    out = {
+        "no_worse_than_wlb": ours["imbalance"] <= wlb["imbalance"] + 1e-9
+        and ours["epoch_efficiency"] >= wlb["epoch_efficiency"] - 1e-9
+    }
     if pp == 1:
         out["imbalance<=1.02"] = ours["imbalance"] <= 1.02
         out["efficiency>=0.95"] = ours["epoch_efficiency"] >= 0.95
@@ -36,8 +38,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     rows = []
-    print("| distribution | topology | balancer imbalance | WLB imbalance | balancer efficiency | WLB efficiency "
-          "| balancer worst step | WLB worst step | balancer delay (steps) | goals |")
+    print(
+        "| distribution | topology | balancer imbalance | WLB imbalance | balancer efficiency | WLB efficiency "
+        "| balancer worst step | WLB worst step | balancer delay (steps) | goals |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for trace in args.traces:
         lengths = load_trace(trace, seed=args.seed)
@@ -48,13 +52,25 @@ def main() -> None:
             wlb = wlb_plan(lengths, topo, DEFAULT_COST, seed=args.seed)
             mo, mw = ours.metrics(), wlb.metrics()
             g = goal(trace, pp, mo, mw)
-            rows.append({"distribution": trace, "topology": tname, "max_tokens": topo.max_tokens,
-                         "tokens_per_step": topo.tokens_per_step, "documents": int(len(lengths)),
-                         "balancer": {k: mo[k] for k in KEYS}, "wlb": {k: mw[k] for k in KEYS}, "goals": g})
+            rows.append(
+                {
+                    "distribution": trace,
+                    "topology": tname,
+                    "max_tokens": topo.max_tokens,
+                    "tokens_per_step": topo.tokens_per_step,
+                    "documents": int(len(lengths)),
+                    "balancer": {k: mo[k] for k in KEYS},
+                    "wlb": {k: mw[k] for k in KEYS},
+                    "goals": g,
+                }
+            )
             status = "all met" if all(g.values()) else "missed: " + ", ".join(k for k, v in g.items() if not v)
-            print(f"| {trace} | {tname} | {mo['imbalance']:.4f} | {mw['imbalance']:.4f} | "
-                  f"{mo['epoch_efficiency']:.4f} | {mw['epoch_efficiency']:.4f} | {mo['worst_step']:.3f} | "
-                  f"{mw['worst_step']:.3f} | {mo['mean_delay_steps']:.2f} | {status} |", flush=True)
+            print(
+                f"| {trace} | {tname} | {mo['imbalance']:.4f} | {mw['imbalance']:.4f} | "
+                f"{mo['epoch_efficiency']:.4f} | {mw['epoch_efficiency']:.4f} | {mo['worst_step']:.3f} | "
+                f"{mw['worst_step']:.3f} | {mo['mean_delay_steps']:.2f} | {status} |",
+                flush=True,
+            )
     path = write_result("planner_quality", {"cost": DEFAULT_COST.to_dict(), "rows": rows})
     print(f"\nwrote {path}")
 

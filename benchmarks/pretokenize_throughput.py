@@ -15,6 +15,7 @@ RSS from /proc/self/status VmHWM inside that child. Both use the same tokenizer 
 Writes benchmarks/results/pretokenize_throughput.json and prints markdown table rows.
 Usage: python benchmarks/pretokenize_throughput.py [--quick]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-WORDS = ("the quick brown fox jumps over a lazy dog while héllo wörld ✓ naïve café 東京 long context balancing "
-         "attention tokens shard manifest planner pipeline parallel data sequence").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while héllo wörld ✓ naïve café 東京 long context balancing "
+    "attention tokens shard manifest planner pipeline parallel data sequence"
+).split()
 
 
 def make_corpus(path: Path, mb: int, seed: int = 0) -> int:
@@ -48,7 +51,7 @@ def make_corpus(path: Path, mb: int, seed: int = 0) -> int:
         while size < target:
             k = int(min(400_000, rng.paretovariate(1.2) * 1500))  # characters
             a = rng.randrange(0, len(chunk) - k - 1) if k < len(chunk) - 1 else 0
-            line = json.dumps({"text": chunk[a:a + k], "id": n}, ensure_ascii=False) + "\n"
+            line = json.dumps({"text": chunk[a : a + k], "id": n}, ensure_ascii=False) + "\n"
             f.write(line)
             size += len(line.encode("utf-8"))
             n += 1
@@ -58,6 +61,7 @@ def make_corpus(path: Path, mb: int, seed: int = 0) -> int:
 def direct_encode(path: Path, tokenizer: str) -> dict:
     """Baseline: json.loads + the tokenizer's batch encode in batches of 1024, nothing written."""
     from balancer.tokenize import load_tokenizer
+
     tok = load_tokenizer(tokenizer)
     t0 = time.perf_counter()
     tokens = 0
@@ -108,8 +112,9 @@ print(json.dumps(r))
 
 def _child(script: str, arg: dict, env_extra: dict) -> dict:
     env = {**os.environ, **env_extra}
-    res = subprocess.run([sys.executable, "-c", script, json.dumps(arg)], cwd=REPO, capture_output=True,
-                         text=True, env=env)
+    res = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(arg)], cwd=REPO, capture_output=True, text=True, env=env
+    )
     if res.returncode != 0:
         raise RuntimeError(f"benchmark child failed: {res.stderr[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -120,14 +125,24 @@ def run_direct(path: Path, tokenizer: str, env_extra: dict) -> dict:
     return _child(DIRECT_CHILD, {"input": str(path), "tokenizer": tokenizer}, env_extra)
 
 
-def run_pretokenize(path: Path, out: Path, tokenizer: str, num_proc: int, env_extra: dict,
-                    shard_tokens: int = 20_000_000) -> dict:
+def run_pretokenize(
+    path: Path, out: Path, tokenizer: str, num_proc: int, env_extra: dict, shard_tokens: int = 20_000_000
+) -> dict:
     """pretokenize in a child process: seconds around the call, CPU seconds (the process and its workers),
     tokens, peak RSS of that process (VmHWM, MiB: its own high-water mark; the rusage of a forked child would
     include the parent's) and of its largest worker."""
     shutil.rmtree(out, ignore_errors=True)
-    res = _child(CHILD, {"input": str(path), "output": str(out), "tokenizer": tokenizer, "num_proc": num_proc,
-                         "shard_tokens": shard_tokens}, env_extra)
+    res = _child(
+        CHILD,
+        {
+            "input": str(path),
+            "output": str(out),
+            "tokenizer": tokenizer,
+            "num_proc": num_proc,
+            "shard_tokens": shard_tokens,
+        },
+        env_extra,
+    )
     res["output_bytes"] = sum(p.stat().st_size for p in out.iterdir())
     return res
 
@@ -167,49 +182,75 @@ def main() -> None:
     tok_dir = train_hf_tokenizer(work / "bpe8k", sample, vocab_size=8000)
 
     rows = []
-    results = {"machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                           "platform": platform.platform(), "load_avg_at_start": os.getloadavg()},
-               "runs": []}
+    results = {
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+            "load_avg_at_start": os.getloadavg(),
+        },
+        "runs": [],
+    }
     on, off = {"TOKENIZERS_PARALLELISM": "true"}, {"TOKENIZERS_PARALLELISM": "false"}
-    cases = (("byte", "byte", mb_byte, on), ("bpe-8k (HF, local)", str(tok_dir), mb_hf, on),
-             ("bpe-8k, TOKENIZERS_PARALLELISM=false", str(tok_dir), mb_hf, off))
+    cases = (
+        ("byte", "byte", mb_byte, on),
+        ("bpe-8k (HF, local)", str(tok_dir), mb_hf, on),
+        ("bpe-8k, TOKENIZERS_PARALLELISM=false", str(tok_dir), mb_hf, off),
+    )
     for name, tok, mb, env in cases:
         path, docs, size = corpora[mb]
         out = work / "out"
-        best = measure({"direct": lambda: run_direct(path, tok, env),
-                        "pretokenize_np1": lambda: run_pretokenize(path, out, tok, 1, env),
-                        "pretokenize_np2": lambda: run_pretokenize(path, out, tok, 2, env)}, args.repeat)
+        best = measure(
+            {
+                "direct": lambda: run_direct(path, tok, env),
+                "pretokenize_np1": lambda: run_pretokenize(path, out, tok, 1, env),
+                "pretokenize_np2": lambda: run_pretokenize(path, out, tok, 2, env),
+            },
+            args.repeat,
+        )
         d = best["direct"]
         entry = {"tokenizer": name, "env": env, "corpus_mb": size / 2**20, "documents": docs}
         for k, r in best.items():
             assert r["tokens"] == d["tokens"], (k, r["tokens"], d["tokens"])
             r.update(mb_per_s=size / 2**20 / r["seconds"], tokens_per_s=r["tokens"] / r["seconds"])
             if k != "direct":
-                r.update(overhead_vs_direct=r["seconds"] / d["seconds"] - 1,
-                         cpu_overhead_vs_direct=r["cpu_seconds"] / d["cpu_seconds"] - 1)
+                r.update(
+                    overhead_vs_direct=r["seconds"] / d["seconds"] - 1,
+                    cpu_overhead_vs_direct=r["cpu_seconds"] / d["cpu_seconds"] - 1,
+                )
             entry[k] = r
         results["runs"].append(entry)
         p1, p2 = entry["pretokenize_np1"], entry["pretokenize_np2"]
-        rows.append(f"| {name} | {entry['corpus_mb']:.0f} | {d['mb_per_s']:.1f} / {d['tokens_per_s'] / 1e6:.2f}M | "
-                    f"{p1['mb_per_s']:.1f} / {p1['tokens_per_s'] / 1e6:.2f}M | {p1['overhead_vs_direct']:+.0%} | "
-                    f"{p1['cpu_overhead_vs_direct']:+.0%} | "
-                    f"{p2['mb_per_s']:.1f} / {p2['tokens_per_s'] / 1e6:.2f}M | {p1['peak_rss_mib']:.0f} |")
+        rows.append(
+            f"| {name} | {entry['corpus_mb']:.0f} | {d['mb_per_s']:.1f} / {d['tokens_per_s'] / 1e6:.2f}M | "
+            f"{p1['mb_per_s']:.1f} / {p1['tokens_per_s'] / 1e6:.2f}M | {p1['overhead_vs_direct']:+.0%} | "
+            f"{p1['cpu_overhead_vs_direct']:+.0%} | "
+            f"{p2['mb_per_s']:.1f} / {p2['tokens_per_s'] / 1e6:.2f}M | {p1['peak_rss_mib']:.0f} |"
+        )
 
     # memory as the corpus doubles (byte tokenizer, one process)
     mem = []
     for mb in (mb_byte, 2 * mb_byte):
         path, docs, size = corpora[mb]
         r = run_pretokenize(path, work / "out", "byte", 1, on)
-        mem.append({"corpus_mb": size / 2**20, "peak_rss_mib": r["peak_rss_mib"], "seconds": r["seconds"],
-                    "output_mb": r["output_bytes"] / 2**20})
+        mem.append(
+            {
+                "corpus_mb": size / 2**20,
+                "peak_rss_mib": r["peak_rss_mib"],
+                "seconds": r["seconds"],
+                "output_mb": r["output_bytes"] / 2**20,
+            }
+        )
     results["memory_vs_corpus_size"] = mem
     shutil.rmtree(work / "out", ignore_errors=True)
 
     out = REPO / "benchmarks" / "results" / "pretokenize_throughput.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2) + "\n")
-    print("| tokenizer | corpus MB | direct encode MB/s / tok/s | pretokenize np=1 MB/s / tok/s | overhead np=1 "
-          "(wall) | overhead np=1 (CPU) | pretokenize np=2 MB/s / tok/s | peak RSS np=1 MiB |")
+    print(
+        "| tokenizer | corpus MB | direct encode MB/s / tok/s | pretokenize np=1 MB/s / tok/s | overhead np=1 "
+        "(wall) | overhead np=1 (CPU) | pretokenize np=2 MB/s / tok/s | peak RSS np=1 MiB |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     print()

@@ -8,6 +8,7 @@ Wang et al., "WLB-LLM: Workload-Balance 4D Parallelism for Large Language Model 
 The per-document greedy is the published algorithm; it is written the straightforward way (numpy argmin over the
 micro-batches per document), which is also how we time it.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,8 +19,9 @@ import balancer
 from balancer.metrics import natural_steps
 
 
-def wlb_plan(lengths, topology: balancer.Topology, cost: balancer.CostModel, seed: int = 0,
-             outlier_tokens: int | None = None) -> balancer.Plan:
+def wlb_plan(
+    lengths, topology: balancer.Topology, cost: balancer.CostModel, seed: int = 0, outlier_tokens: int | None = None
+) -> balancer.Plan:
     """Plan an epoch WLB-style. `outlier_tokens` defaults to a quarter of the micro-batch token cap."""
     t0 = time.perf_counter()
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -47,7 +49,7 @@ def wlb_plan(lengths, topology: balancer.Topology, cost: balancer.CostModel, see
             batch.append(d)
             tokens += int(lengths[d])
         batches.append(batch)
-    while queue:                                          # the epoch's tail: release what is still waiting
+    while queue:  # the epoch's tail: release what is still waiting
         batches.append(queue[:nb])
         queue = queue[nb:]
     # a batch too small to fill every micro-batch joins the one before
@@ -85,14 +87,21 @@ def wlb_plan(lengths, topology: balancer.Topology, cost: balancer.CostModel, see
     for j in range(len(mbs)):
         if not mbs[j]:
             first = (j // nb) * nb
-            pool = range(first, first + nb) if max(len(mbs[k]) for k in range(first, first + nb)) > 1 \
-                else range(len(mbs))
+            pool = (
+                range(first, first + nb) if max(len(mbs[k]) for k in range(first, first + nb)) > 1 else range(len(mbs))
+            )
             donor = max(pool, key=lambda k: len(mbs[k]))
             if len(mbs[donor]) < 2:
                 raise ValueError("WLB packing: too few documents to fill every micro-batch")
             mbs[j].append(mbs[donor].pop())
     m, dp = topology.micro_batches, topology.dp
-    steps = [[mbs[(k * dp + r) * m:(k * dp + r + 1) * m] for r in range(dp)] for k in range(len(mbs) // nb)]
-    return balancer.Plan.from_micro_batches(steps, lengths, topology, cost, seed=seed,
-                                            natural_step=natural_steps(order, lengths, tps),
-                                            plan_seconds=time.perf_counter() - t0)
+    steps = [[mbs[(k * dp + r) * m : (k * dp + r + 1) * m] for r in range(dp)] for k in range(len(mbs) // nb)]
+    return balancer.Plan.from_micro_batches(
+        steps,
+        lengths,
+        topology,
+        cost,
+        seed=seed,
+        natural_step=natural_steps(order, lengths, tps),
+        plan_seconds=time.perf_counter() - t0,
+    )

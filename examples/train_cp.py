@@ -15,6 +15,7 @@ Logged per step (rank 0): loss, tokens, predicted per-replica time (cost model, 
 measured/predicted ratio so far) vs measured (forward+backward seconds, max over the replica's CP ranks), and the step
 imbalance (slowest replica / mean replica), predicted and measured.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,7 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-VOCAB = 257          # byte tokenizer: 0..255, EOS 256
+VOCAB = 257  # byte tokenizer: 0..255, EOS 256
 
 
 def parse_args(argv=None):
@@ -63,16 +64,16 @@ def synthetic_corpus(n: int, seed: int, max_len: int) -> list[dict]:
     words = b"the quick brown fox jumps over a lazy dog balancing long context attention across ranks ".split()
     docs = []
     for d in lens:
-        text = b" ".join(words[i] for i in rng.integers(0, len(words), int(d)))[:int(d) - 1] + b"\n"
+        text = b" ".join(words[i] for i in rng.integers(0, len(words), int(d)))[: int(d) - 1] + b"\n"
         ids = np.frombuffer(text, dtype=np.uint8).astype(np.int64)
-        docs.append({"input_ids": torch.from_numpy(np.append(ids, 256)[:int(d)])})   # EOS at the end
+        docs.append({"input_ids": torch.from_numpy(np.append(ids, 256)[: int(d)])})  # EOS at the end
     return docs
 
 
 def worker(args) -> None:
-    import attention.hf as ahf
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    import attention.hf as ahf
     from balancer.collate import PackedCollator
     from balancer.cost import CostModel
     from balancer.loss import token_loss
@@ -87,30 +88,47 @@ def worker(args) -> None:
     cp_groups = [dist.new_group([d * args.cp + c for c in range(args.cp)]) for d in range(args.dp)]
     cp_group = cp_groups[dp_rank]
 
-    topo = Topology(dp=args.dp, cp=args.cp, micro_batches=args.micro_batches, max_tokens=args.max_tokens,
-                    tokens_per_step=args.tokens_per_step)
+    topo = Topology(
+        dp=args.dp,
+        cp=args.cp,
+        micro_batches=args.micro_batches,
+        max_tokens=args.max_tokens,
+        tokens_per_step=args.tokens_per_step,
+    )
     if args.data:
         from balancer.shards import ShardDataset
+
         dataset = ShardDataset(args.data)
     else:
         dataset = synthetic_corpus(args.docs, args.seed, topo.micro_batch_tokens)
     lengths = dataset.lengths if hasattr(dataset, "lengths") else np.array([len(d["input_ids"]) for d in dataset])
 
     ahf.register()
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=args.hidden * 2,
-                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=max(2048, topo.micro_batch_tokens), attn_implementation=ahf.NAME)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 2,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max(2048, topo.micro_batch_tokens),
+        attn_implementation=ahf.NAME,
+    )
     cost = CostModel.from_config(cfg.to_dict())
-    sampler = BalancedBatchSampler(lengths, topo, cost, seed=args.seed, dataset=dataset)   # dp_rank from dist
+    sampler = BalancedBatchSampler(lengths, topo, cost, seed=args.seed, dataset=dataset)  # dp_rank from dist
     assert sampler.dp_rank == dp_rank
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
-                                         collate_fn=PackedCollator(cp_rank=cp_rank, cp_size=args.cp))
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=PackedCollator(cp_rank=cp_rank, cp_size=args.cp)
+    )
     torch.manual_seed(args.seed)
     model = LlamaForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     if rank == 0:
-        print(f"topology {topo}; {len(lengths)} documents, {int(lengths.sum())} tokens, "
-              f"{sampler.num_steps} steps/epoch; attention {args.method}", flush=True)
+        print(
+            f"topology {topo}; {len(lengths)} documents, {int(lengths.sum())} tokens, "
+            f"{sampler.num_steps} steps/epoch; attention {args.method}",
+            flush=True,
+        )
 
     log = open(args.log_json, "w") if (args.log_json and rank == 0) else None
     step_done, epoch = 0, 0
@@ -134,7 +152,7 @@ def worker(args) -> None:
             dist.all_reduce(flat)
             off = 0
             for p in model.parameters():
-                p.grad.copy_(flat[off:off + p.numel()].view_as(p))
+                p.grad.copy_(flat[off : off + p.numel()].view_as(p))
                 off += p.numel()
             opt.step()
             opt.zero_grad(set_to_none=False)
@@ -146,18 +164,27 @@ def worker(args) -> None:
             pred = info["replica_times"]
             pred_sum += float(pred.sum())
             meas_sum += float(measured.sum())
-            pred_s = pred * (meas_sum / pred_sum)                     # cost units -> seconds, fitted on the run
-            rec = {"epoch": epoch, "step": step, "loss": float(flat[-1]), "tokens": info["tokens"],
-                   "loss_tokens": info["loss_tokens"], "predicted_s": [round(float(x), 4) for x in pred_s],
-                   "measured_s": [round(float(x), 4) for x in measured],
-                   "predicted_imbalance": float(pred.max() / pred.mean()),
-                   "measured_imbalance": float(measured.max() / measured.mean()),
-                   "plan_vs_lower_bound": info["imbalance"]}
+            pred_s = pred * (meas_sum / pred_sum)  # cost units -> seconds, fitted on the run
+            rec = {
+                "epoch": epoch,
+                "step": step,
+                "loss": float(flat[-1]),
+                "tokens": info["tokens"],
+                "loss_tokens": info["loss_tokens"],
+                "predicted_s": [round(float(x), 4) for x in pred_s],
+                "measured_s": [round(float(x), 4) for x in measured],
+                "predicted_imbalance": float(pred.max() / pred.mean()),
+                "measured_imbalance": float(measured.max() / measured.mean()),
+                "plan_vs_lower_bound": info["imbalance"],
+            }
             if rank == 0:
-                print(f"step {step_done:3d} (epoch {epoch} step {step}) loss {rec['loss']:.4f} tokens "
-                      f"{rec['tokens']:6d} | per-replica time predicted {rec['predicted_s']} measured "
-                      f"{rec['measured_s']} | imbalance predicted {rec['predicted_imbalance']:.3f} measured "
-                      f"{rec['measured_imbalance']:.3f}", flush=True)
+                print(
+                    f"step {step_done:3d} (epoch {epoch} step {step}) loss {rec['loss']:.4f} tokens "
+                    f"{rec['tokens']:6d} | per-replica time predicted {rec['predicted_s']} measured "
+                    f"{rec['measured_s']} | imbalance predicted {rec['predicted_imbalance']:.3f} measured "
+                    f"{rec['measured_imbalance']:.3f}",
+                    flush=True,
+                )
                 if log:
                     log.write(json.dumps(rec) + "\n")
                     log.flush()
@@ -173,8 +200,13 @@ def worker(args) -> None:
 
 
 def _spawned(local_rank: int, args, port: int) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.dp * args.cp),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(args.dp * args.cp),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     _run(args)
 
 
@@ -190,7 +222,7 @@ def _run(args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:      # launched by torchrun
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
         _run(args)
         return
     with socket.socket() as s:

@@ -1,4 +1,5 @@
 """The plain masked-softmax attention every attention test compares against."""
+
 from __future__ import annotations
 
 import math

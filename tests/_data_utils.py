@@ -1,13 +1,16 @@
 """Helpers for the pretokenize tests: small corpora and a real Hugging Face tokenizer trained locally."""
+
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-WORDS = ("the quick brown fox jumps over a lazy dog; héllo wörld ✓ naïve café 東京 😀 long context "
-         "balancing attention tokens shard manifest").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog; héllo wörld ✓ naïve café 東京 😀 long context "
+    "balancing attention tokens shard manifest"
+).split()
 
 
 def make_texts(n: int, seed: int = 0, max_words: int = 400) -> list[str]:
@@ -33,6 +36,7 @@ def write_jsonl(path: Path, texts: Sequence[str], field: str = "text") -> Path:
 def write_parquet(path: Path, texts: Sequence[str], field: str = "text", row_group_size: int = 7) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     pq.write_table(pa.table({field: list(texts), "n": list(range(len(texts)))}), path, row_group_size=row_group_size)
     return path
 
@@ -41,11 +45,16 @@ def train_hf_tokenizer(folder: Path, texts: Sequence[str], vocab_size: int = 300
     """Train a byte-level BPE with `tokenizers` and save it with transformers' save_pretrained into `folder`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")

@@ -1,4 +1,5 @@
 """Spawn real torch.distributed (gloo) worlds on a free local port for tests and benchmarks."""
+
 from __future__ import annotations
 
 import datetime
@@ -18,8 +19,13 @@ def free_port() -> int:
 
 def _entry(rank: int, world: int, port: int, fn, args, threads: int) -> None:
     torch.set_num_threads(threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=180))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=180),
+    )
     try:
         fn(rank, world, *args)
         dist.barrier()

@@ -1,5 +1,6 @@
 """Test-suite settings: under CI (CI set in the environment) hypothesis draws a fixed sequence of examples, so a
 submission is judged on the same cases every run; locally it explores new random cases each run."""
+
 import os
 
 from hypothesis import settings

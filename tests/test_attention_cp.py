@@ -1,5 +1,6 @@
 """cp_attention (ring and all-gather) on real gloo worlds of 2, 3 and 4 spawned processes, forward and all three
 gradients against a plain float64 masked-softmax reference; error cases fail on every rank."""
+
 from __future__ import annotations
 
 import math
@@ -8,18 +9,21 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
 from _attn_ref import reference
 from _dist_utils import run_world
+
 from attention import CPLayout, cp_attention, varlen_attention
 
-TOL = {torch.float64: 1e-9, torch.float32: 2e-5,
-       # bf16: inputs are bf16 on both sides (the reference sees the same rounded values in float64), so what is
-       # left is kernel arithmetic: each block's output / gradient is rounded to bf16 once (unit roundoff 2^-8 =
-       # 3.9e-3 relative to its scale) and probabilities are rounded to bf16 inside the kernel before P@V; blocks
-       # merge in float32, which adds no error of that size. Two roundings ~ 7.8e-3 -> 1e-2 for the output; the
-       # gradients pass through one more bf16 product (dS = P*(dP-D)) -> 2e-2.
-       torch.bfloat16: 1e-2}
+TOL = {
+    torch.float64: 1e-9,
+    torch.float32: 2e-5,
+    # bf16: inputs are bf16 on both sides (the reference sees the same rounded values in float64), so what is
+    # left is kernel arithmetic: each block's output / gradient is rounded to bf16 once (unit roundoff 2^-8 =
+    # 3.9e-3 relative to its scale) and probabilities are rounded to bf16 inside the kernel before P@V; blocks
+    # merge in float32, which adds no error of that size. Two roundings ~ 7.8e-3 -> 1e-2 for the output; the
+    # gradients pass through one more bf16 product (dS = P*(dP-D)) -> 2e-2.
+    torch.bfloat16: 1e-2,
+}
 TOL_GRAD = {torch.float64: 1e-9, torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
@@ -41,8 +45,22 @@ def random_lengths(rng, world, max_len=60):
     return lens
 
 
-def check_case(rank, world, lens, heads, kv_heads, dim, dtype, causal, method, kind="zigzag", backend="auto",
-               group=None, head_chunks=1, seed=0):
+def check_case(
+    rank,
+    world,
+    lens,
+    heads,
+    kv_heads,
+    dim,
+    dtype,
+    causal,
+    method,
+    kind="zigzag",
+    backend="auto",
+    group=None,
+    head_chunks=1,
+    seed=0,
+):
     """One case: build the same global problem on every rank, run cp_attention on this rank's shard, compare the
     local output and local dq/dk/dv with the same rows of the float64 reference."""
     gen = torch.Generator().manual_seed(seed)
@@ -53,7 +71,7 @@ def check_case(rank, world, lens, heads, kv_heads, dim, dtype, causal, method, k
     v = torch.randn(T, kv_heads, dim, generator=gen, dtype=torch.float64).to(dtype)
     dout = torch.randn(T, heads, dim, generator=gen, dtype=torch.float64)
     scale = 0.5 / math.sqrt(dim)
-    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))          # reference sees the same rounded inputs
+    qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))  # reference sees the same rounded inputs
     ref = reference(qr, kr, vr, cu, causal, scale)
     ref_g = torch.autograd.grad(ref, (qr, kr, vr), dout)
 
@@ -61,8 +79,18 @@ def check_case(rank, world, lens, heads, kv_heads, dim, dtype, causal, method, k
     r = dist.get_rank(group)
     layout = CPLayout.build(cu, cp, kind=kind)
     ql, kl, vl = (layout.shard(x, r).requires_grad_() for x in (q, k, v))
-    out = cp_attention(ql, kl, vl, layout, group=group, causal=causal, softmax_scale=scale, method=method,
-                       backend=backend, head_chunks=head_chunks)
+    out = cp_attention(
+        ql,
+        kl,
+        vl,
+        layout,
+        group=group,
+        causal=causal,
+        softmax_scale=scale,
+        method=method,
+        backend=backend,
+        head_chunks=head_chunks,
+    )
     assert out.dtype == dtype and out.shape == ql.shape
     grads = torch.autograd.grad(out, (ql, kl, vl), layout.shard(dout, r).to(dtype))
     what = f"rank {rank} lens {lens.tolist()} H {heads}/{kv_heads} {dtype} causal {causal} {method} {kind}"
@@ -87,8 +115,19 @@ def _worker_cases(rank, world):
         for dtype in (torch.float64, torch.float32):
             for causal in (True, False):
                 for method in ("ring", "allgather"):
-                    check_case(rank, world, lens, heads, kv_heads, dim, dtype, causal, method,
-                               head_chunks=1 + case % 2, seed=case)
+                    check_case(
+                        rank,
+                        world,
+                        lens,
+                        heads,
+                        kv_heads,
+                        dim,
+                        dtype,
+                        causal,
+                        method,
+                        head_chunks=1 + case % 2,
+                        seed=case,
+                    )
                     n += 1
     # bf16 (the CPU kernel in bf16), the reference backend, the contiguous layout
     for case in range(3):
@@ -96,8 +135,7 @@ def _worker_cases(rank, world):
         for method in ("ring", "allgather"):
             check_case(rank, world, lens, 4, 2, 16, torch.bfloat16, True, method, seed=case)
             check_case(rank, world, lens, 4, 2, 8, torch.float64, True, method, backend="reference", seed=case)
-            check_case(rank, world, lens, 2, 1, 8, torch.float64, case % 2 == 0, method, kind="contiguous",
-                       seed=case)
+            check_case(rank, world, lens, 2, 1, 8, torch.float64, case % 2 == 0, method, kind="contiguous", seed=case)
             n += 3
     # documents shorter than the group (some ranks hold nothing of them, or nothing at all)
     for lens in (np.array([1]), np.array([3]), np.array([1, 1, 2]), np.array([2 * world, 1])):
@@ -135,8 +173,9 @@ def _worker_errors(rank, world):
     _expect_error(lambda: cp_attention(qd, kd, kd, lay), "disagree")
     lay2 = CPLayout.build(np.array([0, 16]), world) if rank == 0 else lay
     T2 = lay2.num_local_tokens(rank)
-    _expect_error(lambda: cp_attention(torch.randn(T2, 4, 8), torch.randn(T2, 2, 8), torch.randn(T2, 2, 8), lay2),
-                  "disagree")
+    _expect_error(
+        lambda: cp_attention(torch.randn(T2, 4, 8), torch.randn(T2, 2, 8), torch.randn(T2, 2, 8), lay2), "disagree"
+    )
     _expect_error(lambda: cp_attention(q, k, k, lay, causal=rank == 0), "disagree")
     # the group still works after the errors
     check_case(rank, world, lens, 4, 2, 8, torch.float64, True, "ring")

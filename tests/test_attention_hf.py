@@ -1,26 +1,34 @@
 """A stock transformers LlamaForCausalLM (tiny config, random weights, no download) with the registered CP
 attention on a gloo CP group equals the same model run document by document with stock attention: logits, loss and
 parameter gradients (summed over ranks)."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-
 from _dist_utils import run_world
 
 transformers = pytest.importorskip("transformers")
 
 
 def _model(attn: str):
-    import attention.hf as ahf
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    import attention.hf as ahf
+
     ahf.register()
-    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      attn_implementation=attn)
+    cfg = LlamaConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        attn_implementation=attn,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).double()
 
@@ -28,7 +36,7 @@ def _model(attn: str):
 def _shifted_labels(ids: torch.Tensor, cu: np.ndarray) -> torch.Tensor:
     lab = torch.full_like(ids, -100)
     for a, b in zip(cu[:-1], cu[1:]):
-        lab[a:b - 1] = ids[a + 1:b]
+        lab[a : b - 1] = ids[a + 1 : b]
     return lab
 
 
@@ -45,7 +53,7 @@ def _worker(rank, world, method):
 
     ref = _model("sdpa")
     logits_ref, loss_ref = [], 0.0
-    for a, b in zip(cu[:-1], cu[1:]):                                # stock attention, one document at a time
+    for a, b in zip(cu[:-1], cu[1:]):  # stock attention, one document at a time
         lg = ref(input_ids=ids[None, a:b], position_ids=torch.arange(b - a)[None]).logits[0]
         logits_ref.append(lg)
         loss_ref = loss_ref + torch.nn.functional.cross_entropy(lg, labels[a:b], ignore_index=-100, reduction="sum")
@@ -74,7 +82,7 @@ def _worker(rank, world, method):
     assert abs(float(total) / n_labels - float(loss_ref) / n_labels) <= 1e-10
     for (name, p), pr in zip(model.named_parameters(), ref.parameters()):
         g = p.grad.clone()
-        dist.all_reduce(g)                                           # data-parallel style sum over the CP ranks
+        dist.all_reduce(g)  # data-parallel style sum over the CP ranks
         assert (g - pr.grad).abs().max() <= 1e-9 * max(float(pr.grad.abs().max()), 1e-12), name
 
 

@@ -1,13 +1,11 @@
 """Backends, the float32 merge and varlen_attention (plain and chunked) against a plain float64 reference,
 forward and backward."""
-from __future__ import annotations
 
-import math
+from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
-
 from _attn_ref import reference
 
 from attention import Pieces, get_backend, merge_, varlen_attention
@@ -26,8 +24,9 @@ def problem(lens, heads, kv_heads, dim, dtype, seed=0):
     gen = torch.Generator().manual_seed(seed)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     T = int(cu[-1])
-    q, k, v = (torch.randn(T, h, dim, generator=gen, dtype=torch.float64).to(dtype)
-               for h in (heads, kv_heads, kv_heads))
+    q, k, v = (
+        torch.randn(T, h, dim, generator=gen, dtype=torch.float64).to(dtype) for h in (heads, kv_heads, kv_heads)
+    )
     dout = torch.randn(T, heads, dim, generator=gen, dtype=torch.float64)
     return cu, q, k, v, dout
 
@@ -47,8 +46,16 @@ def test_varlen_attention(dtype, backend, causal, chunk_size):
         ref = reference(qr, kr, vr, cu, causal, scale)
         ref_g = torch.autograd.grad(ref, (qr, kr, vr), dout)
         qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
-        out = varlen_attention(qq, kk, vv, torch.from_numpy(cu).int(), causal=causal, softmax_scale=scale,
-                               backend=backend, chunk_size=chunk_size)
+        out = varlen_attention(
+            qq,
+            kk,
+            vv,
+            torch.from_numpy(cu).int(),
+            causal=causal,
+            softmax_scale=scale,
+            backend=backend,
+            chunk_size=chunk_size,
+        )
         assert out.dtype == dtype
         assert rel(out, ref) <= TOL[dtype]
         grads = torch.autograd.grad(out, (qq, kk, vv), dout.to(dtype))
@@ -61,8 +68,8 @@ def test_varlen_attention(dtype, backend, causal, chunk_size):
 def test_default_scale_and_auto_backend():
     cu, q, k, v, _ = problem([9, 4], 4, 2, 16, torch.float64)
     out = varlen_attention(q, k, v, cu)
-    assert rel(out, reference(q, k, v, cu, True, 16 ** -0.5)) <= 1e-12
-    assert get_backend("auto", q, k).name == "torch"                 # CPU: PyTorch's fused kernel
+    assert rel(out, reference(q, k, v, cu, True, 16**-0.5)) <= 1e-12
+    assert get_backend("auto", q, k).name == "torch"  # CPU: PyTorch's fused kernel
     assert get_backend("reference", q, k).name == "reference"
 
 
@@ -74,13 +81,14 @@ def test_backends_on_arbitrary_pieces(dtype):
     q = torch.randn(40, 4, 8, generator=gen, dtype=dtype)
     k = torch.randn(30, 2, 8, generator=gen, dtype=dtype)
     v = torch.randn(30, 2, 8, generator=gen, dtype=dtype)
-    p = Pieces([0, 5, 10, 20, 30], [5, 5, 6, 6, 3], [0, 0, 10, 10, 25], [7, 7, 6, 6, 3],
-               [False, False, True, False, True])
+    p = Pieces(
+        [0, 5, 10, 20, 30], [5, 5, 6, 6, 3], [0, 0, 10, 10, 25], [7, 7, 6, 6, 3], [False, False, True, False, True]
+    )
     ref, tb = ReferenceBackend(), TorchCPUBackend()
     o1, l1 = ref.forward(q, k, v, p, 0.3)
     o2, l2 = tb.forward(q, k, v, p, 0.3)
     assert rel(o2, o1) <= TOL[dtype] and rel(l2[torch.isfinite(l1)], l1[torch.isfinite(l1)]) <= TOL[dtype]
-    assert torch.isinf(l2[36:]).all() and (o2[36:] == 0).all()        # rows no piece covers
+    assert torch.isinf(l2[36:]).all() and (o2[36:] == 0).all()  # rows no piece covers
     dout = torch.randn(40, 4, 8, generator=gen, dtype=dtype)
     g1 = ref.backward(dout, q, k, v, o1, l1, p, 0.3)
     g2 = tb.backward(dout, q, k, v, o1.to(dtype), l1, p, 0.3)
@@ -117,6 +125,6 @@ def test_varlen_errors():
     with pytest.raises(ValueError, match="backend"):
         varlen_attention(q, k, v, cu, backend="nope")
     with pytest.raises(ValueError, match="flash_attn"):
-        varlen_attention(q, k, v, cu, backend="flash_attn")          # CPU tensors: never flash_attn
+        varlen_attention(q, k, v, cu, backend="flash_attn")  # CPU tensors: never flash_attn
     with pytest.raises(ValueError, match="chunk_size"):
         varlen_attention(q, k, v, cu, chunk_size=0)

@@ -1,5 +1,6 @@
 """CPLayout properties (hypothesis): round trip, every token on exactly one rank, balanced causal work within the
 documented remainder slack, tiny documents, the contiguous kind, and the attention blocks it hands the kernels."""
+
 from __future__ import annotations
 
 import time
@@ -33,7 +34,7 @@ def test_every_token_once_and_round_trip(lens, cp, kind):
     lay = CPLayout.build(_cu(lens), cp, kind=kind)
     T = int(sum(lens))
     idx = np.concatenate([lay.local_indices(r) for r in range(cp)])
-    assert np.array_equal(np.sort(idx), np.arange(T))                 # every token on exactly one rank
+    assert np.array_equal(np.sort(idx), np.arange(T))  # every token on exactly one rank
     x = torch.randn(T, 3)
     parts = [lay.shard(x, r) for r in range(cp)]
     assert [p.shape[0] for p in parts] == list(lay.local_counts)
@@ -55,7 +56,7 @@ def test_every_token_once_and_round_trip(lens, cp, kind):
 def test_zigzag_balance(lens, cp):
     lay = CPLayout.build(_cu(lens), cp)
     # per document: token counts within one, causal pairs within the documented slack
-    for i, d in enumerate(lens):
+    for d in lens:
         one = CPLayout.build(np.array([0, d]), cp)
         assert one.local_counts.max() - one.local_counts.min() <= 1
         w = one.work(causal=True)
@@ -82,20 +83,20 @@ def test_work_counts_pairs_directly():
 
 
 def test_tiny_documents():
-    lay = CPLayout.build(np.array([0, 1]), 4)                  # a 1-token document on 4 ranks
+    lay = CPLayout.build(np.array([0, 1]), 4)  # a 1-token document on 4 ranks
     assert list(lay.local_counts) == [1, 0, 0, 0]
-    lay = CPLayout.build(np.array([0, 3]), 4)                  # 3 tokens on 4 ranks: front chunks of ranks 0, 1, 2
+    lay = CPLayout.build(np.array([0, 3]), 4)  # 3 tokens on 4 ranks: front chunks of ranks 0, 1, 2
     assert list(lay.local_counts) == [1, 1, 1, 0]
     assert [list(lay.position_ids(r)) for r in range(4)] == [[0], [1], [2], []]
-    lay = CPLayout.build(np.array([0, 7]), 2)                  # rem 3 > cp: last 3 chunks get the extra token
+    lay = CPLayout.build(np.array([0, 7]), 2)  # rem 3 > cp: last 3 chunks get the extra token
     assert lay.bounds[0].tolist() == [0, 1, 3, 5, 7]
     assert [list(lay.position_ids(r)) for r in range(2)] == [[0, 5, 6], [1, 2, 3, 4]]
-    lay = CPLayout.build(np.array([0, 0, 5]), 2)               # empty documents are allowed
+    lay = CPLayout.build(np.array([0, 0, 5]), 2)  # empty documents are allowed
     assert lay.local_counts.sum() == 5
 
 
 def test_zigzag_chunks():
-    lay = CPLayout.build(np.array([0, 8, 24]), 2)              # equal chunks: rank r holds chunks r, 3-r
+    lay = CPLayout.build(np.array([0, 8, 24]), 2)  # equal chunks: rank r holds chunks r, 3-r
     assert lay.position_ids(0).tolist() == [0, 1, 6, 7] + [0, 1, 2, 3, 12, 13, 14, 15]
     assert lay.position_ids(1).tolist() == [2, 3, 4, 5] + [4, 5, 6, 7, 8, 9, 10, 11]
     assert lay.local_cu_seqlens(1).tolist() == [0, 4, 12]
@@ -105,7 +106,7 @@ def test_contiguous_kind():
     lay = CPLayout.build(np.array([0, 10]), 3, kind="contiguous")
     assert [lay.position_ids(r).tolist() for r in range(3)] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
     w = lay.work()
-    assert w[0] < w[1] < w[2]                                   # contiguous is unbalanced for causal attention
+    assert w[0] < w[1] < w[2]  # contiguous is unbalanced for causal attention
 
 
 def test_pieces_cover_exactly_the_causal_pairs():

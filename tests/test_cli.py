@@ -18,13 +18,12 @@ def test_plan_json_lengths_writes_plan(tmp_path, capsys):
     src = tmp_path / "lengths.json"
     src.write_text(json.dumps(lengths))
     out = tmp_path / "plan.json"
-    assert main(["plan", str(src), "--dp", "4", "--cp", "2", "--pp", "2", "--micro-batches", "4",
-                 "-o", str(out)]) == 0
+    assert main(["plan", str(src), "--dp", "4", "--cp", "2", "--pp", "2", "--micro-batches", "4", "-o", str(out)]) == 0
     text = capsys.readouterr().out
     assert "imbalance" in text and "token-count" in text and "speedup vs token-count" in text
     p = balancer.Plan.load(out)
     p.validate()
-    assert p.topology.dp == 4 and p.topology.max_tokens == 4096     # next power of two >= 4999 / 2
+    assert p.topology.dp == 4 and p.topology.max_tokens == 4096  # next power of two >= 4999 / 2
 
 
 def test_plan_npy_and_model_cost(tmp_path, capsys):
@@ -46,12 +45,15 @@ def test_stats_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("content, match", [
-    ("[1, 2, 0]", "document 2 has no tokens"),
-    ("[1, 2.5]", "not an integer"),
-    ("[]", "empty"),
-    ("{oops", "invalid JSON"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("[1, 2, 0]", "document 2 has no tokens"),
+        ("[1, 2.5]", "not an integer"),
+        ("[]", "empty"),
+        ("{oops", "invalid JSON"),
+    ],
+)
 def test_plan_bad_input_clear_error(tmp_path, content, match):
     src = tmp_path / "bad.json"
     src.write_text(content)
@@ -72,8 +74,9 @@ def test_document_over_cap_names_it(tmp_path):
     src.write_text(json.dumps([10, 20, 5000, 30]))
     r = run("plan", str(src), "--dp", "1", "--max-tokens", "1024")
     assert r.returncode == 2 and "document 2 has 5000 tokens" in r.stderr and "overflow" in r.stderr
-    r = run("plan", str(src), "--dp", "1", "--max-tokens", "1024", "--overflow", "split", "-o",
-            str(tmp_path / "p.json"))
+    r = run(
+        "plan", str(src), "--dp", "1", "--max-tokens", "1024", "--overflow", "split", "-o", str(tmp_path / "p.json")
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -94,6 +97,14 @@ def test_demo_runs():
 
 def test_help_explains_options():
     r = run("plan", "--help")
-    for opt in ("--dp", "--cp", "--pp", "--micro-batches", "--max-tokens", "--tokens-per-step", "--overflow",
-                "--model-config"):
+    for opt in (
+        "--dp",
+        "--cp",
+        "--pp",
+        "--micro-batches",
+        "--max-tokens",
+        "--tokens-per-step",
+        "--overflow",
+        "--model-config",
+    ):
         assert opt in r.stdout

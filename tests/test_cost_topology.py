@@ -16,16 +16,24 @@ def test_pairs_and_cost_formula():
 
 def test_from_model_matches_hand_count():
     # 2 layers, hidden 8, 2 heads of 4, 1 kv head, MLP 16 (gated), vocab 10
-    c = CostModel.from_model(hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=16,
-                             vocab_size=10)
+    c = CostModel.from_model(
+        hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=16, vocab_size=10
+    )
     per_layer = 8 * 8 + 2 * 8 * 4 + 8 * 8 + 3 * 8 * 16
     assert c.linear_coef == 6 * (2 * per_layer + 8 * 10)
     assert c.attn_coef == 12 * 2 * 2 * 4
 
 
 def test_from_config_llama_keys():
-    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "intermediate_size": 128, "vocab_size": 100, "hidden_act": "silu"}
+    cfg = {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": 100,
+        "hidden_act": "silu",
+    }
     assert CostModel.from_config(cfg) == CostModel.from_model(64, 2, 4, 2, 128, 100)
     with pytest.raises(ValueError, match="hidden_size"):
         CostModel.from_config({"vocab_size": 3})
@@ -44,11 +52,14 @@ def test_fit_recovers_coefficients():
         CostModel.fit([[1]], [1.0, 2.0])
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(attn_coef=-1, linear_coef=1), "attn_coef"),
-    (dict(attn_coef=0, linear_coef=0), "attn_coef > 0"),
-    (dict(attn_coef=float("nan"), linear_coef=1), "finite"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(attn_coef=-1, linear_coef=1), "attn_coef"),
+        (dict(attn_coef=0, linear_coef=0), "attn_coef > 0"),
+        (dict(attn_coef=float("nan"), linear_coef=1), "finite"),
+    ],
+)
 def test_cost_model_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
         CostModel(**kwargs)

@@ -1,4 +1,5 @@
 """The heuristic against the MILP optimum on small random steps."""
+
 import numpy as np
 import pytest
 
@@ -28,8 +29,8 @@ def test_gap_to_optimum_small_instances(dp, pp, m):
         exact = optimal_step(lengths, topo, COST, time_limit=20)
         heur = heuristic_step_time(lengths, topo)
         lb = metrics.lower_bound(COST.cost(lengths).sum(), COST.cost(lengths).max(), topo)
-        assert exact.lower_bound >= lb * (1 - 1e-9)          # the MILP respects the analytic bound
-        assert heur >= exact.lower_bound * (1 - 1e-6)         # nothing beats a proven optimum
+        assert exact.lower_bound >= lb * (1 - 1e-9)  # the MILP respects the analytic bound
+        assert heur >= exact.lower_bound * (1 - 1e-6)  # nothing beats a proven optimum
         gaps.append(heur / exact.step_time)
     assert max(gaps) <= 1.05, gaps
     assert np.mean(gaps) <= 1.02, gaps

@@ -1,4 +1,5 @@
 """examples/train_cp.py runs standalone (spawning its own dp x cp gloo ranks) and logs predicted vs measured time."""
+
 from __future__ import annotations
 
 import json
@@ -14,9 +15,28 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_example_train_two_steps(tmp_path):
     log = tmp_path / "log.jsonl"
-    r = subprocess.run([sys.executable, str(REPO / "examples" / "train_cp.py"), "--dp", "2", "--cp", "2",
-                        "--steps", "2", "--docs", "120", "--max-tokens", "256", "--log-json", str(log)],
-                       cwd=REPO, capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "examples" / "train_cp.py"),
+            "--dp",
+            "2",
+            "--cp",
+            "2",
+            "--steps",
+            "2",
+            "--docs",
+            "120",
+            "--max-tokens",
+            "256",
+            "--log-json",
+            str(log),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     assert "done" in r.stdout and "imbalance predicted" in r.stdout
     recs = [json.loads(line) for line in log.read_text().splitlines()]

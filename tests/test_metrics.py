@@ -1,8 +1,7 @@
 import numpy as np
 import pytest
 
-from balancer import CostModel, Plan, Topology
-from balancer import metrics
+from balancer import CostModel, Plan, Topology, metrics
 
 
 def test_metrics_by_hand_pipeline():

@@ -1,5 +1,6 @@
 """The peers of benchmarks/compare.py: each yields a valid balancer.Plan (or reports its drops), the TRL mapping
 recovers every document exactly once, and Karmarkar-Karp is right on hand examples."""
+
 import sys
 from pathlib import Path
 
@@ -45,8 +46,7 @@ def test_peer_plans_are_valid(name, spec, lengths):
     # same seeded shuffle as the toolkit: natural_step is that of balancer.metrics.natural_steps
     order = np.random.default_rng(1).permutation(len(lengths))
     if name != "balancer":
-        assert np.array_equal(plan.natural_step,
-                              balancer.metrics.natural_steps(order, lengths, topo.tokens_per_step))
+        assert np.array_equal(plan.natural_step, balancer.metrics.natural_steps(order, lengths, topo.tokens_per_step))
 
 
 @pytest.mark.parametrize("name", ["multipack", "verl"])
@@ -70,8 +70,8 @@ def test_trl_mapping_recovers_every_document_once(lengths, packed):
     order, (rows, seconds, placed) = packed
     seq = 1 << int(np.ceil(np.log2(lengths.max())))
     docs = np.concatenate(rows)
-    assert np.array_equal(np.sort(docs), np.arange(len(lengths)))         # each document exactly once
-    assert np.array_equal(placed, lengths)                                  # nothing truncated
+    assert np.array_equal(np.sort(docs), np.arange(len(lengths)))  # each document exactly once
+    assert np.array_equal(placed, lengths)  # nothing truncated
     assert all(lengths[r].sum() <= seq for r in rows)
     assert seconds > 0
 
@@ -97,10 +97,11 @@ def test_trl_plan_is_valid_and_deals_rows_round_robin(spec, lengths, packed):
     rows = pk[0] if pk is not None else None
     if rows is not None:
         import torch
+
         perm = torch.randperm(len(rows), generator=torch.Generator().manual_seed(1)).numpy()
         nb, dp = topo.bins_per_step, topo.dp
         first = plan.step(0)
-        for i in range(nb):                   # row i of step 0 -> rank i % dp, micro-batch i // dp
+        for i in range(nb):  # row i of step 0 -> rank i % dp, micro-batch i // dp
             assert first.replicas[i % dp].micro_batches[i // dp].docs == rows[perm[i]].tolist()
 
 
@@ -145,7 +146,7 @@ def test_karmarkar_karp_partitions_every_item_once():
 
 
 def test_verl_workload_is_verls():
-    assert peers.verl_workload([1000]).tolist() == [24576 * 1000 + 1000 ** 2]
+    assert peers.verl_workload([1000]).tolist() == [24576 * 1000 + 1000**2]
 
 
 def test_trl_short_tail_is_dealt_with_the_step_before():

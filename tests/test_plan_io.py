@@ -39,8 +39,9 @@ def test_json_layout_documented_fields(plan, tmp_path):
     assert data["num_docs"] == plan.num_docs
     step = data["steps"][0]
     assert len(step["replicas"]) == 2 and len(step["replicas"][0]["micro_batches"]) == 3
-    spans = [s for st in data["steps"] for r in st["replicas"] for mb in r["micro_batches"]
-             for s in mb.get("spans", [])]
+    spans = [
+        s for st in data["steps"] for r in st["replicas"] for mb in r["micro_batches"] for s in mb.get("spans", [])
+    ]
     assert sorted(map(tuple, spans)) == [(5, 0, 8192), (5, 8192, 16384), (5, 16384, 20000)]
     ids = [d for st in data["steps"] for r in st["replicas"] for mb in r["micro_batches"] for d in mb["docs"]]
     assert sorted(ids + [5]) == list(range(plan.num_docs))
@@ -56,8 +57,15 @@ def test_views_agree(plan):
 def test_validate_catches_corruption(plan):
     doc = plan.doc.copy()
     doc[0] = doc[1]
-    broken = Plan(plan.lengths, plan.topology, plan.cost_model, doc, plan.start, np.where(
-        np.arange(len(doc)) == 0, plan.lengths[doc[1]], plan.end), plan.mb_ptr)
+    broken = Plan(
+        plan.lengths,
+        plan.topology,
+        plan.cost_model,
+        doc,
+        plan.start,
+        np.where(np.arange(len(doc)) == 0, plan.lengths[doc[1]], plan.end),
+        plan.mb_ptr,
+    )
     with pytest.raises(ValueError):
         broken.validate()
 

@@ -1,7 +1,9 @@
 """Planner properties (hypothesis) and bad input."""
+
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 import balancer
 from balancer import CostModel, Topology
@@ -29,8 +31,9 @@ def instances(draw, max_docs=300):
     max_tokens = int(-(-lengths.max() // cp) * draw(st.sampled_from([1.0, 1.3, 2.0])))
     fill = draw(st.floats(0.3, 1.0))
     cap = dp * cp * m * max_tokens
-    topo = Topology(dp=dp, cp=cp, pp=pp, micro_batches=m, max_tokens=max_tokens,
-                    tokens_per_step=max(1, int(fill * cap)))
+    topo = Topology(
+        dp=dp, cp=cp, pp=pp, micro_batches=m, max_tokens=max_tokens, tokens_per_step=max(1, int(fill * cap))
+    )
     return lengths, topo, draw(st.integers(0, 1000))
 
 
@@ -40,10 +43,10 @@ def test_every_token_once_caps_and_counts(inst):
     lengths, topo, seed = inst
     try:
         p = balancer.plan(lengths, topo, COST, seed=seed)
-    except ValueError as e:                        # a handful of documents too large to give every micro-batch one
+    except ValueError as e:  # a handful of documents too large to give every micro-batch one
         assert "cannot give every one" in str(e) and len(lengths) < 8 * topo.bins_per_step
         assume(False)
-    p.validate()                                   # exactly once, caps, no empty micro-batch
+    p.validate()  # exactly once, caps, no empty micro-batch
     assert len(p.mb_ptr) - 1 == p.num_steps * topo.dp * topo.micro_batches
     assert np.all(p.micro_batch_tokens() <= topo.max_tokens * topo.cp)
     assert np.all(np.diff(p.mb_ptr) > 0)
@@ -64,7 +67,7 @@ def test_deterministic_per_seed(inst):
     lengths, topo, seed = inst
     try:
         a = balancer.plan(lengths, topo, COST, seed=seed)
-    except ValueError as e:                        # see test_every_token_once_caps_and_counts
+    except ValueError as e:  # see test_every_token_once_caps_and_counts
         assert "cannot give every one" in str(e) and len(lengths) < 8 * topo.bins_per_step
         assume(False)
     b = balancer.plan(lengths, topo, COST, seed=seed)
@@ -127,14 +130,17 @@ def test_overflow_policies():
         balancer.plan(lengths, topo, COST, overflow="drop-silently")
 
 
-@pytest.mark.parametrize("lengths, match", [
-    ([], "empty"),
-    ([3, 0, 2], r"lengths\[1\] = 0 : document 1 has no tokens"),
-    ([3, -4], r"document 1"),
-    ([1.5, 2], r"lengths\[0\] = 1.5 is not an integer"),
-    ([[1, 2]], "1-D"),
-    (["a"], "integers"),
-])
+@pytest.mark.parametrize(
+    "lengths, match",
+    [
+        ([], "empty"),
+        ([3, 0, 2], r"lengths\[1\] = 0 : document 1 has no tokens"),
+        ([3, -4], r"document 1"),
+        ([1.5, 2], r"lengths\[0\] = 1.5 is not an integer"),
+        ([[1, 2]], "1-D"),
+        (["a"], "integers"),
+    ],
+)
 def test_bad_lengths(lengths, match):
     with pytest.raises(ValueError, match=match):
         balancer.plan(lengths, Topology(dp=1, max_tokens=10), COST)
@@ -152,6 +158,7 @@ def test_integer_valued_floats_accepted():
 
 def test_pack_step_one_global_batch():
     from balancer.traces import load_trace
+
     lengths = load_trace("wlbllm", n=2000, seed=1)
     topo = Topology(dp=8, micro_batches=4, max_tokens=int(lengths.sum() / 0.8 / 32) + 1)
     assign = balancer.pack_step(COST.cost(lengths), lengths, topo)
@@ -162,13 +169,19 @@ def test_pack_step_one_global_batch():
     assert rep.max() / rep.mean() < 1.02
 
 
-@pytest.mark.parametrize("lengths, topo, cost", [
-    # tokens_per_step == capacity: full steps are aimed at what packing can reach, no tiny second-to-last step
-    (np.full(925, 40), Topology(dp=1, cp=2, micro_batches=3, max_tokens=2048, tokens_per_step=12288), COST),
-    # an even split right at the -10% edge would let lumpy steps fall below it
-    (np.full(462, 40), Topology(dp=1, micro_batches=2, max_tokens=4096, tokens_per_step=4096),
-     CostModel(attn_coef=0.0, linear_coef=1.0)),
-])
+@pytest.mark.parametrize(
+    "lengths, topo, cost",
+    [
+        # tokens_per_step == capacity: full steps are aimed at what packing can reach, no tiny second-to-last step
+        (np.full(925, 40), Topology(dp=1, cp=2, micro_batches=3, max_tokens=2048, tokens_per_step=12288), COST),
+        # an even split right at the -10% edge would let lumpy steps fall below it
+        (
+            np.full(462, 40),
+            Topology(dp=1, micro_batches=2, max_tokens=4096, tokens_per_step=4096),
+            CostModel(attn_coef=0.0, linear_coef=1.0),
+        ),
+    ],
+)
 def test_step_sizes_at_the_edges(lengths, topo, cost):
     p = balancer.plan(lengths, topo, cost, seed=0)
     p.validate()

@@ -1,5 +1,6 @@
 """balancer pretokenize / verify / merge, ShardDataset and read_lengths: real Arrow files, a real locally trained
 Hugging Face tokenizer, real subprocesses killed with SIGKILL."""
+
 from __future__ import annotations
 
 import json
@@ -21,8 +22,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _data_utils import dir_bytes, make_texts, train_hf_tokenizer, write_jsonl, write_parquet  # noqa: E402
 
 from balancer import cli_data  # noqa: E402
-from balancer.shards import (PretokenizeError, PretokenizeOptions, ShardDataset, load_manifest,  # noqa: E402
-                             pretokenize, read_lengths, verify)
+from balancer.shards import (
+    PretokenizeError,
+    PretokenizeOptions,
+    ShardDataset,
+    load_manifest,  # noqa: E402
+    pretokenize,
+    read_lengths,
+    verify,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,6 +78,7 @@ def hf_tok(tmp_path_factory, corpus):
 
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_byte_round_trip_windows_and_readers(corpus, tmp_path):
     d, texts = corpus
     out = tmp_path / "out"
@@ -88,6 +97,7 @@ def test_byte_round_trip_windows_and_readers(corpus, tmp_path):
     assert m["counts"]["tokens"] == sum(len(t.encode()) for t in texts) == int(ds.lengths.sum())
     # the whole folder loads with datasets, and one shard alone
     import datasets
+
     whole = datasets.load_from_disk(str(out))
     assert len(whole) == len(ds)
     j = len(ds) // 2
@@ -99,6 +109,7 @@ def test_byte_round_trip_windows_and_readers(corpus, tmp_path):
 
 def test_hf_tokenizer_matches_own_encoding_and_num_proc(corpus, hf_tok, tmp_path):
     from transformers import AutoTokenizer
+
     d, texts = corpus
     tok = AutoTokenizer.from_pretrained(str(hf_tok))
     m1 = run([d / "a.jsonl"], tmp_path / "p1", tokenizer=str(hf_tok), add_eos=True, shard_tokens=5_000)
@@ -107,8 +118,7 @@ def test_hf_tokenizer_matches_own_encoding_and_num_proc(corpus, hf_tok, tmp_path
         assert docs[i].tolist() == tok(t)["input_ids"] + [tok.eos_token_id], i
     assert m1["tokenizer"]["vocab_size"] == len(tok) and m1["tokenizer"]["dtype"] == "uint16"
     # same tokenizer from a copied folder: same hash; 2 worker processes: byte-identical files
-    m2 = run([d / "a.jsonl"], tmp_path / "p2", tokenizer=str(hf_tok), add_eos=True, shard_tokens=5_000,
-             num_proc=2)
+    m2 = run([d / "a.jsonl"], tmp_path / "p2", tokenizer=str(hf_tok), add_eos=True, shard_tokens=5_000, num_proc=2)
     assert m2["tokenizer"]["hash"] == m1["tokenizer"]["hash"]
     assert dir_bytes(tmp_path / "p1") == dir_bytes(tmp_path / "p2")
 
@@ -156,7 +166,7 @@ def test_bad_input_fails_naming_file_and_line(tmp_path, capsys):
         run([missing], tmp_path / "o2")
 
     undecodable = tmp_path / "bad.txt"
-    undecodable.write_bytes("line one\nline two ok\n".encode() + b"caf\xe9 latin-1\n")
+    undecodable.write_bytes(b"line one\nline two ok\n" + b"caf\xe9 latin-1\n")
     with pytest.raises(PretokenizeError, match=r"bad\.txt: line 3: invalid UTF-8"):
         run([undecodable], tmp_path / "o3")
     # same through the CLI: exit code 2 and the message on stderr, no manifest
@@ -171,9 +181,17 @@ def test_bad_input_fails_naming_file_and_line(tmp_path, capsys):
 
 
 def test_skip_mode_counts_by_reason_and_empty_documents(tmp_path, capsys):
-    lines = [json.dumps({"text": "one"}), "not json", json.dumps({"other": 1}), json.dumps({"text": ""}),
-             "", json.dumps({"text": 5}), json.dumps([1, 2]), json.dumps({"text": "\ud800 lone surrogate"}),
-             json.dumps({"text": "two"})]
+    lines = [
+        json.dumps({"text": "one"}),
+        "not json",
+        json.dumps({"other": 1}),
+        json.dumps({"text": ""}),
+        "",
+        json.dumps({"text": 5}),
+        json.dumps([1, 2]),
+        json.dumps({"text": "\ud800 lone surrogate"}),
+        json.dumps({"text": "two"}),
+    ]
     src = tmp_path / "mixed.jsonl"
     src.write_text("\n".join(lines) + "\n")
     txt = tmp_path / "bad.txt"
@@ -183,14 +201,23 @@ def test_skip_mode_counts_by_reason_and_empty_documents(tmp_path, capsys):
     # empty documents are skipped (and counted) even in fail mode
     m = run([empty_txt], tmp_path / "e")
     assert m["counts"]["skipped"] == {"empty": 1} and m["counts"]["rows"] == 0
-    code = cli_data.main(["pretokenize", str(src), str(txt), str(empty_txt), "--output", str(tmp_path / "s"),
-                          "--on-error", "skip"])
+    code = cli_data.main(
+        ["pretokenize", str(src), str(txt), str(empty_txt), "--output", str(tmp_path / "s"), "--on-error", "skip"]
+    )
     assert code == 0
     err = capsys.readouterr().err
     assert "skipped:" in err and "bad_json=1" in err
     m = load_manifest(tmp_path / "s")
-    assert m["counts"]["skipped"] == {"bad_json": 1, "missing_field": 1, "empty": 2, "blank_line": 1,
-                                      "not_text": 1, "not_object": 1, "unencodable_text": 1, "invalid_utf8": 1}
+    assert m["counts"]["skipped"] == {
+        "bad_json": 1,
+        "missing_field": 1,
+        "empty": 2,
+        "blank_line": 1,
+        "not_text": 1,
+        "not_object": 1,
+        "unencodable_text": 1,
+        "invalid_utf8": 1,
+    }
     assert m["counts"]["records"] == len(lines) + 2 and m["counts"]["documents"] == 2
     assert {r["where"] for r in m["skipped_records"]} >= {f"{src} line 2", f"{txt}"}
     ds = ShardDataset(tmp_path / "s")
@@ -262,6 +289,7 @@ def test_num_shards_slices_and_merge_equal_single_run(corpus, tmp_path, capsys):
 
 def test_hf_dataset_folder_input(corpus, tmp_path):
     import datasets
+
     _, texts = corpus
     ds = datasets.Dataset.from_dict({"content": texts[:50]})
     ds.save_to_disk(str(tmp_path / "saved"))
@@ -320,10 +348,27 @@ def test_read_lengths_formats(tmp_path):
 
 
 def test_help_explains_every_option():
-    res = subprocess.run([sys.executable, "-m", "balancer.cli_data", "pretokenize", "--help"], cwd=REPO,
-                         capture_output=True, text=True, check=True)
-    for opt in ("--output", "--tokenizer", "--text-field", "--max-length", "--overflow", "--add-eos",
-                "--num-proc", "--on-error", "--shard-tokens", "--num-shards", "--shard-index", "--overwrite"):
+    res = subprocess.run(
+        [sys.executable, "-m", "balancer.cli_data", "pretokenize", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for opt in (
+        "--output",
+        "--tokenizer",
+        "--text-field",
+        "--max-length",
+        "--overflow",
+        "--add-eos",
+        "--num-proc",
+        "--on-error",
+        "--shard-tokens",
+        "--num-shards",
+        "--shard-index",
+        "--overwrite",
+    ):
         assert opt in res.stdout
 
 
@@ -331,9 +376,23 @@ def test_kill9_and_resume_byte_identical(tmp_path):
     """SIGKILL a real `pretokenize` process at random moments, rerun the same command each time: the final folder
     equals an uninterrupted run's byte for byte."""
     src = write_jsonl(tmp_path / "big.jsonl", make_texts(16000, seed=7, max_words=600))
+
     def cmd(out):
-        return [sys.executable, "-m", "balancer.cli_data", "pretokenize", str(src), "--output", str(out),
-                "--max-length", "500", "--add-eos", "--shard-tokens", "300000"]
+        return [
+            sys.executable,
+            "-m",
+            "balancer.cli_data",
+            "pretokenize",
+            str(src),
+            "--output",
+            str(out),
+            "--max-length",
+            "500",
+            "--add-eos",
+            "--shard-tokens",
+            "300000",
+        ]
+
     ref = tmp_path / "ref"
     subprocess.run(cmd(ref), cwd=REPO, check=True, capture_output=True)
     n_shards = len(load_manifest(ref)["shards"])
@@ -347,6 +406,7 @@ def test_kill9_and_resume_byte_identical(tmp_path):
             return os.stat(out / ".pretokenize-state.json").st_mtime_ns
         except FileNotFoundError:
             return None
+
     logs: list[str] = []
     for attempt in range(5):
         before = state_mtime()

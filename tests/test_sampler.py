@@ -1,5 +1,6 @@
 """BalancedBatchSampler, PackedCollator and balancer.loss: coverage, determinism, resume (same and elastic
 topology), real DataLoaders over a real `datasets` Arrow dataset and a pretokenized folder, bad input."""
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ TOPO = Topology(dp=4, cp=2, micro_batches=2, max_tokens=256, tokens_per_step=280
 def _lengths(n=300, seed=0):
     rng = np.random.default_rng(seed)
     x = rng.integers(1, 120, n)
-    x[rng.choice(n, 12, replace=False)] = rng.integers(200, 512, 12)      # a heavy tail
+    x[rng.choice(n, 12, replace=False)] = rng.integers(200, 512, 12)  # a heavy tail
     return x
 
 
@@ -74,7 +75,7 @@ def test_three_epochs_four_ranks_coverage_counts_determinism():
         assert len({len(x) for x in per_rank}) == 1, "ranks disagree on the micro-batch count"
         flat = sorted(i for mbs in per_rank for mb in mbs for i in mb)
         assert flat == list(range(len(LENGTHS))), "every document exactly once per epoch"
-        for r, mbs in enumerate(per_rank):                       # the caps hold
+        for mbs in per_rank:  # the caps hold
             for mb in mbs:
                 assert LENGTHS[mb].sum() <= TOPO.micro_batch_tokens
         epochs.append(per_rank)
@@ -107,17 +108,17 @@ def test_resume_same_topology_every_boundary_and_mid_step(epoch):
     s = BalancedBatchSampler(LENGTHS, TOPO, COST, dp_rank=1, seed=0)
     s.set_epoch(epoch)
     full = list(s)
-    for cut in range(len(full) + 1):             # every micro-batch: step boundaries and mid-step
+    for cut in range(len(full) + 1):  # every micro-batch: step boundaries and mid-step
         a = BalancedBatchSampler(LENGTHS, TOPO, COST, dp_rank=1, seed=0)
         a.set_epoch(epoch)
         it = iter(a)
         head = [next(it) for _ in range(cut)]
-        state = json.loads(json.dumps(a.state_dict()))           # survives JSON
+        state = json.loads(json.dumps(a.state_dict()))  # survives JSON
         b = BalancedBatchSampler(LENGTHS, TOPO, COST, dp_rank=1, seed=0)
         b.load_state_dict(state)
-        b.set_epoch(epoch)                        # the usual loop calls set_epoch again: keeps the position
+        b.set_epoch(epoch)  # the usual loop calls set_epoch again: keeps the position
         assert head + list(b) == full, cut
-        assert list(b) == full                    # the next pass is the whole epoch again
+        assert list(b) == full  # the next pass is the whole epoch again
 
 
 def test_stateful_iterator_protocol():
@@ -135,8 +136,9 @@ def test_stateful_iterator_protocol():
     assert list(it2) == full[3:]
 
 
-@pytest.mark.parametrize("overflow,lengths", [("error", LENGTHS),
-                                              ("split", np.concatenate([LENGTHS, [900, 1500, 700]]))])
+@pytest.mark.parametrize(
+    "overflow,lengths", [("error", LENGTHS), ("split", np.concatenate([LENGTHS, [900, 1500, 700]]))]
+)
 def test_elastic_resume_4_to_2_to_3_ranks(overflow, lengths):
     """Resume at every step boundary of a dp=4 epoch onto dp=2 (and then onto dp=3 with a different cp):
     every token of the epoch exactly once, no micro-batch lost or repeated, equal counts on the new ranks."""
@@ -152,8 +154,8 @@ def test_elastic_resume_4_to_2_to_3_ranks(overflow, lengths):
     M = topo4.micro_batches
     n_steps = old[0].num_steps
     for k in sorted({0, 1, n_steps // 2, n_steps - 1, n_steps}):
-        consumed = [i for mbs in full for mb in mbs[:k * M] for i in mb]
-        for s in old:                        # each rank's state at step boundary k
+        consumed = [i for mbs in full for mb in mbs[: k * M] for i in mb]
+        for s in old:  # each rank's state at step boundary k
             s.load_state_dict(s.state_dict(position=k * M))
         state = old[0].state_dict()
         assert all(o.state_dict()["segments"] == state["segments"] for o in old)
@@ -168,7 +170,7 @@ def test_elastic_resume_4_to_2_to_3_ranks(overflow, lengths):
             # chain: after one step on dp=2, move on to dp=3 / cp=1
             for s in new:
                 s.load_state_dict({**s.state_dict(), "position": topo2.micro_batches})
-            consumed2 = consumed + [i for mbs in rest for mb in mbs[:topo2.micro_batches] for i in mb]
+            consumed2 = consumed + [i for mbs in rest for mb in mbs[: topo2.micro_batches] for i in mb]
             newer = _samplers(topo3, lengths, seed=0, overflow=overflow)
             for s in newer:
                 s.load_state_dict(new[0].state_dict())
@@ -183,8 +185,7 @@ def test_elastic_resume_4_to_2_to_3_ranks(overflow, lengths):
 
 # ---------------------------------------------------------------------------------------------------- DataLoader
 def _check_loader(dataset, lengths, topo, cp_rank=0):
-    samplers = [BalancedBatchSampler(lengths, topo, COST, dp_rank=r, seed=0, dataset=dataset)
-                for r in range(topo.dp)]
+    samplers = [BalancedBatchSampler(lengths, topo, COST, dp_rank=r, seed=0, dataset=dataset) for r in range(topo.dp)]
     seen = []
     for s in samplers:
         coll = PackedCollator(cp_rank=cp_rank, cp_size=topo.cp)
@@ -204,6 +205,7 @@ def _check_loader(dataset, lengths, topo, cp_rank=0):
 
 def test_dataloader_over_arrow_dataset():
     import datasets
+
     rng = np.random.default_rng(0)
     lens = rng.integers(1, 60, 80)
     ds = datasets.Dataset.from_dict({"input_ids": [rng.integers(0, 100, n).tolist() for n in lens]})
@@ -222,6 +224,7 @@ def test_dataloader_over_arrow_dataset():
 
 def test_dataloader_over_pretokenized_folder(tmp_path):
     from balancer.shards import PretokenizeOptions, ShardDataset, pretokenize
+
     rng = np.random.default_rng(1)
     with open(tmp_path / "c.jsonl", "w") as f:
         for _ in range(60):
@@ -283,9 +286,14 @@ def test_bad_input():
 
 # ---------------------------------------------------------------------------------------------------- collator
 @settings(max_examples=60, deadline=None)
-@given(lens=st.lists(st.integers(1, 30), min_size=1, max_size=8), cp=st.integers(1, 4),
-       kind=st.sampled_from(["zigzag", "contiguous"]), pad=st.sampled_from([None, 1, 8]),
-       with_labels=st.booleans(), seed=st.integers(0, 1000))
+@given(
+    lens=st.lists(st.integers(1, 30), min_size=1, max_size=8),
+    cp=st.integers(1, 4),
+    kind=st.sampled_from(["zigzag", "contiguous"]),
+    pad=st.sampled_from([None, 1, 8]),
+    with_labels=st.booleans(),
+    seed=st.integers(0, 1000),
+)
 def test_collator_unshard_roundtrip(lens, cp, kind, pad, with_labels, seed):
     g = torch.Generator().manual_seed(seed)
     items = []
@@ -333,8 +341,9 @@ def test_loss_global_and_sequence_normalisation():
     for it in items:
         n = len(it["input_ids"])
         if n > 1:
-            ce.append(torch.nn.functional.cross_entropy(logits_full[off:off + n - 1], it["input_ids"][1:],
-                                                        reduction="none"))
+            ce.append(
+                torch.nn.functional.cross_entropy(logits_full[off : off + n - 1], it["input_ids"][1:], reduction="none")
+            )
         off += n
     mean_token = torch.cat(ce).mean()
     mean_seq = torch.stack([c.mean() for c in ce]).mean()
@@ -345,17 +354,23 @@ def test_loss_global_and_sequence_normalisation():
             outs = [PackedCollator(cp_rank=r, cp_size=2)(part) for r in range(2)]
             n = sum(len(i["input_ids"]) for i in part)
             for r, o in enumerate(outs):
-                lg = o["layout"].shard(logits_full[off0:off0 + n], r)[None]
-                total = total + token_loss(lg, o["labels"], sum(lens) - len(lens),
-                                           reduction=reduction, seq_ids=o["seq_ids"],
-                                           seq_loss_tokens=o["seq_loss_tokens"], num_sequences_global=4)
+                lg = o["layout"].shard(logits_full[off0 : off0 + n], r)[None]
+                total = total + token_loss(
+                    lg,
+                    o["labels"],
+                    sum(lens) - len(lens),
+                    reduction=reduction,
+                    seq_ids=o["seq_ids"],
+                    seq_loss_tokens=o["seq_loss_tokens"],
+                    num_sequences_global=4,
+                )
         assert abs(float(total.detach()) - float(want.detach())) <= 1e-12 * abs(float(want.detach())), reduction
     with pytest.raises(ValueError, match="num_loss_tokens_global"):
         token_loss(logits_full[None], torch.zeros(1, sum(lens), dtype=torch.long))
 
 
 def test_dp_rank_from_device_mesh():
-    class Mesh:                       # the DeviceMesh calls the sampler uses
+    class Mesh:  # the DeviceMesh calls the sampler uses
         mesh_dim_names = ("dp", "cp")
 
         def __init__(self, dp, r):
@@ -374,6 +389,7 @@ def test_dp_rank_from_device_mesh():
 
 def test_predicted_step_bound_with_fixed_cost():
     from balancer.sampler import BalancedBatchSampler
+
     lengths = np.random.default_rng(0).integers(100, 3000, 400)
     topo = Topology(dp=2, cp=2, pp=3, micro_batches=4, max_tokens=4096)
     s = BalancedBatchSampler(lengths, topo, CostModel(2 / 53000, 1.0, fixed=5000.0), dp_rank=0, seed=0)

@@ -9,6 +9,7 @@ of an epoch:
       loss normalised by the plan's global loss-token count, gradients summed over the DP x CP world, SGD update.
 Loss and every parameter's gradient agree to <= 1e-9 relative, at every step (so the updated weights agree too).
 """
+
 from __future__ import annotations
 
 import sys
@@ -32,16 +33,23 @@ TOL = 1e-9
 def _model(attn: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                      attn_implementation=attn)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation=attn,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(cfg).double()
 
 
 def _data(n_docs: int, seed: int):
     rng = np.random.default_rng(seed)
-    lengths = np.concatenate([[1, 2, 3, 40], rng.integers(1, 41, n_docs - 4)])   # 1-token docs: no loss token
+    lengths = np.concatenate([[1, 2, 3, 40], rng.integers(1, 41, n_docs - 4)])  # 1-token docs: no loss token
     rng.shuffle(lengths)
     g = torch.Generator().manual_seed(seed)
     return lengths, [{"input_ids": torch.randint(0, VOCAB, (int(n),), generator=g)} for n in lengths]
@@ -53,8 +61,13 @@ def _setup(cfg):
     from balancer.topology import Topology
 
     lengths, dataset = _data(cfg["n_docs"], cfg["seed"])
-    topo = Topology(dp=cfg["dp"], cp=cfg["cp"], micro_batches=cfg["M"], max_tokens=cfg["max_tokens"],
-                    tokens_per_step=cfg["tokens_per_step"])
+    topo = Topology(
+        dp=cfg["dp"],
+        cp=cfg["cp"],
+        micro_batches=cfg["M"],
+        max_tokens=cfg["max_tokens"],
+        tokens_per_step=cfg["tokens_per_step"],
+    )
     cost = CostModel(attn_coef=1.0, linear_coef=20.0)
     return lengths, dataset, topo, cost, BalancedBatchSampler
 
@@ -69,11 +82,13 @@ def _worker(rank, world, cfg, out_path):
     groups = [dist.new_group([d * topo.cp + c for c in range(topo.cp)]) for d in range(topo.dp)]
     cp_group = groups[dp_rank]
     # dp_rank from torch.distributed (rank // (cp*pp)) in one configuration, explicit in the others
-    sampler = Sampler(lengths, topo, cost, dp_rank=None if cfg.get("auto_rank") else dp_rank, seed=cfg["seed"],
-                      dataset=dataset)
+    sampler = Sampler(
+        lengths, topo, cost, dp_rank=None if cfg.get("auto_rank") else dp_rank, seed=cfg["seed"], dataset=dataset
+    )
     assert sampler.dp_rank == dp_rank
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
-                                         collate_fn=PackedCollator(cp_rank=cp_rank, cp_size=topo.cp))
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, collate_fn=PackedCollator(cp_rank=cp_rank, cp_size=topo.cp)
+    )
     ahf.register()
     model = _model(ahf.NAME)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -88,10 +103,10 @@ def _worker(rank, world, cfg, out_path):
         if m == topo.micro_batches - 1:
             grads = [p.grad for p in model.parameters()]
             flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor([loss_acc], dtype=torch.float64)])
-            dist.all_reduce(flat)                           # sum over DP x CP (the loss is globally normalised)
+            dist.all_reduce(flat)  # sum over DP x CP (the loss is globally normalised)
             off = 0
             for g in grads:
-                g.copy_(flat[off:off + g.numel()].view_as(g))
+                g.copy_(flat[off : off + g.numel()].view_as(g))
                 off += g.numel()
             records.append({"loss": float(flat[-1]), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}})
             opt.step()
@@ -106,7 +121,7 @@ def _reference(cfg):
     """Unpacked, single process, one document at a time, plain mean token loss of each step."""
     lengths, dataset, topo, cost, Sampler = _setup(cfg)
     samplers = [Sampler(lengths, topo, cost, dp_rank=r, seed=cfg["seed"]) for r in range(topo.dp)]
-    model = _model("sdpa")               # eager softmax runs in float32
+    model = _model("sdpa")  # eager softmax runs in float32
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     out, step_docs = [], []
     for step in range(samplers[0].num_steps):
@@ -128,10 +143,12 @@ def _reference(cfg):
 
 
 CONFIGS = {
-    "dp2xcp2-ring": dict(dp=2, cp=2, M=2, method="ring", max_tokens=48, tokens_per_step=260, n_docs=30, seed=3,
-                         auto_rank=True),
-    "dp2xcp2-allgather": dict(dp=2, cp=2, M=3, method="allgather", max_tokens=40, tokens_per_step=300, n_docs=26,
-                              seed=5),
+    "dp2xcp2-ring": dict(
+        dp=2, cp=2, M=2, method="ring", max_tokens=48, tokens_per_step=260, n_docs=30, seed=3, auto_rank=True
+    ),
+    "dp2xcp2-allgather": dict(
+        dp=2, cp=2, M=3, method="allgather", max_tokens=40, tokens_per_step=300, n_docs=26, seed=5
+    ),
     "dp2xcp1": dict(dp=2, cp=1, M=2, method="ring", max_tokens=80, tokens_per_step=240, n_docs=24, seed=7),
 }
 
@@ -144,7 +161,7 @@ def test_packed_cp_training_equals_unpacked(name, tmp_path):
     # the plan really is a multi-step, gradient-accumulating, uneven one
     assert len(ref) >= 2
     assert sorted(d for docs in step_docs for d in docs) == list(range(cfg["n_docs"]))
-    tok = samplers[0].plan.micro_batch_tokens()                          # [steps, dp, M]
+    tok = samplers[0].plan.micro_batch_tokens()  # [steps, dp, M]
     assert (tok.sum(axis=2).max(axis=1) != tok.sum(axis=2).min(axis=1)).any(), "token counts per rank are even"
     out = tmp_path / "grads.pt"
     run_world(topo.dp * topo.cp, _worker, cfg, str(out))

@@ -22,6 +22,7 @@ depend only on the inputs and the options. Each shard is written under a tempora
 then recorded (with its checksums and the input cursor after it) in the state file, atomically. A new run with
 the same job verifies the recorded shards by checksum, deletes everything else, and continues from the cursor.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,34 +33,56 @@ import os
 import re
 import sys
 from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
-from .dataset import (FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, ShardDataset, _open_arrow,  # noqa: F401
-                      load_manifest, read_lengths, shard_file_names)
-from .readers import (INPUT_SUFFIXES, READ_BATCH_BYTES, READ_BATCH_DOCS, Cursor, InputSource,  # noqa: F401
-                      PretokenizeError, Record, _batched, cursor_for_record, fingerprint_input, iter_records,
-                      resolve_inputs, sha256_file)
+from .dataset import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, _open_arrow, load_manifest, shard_file_names
+from .readers import (
+    Cursor,
+    PretokenizeError,
+    _batched,
+    cursor_for_record,
+    fingerprint_input,
+    iter_records,
+    resolve_inputs,
+    sha256_file,
+)
 from .tokenize import EncoderConfig, Tokenizer, TokenizerError, encode_payloads, init_encoder, load_tokenizer
 
+# isort: split
+# re-exported: older code imports these from balancer.shards
+from .dataset import ShardDataset, read_lengths  # noqa: F401
+from .readers import INPUT_SUFFIXES, READ_BATCH_BYTES, READ_BATCH_DOCS, InputSource, Record  # noqa: F401
+
 STATE_NAME = ".pretokenize-state.json"
-DEFAULT_SHARD_TOKENS = 100_000_000   # ~200 MB of uint16 ids per shard
-FLUSH_TOKENS = 1 << 20                # Arrow record batch: at most ~1M tokens ...
-FLUSH_ROWS = 4096                     # ... or this many rows
-MAX_SKIPPED_EXAMPLES = 100            # skipped records listed in the manifest (counts are always exact)
+DEFAULT_SHARD_TOKENS = 100_000_000  # ~200 MB of uint16 ids per shard
+FLUSH_TOKENS = 1 << 20  # Arrow record batch: at most ~1M tokens ...
+FLUSH_ROWS = 4096  # ... or this many rows
+MAX_SKIPPED_EXAMPLES = 100  # skipped records listed in the manifest (counts are always exact)
 OVERFLOW_CHOICES = ("split", "truncate", "drop")
-SKIP_REASONS = ("bad_json", "not_object", "missing_field", "not_text", "invalid_utf8", "unencodable_text",
-                "empty", "blank_line", "too_long")
+SKIP_REASONS = (
+    "bad_json",
+    "not_object",
+    "missing_field",
+    "not_text",
+    "invalid_utf8",
+    "unencodable_text",
+    "empty",
+    "blank_line",
+    "too_long",
+)
 _SHARD_FILE_RE = re.compile(r"^shard-\d{5,}\.(arrow|lengths\.npy|doc_ids\.npy)$")
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # small file helpers
+
 
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -88,8 +111,10 @@ def _save_npy(path: Path, arr: np.ndarray) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # encoder pool (the per-batch work is balancer.tokenize.encode_payloads, importable without torch/datasets)
 
-def _encode_stream(batches: Iterator[tuple[list, list]], cfg: EncoderConfig, tok: Tokenizer,
-                   num_proc: int) -> Iterator[tuple[list, tuple]]:
+
+def _encode_stream(
+    batches: Iterator[tuple[list, list]], cfg: EncoderConfig, tok: Tokenizer, num_proc: int
+) -> Iterator[tuple[list, tuple]]:
     """(meta, encode result) per batch, in input order; `num_proc` > 1 encodes in that many spawn workers with at
     most 2 * num_proc batches in flight (bounded memory)."""
     if num_proc <= 1:
@@ -113,12 +138,14 @@ def _encode_stream(batches: Iterator[tuple[list, list]], cfg: EncoderConfig, tok
 # ----------------------------------------------------------------------------------------------------------------
 # writer
 
+
 def shard_features(dtype: np.dtype):
     """The `datasets.Features` of a shard."""
     import datasets
-    return datasets.Features({"input_ids": datasets.List(datasets.Value(np.dtype(dtype).name)),
-                              "doc_id": datasets.Value("int64")})
 
+    return datasets.Features(
+        {"input_ids": datasets.List(datasets.Value(np.dtype(dtype).name)), "doc_id": datasets.Value("int64")}
+    )
 
 
 class ShardWriter:
@@ -187,10 +214,16 @@ class ShardWriter:
             _fsync_file(tmp)
             files[final] = {"bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
             os.replace(tmp, self.out / final)
-        return {"name": self.name, "rows": self.rows, "tokens": self.tokens, "documents": self.documents,
-                "first_doc_id": int(docs[0]) if len(docs) else None,
-                "last_doc_id": int(docs[-1]) if len(docs) else None,
-                "max_length": int(lengths.max()) if len(lengths) else 0, "files": files}
+        return {
+            "name": self.name,
+            "rows": self.rows,
+            "tokens": self.tokens,
+            "documents": self.documents,
+            "first_doc_id": int(docs[0]) if len(docs) else None,
+            "last_doc_id": int(docs[-1]) if len(docs) else None,
+            "max_length": int(lengths.max()) if len(lengths) else 0,
+            "files": files,
+        }
 
     def abort(self) -> None:
         try:
@@ -203,25 +236,38 @@ class ShardWriter:
 # ----------------------------------------------------------------------------------------------------------------
 # counters
 
+
 def _new_counters() -> dict:
-    return {"records": 0, "documents": 0, "rows": 0, "tokens": 0, "skipped": {},
-            "dropped_tokens": 0, "truncated_documents": 0, "truncated_tokens": 0, "split_documents": 0,
-            "skipped_examples": []}
+    return {
+        "records": 0,
+        "documents": 0,
+        "rows": 0,
+        "tokens": 0,
+        "skipped": {},
+        "dropped_tokens": 0,
+        "truncated_documents": 0,
+        "truncated_tokens": 0,
+        "split_documents": 0,
+        "skipped_examples": [],
+    }
 
 
 def _note_skip(counters: dict, reason: str, doc_id: int, where: str, message: str) -> None:
     counters["skipped"][reason] = counters["skipped"].get(reason, 0) + 1
     if len(counters["skipped_examples"]) < MAX_SKIPPED_EXAMPLES:
-        counters["skipped_examples"].append({"doc_id": doc_id, "where": where, "reason": reason,
-                                             "message": message})
+        counters["skipped_examples"].append({"doc_id": doc_id, "where": where, "reason": reason, "message": message})
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # output folder
 
+
 def _ours(name: str) -> bool:
-    return (name in (MANIFEST_NAME, STATE_NAME, "state.json", "dataset_info.json") or name.endswith(".tmp")
-            or bool(_SHARD_FILE_RE.match(name)))
+    return (
+        name in (MANIFEST_NAME, STATE_NAME, "state.json", "dataset_info.json")
+        or name.endswith(".tmp")
+        or bool(_SHARD_FILE_RE.match(name))
+    )
 
 
 def _clear_outputs(out: Path, keep: Iterable[str] = ()) -> None:
@@ -255,10 +301,14 @@ def _prepare_output(out: Path, job: str, slice_: Optional[dict], overwrite: bool
         if manifest is None and state is not None and state.get("job") == job and state.get("slice") == slice_:
             return "resume", state
         if manifest is not None or state is not None:
-            raise PretokenizeError(f"--output {out} holds a different job (other inputs, tokenizer or options); "
-                                   f"pass --overwrite to replace it")
-        raise PretokenizeError(f"--output {out} is not empty and holds no pretokenize job "
-                               f"({len(entries)} entries, e.g. {sorted(entries)[0]!r}); pass --overwrite to use it")
+            raise PretokenizeError(
+                f"--output {out} holds a different job (other inputs, tokenizer or options); "
+                f"pass --overwrite to replace it"
+            )
+        raise PretokenizeError(
+            f"--output {out} is not empty and holds no pretokenize job "
+            f"({len(entries)} entries, e.g. {sorted(entries)[0]!r}); pass --overwrite to use it"
+        )
     _clear_outputs(out)
     return "fresh", None
 
@@ -279,18 +329,29 @@ def _verify_shard_entry(out: Path, entry: dict) -> Optional[str]:
 def _write_datasets_metadata(out: Path, shard_names: list[str], dtype: np.dtype, fingerprint: str) -> None:
     """state.json + dataset_info.json so that `datasets.load_from_disk(out)` loads every shard as one Dataset."""
     import datasets
-    state = {"_data_files": [{"filename": f"{n}.arrow"} for n in shard_names], "_fingerprint": fingerprint[:16],
-             "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False,
-             "_split": None}
-    info = dataclasses.asdict(datasets.DatasetInfo(
-        description="balancer pretokenize output: input_ids per row, doc_id = source record index",
-        features=shard_features(dtype)))
+
+    state = {
+        "_data_files": [{"filename": f"{n}.arrow"} for n in shard_names],
+        "_fingerprint": fingerprint[:16],
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    info = dataclasses.asdict(
+        datasets.DatasetInfo(
+            description="balancer pretokenize output: input_ids per row, doc_id = source record index",
+            features=shard_features(dtype),
+        )
+    )
     atomic_write_json(out / "state.json", state)
     atomic_write_json(out / "dataset_info.json", {k: info[k] for k in sorted(info)})
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the pipeline
+
 
 @dataclass
 class PretokenizeOptions:
@@ -315,8 +376,12 @@ class PretokenizeOptions:
 
 
 def _job_key(inputs: list[dict], tok: Tokenizer, opts: PretokenizeOptions) -> str:
-    key = {"format": FORMAT_VERSION, "inputs": [[i["kind"], i["sha256"], i["records"]] for i in inputs],
-           "tokenizer": tok.hash, "options": dataclasses.asdict(opts)}
+    key = {
+        "format": FORMAT_VERSION,
+        "inputs": [[i["kind"], i["sha256"], i["records"]] for i in inputs],
+        "tokenizer": tok.hash,
+        "options": dataclasses.asdict(opts),
+    }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
@@ -324,9 +389,17 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def pretokenize(inputs: Sequence[str], output: str | os.PathLike, tokenizer: str = "byte",
-                options: Optional[PretokenizeOptions] = None, num_proc: int = 1, num_shards: int = 1,
-                shard_index: int = 0, overwrite: bool = False, progress: Optional[bool] = None) -> dict:
+def pretokenize(
+    inputs: Sequence[str],
+    output: str | os.PathLike,
+    tokenizer: str = "byte",
+    options: Optional[PretokenizeOptions] = None,
+    num_proc: int = 1,
+    num_shards: int = 1,
+    shard_index: int = 0,
+    overwrite: bool = False,
+    progress: Optional[bool] = None,
+) -> dict:
     """Tokenize `inputs` into shards under `output`; returns the manifest. Resumes a killed run of the same job.
 
     Raises PretokenizeError for bad input (naming the file and line) when `on_error='fail'`, for a refused output
@@ -348,15 +421,17 @@ def pretokenize(inputs: Sequence[str], output: str | os.PathLike, tokenizer: str
         raise PretokenizeError(f"--add-eos: tokenizer {tokenizer!r} has no eos_token")
 
     total_bytes = sum(os.path.getsize(s.path) for s in sources if s.kind not in ("hf_disk", "hf_hub"))
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="hashing inputs", disable=disable,
-              file=sys.stderr) as bar:
+    with tqdm(
+        total=total_bytes, unit="B", unit_scale=True, desc="hashing inputs", disable=disable, file=sys.stderr
+    ) as bar:
         infos = [fingerprint_input(s, bar) for s in sources]
     job = _job_key(infos, tok, opts)
     total_records = sum(i["records"] for i in infos)
     start = shard_index * total_records // num_shards
     end = (shard_index + 1) * total_records // num_shards
-    slice_ = None if num_shards == 1 else {"num_shards": num_shards, "shard_index": shard_index,
-                                           "records": [start, end]}
+    slice_ = (
+        None if num_shards == 1 else {"num_shards": num_shards, "shard_index": shard_index, "records": [start, end]}
+    )
 
     status, prev = _prepare_output(out, job, slice_, overwrite)
     if status == "complete":
@@ -364,8 +439,10 @@ def pretokenize(inputs: Sequence[str], output: str | os.PathLike, tokenizer: str
             os.remove(out / STATE_NAME)
         problems = verify(out)
         if problems:
-            raise PretokenizeError(f"{out} holds this job's finished output but it fails verification: "
-                                   f"{problems[0]}; pass --overwrite to redo it")
+            raise PretokenizeError(
+                f"{out} holds this job's finished output but it fails verification: "
+                f"{problems[0]}; pass --overwrite to redo it"
+            )
         _log(f"{out}: already complete ({prev['counts']['rows']} rows, {prev['counts']['tokens']} tokens)")
         return prev
 
@@ -405,8 +482,15 @@ def pretokenize(inputs: Sequence[str], output: str | os.PathLike, tokenizer: str
         atomic_write_json(out / STATE_NAME, state)
 
     records = iter_records(sources, opts.text_field, cursor, end)
-    bar = tqdm(total=end - start, initial=cursor.record - start, unit="doc", desc="pretokenize", disable=disable,
-               file=sys.stderr, smoothing=0.1)
+    bar = tqdm(
+        total=end - start,
+        initial=cursor.record - start,
+        unit="doc",
+        desc="pretokenize",
+        disable=disable,
+        file=sys.stderr,
+        smoothing=0.1,
+    )
     try:
         for meta, (lengths, flat, errors) in _encode_stream(_batched(records), cfg, tok, num_proc):
             offs = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -420,7 +504,7 @@ def pretokenize(inputs: Sequence[str], output: str | os.PathLike, tokenizer: str
                         raise PretokenizeError(f"{where}: {message} (use --on-error skip to skip such records)")
                     _note_skip(counters, reason, doc_id, where, message)
                 else:
-                    ids = flat[offs[j]:offs[j + 1]]
+                    ids = flat[offs[j] : offs[j + 1]]
                     if max_len is not None and n > max_len:
                         if opts.overflow == "drop":
                             _note_skip(counters, "too_long", doc_id, where, f"{n} tokens > --max-length {max_len}")
@@ -436,7 +520,7 @@ def pretokenize(inputs: Sequence[str], output: str | os.PathLike, tokenizer: str
                         if writer is None:
                             writer = ShardWriter(out, len(shards), schema, tok.dtype)
                         for a in range(0, len(ids), max_len or len(ids)):
-                            writer.add(ids[a:a + (max_len or len(ids))], doc_id)
+                            writer.add(ids[a : a + (max_len or len(ids))], doc_id)
                 if writer is not None and writer.tokens >= opts.shard_tokens:
                     close_shard(cur)
             bar.update(len(meta))
@@ -450,9 +534,15 @@ def pretokenize(inputs: Sequence[str], output: str | os.PathLike, tokenizer: str
         bar.close()
 
     manifest = {
-        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "balancer_version": _version(), "job": job,
-        "slice": slice_, "tokenizer": {**tok.describe(), "spec": tokenizer},
-        "options": dataclasses.asdict(opts), "inputs": infos, "ignored_files": ignored,
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "balancer_version": _version(),
+        "job": job,
+        "slice": slice_,
+        "tokenizer": {**tok.describe(), "spec": tokenizer},
+        "options": dataclasses.asdict(opts),
+        "inputs": infos,
+        "ignored_files": ignored,
         "features": {"input_ids": f"list<{np.dtype(tok.dtype).name}>", "doc_id": "int64"},
         "counts": {k: v for k, v in counters.items() if k != "skipped_examples"},
         "skipped_records": counters["skipped_examples"],
@@ -477,23 +567,33 @@ def _finish(out: Path, manifest: dict, dtype: np.dtype) -> None:
 
 def _summary(out: Path, manifest: dict) -> None:
     c = manifest["counts"]
-    _log(f"{out}: {len(manifest['shards'])} shard(s), {c['documents']} documents, {c['rows']} rows, "
-         f"{c['tokens']} tokens from {c['records']} records")
+    _log(
+        f"{out}: {len(manifest['shards'])} shard(s), {c['documents']} documents, {c['rows']} rows, "
+        f"{c['tokens']} tokens from {c['records']} records"
+    )
     if c["skipped"]:
-        _log("skipped: " + ", ".join(f"{k}={v}" for k, v in sorted(c["skipped"].items()))
-             + (f" (first: {manifest['skipped_records'][0]['where']}: {manifest['skipped_records'][0]['message']})"
-                if manifest["skipped_records"] else ""))
+        _log(
+            "skipped: "
+            + ", ".join(f"{k}={v}" for k, v in sorted(c["skipped"].items()))
+            + (
+                f" (first: {manifest['skipped_records'][0]['where']}: {manifest['skipped_records'][0]['message']})"
+                if manifest["skipped_records"]
+                else ""
+            )
+        )
     if c["truncated_documents"]:
         _log(f"truncated: {c['truncated_documents']} documents lost {c['truncated_tokens']} tokens")
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
+
     return __version__
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # verify
+
 
 def verify(path: str | os.PathLike) -> list[str]:
     """Check an output folder: checksums and sizes of every file, rows and tokens per shard and in total, the
@@ -520,8 +620,11 @@ def verify(path: str | os.PathLike) -> list[str]:
         try:
             table = _open_arrow(out / arrow)
             col = table.column("input_ids")
-            lengths = np.concatenate([np.diff(c.offsets.to_numpy()) for c in col.chunks]) if col.num_chunks \
+            lengths = (
+                np.concatenate([np.diff(c.offsets.to_numpy()) for c in col.chunks])
+                if col.num_chunks
                 else np.zeros(0, np.int64)
+            )
             docs = table.column("doc_id").to_numpy()
         except Exception as exc:  # noqa: BLE001
             problems.append(f"{out / arrow}: unreadable Arrow data ({type(exc).__name__}: {exc})")
@@ -548,8 +651,9 @@ def verify(path: str | os.PathLike) -> list[str]:
         tokens += int(lengths.sum())
     c = m["counts"]
     if not problems and (rows != c["rows"] or tokens != c["tokens"]):
-        problems.append(f"{out / MANIFEST_NAME}: counts say {c['rows']} rows / {c['tokens']} tokens, "
-                        f"shards hold {rows} / {tokens}")
+        problems.append(
+            f"{out / MANIFEST_NAME}: counts say {c['rows']} rows / {c['tokens']} tokens, shards hold {rows} / {tokens}"
+        )
     stray = sorted(n for n in os.listdir(out) if _ours(n) and n not in expected)
     problems.extend(f"{out / n}: unexpected file (not in the manifest)" for n in stray)
     return problems
@@ -557,6 +661,7 @@ def verify(path: str | os.PathLike) -> list[str]:
 
 # ----------------------------------------------------------------------------------------------------------------
 # merge
+
 
 def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = False) -> dict:
     """Join the outputs of `--num-shards K --shard-index i` runs (all K, any order) into one folder whose rows
@@ -571,8 +676,9 @@ def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = Fal
             raise PretokenizeError(f"merge: {p} is not a --num-shards slice")
         for key in ("job", "tokenizer", "options"):
             if m[key] != first[key]:
-                raise PretokenizeError(f"merge: {p} differs from {mans[0][0]} in {key} (different inputs, "
-                                       f"tokenizer or options)")
+                raise PretokenizeError(
+                    f"merge: {p} differs from {mans[0][0]} in {key} (different inputs, tokenizer or options)"
+                )
     k = first["slice"]["num_shards"]
     by_index: dict[int, tuple[str, dict]] = {}
     for p, m in mans:
@@ -604,7 +710,7 @@ def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = Fal
                     counts["skipped"][r] = counts["skipped"].get(r, 0) + n
             else:
                 counts[key] += v
-        skipped.extend(m["skipped_records"][:MAX_SKIPPED_EXAMPLES - len(skipped)])
+        skipped.extend(m["skipped_records"][: MAX_SKIPPED_EXAMPLES - len(skipped)])
         for entry in m["shards"]:
             new = dict(entry)
             new["name"] = f"shard-{len(shards):05d}"
@@ -617,6 +723,7 @@ def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = Fal
                     os.link(src, tmp)
                 except OSError:
                     import shutil
+
                     shutil.copyfile(src, tmp)
                 if sha256_file(tmp) != meta["sha256"]:
                     os.remove(tmp)
@@ -625,10 +732,16 @@ def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = Fal
                 new["files"][new_fn] = meta
             shards.append(new)
     manifest = {k_: v for k_, v in first.items() if k_ not in ("slice", "counts", "skipped_records", "shards")}
-    manifest.update({"slice": None, "merged_from": [str(by_index[i][0]) for i in range(k)], "counts": counts,
-                     "skipped_records": skipped, "shards": shards})
+    manifest.update(
+        {
+            "slice": None,
+            "merged_from": [str(by_index[i][0]) for i in range(k)],
+            "counts": counts,
+            "skipped_records": skipped,
+            "shards": shards,
+        }
+    )
     dtype = np.dtype(first["tokenizer"]["dtype"])
     _finish(out, manifest, dtype)
     _summary(out, manifest)
     return manifest
-

@@ -13,13 +13,15 @@ offline). Texts are encoded exactly as `tokenizer(text)["input_ids"]` does (the 
 e.g. BOS, included); `--add-eos` appends `tokenizer.eos_token_id`. Ids are stored as uint16 when the vocabulary
 (`len(tokenizer)`) fits in 65,536 ids, else int32.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import numpy as np
 
@@ -51,8 +53,13 @@ class Tokenizer:
 
     def describe(self) -> dict:
         """JSON-able description for the manifest."""
-        return {"name": self.name, "hash": self.hash, "vocab_size": self.vocab_size, "eos_id": self.eos_id,
-                "dtype": self.dtype.name}
+        return {
+            "name": self.name,
+            "hash": self.hash,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "dtype": self.dtype.name,
+        }
 
 
 class ByteTokenizer(Tokenizer):
@@ -84,23 +91,31 @@ class HFTokenizer(Tokenizer):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
         try:
             from transformers import AutoTokenizer
+
             self.tok = AutoTokenizer.from_pretrained(name_or_path)
         except Exception as exc:  # transformers raises OSError/ValueError/HTTP errors
-            raise TokenizerError(f"cannot load tokenizer {name_or_path!r} with transformers.AutoTokenizer: "
-                                 f"{type(exc).__name__}: {exc}") from exc
+            raise TokenizerError(
+                f"cannot load tokenizer {name_or_path!r} with transformers.AutoTokenizer: {type(exc).__name__}: {exc}"
+            ) from exc
         self.name = name_or_path
         self.vocab_size = int(len(self.tok))
         self.eos_id = self.tok.eos_token_id
         self.hash = tokenizer_content_hash(self.tok)
 
     def encode_batch(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        ids = self.tok(list(texts), add_special_tokens=True, return_attention_mask=False,
-                       return_token_type_ids=False, verbose=False)["input_ids"]
+        ids = self.tok(
+            list(texts),
+            add_special_tokens=True,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+            verbose=False,
+        )["input_ids"]
         lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
         if len(ids) == 0:
             return lengths, np.zeros(0, self.dtype)
-        flat = np.concatenate([np.asarray(x, dtype=self.dtype) for x in ids]) if lengths.sum() else \
-            np.zeros(0, self.dtype)
+        flat = (
+            np.concatenate([np.asarray(x, dtype=self.dtype) for x in ids]) if lengths.sum() else np.zeros(0, self.dtype)
+        )
         return lengths, flat
 
 
@@ -130,6 +145,7 @@ def load_tokenizer(spec: str) -> Tokenizer:
 # batch encoding of raw records for `balancer pretokenize` (runs in the main process or in spawn workers, so this
 # module imports neither torch nor datasets). Record kinds: "json" (a raw JSON line, bytes), "obj" (a parsed JSON
 # value holding the text field), "value" (the text field's value; None = missing), "bytes" (a whole .txt file).
+
 
 @dataclass(frozen=True)
 class EncoderConfig:

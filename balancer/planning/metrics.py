@@ -5,6 +5,7 @@ Times are in cost-model units per CP rank. A micro-batch holding documents D cos
 a step's time is the slowest replica's. With `fixed > 0` the lower bounds count `fixed` once for every one of the
 `dp * micro_batches` micro-batches a step must run (with `fixed = 0`, the default, they are exactly section 3's).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -24,8 +25,9 @@ def step_times(mb_cost: np.ndarray, topology: Topology) -> np.ndarray:
     return replica_times(mb_cost, topology).max(axis=-1)
 
 
-def lower_bound(work: np.ndarray | float, max_cost: np.ndarray | float, topology: Topology,
-                fixed: float = 0.0, steps: int = 1) -> np.ndarray:
+def lower_bound(
+    work: np.ndarray | float, max_cost: np.ndarray | float, topology: Topology, fixed: float = 0.0, steps: int = 1
+) -> np.ndarray:
     """`max(W / (DP*CP) * (1 + (P-1)/M), P * max_d cost(d) / CP)` for each step (or, with `steps`, the epoch)."""
     t = topology
     work = np.asarray(work, dtype=np.float64) + fixed * t.dp * t.micro_batches * steps
@@ -46,9 +48,19 @@ def natural_steps(order: np.ndarray, lengths: np.ndarray, tokens_per_step: int) 
     return natural
 
 
-def summarize(mb_cost: np.ndarray, step_work: np.ndarray, step_max: np.ndarray, topology: Topology,
-              cost: CostModel, *, total_tokens: int, padding_tokens: int = 0, dropped_tokens: int = 0,
-              delay_steps: np.ndarray | None = None, plan_seconds: float = float("nan")) -> dict:
+def summarize(
+    mb_cost: np.ndarray,
+    step_work: np.ndarray,
+    step_max: np.ndarray,
+    topology: Topology,
+    cost: CostModel,
+    *,
+    total_tokens: int,
+    padding_tokens: int = 0,
+    dropped_tokens: int = 0,
+    delay_steps: np.ndarray | None = None,
+    plan_seconds: float = float("nan"),
+) -> dict:
     """All section-3 metrics from per-micro-batch costs [steps, dp, M] and per-step work / max document cost."""
     mb_cost = np.asarray(mb_cost, dtype=np.float64)
     steps = mb_cost.shape[0]
@@ -66,7 +78,8 @@ def summarize(mb_cost: np.ndarray, step_work: np.ndarray, step_max: np.ndarray, 
         "padding_tokens": int(padding_tokens),
         "dropped_tokens": int(dropped_tokens),
         # unknown (nan) for a plan that does not record where its documents would naturally have gone
-        "mean_delay_steps": (float(np.mean(delay_steps)) if len(delay_steps) else 0.0) if delay_steps is not None
+        "mean_delay_steps": (float(np.mean(delay_steps)) if len(delay_steps) else 0.0)
+        if delay_steps is not None
         else float("nan"),
         "plan_seconds": float(plan_seconds),
         "step_time_total": total_t,

@@ -30,20 +30,22 @@ returned by `iter(sampler)` has `state_dict`/`load_state_dict` too):
 `len(sampler)` is the number of micro-batches this rank yields for the current plan of the epoch (the whole epoch,
 or, after an elastic resume, the re-planned remainder); it is the same on every DP rank.
 """
+
 from __future__ import annotations
 
 import hashlib
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from .cost import CostModel
-from .metrics import lower_bound
-from .planner import OVERFLOW_POLICIES, plan as make_plan, validate_lengths
-from .topology import Topology
+from ..planning.cost import CostModel
+from ..planning.metrics import lower_bound
+from ..planning.planner import OVERFLOW_POLICIES, validate_lengths
+from ..planning.planner import plan as make_plan
+from ..planning.topology import Topology
 
 STATE_FORMAT = "balancer.sampler/1"
 
@@ -60,8 +62,10 @@ class Span:
         self.doc, self.start, self.end = int(doc), int(start), int(end)
 
     def __index__(self) -> int:
-        raise TypeError(f"{self!r} is part of a document (the plan split or truncated it): wrap the dataset in "
-                        "balancer.sampler.SpanDataset(dataset) so it returns that token range")
+        raise TypeError(
+            f"{self!r} is part of a document (the plan split or truncated it): wrap the dataset in "
+            "balancer.sampler.SpanDataset(dataset) so it returns that token range"
+        )
 
     __int__ = __index__
 
@@ -97,9 +101,11 @@ class SpanDataset(torch.utils.data.Dataset):
                 x = item[key]
                 n = len(x)
                 if idx.end > n:
-                    raise ValueError(f"{idx!r} is beyond document {idx.doc}'s {n} tokens: the lengths given to the "
-                                     "sampler do not match the dataset")
-                item[key] = x[idx.start:idx.end]
+                    raise ValueError(
+                        f"{idx!r} is beyond document {idx.doc}'s {n} tokens: the lengths given to the "
+                        "sampler do not match the dataset"
+                    )
+                item[key] = x[idx.start : idx.end]
         return item
 
 
@@ -111,19 +117,22 @@ def resolve_lengths(lengths, dataset=None) -> tuple[np.ndarray, Optional[int]]:
     if isinstance(src, (str, os.PathLike)):
         if dataset is not None and isinstance(src, str) and _is_hf_dataset(dataset) and src in dataset.column_names:
             arr = np.asarray(_hf_column(dataset, src))
-            if arr.dtype == object or arr.ndim != 1:      # a list column (e.g. input_ids): lengths of its rows
+            if arr.dtype == object or arr.ndim != 1:  # a list column (e.g. input_ids): lengths of its rows
                 arr = np.asarray(_hf_list_lengths(dataset, src))
         else:
-            from .shards import read_lengths
+            from ..data.shards import read_lengths
+
             arr = read_lengths(src)
-    elif hasattr(src, "lengths") and not isinstance(src, np.ndarray):     # ShardDataset and alike
+    elif hasattr(src, "lengths") and not isinstance(src, np.ndarray):  # ShardDataset and alike
         arr = np.asarray(src.lengths)
         if dataset is None:
             dataset = src
     elif _is_hf_dataset(src):
         if "input_ids" not in src.column_names:
-            raise ValueError(f"the datasets.Dataset has no 'input_ids' column (columns: {src.column_names}); pass "
-                             "lengths='<column>', dataset=ds or a lengths array")
+            raise ValueError(
+                f"the datasets.Dataset has no 'input_ids' column (columns: {src.column_names}); pass "
+                "lengths='<column>', dataset=ds or a lengths array"
+            )
         arr = np.asarray(_hf_list_lengths(src, "input_ids"))
         if dataset is None:
             dataset = src
@@ -134,8 +143,9 @@ def resolve_lengths(lengths, dataset=None) -> tuple[np.ndarray, Optional[int]]:
     if dataset is not None:
         n_ds = len(dataset)
         if n_ds != len(arr):
-            raise ValueError(f"lengths has {len(arr)} entries but the dataset has {n_ds} items: the lengths do not "
-                             "match the dataset")
+            raise ValueError(
+                f"lengths has {len(arr)} entries but the dataset has {n_ds} items: the lengths do not match the dataset"
+            )
     return arr, n_ds
 
 
@@ -154,6 +164,7 @@ def _hf_column(ds, name: str):
 
 def _hf_list_lengths(ds, name: str) -> np.ndarray:
     import pyarrow.compute as pc
+
     tbl = ds.with_format("arrow")[:]
     return pc.list_value_length(tbl.column(name)).to_numpy(zero_copy_only=False).astype(np.int64)
 
@@ -195,14 +206,19 @@ class _Segment:
         return mask
 
 
-def _plan_units(lengths: np.ndarray, u_doc, u_start, u_end, topology: Topology, cost: CostModel, seed: int,
-                overflow: str) -> _Segment:
+def _plan_units(
+    lengths: np.ndarray, u_doc, u_start, u_end, topology: Topology, cost: CostModel, seed: int, overflow: str
+) -> _Segment:
     """Plan units (doc, start, end) - each planned as a document of end-start tokens - and map back."""
     if len(u_doc) == 0:
         e = np.zeros(0, dtype=np.int64)
         return _Segment(topology, cost, e, e, e, np.zeros(1, dtype=np.int64), None)
-    whole = (len(u_doc) == len(lengths)) and np.array_equal(u_doc, np.arange(len(lengths))) \
-        and not np.any(u_start) and np.array_equal(u_end, lengths)
+    whole = (
+        (len(u_doc) == len(lengths))
+        and np.array_equal(u_doc, np.arange(len(lengths)))
+        and not np.any(u_start)
+        and np.array_equal(u_end, lengths)
+    )
     p = make_plan(lengths if whole else (u_end - u_start), topology, cost, seed=seed, overflow=overflow)
     if whole:
         return _Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p)
@@ -226,8 +242,18 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         dataset: the dataset the indices go to (checked to have `len(lengths)` items).
     """
 
-    def __init__(self, lengths, topology: Topology, cost: CostModel, dp_rank: Optional[int] = None, seed: int = 0,
-                 overflow: str = "error", dataset=None, device_mesh=None, dp_dim: str = "dp") -> None:
+    def __init__(
+        self,
+        lengths,
+        topology: Topology,
+        cost: CostModel,
+        dp_rank: Optional[int] = None,
+        seed: int = 0,
+        overflow: str = "error",
+        dataset=None,
+        device_mesh=None,
+        dp_dim: str = "dp",
+    ) -> None:
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a balancer.Topology, got {type(topology).__name__}")
         if not isinstance(cost, CostModel):
@@ -238,9 +264,11 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         longest = int(self.lengths.max())
         if overflow == "error" and longest > topology.micro_batch_tokens:
             i = int(np.argmax(self.lengths))
-            raise ValueError(f"document {i} has {longest} tokens, more than a micro-batch holds: max_tokens*cp = "
-                             f"{topology.max_tokens}*{topology.cp} = {topology.micro_batch_tokens}; raise max_tokens "
-                             "or cp, or pass overflow='split' or 'truncate'")
+            raise ValueError(
+                f"document {i} has {longest} tokens, more than a micro-batch holds: max_tokens*cp = "
+                f"{topology.max_tokens}*{topology.cp} = {topology.micro_batch_tokens}; raise max_tokens "
+                "or cp, or pass overflow='split' or 'truncate'"
+            )
         self.topology = topology
         self.cost = cost
         self.seed = int(seed)
@@ -248,8 +276,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self.dp_rank = _resolve_dp_rank(dp_rank, topology, device_mesh, dp_dim)
         self.fingerprint = fingerprint_lengths(self.lengths)
         self.epoch = 0
-        self.position = 0            # micro-batches of the current segment this rank has yielded
-        self._history: list[dict] = []   # earlier segments of this epoch: {"topology", "cost", "steps"}
+        self.position = 0  # micro-batches of the current segment this rank has yielded
+        self._history: list[dict] = []  # earlier segments of this epoch: {"topology", "cost", "steps"}
         self._segment: Optional[_Segment] = None
         self._resume_pending = False
 
@@ -273,8 +301,9 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         for h in history:
             seg = _plan_units(self.lengths, u_doc, u_start, u_end, h["topology"], h["cost"], seed, self.overflow)
             if h["steps"] > seg.num_steps:
-                raise ValueError(f"the state says {h['steps']} steps were consumed but that plan has only "
-                                 f"{seg.num_steps}")
+                raise ValueError(
+                    f"the state says {h['steps']} steps were consumed but that plan has only {seg.num_steps}"
+                )
             left = ~seg.consumed_mask(h["steps"])
             u_doc, u_start, u_end = seg.doc[left], seg.start[left], seg.end[left]
             order = np.lexsort((u_start, u_doc))
@@ -344,9 +373,14 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         seg = self.segment
         c = self.cost.cost(seg.end[sl] - seg.start[sl])
         lb = float(lower_bound(c.sum(), c.max(), t, self.cost.fixed))
-        return {"replica_times": rep, "step_time": float(rep.max()), "lower_bound": float(lb),
-                "imbalance": float(rep.max() / lb) if lb > 0 else 1.0,
-                "loss_tokens": self.step_loss_tokens(step), "tokens": self.step_tokens(step)}
+        return {
+            "replica_times": rep,
+            "step_time": float(rep.max()),
+            "lower_bound": float(lb),
+            "imbalance": float(rep.max() / lb) if lb > 0 else 1.0,
+            "loss_tokens": self.step_loss_tokens(step),
+            "tokens": self.step_tokens(step),
+        }
 
     # ---- iteration ------------------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -361,11 +395,11 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self._segment = None
         self._resume_pending = False
 
-    def __iter__(self) -> "_SamplerIter":
+    def __iter__(self) -> _SamplerIter:
         if self._resume_pending:
             self._resume_pending = False
         else:
-            if self._history:               # a fresh pass over an epoch that was resumed elastically: whole epoch
+            if self._history:  # a fresh pass over an epoch that was resumed elastically: whole epoch
                 self._history = []
                 self._segment = None
             self.position = 0
@@ -379,30 +413,49 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             position = self.position
         elif not 0 <= int(position) <= len(self):
             raise ValueError(f"position {position} out of range 0..{len(self)}")
-        return {"format": STATE_FORMAT, "epoch": self.epoch, "position": int(position), "seed": self.seed,
-                "overflow": self.overflow, "fingerprint": self.fingerprint, "num_docs": int(len(self.lengths)),
-                "dp_rank": self.dp_rank,
-                "segments": [{"topology": h["topology"].to_dict(), "cost": h["cost"].to_dict(), "steps": h["steps"]}
-                             for h in self._history]
-                + [{"topology": self.topology.to_dict(), "cost": self.cost.to_dict(), "steps": None}]}
+        return {
+            "format": STATE_FORMAT,
+            "epoch": self.epoch,
+            "position": int(position),
+            "seed": self.seed,
+            "overflow": self.overflow,
+            "fingerprint": self.fingerprint,
+            "num_docs": int(len(self.lengths)),
+            "dp_rank": self.dp_rank,
+            "segments": [
+                {"topology": h["topology"].to_dict(), "cost": h["cost"].to_dict(), "steps": h["steps"]}
+                for h in self._history
+            ]
+            + [{"topology": self.topology.to_dict(), "cost": self.cost.to_dict(), "steps": None}],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()` output (see the module docstring for the contract); the next `iter()` yields
         the remainder of the saved epoch."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a BalancedBatchSampler state (format {state.get('format') if isinstance(state, dict) else type(state).__name__!r})")
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not a BalancedBatchSampler state (format {found!r})")
         if state["fingerprint"] != self.fingerprint or state["num_docs"] != len(self.lengths):
-            raise ValueError(f"the state is from another data set: {state['num_docs']} documents with lengths "
-                             f"fingerprint {state['fingerprint']}, this sampler has {len(self.lengths)} documents "
-                             f"with fingerprint {self.fingerprint}")
+            raise ValueError(
+                f"the state is from another data set: {state['num_docs']} documents with lengths "
+                f"fingerprint {state['fingerprint']}, this sampler has {len(self.lengths)} documents "
+                f"with fingerprint {self.fingerprint}"
+            )
         if state["seed"] != self.seed:
             raise ValueError(f"the state is from seed {state['seed']}, this sampler has seed {self.seed}")
         if state["overflow"] != self.overflow:
-            raise ValueError(f"the state is from overflow={state['overflow']!r}, this sampler has "
-                             f"overflow={self.overflow!r}")
+            raise ValueError(
+                f"the state is from overflow={state['overflow']!r}, this sampler has overflow={self.overflow!r}"
+            )
         segs = state["segments"]
-        history = [{"topology": Topology.from_dict(s["topology"]), "cost": CostModel.from_dict(s["cost"]),
-                    "steps": int(s["steps"])} for s in segs[:-1]]
+        history = [
+            {
+                "topology": Topology.from_dict(s["topology"]),
+                "cost": CostModel.from_dict(s["cost"]),
+                "steps": int(s["steps"]),
+            }
+            for s in segs[:-1]
+        ]
         last_topo, last_cost = Topology.from_dict(segs[-1]["topology"]), CostModel.from_dict(segs[-1]["cost"])
         position = int(state["position"])
         self.epoch = int(state["epoch"])
@@ -413,9 +466,12 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
                 raise ValueError(
                     f"the state is mid-step (micro-batch {position % last_topo.micro_batches} of step "
                     f"{position // last_topo.micro_batches}) of a plan for {last_topo}; it can resume only onto the "
-                    f"same topology and cost model. Save at a step boundary to change the topology (now {self.topology})")
-            self._history = history + [{"topology": last_topo, "cost": last_cost,
-                                        "steps": position // last_topo.micro_batches}]
+                    f"same topology and cost model. Save at a step boundary to change the topology "
+                    f"(now {self.topology})"
+                )
+            self._history = history + [
+                {"topology": last_topo, "cost": last_cost, "steps": position // last_topo.micro_batches}
+            ]
             self.position = 0
         self._segment = None
         if self.position > len(self):
@@ -429,7 +485,7 @@ class _SamplerIter:
     def __init__(self, sampler: BalancedBatchSampler) -> None:
         self.sampler = sampler
 
-    def __iter__(self) -> "_SamplerIter":
+    def __iter__(self) -> _SamplerIter:
         return self
 
     def __next__(self) -> list:
@@ -460,11 +516,14 @@ def _resolve_dp_rank(dp_rank, topology: Topology, device_mesh, dp_dim: str) -> i
             raise ValueError(f"the device mesh's {dp_dim!r} dimension has {size} ranks, topology has dp={topology.dp}")
         return int(device_mesh.get_local_rank(dp_dim))
     import torch.distributed as dist
+
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
         if world != topology.world_size:
-            raise ValueError(f"torch.distributed has {world} ranks but the topology needs dp*cp*pp = "
-                             f"{topology.world_size}; pass dp_rank= or device_mesh=")
+            raise ValueError(
+                f"torch.distributed has {world} ranks but the topology needs dp*cp*pp = "
+                f"{topology.world_size}; pass dp_rank= or device_mesh="
+            )
         return dist.get_rank() // (topology.cp * topology.pp)
     if topology.dp == 1:
         return 0

@@ -7,6 +7,7 @@
 - `heavy`: a heavy tail, 1% of documents from 128K to 1M tokens holding about 40% of the tokens, the rest
   log-normal, median 3.8K.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-BUILTIN = Path(__file__).parent / "data" / "wlbllm_lengths.npz"
+BUILTIN = Path(__file__).parent / "wlbllm_lengths.npz"
 NAMES = ("wlbllm", "prolong", "sft", "heavy")
 
 
@@ -38,8 +39,10 @@ def load_trace(name: str, n: int | None = None, seed: int = 0) -> np.ndarray:
     elif name == "prolong":
         d = _shared_dir()
         if d is None or not (d / "prolong.json").exists():
-            raise FileNotFoundError("the prolong trace is read from shared/data/length_traces/prolong.json "
-                                    "(set BALANCER_TRACES to its folder)")
+            raise FileNotFoundError(
+                "the prolong trace is read from shared/data/length_traces/prolong.json "
+                "(set BALANCER_TRACES to its folder)"
+            )
         lengths = np.asarray(json.loads((d / "prolong.json").read_text()), dtype=np.int64)
     elif name == "sft":
         return sft_mix(n or 100_000, seed)

@@ -5,15 +5,16 @@ Stored flat: placement arrays `doc`, `start`, `end` (token range of the document
 `(k // M) % dp`, index `k % M`. `plan.steps[s].replicas[r].micro_batches[m].docs` is the nested view.
 Inside a micro-batch whole documents come first, then spans, in the order the model sees them.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -65,10 +66,21 @@ def _atomic_write(path: Path, write) -> None:
 class Plan:
     """A whole epoch's assignment for one topology; see the module docstring for the layout."""
 
-    def __init__(self, lengths: np.ndarray, topology: Topology, cost_model: CostModel, doc: np.ndarray,
-                 start: np.ndarray, end: np.ndarray, mb_ptr: np.ndarray, *, seed: int | None = None,
-                 natural_step: np.ndarray | None = None, plan_seconds: float = float("nan"),
-                 dropped_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        topology: Topology,
+        cost_model: CostModel,
+        doc: np.ndarray,
+        start: np.ndarray,
+        end: np.ndarray,
+        mb_ptr: np.ndarray,
+        *,
+        seed: int | None = None,
+        natural_step: np.ndarray | None = None,
+        plan_seconds: float = float("nan"),
+        dropped_tokens: int | None = None,
+    ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.topology = topology
         self.cost_model = cost_model
@@ -88,8 +100,14 @@ class Plan:
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
-    def from_micro_batches(cls, steps: Sequence[Sequence[Sequence[Iterable[int]]]], lengths, topology: Topology,
-                           cost_model: CostModel, **kwargs) -> "Plan":
+    def from_micro_batches(
+        cls,
+        steps: Sequence[Sequence[Sequence[Iterable[int]]]],
+        lengths,
+        topology: Topology,
+        cost_model: CostModel,
+        **kwargs,
+    ) -> Plan:
         """Build from nested lists `steps[s][replica][m] -> doc ids` (whole documents only)."""
         flat, ptr = [], [0]
         for s, step in enumerate(steps):
@@ -97,8 +115,10 @@ class Plan:
                 raise ValueError(f"step {s} has {len(step)} replicas, topology has dp={topology.dp}")
             for r, rep in enumerate(step):
                 if len(rep) != topology.micro_batches:
-                    raise ValueError(f"step {s} replica {r} has {len(rep)} micro-batches, "
-                                     f"topology has micro_batches={topology.micro_batches}")
+                    raise ValueError(
+                        f"step {s} replica {r} has {len(rep)} micro-batches, "
+                        f"topology has micro_batches={topology.micro_batches}"
+                    )
                 for mb in rep:
                     flat.extend(int(d) for d in mb)
                     ptr.append(len(flat))
@@ -128,8 +148,12 @@ class Plan:
     def step(self, s: int) -> Step:
         t = self.topology
         base = s * t.bins_per_step
-        return Step([Replica([self._micro_batch(base + r * t.micro_batches + m) for m in range(t.micro_batches)])
-                     for r in range(t.dp)])
+        return Step(
+            [
+                Replica([self._micro_batch(base + r * t.micro_batches + m) for m in range(t.micro_batches)])
+                for r in range(t.dp)
+            ]
+        )
 
     @property
     def steps(self) -> list[Step]:
@@ -144,8 +168,9 @@ class Plan:
         out = []
         for s in range(self.num_steps):
             base = s * t.bins_per_step + dp_rank * t.micro_batches
-            out.append([self.doc[self.mb_ptr[k]:self.mb_ptr[k + 1]].tolist()
-                        for k in range(base, base + t.micro_batches)])
+            out.append(
+                [self.doc[self.mb_ptr[k] : self.mb_ptr[k + 1]].tolist() for k in range(base, base + t.micro_batches)]
+            )
         return out
 
     # ---- costs and metrics ----------------------------------------------------------------------------------
@@ -156,8 +181,9 @@ class Plan:
     def micro_batch_costs(self) -> np.ndarray:
         """[steps, dp, M] cost of each micro-batch (fixed included), before dividing by cp."""
         t = self.topology
-        sums = np.add.reduceat(np.append(self._entry_cost, 0.0), self.mb_ptr[:-1]) if len(self.mb_ptr) > 1 \
-            else np.zeros(0)
+        sums = (
+            np.add.reduceat(np.append(self._entry_cost, 0.0), self.mb_ptr[:-1]) if len(self.mb_ptr) > 1 else np.zeros(0)
+        )
         sums = np.where(np.diff(self.mb_ptr) > 0, sums, 0.0) + self.cost_model.fixed
         return sums.reshape(self.num_steps, t.dp, t.micro_batches)
 
@@ -182,10 +208,17 @@ class Plan:
         delay = None
         if self.natural_step is not None:
             delay = np.abs(s_of - self.natural_step[self.doc])
-        return _metrics.summarize(self.micro_batch_costs(), work, mx, self.topology, self.cost_model,
-                                  total_tokens=int((self.end - self.start).sum()),
-                                  dropped_tokens=self.dropped_tokens, delay_steps=delay,
-                                  plan_seconds=self.plan_seconds)
+        return _metrics.summarize(
+            self.micro_batch_costs(),
+            work,
+            mx,
+            self.topology,
+            self.cost_model,
+            total_tokens=int((self.end - self.start).sum()),
+            dropped_tokens=self.dropped_tokens,
+            delay_steps=delay,
+            plan_seconds=self.plan_seconds,
+        )
 
     def validate(self) -> None:
         """Check the plan's invariants; raise ValueError naming the first violation.
@@ -197,8 +230,10 @@ class Plan:
         counts = np.diff(self.mb_ptr)
         if np.any(counts == 0):
             k = int(np.flatnonzero(counts == 0)[0])
-            raise ValueError(f"empty micro-batch: step {k // t.bins_per_step}, replica "
-                             f"{(k // t.micro_batches) % t.dp}, micro-batch {k % t.micro_batches}")
+            raise ValueError(
+                f"empty micro-batch: step {k // t.bins_per_step}, replica "
+                f"{(k // t.micro_batches) % t.dp}, micro-batch {k % t.micro_batches}"
+            )
         tok = self.micro_batch_tokens().ravel()
         if np.any(tok > t.micro_batch_tokens):
             k = int(np.argmax(tok))
@@ -227,17 +262,38 @@ class Plan:
             "num_docs": self.num_docs,
             "seed": self.seed,
             "lengths": self.lengths.tolist(),
-            "steps": [{"replicas": [{"micro_batches": [
-                ({"docs": mb.docs, "spans": [list(x) for x in mb.spans]} if mb.spans else {"docs": mb.docs})
-                for mb in rep.micro_batches]} for rep in st.replicas]} for st in self.steps],
+            "steps": [
+                {
+                    "replicas": [
+                        {
+                            "micro_batches": [
+                                (
+                                    {"docs": mb.docs, "spans": [list(x) for x in mb.spans]}
+                                    if mb.spans
+                                    else {"docs": mb.docs}
+                                )
+                                for mb in rep.micro_batches
+                            ]
+                        }
+                        for rep in st.replicas
+                    ]
+                }
+                for st in self.steps
+            ],
         }
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: `.npz` (compact flat arrays) or anything else as JSON (DESIGN.md section 4)."""
         path = Path(path)
         if path.suffix == ".npz":
-            arrays = dict(lengths=self.lengths, doc=self.doc, start=self.start, end=self.end, mb_ptr=self.mb_ptr,
-                          header=np.frombuffer(json.dumps(self._header()).encode(), dtype=np.uint8))
+            arrays = dict(
+                lengths=self.lengths,
+                doc=self.doc,
+                start=self.start,
+                end=self.end,
+                mb_ptr=self.mb_ptr,
+                header=np.frombuffer(json.dumps(self._header()).encode(), dtype=np.uint8),
+            )
             if self.natural_step is not None:
                 arrays["natural_step"] = self.natural_step
             _atomic_write(path, lambda f: np.savez_compressed(f, **arrays))
@@ -249,22 +305,36 @@ class Plan:
             _atomic_write(path, lambda f: f.write(json.dumps(data, separators=(",", ":")).encode()))
 
     def _header(self) -> dict:
-        return {"format": FORMAT, "topology": self.topology.to_dict(), "cost_model": self.cost_model.to_dict(),
-                "num_docs": self.num_docs, "seed": self.seed, "plan_seconds": self.plan_seconds,
-                "dropped_tokens": self.dropped_tokens}
+        return {
+            "format": FORMAT,
+            "topology": self.topology.to_dict(),
+            "cost_model": self.cost_model.to_dict(),
+            "num_docs": self.num_docs,
+            "seed": self.seed,
+            "plan_seconds": self.plan_seconds,
+            "dropped_tokens": self.dropped_tokens,
+        }
 
     @classmethod
-    def load(cls, path: str | os.PathLike, lengths: np.ndarray | None = None) -> "Plan":
+    def load(cls, path: str | os.PathLike, lengths: np.ndarray | None = None) -> Plan:
         """Read a plan written by `save` (JSON or .npz). `lengths` is needed only if the file has none."""
         path = Path(path)
         if path.suffix == ".npz":
             with np.load(path) as z:
                 header = json.loads(z["header"].tobytes().decode())
-                return cls(z["lengths"], Topology.from_dict(header["topology"]),
-                           CostModel.from_dict(header["cost_model"]), z["doc"], z["start"], z["end"], z["mb_ptr"],
-                           seed=header.get("seed"), plan_seconds=header.get("plan_seconds", float("nan")),
-                           natural_step=z["natural_step"] if "natural_step" in z else None,
-                           dropped_tokens=header.get("dropped_tokens"))
+                return cls(
+                    z["lengths"],
+                    Topology.from_dict(header["topology"]),
+                    CostModel.from_dict(header["cost_model"]),
+                    z["doc"],
+                    z["start"],
+                    z["end"],
+                    z["mb_ptr"],
+                    seed=header.get("seed"),
+                    plan_seconds=header.get("plan_seconds", float("nan")),
+                    natural_step=z["natural_step"] if "natural_step" in z else None,
+                    dropped_tokens=header.get("dropped_tokens"),
+                )
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as e:
@@ -279,15 +349,24 @@ class Plan:
             lengths = data["lengths"]
         lengths = np.asarray(lengths, dtype=np.int64)
         doc, start, end, ptr = [], [], [], [0]
-        for s, st in enumerate(data["steps"]):
-            for r, rep in enumerate(st["replicas"]):
+        for st in data["steps"]:
+            for rep in st["replicas"]:
                 for mb in rep["micro_batches"]:
                     for d in mb["docs"]:
                         doc.append(d), start.append(0), end.append(int(lengths[d]))
                     for d, a, b in mb.get("spans", []):
                         doc.append(d), start.append(a), end.append(b)
                     ptr.append(len(doc))
-        return cls(lengths, topo, CostModel.from_dict(data["cost_model"]), np.asarray(doc, dtype=np.int64),
-                   np.asarray(start, dtype=np.int64), np.asarray(end, dtype=np.int64), np.asarray(ptr),
-                   seed=data.get("seed"), plan_seconds=data.get("plan_seconds", float("nan")),
-                   natural_step=data.get("natural_step"), dropped_tokens=data.get("dropped_tokens"))
+        return cls(
+            lengths,
+            topo,
+            CostModel.from_dict(data["cost_model"]),
+            np.asarray(doc, dtype=np.int64),
+            np.asarray(start, dtype=np.int64),
+            np.asarray(end, dtype=np.int64),
+            np.asarray(ptr),
+            seed=data.get("seed"),
+            plan_seconds=data.get("plan_seconds", float("nan")),
+            natural_step=data.get("natural_step"),
+            dropped_tokens=data.get("dropped_tokens"),
+        )

@@ -1,4 +1,5 @@
 """The `balancer` command: demo, plan, stats (and pretokenize, verify, merge from balancer.cli_data)."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,33 +9,39 @@ from pathlib import Path
 
 import numpy as np
 
-from . import __version__
-from .baseline import token_count_plan
-from .cost import CostModel
-from .planner import OVERFLOW_POLICIES, plan as make_plan, validate_lengths
+from .. import __version__
+from ..planning.baseline import token_count_plan
+from ..planning.cost import CostModel
+from ..planning.planner import OVERFLOW_POLICIES, validate_lengths
+from ..planning.planner import plan as make_plan
+from ..planning.topology import Topology
 from .report import compare_table, format_stats, length_stats, plot
-from .topology import Topology
 
 # Llama-style configs for --model (analytic FLOPs via CostModel.from_model)
 MODELS = {
-    "llama2-7b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, intermediate_size=11008,
-                      vocab_size=32000),
-    "llama3-8b": dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
-                      vocab_size=128256),
-    "llama3-70b": dict(hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, intermediate_size=28672,
-                       vocab_size=128256),
+    "llama2-7b": dict(
+        hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32, intermediate_size=11008, vocab_size=32000
+    ),
+    "llama3-8b": dict(
+        hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336, vocab_size=128256
+    ),
+    "llama3-70b": dict(
+        hidden_size=8192, num_layers=80, num_heads=64, num_kv_heads=8, intermediate_size=28672, vocab_size=128256
+    ),
 }
-DEFAULT_COST = (2 / 53000, 1.0)   # attention cost per causal pair, linear cost per token (attention = linear at 53K)
+DEFAULT_COST = (2 / 53000, 1.0)  # attention cost per causal pair, linear cost per token (attention = linear at 53K)
 
 
 def read_lengths(source: str) -> np.ndarray:
     """Lengths from a JSON list, a .npy/.npz file, a text file of one length per line, or a pretokenized folder."""
     path = Path(source)
     if path.is_dir():
-        from .shards import read_lengths as read_dir
+        from ..data.shards import read_lengths as read_dir
+
         return read_dir(path)
     if not path.exists():
-        from .traces import NAMES, load_trace
+        from ..data.traces import NAMES, load_trace
+
         if source in NAMES:
             return load_trace(source)
         raise FileNotFoundError(f"{source}: no such file, folder or built-in trace ({', '.join(NAMES)})")
@@ -68,20 +75,24 @@ def cost_from_args(args) -> CostModel:
     if getattr(args, "model", None):
         return CostModel.from_model(**MODELS[args.model])
     attn, lin = DEFAULT_COST
-    return CostModel(attn_coef=args.attn_coef if args.attn_coef is not None else attn,
-                     linear_coef=args.linear_coef if args.linear_coef is not None else lin,
-                     fixed=args.fixed, causal=not args.non_causal)
+    return CostModel(
+        attn_coef=args.attn_coef if args.attn_coef is not None else attn,
+        linear_coef=args.linear_coef if args.linear_coef is not None else lin,
+        fixed=args.fixed,
+        causal=not args.non_causal,
+    )
 
 
 def topology_from_args(args, lengths: np.ndarray) -> Topology:
     max_tokens = args.max_tokens
-    if max_tokens is None:   # the next power of two that holds the longest document over the CP group
+    if max_tokens is None:  # the next power of two that holds the longest document over the CP group
         max_tokens = 1 << int(np.ceil(np.log2(max(1, -(-int(lengths.max()) // args.cp)))))
     tps = args.tokens_per_step
     if tps is None and args.fill is not None:
         tps = int(args.fill * args.dp * args.cp * args.micro_batches * max_tokens)
-    return Topology(dp=args.dp, cp=args.cp, pp=args.pp, micro_batches=args.micro_batches, max_tokens=max_tokens,
-                    tokens_per_step=tps)
+    return Topology(
+        dp=args.dp, cp=args.cp, pp=args.pp, micro_batches=args.micro_batches, max_tokens=max_tokens, tokens_per_step=tps
+    )
 
 
 def add_topology_args(p: argparse.ArgumentParser, dp: int = 8, micro_batches: int = 4) -> None:
@@ -89,14 +100,27 @@ def add_topology_args(p: argparse.ArgumentParser, dp: int = 8, micro_batches: in
     g.add_argument("--dp", type=int, default=dp, help=f"data-parallel replicas (default {dp})")
     g.add_argument("--cp", type=int, default=1, help="context-parallel ranks per replica (default 1)")
     g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
-    g.add_argument("--micro-batches", type=int, default=micro_batches,
-                   help=f"micro-batches per replica per step (default {micro_batches})")
-    g.add_argument("--max-tokens", type=int, default=None,
-                   help="tokens per CP rank per micro-batch (default: next power of two >= longest document / cp)")
-    g.add_argument("--tokens-per-step", type=int, default=None,
-                   help="global batch in tokens (default: --fill x capacity)")
-    g.add_argument("--fill", type=float, default=0.85,
-                   help="tokens_per_step as a share of capacity dp*cp*micro_batches*max_tokens (default 0.85)")
+    g.add_argument(
+        "--micro-batches",
+        type=int,
+        default=micro_batches,
+        help=f"micro-batches per replica per step (default {micro_batches})",
+    )
+    g.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens per CP rank per micro-batch (default: next power of two >= longest document / cp)",
+    )
+    g.add_argument(
+        "--tokens-per-step", type=int, default=None, help="global batch in tokens (default: --fill x capacity)"
+    )
+    g.add_argument(
+        "--fill",
+        type=float,
+        default=0.85,
+        help="tokens_per_step as a share of capacity dp*cp*micro_batches*max_tokens (default 0.85)",
+    )
     c = p.add_argument_group("cost model (default: attention 2/53000 per causal pair + 1 per token)")
     c.add_argument("--model", choices=sorted(MODELS), help="derive the cost from a built-in Llama-style config")
     c.add_argument("--model-config", help="derive the cost from a Hugging Face config.json")
@@ -130,19 +154,26 @@ def cmd_plan(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .traces import load_trace
+    from ..data.traces import load_trace
+
     lengths = load_trace("wlbllm")
     cost = cost_from_args(args)
     topo = topology_from_args(args, lengths)
-    print("balancer demo: the built-in WLB-LLM length trace (hao-ai-lab/distca) planned for "
-          f"{topo}\ncost: attention {cost.attn_coef:.3g} per causal pair + {cost.linear_coef:.3g} per token\n")
+    print(
+        "balancer demo: the built-in WLB-LLM length trace (hao-ai-lab/distca) planned for "
+        f"{topo}\ncost: attention {cost.attn_coef:.3g} per causal pair + {cost.linear_coef:.3g} per token\n"
+    )
     print(format_stats(length_stats(lengths, cost)) + "\n")
-    plans = {"balancer": make_plan(lengths, topo, cost, seed=args.seed, progress=sys.stderr.isatty()),
-             "token-count": token_count_plan(lengths, topo, cost, seed=args.seed)}
+    plans = {
+        "balancer": make_plan(lengths, topo, cost, seed=args.seed, progress=sys.stderr.isatty()),
+        "token-count": token_count_plan(lengths, topo, cost, seed=args.seed),
+    }
     print(compare_table(plans))
     m = {k: p.metrics() for k, p in plans.items()}
-    print(f"\npredicted step time: {m['token-count']['step_time_total'] / m['balancer']['step_time_total']:.2f}x "
-          "faster than token-count packing (if the cost model holds)")
+    print(
+        f"\npredicted step time: {m['token-count']['step_time_total'] / m['balancer']['step_time_total']:.2f}x "
+        "faster than token-count packing (if the cost model holds)"
+    )
     if args.plot:
         plot(lengths, cost, args.plot, plans)
         print(f"wrote {args.plot}")
@@ -168,35 +199,55 @@ def cmd_stats(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="balancer", description=(
-        "Sequence-length-aware packing and DP x CP x PP scheduling: every rank gets equal work, counting "
-        "attention's quadratic cost, not just tokens."))
+    parser = argparse.ArgumentParser(
+        prog="balancer",
+        description=(
+            "Sequence-length-aware packing and DP x CP x PP scheduling: every rank gets equal work, counting "
+            "attention's quadratic cost, not just tokens."
+        ),
+    )
     parser.add_argument("--version", action="version", version=f"balancer {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("demo", help="plan the built-in trace and compare with token-count packing",
-                       description="Plan the built-in WLB-LLM length trace for a topology (default dp8, 4 "
-                                   "micro-batches) and print the balance report beside token-count packing.")
+    p = sub.add_parser(
+        "demo",
+        help="plan the built-in trace and compare with token-count packing",
+        description="Plan the built-in WLB-LLM length trace for a topology (default dp8, 4 "
+        "micro-batches) and print the balance report beside token-count packing.",
+    )
     add_topology_args(p)
     p.add_argument("--plot", metavar="PNG", help="also write a picture of the lengths and per-step balance")
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("plan", help="plan an epoch for a topology and write the plan",
-                       description="Plan every step, replica and micro-batch of an epoch; print the metrics "
-                                   "beside token-count packing; write the plan (JSON, or .npz by suffix).")
-    p.add_argument("lengths", metavar="LENGTHS",
-                   help="JSON list / .npy / text file of lengths, a pretokenized folder, or a built-in trace name")
+    p = sub.add_parser(
+        "plan",
+        help="plan an epoch for a topology and write the plan",
+        description="Plan every step, replica and micro-batch of an epoch; print the metrics "
+        "beside token-count packing; write the plan (JSON, or .npz by suffix).",
+    )
+    p.add_argument(
+        "lengths",
+        metavar="LENGTHS",
+        help="JSON list / .npy / text file of lengths, a pretokenized folder, or a built-in trace name",
+    )
     add_topology_args(p)
-    p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="error",
-                   help="documents longer than max_tokens*cp: error (default), split into windows, or truncate")
+    p.add_argument(
+        "--overflow",
+        choices=OVERFLOW_POLICIES,
+        default="error",
+        help="documents longer than max_tokens*cp: error (default), split into windows, or truncate",
+    )
     p.add_argument("-o", "--output", help="plan file (.json or .npz); default for a folder: written beside it")
     p.add_argument("--plot", metavar="PNG", help="also write a picture of the lengths and per-step balance")
     p.add_argument("--no-baseline", action="store_true", help="skip the token-count comparison")
     p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("stats", help="length statistics and a balance report",
-                       description="Length histogram, the share of tokens and of attention work above "
-                                   "8K/32K/128K, and the balance report for a topology, as text and PNG.")
+    p = sub.add_parser(
+        "stats",
+        help="length statistics and a balance report",
+        description="Length histogram, the share of tokens and of attention work above "
+        "8K/32K/128K, and the balance report for a topology, as text and PNG.",
+    )
     p.add_argument("lengths", metavar="LENGTHS", help="as for `plan`")
     add_topology_args(p)
     p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="error", help="as for `plan`")
@@ -204,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="write the picture here")
     p.set_defaults(func=cmd_stats)
 
-    from . import cli_data
+    from . import data as cli_data
+
     cli_data.register(sub)
     return parser
 

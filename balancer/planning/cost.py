@@ -4,10 +4,11 @@
 otherwise, plus `fixed` once per micro-batch. This module is the only owner of that formula: the planner, the
 metrics, the benchmarks and the telemetry all call it.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -54,7 +55,7 @@ class CostModel:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "CostModel":
+    def from_dict(cls, data: dict) -> CostModel:
         return cls(**{k: data[k] for k in ("attn_coef", "linear_coef", "fixed", "causal") if k in data})
 
     @classmethod
@@ -70,7 +71,7 @@ class CostModel:
         gated_mlp: bool = True,
         causal: bool = True,
         fixed: float = 0.0,
-    ) -> "CostModel":
+    ) -> CostModel:
         """Analytic training FLOPs (forward + backward) of a decoder-only transformer, per document.
 
         - attention, per (query, key) pair: forward QK^T and PV are `2 * head_dim` FLOPs each per head, backward is
@@ -86,39 +87,55 @@ class CostModel:
             if hidden_size % num_heads:
                 raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; pass head_dim")
             head_dim = hidden_size // num_heads
-        for name, value in dict(hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-                                num_kv_heads=num_kv_heads, head_dim=head_dim).items():
+        for name, value in dict(
+            hidden_size=hidden_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+        ).items():
             if int(value) != value or value < 1:
                 raise ValueError(f"CostModel.from_model: {name} must be a positive integer, got {value!r}")
         q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
         mlp_mats = 3 if gated_mlp else 2
-        per_layer = hidden_size * q_dim + 2 * hidden_size * kv_dim + q_dim * hidden_size \
+        per_layer = (
+            hidden_size * q_dim
+            + 2 * hidden_size * kv_dim
+            + q_dim * hidden_size
             + mlp_mats * hidden_size * intermediate_size
+        )
         matmul_params = num_layers * per_layer + hidden_size * vocab_size
         attn = 12.0 * num_layers * num_heads * head_dim
         return cls(attn_coef=float(attn), linear_coef=6.0 * float(matmul_params), fixed=float(fixed), causal=causal)
 
     @classmethod
-    def from_config(cls, config: dict) -> "CostModel":
+    def from_config(cls, config: dict) -> CostModel:
         """`from_model` on a Hugging Face style config dict (`config.json` keys)."""
+
         def get(*names, default=None):
             for n in names:
                 if n in config and config[n] is not None:
                     return config[n]
             return default
+
         hidden = get("hidden_size", "n_embd", "d_model")
         layers = get("num_hidden_layers", "n_layer", "num_layers")
         heads = get("num_attention_heads", "n_head", "num_heads")
         if hidden is None or layers is None or heads is None:
             raise ValueError("model config needs hidden_size, num_hidden_layers and num_attention_heads")
-        return cls.from_model(hidden_size=hidden, num_layers=layers, num_heads=heads,
-                              num_kv_heads=get("num_key_value_heads", default=heads),
-                              intermediate_size=get("intermediate_size", "n_inner", default=4 * hidden),
-                              vocab_size=get("vocab_size", default=0), head_dim=get("head_dim"),
-                              gated_mlp=get("hidden_act", default="silu") in ("silu", "swiglu", "geglu"))
+        return cls.from_model(
+            hidden_size=hidden,
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=get("num_key_value_heads", default=heads),
+            intermediate_size=get("intermediate_size", "n_inner", default=4 * hidden),
+            vocab_size=get("vocab_size", default=0),
+            head_dim=get("head_dim"),
+            gated_mlp=get("hidden_act", default="silu") in ("silu", "swiglu", "geglu"),
+        )
 
     @classmethod
-    def fit(cls, lengths, seconds, causal: bool = True, fit_fixed: bool = True) -> "CostModel":
+    def fit(cls, lengths, seconds, causal: bool = True, fit_fixed: bool = True) -> CostModel:
         """Fit coefficients to measured timings with non-negative least squares (scipy.optimize.nnls).
 
         `lengths[i]` is either one document length or a sequence of document lengths that ran together as one

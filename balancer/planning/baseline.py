@@ -4,6 +4,7 @@ Same shuffle and the same step cut as `balancer.plan` would see, then each step'
 first, to the micro-batch with the fewest tokens (LPT by tokens). It ignores attention cost: the point of comparison
 for `balancer demo` and `balancer plan`.
 """
+
 from __future__ import annotations
 
 import time
@@ -30,7 +31,7 @@ def token_count_plan(lengths, topology: Topology, cost: CostModel, seed: int = 0
     step_of[order] = (np.cumsum(lengths[order]) - lengths[order]) // topology.tokens_per_step
     n_steps = int(step_of.max()) + 1
     groups = [list(order[step_of[order] == s]) for s in range(n_steps)]
-    while len(groups) > 1 and len(groups[-1]) < nb:      # a tail too small to fill every micro-batch joins the last
+    while len(groups) > 1 and len(groups[-1]) < nb:  # a tail too small to fill every micro-batch joins the last
         groups[-2].extend(groups.pop())
     mbs: list[list[int]] = []
     carry: list[int] = []
@@ -48,15 +49,26 @@ def token_count_plan(lengths, topology: Topology, cost: CostModel, seed: int = 0
                 continue
             bins[j].append(d)
             tok[j] += lengths[d]
-        for j in range(nb):                               # no empty micro-batch: take from the fullest
+        for j in range(nb):  # no empty micro-batch: take from the fullest
             if not bins[j]:
                 donor = max(range(nb), key=lambda k: len(bins[k]))
                 bins[j].append(bins[donor].pop())
         # micro-batch j goes to replica j % dp, so the longest documents (dealt first) land on different replicas
-        mbs.extend(bins[r::topology.dp][k] for r in range(topology.dp) for k in range(topology.micro_batches))
+        mbs.extend(bins[r :: topology.dp][k] for r in range(topology.dp) for k in range(topology.micro_batches))
         s += 1
-    steps = [[mbs[(k * topology.dp + r) * topology.micro_batches:(k * topology.dp + r + 1) * topology.micro_batches]
-              for r in range(topology.dp)] for k in range(len(mbs) // nb)]
-    return Plan.from_micro_batches(steps, lengths, topology, cost, seed=seed,
-                                   natural_step=natural_steps(order, lengths, topology.tokens_per_step),
-                                   plan_seconds=time.perf_counter() - t0)
+    steps = [
+        [
+            mbs[(k * topology.dp + r) * topology.micro_batches : (k * topology.dp + r + 1) * topology.micro_batches]
+            for r in range(topology.dp)
+        ]
+        for k in range(len(mbs) // nb)
+    ]
+    return Plan.from_micro_batches(
+        steps,
+        lengths,
+        topology,
+        cost,
+        seed=seed,
+        natural_step=natural_steps(order, lengths, topology.tokens_per_step),
+        plan_seconds=time.perf_counter() - t0,
+    )

@@ -1,40 +1,60 @@
 """Length statistics and the side-by-side balance report printed by `balancer demo|plan|stats`."""
+
 from __future__ import annotations
 
 import numpy as np
 
-from .cost import CostModel, attention_pairs
-from .plan import Plan
+from ..planning.cost import CostModel, attention_pairs
+from ..planning.plan import Plan
 
 THRESHOLDS = (8192, 32768, 131072)
-ROWS = ("steps", "imbalance", "worst_step", "epoch_efficiency", "token_utilization", "padding_tokens",
-        "dropped_tokens", "mean_delay_steps", "plan_seconds")
+ROWS = (
+    "steps",
+    "imbalance",
+    "worst_step",
+    "epoch_efficiency",
+    "token_utilization",
+    "padding_tokens",
+    "dropped_tokens",
+    "mean_delay_steps",
+    "plan_seconds",
+)
 
 
 def length_stats(lengths: np.ndarray, cost: CostModel) -> dict:
     """Count, token and attention-work shares above 8K/32K/128K, and percentiles."""
     lengths = np.asarray(lengths, dtype=np.int64)
     pairs = attention_pairs(lengths, cost.causal)
-    out = {"documents": int(len(lengths)), "tokens": int(lengths.sum()), "max": int(lengths.max()),
-           "mean": float(lengths.mean()),
-           "percentiles": {str(p): float(np.percentile(lengths, p)) for p in (50, 90, 99, 99.9)},
-           "above": {}}
+    out = {
+        "documents": int(len(lengths)),
+        "tokens": int(lengths.sum()),
+        "max": int(lengths.max()),
+        "mean": float(lengths.mean()),
+        "percentiles": {str(p): float(np.percentile(lengths, p)) for p in (50, 90, 99, 99.9)},
+        "above": {},
+    }
     for t in THRESHOLDS:
         over = lengths > t
-        out["above"][str(t)] = {"documents": float(over.mean()),
-                                "tokens": float(lengths[over].sum() / lengths.sum()),
-                                "attention": float(pairs[over].sum() / pairs.sum()),
-                                "cost": float(cost.cost(lengths[over]).sum() / cost.cost(lengths).sum())}
+        out["above"][str(t)] = {
+            "documents": float(over.mean()),
+            "tokens": float(lengths[over].sum() / lengths.sum()),
+            "attention": float(pairs[over].sum() / pairs.sum()),
+            "cost": float(cost.cost(lengths[over]).sum() / cost.cost(lengths).sum()),
+        }
     return out
 
 
 def format_stats(stats: dict) -> str:
-    lines = [f"documents {stats['documents']:,}  tokens {stats['tokens']:,}  mean {stats['mean']:.0f}  "
-             f"max {stats['max']:,}  p50 {stats['percentiles']['50']:.0f}  p99 {stats['percentiles']['99']:.0f}",
-             f"{'length >':>10} {'documents':>10} {'tokens':>8} {'attention':>10} {'cost':>7}"]
+    lines = [
+        f"documents {stats['documents']:,}  tokens {stats['tokens']:,}  mean {stats['mean']:.0f}  "
+        f"max {stats['max']:,}  p50 {stats['percentiles']['50']:.0f}  p99 {stats['percentiles']['99']:.0f}",
+        f"{'length >':>10} {'documents':>10} {'tokens':>8} {'attention':>10} {'cost':>7}",
+    ]
     for t, row in stats["above"].items():
-        lines.append(f"{int(t) // 1024:>9}K {row['documents']:>10.2%} {row['tokens']:>8.1%} "
-                     f"{row['attention']:>10.1%} {row['cost']:>7.1%}")
+        lines.append(
+            f"{int(t) // 1024:>9}K {row['documents']:>10.2%} {row['tokens']:>8.1%} "
+            f"{row['attention']:>10.1%} {row['cost']:>7.1%}"
+        )
     return "\n".join(lines)
 
 
@@ -45,16 +65,17 @@ def compare_table(plans: dict[str, Plan]) -> str:
     names = list(plans)
     base = metrics[names[-1]]["step_time_total"]
     width = max(14, *(len(n) + 2 for n in names))
-    lines = [f"{'metric':<20}" + "".join(f"{n:>{width}}" for n in names),
-             "-" * (20 + width * len(names))]
+    lines = [f"{'metric':<20}" + "".join(f"{n:>{width}}" for n in names), "-" * (20 + width * len(names))]
     for row in ROWS:
         cells = []
         for n in names:
             v = metrics[n][row]
             cells.append(f"{v:>{width},}" if isinstance(v, int) else f"{v:>{width}.4f}")
         lines.append(f"{row:<20}" + "".join(cells))
-    lines.append(f"{'speedup vs ' + names[-1]:<20}" +
-                 "".join(f"{base / metrics[n]['step_time_total']:>{width}.3f}" for n in names))
+    lines.append(
+        f"{'speedup vs ' + names[-1]:<20}"
+        + "".join(f"{base / metrics[n]['step_time_total']:>{width}.3f}" for n in names)
+    )
     return "\n".join(lines)
 
 
@@ -76,13 +97,17 @@ def plot(lengths: np.ndarray, cost: CostModel, path: str, plans: dict[str, Plan]
     axes[0].set_xlabel("document length (tokens)"), axes[0].set_ylabel("documents")
     axes[0].set_title(f"{len(lengths):,} documents")
     srt = np.sort(lengths)
-    for label, w in (("tokens", srt.astype(float)), ("attention pairs", attention_pairs(srt, cost.causal)),
-                     ("cost", cost.cost(srt))):
+    for label, w in (
+        ("tokens", srt.astype(float)),
+        ("attention pairs", attention_pairs(srt, cost.causal)),
+        ("cost", cost.cost(srt)),
+    ):
         axes[1].plot(srt, 1 - np.cumsum(w) / w.sum(), label=label)
     axes[1].set_xscale("log"), axes[1].set_xlabel("document length (tokens)")
     axes[1].set_ylabel("share held by longer documents"), axes[1].legend(), axes[1].grid(alpha=0.3)
     if plans:
-        from .metrics import lower_bound, step_times
+        from ..planning.metrics import lower_bound, step_times
+
         for name, p in plans.items():
             t = step_times(p.micro_batch_costs(), p.topology)
             s_of = p.step_of_entry()

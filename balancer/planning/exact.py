@@ -12,6 +12,7 @@ Model (binary x[i, j]: unit i in micro-batch j; micro-batch j belongs to replica
 Symmetry is cut by ordering the micro-batches of a replica by load and pinning the heaviest unit to replica 0.
 Times are in cost units; divide by cp for per-rank time (the metrics do).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,10 +27,10 @@ from .topology import Topology
 
 @dataclass
 class ExactResult:
-    assign: np.ndarray          # micro-batch (replica * M + m) of every unit
-    step_time: float            # per-CP-rank step time of `assign` (same units as balancer.metrics)
-    lower_bound: float          # proven lower bound on the optimum step time
-    optimal: bool               # True when the solver proved optimality
+    assign: np.ndarray  # micro-batch (replica * M + m) of every unit
+    step_time: float  # per-CP-rank step time of `assign` (same units as balancer.metrics)
+    lower_bound: float  # proven lower bound on the optimum step time
+    optimal: bool  # True when the solver proved optimality
 
 
 def optimal_step(lengths, topology: Topology, cost: CostModel, time_limit: float = 20.0) -> ExactResult:
@@ -48,33 +49,33 @@ def optimal_step(lengths, topology: Topology, cost: CostModel, time_limit: float
     c = c / scale
     fixed = cost.fixed / scale
     nx = n * nb
-    ih = nx                      # h_r variables
-    it = nx + dp                 # T
+    ih = nx  # h_r variables
+    it = nx + dp  # T
     nv = nx + dp + 1
     xi = lambda i, j: i * nb + j  # noqa: E731
-    rows, lo, hi = [], [], []
+    lo, hi = [], []
     a = lil_matrix((n + 3 * nb + dp + nb, nv))
     r = 0
-    for i in range(n):                                   # exactly once
+    for i in range(n):  # exactly once
         for j in range(nb):
             a[r, xi(i, j)] = 1
         lo.append(1), hi.append(1)
         r += 1
-    for j in range(nb):                                  # non-empty, token cap
+    for j in range(nb):  # non-empty, token cap
         for i in range(n):
             a[r, xi(i, j)] = 1
             a[r + 1, xi(i, j)] = lengths[i]
         lo += [1, -np.inf]
         hi += [np.inf, t.micro_batch_tokens]
         r += 2
-    for j in range(nb):                                  # load_j <= h_r
+    for j in range(nb):  # load_j <= h_r
         rep = j // m
         for i in range(n):
             a[r, xi(i, j)] = c[i]
         a[r, ih + rep] = -1
         lo.append(-np.inf), hi.append(-fixed)
         r += 1
-    for rep in range(dp):                                # (P-1) h_r + sum loads <= T
+    for rep in range(dp):  # (P-1) h_r + sum loads <= T
         for j in range(rep * m, (rep + 1) * m):
             for i in range(n):
                 a[r, xi(i, j)] = c[i]
@@ -82,7 +83,7 @@ def optimal_step(lengths, topology: Topology, cost: CostModel, time_limit: float
         a[r, it] = -1
         lo.append(-np.inf), hi.append(-m * fixed)
         r += 1
-    for j in range(nb):                                  # symmetry: loads non-increasing inside a replica
+    for j in range(nb):  # symmetry: loads non-increasing inside a replica
         if j % m == m - 1:
             continue
         for i in range(n):
@@ -95,12 +96,17 @@ def optimal_step(lengths, topology: Topology, cost: CostModel, time_limit: float
     obj[it] = 1
     lb, ub = np.zeros(nv), np.full(nv, np.inf)
     ub[:nx] = 1
-    heaviest = int(np.argmax(c))                        # replicas are interchangeable: it sits in replica 0
+    heaviest = int(np.argmax(c))  # replicas are interchangeable: it sits in replica 0
     ub[[xi(heaviest, j) for j in range(m, nb)]] = 0
     integrality = np.zeros(nv)
     integrality[:nx] = 1
-    res = milp(obj, constraints=LinearConstraint(a, lo, hi), integrality=integrality, bounds=Bounds(lb, ub),
-               options={"time_limit": time_limit, "disp": False})
+    res = milp(
+        obj,
+        constraints=LinearConstraint(a, lo, hi),
+        integrality=integrality,
+        bounds=Bounds(lb, ub),
+        options={"time_limit": time_limit, "disp": False},
+    )
     if res.x is None:
         raise RuntimeError(f"MILP found no solution: {res.message}")
     x = res.x[:nx].reshape(n, nb)

@@ -15,6 +15,7 @@ documents of the step with at least one loss token (`BalancedBatchSampler.step_n
 split into windows counts each window as a sequence. Needs per-token document ids (`seq_ids` from PackedCollator)
 and the per-document global loss-token counts (`seq_loss_tokens`).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -25,10 +26,17 @@ import torch.nn.functional as F
 REDUCTIONS = ("global", "sum", "sequence")
 
 
-def token_loss(logits: torch.Tensor, labels: torch.Tensor, num_loss_tokens_global: Optional[float] = None,
-               ignore_index: int = -100, reduction: str = "global", *, seq_ids: Optional[torch.Tensor] = None,
-               seq_loss_tokens: Optional[torch.Tensor] = None, num_sequences_global: Optional[int] = None
-               ) -> torch.Tensor:
+def token_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    num_loss_tokens_global: Optional[float] = None,
+    ignore_index: int = -100,
+    reduction: str = "global",
+    *,
+    seq_ids: Optional[torch.Tensor] = None,
+    seq_loss_tokens: Optional[torch.Tensor] = None,
+    num_sequences_global: Optional[int] = None,
+) -> torch.Tensor:
     """Cross-entropy of pre-shifted targets (no further shift), normalised for a step.
 
     `logits` [..., T, V], `labels` [..., T] (pre-shifted, `ignore_index` where there is no target).
@@ -65,10 +73,22 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, num_loss_tokens_globa
     return torch.where(valid, ce / denom, torch.zeros_like(ce)).sum() / float(num_sequences_global)
 
 
-def batch_loss(logits: torch.Tensor, batch: dict, num_loss_tokens_global: Optional[float] = None,
-               reduction: str = "global", num_sequences_global: Optional[int] = None,
-               ignore_index: int = -100) -> torch.Tensor:
+def batch_loss(
+    logits: torch.Tensor,
+    batch: dict,
+    num_loss_tokens_global: Optional[float] = None,
+    reduction: str = "global",
+    num_sequences_global: Optional[int] = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
     """`token_loss` on a PackedCollator batch (`labels`, `seq_ids`, `seq_loss_tokens` taken from it)."""
-    return token_loss(logits, batch["labels"], num_loss_tokens_global, ignore_index=ignore_index,
-                      reduction=reduction, seq_ids=batch.get("seq_ids"), seq_loss_tokens=batch.get("seq_loss_tokens"),
-                      num_sequences_global=num_sequences_global)
+    return token_loss(
+        logits,
+        batch["labels"],
+        num_loss_tokens_global,
+        ignore_index=ignore_index,
+        reduction=reduction,
+        seq_ids=batch.get("seq_ids"),
+        seq_loss_tokens=batch.get("seq_loss_tokens"),
+        num_sequences_global=num_sequences_global,
+    )

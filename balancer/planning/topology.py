@@ -1,4 +1,5 @@
 """Topology: the DP x CP x PP layout a plan is made for, with its per-micro-batch memory cap and step budget."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -25,8 +26,11 @@ class Topology:
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "pp", "micro_batches", "max_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int,)) and not (
-                    hasattr(value, "__index__") and int(value) == value):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int,))
+                and not (hasattr(value, "__index__") and int(value) == value)
+            ):
                 raise ValueError(f"Topology.{name} must be an integer, got {value!r}")
             if int(value) < 1:
                 raise ValueError(f"Topology.{name} must be >= 1, got {value}")
@@ -42,7 +46,8 @@ class Topology:
                 raise ValueError(
                     f"Topology.tokens_per_step={self.tokens_per_step} exceeds the capacity "
                     f"dp*cp*micro_batches*max_tokens = {self.dp}*{self.cp}*{self.micro_batches}*{self.max_tokens}"
-                    f" = {self.capacity}")
+                    f" = {self.capacity}"
+                )
 
     @property
     def micro_batch_tokens(self) -> int:
@@ -67,10 +72,13 @@ class Topology:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Topology":
-        return cls(**{k: data[k] for k in ("dp", "cp", "pp", "micro_batches", "max_tokens", "tokens_per_step")
-                      if k in data})
+    def from_dict(cls, data: dict) -> Topology:
+        return cls(
+            **{k: data[k] for k in ("dp", "cp", "pp", "micro_batches", "max_tokens", "tokens_per_step") if k in data}
+        )
 
     def __str__(self) -> str:
-        return (f"dp{self.dp} x cp{self.cp} x pp{self.pp}, M={self.micro_batches}, max_tokens={self.max_tokens}, "
-                f"tokens_per_step={self.tokens_per_step}")
+        return (
+            f"dp{self.dp} x cp{self.cp} x pp{self.pp}, M={self.micro_batches}, max_tokens={self.max_tokens}, "
+            f"tokens_per_step={self.tokens_per_step}"
+        )

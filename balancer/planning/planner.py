@@ -16,10 +16,11 @@ An epoch is planned in three moves, all vectorised except for loops over steps a
 
 Inside each micro-batch, documents keep their shuffled order.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -29,16 +30,16 @@ from .plan import Plan
 from .topology import Topology
 
 OVERFLOW_POLICIES = ("error", "split", "truncate")
-HEAVY_STEP = 0.25   # heavier than this share of a micro-batch's average work: spread evenly over the steps
-HEAVY_PACK = 0.5    # heavier than this share of a micro-batch's average work: placed one by one in pack_step
+HEAVY_STEP = 0.25  # heavier than this share of a micro-batch's average work: spread evenly over the steps
+HEAVY_PACK = 0.5  # heavier than this share of a micro-batch's average work: placed one by one in pack_step
 STEP_BAND = (0.93, 1.07)  # step sizes the planner aims for, in tokens_per_step (3% margin to the +-10% rule)
-SPREAD_WINDOW = 8     # heavy units are evened out over windows of this many steps (bounds their delay)
-GROUP_WINDOW = 32     # with pipelining, heavy units are grouped by cost inside windows of this many steps
-ATTN_SHARE = 1 / 3    # a unit is attention-heavy when attention is at least this share of its cost
-SPILL_SLACK = 1e-3     # once targets are met, leftovers may raise the step's time by this much, else move on ...
-SPILL_MOVE = 0.1       # ... to the next step, up to this share of the step's tokens
+SPREAD_WINDOW = 8  # heavy units are evened out over windows of this many steps (bounds their delay)
+GROUP_WINDOW = 32  # with pipelining, heavy units are grouped by cost inside windows of this many steps
+ATTN_SHARE = 1 / 3  # a unit is attention-heavy when attention is at least this share of its cost
+SPILL_SLACK = 1e-3  # once targets are met, leftovers may raise the step's time by this much, else move on ...
+SPILL_MOVE = 0.1  # ... to the next step, up to this share of the step's tokens
 POLISH_MAX_UNITS = 64  # steps this small also get a move/swap local search (exact-gap territory) ...
-POLISH_ABOVE = 1.005   # ... when their time is this far above the step's lower bound
+POLISH_ABOVE = 1.005  # ... when their time is this far above the step's lower bound
 
 
 def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
@@ -75,7 +76,8 @@ def _units(lengths: np.ndarray, cap: int, overflow: str, topology: Topology):
         raise ValueError(
             f"document {i} has {lengths[i]} tokens, more than a micro-batch holds: max_tokens*cp = "
             f"{topology.max_tokens}*{topology.cp} = {cap} ({int(over.sum())} documents are over); raise "
-            f"max_tokens or cp, or pass overflow='split' (windows) or 'truncate'")
+            f"max_tokens or cp, or pass overflow='split' (windows) or 'truncate'"
+        )
     if overflow == "truncate":
         return np.arange(n), np.zeros(n, dtype=np.int64), np.minimum(lengths, cap)
     pieces = -(-lengths // cap)
@@ -86,15 +88,16 @@ def _units(lengths: np.ndarray, cap: int, overflow: str, topology: Topology):
     return doc, start, end
 
 
-def step_token_targets(total_tokens: int, step_tokens: int, capacity: int,
-                       tokens_per_step: int | None = None, floor: int = 0) -> np.ndarray:
+def step_token_targets(
+    total_tokens: int, step_tokens: int, capacity: int, tokens_per_step: int | None = None, floor: int = 0
+) -> np.ndarray:
     """Token target of every step: equal steps near `step_tokens` when that keeps every step within 7% of
     `tokens_per_step` (default: `step_tokens`; the 3% margin to the 10% rule absorbs packing granularity) and under
     97% of capacity; otherwise full steps of `step_tokens` (at most 97% of capacity, what packing can reach) and a
     smaller last one."""
     tps = step_tokens if tokens_per_step is None else tokens_per_step
     step_tokens = int(min(max(step_tokens, STEP_BAND[0] * tps), STEP_BAND[1] * tps, 0.97 * capacity))
-    step_tokens = max(step_tokens, int(min(floor, 0.97 * capacity)), 1)   # room for a document per micro-batch
+    step_tokens = max(step_tokens, int(min(floor, 0.97 * capacity)), 1)  # room for a document per micro-batch
     base = max(1, int(round(total_tokens / step_tokens)))
     for s in sorted({base, base + 1, max(1, base - 1)}, key=lambda s: abs(total_tokens / s - step_tokens)):
         even = total_tokens / s
@@ -129,8 +132,15 @@ def _effective_step_tokens(c: np.ndarray, tok: np.ndarray, topology: Topology) -
     return max(1, int(round(target)))
 
 
-def _assign_steps(c: np.ndarray, tok: np.ndarray, targets: np.ndarray, bins: int,
-                  rng: np.random.Generator, grouped: bool, attn_heavy: np.ndarray) -> np.ndarray:
+def _assign_steps(
+    c: np.ndarray,
+    tok: np.ndarray,
+    targets: np.ndarray,
+    bins: int,
+    rng: np.random.Generator,
+    grouped: bool,
+    attn_heavy: np.ndarray,
+) -> np.ndarray:
     """Step of each unit (units given in shuffled order); heavy units spread by cost, light ones fill by tokens.
 
     Every step gets an equal share of the heavy cost. Without pipelining the heavy units keep their shuffled
@@ -167,12 +177,13 @@ def _windows(idx: np.ndarray, tok: np.ndarray, targets: np.ndarray, window: int)
         lo = int(w) * window
         hi = min(lo + window, s)
         if hi - lo > 1 and targets[hi - 1] < 0.9 * targets[lo]:
-            hi -= 1                                                # keep heavy units off a small last step
+            hi -= 1  # keep heavy units off a small last step
         yield lo, hi, members
 
 
-def _spread_heavy(idx: np.ndarray, c: np.ndarray, tok: np.ndarray, targets: np.ndarray,
-                  window: int = SPREAD_WINDOW) -> np.ndarray:
+def _spread_heavy(
+    idx: np.ndarray, c: np.ndarray, tok: np.ndarray, targets: np.ndarray, window: int = SPREAD_WINDOW
+) -> np.ndarray:
     """Heavy units to steps, window by window (windows of `window` steps bound how far a unit moves).
 
     Inside a window the `window` heaviest units anchor one step each; the other heavy units go, heaviest first, to
@@ -185,11 +196,11 @@ def _spread_heavy(idx: np.ndarray, c: np.ndarray, tok: np.ndarray, targets: np.n
         k = hi - lo
         mc = c[idx[members]]
         order = members[np.argsort(-mc, kind="stable")]
-        anchors = np.sort(order[:k])                              # in shuffled order, one per step
+        anchors = np.sort(order[:k])  # in shuffled order, one per step
         steps = np.arange(lo, lo + len(anchors))
         out[anchors] = steps
         load = np.zeros(k)
-        load[:len(anchors)] = c[idx[anchors]]
+        load[: len(anchors)] = c[idx[anchors]]
         share = load / load.sum() * c[idx[members]].sum()
         for i in order[k:]:
             j = int(np.argmax(share - load))
@@ -198,8 +209,15 @@ def _spread_heavy(idx: np.ndarray, c: np.ndarray, tok: np.ndarray, targets: np.n
     return out
 
 
-def _group_heavy(idx: np.ndarray, c: np.ndarray, tok: np.ndarray, targets: np.ndarray, bins: int,
-                 rng: np.random.Generator, window: int = GROUP_WINDOW) -> np.ndarray:
+def _group_heavy(
+    idx: np.ndarray,
+    c: np.ndarray,
+    tok: np.ndarray,
+    targets: np.ndarray,
+    bins: int,
+    rng: np.random.Generator,
+    window: int = GROUP_WINDOW,
+) -> np.ndarray:
     """Pipelined plans: inside each window of steps, heavy units, heaviest first, form groups of one per
     micro-batch (`bins`) of similar cost, each within 90% of a step's tokens; groups go to the window's steps in
     random order (wrapping round when there are more groups than steps)."""
@@ -234,8 +252,8 @@ def _water_fill(loads: np.ndarray, work: float, pp: int) -> np.ndarray:
     srt = np.sort(loads, axis=1)
     h = srt[:, -1]
     k = np.arange(1, m + 1, dtype=np.float64)
-    suffix = srt.sum(axis=1, keepdims=True) - np.cumsum(srt, axis=1)        # sum of the bins above the k-th
-    curve = (pp - 1) * h[:, None] + k * srt + suffix                          # time when level = k-th smallest
+    suffix = srt.sum(axis=1, keepdims=True) - np.cumsum(srt, axis=1)  # sum of the bins above the k-th
+    curve = (pp - 1) * h[:, None] + k * srt + suffix  # time when level = k-th smallest
     rows = np.arange(dp)
 
     def levels(t: float) -> np.ndarray:
@@ -285,8 +303,7 @@ def pack_step(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.nd
     return best
 
 
-def _polish(assign: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology,
-            rounds: int = 30) -> None:
+def _polish(assign: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology, rounds: int = 30) -> None:
     """Local search for small steps (in place): the best single move or swap of a unit of the slowest replica,
     repeated while it lowers the step time. Each round is vectorised over the candidate partners."""
     t = topology
@@ -323,10 +340,10 @@ def _polish(assign: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: 
             j = int(np.argmin(val))
             if val[j] < best_val:
                 best, best_val = ("move", i, j), val[j]
-            if pp > 1 and cnt[a] > 1:           # inside the replica: lowers its largest micro-batch
+            if pp > 1 and cnt[a] > 1:  # inside the replica: lowers its largest micro-batch
                 for j in range(r0 * m, (r0 + 1) * m):
                     if j != a and tok[j] + tokens[i] <= cap:
-                        b = load[r0 * m:(r0 + 1) * m].copy()
+                        b = load[r0 * m : (r0 + 1) * m].copy()
                         b[a - r0 * m] -= c
                         b[j - r0 * m] += c
                         v = max((pp - 1) * b.max() + total[r0], first_other)
@@ -390,16 +407,16 @@ def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy:
 
     light = order[n_heavy:]
     deficit = _water_fill(load.reshape(dp, m), float(cost[light].sum()), pp).ravel()
-    may_move = SPILL_MOVE * float(tokens.sum())       # tokens of this step that may move on to the next one
+    may_move = SPILL_MOVE * float(tokens.sum())  # tokens of this step that may move on to the next one
     a = 0
     while a < len(light):
         # one round: the next-largest units go to the micro-batches furthest below target, largest to neediest
         positive = int(np.count_nonzero(deficit > 0))
-        if positive == 0:                   # every target met: the rest may only fill in below the step's time
+        if positive == 0:  # every target met: the rest may only fill in below the step's time
             _spill(light[a:], cost, tokens, load, tok, assign, topology, may_move)
             break
         k = min(len(light) - a, positive)
-        chunk = light[a:a + k]
+        chunk = light[a : a + k]
         a += k
         # largest units are also the densest (cost per token grows with length): send them to the micro-batches
         # that must gain the most cost per token of room left, so token-full micro-batches still reach target
@@ -407,11 +424,11 @@ def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy:
         bins = np.argsort(-need, kind="stable")[:k]
         fits = tok[bins] + tokens[chunk] <= cap
         ok_units, ok_bins = chunk[fits], bins[fits]
-        assign[ok_units] = ok_bins                     # bins are distinct within a round
+        assign[ok_units] = ok_bins  # bins are distinct within a round
         deficit[ok_bins] -= cost[ok_units]
         load[ok_bins] += cost[ok_units]
         tok[ok_bins] += tokens[ok_units]
-        for i in chunk[~fits]:      # the matched micro-batch is full; take the neediest one that fits
+        for i in chunk[~fits]:  # the matched micro-batch is full; take the neediest one that fits
             room = np.where((tok + tokens[i] <= cap) & (deficit > 0), deficit, -np.inf)
             j = int(np.argmax(room))
             if np.isfinite(room[j]):
@@ -422,8 +439,16 @@ def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy:
     return assign
 
 
-def _place_heavy_pipelined(heavy: np.ndarray, cost: np.ndarray, tokens: np.ndarray, load: np.ndarray,
-                           tok: np.ndarray, assign: np.ndarray, topology: Topology, work: float) -> None:
+def _place_heavy_pipelined(
+    heavy: np.ndarray,
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    load: np.ndarray,
+    tok: np.ndarray,
+    assign: np.ndarray,
+    topology: Topology,
+    work: float,
+) -> None:
     """Heavy units with P > 1 stages: share replicas where that costs no extra pipeline bubble (in place).
 
     When all replicas finish together at time T, replica r runs `T - (P-1) h_r` of work (h_r its largest
@@ -459,8 +484,16 @@ def _place_heavy_pipelined(heavy: np.ndarray, cost: np.ndarray, tokens: np.ndarr
         s[r] += c
 
 
-def _spill(units: np.ndarray, cost: np.ndarray, tokens: np.ndarray, load: np.ndarray, tok: np.ndarray,
-           assign: np.ndarray, topology: Topology, may_move: float) -> float:
+def _spill(
+    units: np.ndarray,
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    load: np.ndarray,
+    tok: np.ndarray,
+    assign: np.ndarray,
+    topology: Topology,
+    may_move: float,
+) -> float:
     """Place units once every micro-batch has met its target: each goes where it raises its replica's time least,
     but only while the step's time stays within SPILL_SLACK of what it is; the others stay unplaced (the caller
     moves them to the next step, which keeps token-full steps from piling their overflow on one replica), as long
@@ -492,7 +525,7 @@ def _fill_empty(assign: np.ndarray, cost: np.ndarray, nb: int) -> None:
     for j in np.flatnonzero(counts == 0):
         donor = int(np.argmax(counts))
         if counts[donor] < 2:
-            return                      # not enough units: the caller sees the empty micro-batch
+            return  # not enough units: the caller sees the empty micro-batch
         members = np.flatnonzero(assign == donor)
         i = members[np.argmin(cost[members])]
         assign[i] = j
@@ -500,8 +533,14 @@ def _fill_empty(assign: np.ndarray, cost: np.ndarray, nb: int) -> None:
         counts[j] += 1
 
 
-def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostModel, seed: int = 0,
-         overflow: str = "error", progress: bool = False) -> Plan:
+def plan(
+    lengths: Sequence[int] | np.ndarray,
+    topology: Topology,
+    cost: CostModel,
+    seed: int = 0,
+    overflow: str = "error",
+    progress: bool = False,
+) -> Plan:
     """Plan a whole epoch: every document exactly once, `micro_batches` non-empty micro-batches per replica per step.
 
     `overflow` decides what happens to a document longer than `max_tokens * cp`: "error" (default) raises,
@@ -517,11 +556,13 @@ def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostMode
     nb = topology.bins_per_step
     u_doc, u_start, u_end = _units(lengths, topology.micro_batch_tokens, overflow, topology)
     if len(u_doc) < nb:
-        raise ValueError(f"{len(u_doc)} documents cannot fill dp*micro_batches = {topology.dp}*"
-                         f"{topology.micro_batches} = {nb} non-empty micro-batches; lower dp or micro_batches")
+        raise ValueError(
+            f"{len(u_doc)} documents cannot fill dp*micro_batches = {topology.dp}*"
+            f"{topology.micro_batches} = {nb} non-empty micro-batches; lower dp or micro_batches"
+        )
     rng = np.random.default_rng(seed)
     doc_order = rng.permutation(len(lengths))
-    if len(u_doc) == len(lengths):                               # units in shuffled document order
+    if len(u_doc) == len(lengths):  # units in shuffled document order
         shuffled = doc_order
     else:
         rank = np.empty_like(doc_order)
@@ -542,28 +583,45 @@ def plan(lengths: Sequence[int] | np.ndarray, topology: Topology, cost: CostMode
     sizes = np.concatenate([sz for _, sz in packed])
     unit = shuffled[np.concatenate([u for u, _ in packed])]
     whole = (u_start[unit] == 0) & (u_end[unit] == lengths[u_doc[unit]])
-    if not whole.all():                 # inside a micro-batch: whole documents first, then spans (the Plan layout)
+    if not whole.all():  # inside a micro-batch: whole documents first, then spans (the Plan layout)
         mb_id = np.repeat(np.arange(len(sizes)), sizes)
         unit = unit[np.argsort(mb_id * 2 + ~whole, kind="stable")]
     ptr = np.concatenate([[0], np.cumsum(sizes)])
     placed_tokens = np.bincount(u_doc, weights=u_end - u_start, minlength=len(lengths)).astype(np.int64)
     natural = natural_steps(doc_order, placed_tokens, int(round(float(np.mean(targets)))))
-    return Plan(lengths, topology, cost, u_doc[unit], u_start[unit], u_end[unit], ptr, seed=seed,
-                natural_step=natural, plan_seconds=time.perf_counter() - t0)
+    return Plan(
+        lengths,
+        topology,
+        cost,
+        u_doc[unit],
+        u_start[unit],
+        u_end[unit],
+        ptr,
+        seed=seed,
+        natural_step=natural,
+        plan_seconds=time.perf_counter() - t0,
+    )
 
 
-def _pack_epoch(u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, targets: np.ndarray,
-                topology: Topology, rng: np.random.Generator, progress: bool = False) -> list:
+def _pack_epoch(
+    u_cost: np.ndarray,
+    u_tok: np.ndarray,
+    attn_heavy: np.ndarray,
+    targets: np.ndarray,
+    topology: Topology,
+    rng: np.random.Generator,
+    progress: bool = False,
+) -> list:
     """Cut the shuffled units into steps and pack each; returns per step (units sorted by micro-batch, sizes)."""
     nb = topology.bins_per_step
     step_of = _assign_steps(u_cost, u_tok, targets, nb, rng, grouped=topology.pp > 1, attn_heavy=attn_heavy)
-    key = step_of.astype(np.int16) if len(targets) < 2**15 else step_of      # 16-bit keys sort by radix
-    by_step = np.argsort(key, kind="stable")                     # shuffled order kept inside a step
+    key = step_of.astype(np.int16) if len(targets) < 2**15 else step_of  # 16-bit keys sort by radix
+    by_step = np.argsort(key, kind="stable")  # shuffled order kept inside a step
     bounds = np.searchsorted(step_of[by_step], np.arange(len(targets) + 1))
-    groups = [by_step[bounds[s]:bounds[s + 1]] for s in range(len(targets))]
+    groups = [by_step[bounds[s] : bounds[s + 1]] for s in range(len(targets))]
     _borrow_for_small_tail(groups, u_cost, nb)
 
-    packed: list[tuple[np.ndarray, np.ndarray]] = []   # per step: units sorted by micro-batch, micro-batch sizes
+    packed: list[tuple[np.ndarray, np.ndarray]] = []  # per step: units sorted by micro-batch, micro-batch sizes
     carry = np.zeros(0, dtype=np.int64)
     s = 0
     bar = _progress(len(groups), progress)
@@ -571,7 +629,7 @@ def _pack_epoch(u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, t
         units = groups[s] if s < len(groups) else np.zeros(0, dtype=np.int64)
         units = np.concatenate([carry, units])
         if s == len(groups) - 1 and u_tok[units].sum() > 1.1 * targets.max() and len(units) > 2 * nb:
-            groups.append(np.zeros(0, dtype=np.int64))     # the last step overflows: open one more
+            groups.append(np.zeros(0, dtype=np.int64))  # the last step overflows: open one more
         if s + 1 < len(groups):
             target = float(targets[s]) if s < len(targets) else float(targets.max())
             units = _hold_step_tokens(units, groups, s, target, u_tok, attn_heavy, nb)
@@ -582,9 +640,10 @@ def _pack_epoch(u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, t
         placed = units[assign >= 0]
         bins = assign[assign >= 0]
         if len(carry) and s + 1 < len(groups):
-            placed, bins = _backfill(placed, bins, float(u_tok[carry].sum()), groups, s, u_tok, u_cost,
-                                     attn_heavy, topology)
-        srt = np.argsort(bins * len(u_cost) + placed)            # by micro-batch, shuffled order inside (unique keys)
+            placed, bins = _backfill(
+                placed, bins, float(u_tok[carry].sum()), groups, s, u_tok, u_cost, attn_heavy, topology
+            )
+        srt = np.argsort(bins * len(u_cost) + placed)  # by micro-batch, shuffled order inside (unique keys)
         packed.append((placed[srt], np.bincount(bins, minlength=nb)))
         s += 1
         if bar:
@@ -596,8 +655,9 @@ def _pack_epoch(u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, t
     return packed
 
 
-def _hold_step_tokens(units: np.ndarray, groups: list, s: int, target: float, u_tok: np.ndarray,
-                      attn_heavy: np.ndarray, nb: int) -> np.ndarray:
+def _hold_step_tokens(
+    units: np.ndarray, groups: list, s: int, target: float, u_tok: np.ndarray, attn_heavy: np.ndarray, nb: int
+) -> np.ndarray:
     """Keep step `s` within 2% of its token target by trading light units with the next step (in place on
     `groups[s + 1]`): trailing light units move on when the step is too big, leading light units of the next step
     come forward when it is too small. Units larger than what is left to trade are skipped."""
@@ -630,8 +690,17 @@ def _hold_step_tokens(units: np.ndarray, groups: list, s: int, target: float, u_
     return np.concatenate([units, nxt[mask]])
 
 
-def _backfill(placed: np.ndarray, bins: np.ndarray, gap: float, groups: list, s: int, u_tok: np.ndarray,
-              u_cost: np.ndarray, attn_heavy: np.ndarray, topology: Topology):
+def _backfill(
+    placed: np.ndarray,
+    bins: np.ndarray,
+    gap: float,
+    groups: list,
+    s: int,
+    u_tok: np.ndarray,
+    u_cost: np.ndarray,
+    attn_heavy: np.ndarray,
+    topology: Topology,
+):
     """Units that fit nowhere move to the next step; pull up to as many tokens of small light units of the next
     step into the leftover room (neediest micro-batch first), so the step keeps its size (in place on groups)."""
     nb, cap = topology.bins_per_step, topology.micro_batch_tokens
@@ -648,7 +717,7 @@ def _backfill(placed: np.ndarray, bins: np.ndarray, gap: float, groups: list, s:
         room = np.where(tok + u_tok[u] <= cap, -load, -np.inf)
         j = int(np.argmax(room))
         if not np.isfinite(room[j]):
-            break                                               # smallest remaining unit fits nowhere
+            break  # smallest remaining unit fits nowhere
         taken.append(k)
         new_bins.append(j)
         tok[j] += u_tok[u]
@@ -672,8 +741,9 @@ def _epoch_time(packed: list, u_cost: np.ndarray, topology: Topology) -> float:
     return total
 
 
-def _choose_step_tokens(u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, topology: Topology,
-                        seed: int) -> int:
+def _choose_step_tokens(
+    u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, topology: Topology, seed: int
+) -> int:
     """Step size in tokens, inside STEP_BAND around `tokens_per_step`.
 
     Two forces pull on it: heavy documents need token room beyond their tokens (smaller steps, see
@@ -713,7 +783,7 @@ def _borrow_for_small_tail(groups: list[np.ndarray], u_cost: np.ndarray, nb: int
     """
     if len(groups) > 1 and len(groups[-1]) < nb and len(groups[-2]) - (nb - len(groups[-1])) >= nb:
         prev = groups[-2]
-        take = np.argsort(u_cost[prev], kind="stable")[:nb - len(groups[-1])]
+        take = np.argsort(u_cost[prev], kind="stable")[: nb - len(groups[-1])]
         keep = np.ones(len(prev), dtype=bool)
         keep[take] = False
         groups[-1] = np.sort(np.concatenate([prev[take], groups[-1]]))
@@ -753,8 +823,10 @@ def _reopen_last_step(packed: list, units: np.ndarray, u_cost: np.ndarray, nb: i
         borrowed.append(np.sort(flat[take]))
         need -= len(take)
     if need > 0:
-        raise ValueError(f"cannot give every one of the {nb} micro-batches of the last step a document: the "
-                         "documents are too large for the step size; raise max_tokens or lower micro_batches")
+        raise ValueError(
+            f"cannot give every one of the {nb} micro-batches of the last step a document: the "
+            "documents are too large for the step size; raise max_tokens or lower micro_batches"
+        )
     return np.concatenate(borrowed)
 
 
@@ -762,4 +834,5 @@ def _progress(total: int, enabled: bool):
     if not enabled:
         return None
     from tqdm.auto import tqdm
+
     return tqdm(total=total, desc="planning steps", unit="step")

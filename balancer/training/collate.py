@@ -13,9 +13,11 @@ every tensor is sharded with the CP layout (`attention.CPLayout`, the only owner
 - `seq_ids` is the index of each token's document in the micro-batch (-1 for padding) and `seq_loss_tokens` the
   loss-token count of every document (global): what the per-sequence loss needs.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -27,24 +29,32 @@ class PackedCollator:
     Returns a dict for this CP rank: `input_ids`, `position_ids`, `labels`, `seq_ids` ([1, T_local] int64),
     global `cu_seqlens` (int32 [n_docs+1], padding included as a last document), `max_seqlen`, `layout`
     (`attention.CPLayout`), `num_tokens` (real tokens, all CP ranks), `num_loss_tokens` (targets != ignore_index,
-    all CP ranks), `num_pad_tokens`, `seq_loss_tokens` (int64 [n_docs]), `num_sequences` (documents with >= 1 loss token).
+    all CP ranks), `num_pad_tokens`, `seq_loss_tokens` (int64 [n_docs]), `num_sequences` (documents with >= 1
+    loss token).
 
     `pad_to_multiple_of`: pad the packed sequence to a multiple of this many tokens; the pad tokens
     (`pad_token_id`) form their own last document, with `ignore_index` labels and positions 0..p-1, counted in
     `num_pad_tokens` and not in `num_tokens`.
     """
 
-    def __init__(self, cp_rank: int = 0, cp_size: int = 1, layout: str = "zigzag",
-                 pad_to_multiple_of: Optional[int] = None, ignore_index: int = -100, pad_token_id: int = 0) -> None:
+    def __init__(
+        self,
+        cp_rank: int = 0,
+        cp_size: int = 1,
+        layout: str = "zigzag",
+        pad_to_multiple_of: Optional[int] = None,
+        ignore_index: int = -100,
+        pad_token_id: int = 0,
+    ) -> None:
         from attention.layout import KINDS
+
         if isinstance(cp_size, bool) or int(cp_size) != cp_size or cp_size < 1:
             raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
         if isinstance(cp_rank, bool) or int(cp_rank) != cp_rank or not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank {cp_rank!r} out of range for cp_size {cp_size}")
         if layout not in KINDS:
             raise ValueError(f"layout must be one of {KINDS}, got {layout!r}")
-        if pad_to_multiple_of is not None and (int(pad_to_multiple_of) != pad_to_multiple_of
-                                               or pad_to_multiple_of < 1):
+        if pad_to_multiple_of is not None and (int(pad_to_multiple_of) != pad_to_multiple_of or pad_to_multiple_of < 1):
             raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}")
         self.cp_rank, self.cp_size, self.kind = int(cp_rank), int(cp_size), layout
         self.pad_to_multiple_of = pad_to_multiple_of
@@ -104,22 +114,38 @@ class PackedCollator:
         seq = np.repeat(np.arange(len(lens), dtype=np.int64), lens)
         if pad:
             seq[n_real:] = -1
-        return {"input_ids": torch.cat(ids), "labels": torch.cat(labs),
-                "position_ids": torch.from_numpy(np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], lens)),
-                "seq_ids": torch.from_numpy(seq), "cu_seqlens": cu, "num_tokens": n_real,
-                "num_loss_tokens": sum(seq_loss), "num_pad_tokens": pad,
-                "seq_loss_tokens": torch.tensor(seq_loss, dtype=torch.int64), "num_sequences": sum(1 for c in seq_loss if c > 0),
-                "max_seqlen": int(max(lens))}
+        return {
+            "input_ids": torch.cat(ids),
+            "labels": torch.cat(labs),
+            "position_ids": torch.from_numpy(np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1], lens)),
+            "seq_ids": torch.from_numpy(seq),
+            "cu_seqlens": cu,
+            "num_tokens": n_real,
+            "num_loss_tokens": sum(seq_loss),
+            "num_pad_tokens": pad,
+            "seq_loss_tokens": torch.tensor(seq_loss, dtype=torch.int64),
+            "num_sequences": sum(1 for c in seq_loss if c > 0),
+            "max_seqlen": int(max(lens)),
+        }
 
     def __call__(self, items: Sequence[Any]) -> dict:
         from attention.layout import CPLayout
+
         full = self.pack(items)
         layout = CPLayout.build(full["cu_seqlens"], self.cp_size, kind=self.kind)
         r = self.cp_rank
         out = {k: layout.shard(full[k], r)[None] for k in ("input_ids", "labels", "seq_ids")}
         out["position_ids"] = torch.from_numpy(layout.position_ids(r))[None]
-        out.update(cu_seqlens=torch.from_numpy(full["cu_seqlens"].astype(np.int32)), max_seqlen=full["max_seqlen"],
-                   layout=layout, num_tokens=full["num_tokens"], num_loss_tokens=full["num_loss_tokens"],
-                   num_pad_tokens=full["num_pad_tokens"], seq_loss_tokens=full["seq_loss_tokens"],
-                   num_sequences=full["num_sequences"], cp_rank=r, cp_size=self.cp_size)
+        out.update(
+            cu_seqlens=torch.from_numpy(full["cu_seqlens"].astype(np.int32)),
+            max_seqlen=full["max_seqlen"],
+            layout=layout,
+            num_tokens=full["num_tokens"],
+            num_loss_tokens=full["num_loss_tokens"],
+            num_pad_tokens=full["num_pad_tokens"],
+            seq_loss_tokens=full["seq_loss_tokens"],
+            num_sequences=full["num_sequences"],
+            cp_rank=r,
+            cp_size=self.cp_size,
+        )
         return out

@@ -2,6 +2,7 @@
 record stream (`iter_records`, resumable at a `Cursor`) over .jsonl / .json / .parquet / .txt files and Hugging Face
 datasets; `PretokenizeError`, the error of the whole pretokenize pipeline (bad input, refused output folder, ...).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -9,14 +10,15 @@ import dataclasses
 import hashlib
 import json
 import os
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Optional
 
 from tqdm import tqdm
 
-READ_BATCH_DOCS = 1024                # documents per tokenization batch ...
-READ_BATCH_BYTES = 4 << 20            # ... or this many bytes of raw text
+READ_BATCH_DOCS = 1024  # documents per tokenization batch ...
+READ_BATCH_BYTES = 4 << 20  # ... or this many bytes of raw text
 INPUT_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
 
 
@@ -26,6 +28,7 @@ class PretokenizeError(RuntimeError):
 
 # ----------------------------------------------------------------------------------------------------------------
 # file hashing
+
 
 def sha256_file(path: Path, chunk: int = 1 << 23) -> str:
     """Hex sha256 of a file's bytes."""
@@ -40,6 +43,7 @@ def sha256_file(path: Path, chunk: int = 1 << 23) -> str:
 
 # ----------------------------------------------------------------------------------------------------------------
 # inputs
+
 
 @dataclass(frozen=True)
 class InputSource:
@@ -83,8 +87,11 @@ def resolve_inputs(specs: Sequence[str], exclude: Optional[Path] = None) -> tupl
     for spec in specs:
         p = Path(spec)
         if p.is_dir():
-            if (p / "state.json").is_file() and (p / "dataset_info.json").is_file() or \
-                    (p / "dataset_dict.json").is_file():
+            if (
+                (p / "state.json").is_file()
+                and (p / "dataset_info.json").is_file()
+                or (p / "dataset_dict.json").is_file()
+            ):
                 sources.append(InputSource("hf_disk", spec))
                 continue
             found = []
@@ -104,8 +111,10 @@ def resolve_inputs(specs: Sequence[str], exclude: Optional[Path] = None) -> tupl
         elif p.is_file():
             src = _source_for_file(p)
             if src is None:
-                raise PretokenizeError(f"{spec}: unsupported input type {p.suffix!r} "
-                                       f"(expected .jsonl, .json, .parquet, .txt, a directory or a dataset name)")
+                raise PretokenizeError(
+                    f"{spec}: unsupported input type {p.suffix!r} "
+                    f"(expected .jsonl, .json, .parquet, .txt, a directory or a dataset name)"
+                )
             sources.append(src)
         elif p.suffix.lower() in INPUT_SUFFIXES or spec.startswith((".", "/", "~")) or os.sep + os.sep in spec:
             raise PretokenizeError(f"{spec}: no such file or directory")
@@ -117,6 +126,7 @@ def resolve_inputs(specs: Sequence[str], exclude: Optional[Path] = None) -> tupl
 def _load_hf(source: InputSource):
     """The `datasets.Dataset` of an hf_disk / hf_hub source (a DatasetDict contributes its 'train' split)."""
     import datasets
+
     try:
         if source.kind == "hf_disk":
             ds = datasets.load_from_disk(source.path)
@@ -174,6 +184,7 @@ def fingerprint_input(source: InputSource, progress: Optional[tqdm] = None) -> d
         info["records"] = 1
     elif source.kind == "parquet":
         import pyarrow.parquet as pq
+
         info["records"] = pq.ParquetFile(path).metadata.num_rows
     elif source.kind == "json_array":
         info["records"] = len(_load_json_array(path))
@@ -185,10 +196,12 @@ def _load_json_array(path: Path) -> list:
         with open(path, "rb") as f:
             data = json.load(f)
     except json.JSONDecodeError as exc:
-        raise PretokenizeError(f"{path} line {exc.lineno} column {exc.colno}: invalid JSON ({exc.msg}); "
-                               f"a JSON array file is parsed whole, use JSON lines to skip single bad records")
+        raise PretokenizeError(
+            f"{path} line {exc.lineno} column {exc.colno}: invalid JSON ({exc.msg}); "
+            f"a JSON array file is parsed whole, use JSON lines to skip single bad records"
+        ) from None
     except UnicodeDecodeError as exc:
-        raise PretokenizeError(f"{path}: invalid UTF-8 at byte {exc.start} ({exc.reason})")
+        raise PretokenizeError(f"{path}: invalid UTF-8 at byte {exc.start} ({exc.reason})") from None
     if not isinstance(data, list):
         raise PretokenizeError(f"{path}: expected a JSON array or JSON lines")
     return data
@@ -214,7 +227,7 @@ class Cursor:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict) -> "Cursor":
+    def from_json(cls, d: dict) -> Cursor:
         return cls(**d)
 
 
@@ -311,12 +324,15 @@ def iter_records(sources: list[InputSource], text_field: str, cursor: Cursor, en
 
 def _parquet_rows(path: str) -> int:
     import pyarrow.parquet as pq
+
     return pq.ParquetFile(path).metadata.num_rows
 
 
-def _iter_parquet(src: InputSource, i: int, text_field: str, rec: int, local: int,
-                  end: Optional[int]) -> Iterator[Record]:
+def _iter_parquet(
+    src: InputSource, i: int, text_field: str, rec: int, local: int, end: Optional[int]
+) -> Iterator[Record]:
     import pyarrow.parquet as pq
+
     pf = pq.ParquetFile(src.path)
     n = pf.metadata.num_rows
     stop = n if end is None else min(n, local + (end - rec))
@@ -333,9 +349,12 @@ def _iter_parquet(src: InputSource, i: int, text_field: str, rec: int, local: in
         batches: Iterable = ([None] * (stop - local),)
         row = local
     else:
-        batches = (b.column(0).to_pylist() for b in
-                   pf.iter_batches(batch_size=READ_BATCH_DOCS, row_groups=list(range(g0, pf.num_row_groups)),
-                                   columns=[text_field]))
+        batches = (
+            b.column(0).to_pylist()
+            for b in pf.iter_batches(
+                batch_size=READ_BATCH_DOCS, row_groups=list(range(g0, pf.num_row_groups)), columns=[text_field]
+            )
+        )
     for values in batches:
         for v in values:
             if row >= stop:

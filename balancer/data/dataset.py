@@ -1,6 +1,7 @@
 """Reading a finished `balancer pretokenize` folder (layout: see `balancer.shards`): `load_manifest`,
 `read_lengths` (the lengths index, or lengths from a .npy / .json file) and `ShardDataset` (memory-mapped rows).
 """
+
 from __future__ import annotations
 
 import json
@@ -70,7 +71,7 @@ def read_lengths(path: str | os.PathLike) -> np.ndarray:
         if isinstance(data, dict) and "lengths" in data:
             data = data["lengths"]
         if not isinstance(data, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in data):
-            raise ValueError(f"{path}: expected a JSON list of integer lengths (or {{\"lengths\": [...]}})")
+            raise ValueError(f'{path}: expected a JSON list of integer lengths (or {{"lengths": [...]}})')
         arr = np.asarray(data, dtype=np.int64)
     else:
         raise ValueError(f"{path}: expected a pretokenized folder, a .npy or a .json file of lengths")
@@ -129,7 +130,7 @@ class ShardDataset(torch.utils.data.Dataset):
         c = int(np.searchsorted(starts, local, side="right") - 1)
         offs, vals = chunks[c]
         r = local - int(starts[c])
-        return vals[offs[r]:offs[r + 1]]
+        return vals[offs[r] : offs[r + 1]]
 
     def __getitem__(self, i: int) -> dict:
         i = int(i)

@@ -1,0 +1,1 @@
+"""Training-loop integration: the balanced sampler, the packed collator and loss normalisation."""
