@@ -5,7 +5,7 @@
 
 For each length distribution (wlbllm, prolong, sft, heavy) and topology, every peer of benchmarks/peers.py (TRL BFD
 packing + trainer dealing, multipack, verl, WLB-LLM, balancer) plans one epoch of the same documents with the same
-topology, cost model and seed; `Plan.metrics()` (DESIGN.md section 3) scores them all. The predicted speedup is
+topology, cost model and seed; `Plan.metrics()` (docs/design.md, "Metrics") scores them all. The predicted speedup is
 TRL's sum of step times over the peer's (`step_time_total`): the speedup a user switching from TRL would see if the
 cost model holds. max_tokens is the next power of two >= longest document / cp, tokens_per_step = 0.85 x capacity.
 
@@ -411,7 +411,7 @@ def main(argv=None) -> int:
     plot(
         rows,
         png,
-        "Predicted training speedup over TRL BFD packing (sum of step times, DESIGN.md section 3 "
+        "Predicted training speedup over TRL BFD packing (sum of step times, section-3 "
         "cost model); higher is better",
     )
     print()

@@ -199,7 +199,7 @@ class Plan:
         return mb_index // self.topology.bins_per_step
 
     def metrics(self) -> dict:
-        """Section-3 metrics of DESIGN.md (see balancer.metrics for the definitions)."""
+        """The balance metrics of docs/design.md (see balancer.planning.metrics for the definitions)."""
         s_of = self.step_of_entry()
         c = self._entry_cost
         work = np.bincount(s_of, weights=c, minlength=self.num_steps)
@@ -283,7 +283,7 @@ class Plan:
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write atomically: `.npz` (compact flat arrays) or anything else as JSON (DESIGN.md section 4)."""
+        """Write atomically: `.npz` (compact flat arrays) or anything else as JSON (docs/plan-format.md)."""
         path = Path(path)
         if path.suffix == ".npz":
             arrays = dict(

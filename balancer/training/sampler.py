@@ -365,7 +365,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
 
     def predicted_step(self, step: int) -> dict:
         """Telemetry of `step`: predicted per-replica 1F1B times (`replica_times`, [dp]), the step time (max), the
-        step's lower bound (DESIGN.md section 3) and their ratio (`imbalance`), loss tokens and tokens."""
+        step's lower bound (docs/design.md) and their ratio (`imbalance`), loss tokens and tokens."""
         t = self.topology
         mb = self.predicted_times(step)
         rep = (t.pp - 1) * mb.max(axis=1) + mb.sum(axis=1)
