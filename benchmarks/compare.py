@@ -411,7 +411,7 @@ def main(argv=None) -> int:
     plot(
         rows,
         png,
-        "Predicted training speedup over TRL BFD packing (sum of step times, section-3 "
+        "Predicted training speedup over TRL BFD packing (sum of step times, compute "
         "cost model); higher is better",
     )
     print()

@@ -1,4 +1,4 @@
-"""The balance metrics (docs/design.md, "Metrics"), defined once; Plan.metrics(), the benchmarks and telemetry call these.
+"""The balance metrics (docs/design.md, "Metrics"), defined once: Plan.metrics(), benchmarks and telemetry call them.
 
 Times are in cost-model units per CP rank. A micro-batch holding documents D costs each rank of its CP group
 `(sum cost(d) + fixed) / cp`; a replica's step time with P pipeline stages is `(P - 1) * max_m t_m + sum_m t_m`;
