@@ -411,8 +411,7 @@ def main(argv=None) -> int:
     plot(
         rows,
         png,
-        "Predicted training speedup over TRL BFD packing (sum of step times, compute "
-        "cost model); higher is better",
+        "Predicted training speedup over TRL BFD packing (sum of step times, compute cost model); higher is better",
     )
     print()
     print(summary_markdown(rows))
