@@ -1,0 +1,228 @@
+"""Generate the benchmark tables of docs/benchmarks.md from benchmarks/results/*.json.
+
+Every table in docs/benchmarks.md sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` and is written
+by the function registered under NAME here, from the result JSON alone. ``python benchmarks/tables.py`` rewrites
+the page; ``--check`` exits 1 if the page is out of date (the test suite runs it), so no figure is pasted by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+PAGE = ROOT / "docs" / "benchmarks.md"
+
+
+def fmt(value, spec: str = ".3f") -> str:
+    """One cell: numbers formatted, missing values as a dash."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)):
+        return format(value, spec)
+    return str(value)
+
+
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    """A GitHub markdown table."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def load(name: str) -> dict:
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def goals_cell(goals: dict) -> str:
+    missed = [name for name, met in goals.items() if not met]
+    return "missed: " + ", ".join(missed) if missed else "all met"
+
+
+def planner_quality() -> str:
+    data = load("planner_quality")
+    rows = []
+    for row in data["rows"]:
+        ours, wlb = row["balancer"], row["wlb"]
+        rows.append(
+            [
+                row["distribution"],
+                row["topology"],
+                fmt(ours["imbalance"], ".4f"),
+                fmt(wlb["imbalance"], ".4f"),
+                fmt(ours["epoch_efficiency"], ".4f"),
+                fmt(wlb["epoch_efficiency"], ".4f"),
+                fmt(ours["worst_step"]),
+                fmt(wlb["worst_step"]),
+                fmt(ours["mean_delay_steps"], ".2f"),
+                "all met"
+                if all(row["goals"].values())
+                else "missed: " + ", ".join(k for k, v in row["goals"].items() if not v),
+            ]
+        )
+    header = [
+        "distribution",
+        "topology",
+        "imbalance",
+        "WLB imbalance",
+        "epoch efficiency",
+        "WLB efficiency",
+        "worst step",
+        "WLB worst step",
+        "delay (steps)",
+        "goals",
+    ]
+    return markdown(header, rows)
+
+
+def planner_speed() -> str:
+    data = load("planner_speed")
+    rows = [
+        [
+            f"{r['documents']:,}",
+            f"{r['balancer_s']:.3f} s",
+            f"{r['wlb_s']:.3f} s",
+            f"{r['speedup']:.1f}x",
+            str(r["steps"]),
+        ]
+        for r in data["rows"]
+    ]
+    table = markdown(["documents", "balancer", "WLB-style greedy", "speedup", "steps"], rows)
+    return (
+        f"{table}\n\nTime grows {data['growth']:.1f}x for {data['size_ratio']:.0f}x the documents; one global batch of "
+        f"2,000 documents packs in {data['global_batch_2000_ms']:.1f} ms."
+    )
+
+
+def compare_speedup() -> str:
+    data = load("compare")
+    peers = ["multipack", "verl", "wlb", "balancer"]
+    rows = []
+    for row in data["rows"]:
+        cells = []
+        for peer in peers:
+            result = row["peers"][peer]
+            speedup = result.get("speedup_vs_trl")
+            cells.append(f"{speedup:.2f}x" if speedup else str(result.get("status", "-"))[:20])
+        first = f"{fmt(row.get('balancer_first_imbalance'))} / {fmt(row.get('balancer_first_efficiency'))}"
+        rows.append([row["distribution"], row["topology"], *cells, f"{fmt(row.get('speedup_bound'), '.2f')}x", first])
+    header = ["distribution", "topology", *[f"{p} speedup" for p in peers], "bound", "balancer first (imb / eff)"]
+    return markdown(header, rows)
+
+
+def compare_all() -> str:
+    data = load("compare")
+    rows = []
+    for row in data["rows"]:
+        for peer, result in row["peers"].items():
+            rows.append(
+                [
+                    row["distribution"],
+                    row["topology"],
+                    peer,
+                    fmt(result.get("imbalance"), ".4f"),
+                    fmt(result.get("epoch_efficiency"), ".4f"),
+                    fmt(result.get("worst_step")),
+                    fmt(result.get("steps"), "d"),
+                    fmt(result.get("dropped_tokens"), "d"),
+                    fmt(result.get("plan_seconds"), ".2f"),
+                ]
+            )
+    header = [
+        "distribution",
+        "topology",
+        "planner",
+        "imbalance",
+        "epoch eff.",
+        "worst step",
+        "steps",
+        "dropped",
+        "plan s",
+    ]
+    return markdown(header, rows)
+
+
+def cp_attention_cpu() -> str:
+    data = load("cp_attention_cpu")
+    cfg = data["config"]
+    keys = [k for k in data if k.endswith("_efficiency")]
+    rows = [[k.removesuffix("_efficiency").replace("_", " "), fmt(data[k])] for k in keys]
+    rows.append(["attention kernel vs matmul (GFLOP/s ratio)", fmt(data.get("attention_vs_matmul"))])
+    note = (
+        f"{cfg['world']} gloo ranks x {cfg['threads_per_rank']} thread, {cfg['num_docs']} documents / "
+        f"{cfg['tokens']:,} tokens (longest {cfg['max_doc']:,}), {cfg['heads']} heads ({cfg['kv_heads']} KV) x "
+        f"{cfg['head_dim']}, {cfg['dtype']}, {cfg['layout']} layout."
+    )
+    return note + "\n\n" + markdown(["schedule", "parallel efficiency"], rows)
+
+
+def pretokenize_throughput() -> str:
+    data = load("pretokenize_throughput")
+    rows = []
+    for run in data["runs"]:
+        for name, result in run.items():
+            if not isinstance(result, dict) or "mb_per_s" not in result:
+                continue
+            rows.append(
+                [
+                    run["tokenizer"],
+                    name,
+                    fmt(result["mb_per_s"], ".1f"),
+                    fmt(result.get("overhead_vs_direct"), "+.0%") if "overhead_vs_direct" in result else "-",
+                    fmt(result.get("peak_rss_mib"), ".0f"),
+                ]
+            )
+    return markdown(["tokenizer", "run", "MB/s", "wall overhead", "peak RSS MiB"], rows)
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "planner_quality": planner_quality,
+    "planner_speed": planner_speed,
+    "compare_speedup": compare_speedup,
+    "compare_all": compare_all,
+    "cp_attention_cpu": cp_attention_cpu,
+    "pretokenize_throughput": pretokenize_throughput,
+}
+MARKER = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
+
+
+def render(page: str) -> str:
+    """The page with every marked table regenerated; unknown table names are an error."""
+
+    def replace(match: re.Match) -> str:
+        name = match.group("name")
+        if name not in TABLES:
+            raise SystemExit(f"{PAGE}: unknown table {name!r}; known: {', '.join(sorted(TABLES))}")
+        return match.group(1) + TABLES[name]() + "\n" + match.group(4)
+
+    missing = sorted(set(TABLES) - {match.group("name") for match in MARKER.finditer(page)})
+    if missing:
+        raise SystemExit(f"{PAGE}: no place for the tables {', '.join(missing)}")
+    return MARKER.sub(replace, page)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is out of date")
+    args = parser.parse_args(argv)
+    page = PAGE.read_text()
+    fresh = render(page)
+    if args.check:
+        if fresh != page:
+            print(f"{PAGE} is out of date: run python benchmarks/tables.py", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(fresh)
+    print(f"wrote {PAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
