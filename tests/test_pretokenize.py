@@ -401,28 +401,43 @@ def test_kill9_and_resume_byte_identical(tmp_path):
     rng = random.Random(1234)
     mid_run_kills = 0
 
-    def state_mtime():  # the run (re)writes the state file once it starts writing shards
-        try:
-            return os.stat(out / ".pretokenize-state.json").st_mtime_ns
-        except FileNotFoundError:
-            return None
+    last_seen = [None, 0]  # (state file mtime, shard count): parse the file only when it changed
 
+    def finished_shards() -> int:  # progress as the run records it (the state file is replaced atomically)
+        state = out / ".pretokenize-state.json"
+        try:
+            mtime = os.stat(state).st_mtime_ns
+            if mtime != last_seen[0]:
+                last_seen[:] = [mtime, len(json.loads(state.read_text())["shards"])]
+        except FileNotFoundError:
+            return 0
+        return last_seen[1]
+
+    def kill_after_shard(proc, target: int) -> None:
+        """Wait until `target` shards are recorded, then a random moment within about one more shard's time."""
+        seen, changes = finished_shards(), [time.time()]
+        while seen < target and proc.poll() is None:
+            time.sleep(0.005)
+            now = finished_shards()
+            if now != seen:
+                seen, changes = now, [*changes[-1:], time.time()]
+        interval = changes[-1] - changes[0] if len(changes) == 2 else 0.05
+        time.sleep(rng.uniform(0.0, interval))
+
+    # kill timing keyed to progress, not to the clock: one kill during start-up (imports, hashing, the first state
+    # write), then one inside each of four disjoint stretches of the writing phase, however fast the machine is
     logs: list[str] = []
     for attempt in range(5):
-        before = state_mtime()
         proc = subprocess.Popen(cmd(out), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if attempt == 0:
-            time.sleep(rng.uniform(0.2, 2.0))  # anywhere, imports and hashing included
-        else:  # wait for the writing phase, then a random moment inside it
-            t0 = time.time()
-            while state_mtime() == before and proc.poll() is None and time.time() - t0 < 30:
-                time.sleep(0.005)
-            time.sleep(rng.uniform(0.0, 1.2))
+            time.sleep(rng.uniform(0.05, 1.0))
+        else:
+            kill_after_shard(proc, rng.randrange(attempt * n_shards // 6, (attempt + 1) * n_shards // 6))
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             mid_run_kills += 1
         logs.append(proc.communicate()[1].decode())
-    assert mid_run_kills >= 3
+    assert mid_run_kills >= 4
     done = subprocess.run(cmd(out), cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     logs.append(done.stderr)

@@ -1,4 +1,4 @@
-"""Reading a finished `balancer pretokenize` folder (layout: see `balancer.shards`): `load_manifest`,
+"""Reading a finished `balancer pretokenize` folder (layout: see `balancer.data.shards`): `load_manifest`,
 `read_lengths` (the lengths index, or lengths from a .npy / .json file) and `ShardDataset` (memory-mapped rows).
 """
 
@@ -12,30 +12,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, load_manifest, shard_file_names  # noqa: F401
 from .readers import PretokenizeError
-
-FORMAT_NAME = "balancer-pretokenized"
-FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-
-
-def shard_file_names(name: str) -> tuple[str, str, str]:
-    return f"{name}.arrow", f"{name}.lengths.npy", f"{name}.doc_ids.npy"
-
-
-def load_manifest(path: str | os.PathLike) -> dict:
-    """The manifest of a finished output folder; PretokenizeError when there is none (unfinished or not ours)."""
-    p = Path(path) / MANIFEST_NAME
-    if not p.is_file():
-        raise PretokenizeError(f"{path}: no {MANIFEST_NAME} (not a finished `balancer pretokenize` output)")
-    try:
-        with open(p, encoding="utf-8") as f:
-            m = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise PretokenizeError(f"{p}: invalid JSON ({exc})") from exc
-    if m.get("format") != FORMAT_NAME:
-        raise PretokenizeError(f"{p}: not a {FORMAT_NAME} manifest")
-    return m
 
 
 def _open_arrow(path: Path) -> pa.Table:

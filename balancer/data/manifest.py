@@ -1,0 +1,94 @@
+"""The on-disk format of a pretokenized folder: names, the manifest, and small crash-safe file helpers.
+
+`load_manifest` reads `manifest.json`; `shard_file_names` gives a shard's three files; `verify_shard_files` checks
+one shard's files against the sizes and sha256 recorded for them; `atomic_write_json` writes a JSON file so that
+readers see the old or the new version, never half of one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+
+from .readers import PretokenizeError, sha256_file
+
+FORMAT_NAME = "balancer-pretokenized"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+STATE_NAME = ".pretokenize-state.json"
+
+
+def shard_file_names(name: str) -> tuple[str, str, str]:
+    """(Arrow data, lengths index, doc_id index) file names of shard `name`."""
+    return f"{name}.arrow", f"{name}.lengths.npy", f"{name}.doc_ids.npy"
+
+
+def load_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of a finished output folder; PretokenizeError when there is none (unfinished or not ours)."""
+    p = Path(path) / MANIFEST_NAME
+    if not p.is_file():
+        raise PretokenizeError(f"{path}: no {MANIFEST_NAME} (not a finished `balancer pretokenize` output)")
+    try:
+        with open(p, encoding="utf-8") as f:
+            m = json.load(f)
+    except json.JSONDecodeError as exc:
+        raise PretokenizeError(f"{p}: invalid JSON ({exc})") from exc
+    if m.get("format") != FORMAT_NAME:
+        raise PretokenizeError(f"{p}: not a {FORMAT_NAME} manifest")
+    return m
+
+
+def load_json_file(path: Path) -> Optional[dict]:
+    """The JSON object in `path`, or None when it is missing or not valid JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def verify_shard_files(out: Path, entry: dict) -> Optional[str]:
+    """None when the shard's files exist and match their recorded sizes and checksums, else the problem."""
+    for fn, meta in entry["files"].items():
+        p = out / fn
+        if not p.is_file():
+            return f"{p}: missing"
+        if os.path.getsize(p) != meta["bytes"]:
+            return f"{p}: size {os.path.getsize(p)} != {meta['bytes']} in the manifest"
+        if sha256_file(p) != meta["sha256"]:
+            return f"{p}: sha256 mismatch (file changed or corrupted)"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# crash-safe writes
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a finished file's bytes to disk (before it is renamed to its final name)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """Write `obj` as JSON to `path` via a temporary file, fsync and rename: readers see old or new, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=False)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_npy(path: Path, arr: np.ndarray) -> None:
+    """An int64 index file (.npy, no pickles)."""
+    with open(path, "wb") as f:
+        np.save(f, np.ascontiguousarray(arr, dtype=np.int64), allow_pickle=False)

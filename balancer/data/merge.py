@@ -1,0 +1,113 @@
+"""`merge`: join the outputs of `pretokenize --num-shards K --shard-index i` runs into one folder."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .manifest import STATE_NAME, atomic_write_json, load_manifest, shard_file_names
+from .output import clear_outputs, prepare_output
+from .pipeline import MAX_SKIPPED_EXAMPLES, finish_output, log, new_counters, summarize
+from .readers import PretokenizeError, sha256_file
+
+
+def _slices_by_index(parts: Sequence[str]) -> dict[int, tuple[str, dict]]:
+    """slice index -> (folder, manifest); refuses parts of different jobs, duplicates and missing slices."""
+    if not parts:
+        raise PretokenizeError("merge: no input folders")
+    mans = [(p, load_manifest(p)) for p in parts]
+    first = mans[0][1]
+    for p, m in mans:
+        if m.get("slice") is None:
+            raise PretokenizeError(f"merge: {p} is not a --num-shards slice")
+        for key in ("job", "tokenizer", "options"):
+            if m[key] != first[key]:
+                raise PretokenizeError(
+                    f"merge: {p} differs from {mans[0][0]} in {key} (different inputs, tokenizer or options)"
+                )
+    k = first["slice"]["num_shards"]
+    by_index: dict[int, tuple[str, dict]] = {}
+    for p, m in mans:
+        if m["slice"]["num_shards"] != k:
+            raise PretokenizeError(f"merge: {p} is a slice of {m['slice']['num_shards']}, others of {k}")
+        i = m["slice"]["shard_index"]
+        if i in by_index:
+            raise PretokenizeError(f"merge: {p} and {by_index[i][0]} are both slice {i}")
+        by_index[i] = (p, m)
+    missing = sorted(set(range(k)) - set(by_index))
+    if missing:
+        raise PretokenizeError(f"merge: missing slice(s) {missing} of {k}")
+    return by_index
+
+
+def _link_shard(part: str, entry: dict, out: Path, index: int) -> dict:
+    """Hard-link (or copy) one shard of `part` into `out` as shard `index`, checked against its checksums."""
+    new = dict(entry)
+    new["name"] = f"shard-{index:05d}"
+    new["files"] = {}
+    for old_fn, new_fn in zip(shard_file_names(entry["name"]), shard_file_names(new["name"])):
+        src = Path(part) / old_fn
+        meta = entry["files"][old_fn]
+        tmp = out / (new_fn + ".tmp")
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+        if sha256_file(tmp) != meta["sha256"]:
+            os.remove(tmp)
+            raise PretokenizeError(f"merge: {src}: sha256 mismatch (run `balancer verify {part}`)")
+        os.replace(tmp, out / new_fn)
+        new["files"][new_fn] = meta
+    return new
+
+
+def _add_counts(counts: dict, part_counts: dict) -> None:
+    for key, v in part_counts.items():
+        if key == "skipped":
+            for reason, n in v.items():
+                counts["skipped"][reason] = counts["skipped"].get(reason, 0) + n
+        else:
+            counts[key] += v
+
+
+def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = False) -> dict:
+    """Join the outputs of `--num-shards K --shard-index i` runs (all K, any order) into one folder whose rows
+    equal a single run's (shard boundaries may differ). Files are hard-linked when possible, else copied; each is
+    checked against its part's checksum. Returns the merged manifest."""
+    by_index = _slices_by_index(parts)
+    first = by_index[0][1]
+    k = len(by_index)
+    out = Path(output)
+    status, prev = prepare_output(out, first["job"], None, overwrite)
+    if status == "complete":
+        log(f"{out}: already complete")
+        return prev
+    clear_outputs(out)
+    atomic_write_json(out / STATE_NAME, {"job": first["job"], "slice": None, "shards": []})
+    counts = new_counters()
+    del counts["skipped_examples"]
+    skipped: list = []
+    shards: list[dict] = []
+    for i in range(k):
+        p, m = by_index[i]
+        _add_counts(counts, m["counts"])
+        skipped.extend(m["skipped_records"][: MAX_SKIPPED_EXAMPLES - len(skipped)])
+        for entry in m["shards"]:
+            shards.append(_link_shard(p, entry, out, len(shards)))
+    manifest = {k_: v for k_, v in first.items() if k_ not in ("slice", "counts", "skipped_records", "shards")}
+    manifest.update(
+        {
+            "slice": None,
+            "merged_from": [str(by_index[i][0]) for i in range(k)],
+            "counts": counts,
+            "skipped_records": skipped,
+            "shards": shards,
+        }
+    )
+    finish_output(out, manifest, np.dtype(first["tokenizer"]["dtype"]))
+    summarize(out, manifest)
+    return manifest

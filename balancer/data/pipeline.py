@@ -1,0 +1,410 @@
+"""The `balancer pretokenize` pipeline: inputs -> encoder pool -> shards, resumable after a kill.
+
+Shards close only at document boundaries, once they hold at least `shard_tokens` tokens, so boundaries depend only
+on the inputs and the options. Each shard is written under a temporary name, fsynced, renamed, and then recorded
+(with its checksums and the input cursor after it) in the state file, atomically. A new run with the same job
+verifies the recorded shards by checksum, deletes everything else, and continues from the cursor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import sys
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+from tqdm import tqdm
+
+from .manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    STATE_NAME,
+    atomic_write_json,
+    verify_shard_files,
+)
+from .output import clear_outputs, prepare_output
+from .readers import (
+    Cursor,
+    PretokenizeError,
+    _batched,
+    cursor_for_record,
+    fingerprint_input,
+    iter_records,
+    resolve_inputs,
+)
+from .tokenize import EncoderConfig, Tokenizer, TokenizerError, encode_payloads, init_encoder, load_tokenizer
+from .writer import ShardWriter, shard_features, write_datasets_metadata
+
+DEFAULT_SHARD_TOKENS = 100_000_000  # ~200 MB of uint16 ids per shard
+MAX_SKIPPED_EXAMPLES = 100  # skipped records listed in the manifest (counts are always exact)
+OVERFLOW_CHOICES = ("split", "truncate", "drop")
+SKIP_REASONS = (
+    "bad_json",
+    "not_object",
+    "missing_field",
+    "not_text",
+    "invalid_utf8",
+    "unencodable_text",
+    "empty",
+    "blank_line",
+    "too_long",
+)
+
+
+@dataclass
+class PretokenizeOptions:
+    """Options that decide the output bytes (all part of the job identity)."""
+
+    text_field: str = "text"
+    max_length: Optional[int] = None
+    overflow: str = "split"
+    add_eos: bool = False
+    on_error: str = "fail"
+    shard_tokens: int = DEFAULT_SHARD_TOKENS
+
+    def check(self) -> None:
+        if self.overflow not in OVERFLOW_CHOICES:
+            raise PretokenizeError(f"--overflow must be one of {OVERFLOW_CHOICES}, got {self.overflow!r}")
+        if self.on_error not in ("fail", "skip"):
+            raise PretokenizeError(f"--on-error must be fail or skip, got {self.on_error!r}")
+        if self.max_length is not None and self.max_length < 1:
+            raise PretokenizeError(f"--max-length must be >= 1, got {self.max_length}")
+        if self.shard_tokens < 1:
+            raise PretokenizeError(f"--shard-tokens must be >= 1, got {self.shard_tokens}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# counters, log, summary
+
+
+def new_counters() -> dict:
+    """Zeroed run counters (the manifest's `counts`, plus the first skipped records)."""
+    return {
+        "records": 0,
+        "documents": 0,
+        "rows": 0,
+        "tokens": 0,
+        "skipped": {},
+        "dropped_tokens": 0,
+        "truncated_documents": 0,
+        "truncated_tokens": 0,
+        "split_documents": 0,
+        "skipped_examples": [],
+    }
+
+
+def _note_skip(counters: dict, reason: str, doc_id: int, where: str, message: str) -> None:
+    counters["skipped"][reason] = counters["skipped"].get(reason, 0) + 1
+    if len(counters["skipped_examples"]) < MAX_SKIPPED_EXAMPLES:
+        counters["skipped_examples"].append({"doc_id": doc_id, "where": where, "reason": reason, "message": message})
+
+
+def log(msg: str) -> None:
+    """A progress line on stderr."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def summarize(out: Path, manifest: dict) -> None:
+    """Log what a finished folder holds (counts, skipped, truncated)."""
+    c = manifest["counts"]
+    log(
+        f"{out}: {len(manifest['shards'])} shard(s), {c['documents']} documents, {c['rows']} rows, "
+        f"{c['tokens']} tokens from {c['records']} records"
+    )
+    if c["skipped"]:
+        first = manifest["skipped_records"][0] if manifest["skipped_records"] else None
+        log(
+            "skipped: "
+            + ", ".join(f"{k}={v}" for k, v in sorted(c["skipped"].items()))
+            + (f" (first: {first['where']}: {first['message']})" if first else "")
+        )
+    if c["truncated_documents"]:
+        log(f"truncated: {c['truncated_documents']} documents lost {c['truncated_tokens']} tokens")
+
+
+def finish_output(out: Path, manifest: dict, dtype: np.dtype) -> None:
+    """datasets metadata, then manifest.json (atomic, last), then drop the state file."""
+    names = [s["name"] for s in manifest["shards"]]
+    if names:
+        write_datasets_metadata(out, names, dtype, manifest["job"])
+    atomic_write_json(out / MANIFEST_NAME, manifest)
+    try:
+        os.remove(out / STATE_NAME)
+    except FileNotFoundError:
+        pass
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# encoder pool (the per-batch work is balancer.tokenize.encode_payloads, importable without torch/datasets)
+
+
+def _encode_stream(
+    batches: Iterator[tuple[list, list]], cfg: EncoderConfig, tok: Tokenizer, num_proc: int
+) -> Iterator[tuple[list, tuple]]:
+    """(meta, encode result) per batch, in input order; `num_proc` > 1 encodes in that many spawn workers with at
+    most 2 * num_proc batches in flight (bounded memory)."""
+    if num_proc <= 1:
+        init_encoder(cfg, tok)
+        for meta, payloads in batches:
+            yield meta, encode_payloads(payloads)
+        return
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(num_proc, initializer=init_encoder, initargs=(cfg,)) as pool:
+        pending: deque = deque()
+        for meta, payloads in batches:
+            pending.append((meta, pool.apply_async(encode_payloads, (payloads,))))
+            if len(pending) >= 2 * num_proc:
+                m, r = pending.popleft()
+                yield m, r.get()
+        while pending:
+            m, r = pending.popleft()
+            yield m, r.get()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the shard stream of one run
+
+
+class _ShardRun:
+    """Documents in, shards out: windows/truncates/drops per the options, closes a shard at the first document
+    boundary past `shard_tokens`, and records each finished shard in the state file."""
+
+    def __init__(self, out: Path, opts: PretokenizeOptions, tok: Tokenizer, state: dict, counters: dict) -> None:
+        self.out = out
+        self.opts = opts
+        self.dtype = tok.dtype
+        self.schema = shard_features(tok.dtype).arrow_schema
+        self.state = state
+        self.shards: list[dict] = state["shards"]
+        self.counters = counters
+        self.writer: Optional[ShardWriter] = None
+
+    def take_batch(self, meta: list, lengths: np.ndarray, flat: np.ndarray, errors: dict) -> None:
+        """One encoded batch: `meta[j] = (doc_id, where, cursor after)`, `lengths[j] < 0` for a bad record."""
+        offs = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(np.maximum(lengths, 0), out=offs[1:])
+        for j, (doc_id, where, cur) in enumerate(meta):
+            self.counters["records"] += 1
+            n = int(lengths[j])
+            if n < 0:
+                reason, message = errors[j]
+                if reason not in ("empty", "blank_line") and self.opts.on_error == "fail":
+                    raise PretokenizeError(f"{where}: {message} (use --on-error skip to skip such records)")
+                _note_skip(self.counters, reason, doc_id, where, message)
+            else:
+                self._take_document(flat[offs[j] : offs[j + 1]], doc_id, where)
+            if self.writer is not None and self.writer.tokens >= self.opts.shard_tokens:
+                self.close_shard(cur)
+
+    def _take_document(self, ids: np.ndarray, doc_id: int, where: str) -> None:
+        n, max_len = len(ids), self.opts.max_length
+        if max_len is not None and n > max_len:
+            if self.opts.overflow == "drop":
+                _note_skip(self.counters, "too_long", doc_id, where, f"{n} tokens > --max-length {max_len}")
+                self.counters["dropped_tokens"] += n
+                return
+            if self.opts.overflow == "truncate":
+                self.counters["truncated_documents"] += 1
+                self.counters["truncated_tokens"] += n - max_len
+                ids = ids[:max_len]
+            else:
+                self.counters["split_documents"] += 1
+        if self.writer is None:
+            self.writer = ShardWriter(self.out, len(self.shards), self.schema, self.dtype)
+        window = max_len or len(ids)
+        for a in range(0, len(ids), window):
+            self.writer.add(ids[a : a + window], doc_id)
+
+    def close_shard(self, cursor: Cursor) -> None:
+        """Finish the open shard and record it (with the input cursor after it) in the state file."""
+        assert self.writer is not None
+        entry = self.writer.close()
+        self.writer = None
+        self.counters["rows"] += entry["rows"]
+        self.counters["tokens"] += entry["tokens"]
+        self.counters["documents"] += entry["documents"]
+        entry["cursor"] = cursor.to_json()
+        entry["counters"] = json.loads(json.dumps(self.counters))
+        self.shards.append(entry)
+        atomic_write_json(self.out / STATE_NAME, self.state)
+
+    def abort(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pretokenize
+
+
+def _check_args(opts: PretokenizeOptions, num_proc: int, num_shards: int, shard_index: int) -> None:
+    opts.check()
+    if num_proc < 1:
+        raise PretokenizeError(f"--num-proc must be >= 1, got {num_proc}")
+    if num_shards < 1 or not 0 <= shard_index < num_shards:
+        raise PretokenizeError(f"--shard-index must be in [0, --num-shards), got {shard_index} of {num_shards}")
+
+
+def _job_key(inputs: list[dict], tok: Tokenizer, opts: PretokenizeOptions) -> str:
+    key = {
+        "format": FORMAT_VERSION,
+        "inputs": [[i["kind"], i["sha256"], i["records"]] for i in inputs],
+        "tokenizer": tok.hash,
+        "options": dataclasses.asdict(opts),
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _hash_inputs(sources: list, disable: Optional[bool]) -> list[dict]:
+    total_bytes = sum(os.path.getsize(s.path) for s in sources if s.kind not in ("hf_disk", "hf_hub"))
+    with tqdm(
+        total=total_bytes, unit="B", unit_scale=True, desc="hashing inputs", disable=disable, file=sys.stderr
+    ) as bar:
+        return [fingerprint_input(s, bar) for s in sources]
+
+
+def _slice_of(total_records: int, num_shards: int, shard_index: int) -> tuple[int, int, Optional[dict]]:
+    """(first record, end record, the manifest's `slice`) of this run."""
+    start = shard_index * total_records // num_shards
+    end = (shard_index + 1) * total_records // num_shards
+    if num_shards == 1:
+        return start, end, None
+    return start, end, {"num_shards": num_shards, "shard_index": shard_index, "records": [start, end]}
+
+
+def _already_complete(out: Path, prev: dict) -> dict:
+    from .verify import verify
+
+    if (out / STATE_NAME).exists():  # killed between writing the manifest and removing the state file
+        os.remove(out / STATE_NAME)
+    problems = verify(out)
+    if problems:
+        raise PretokenizeError(
+            f"{out} holds this job's finished output but it fails verification: "
+            f"{problems[0]}; pass --overwrite to redo it"
+        )
+    log(f"{out}: already complete ({prev['counts']['rows']} rows, {prev['counts']['tokens']} tokens)")
+    return prev
+
+
+def _resume_point(out: Path, prev: Optional[dict], cursor: Cursor) -> tuple[list[dict], dict, Cursor]:
+    """(finished shards kept, counters after them, input cursor after them) of a resumed run."""
+    shards: list[dict] = []
+    counters = new_counters()
+    if prev is None:
+        return shards, counters, cursor
+    for entry in prev["shards"]:
+        if verify_shard_files(out, entry) is not None:
+            break
+        shards.append(entry)
+    if shards:
+        cursor = Cursor.from_json(shards[-1]["cursor"])
+        counters = json.loads(json.dumps(shards[-1]["counters"]))
+    log(f"{out}: resuming after {len(shards)} finished shard(s) at record {cursor.record}")
+    return shards, counters, cursor
+
+
+def _manifest_of(run: _ShardRun, job: str, slice_, tok: Tokenizer, spec: str, infos: list, ignored: list) -> dict:
+    counters = run.counters
+    return {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "balancer_version": _version(),
+        "job": job,
+        "slice": slice_,
+        "tokenizer": {**tok.describe(), "spec": spec},
+        "options": dataclasses.asdict(run.opts),
+        "inputs": infos,
+        "ignored_files": ignored,
+        "features": {"input_ids": f"list<{np.dtype(tok.dtype).name}>", "doc_id": "int64"},
+        "counts": {k: v for k, v in counters.items() if k != "skipped_examples"},
+        "skipped_records": counters["skipped_examples"],
+        "shards": [{k: v for k, v in e.items() if k not in ("cursor", "counters")} for e in run.shards],
+    }
+
+
+def _stream(run: _ShardRun, sources: list, cursor: Cursor, start: int, end: int, cfg, tok, num_proc, disable):
+    """Feed the records from `cursor` to `end` through the encoder into `run`; closes the last shard."""
+    records = iter_records(sources, run.opts.text_field, cursor, end)
+    bar = tqdm(
+        total=end - start,
+        initial=cursor.record - start,
+        unit="doc",
+        desc="pretokenize",
+        disable=disable,
+        file=sys.stderr,
+        smoothing=0.1,
+    )
+    try:
+        for meta, (lengths, flat, errors) in _encode_stream(_batched(records), cfg, tok, num_proc):
+            run.take_batch(meta, lengths, flat, errors)
+            bar.update(len(meta))
+        if run.writer is not None:
+            run.close_shard(Cursor(end, len(sources), 0, None))
+    except BaseException:
+        run.abort()
+        raise
+    finally:
+        bar.close()
+
+
+def pretokenize(
+    inputs: Sequence[str],
+    output: str | os.PathLike,
+    tokenizer: str = "byte",
+    options: Optional[PretokenizeOptions] = None,
+    num_proc: int = 1,
+    num_shards: int = 1,
+    shard_index: int = 0,
+    overwrite: bool = False,
+    progress: Optional[bool] = None,
+) -> dict:
+    """Tokenize `inputs` into shards under `output`; returns the manifest. Resumes a killed run of the same job.
+
+    Raises PretokenizeError for bad input (naming the file and line) when `on_error='fail'`, for a refused output
+    folder, and for bad options; then no manifest is written. `progress=None` shows bars only on a terminal."""
+    opts = options or PretokenizeOptions()
+    _check_args(opts, num_proc, num_shards, shard_index)
+    out = Path(output)
+    disable = None if progress is None else not progress
+    sources, ignored = resolve_inputs(list(inputs), exclude=out)
+    try:
+        tok = load_tokenizer(tokenizer)
+    except TokenizerError as exc:
+        raise PretokenizeError(str(exc)) from exc
+    if opts.add_eos and tok.eos_id is None:
+        raise PretokenizeError(f"--add-eos: tokenizer {tokenizer!r} has no eos_token")
+    infos = _hash_inputs(sources, disable)
+    job = _job_key(infos, tok, opts)
+    start, end, slice_ = _slice_of(sum(i["records"] for i in infos), num_shards, shard_index)
+
+    status, prev = prepare_output(out, job, slice_, overwrite)
+    if status == "complete":
+        return _already_complete(out, prev)
+    shards, counters, cursor = _resume_point(out, prev, cursor_for_record(start, infos))
+    clear_outputs(out, keep={fn for e in shards for fn in e["files"]} | {STATE_NAME})
+    state = {"job": job, "slice": slice_, "shards": shards}
+    atomic_write_json(out / STATE_NAME, state)
+
+    run = _ShardRun(out, opts, tok, state, counters)
+    cfg = EncoderConfig(tokenizer, tok.hash, opts.text_field, opts.add_eos)
+    _stream(run, sources, cursor, start, end, cfg, tok, num_proc, disable)
+    manifest = _manifest_of(run, job, slice_, tok, tokenizer, infos, ignored)
+    finish_output(out, manifest, tok.dtype)
+    summarize(out, manifest)
+    return manifest

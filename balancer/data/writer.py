@@ -1,0 +1,135 @@
+"""Writing one shard (`ShardWriter`: Arrow stream + lengths and doc_id indexes, committed by rename) and the
+`datasets` metadata that lets `datasets.load_from_disk` open a finished folder."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from .manifest import atomic_write_json, fsync_file, save_npy, shard_file_names
+from .readers import sha256_file
+
+FLUSH_TOKENS = 1 << 20  # Arrow record batch: at most ~1M tokens ...
+FLUSH_ROWS = 4096  # ... or this many rows
+
+
+def shard_features(dtype: np.dtype):
+    """The `datasets.Features` of a shard."""
+    import datasets
+
+    return datasets.Features(
+        {"input_ids": datasets.List(datasets.Value(np.dtype(dtype).name)), "doc_id": datasets.Value("int64")}
+    )
+
+
+class ShardWriter:
+    """Streams rows into `DIR/shard-NNNNN.*` files written under temporary names; `close()` makes them final."""
+
+    def __init__(self, out: Path, index: int, schema: pa.Schema, dtype: np.dtype) -> None:
+        self.out = out
+        self.name = f"shard-{index:05d}"
+        self.schema = schema
+        self.dtype = dtype
+        self.arrow_name, self.lengths_name, self.doc_ids_name = shard_file_names(self.name)
+        self.tmp = out / (self.arrow_name + ".tmp")
+        self.sink = pa.OSFile(str(self.tmp), "wb")
+        self.writer = pa.ipc.new_stream(self.sink, schema)
+        self.buf_ids: list[np.ndarray] = []
+        self.buf_docs: list[int] = []
+        self.buf_tokens = 0
+        self.all_lengths: list[np.ndarray] = []
+        self.all_docs: list[np.ndarray] = []
+        self.tokens = 0
+        self.rows = 0
+        self.documents = 0
+        self._last_doc = -1
+
+    def add(self, ids: np.ndarray, doc_id: int) -> None:
+        """Append one row (a document or one window of it)."""
+        self.buf_ids.append(ids)
+        self.buf_docs.append(doc_id)
+        self.buf_tokens += len(ids)
+        self.tokens += len(ids)
+        self.rows += 1
+        if doc_id != self._last_doc:
+            self.documents += 1
+            self._last_doc = doc_id
+        if self.buf_tokens >= FLUSH_TOKENS or len(self.buf_docs) >= FLUSH_ROWS:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self.buf_docs:
+            return
+        lengths = np.fromiter((len(a) for a in self.buf_ids), dtype=np.int64, count=len(self.buf_ids))
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        values = np.concatenate(self.buf_ids).astype(self.dtype, copy=False)
+        docs = np.asarray(self.buf_docs, dtype=np.int64)
+        ids_arr = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+        batch = pa.RecordBatch.from_arrays([ids_arr, pa.array(docs)], schema=self.schema)
+        self.writer.write_batch(batch)
+        self.all_lengths.append(lengths)
+        self.all_docs.append(docs)
+        self.buf_ids, self.buf_docs, self.buf_tokens = [], [], 0
+
+    def close(self) -> dict:
+        """Finish the files, fsync, rename to final names; returns the shard's manifest entry."""
+        self._flush()
+        self.writer.close()
+        self.sink.close()
+        lengths = np.concatenate(self.all_lengths) if self.all_lengths else np.zeros(0, np.int64)
+        docs = np.concatenate(self.all_docs) if self.all_docs else np.zeros(0, np.int64)
+        tmp_l = self.out / (self.lengths_name + ".tmp")
+        tmp_d = self.out / (self.doc_ids_name + ".tmp")
+        save_npy(tmp_l, lengths)
+        save_npy(tmp_d, docs)
+        files = {}
+        for tmp, final in ((self.tmp, self.arrow_name), (tmp_l, self.lengths_name), (tmp_d, self.doc_ids_name)):
+            fsync_file(tmp)
+            files[final] = {"bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
+            os.replace(tmp, self.out / final)
+        return {
+            "name": self.name,
+            "rows": self.rows,
+            "tokens": self.tokens,
+            "documents": self.documents,
+            "first_doc_id": int(docs[0]) if len(docs) else None,
+            "last_doc_id": int(docs[-1]) if len(docs) else None,
+            "max_length": int(lengths.max()) if len(lengths) else 0,
+            "files": files,
+        }
+
+    def abort(self) -> None:
+        """Close the open temporary file after a failure (the caller's cleanup removes it)."""
+        try:
+            self.writer.close()
+            self.sink.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def write_datasets_metadata(out: Path, shard_names: list[str], dtype: np.dtype, fingerprint: str) -> None:
+    """state.json + dataset_info.json so that `datasets.load_from_disk(out)` loads every shard as one Dataset."""
+    import datasets
+
+    state = {
+        "_data_files": [{"filename": f"{n}.arrow"} for n in shard_names],
+        "_fingerprint": fingerprint[:16],
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    info = dataclasses.asdict(
+        datasets.DatasetInfo(
+            description="balancer pretokenize output: input_ids per row, doc_id = source record index",
+            features=shard_features(dtype),
+        )
+    )
+    atomic_write_json(out / "state.json", state)
+    atomic_write_json(out / "dataset_info.json", {k: info[k] for k in sorted(info)})
