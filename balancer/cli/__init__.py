@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from .. import __version__
+from ..data.lengths import read_lengths as read_any_lengths
+from ..data.oserrors import describe_os_error
 from ..planning.baseline import token_count_plan
 from ..planning.cost import CostModel
 from ..planning.planner import OVERFLOW_POLICIES, validate_lengths
@@ -33,40 +35,9 @@ DEFAULT_COST = (2 / 53000, 1.0)  # attention cost per causal pair, linear cost p
 
 
 def read_lengths(source: str) -> np.ndarray:
-    """Lengths from a JSON list, a .npy/.npz file, a text file of one length per line, or a pretokenized folder."""
-    path = Path(source)
-    if path.is_dir():
-        from ..data.shards import read_lengths as read_dir
-
-        return read_dir(path)
-    if not path.exists():
-        from ..data.traces import NAMES, load_trace
-
-        if source in NAMES:
-            return load_trace(source)
-        raise FileNotFoundError(f"{source}: no such file, folder or built-in trace ({', '.join(NAMES)})")
-    try:
-        if path.suffix == ".npy":
-            return validate_lengths(np.load(path), name=str(path))
-        if path.suffix == ".npz":
-            with np.load(path) as z:
-                return validate_lengths(z["lengths"], name=str(path))
-        text = path.read_text()
-        if path.suffix == ".json" or text.lstrip().startswith("["):
-            data = json.loads(text)
-            if isinstance(data, dict) and "lengths" in data:
-                data = data["lengths"]
-            return validate_lengths(data, name=str(path))
-        values = []
-        for lineno, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    values.append(int(line))
-                except ValueError:
-                    raise ValueError(f"{path}:{lineno}: not an integer length: {line.strip()!r}") from None
-        return validate_lengths(values, name=str(path))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from None
+    """Lengths to plan from a JSON list, a .npy/.npz file, a text file of one length per line, a pretokenized
+    folder or a built-in trace name (`balancer.data.lengths.read_lengths`), checked by the planner's rules."""
+    return validate_lengths(read_any_lengths(source), name=str(source))
 
 
 def cost_from_args(args) -> CostModel:
@@ -88,6 +59,8 @@ def topology_from_args(args, lengths: np.ndarray) -> Topology:
     if max_tokens is None:  # the next power of two that holds the longest document over the CP group
         max_tokens = 1 << int(np.ceil(np.log2(max(1, -(-int(lengths.max()) // args.cp)))))
     tps = args.tokens_per_step
+    if args.fill is not None and not 0 < args.fill <= 1:  # also NaN and inf
+        raise ValueError(f"--fill must be a share of the capacity in (0, 1], got {args.fill}")
     if tps is None and args.fill is not None:
         tps = int(args.fill * args.dp * args.cp * args.micro_batches * max_tokens)
     return Topology(
@@ -266,8 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, TypeError) as e:
+    except (ValueError, TypeError, RuntimeError) as e:
         print(f"balancer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"balancer {args.command}: error: {describe_os_error(e)}", file=sys.stderr)
         return 2
 
 

@@ -1,10 +1,9 @@
-"""Reading a finished `balancer pretokenize` folder (layout: see `balancer.data.shards`): `load_manifest`,
-`read_lengths` (the lengths index, or lengths from a .npy / .json file) and `ShardDataset` (memory-mapped rows).
+"""Reading a finished `balancer pretokenize` folder (layout: see `balancer.data.shards`): `ShardDataset`
+(memory-mapped rows, checked on open); `read_lengths` and `load_manifest` are re-exported from their modules.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -12,8 +11,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from .checks import open_folder
+from .lengths import read_lengths  # noqa: F401  (one reader of lengths; re-exported here)
 from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, load_manifest, shard_file_names  # noqa: F401
-from .readers import PretokenizeError
 
 
 def _open_arrow(path: Path) -> pa.Table:
@@ -21,60 +21,24 @@ def _open_arrow(path: Path) -> pa.Table:
     return pa.ipc.open_stream(pa.memory_map(str(path), "r")).read_all()
 
 
-def read_lengths(path: str | os.PathLike) -> np.ndarray:
-    """Per-row token lengths (int64, 1-D) from a pretokenized folder (its lengths index; no token data read), a
-    `.npy` array, or a `.json` list of lengths (or an object with a "lengths" list). Raises ValueError naming the
-    file when it holds something else."""
-    p = Path(path)
-    if p.is_dir():
-        try:
-            m = load_manifest(p)
-        except PretokenizeError as exc:
-            raise ValueError(str(exc)) from exc
-        parts = [np.load(p / shard_file_names(e["name"])[1], allow_pickle=False) for e in m["shards"]]
-        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
-    if not p.is_file():
-        raise ValueError(f"{path}: no such file or directory")
-    if p.suffix == ".npy":
-        try:
-            arr = np.load(p, allow_pickle=False)
-        except Exception as exc:  # noqa: BLE001
-            raise ValueError(f"{path}: not a readable .npy array ({exc})") from exc
-    elif p.suffix == ".json":
-        try:
-            with open(p, encoding="utf-8") as f:
-                data = json.load(f)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{path}: invalid JSON ({exc})") from exc
-        if isinstance(data, dict) and "lengths" in data:
-            data = data["lengths"]
-        if not isinstance(data, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in data):
-            raise ValueError(f'{path}: expected a JSON list of integer lengths (or {{"lengths": [...]}})')
-        arr = np.asarray(data, dtype=np.int64)
-    else:
-        raise ValueError(f"{path}: expected a pretokenized folder, a .npy or a .json file of lengths")
-    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer)):
-        raise ValueError(f"{path}: expected a 1-D integer array, got {arr.dtype} of shape {arr.shape}")
-    if len(arr) and arr.min() < 0:
-        raise ValueError(f"{path}: negative length at index {int(np.argmin(arr))}")
-    return arr.astype(np.int64)
-
-
 class ShardDataset(torch.utils.data.Dataset):
     """Map-style dataset over a finished pretokenize folder: `len(ds)` rows, `ds[i]` ->
     {"input_ids": LongTensor, "doc_id": int}. `.lengths` / `.doc_ids` (int64 numpy) come from the lengths index
-    without touching the token data. Shards are memory-mapped lazily, per process (safe with DataLoader workers)."""
+    without touching the token data. Shards are memory-mapped lazily, per process (safe with DataLoader workers).
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    Opening checks the manifest, the index files (sha256) and the Arrow row counts (`balancer.data.checks`);
+    `check="full"` also reads and checks every byte (`verify`). PretokenizeError names the file otherwise."""
+
+    def __init__(self, path: str | os.PathLike, check: str = "index") -> None:
+        if check not in ("index", "full"):
+            raise ValueError(f"check must be 'index' or 'full', got {check!r}")
         self.path = Path(path)
-        m = load_manifest(self.path)
-        self.manifest = m
-        self._names = [e["name"] for e in m["shards"]]
-        lens = [np.load(self.path / shard_file_names(n)[1], allow_pickle=False) for n in self._names]
-        docs = [np.load(self.path / shard_file_names(n)[2], allow_pickle=False) for n in self._names]
-        self.lengths: np.ndarray = np.concatenate(lens).astype(np.int64) if lens else np.zeros(0, np.int64)
-        self.doc_ids: np.ndarray = np.concatenate(docs).astype(np.int64) if docs else np.zeros(0, np.int64)
-        self._row_starts = np.concatenate([[0], np.cumsum([len(x) for x in lens])]).astype(np.int64)
+        opened = open_folder(self.path, full=check == "full")
+        self.manifest = opened.manifest
+        self._names = [e["name"] for e in self.manifest["shards"]]
+        self.lengths: np.ndarray = opened.lengths()
+        self.doc_ids: np.ndarray = opened.doc_ids()
+        self._row_starts = np.concatenate([[0], np.cumsum([len(x) for x in opened.shard_lengths])]).astype(np.int64)
         self._open: dict[int, tuple[np.ndarray, list]] = {}
 
     def __len__(self) -> int:

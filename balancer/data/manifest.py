@@ -37,7 +37,7 @@ def load_manifest(path: str | os.PathLike) -> dict:
             m = json.load(f)
     except json.JSONDecodeError as exc:
         raise PretokenizeError(f"{p}: invalid JSON ({exc})") from exc
-    if m.get("format") != FORMAT_NAME:
+    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
         raise PretokenizeError(f"{p}: not a {FORMAT_NAME} manifest")
     return m
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .manifest import STATE_NAME, atomic_write_json, load_manifest, shard_file_names
+from .checks import open_folder
+from .manifest import STATE_NAME, atomic_write_json, shard_file_names
 from .output import clear_outputs, prepare_output
 from .pipeline import MAX_SKIPPED_EXAMPLES, finish_output, log, new_counters, summarize
 from .readers import PretokenizeError, sha256_file
@@ -19,7 +20,7 @@ def _slices_by_index(parts: Sequence[str]) -> dict[int, tuple[str, dict]]:
     """slice index -> (folder, manifest); refuses parts of different jobs, duplicates and missing slices."""
     if not parts:
         raise PretokenizeError("merge: no input folders")
-    mans = [(p, load_manifest(p)) for p in parts]
+    mans = [(p, open_folder(p).manifest) for p in parts]  # checked: names inside the part, index intact
     first = mans[0][1]
     for p, m in mans:
         if m.get("slice") is None:
@@ -54,7 +55,7 @@ def _link_shard(part: str, entry: dict, out: Path, index: int) -> dict:
         meta = entry["files"][old_fn]
         tmp = out / (new_fn + ".tmp")
         try:
-            os.link(src, tmp)
+            os.link(src, tmp, follow_symlinks=True)
         except OSError:
             shutil.copyfile(src, tmp)
         if sha256_file(tmp) != meta["sha256"]:

@@ -8,6 +8,7 @@ from typing import Optional
 
 import numpy as np
 
+from .checks import check_file_name, check_manifest_structure
 from .dataset import _open_arrow
 from .manifest import MANIFEST_NAME, load_manifest, shard_file_names, verify_shard_files
 from .output import is_output_name
@@ -59,6 +60,10 @@ def verify(path: str | os.PathLike) -> list[str]:
     out = Path(path)
     try:
         m = load_manifest(out)
+        check_manifest_structure(out, m)
+        for entry in m["shards"]:  # never follow a name out of the folder
+            for fn in entry["files"]:
+                check_file_name(out, fn, str(out / MANIFEST_NAME))
     except PretokenizeError as exc:
         return [str(exc)]
     problems: list[str] = []

@@ -1,0 +1,178 @@
+"""Open-time checks of a pretokenized folder: cheap enough to run on every open, strict enough that a reader
+never returns wrong data silently.
+
+`open_folder(path)` checks
+- the manifest's structure: every field a reader uses is there with the right type, shard names are the sequential
+  `shard-00000`, `shard-00001`, ... (so entries cannot be swapped, and no name leaves the folder), each shard names
+  exactly its three files, and the per-shard rows and tokens add up to the manifest's counts;
+- that every file the manifest names resolves inside the folder (absolute paths, `..` and symlinks out refused)
+  and is a regular file of the recorded size;
+- the lengths and doc_id index files byte for byte against their recorded sha256, and against the manifest and each
+  other (rows, tokens, longest row, first/last doc_id, doc_ids in input order, no empty rows);
+- each Arrow file's row count, read from its message headers (the token data is not read).
+`open_folder(path, full=True)` also runs `verify` (every byte of every file). PretokenizeError names the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .arrow_rows import ArrowHeaderError, stream_row_count
+from .manifest import MANIFEST_NAME, load_manifest, shard_file_names
+from .readers import PretokenizeError
+
+_SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass
+class OpenedFolder:
+    """A checked folder: its manifest and, per shard, the lengths and doc_id index (int64)."""
+
+    path: Path
+    manifest: dict
+    shard_lengths: list[np.ndarray]
+    shard_doc_ids: list[np.ndarray]
+
+    def lengths(self) -> np.ndarray:
+        return np.concatenate(self.shard_lengths) if self.shard_lengths else np.zeros(0, np.int64)
+
+    def doc_ids(self) -> np.ndarray:
+        return np.concatenate(self.shard_doc_ids) if self.shard_doc_ids else np.zeros(0, np.int64)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _require(ok: bool, where: str, message: str) -> None:
+    if not ok:
+        raise PretokenizeError(f"{where}: {message}")
+
+
+def check_file_name(folder: Path, name: object, where: str) -> Path:
+    """`folder / name` when `name` is a plain file name whose path stays inside `folder` (symlinks resolved)."""
+    plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+    _require(plain and "\0" not in name, where, f"file name {name!r} is not a plain name inside the folder")
+    path = folder / name
+    real_folder = os.path.realpath(folder)
+    _require(
+        os.path.realpath(path).startswith(real_folder + os.sep),
+        where,
+        f"{name!r} resolves outside the folder (to {os.path.realpath(path)}); refused",
+    )
+    return path
+
+
+def check_manifest_structure(folder: Path, m: dict) -> None:
+    """Every field a reader relies on, with its type; shard names sequential; counts add up."""
+    where = str(folder / MANIFEST_NAME)
+    shards = m.get("shards")
+    _require(isinstance(shards, list), where, "no 'shards' list (damaged or not written by this tool)")
+    counts = m.get("counts")
+    _require(isinstance(counts, dict), where, "no 'counts' object")
+    _require(isinstance(m.get("options"), dict), where, "no 'options' object")
+    rows = tokens = 0
+    for i, entry in enumerate(shards):
+        at = f"{where}: shards[{i}]"
+        _require(isinstance(entry, dict), at, "not an object")
+        _require(entry.get("name") == f"shard-{i:05d}", at, f"name {entry.get('name')!r}, expected 'shard-{i:05d}'")
+        for key in ("rows", "tokens"):
+            _require(_is_int(entry.get(key)) and entry[key] >= 0, at, f"'{key}' is not a count")
+        files = entry.get("files")
+        _require(isinstance(files, dict), at, "no 'files' object")
+        _require(sorted(files) == sorted(shard_file_names(entry["name"])), at, f"names files {sorted(files)}")
+        for fn, meta in files.items():
+            ok = isinstance(meta, dict) and _is_int(meta.get("bytes")) and meta["bytes"] >= 0
+            _require(ok and isinstance(meta.get("sha256"), str), at, f"files[{fn!r}] lacks bytes/sha256")
+            _require(bool(_SHA256_RE.match(meta["sha256"])), at, f"files[{fn!r}].sha256 is not a sha256")
+        rows += entry["rows"]
+        tokens += entry["tokens"]
+    for key, total in (("rows", rows), ("tokens", tokens)):
+        _require(
+            counts.get(key) == total, where, f"counts.{key} = {counts.get(key)!r} but the shards hold {total} {key}"
+        )
+
+
+def _check_files_inside(folder: Path, entry: dict) -> None:
+    for fn, meta in entry["files"].items():
+        path = check_file_name(folder, fn, str(folder / MANIFEST_NAME))
+        _require(path.is_file(), str(path), "missing (or not a regular file)")
+        size = os.path.getsize(path)
+        _require(size == meta["bytes"], str(path), f"size {size} != {meta['bytes']} recorded in the manifest")
+
+
+def _load_index(path: Path, meta: dict, rows: int) -> np.ndarray:
+    data = path.read_bytes()
+    _require(hashlib.sha256(data).hexdigest() == meta["sha256"], str(path), "sha256 mismatch (index file changed)")
+    try:
+        arr = np.load(io.BytesIO(data), allow_pickle=False)
+    except Exception as exc:  # noqa: BLE001
+        raise PretokenizeError(f"{path}: not a readable .npy index ({exc})") from None
+    _require(
+        arr.dtype == np.int64 and arr.shape == (rows,),
+        str(path),
+        f"holds {arr.dtype}{list(arr.shape)}, expected int64[{rows}]",
+    )
+    return arr
+
+
+def _check_shard_index(folder: Path, entry: dict, prev_last_doc: int) -> tuple[np.ndarray, np.ndarray]:
+    arrow, lfile, dfile = shard_file_names(entry["name"])
+    lengths = _load_index(folder / lfile, entry["files"][lfile], entry["rows"])
+    doc_ids = _load_index(folder / dfile, entry["files"][dfile], entry["rows"])
+    where = f"{folder / MANIFEST_NAME}: {entry['name']}"
+    _require(
+        int(lengths.sum()) == entry["tokens"],
+        where,
+        f"{lfile} sums to {int(lengths.sum())} tokens, the manifest says {entry['tokens']}",
+    )
+    if len(lengths):
+        _require(int(lengths.min()) >= 1, str(folder / lfile), "holds an empty row")
+        _require(
+            entry.get("max_length", int(lengths.max())) == int(lengths.max()),
+            where,
+            f"max_length {entry.get('max_length')} but {lfile} holds a row of {int(lengths.max())}",
+        )
+        in_order = doc_ids[0] >= prev_last_doc and not np.any(np.diff(doc_ids) < 0)
+        _require(bool(in_order), str(folder / dfile), "doc_ids out of input order")
+        ends = (entry.get("first_doc_id"), entry.get("last_doc_id"))
+        _require(ends == (int(doc_ids[0]), int(doc_ids[-1])), where, f"first/last doc_id {ends} disagree with {dfile}")
+    try:
+        arrow_rows = stream_row_count(folder / arrow)
+    except ArrowHeaderError as exc:
+        raise PretokenizeError(str(exc)) from None
+    _require(arrow_rows == entry["rows"], str(folder / arrow), f"{arrow_rows} rows, the manifest says {entry['rows']}")
+    return lengths, doc_ids
+
+
+def open_folder(path: str | os.PathLike, full: bool = False) -> OpenedFolder:
+    """The checked manifest and index of a finished folder (see the module docstring); `full=True` also reads and
+    checks every byte (`verify`). PretokenizeError naming the file and what is wrong otherwise."""
+    folder = Path(path)
+    m = load_manifest(folder)
+    check_manifest_structure(folder, m)
+    all_lengths: list[np.ndarray] = []
+    all_doc_ids: list[np.ndarray] = []
+    last_doc = -1
+    for entry in m["shards"]:
+        _check_files_inside(folder, entry)
+        lengths, doc_ids = _check_shard_index(folder, entry, last_doc)
+        if len(doc_ids):
+            last_doc = int(doc_ids[-1])
+        all_lengths.append(lengths)
+        all_doc_ids.append(doc_ids)
+    if full:
+        from .verify import verify
+
+        problems = verify(folder)
+        if problems:
+            more = f" (and {len(problems) - 1} more; run `balancer verify {folder}`)" if len(problems) > 1 else ""
+            raise PretokenizeError(problems[0] + more)
+    return OpenedFolder(folder, m, all_lengths, all_doc_ids)

@@ -1,0 +1,124 @@
+"""The one reader of document lengths, for the CLI, the sampler and `ShardDataset`.
+
+`read_lengths(source)` takes a pretokenized folder (its lengths index, checked on open), a `.npy` array, a `.npz`
+archive holding `lengths`, a `.json` list (or an object with a "lengths" list), a text file of one length per line,
+or a built-in trace name. It returns int64 lengths >= 0 and raises ValueError naming the file and the entry for
+anything else (not integers, negative, beyond int64, not 1-D). Whether zero-length documents may be planned is the
+planner's rule (`validate_lengths`), not the reader's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+INT64_MAX = int(np.iinfo(np.int64).max)
+
+
+def _from_python_ints(values: list, name: str) -> np.ndarray:
+    for i, v in enumerate(values):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError(f"{name}[{i}] = {v!r} is not an integer length")
+        if not 0 <= v <= INT64_MAX:
+            raise ValueError(f"{name}[{i}] = {v} is out of range (lengths are 0 .. 2**63-1)")
+    return np.asarray(values, dtype=np.int64)
+
+
+def check_lengths_array(arr: np.ndarray, name: str) -> np.ndarray:
+    """`arr` as int64 lengths, or a ValueError naming `name` and the first bad entry."""
+    if arr.ndim != 1:
+        raise ValueError(f"{name}: expected a 1-D array of lengths, got shape {arr.shape}")
+    kind = arr.dtype.kind
+    if kind == "f":
+        bad = ~np.isfinite(arr) | (arr != np.round(arr)) | (np.abs(arr) > INT64_MAX)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{name}[{i}] = {arr[i].item()!r} is not an integer length")
+    elif kind == "u":
+        bad = arr > INT64_MAX
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{name}[{i}] = {arr[i].item()} is out of range (lengths are 0 .. 2**63-1)")
+    elif kind != "i":
+        raise ValueError(f"{name}: expected integer lengths, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    if len(arr) and arr.min() < 0:
+        i = int(np.argmin(arr))
+        raise ValueError(f"{name}[{i}] = {arr[i]} is negative")
+    return arr
+
+
+def _read_npy(path: Path) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"{path}: not a readable .npy array ({type(exc).__name__}: {exc})") from None
+
+
+def _read_npz(path: Path) -> np.ndarray:
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            if "lengths" not in archive.files:
+                raise ValueError(f"{path}: no 'lengths' array in the .npz (it holds: {', '.join(archive.files)})")
+            return archive["lengths"]
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"{path}: not a readable .npz archive ({type(exc).__name__}: {exc})") from None
+
+
+def _read_json(path: Path, text: str) -> np.ndarray:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: invalid JSON ({exc})") from None
+    if isinstance(data, dict) and "lengths" in data:
+        data = data["lengths"]
+    if not isinstance(data, list):
+        raise ValueError(f'{path}: expected a JSON list of integer lengths (or {{"lengths": [...]}})')
+    return _from_python_ints(data, str(path))
+
+
+def _read_text(path: Path, text: str) -> np.ndarray:
+    values = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                values.append(int(line))
+            except ValueError:
+                raise ValueError(f"{path}:{lineno}: not an integer length: {line.strip()!r}") from None
+    return _from_python_ints(values, str(path))
+
+
+def read_lengths(source: str | os.PathLike) -> np.ndarray:
+    """Per-document token lengths (int64, 1-D, >= 0) from a pretokenized folder, a .npy / .npz / .json / text
+    file, or a built-in trace name; ValueError naming the file (and entry or line) for anything else."""
+    path = Path(source)
+    if path.is_dir():
+        from .checks import open_folder
+        from .readers import PretokenizeError
+
+        try:
+            return open_folder(path).lengths()
+        except PretokenizeError as exc:
+            raise ValueError(str(exc)) from None
+    if not path.exists():
+        from .traces import NAMES, load_trace
+
+        if str(source) in NAMES:
+            return load_trace(str(source))
+        raise ValueError(f"{source}: no such file, folder or built-in trace ({', '.join(NAMES)})")
+    if path.suffix == ".npy":
+        return check_lengths_array(_read_npy(path), str(path))
+    if path.suffix == ".npz":
+        return check_lengths_array(_read_npz(path), str(path))
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not a text file of lengths (invalid UTF-8 at byte {exc.start})") from None
+    if path.suffix == ".json" or text.lstrip().startswith(("[", "{")):
+        return _read_json(path, text)
+    return _read_text(path, text)
