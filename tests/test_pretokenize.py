@@ -258,13 +258,13 @@ def test_output_folder_guard(corpus, tmp_path):
     (other / "notes.md").write_text("mine")
     with pytest.raises(PretokenizeError, match="not empty"):
         run([d / "a.jsonl"], other)
-    # an output folder inside an input directory is not read back as input
+    # an output folder inside an input directory is refused (--overwrite there could reach the user's files)
     data = tmp_path / "data"
     data.mkdir()
     write_jsonl(data / "x.jsonl", ["abc", "de"])
-    m = run([data], data / "tok")
-    assert [i["path"] for i in m["inputs"]] == [str(data / "x.jsonl")]
-    assert run([data], data / "tok")["job"] == m["job"]
+    with pytest.raises(PretokenizeError, match="is inside the input"):
+        run([data], data / "tok")
+    assert sorted(os.listdir(data)) == ["x.jsonl"]
     with pytest.raises(PretokenizeError, match="no such file"):
         run([d / "nope.jsonl"], tmp_path / "x")
 

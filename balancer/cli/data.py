@@ -11,6 +11,8 @@ import sys
 from collections.abc import Sequence
 from typing import Optional
 
+from ..data.oserrors import describe_os_error
+
 EXIT_OK = 0
 EXIT_PROBLEM = 1  # verify found problems
 EXIT_ERROR = 2  # bad input, refused output folder, bad options
@@ -64,6 +66,9 @@ def _run_pretokenize(args: argparse.Namespace) -> int:
     except PretokenizeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except OSError as exc:
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
+        return EXIT_ERROR
     except KeyboardInterrupt:
         print("interrupted: run the same command again to resume", file=sys.stderr)
         return 130
@@ -73,7 +78,11 @@ def _run_pretokenize(args: argparse.Namespace) -> int:
 def _run_verify(args: argparse.Namespace) -> int:
     from ..data.shards import load_manifest, verify
 
-    problems = verify(args.dir)
+    try:
+        problems = verify(args.dir)
+    except OSError as exc:
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
+        return EXIT_ERROR
     if problems:
         for p in problems:
             print(f"FAIL {p}", file=sys.stderr)
@@ -91,6 +100,9 @@ def _run_merge(args: argparse.Namespace) -> int:
         merge(args.parts, args.output, overwrite=args.overwrite)
     except PretokenizeError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as exc:
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK
 

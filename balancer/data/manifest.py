@@ -80,12 +80,19 @@ def fsync_file(path: Path) -> None:
 def atomic_write_json(path: Path, obj: Any) -> None:
     """Write `obj` as JSON to `path` via a temporary file, fsync and rename: readers see old or new, never half."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=False)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=False)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:  # disk full, interrupted: leave the old file, not half of a new one
+        try:
+            os.remove(tmp)
+        except FileNotFoundError:
+            pass
+        raise
 
 
 def save_npy(path: Path, arr: np.ndarray) -> None:

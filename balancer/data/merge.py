@@ -11,7 +11,7 @@ import numpy as np
 
 from .checks import open_folder
 from .manifest import STATE_NAME, atomic_write_json, shard_file_names
-from .output import clear_outputs, prepare_output
+from .output import clear_outputs, open_output, prepare_output
 from .pipeline import MAX_SKIPPED_EXAMPLES, finish_output, log, new_counters, summarize
 from .readers import PretokenizeError, sha256_file
 
@@ -81,14 +81,23 @@ def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = Fal
     checked against its part's checksum. Returns the merged manifest."""
     by_index = _slices_by_index(parts)
     first = by_index[0][1]
-    k = len(by_index)
     out = Path(output)
-    status, prev = prepare_output(out, first["job"], None, overwrite)
-    if status == "complete":
-        log(f"{out}: already complete")
-        return prev
-    clear_outputs(out)
-    atomic_write_json(out / STATE_NAME, {"job": first["job"], "slice": None, "shards": []})
+    with open_output(out, parts):
+        status, prev = prepare_output(out, first["job"], None, overwrite)
+        if status == "complete":
+            log(f"{out}: already complete")
+            return prev
+        clear_outputs(out)
+        atomic_write_json(out / STATE_NAME, {"job": first["job"], "slice": None, "shards": []})
+        manifest = _merged_manifest(first, by_index, out)
+        finish_output(out, manifest, np.dtype(first["tokenizer"]["dtype"]))
+    summarize(out, manifest)
+    return manifest
+
+
+def _merged_manifest(first: dict, by_index: dict[int, tuple[str, dict]], out: Path) -> dict:
+    """Link every part's shards into `out` (renumbered) and build the merged manifest."""
+    k = len(by_index)
     counts = new_counters()
     del counts["skipped_examples"]
     skipped: list = []
@@ -109,6 +118,4 @@ def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = Fal
             "shards": shards,
         }
     )
-    finish_output(out, manifest, np.dtype(first["tokenizer"]["dtype"]))
-    summarize(out, manifest)
     return manifest

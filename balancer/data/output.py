@@ -1,47 +1,128 @@
-"""The output folder of `pretokenize` and `merge`: which files are ours, and whether a folder may be written
-(fresh, resumed, already complete, or refused)."""
+"""The output folder of `pretokenize` and `merge`: which files are provably ours, whether a folder may be written
+(fresh, resumed, already complete, or refused), and the lock that keeps two writers apart.
+
+Ownership: a file is ours only when this tool's manifest or state file in the folder names it (shard files), when
+its content is what this tool writes (`state.json`, `dataset_info.json`, the lock), or when it is a temporary or
+shard file of a job whose manifest or state is in the folder (left by a killed run). `--overwrite` deletes only
+those; any other file is the user's and is never deleted (a user file with one of our names is refused).
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
-from collections.abc import Iterable
+import socket
+import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Optional
 
-from .manifest import MANIFEST_NAME, STATE_NAME, load_json_file
+from .manifest import FORMAT_NAME, MANIFEST_NAME, STATE_NAME, load_json_file
 from .readers import PretokenizeError
 
+LOCK_NAME = ".balancer.lock"
+DATASETS_STATE = "state.json"
+DATASETS_INFO = "dataset_info.json"
+DATASETS_DESCRIPTION = "balancer pretokenize output: input_ids per row, doc_id = source record index"
 _SHARD_FILE_RE = re.compile(r"^shard-\d{5,}\.(arrow|lengths\.npy|doc_ids\.npy)$")
+_FIXED_NAMES = (MANIFEST_NAME, STATE_NAME, DATASETS_STATE, DATASETS_INFO)
 
 
 def is_output_name(name: str) -> bool:
-    """True for a file name this tool writes into an output folder."""
-    return (
-        name in (MANIFEST_NAME, STATE_NAME, "state.json", "dataset_info.json")
-        or name.endswith(".tmp")
-        or bool(_SHARD_FILE_RE.match(name))
-    )
+    """True for a name this tool may write into an output folder (final or temporary)."""
+    base = name[: -len(".tmp")] if name.endswith(".tmp") else name
+    return base in _FIXED_NAMES or bool(_SHARD_FILE_RE.match(base))
+
+
+def _our_job_record(path: Path) -> Optional[dict]:
+    """The manifest or state file at `path` when this tool wrote it, else None."""
+    data = load_json_file(path)
+    if not isinstance(data, dict) or not isinstance(data.get("shards"), list) or "job" not in data:
+        return None
+    if path.name == MANIFEST_NAME and data.get("format") != FORMAT_NAME:
+        return None
+    return data
+
+
+def _named_files(record: dict) -> set[str]:
+    names = set()
+    for entry in record["shards"]:
+        files = entry.get("files") if isinstance(entry, dict) else None
+        if isinstance(files, dict):
+            names.update(n for n in files if isinstance(n, str) and _SHARD_FILE_RE.match(n))
+    return names
+
+
+def _is_our_metadata(path: Path) -> bool:
+    data = load_json_file(path)
+    if not isinstance(data, dict):
+        return False
+    if path.name == DATASETS_STATE:
+        files = data.get("_data_files")
+        return isinstance(files, list) and all(
+            isinstance(f, dict) and _SHARD_FILE_RE.match(str(f.get("filename", ""))) for f in files
+        )
+    return data.get("description") == DATASETS_DESCRIPTION
+
+
+def owned_files(out: Path) -> set[str]:
+    """Names in `out` this tool provably wrote (see the module docstring)."""
+    entries = set(os.listdir(out))
+    records = [r for r in (_our_job_record(out / MANIFEST_NAME), _our_job_record(out / STATE_NAME)) if r]
+    owned = {n for n in (MANIFEST_NAME, STATE_NAME) if n in entries and _our_job_record(out / n)}
+    owned |= {n for n in (DATASETS_STATE, DATASETS_INFO) if n in entries and _is_our_metadata(out / n)}
+    if STATE_NAME + ".tmp" in entries:  # a hidden name of ours: a run killed before its first state rename
+        owned.add(STATE_NAME + ".tmp")
+    for record in records:
+        owned |= _named_files(record) & entries
+    if records:  # leftovers of a killed run of this job: shard files not yet recorded, temporary files
+        owned |= {n for n in entries if is_output_name(n)}
+    return owned
 
 
 def clear_outputs(out: Path, keep: Iterable[str] = ()) -> None:
-    """Remove our files from `out`, except those named in `keep`."""
+    """Remove the files we own in `out` except `keep`; the manifest and state file last, so that a kill midway
+    leaves the proof of ownership of whatever is still there."""
     keep = set(keep)
-    for name in os.listdir(out):
-        if name not in keep and is_output_name(name):
+    doomed = owned_files(out) - keep
+    proofs = [n for n in (STATE_NAME, MANIFEST_NAME) if n in doomed]
+    for name in sorted(doomed - set(proofs)) + proofs:
+        try:
             os.remove(out / name)
+        except FileNotFoundError:
+            pass
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def check_output_vs_inputs(out: Path, inputs: Sequence[str]) -> None:
+    """Refuse an output folder that is, contains, or is inside an input (file or folder)."""
+    real_out = os.path.realpath(out)
+    for spec in inputs:
+        if not os.path.exists(spec):
+            continue  # a hub dataset name
+        real_in = os.path.realpath(spec)
+        if real_in == real_out:
+            raise PretokenizeError(f"--output {out} is the input {spec}; write to another folder")
+        if _inside(real_in, real_out):
+            raise PretokenizeError(f"--output {out} contains the input {spec}; write to a folder outside it")
+        if _inside(real_out, real_in):
+            raise PretokenizeError(f"--output {out} is inside the input {spec}; write to a folder outside it")
 
 
 def prepare_output(out: Path, job: str, slice_: Optional[dict], overwrite: bool) -> tuple[str, Optional[dict]]:
-    """('fresh'|'resume'|'complete', state or manifest). Refuses a folder holding something else."""
-    if out.exists() and not out.is_dir():
-        raise PretokenizeError(f"--output {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    entries = os.listdir(out)
-    if not entries:
+    """('fresh'|'resume'|'complete', state or manifest). Refuses a folder holding something else; with
+    `overwrite`, deletes only our files and refuses user files that carry one of our names."""
+    owned = owned_files(out)
+    foreign = sorted(set(os.listdir(out)) - owned - {LOCK_NAME})
+    if not foreign and owned <= {STATE_NAME + ".tmp"}:  # empty, or killed before the first state rename
+        clear_outputs(out)
         return "fresh", None
-    manifest = load_json_file(out / MANIFEST_NAME)
-    state = load_json_file(out / STATE_NAME)
+    manifest = _our_job_record(out / MANIFEST_NAME)
+    state = _our_job_record(out / STATE_NAME)
     if not overwrite:
         if manifest is not None and manifest.get("job") == job and manifest.get("slice") == slice_:
             return "complete", manifest
@@ -54,7 +135,79 @@ def prepare_output(out: Path, job: str, slice_: Optional[dict], overwrite: bool)
             )
         raise PretokenizeError(
             f"--output {out} is not empty and holds no pretokenize job "
-            f"({len(entries)} entries, e.g. {sorted(entries)[0]!r}); pass --overwrite to use it"
+            f"({len(foreign)} entries, e.g. {foreign[0]!r}); pass --overwrite to use it"
+        )
+    clashing = [n for n in foreign if is_output_name(n)]
+    if clashing:
+        raise PretokenizeError(
+            f"--output {out}: {clashing[0]!r} has a name this tool writes but was not written by it "
+            f"(no manifest or state of ours names it); move it away, --overwrite never deletes your files"
         )
     clear_outputs(out)
     return "fresh", None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the lock
+
+
+def _lock_owner(path: Path) -> str:
+    data = load_json_file(path) or {}
+    return f"pid {data.get('pid', '?')} on host {data.get('host', '?')} since {data.get('started', '?')}"
+
+
+class OutputLock:
+    """An exclusive lock on an output folder, held while a run writes it: `DIR/.balancer.lock` names the owner
+    (pid, host, start time) and carries an advisory `flock`, which the kernel drops when the owner dies (also on
+    kill -9). A lock file left by a dead run is therefore taken over silently; one held by a live run makes the
+    second run fail naming the file and its owner."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / LOCK_NAME
+        self.fd: Optional[int] = None
+
+    def __enter__(self) -> OutputLock:
+        import fcntl
+
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise PretokenizeError(
+                    f"{self.path}: the folder is being written by another run ({_lock_owner(self.path)}); wait for "
+                    f"it to finish, or stop it; if no such process is running, delete {self.path} and run again"
+                ) from None
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:  # else the previous holder removed the file after we opened it: take the new one
+                break
+            os.close(fd)
+        owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is None:
+            return
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+        os.close(self.fd)
+        self.fd = None
+
+
+def open_output(out: Path, inputs: Sequence[str]) -> OutputLock:
+    """Create `out` (refusing a non-folder, or a folder that is, holds or lies in an input) and return its lock
+    (use as a context manager)."""
+    check_output_vs_inputs(out, inputs)
+    if out.exists() and not out.is_dir():
+        raise PretokenizeError(f"--output {out} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    return OutputLock(out)

@@ -31,7 +31,7 @@ from .manifest import (
     atomic_write_json,
     verify_shard_files,
 )
-from .output import clear_outputs, prepare_output
+from .output import check_output_vs_inputs, clear_outputs, open_output, prepare_output
 from .readers import (
     Cursor,
     PretokenizeError,
@@ -389,22 +389,23 @@ def pretokenize(
         raise PretokenizeError(str(exc)) from exc
     if opts.add_eos and tok.eos_id is None:
         raise PretokenizeError(f"--add-eos: tokenizer {tokenizer!r} has no eos_token")
+    check_output_vs_inputs(out, inputs)
     infos = _hash_inputs(sources, disable)
     job = _job_key(infos, tok, opts)
     start, end, slice_ = _slice_of(sum(i["records"] for i in infos), num_shards, shard_index)
+    with open_output(out, inputs):
+        status, prev = prepare_output(out, job, slice_, overwrite)
+        if status == "complete":
+            return _already_complete(out, prev)
+        shards, counters, cursor = _resume_point(out, prev, cursor_for_record(start, infos))
+        clear_outputs(out, keep={fn for e in shards for fn in e["files"]} | {STATE_NAME})
+        state = {"job": job, "slice": slice_, "shards": shards}
+        atomic_write_json(out / STATE_NAME, state)
 
-    status, prev = prepare_output(out, job, slice_, overwrite)
-    if status == "complete":
-        return _already_complete(out, prev)
-    shards, counters, cursor = _resume_point(out, prev, cursor_for_record(start, infos))
-    clear_outputs(out, keep={fn for e in shards for fn in e["files"]} | {STATE_NAME})
-    state = {"job": job, "slice": slice_, "shards": shards}
-    atomic_write_json(out / STATE_NAME, state)
-
-    run = _ShardRun(out, opts, tok, state, counters)
-    cfg = EncoderConfig(tokenizer, tok.hash, opts.text_field, opts.add_eos)
-    _stream(run, sources, cursor, start, end, cfg, tok, num_proc, disable)
-    manifest = _manifest_of(run, job, slice_, tok, tokenizer, infos, ignored)
-    finish_output(out, manifest, tok.dtype)
+        run = _ShardRun(out, opts, tok, state, counters)
+        cfg = EncoderConfig(tokenizer, tok.hash, opts.text_field, opts.add_eos)
+        _stream(run, sources, cursor, start, end, cfg, tok, num_proc, disable)
+        manifest = _manifest_of(run, job, slice_, tok, tokenizer, infos, ignored)
+        finish_output(out, manifest, tok.dtype)
     summarize(out, manifest)
     return manifest

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from .manifest import atomic_write_json, fsync_file, save_npy, shard_file_names
+from .output import DATASETS_DESCRIPTION, DATASETS_INFO, DATASETS_STATE
 from .readers import sha256_file
 
 FLUSH_TOKENS = 1 << 20  # Arrow record batch: at most ~1M tokens ...
@@ -104,12 +105,17 @@ class ShardWriter:
         }
 
     def abort(self) -> None:
-        """Close the open temporary file after a failure (the caller's cleanup removes it)."""
+        """After a failure: close and remove this shard's temporary files (nothing half-written stays)."""
         try:
             self.writer.close()
             self.sink.close()
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001  (closing after a failed write may fail again; the files go anyway)
             pass
+        for name in (self.arrow_name, self.lengths_name, self.doc_ids_name):
+            try:
+                os.remove(self.out / (name + ".tmp"))
+            except FileNotFoundError:
+                pass
 
 
 def write_datasets_metadata(out: Path, shard_names: list[str], dtype: np.dtype, fingerprint: str) -> None:
@@ -127,9 +133,9 @@ def write_datasets_metadata(out: Path, shard_names: list[str], dtype: np.dtype, 
     }
     info = dataclasses.asdict(
         datasets.DatasetInfo(
-            description="balancer pretokenize output: input_ids per row, doc_id = source record index",
+            description=DATASETS_DESCRIPTION,
             features=shard_features(dtype),
         )
     )
-    atomic_write_json(out / "state.json", state)
-    atomic_write_json(out / "dataset_info.json", {k: info[k] for k in sorted(info)})
+    atomic_write_json(out / DATASETS_STATE, state)
+    atomic_write_json(out / DATASETS_INFO, {k: info[k] for k in sorted(info)})

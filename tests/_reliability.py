@@ -1,0 +1,56 @@
+"""Helpers for the reliability tests: a small pretokenized folder, tampering, and the CLI run in-process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _data_utils import make_texts, write_jsonl  # noqa: E402
+
+from balancer.data.shards import PretokenizeOptions, pretokenize  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def make_corpus(folder: Path, n: int = 120, seed: int = 3) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    return write_jsonl(folder / "c.jsonl", make_texts(n, seed=seed, max_words=120))
+
+
+def tokenize(inputs, out, **opts) -> dict:
+    """In-process byte-tokenizer pretokenize; options as keywords (shard_tokens small: several shards)."""
+    run_args = {k: opts.pop(k) for k in ("overwrite", "num_shards", "shard_index") if k in opts}
+    opts.setdefault("shard_tokens", 4000)
+    return pretokenize([str(i) for i in inputs], out, options=PretokenizeOptions(**opts), progress=False, **run_args)
+
+
+def copy_folder(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_manifest(folder: Path, change) -> None:
+    """Apply `change(manifest)` to folder/manifest.json in place."""
+    path = folder / "manifest.json"
+    m = json.loads(path.read_text())
+    change(m)
+    path.write_text(json.dumps(m))
+
+
+def flip_byte(path: Path, offset_from_end: int = 9) -> None:
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def cli(capsys, *argv) -> tuple[int, list[str]]:
+    """Run `balancer ARGV` in-process: (exit code, non-empty stderr lines)."""
+    from balancer.cli import main
+
+    capsys.readouterr()
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if line.strip()]
