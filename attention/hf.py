@@ -52,7 +52,8 @@ class _Ctx:
     method: str
     backend: str
     head_chunks: int
-    calls: list = field(default_factory=list)  # one entry per attention call inside the block
+    parent: Optional[_Ctx] = None  # the enclosing block: attention run in this block also ran in that one
+    ran: list = field(default_factory=lambda: [False])  # [True] once attention ran inside the block
 
 
 _CTX: contextvars.ContextVar[Optional[_Ctx]] = contextvars.ContextVar("cp_attention_ctx", default=None)
@@ -88,13 +89,13 @@ def cp_context(
             f"Call attention.hf.register() and build the model with attn_implementation={NAME!r} "
             f"(or call model.set_attn_implementation({NAME!r}))"
         )
-    ctx = _Ctx(layout, group, method, backend, head_chunks)
+    ctx = _Ctx(layout, group, method, backend, head_chunks, parent=_CTX.get())
     token = _CTX.set(ctx)
     try:
         yield
     finally:
         _CTX.reset(token)
-    if not ctx.calls:
+    if not ctx.ran[0]:
         raise RuntimeError(
             f"no attention ran through {NAME!r} inside cp_context: the model's attention is not the project's (it "
             f"ignored the CP layout, so its output is wrong). Call attention.hf.register() and build the model with "
@@ -126,8 +127,15 @@ def cp_attention_forward(
     if dropout:
         raise ValueError("CP attention does not implement attention dropout; set attention_dropout=0")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not query.dtype == key.dtype == value.dtype:  # autocast hands mixed precisions (fp32 after RoPE, bf16 values)
+        device = query.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+        query, key, value = (x.to(dtype) for x in (query, key, value))
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-    ctx.calls.append(True)
+    outer = ctx
+    while outer is not None:
+        outer.ran[0] = True
+        outer = outer.parent
     if ctx.layout.cp_size == 1:  # one rank holds every token: packed attention, no process group involved
         cu = ctx.layout.local_cu_seqlens(0)
         out = varlen_attention(q, k, v, cu, causal=bool(causal), softmax_scale=scaling, backend=ctx.backend)

@@ -13,11 +13,11 @@ from _dist_utils import free_port
 VOCAB = 64
 
 
-def tiny_llama(attn: str = "sdpa", seed: int = 0):
+def tiny_llama(attn: str = "sdpa", seed: int = 0, vocab_size: int = VOCAB):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=48,
         num_hidden_layers=2,

@@ -259,16 +259,25 @@ class BalancedTrainingMixin:
             local = int(t.item()) // self.topology.cp
         return max(local, 1)  # a step without loss tokens gives a zero loss, not 0/0
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Packed forward under the CP layout; token cross-entropy over the step's global loss-token count."""
+    def _layout_context(self, model, inputs):
         import attention.hf as ahf
 
         if "layout" not in inputs:
-            raise ValueError("the balanced trainer computes its loss on PackedCollator batches (no 'layout' found)")
-        n = num_items_in_batch if num_items_in_batch is not None else max(int(inputs["num_loss_tokens"]), 1)
-        with ahf.cp_context(
+            raise ValueError("the balanced trainer trains on PackedCollator batches (no 'layout' in the batch)")
+        return ahf.cp_context(
             inputs["layout"], group=self._cp_group, method=self.cp_method, backend=self.attention_backend, model=model
-        ):
+        )
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The stock step (forward + backward) inside the batch's CP layout: activation checkpointing recomputes
+        attention during the backward pass, which needs the layout too."""
+        with self._layout_context(model, inputs):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Packed forward; token cross-entropy over the step's global loss-token count."""
+        n = num_items_in_batch if num_items_in_batch is not None else max(int(inputs["num_loss_tokens"]), 1)
+        with self._layout_context(model, inputs):
             outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False)
         # DDP (and FSDP) average the gradients over the processes; the loss is normalised globally, so undo that
         loss = token_loss(outputs.logits, inputs["labels"], n) * self.accelerator.num_processes
