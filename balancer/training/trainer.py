@@ -33,9 +33,7 @@ try:
     from transformers import Trainer, TrainingArguments
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as exc:  # pragma: no cover - exercised without transformers only
-    raise ImportError(
-        "balancer.hf needs transformers: pip install 'seqbalancer[hf]' (TRL's SFTTrainer also needs trl)"
-    ) from exc
+    raise ImportError("balancer.hf needs transformers and accelerate: pip install 'seqbalancer[trainer]'") from exc
 
 from ..planning.cost import CostModel
 from ..planning.planner import OVERFLOW_POLICIES
