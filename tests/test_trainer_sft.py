@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _data_utils import make_texts, train_hf_tokenizer  # noqa: E402
@@ -49,7 +48,7 @@ def _sft_config(out, **kw):
     return SFTConfig(**base)
 
 
-def _prompt_completion(n: int) -> "datasets.Dataset":
+def _prompt_completion(n: int) -> datasets.Dataset:
     texts = make_texts(2 * n, seed=4, max_words=12)
     return datasets.Dataset.from_dict({"prompt": texts[:n], "completion": texts[n:]})
 
