@@ -33,13 +33,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from . import cp_attention
 from .layout import CPLayout
+from .varlen import varlen_attention
 
 NAME = "cp_attention"
 
@@ -51,24 +52,55 @@ class _Ctx:
     method: str
     backend: str
     head_chunks: int
+    parent: Optional[_Ctx] = None  # the enclosing block: attention run in this block also ran in that one
+    ran: list = field(default_factory=lambda: [False])  # [True] once attention ran inside the block
 
 
 _CTX: contextvars.ContextVar[Optional[_Ctx]] = contextvars.ContextVar("cp_attention_ctx", default=None)
 
 
+def _attn_implementation(model) -> Optional[str]:
+    inner = getattr(model, "module", model)  # DDP / FSDP wrappers keep the model in .module
+    config = getattr(inner, "config", None)
+    return getattr(config, "_attn_implementation", None) if config is not None else None
+
+
 @contextlib.contextmanager
 def cp_context(
-    layout: CPLayout, group=None, method: str = "ring", backend: str = "auto", head_chunks: int = 1
+    layout: CPLayout,
+    group=None,
+    method: str = "ring",
+    backend: str = "auto",
+    head_chunks: int = 1,
+    model: Optional[torch.nn.Module] = None,
 ) -> Iterator[None]:
     """Inside this block, attention of models using ``attn_implementation=NAME`` runs :func:`attention.cp_attention`
-    with this layout, process group (default WORLD), method and backend."""
+    with this layout, process group (default WORLD), method and backend (with ``layout.cp_size == 1``:
+    :func:`attention.varlen_attention`, no process group needed).
+
+    A model still on another attention (sdpa, eager, flash) would ignore the layout and silently compute a wrong
+    result, so: given ``model``, its attention implementation is checked up front (ValueError); in any case a block
+    that ends without this attention having run raises RuntimeError."""
     if not isinstance(layout, CPLayout):
         raise TypeError(f"layout must be a CPLayout, got {type(layout).__name__}")
-    token = _CTX.set(_Ctx(layout, group, method, backend, head_chunks))
+    if model is not None and _attn_implementation(model) != NAME:
+        raise ValueError(
+            f"the model's attention is {_attn_implementation(model)!r}, not {NAME!r}: it would ignore the CP layout. "
+            f"Call attention.hf.register() and build the model with attn_implementation={NAME!r} "
+            f"(or call model.set_attn_implementation({NAME!r}))"
+        )
+    ctx = _Ctx(layout, group, method, backend, head_chunks, parent=_CTX.get())
+    token = _CTX.set(ctx)
     try:
         yield
     finally:
         _CTX.reset(token)
+    if not ctx.ran[0]:
+        raise RuntimeError(
+            f"no attention ran through {NAME!r} inside cp_context: the model's attention is not the project's (it "
+            f"ignored the CP layout, so its output is wrong). Call attention.hf.register() and build the model with "
+            f"attn_implementation={NAME!r} (or model.set_attn_implementation({NAME!r})) before running it here"
+        )
 
 
 def cp_attention_forward(
@@ -95,7 +127,19 @@ def cp_attention_forward(
     if dropout:
         raise ValueError("CP attention does not implement attention dropout; set attention_dropout=0")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not query.dtype == key.dtype == value.dtype:  # autocast hands mixed precisions (fp32 after RoPE, bf16 values)
+        device = query.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+        query, key, value = (x.to(dtype) for x in (query, key, value))
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
+    outer = ctx
+    while outer is not None:
+        outer.ran[0] = True
+        outer = outer.parent
+    if ctx.layout.cp_size == 1:  # one rank holds every token: packed attention, no process group involved
+        cu = ctx.layout.local_cu_seqlens(0)
+        out = varlen_attention(q, k, v, cu, causal=bool(causal), softmax_scale=scaling, backend=ctx.backend)
+        return out.unsqueeze(0), None
     out = cp_attention(
         q,
         k,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -102,24 +103,58 @@ def add_topology_args(p: argparse.ArgumentParser, dp: int = 8, micro_batches: in
     c.add_argument("--fixed", type=float, default=0.0, help="cost per micro-batch (default 0)")
     c.add_argument("--non-causal", action="store_true", help="bidirectional attention: d*d pairs per document")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (there is none without a terminal)")
+
+
+def default_plan_path(source: str, topo: Topology) -> Path:
+    """Where `balancer plan` writes without -o: beside the input (for a folder: next to it, not inside), named after
+    the input and the topology; for a built-in trace name: in the current folder."""
+    src = Path(source)
+    tag = f"plan_dp{topo.dp}_cp{topo.cp}_pp{topo.pp}_m{topo.micro_batches}.json"
+    if not src.exists():
+        return Path(f"{source}.{tag}")
+    src = src.resolve()
+    stem = src.name if src.is_dir() else src.stem
+    return src.parent / f"{stem}.{tag}"
+
+
+def require_plot_backend(args) -> None:
+    """`--plot` needs matplotlib: say so before any work is done."""
+    if getattr(args, "plot", None):
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise ValueError(
+                "--plot needs matplotlib: pip install 'seqbalancer[plot]' (or pip install matplotlib)"
+            ) from None
+
+
+def show_progress(args) -> bool:
+    return not getattr(args, "quiet", False) and sys.stderr.isatty()
+
+
+def baseline_plan(ours, topo: Topology, cost: CostModel, seed: int):
+    """Token-count packing of the same planning units as `ours` (with --overflow split/truncate: the same windows /
+    truncated documents), so the two columns compare the same tokens."""
+    return token_count_plan(ours.end - ours.start, topo, cost, seed=seed)
 
 
 def cmd_plan(args) -> int:
+    require_plot_backend(args)
     lengths = read_lengths(args.lengths)
     cost = cost_from_args(args)
     topo = topology_from_args(args, lengths)
     print(f"{len(lengths):,} documents, {int(lengths.sum()):,} tokens; {topo}", file=sys.stderr)
-    ours = make_plan(lengths, topo, cost, seed=args.seed, overflow=args.overflow, progress=sys.stderr.isatty())
+    ours = make_plan(lengths, topo, cost, seed=args.seed, overflow=args.overflow, progress=show_progress(args))
     plans = {"balancer": ours}
-    if not args.no_baseline and args.overflow == "error":
-        plans["token-count"] = token_count_plan(lengths, topo, cost, seed=args.seed)
+    if not args.no_baseline:
+        plans["token-count"] = baseline_plan(ours, topo, cost, args.seed)
     print(compare_table(plans))
-    out = args.output
-    if out is None and Path(args.lengths).is_dir():
-        out = str(Path(args.lengths) / f"plan_dp{topo.dp}_cp{topo.cp}_pp{topo.pp}_m{topo.micro_batches}.json")
-    if out:
-        ours.save(out)
-        print(f"wrote {out}", file=sys.stderr)
+    if args.overflow != "error" and not args.no_baseline:
+        print(f"(both columns plan the same units: documents after --overflow {args.overflow})")
+    out = Path(args.output) if args.output else default_plan_path(args.lengths, topo)
+    ours.save(out)
+    print(f"wrote {out}", file=sys.stderr)
     if args.plot:
         plot(lengths, cost, args.plot, plans)
         print(f"wrote {args.plot}", file=sys.stderr)
@@ -129,6 +164,7 @@ def cmd_plan(args) -> int:
 def cmd_demo(args) -> int:
     from ..data.traces import load_trace
 
+    require_plot_backend(args)
     lengths = load_trace("wlbllm")
     cost = cost_from_args(args)
     topo = topology_from_args(args, lengths)
@@ -138,7 +174,7 @@ def cmd_demo(args) -> int:
     )
     print(format_stats(length_stats(lengths, cost)) + "\n")
     plans = {
-        "balancer": make_plan(lengths, topo, cost, seed=args.seed, progress=sys.stderr.isatty()),
+        "balancer": make_plan(lengths, topo, cost, seed=args.seed, progress=show_progress(args)),
         "token-count": token_count_plan(lengths, topo, cost, seed=args.seed),
     }
     print(compare_table(plans))
@@ -153,17 +189,38 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def rows_note(source: str) -> str | None:
+    """For a pretokenized folder whose rows are not one per document (split or truncated documents), what the rows
+    are; None otherwise."""
+    if not Path(source).is_dir():
+        return None
+    from ..data.dataset import load_manifest
+
+    counts = load_manifest(source).get("counts", {})
+    rows, docs = counts.get("rows"), counts.get("documents")
+    if rows is None or docs is None or (rows == docs and not counts.get("truncated_documents")):
+        return None
+    return (
+        f"rows are what the planner sees: {rows:,} rows from {docs:,} documents "
+        f"({counts.get('split_documents', 0):,} split into windows, {counts.get('truncated_documents', 0):,} "
+        "truncated)"
+    )
+
+
 def cmd_stats(args) -> int:
+    require_plot_backend(args)
     lengths = read_lengths(args.lengths)
     cost = cost_from_args(args)
-    print(format_stats(length_stats(lengths, cost)))
+    note = rows_note(args.lengths)
+    print(format_stats(length_stats(lengths, cost), unit="rows" if note else "documents"))
+    if note:
+        print(note)
     plans = None
     if not args.no_plan:
         topo = topology_from_args(args, lengths)
         print(f"\nbalance report for {topo}")
-        plans = {"balancer": make_plan(lengths, topo, cost, seed=args.seed, overflow=args.overflow)}
-        if args.overflow == "error":
-            plans["token-count"] = token_count_plan(lengths, topo, cost, seed=args.seed)
+        ours = make_plan(lengths, topo, cost, seed=args.seed, overflow=args.overflow, progress=show_progress(args))
+        plans = {"balancer": ours, "token-count": baseline_plan(ours, topo, cost, args.seed)}
         print(compare_table(plans))
     if args.plot:
         plot(lengths, cost, args.plot, plans)
@@ -210,7 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="error",
         help="documents longer than max_tokens*cp: error (default), split into windows, or truncate",
     )
-    p.add_argument("-o", "--output", help="plan file (.json or .npz); default for a folder: written beside it")
+    p.add_argument(
+        "-o",
+        "--output",
+        help="plan file (.json or .npz); default: beside LENGTHS (for a folder: next to it, not inside), named "
+        "LENGTHS.plan_dpD_cpC_ppP_mM.json; the path is printed",
+    )
     p.add_argument("--plot", metavar="PNG", help="also write a picture of the lengths and per-step balance")
     p.add_argument("--no-baseline", action="store_true", help="skip the token-count comparison")
     p.set_defaults(func=cmd_plan)
@@ -234,13 +296,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cli_message(message: str) -> str:
+    """Library errors speak Python (`overflow='split'`, `Topology.max_tokens`); on the command line, name the flags."""
+    message = re.sub(r"\boverflow='(\w+)'( \([^)]*\))? or '(\w+)'", r"--overflow \1\2 or --overflow \3", message)
+    message = re.sub(r"\boverflow='(\w+)'", r"--overflow \1", message)
+    message = re.sub(r"\bTopology\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), message)
+    message = re.sub(r"\braise max_tokens or cp\b", "raise --max-tokens or --cp", message)
+    return re.sub(r"\blower dp or micro_batches\b", "lower --dp or --micro-batches", message)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError, RuntimeError) as e:
-        print(f"balancer {args.command}: error: {e}", file=sys.stderr)
+        print(f"balancer {args.command}: error: {cli_message(str(e))}", file=sys.stderr)
         return 2
     except OSError as e:
         print(f"balancer {args.command}: error: {describe_os_error(e)}", file=sys.stderr)

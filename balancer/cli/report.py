@@ -44,11 +44,13 @@ def length_stats(lengths: np.ndarray, cost: CostModel) -> dict:
     return out
 
 
-def format_stats(stats: dict) -> str:
+def format_stats(stats: dict, unit: str = "documents") -> str:
+    """The statistics as text; `unit` names what each length is ("documents", or "rows" of a pretokenized folder
+    whose long documents were split into windows)."""
     lines = [
-        f"documents {stats['documents']:,}  tokens {stats['tokens']:,}  mean {stats['mean']:.0f}  "
+        f"{unit} {stats['documents']:,}  tokens {stats['tokens']:,}  mean {stats['mean']:.0f}  "
         f"max {stats['max']:,}  p50 {stats['percentiles']['50']:.0f}  p99 {stats['percentiles']['99']:.0f}",
-        f"{'length >':>10} {'documents':>10} {'tokens':>8} {'attention':>10} {'cost':>7}",
+        f"{'length >':>10} {unit:>10} {'tokens':>8} {'attention':>10} {'cost':>7}",
     ]
     for t, row in stats["above"].items():
         lines.append(
@@ -72,10 +74,11 @@ def compare_table(plans: dict[str, Plan]) -> str:
             v = metrics[n][row]
             cells.append(f"{v:>{width},}" if isinstance(v, int) else f"{v:>{width}.4f}")
         lines.append(f"{row:<20}" + "".join(cells))
-    lines.append(
-        f"{'speedup vs ' + names[-1]:<20}"
-        + "".join(f"{base / metrics[n]['step_time_total']:>{width}.3f}" for n in names)
-    )
+    if len(names) > 1:  # a plan against itself says nothing
+        lines.append(
+            f"{'speedup vs ' + names[-1]:<20}"
+            + "".join(f"{base / metrics[n]['step_time_total']:>{width}.3f}" for n in names)
+        )
     return "\n".join(lines)
 
 
@@ -84,7 +87,9 @@ def plot(lengths: np.ndarray, cost: CostModel, path: str, plans: dict[str, Plan]
     try:
         import matplotlib
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib (or the package's [plot] extra)") from None
+        raise ValueError(
+            "--plot needs matplotlib: pip install 'seqbalancer[plot]' (or pip install matplotlib)"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -91,7 +91,11 @@ class HFTokenizer(Tokenizer):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
         try:
             from transformers import AutoTokenizer
-
+        except ImportError:
+            raise TokenizerError(
+                f"tokenizer {name_or_path!r} needs transformers: pip install 'seqbalancer[hf]'"
+            ) from None
+        try:
             self.tok = AutoTokenizer.from_pretrained(name_or_path)
         except Exception as exc:  # transformers raises OSError/ValueError/HTTP errors
             raise TokenizerError(

@@ -1,0 +1,362 @@
+"""Hugging Face ``transformers.Trainer`` and TRL ``SFTTrainer`` on balanced, packed data (import ``balancer.hf``).
+
+What the two classes change in the stock training loop (everything else - optimizer, scheduler, logging,
+checkpoints, DDP/FSDP through accelerate - is the stock Trainer's):
+
+- data: ``BalancedBatchSampler`` (this DP rank's micro-batches of the epoch's plan) + ``PackedCollator`` (one packed
+  sequence per micro-batch, cut to this CP rank's share), in a plain DataLoader;
+- gradient accumulation = the plan's ``micro_batches``; the optimizer step = the plan's step;
+- loss = ``balancer.loss.token_loss``: the summed token cross-entropy divided by the step's global loss-token count
+  (all DP ranks, all micro-batches; one integer all-reduce per step), times the process count because DDP averages
+  gradients: the gradient is exactly the one of the step's mean token loss;
+- attention: the model is switched to ``attention.hf.NAME``, which reads the packed layout (exact CP attention over
+  the CP group when ``topology.cp > 1``, packed single-device attention when ``cp == 1``); ranks come from
+  torch.distributed: rank = dp_rank * cp + cp_rank;
+- epochs: the number of optimizer steps of every epoch comes from its own plan (plans of different seeds can differ
+  by a step); resume reads the sampler state saved in the checkpoint (``balancer_sampler.json``) and continues the
+  epoch at the exact micro-batch, also after a change of topology at a step boundary.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+try:
+    from transformers import Trainer, TrainingArguments
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as exc:  # pragma: no cover - exercised without transformers only
+    raise ImportError("balancer.hf needs transformers and accelerate: pip install 'seqbalancer[trainer]'") from exc
+
+from ..planning.cost import CostModel
+from ..planning.planner import OVERFLOW_POLICIES
+from ..planning.planner import plan as make_plan
+from ..planning.topology import Topology
+from .collate import PackedCollator
+from .loss import token_loss
+from .sampler import BalancedBatchSampler, SpanDataset, resolve_lengths
+
+logger = logging.getLogger(__name__)
+
+SAMPLER_STATE_NAME = "balancer_sampler.json"
+# Trainer internals the integration relies on (present in transformers 5.x)
+_REQUIRED_HOOKS = ("_run_epoch", "_init_training_state", "set_initial_training_values", "_get_num_items_in_batch")
+
+
+def check_topology(topology: Topology) -> None:
+    """Refuse what the Trainer integration cannot run, with the reason."""
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a balancer.Topology, got {type(topology).__name__}")
+    if getattr(topology, "cp_sizes", None):
+        raise ValueError(
+            f"dynamic CP (topology cp_sizes={topology.cp_sizes}) is not supported by the Trainer integration yet: "
+            "use a static topology (cp_sizes=None)"
+        )
+    if topology.pp != 1:
+        raise ValueError(f"pipeline parallelism (pp={topology.pp}) is not supported by the Trainer integration: pp=1")
+
+
+def balanced_args(args: TrainingArguments, topology: Topology) -> TrainingArguments:
+    """A copy of ``args`` whose gradient accumulation is the plan's micro-batches; a conflicting explicit value is an
+    error (1, the default, is taken as unset)."""
+    for hook in _REQUIRED_HOOKS:
+        if not hasattr(Trainer, hook):
+            import transformers
+
+            raise ImportError(
+                f"balancer.hf needs transformers >= 5 (Trainer.{hook}); installed: {transformers.__version__}"
+            )
+    m = topology.micro_batches
+    if args.gradient_accumulation_steps not in (1, m):
+        raise ValueError(
+            f"gradient_accumulation_steps={args.gradient_accumulation_steps} conflicts with the plan: an optimizer "
+            f"step is the topology's micro_batches={m} micro-batches; leave gradient_accumulation_steps unset (or "
+            f"set it to {m}), and change Topology(micro_batches=...) instead"
+        )
+    if args.eval_strategy != "no":
+        raise ValueError(
+            "evaluation during balanced training is not supported: set eval_strategy='no' (evaluate with a plain "
+            "Trainer on the saved model)"
+        )
+    args = copy.copy(args)
+    args.gradient_accumulation_steps = m
+    return args
+
+
+class BalancedTrainingMixin:
+    """The balanced data loader, loss, attention and resume logic shared by both Trainer classes."""
+
+    loss_is_scaled_for_ga = True  # compute_loss already divides by the whole step's loss-token count
+
+    # ---- set-up ----------------------------------------------------------------------------------------------
+    def _balanced_setup(
+        self,
+        topology: Topology,
+        cost: Optional[CostModel],
+        lengths,
+        overflow: str,
+        layout: str,
+        cp_method: str,
+        attention_backend: str,
+        seed: Optional[int],
+    ) -> None:
+        import attention.hf as ahf
+
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+        model = self.model
+        if cost is None:
+            cost = CostModel.from_config(model.config.to_dict())
+        ahf.register()
+        if getattr(model.config, "_attn_implementation", None) != ahf.NAME:
+            logger.info(
+                "switching the model's attention from %r to %r (packed batches need document-aware attention)",
+                model.config._attn_implementation,
+                ahf.NAME,
+            )
+            model.set_attn_implementation(ahf.NAME)
+        self.topology, self.cost_model = topology, cost
+        self.cp_method, self.attention_backend = cp_method, attention_backend
+        self.dp_rank, self.cp_rank, self._cp_group = _ranks(topology)
+        lengths, _ = resolve_lengths(self.train_dataset if lengths is None else lengths, self.train_dataset)
+        self.balanced_sampler = BalancedBatchSampler(
+            lengths,
+            topology,
+            cost,
+            dp_rank=self.dp_rank,
+            seed=self.args.seed if seed is None else seed,
+            overflow=overflow,
+        )
+        self.packed_collator = PackedCollator(cp_rank=self.cp_rank, cp_size=topology.cp, layout=layout)
+        if overflow != "error":
+            self.train_dataset = SpanDataset(self.train_dataset)
+        self._resume_epoch: Optional[int] = None
+        self._epoch_start = (0, 0)  # (sampler position, global step) when the current epoch's loop began
+        self._steps_per_epoch: dict[int, int] = {}
+        if self.args.per_device_train_batch_size != 1:
+            logger.info("per_device_train_batch_size is not used: the plan's micro-batches are the batches")
+
+    # ---- data ------------------------------------------------------------------------------------------------
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
+        """This rank's balanced, packed micro-batches (the sampler is rank-aware: not re-sharded by accelerate)."""
+        a = self.args
+        kwargs = dict(num_workers=a.dataloader_num_workers, pin_memory=a.dataloader_pin_memory)
+        if a.dataloader_num_workers > 0:
+            kwargs.update(
+                persistent_workers=a.dataloader_persistent_workers,
+                prefetch_factor=a.dataloader_prefetch_factor,
+                multiprocessing_context=a.dataloader_multiprocessing_context,
+            )
+        return torch.utils.data.DataLoader(
+            self.train_dataset, batch_sampler=self.balanced_sampler, collate_fn=self.packed_collator, **kwargs
+        )
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        raise NotImplementedError(
+            "evaluation on balanced packed data is not supported: evaluate the saved model with a plain Trainer"
+        )
+
+    def _epoch_num_steps(self, epoch: int) -> int:
+        """Optimizer steps of `epoch`'s plan (plans of different seeds may differ by a step)."""
+        if epoch not in self._steps_per_epoch:
+            s = self.balanced_sampler
+            if epoch == s.epoch and not s._history:
+                n = s.num_steps
+            else:
+                n = make_plan(s.lengths, s.topology, s.cost, seed=s.seed + epoch, overflow=s.overflow).num_steps
+            self._steps_per_epoch[epoch] = n
+        return self._steps_per_epoch[epoch]
+
+    def set_initial_training_values(self, args, dataloader):
+        values = list(super().set_initial_training_values(args, dataloader))
+        if args.max_steps > 0:  # training stops at max_steps; one epoch of margin for epochs a step shorter
+            values[0] += 1
+        else:  # the exact count over the epochs, each with its own plan
+            whole = int(math.floor(args.num_train_epochs))
+            total = sum(self._epoch_num_steps(e) for e in range(whole))
+            frac = args.num_train_epochs - whole
+            if frac > 0:
+                total += math.ceil(frac * self._epoch_num_steps(whole))
+            values[6] = total
+        return tuple(values)
+
+    # ---- resume ----------------------------------------------------------------------------------------------
+    def _init_training_state(
+        self, max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+    ):
+        epochs_trained, skipped = super()._init_training_state(
+            max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
+        )
+        self._resume_epoch = None
+        if resume_from_checkpoint is None or self.args.ignore_data_skip:
+            return epochs_trained, skipped
+        path = os.path.join(resume_from_checkpoint, SAMPLER_STATE_NAME)
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{resume_from_checkpoint}: no {SAMPLER_STATE_NAME} (not a checkpoint of a balanced trainer); pass "
+                "ignore_data_skip=True in the TrainingArguments to resume at the start of the epoch instead"
+            )
+        with open(path, encoding="utf-8") as f:
+            state = json.load(f)
+        sampler = self.balanced_sampler
+        sampler.load_state_dict(state)
+        if sampler.position >= len(sampler):  # saved at the end of an epoch: the next one starts fresh
+            return sampler.epoch + 1, 0
+        self._resume_epoch = sampler.epoch
+        return sampler.epoch, 0
+
+    def _run_epoch(self, **kwargs):
+        """One epoch of the stock loop, told this epoch's own length (and, when resuming, what is left of it)."""
+        epoch = kwargs["epoch"]
+        sampler = self.balanced_sampler
+        sampler.set_epoch(epoch)  # keeps a loaded resume position when it is this epoch's
+        start = sampler.position if epoch == self._resume_epoch else 0
+        self._resume_epoch = None
+        remaining = len(sampler) - start
+        m = self.topology.micro_batches
+        self._epoch_start = (start, self.state.global_step)
+        kwargs.update(
+            steps_in_epoch=remaining,
+            num_update_steps_per_epoch=remaining // m,
+            steps_trained_in_current_epoch=0,
+        )
+        return super()._run_epoch(**kwargs)
+
+    def sampler_state(self) -> dict:
+        """The sampler's resume state at the last finished optimizer step (what a checkpoint saves)."""
+        start, step0 = self._epoch_start
+        position = start + (self.state.global_step - step0) * self.topology.micro_batches
+        return self.balanced_sampler.state_dict(position=min(position, len(self.balanced_sampler)))
+
+    def _save_checkpoint(self, model, trial) -> None:
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save:  # before the Trainer's own files: trainer_state.json, written last, marks it done
+            os.makedirs(folder, exist_ok=True)
+            tmp = os.path.join(folder, SAMPLER_STATE_NAME + ".tmp")
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(self.sampler_state(), f)
+            os.replace(tmp, os.path.join(folder, SAMPLER_STATE_NAME))
+        super()._save_checkpoint(model, trial)
+
+    # ---- loss ------------------------------------------------------------------------------------------------
+    def _get_num_items_in_batch(self, batch_samples: list, device) -> int:
+        """The step's global loss-token count: the collator counts a replica's micro-batch over all its CP ranks,
+        so the sum over all processes counts every replica `cp` times."""
+        local = sum(int(b["num_loss_tokens"]) for b in batch_samples)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            on = torch.device("cpu") if dist.get_backend() == "gloo" else self.args.device
+            t = torch.tensor([local], dtype=torch.int64, device=on)
+            dist.all_reduce(t)
+            local = int(t.item()) // self.topology.cp
+        return max(local, 1)  # a step without loss tokens gives a zero loss, not 0/0
+
+    def _layout_context(self, model, inputs):
+        import attention.hf as ahf
+
+        if "layout" not in inputs:
+            raise ValueError("the balanced trainer trains on PackedCollator batches (no 'layout' in the batch)")
+        return ahf.cp_context(
+            inputs["layout"], group=self._cp_group, method=self.cp_method, backend=self.attention_backend, model=model
+        )
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The stock step (forward + backward) inside the batch's CP layout: activation checkpointing recomputes
+        attention during the backward pass, which needs the layout too."""
+        with self._layout_context(model, inputs):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Packed forward; token cross-entropy over the step's global loss-token count."""
+        n = num_items_in_batch if num_items_in_batch is not None else max(int(inputs["num_loss_tokens"]), 1)
+        with self._layout_context(model, inputs):
+            outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False)
+        # DDP (and FSDP) average the gradients over the processes; the loss is normalised globally, so undo that
+        loss = token_loss(outputs.logits, inputs["labels"], n) * self.accelerator.num_processes
+        return (loss, outputs) if return_outputs else loss
+
+
+def _ranks(topology: Topology) -> tuple[int, int, Optional[object]]:
+    """(dp_rank, cp_rank, CP process group) from torch.distributed; rank = dp_rank * cp + cp_rank."""
+    world = topology.dp * topology.cp
+    if not (dist.is_available() and dist.is_initialized()):
+        if world != 1:
+            raise ValueError(
+                f"the topology has dp*cp = {topology.dp}*{topology.cp} = {world} ranks but torch.distributed is not "
+                f"initialised: launch {world} processes (torchrun --nproc-per-node {world} ... or accelerate launch)"
+            )
+        return 0, 0, None
+    if dist.get_world_size() != world:
+        raise ValueError(
+            f"torch.distributed has {dist.get_world_size()} processes but the topology needs dp*cp = "
+            f"{topology.dp}*{topology.cp} = {world}"
+        )
+    dp_rank, cp_rank = divmod(dist.get_rank(), topology.cp)
+    group = None
+    if topology.cp > 1:  # every rank creates every group, in the same order
+        groups = [dist.new_group(list(range(d * topology.cp, (d + 1) * topology.cp))) for d in range(topology.dp)]
+        group = groups[dp_rank]
+    return dp_rank, cp_rank, group
+
+
+def _dataset_for_packing(dataset):
+    """A `datasets.Dataset` reduced to its token columns, rows as numpy arrays; other datasets as they are."""
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover
+        return dataset
+    if isinstance(dataset, datasets.Dataset):
+        if "input_ids" not in dataset.column_names:
+            raise ValueError(
+                f"the training dataset has no 'input_ids' column (columns: {dataset.column_names}): tokenize it first "
+                "(or use BalancedSFTTrainer with a text column and a tokenizer)"
+            )
+        keep = [c for c in ("input_ids", "labels") if c in dataset.column_names]
+        return dataset.select_columns(keep).with_format("numpy")
+    return dataset
+
+
+class BalancedTrainer(BalancedTrainingMixin, Trainer):
+    """``transformers.Trainer`` on balanced, packed data (see the module docstring).
+
+    Args (besides the Trainer's own):
+        train_dataset: rows with ``input_ids`` (and optionally ``labels``, -100 = no loss): a ``datasets.Dataset``,
+            a ``balancer.ShardDataset``, or any map-style dataset (then pass ``lengths``).
+        topology: the run's ``balancer.Topology`` (dp * cp processes; pp = 1).
+        cost: the ``CostModel``; default ``CostModel.from_config(model.config)``.
+        lengths: token count per row, when the dataset cannot give them cheaply.
+        overflow: the planner's policy for documents longer than ``max_tokens * cp`` ("error", "split", "truncate").
+        layout: the CP layout kind of ``PackedCollator``; cp_method: "ring" or "allgather"; attention_backend: as for
+            ``attention.cp_attention``; seed: the plan's seed (default ``args.seed``).
+    """
+
+    def __init__(
+        self,
+        model=None,
+        args: Optional[TrainingArguments] = None,
+        train_dataset=None,
+        *,
+        topology: Topology,
+        cost: Optional[CostModel] = None,
+        lengths=None,
+        overflow: str = "error",
+        layout: str = "zigzag",
+        cp_method: str = "ring",
+        attention_backend: str = "auto",
+        seed: Optional[int] = None,
+        **kwargs,
+    ) -> None:
+        check_topology(topology)
+        if train_dataset is None:
+            raise ValueError("train_dataset is required")
+        if kwargs.get("eval_dataset") is not None:
+            raise ValueError("eval_dataset is not supported by the balanced trainer: evaluate with a plain Trainer")
+        args = balanced_args(args if args is not None else TrainingArguments(output_dir="trainer_output"), topology)
+        super().__init__(model=model, args=args, train_dataset=_dataset_for_packing(train_dataset), **kwargs)
+        self._balanced_setup(topology, cost, lengths, overflow, layout, cp_method, attention_backend, seed)

@@ -1,0 +1,76 @@
+"""BalancedTrainer epochs and resume: every epoch runs its own plan's number of steps (plans of different seeds can
+differ by a step), and a run stopped mid-epoch and resumed from its Trainer checkpoint sees exactly the data order of
+an uninterrupted run and ends with the same weights."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _trainer_utils import tiny_llama, token_rows, training_args  # noqa: E402
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+ROWS = token_rows(18, seed=5)
+SEED = 1  # epoch 0 is planned with seed 1 (4 steps), epoch 1 with seed 2 (5 steps)
+STOP = 6  # checkpoint and stop 2 steps into epoch 1
+
+
+def _trainer(out_dir, callbacks=(), **args):
+    import balancer
+    import balancer.hf
+
+    class Recording(balancer.hf.BalancedTrainer):
+        def compute_loss(self, model, inputs, **kwargs):
+            self.order.append(inputs["input_ids"][0].tolist())
+            return super().compute_loss(model, inputs, **kwargs)
+
+    topo = balancer.Topology(dp=1, cp=1, micro_batches=2, max_tokens=48)
+    kw = dict(learning_rate=0.05, lr_scheduler_type="linear", num_train_epochs=2)
+    kw.update(args)
+    trainer = Recording(
+        model=tiny_llama(),
+        args=training_args(out_dir, **kw),
+        train_dataset=datasets.Dataset.from_dict({"input_ids": ROWS}),
+        topology=topo,
+        seed=SEED,
+        callbacks=list(callbacks),
+    )
+    trainer.order = []
+    return trainer
+
+
+class _StopAt(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == STOP:
+            control.should_training_stop = True
+
+
+def test_epoch_lengths_and_exact_resume(tmp_path):
+    full = _trainer(tmp_path / "full")
+    steps = [full._epoch_num_steps(e) for e in (0, 1)]
+    assert steps == [4, 5]  # the case the stock Trainer gets wrong (it assumes epoch 0's length for every epoch)
+    full.train()
+    assert full.state.global_step == sum(steps)
+    n_tokens = sum(len(r) for r in ROWS)
+    per_epoch = [full.order[: 2 * steps[0]], full.order[2 * steps[0] :]]
+    assert [sum(len(mb) for mb in ep) for ep in per_epoch] == [n_tokens, n_tokens]  # every token once per epoch
+
+    first = _trainer(tmp_path / "run", callbacks=[_StopAt()], save_strategy="steps", save_steps=STOP)
+    first.train()
+    ckpt = tmp_path / "run" / f"checkpoint-{STOP}"
+    state = json.loads((ckpt / "balancer_sampler.json").read_text())
+    assert (state["epoch"], state["position"]) == (1, 2 * (STOP - steps[0]))
+
+    resumed = _trainer(tmp_path / "run")
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert first.order + resumed.order == full.order
+    assert resumed.state.global_step == sum(steps)
+    for (name, a), b in zip(resumed.model.named_parameters(), full.model.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6), name
