@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -65,8 +63,6 @@ from .shards import (
     _verify_shard_entry,
     atomic_write_json,
 )
-
-logger = logging.getLogger(__name__)
 
 OVERFLOW_CHOICES = ("error", "split", "truncate")
 
@@ -133,16 +129,12 @@ class RowShardWriter:
             pass
 
 
-def _batches(tokens: np.ndarray, first: int) -> Iterator[tuple[int, int]]:
-    """(first row, count) of the record batches from row `first` on: at most FLUSH_ROWS rows, and a batch closes
-    once it holds FLUSH_TOKENS tokens (boundaries depend only on the rows, so resumed runs cut the same way)."""
-    row = first
-    while row < len(tokens):
-        end = min(row + FLUSH_ROWS, len(tokens))
-        over = np.searchsorted(np.cumsum(tokens[row:end]), FLUSH_TOKENS)
-        end = min(end, row + int(over) + 1)
-        yield row, end - row
-        row = end
+def _batch_end(tokens: np.ndarray, row: int, limit: int) -> int:
+    """End of the record batch starting at `row`: at most FLUSH_ROWS rows, closed at the row that reaches `limit`
+    tokens (boundaries depend only on the rows and the shard's start, so a resumed run cuts the same way)."""
+    end = min(row + FLUSH_ROWS, len(tokens))
+    reach = int(np.searchsorted(np.cumsum(tokens[row:end]), limit))
+    return min(end, row + reach + 1)
 
 
 def _write_rows(
@@ -157,33 +149,35 @@ def _write_rows(
     schema = pack_features(source.dtype).arrow_schema
     shards = state["shards"]
     done = sum(s["rows"] for s in shards)
-    total = sum(rows_per_epoch(p) for p in plans)
     writer: Optional[RowShardWriter] = None
+
+    def close_shard() -> None:
+        nonlocal writer
+        shards.append(writer.close())
+        writer = None
+        atomic_write_json(out / PACK_STATE_NAME, state)
+
+    total = sum(rows_per_epoch(p) for p in plans)
     bar = tqdm(total=total, initial=done, unit="row", desc="pack", disable=None if progress is None else not progress)
     epoch_first = 0
     try:
         for epoch, plan in enumerate(plans):
             count = rows_per_epoch(plan)
-            if done >= epoch_first + count:
-                epoch_first += count
-                continue
-            tokens = row_tokens(plan)
-            for first, n in _batches(tokens, done - epoch_first):
+            row = max(0, done - epoch_first)
+            tokens = row_tokens(plan) if row < count else None
+            while row < count:
                 if writer is None:
-                    writer = RowShardWriter(out, len(shards), schema, epoch_first + first)
-                writer.write(build_rows(source, plan, epoch, first, n, schema), int(tokens[first : first + n].sum()))
+                    writer = RowShardWriter(out, len(shards), schema, epoch_first + row)
+                end = _batch_end(tokens, row, min(FLUSH_TOKENS, shard_tokens - writer.tokens))
+                writer.write(build_rows(source, plan, epoch, row, end - row, schema), int(tokens[row:end].sum()))
                 source.release()
-                done = epoch_first + first + n
-                bar.update(n)
+                bar.update(end - row)
+                row = end
                 if writer.tokens >= shard_tokens:
-                    shards.append(writer.close())
-                    writer = None
-                    atomic_write_json(out / PACK_STATE_NAME, state)
+                    close_shard()
             epoch_first += count
         if writer is not None:
-            shards.append(writer.close())
-            writer = None
-            atomic_write_json(out / PACK_STATE_NAME, state)
+            close_shard()
     except BaseException:
         if writer is not None:
             writer.abort()
@@ -217,7 +211,9 @@ def _prepare(out: Path, job: str, overwrite: bool) -> tuple[str, Optional[dict]]
     entries = sorted(os.listdir(out))
     manifest = _load_json_file(out / MANIFEST_NAME)
     state = _load_json_file(out / PACK_STATE_NAME)
-    if entries and not overwrite:
+    idle = manifest is None and state is not None and not (state.get("plans") or state.get("shards"))
+    idle = idle and all(_ours(n) for n in entries)
+    if entries and not overwrite and not idle:  # a state that recorded nothing yet is replaced freely
         if manifest is not None and manifest.get("job") == job:
             return "complete", manifest
         if manifest is None and state is not None and state.get("job") == job:
@@ -250,7 +246,7 @@ def _plans(out: Path, source: SourceTokens, topology, cost, epochs, seed, overfl
 
 
 def pack(
-    source: str | os.PathLike,
+    source: str | os.PathLike | SourceTokens,
     output: str | os.PathLike,
     topology: Topology,
     cost: CostModel,
@@ -275,7 +271,8 @@ def pack(
         raise PackError(f"--overflow must be one of {OVERFLOW_CHOICES}, got {overflow!r}")
     if epochs < 1 or shard_tokens < 1:
         raise PackError(f"--epochs and --shard-tokens must be >= 1, got {epochs} and {shard_tokens}")
-    src = SourceTokens(source)
+    src = source if isinstance(source, SourceTokens) else SourceTokens(source)
+    check_fits(src, topology, overflow)
     out = Path(output)
     if out.resolve() == src.path.resolve():
         raise PackError(f"--output {out} is the source folder; write the packed rows to another folder")
@@ -287,7 +284,7 @@ def pack(
         problems = verify_packed(out)
         if problems:
             raise PackError(f"{out} holds this job's output but it fails verification: {problems[0]}; pass --overwrite")
-        logger.info("%s: already complete (%d rows)", out, prev["counts"]["rows"])
+        _say(f"{out}: already complete ({prev['counts']['rows']} rows, {prev['counts']['tokens']} tokens)")
         return prev
     state = {"job": job, "plans": [], "shards": []}
     if status == "resume":
@@ -296,6 +293,8 @@ def pack(
             if _verify_shard_entry(out, entry) is not None:
                 break
             state["shards"].append(entry)
+        rows = sum(e["rows"] for e in state["shards"])
+        _say(f"{out}: resuming after {len(state['shards'])} finished shard(s) at row {rows}")
     keep = {fn for e in state["plans"] + state["shards"] for fn in e["files"]}
     for name in os.listdir(out):
         if _ours(name) and name not in keep | {PACK_STATE_NAME}:
@@ -306,10 +305,9 @@ def pack(
     manifest = _manifest(src, job, topology, cost, epochs, seed, overflow, shard_tokens, plans, state)
     _finish(out, manifest, src.dtype)
     c = manifest["counts"]
-    print(
+    _say(
         f"{out}: {c['rows']} rows ({c['rows'] // topology.dp} per DP rank), {c['tokens']} tokens, "
-        f"{len(plans)} epoch(s), {len(manifest['shards'])} shard(s)",
-        file=sys.stderr,
+        f"{len(plans)} epoch(s), {len(manifest['shards'])} shard(s)"
     )
     return manifest
 
@@ -386,6 +384,10 @@ def _finish(out: Path, manifest: dict, dtype: np.dtype) -> None:
         os.remove(out / PACK_STATE_NAME)
     except FileNotFoundError:
         pass
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _version() -> str:
