@@ -154,6 +154,10 @@ def test_flattening_collator_and_varlen_on_rows(packed):
         assert batch["position_ids"][0].tolist() == ex["position_ids"]
         assert torch.equal(batch["cu_seq_lens_q"], cu) and batch["max_length_q"] == max(ex["seq_lens"])
         multi += len(ex["seq_lens"]) > 1
+        # the CP path: every CP rank of the replica collates the same row and keeps its share
+        shares = [balancer.PackedCollator(cp_rank=c, cp_size=TOPO.cp)(unpack(ex)) for c in range(TOPO.cp)]
+        assert torch.equal(shares[0]["cu_seqlens"], cu)
+        assert torch.equal(shares[0]["layout"].unshard([s["input_ids"][0] for s in shares]), batch["input_ids"][0])
     assert multi > 0
     # a real (tiny) model: the packed row gives each piece exactly its own logits
     torch.manual_seed(0)
@@ -188,6 +192,10 @@ def test_bad_input_one_line_exit_2(tok, tmp_path, capsys):
     row_no = int(re.search(r"row (\d+) \(source record \d+\) has (\d+) tokens", err).group(1))
     assert ShardDataset(tok).lengths[row_no] > 512
     assert not (tmp_path / "o").exists() or not os.listdir(tmp_path / "o")  # refused before writing anything
+    assert cli_main([base[0], str(tok), "--output", str(tmp_path / "o"), "--dp", "64", "--micro-batches", "8"]) == 2
+    err = capsys.readouterr().err.strip()  # the planner refuses: too few rows for 512 micro-batches a step
+    assert err.count("\n") == 0 and "micro_batches" in err, err
+    assert not os.listdir(tmp_path / "o")
 
     @dataclasses.dataclass(frozen=True)
     class DynamicTopology(balancer.Topology):

@@ -170,7 +170,6 @@ def _write_rows(
                     writer = RowShardWriter(out, len(shards), schema, epoch_first + row)
                 end = _batch_end(tokens, row, min(FLUSH_TOKENS, shard_tokens - writer.tokens))
                 writer.write(build_rows(source, plan, epoch, row, end - row, schema), int(tokens[row:end].sum()))
-                source.release()
                 bar.update(end - row)
                 row = end
                 if writer.tokens >= shard_tokens:
@@ -271,9 +270,14 @@ def pack(
         raise PackError(f"--overflow must be one of {OVERFLOW_CHOICES}, got {overflow!r}")
     if epochs < 1 or shard_tokens < 1:
         raise PackError(f"--epochs and --shard-tokens must be >= 1, got {epochs} and {shard_tokens}")
-    src = source if isinstance(source, SourceTokens) else SourceTokens(source)
+    if isinstance(source, SourceTokens):
+        return _pack(source, Path(output), topology, cost, epochs, seed, overflow, shard_tokens, overwrite, progress)
+    with SourceTokens(source) as src:
+        return _pack(src, Path(output), topology, cost, epochs, seed, overflow, shard_tokens, overwrite, progress)
+
+
+def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, shard_tokens, overwrite, progress):
     check_fits(src, topology, overflow)
-    out = Path(output)
     if out.resolve() == src.path.resolve():
         raise PackError(f"--output {out} is the source folder; write the packed rows to another folder")
     job = _job_key(src, topology, cost, epochs, seed, {"overflow": overflow, "shard_tokens": shard_tokens})
@@ -300,7 +304,12 @@ def pack(
         if _ours(name) and name not in keep | {PACK_STATE_NAME}:
             os.remove(out / name)
     atomic_write_json(out / PACK_STATE_NAME, state)
-    plans = _plans(out, src, topology, cost, epochs, seed, overflow, state)
+    try:
+        plans = _plans(out, src, topology, cost, epochs, seed, overflow, state)
+    except PackError:
+        if not state["plans"]:  # the planner refused the topology: leave no trace of this run
+            os.remove(out / PACK_STATE_NAME)
+        raise
     _write_rows(out, src, plans, state, shard_tokens, progress)
     manifest = _manifest(src, job, topology, cost, epochs, seed, overflow, shard_tokens, plans, state)
     _finish(out, manifest, src.dtype)

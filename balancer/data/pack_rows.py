@@ -56,11 +56,9 @@ def pack_features(dtype: np.dtype):
 
 
 class SourceTokens:
-    """Token ids of a finished pretokenize folder, by row, memory-mapped (zero copy).
-
-    `piece(row, start, end)` is a read-only view. `release()` drops the pages this process has touched from its
-    resident set (they stay in the page cache), so its memory stays flat however much of the folder it reads.
-    """
+    """Token ids of a finished pretokenize folder, by row, read with `os.preadv` at byte offsets found once through
+    a memory map: reads go through the page cache and never into this process's resident set, so its memory stays
+    flat however much of the folder it reads. `close()` closes the files."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -68,32 +66,46 @@ class SourceTokens:
             self.manifest = load_manifest(self.path)
         except PretokenizeError as exc:
             raise PackError(f"{exc}; pack reads the output of `balancer pretokenize`") from None
-        self._maps: list[mmap.mmap] = []
-        self._values: list[np.ndarray] = []
-        row_chunk, row_begin, row_len = [], [], []
-        for entry in self.manifest["shards"]:
-            arrow = self.path / shard_file_names(entry["name"])[0]
-            self._check_size(arrow, entry)
-            with open(arrow, "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._maps.append(mm)
-            try:
-                table = pa.ipc.open_stream(pa.BufferReader(pa.py_buffer(mm))).read_all()
-                chunks = table.column("input_ids").chunks
-            except (pa.ArrowException, KeyError) as exc:
-                raise PackError(f"{arrow}: unreadable shard ({exc}); run `balancer verify {self.path}`") from None
-            for chunk in chunks:
-                offsets = np.asarray(chunk.offsets.to_numpy(), dtype=np.int64)
-                row_chunk.append(np.full(len(chunk), len(self._values), dtype=np.int32))
-                row_begin.append(offsets[:-1].copy())
-                row_len.append(np.diff(offsets))
-                self._values.append(chunk.values.to_numpy(zero_copy_only=True))
-        empty = np.zeros(0, np.int64)
-        self.row_chunk = np.concatenate(row_chunk) if row_chunk else empty.astype(np.int32)
-        self.row_begin = np.concatenate(row_begin) if row_begin else empty
-        self.lengths = np.concatenate(row_len) if row_len else empty
         self.dtype = np.dtype(self.manifest["tokenizer"]["dtype"])
+        self._fds: list[int] = []
+        row_file, row_byte, row_len = [], [], []
+        try:
+            for entry in self.manifest["shards"]:
+                arrow = self.path / shard_file_names(entry["name"])[0]
+                self._check_size(arrow, entry)
+                self._fds.append(os.open(arrow, os.O_RDONLY))
+                for byte, lengths in self._chunk_layout(arrow):
+                    row_file.append(np.full(len(lengths), len(self._fds) - 1, dtype=np.int32))
+                    row_byte.append(byte)
+                    row_len.append(lengths)
+        except BaseException:
+            self.close()
+            raise
+        empty = np.zeros(0, np.int64)
+        self.row_file = np.concatenate(row_file) if row_file else empty.astype(np.int32)
+        self.row_byte = np.concatenate(row_byte) if row_byte else empty
+        self.lengths = np.concatenate(row_len) if row_len else empty
         self._check_index()
+
+    def _chunk_layout(self, arrow: Path) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per record batch of the shard: (file byte offset of every row's first token, row lengths)."""
+        with open(arrow, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            base = pa.py_buffer(mm)
+            chunks = pa.ipc.open_stream(pa.BufferReader(base)).read_all().column("input_ids").chunks
+            layout = []
+            for chunk in chunks:
+                values = chunk.values
+                if values.type.to_pandas_dtype() != self.dtype:
+                    raise PackError(f"{arrow}: token ids are {values.type}, the manifest says {self.dtype}")
+                start = values.buffers()[1].address - base.address + values.offset * self.dtype.itemsize
+                offsets = chunk.offsets.to_numpy().astype(np.int64)
+                layout.append((start + offsets[:-1] * self.dtype.itemsize, np.diff(offsets)))
+            return layout
+        except (pa.ArrowException, KeyError) as exc:
+            raise PackError(f"{arrow}: unreadable shard ({exc}); run `balancer verify {self.path}`") from None
+        # the map is unmapped when the last Arrow buffer over it goes, on return
 
     def _check_size(self, arrow: Path, entry: dict) -> None:
         want = entry["files"][arrow.name]["bytes"]
@@ -121,9 +133,19 @@ class SourceTokens:
     def num_rows(self) -> int:
         return len(self.lengths)
 
-    def piece(self, row: int, start: int, end: int) -> np.ndarray:
-        begin = int(self.row_begin[row])
-        return self._values[self.row_chunk[row]][begin + start : begin + end]
+    def read(self, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Tokens `[starts[k], ends[k])` of source row `rows[k]` for every k, concatenated (a new array)."""
+        lens = np.asarray(ends) - np.asarray(starts)
+        out = np.empty(int(lens.sum()), dtype=self.dtype)
+        view = memoryview(out).cast("B")
+        size = self.dtype.itemsize
+        pos = 0
+        byte = self.row_byte[rows] + np.asarray(starts) * size
+        for fd, at, n in zip(self.row_file[rows].tolist(), byte.tolist(), (lens * size).tolist()):
+            if os.preadv(self._fds[fd], [view[pos : pos + n]], at) != n:
+                raise PackError(f"{self.path}: a shard is shorter than its index; run `balancer verify`")
+            pos += n
+        return out
 
     def doc_id(self, row: int) -> int:
         """The source record (input document) row `row` came from."""
@@ -133,9 +155,16 @@ class SourceTokens:
             row -= entry["rows"]
         raise IndexError(row)
 
-    def release(self) -> None:
-        for mm in self._maps:
-            mm.madvise(mmap.MADV_DONTNEED)
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+    def __enter__(self) -> SourceTokens:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -219,7 +248,7 @@ def build_rows(source: SourceTokens, plan: Plan, epoch: int, first: int, count: 
     """Rows first..first+count-1 of the epoch as one Arrow record batch (tokens copied out of the source)."""
     keys, pieces_per_row, doc, start, stop = row_pieces(plan, first, count)
     seq_lens = stop - start
-    tokens = np.concatenate([source.piece(d, a, b) for d, a, b in zip(doc.tolist(), start.tolist(), stop.tolist())])
+    tokens = source.read(doc, start, stop)
     positions = piece_positions(seq_lens)
     piece_offsets = np.concatenate([[0], np.cumsum(pieces_per_row)]).astype(np.int32)
     token_offsets = np.concatenate([[0], np.cumsum(seq_lens)])[piece_offsets].astype(np.int32)
