@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ..planning.cost import CostModel
 from ..planning.plan import Plan
 from ..planning.topology import Topology
-from .dataset import MANIFEST_NAME
+from .manifest import MANIFEST_NAME, atomic_write_json, fsync_file, load_json_file, verify_shard_files
 from .pack_rows import (
     PackError,
     SourceTokens,
@@ -53,16 +53,9 @@ from .pack_verify import (
     packed_metrics,
     verify_packed,
 )
+from .pipeline import DEFAULT_SHARD_TOKENS
 from .readers import sha256_file
-from .shards import (
-    DEFAULT_SHARD_TOKENS,
-    FLUSH_ROWS,
-    FLUSH_TOKENS,
-    _fsync_file,
-    _load_json_file,
-    _verify_shard_entry,
-    atomic_write_json,
-)
+from .writer import FLUSH_ROWS, FLUSH_TOKENS
 
 OVERFLOW_CHOICES = ("error", "split", "truncate")
 
@@ -88,7 +81,7 @@ def plan_file_name(epoch: int) -> str:
 
 def _finish_file(tmp: Path, final: Path) -> dict:
     """fsync `tmp`, record its size and checksum, rename it to `final`."""
-    _fsync_file(tmp)
+    fsync_file(tmp)
     meta = {"bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
     os.replace(tmp, final)
     return meta
@@ -208,8 +201,8 @@ def _prepare(out: Path, job: str, overwrite: bool) -> tuple[str, Optional[dict]]
         raise PackError(f"--output {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     entries = sorted(os.listdir(out))
-    manifest = _load_json_file(out / MANIFEST_NAME)
-    state = _load_json_file(out / PACK_STATE_NAME)
+    manifest = load_json_file(out / MANIFEST_NAME)
+    state = load_json_file(out / PACK_STATE_NAME)
     idle = manifest is None and state is not None and not (state.get("plans") or state.get("shards"))
     idle = idle and all(_ours(n) for n in entries)
     if entries and not overwrite and not idle:  # a state that recorded nothing yet is replaced freely
@@ -232,7 +225,7 @@ def _plans(out: Path, source: SourceTokens, topology, cost, epochs, seed, overfl
     for epoch in range(epochs):
         name = plan_file_name(epoch)
         entry = recorded.get(name)
-        if entry is not None and _verify_shard_entry(out, entry) is None:
+        if entry is not None and verify_shard_files(out, entry) is None:
             plans.append(Plan.load(out / name))
             continue
         plan = plan_epoch(source, topology, cost, seed, overflow, epoch)
@@ -294,7 +287,7 @@ def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, 
     if status == "resume":
         state["plans"] = prev.get("plans", [])
         for entry in prev.get("shards", []):
-            if _verify_shard_entry(out, entry) is not None:
+            if verify_shard_files(out, entry) is not None:
                 break
             state["shards"].append(entry)
         rows = sum(e["rows"] for e in state["shards"])

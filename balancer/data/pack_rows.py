@@ -24,7 +24,7 @@ from ..planning.metrics import summarize
 from ..planning.plan import Plan
 from ..planning.planner import plan as make_plan
 from ..planning.topology import Topology
-from .dataset import load_manifest, shard_file_names
+from .manifest import load_manifest, shard_file_names
 from .readers import PretokenizeError
 
 SCALAR_COLUMNS = ("epoch", "step", "micro_batch", "dp_rank")

@@ -13,9 +13,8 @@ import pyarrow as pa
 from ..planning.cost import CostModel
 from ..planning.plan import Plan
 from ..planning.topology import Topology
-from .dataset import MANIFEST_NAME
+from .manifest import MANIFEST_NAME, load_json_file, verify_shard_files
 from .pack_rows import SCALAR_COLUMNS, PackError, piece_positions, row_metrics, row_pieces, rows_per_epoch
-from .shards import _load_json_file, _verify_shard_entry
 
 PACK_FORMAT = "balancer-packed"
 PACK_FORMAT_VERSION = 1
@@ -24,7 +23,7 @@ PACK_STATE_NAME = ".pack-state.json"
 
 def load_packed_manifest(path: str | os.PathLike) -> dict:
     """The manifest of a finished pack folder; PackError when there is none."""
-    m = _load_json_file(Path(path) / MANIFEST_NAME)
+    m = load_json_file(Path(path) / MANIFEST_NAME)
     if m is None or m.get("format") != PACK_FORMAT:
         raise PackError(f"{path}: no {PACK_FORMAT} {MANIFEST_NAME} (not a finished `balancer pack` output)")
     return m
@@ -32,7 +31,7 @@ def load_packed_manifest(path: str | os.PathLike) -> dict:
 
 def is_packed(path: str | os.PathLike) -> bool:
     """Whether `path` holds a finished `balancer pack` output (its manifest says so)."""
-    m = _load_json_file(Path(path) / MANIFEST_NAME)
+    m = load_json_file(Path(path) / MANIFEST_NAME)
     return m is not None and m.get("format") == PACK_FORMAT
 
 
@@ -84,7 +83,7 @@ def verify_packed(path: str | os.PathLike) -> list[str]:
         m = load_packed_manifest(out)
     except PackError as exc:
         return [str(exc)]
-    problems = [bad for entry in m["plans"] + m["shards"] if (bad := _verify_shard_entry(out, entry))]
+    problems = [bad for entry in m["plans"] + m["shards"] if (bad := verify_shard_files(out, entry))]
     if problems:
         return problems
     try:
