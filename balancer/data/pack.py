@@ -30,7 +30,15 @@ from tqdm import tqdm
 from ..planning.cost import CostModel
 from ..planning.plan import Plan
 from ..planning.topology import Topology
-from .manifest import MANIFEST_NAME, atomic_write_json, fsync_file, load_json_file, verify_shard_files
+from .manifest import MANIFEST_NAME, atomic_write_json, fsync_file, verify_shard_files
+from .pack_output import (
+    PACK_DESCRIPTION,
+    PACK_FORMAT,
+    PACK_FORMAT_VERSION,
+    PACK_STATE_NAME,
+    clear_owned,
+    prepare_pack_output,
+)
 from .pack_rows import (
     PackError,
     SourceTokens,
@@ -44,10 +52,6 @@ from .pack_rows import (
     rows_per_epoch,
 )
 from .pack_verify import (
-    PACK_FORMAT,
-    PACK_FORMAT_VERSION,
-    PACK_STATE_NAME,
-    _ours,
     is_packed,
     load_packed_manifest,
     packed_metrics,
@@ -195,29 +199,6 @@ def _job_key(source: SourceTokens, topology: Topology, cost: CostModel, epochs: 
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _prepare(out: Path, job: str, overwrite: bool) -> tuple[str, Optional[dict]]:
-    """('fresh'|'resume'|'complete', state or manifest); refuses a folder holding something else."""
-    if out.exists() and not out.is_dir():
-        raise PackError(f"--output {out} exists and is not a directory")
-    out.mkdir(parents=True, exist_ok=True)
-    entries = sorted(os.listdir(out))
-    manifest = load_json_file(out / MANIFEST_NAME)
-    state = load_json_file(out / PACK_STATE_NAME)
-    idle = manifest is None and state is not None and not (state.get("plans") or state.get("shards"))
-    idle = idle and all(_ours(n) for n in entries)
-    if entries and not overwrite and not idle:  # a state that recorded nothing yet is replaced freely
-        if manifest is not None and manifest.get("job") == job:
-            return "complete", manifest
-        if manifest is None and state is not None and state.get("job") == job:
-            return "resume", state
-        what = "a different job" if manifest is not None or state is not None else "other files"
-        raise PackError(f"--output {out} holds {what} (e.g. {entries[0]!r}); pass --overwrite to replace it")
-    for name in entries:
-        if _ours(name):
-            os.remove(out / name)
-    return "fresh", None
-
-
 def _plans(out: Path, source: SourceTokens, topology, cost, epochs, seed, overflow, state: dict) -> list[Plan]:
     """Every epoch's plan: loaded when the state records it and it verifies, else planned and saved atomically."""
     check_fits(source, topology, overflow)
@@ -274,7 +255,7 @@ def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, 
     if out.resolve() == src.path.resolve():
         raise PackError(f"--output {out} is the source folder; write the packed rows to another folder")
     job = _job_key(src, topology, cost, epochs, seed, {"overflow": overflow, "shard_tokens": shard_tokens})
-    status, prev = _prepare(out, job, overwrite)
+    status, prev = prepare_pack_output(out, job, overwrite)
     if status == "complete":
         if (out / PACK_STATE_NAME).exists():  # killed between writing the manifest and removing the state file
             os.remove(out / PACK_STATE_NAME)
@@ -293,9 +274,7 @@ def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, 
         rows = sum(e["rows"] for e in state["shards"])
         _say(f"{out}: resuming after {len(state['shards'])} finished shard(s) at row {rows}")
     keep = {fn for e in state["plans"] + state["shards"] for fn in e["files"]}
-    for name in os.listdir(out):
-        if _ours(name) and name not in keep | {PACK_STATE_NAME}:
-            os.remove(out / name)
+    clear_owned(out, keep=keep | {PACK_STATE_NAME})
     atomic_write_json(out / PACK_STATE_NAME, state)
     try:
         plans = _plans(out, src, topology, cost, epochs, seed, overflow, state)
@@ -374,8 +353,7 @@ def _finish(out: Path, manifest: dict, dtype: np.dtype) -> None:
     }
     info = dataclasses.asdict(
         datasets.DatasetInfo(
-            description="balancer pack output: one packed micro-batch per row, ordered (epoch, step, micro-batch, "
-            "DP rank)",
+            description=PACK_DESCRIPTION,
             features=pack_features(dtype),
         )
     )

@@ -14,11 +14,8 @@ from ..planning.cost import CostModel
 from ..planning.plan import Plan
 from ..planning.topology import Topology
 from .manifest import MANIFEST_NAME, load_json_file, verify_shard_files
+from .pack_output import PACK_FORMAT, is_pack_name
 from .pack_rows import SCALAR_COLUMNS, PackError, piece_positions, row_metrics, row_pieces, rows_per_epoch
-
-PACK_FORMAT = "balancer-packed"
-PACK_FORMAT_VERSION = 1
-PACK_STATE_NAME = ".pack-state.json"
 
 
 def load_packed_manifest(path: str | os.PathLike) -> dict:
@@ -108,17 +105,9 @@ def verify_packed(path: str | os.PathLike) -> list[str]:
     expected = {MANIFEST_NAME, "state.json", "dataset_info.json"} | {
         f for e in m["plans"] + m["shards"] for f in e["files"]
     }
-    stray = sorted(n for n in os.listdir(out) if _ours(n) and n not in expected)
+    stray = sorted(n for n in os.listdir(out) if is_pack_name(n) and n not in expected)
     problems.extend(f"{out / n}: unexpected file (not in the manifest)" for n in stray)
     return problems
-
-
-def _ours(name: str) -> bool:
-    return (
-        name in (MANIFEST_NAME, PACK_STATE_NAME, "state.json", "dataset_info.json")
-        or name.endswith(".tmp")
-        or (name.startswith(("shard-", "plan-epoch-")) and name.endswith((".arrow", ".json")))
-    )
 
 
 def packed_metrics(path: str | os.PathLike) -> list[dict]:
