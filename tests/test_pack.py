@@ -296,3 +296,21 @@ def test_output_folder_ownership(tok, tmp_path):
     with pytest.raises(PackError, match="was not written by it"):
         pack(tok, clash, TOPO, COST, overwrite=True, **args)
     assert (clash / "shard-00000.arrow").read_bytes() == b"not ours"
+
+
+def test_truncate_keeps_each_row_head_and_counts_the_rest(tok, tmp_path):
+    src = ShardDataset(tok)
+    cap = TOPO.max_tokens * TOPO.cp
+    m = pack(tok, tmp_path / "t", TOPO, COST, overflow="truncate")
+    dropped = int(np.maximum(src.lengths - cap, 0).sum())
+    assert dropped > 0 and m["counts"]["dropped_tokens"] == dropped
+    assert packed_metrics(tmp_path / "t")[0]["dropped_tokens"] == dropped
+    cols = columns(tmp_path / "t")
+    assert (cols["doc_starts"][1] == 0).all() and sorted(cols["doc_ids"][1].tolist()) == list(range(len(src)))
+    for i in range(len(cols["epoch"])):
+        for piece, d, n in zip(
+            np.split(row(cols, "input_ids", i), np.cumsum(row(cols, "seq_lens", i))[:-1]),
+            row(cols, "doc_ids", i),
+            row(cols, "seq_lens", i),
+        ):
+            assert n == min(src.lengths[d], cap) and np.array_equal(piece, src.token_ids(int(d))[:n])
