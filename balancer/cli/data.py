@@ -1,4 +1,4 @@
-"""Data subcommands of the `balancer` command: `pretokenize`, `verify`, `merge`.
+"""Data subcommands of the `balancer` command: `pretokenize`, `verify`, `merge`, `pack`.
 
 `register(subparsers)` adds them to an argparse subparsers object; each sets `func(args) -> exit code`.
 `python -m balancer.cli_data ...` runs them without the main `balancer` command.
@@ -76,9 +76,12 @@ def _run_pretokenize(args: argparse.Namespace) -> int:
 
 
 def _run_verify(args: argparse.Namespace) -> int:
+    from ..data.pack import is_packed, verify_packed
     from ..data.shards import load_manifest, verify
 
     try:
+        if is_packed(args.dir):
+            return _verify_packed(args.dir, verify_packed(args.dir))
         problems = verify(args.dir)
     except OSError as exc:
         print(f"error: {describe_os_error(exc)}", file=sys.stderr)
@@ -90,6 +93,19 @@ def _run_verify(args: argparse.Namespace) -> int:
         return EXIT_PROBLEM
     c = load_manifest(args.dir)["counts"]
     print(f"OK {args.dir}: {c['rows']} rows, {c['tokens']} tokens, {c['documents']} documents verified")
+    return EXIT_OK
+
+
+def _verify_packed(folder: str, problems: list[str]) -> int:
+    if problems:
+        for p in problems:
+            print(f"FAIL {p}", file=sys.stderr)
+        print(f"{folder}: {len(problems)} problem(s)", file=sys.stderr)
+        return EXIT_PROBLEM
+    from ..data.pack import load_packed_manifest
+
+    c = load_packed_manifest(folder)["counts"]
+    print(f"OK {folder}: {c['rows']} packed rows, {c['tokens']} tokens verified against the plans")
     return EXIT_OK
 
 
@@ -107,8 +123,36 @@ def _run_merge(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run_pack(args: argparse.Namespace) -> int:
+    from ..data.pack import PackError, SourceTokens, pack
+    from . import cost_from_args, topology_from_args
+
+    try:
+        source = SourceTokens(args.tokdir)
+        topology = topology_from_args(args, source.lengths)
+        pack(
+            source,
+            args.output,
+            topology,
+            cost_from_args(args),
+            epochs=args.epochs,
+            seed=args.seed,
+            overflow=args.overflow,
+            shard_tokens=args.shard_tokens,
+            overwrite=args.overwrite,
+            progress=False if args.quiet else None,
+        )
+    except (PackError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("interrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+    return EXIT_OK
+
+
 def register(subparsers) -> None:
-    """Add `pretokenize`, `verify` and `merge` to an argparse subparsers object."""
+    """Add `pretokenize`, `verify`, `merge` and `pack` to an argparse subparsers object."""
     from ..data.shards import DEFAULT_SHARD_TOKENS
 
     p = subparsers.add_parser(
@@ -223,7 +267,7 @@ def register(subparsers) -> None:
         "counts, and the lengths/doc_id index against the Arrow data. Exit 0 "
         "when all is well, 1 naming each problem.",
     )
-    v.add_argument("dir", metavar="DIR", help="a folder written by `balancer pretokenize` or `balancer merge`")
+    v.add_argument("dir", metavar="DIR", help="a folder written by `balancer pretokenize`, `merge` or `pack`")
     v.set_defaults(func=_run_verify)
 
     m = subparsers.add_parser(
@@ -238,6 +282,61 @@ def register(subparsers) -> None:
     m.add_argument("--output", "-o", required=True, metavar="DIR", help="merged output folder")
     m.add_argument("--overwrite", action="store_true", help="replace a different job's output in --output")
     m.set_defaults(func=_run_merge)
+    _register_pack(subparsers, DEFAULT_SHARD_TOKENS)
+
+
+def _register_pack(subparsers, default_shard_tokens: int) -> None:
+    from ..planning.planner import OVERFLOW_POLICIES
+    from . import add_topology_args
+
+    p = subparsers.add_parser(
+        "pack",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="plan epochs of a pretokenized folder and write balanced, pre-packed rows for any loader",
+        description="Plan --epochs epochs of TOKDIR (a `balancer pretokenize` output) for a topology (epoch e\n"
+        "with seed --seed + e) and write a `datasets` folder with one row per (epoch, step, micro-batch, DP rank),\n"
+        "in that order: row i belongs to DP rank i % dp, so DistributedSampler(num_replicas=dp, rank=dp_rank,\n"
+        "shuffle=False) gives every replica its plan. A row is one whole micro-batch; columns: input_ids,\n"
+        "position_ids (from 0 for every piece), seq_lens, doc_ids (rows of TOKDIR), doc_starts, epoch, step,\n"
+        "micro_batch, dp_rank. The plans are written beside the rows (plan-epoch-NNNNN.json), manifest.json last.\n"
+        "A killed run resumes when started again with the same command; the output is byte-identical to an\n"
+        "uninterrupted run. `balancer verify DIR` checks every row against its plan.",
+        epilog="examples:\n"
+        "  balancer pack tok/ --output packed/ --dp 8 --cp 2 --micro-batches 4 --max-tokens 32768 --epochs 3\n"
+        "  balancer pack tok/ --output packed/ --dp 4 --max-tokens 8192 --overflow split --model llama3-8b\n"
+        "  balancer verify packed/",
+    )
+    p.add_argument("tokdir", metavar="TOKDIR", help="a folder written by `balancer pretokenize` (or `merge`)")
+    p.add_argument(
+        "--output",
+        "-o",
+        required=True,
+        metavar="DIR",
+        help="output folder; refused when it holds a different job or other files, unless --overwrite",
+    )
+    add_topology_args(p)
+    p.add_argument(
+        "--overflow",
+        choices=OVERFLOW_POLICIES,
+        default="error",
+        help="rows of TOKDIR longer than max_tokens*cp: error (default), split into windows placed in several "
+        "micro-batches, or truncate (the rest is counted as dropped in the manifest)",
+    )
+    p.add_argument("--epochs", type=_positive_int, default=1, metavar="E", help="epochs to plan and write (default 1)")
+    p.add_argument(
+        "--shard-tokens",
+        type=_positive_int,
+        default=default_shard_tokens,
+        metavar="N",
+        help=f"close a shard at the first row boundary after N tokens (default {default_shard_tokens:,})",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a different job's output in --output (its shard, plan and manifest files are deleted)",
+    )
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar (none without a terminal either)")
+    p.set_defaults(func=_run_pack)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -1,0 +1,376 @@
+"""`balancer pack`: balanced, pre-packed rows for loaders that cannot take a sampler.
+
+Plans every epoch of a pretokenized folder for a topology (epoch e with seed S+e) and writes a `datasets` folder
+with one row per (epoch, step, micro-batch, DP rank), in that order (row format: `balancer.data.pack_rows`)::
+
+    DIR/shard-00000.arrow          Arrow IPC stream of rows (one shard closes at a row boundary after --shard-tokens)
+    DIR/plan-epoch-00000.json      the plan of epoch 0 (balancer plan JSON), ... one per epoch
+    DIR/state.json, dataset_info.json   `datasets.load_from_disk(DIR)` loads every shard as one Dataset
+    DIR/manifest.json              written last, atomically; its presence means the job is complete
+    DIR/.pack-state.json           progress while running (plans, finished shards); removed at the end
+
+Crash safety and resume follow `balancer pretokenize`: files are written under temporary names, fsynced, renamed
+and recorded with their checksums in the state file; a rerun of the same job keeps what verifies and continues
+after the last finished shard, so the folder ends byte-identical to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import pyarrow as pa
+from tqdm import tqdm
+
+from ..planning.cost import CostModel
+from ..planning.plan import Plan
+from ..planning.topology import Topology
+from .manifest import MANIFEST_NAME, atomic_write_json, fsync_file, verify_shard_files
+from .pack_output import (
+    PACK_DESCRIPTION,
+    PACK_FORMAT,
+    PACK_FORMAT_VERSION,
+    PACK_STATE_NAME,
+    clear_owned,
+    prepare_pack_output,
+)
+from .pack_rows import (
+    PackError,
+    SourceTokens,
+    build_rows,
+    check_fits,
+    check_static,
+    pack_features,
+    plan_epoch,
+    row_metrics,
+    row_tokens,
+    rows_per_epoch,
+)
+from .pack_verify import (
+    is_packed,
+    load_packed_manifest,
+    packed_metrics,
+    verify_packed,
+)
+from .pipeline import DEFAULT_SHARD_TOKENS
+from .readers import sha256_file
+from .writer import FLUSH_ROWS, FLUSH_TOKENS
+
+OVERFLOW_CHOICES = ("error", "split", "truncate")
+
+__all__ = [
+    "pack",
+    "verify_packed",
+    "packed_metrics",
+    "is_packed",
+    "load_packed_manifest",
+    "row_metrics",
+    "PackError",
+    "PACK_FORMAT",
+]
+
+
+def plan_file_name(epoch: int) -> str:
+    return f"plan-epoch-{epoch:05d}.json"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# writing
+
+
+def _finish_file(tmp: Path, final: Path) -> dict:
+    """fsync `tmp`, record its size and checksum, rename it to `final`."""
+    fsync_file(tmp)
+    meta = {"bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
+    os.replace(tmp, final)
+    return meta
+
+
+class RowShardWriter:
+    """Streams record batches of rows into `DIR/shard-NNNNN.arrow` under a temporary name; `close()` finishes it."""
+
+    def __init__(self, out: Path, index: int, schema: pa.Schema, first_row: int) -> None:
+        self.out, self.name, self.first_row = out, f"shard-{index:05d}", first_row
+        self.tmp = out / f"{self.name}.arrow.tmp"
+        self.sink = pa.OSFile(str(self.tmp), "wb")
+        self.writer = pa.ipc.new_stream(self.sink, schema)
+        self.rows = self.tokens = 0
+
+    def write(self, batch: pa.RecordBatch, tokens: int) -> None:
+        self.writer.write_batch(batch)
+        self.rows += batch.num_rows
+        self.tokens += tokens
+
+    def close(self) -> dict:
+        self.writer.close()
+        self.sink.close()
+        meta = _finish_file(self.tmp, self.out / f"{self.name}.arrow")
+        return {
+            "name": self.name,
+            "first_row": self.first_row,
+            "rows": self.rows,
+            "tokens": self.tokens,
+            "files": {f"{self.name}.arrow": meta},
+        }
+
+    def abort(self) -> None:
+        try:
+            self.writer.close()
+            self.sink.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _batch_end(tokens: np.ndarray, row: int, limit: int) -> int:
+    """End of the record batch starting at `row`: at most FLUSH_ROWS rows, closed at the row that reaches `limit`
+    tokens (boundaries depend only on the rows and the shard's start, so a resumed run cuts the same way)."""
+    end = min(row + FLUSH_ROWS, len(tokens))
+    reach = int(np.searchsorted(np.cumsum(tokens[row:end]), limit))
+    return min(end, row + reach + 1)
+
+
+def _write_rows(
+    out: Path,
+    source: SourceTokens,
+    plans: list[Plan],
+    state: dict,
+    shard_tokens: int,
+    progress: Optional[bool],
+) -> None:
+    """Write every row after the state's finished shards; each finished shard is recorded in the state file."""
+    schema = pack_features(source.dtype).arrow_schema
+    shards = state["shards"]
+    done = sum(s["rows"] for s in shards)
+    writer: Optional[RowShardWriter] = None
+
+    def close_shard() -> None:
+        nonlocal writer
+        shards.append(writer.close())
+        writer = None
+        atomic_write_json(out / PACK_STATE_NAME, state)
+
+    total = sum(rows_per_epoch(p) for p in plans)
+    bar = tqdm(total=total, initial=done, unit="row", desc="pack", disable=None if progress is None else not progress)
+    epoch_first = 0
+    try:
+        for epoch, plan in enumerate(plans):
+            count = rows_per_epoch(plan)
+            row = max(0, done - epoch_first)
+            tokens = row_tokens(plan) if row < count else None
+            while row < count:
+                if writer is None:
+                    writer = RowShardWriter(out, len(shards), schema, epoch_first + row)
+                end = _batch_end(tokens, row, min(FLUSH_TOKENS, shard_tokens - writer.tokens))
+                writer.write(build_rows(source, plan, epoch, row, end - row, schema), int(tokens[row:end].sum()))
+                bar.update(end - row)
+                row = end
+                if writer.tokens >= shard_tokens:
+                    close_shard()
+            epoch_first += count
+        if writer is not None:
+            close_shard()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    finally:
+        bar.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the job
+
+
+def _job_key(source: SourceTokens, topology: Topology, cost: CostModel, epochs: int, seed: int, opts: dict) -> str:
+    key = {
+        "format": [PACK_FORMAT, PACK_FORMAT_VERSION],
+        "source_manifest_sha256": sha256_file(source.path / MANIFEST_NAME),
+        "topology": topology.to_dict(),
+        "cost_model": cost.to_dict(),
+        "epochs": epochs,
+        "seed": seed,
+        **opts,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _plans(out: Path, source: SourceTokens, topology, cost, epochs, seed, overflow, state: dict) -> list[Plan]:
+    """Every epoch's plan: loaded when the state records it and it verifies, else planned and saved atomically."""
+    check_fits(source, topology, overflow)
+    plans, recorded = [], {p["name"]: p for p in state["plans"]}
+    for epoch in range(epochs):
+        name = plan_file_name(epoch)
+        entry = recorded.get(name)
+        if entry is not None and verify_shard_files(out, entry) is None:
+            plans.append(Plan.load(out / name))
+            continue
+        plan = plan_epoch(source, topology, cost, seed, overflow, epoch)
+        plan.save(out / name)
+        meta = {"bytes": os.path.getsize(out / name), "sha256": sha256_file(out / name)}
+        state["plans"] = [p for p in state["plans"] if p["name"] != name] + [{"name": name, "files": {name: meta}}]
+        atomic_write_json(out / PACK_STATE_NAME, state)
+        plans.append(plan)
+    return plans
+
+
+def pack(
+    source: str | os.PathLike | SourceTokens,
+    output: str | os.PathLike,
+    topology: Topology,
+    cost: CostModel,
+    *,
+    epochs: int = 1,
+    seed: int = 0,
+    overflow: str = "error",
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    overwrite: bool = False,
+    progress: Optional[bool] = None,
+) -> dict:
+    """Plan `epochs` epochs of the pretokenized folder `source` for `topology` (epoch e with seed `seed + e`) and
+    write one row per (epoch, step, micro-batch, DP rank) into the `datasets` folder `output`, plans beside them.
+
+    `overflow` handles rows longer than a micro-batch (`max_tokens * cp`): "error" (default) refuses them, "split"
+    places windows of them in several micro-batches, "truncate" keeps their first `max_tokens * cp` tokens (the
+    rest counted as dropped). A killed run resumes when called again with the same arguments; a finished folder
+    is verified and returned as is. Returns the manifest; raises PackError on bad input or a refused folder.
+    `progress`: None = a bar only on a terminal."""
+    check_static(topology)
+    if overflow not in OVERFLOW_CHOICES:
+        raise PackError(f"--overflow must be one of {OVERFLOW_CHOICES}, got {overflow!r}")
+    if epochs < 1 or shard_tokens < 1:
+        raise PackError(f"--epochs and --shard-tokens must be >= 1, got {epochs} and {shard_tokens}")
+    if isinstance(source, SourceTokens):
+        return _pack(source, Path(output), topology, cost, epochs, seed, overflow, shard_tokens, overwrite, progress)
+    with SourceTokens(source) as src:
+        return _pack(src, Path(output), topology, cost, epochs, seed, overflow, shard_tokens, overwrite, progress)
+
+
+def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, shard_tokens, overwrite, progress):
+    check_fits(src, topology, overflow)
+    if out.resolve() == src.path.resolve():
+        raise PackError(f"--output {out} is the source folder; write the packed rows to another folder")
+    job = _job_key(src, topology, cost, epochs, seed, {"overflow": overflow, "shard_tokens": shard_tokens})
+    status, prev = prepare_pack_output(out, job, overwrite)
+    if status == "complete":
+        if (out / PACK_STATE_NAME).exists():  # killed between writing the manifest and removing the state file
+            os.remove(out / PACK_STATE_NAME)
+        problems = verify_packed(out)
+        if problems:
+            raise PackError(f"{out} holds this job's output but it fails verification: {problems[0]}; pass --overwrite")
+        _say(f"{out}: already complete ({prev['counts']['rows']} rows, {prev['counts']['tokens']} tokens)")
+        return prev
+    state = {"job": job, "plans": [], "shards": []}
+    if status == "resume":
+        state["plans"] = prev.get("plans", [])
+        for entry in prev.get("shards", []):
+            if verify_shard_files(out, entry) is not None:
+                break
+            state["shards"].append(entry)
+        rows = sum(e["rows"] for e in state["shards"])
+        _say(f"{out}: resuming after {len(state['shards'])} finished shard(s) at row {rows}")
+    keep = {fn for e in state["plans"] + state["shards"] for fn in e["files"]}
+    clear_owned(out, keep=keep | {PACK_STATE_NAME})
+    atomic_write_json(out / PACK_STATE_NAME, state)
+    try:
+        plans = _plans(out, src, topology, cost, epochs, seed, overflow, state)
+    except PackError:
+        if not state["plans"]:  # the planner refused the topology: leave no trace of this run
+            os.remove(out / PACK_STATE_NAME)
+        raise
+    _write_rows(out, src, plans, state, shard_tokens, progress)
+    manifest = _manifest(src, job, topology, cost, epochs, seed, overflow, shard_tokens, plans, state)
+    _finish(out, manifest, src.dtype)
+    c = manifest["counts"]
+    _say(
+        f"{out}: {c['rows']} rows ({c['rows'] // topology.dp} per DP rank), {c['tokens']} tokens, "
+        f"{len(plans)} epoch(s), {len(manifest['shards'])} shard(s)"
+    )
+    return manifest
+
+
+def _manifest(src, job, topology, cost, epochs, seed, overflow, shard_tokens, plans, state) -> dict:
+    epochs_info = []
+    for epoch, plan in enumerate(plans):
+        name = plan_file_name(epoch)
+        epochs_info.append(
+            {
+                "epoch": epoch,
+                "seed": seed + epoch,
+                "plan": name,
+                "steps": plan.num_steps,
+                "rows": rows_per_epoch(plan),
+                "tokens": int((plan.end - plan.start).sum()),
+                "metrics": plan.metrics(),
+            }
+        )
+    src_m = src.manifest
+    return {
+        "format": PACK_FORMAT,
+        "format_version": PACK_FORMAT_VERSION,
+        "balancer_version": _version(),
+        "job": job,
+        "source": {
+            "path": str(src.path),
+            "manifest_sha256": sha256_file(src.path / MANIFEST_NAME),
+            "rows": src.num_rows,
+            "tokens": int(src.lengths.sum()),
+            "tokenizer": src_m.get("tokenizer"),
+        },
+        "topology": topology.to_dict(),
+        "cost_model": cost.to_dict(),
+        "options": {"epochs": epochs, "seed": seed, "overflow": overflow, "shard_tokens": shard_tokens},
+        "features": {f.name: str(f.type) for f in pack_features(src.dtype).arrow_schema},
+        "epochs": epochs_info,
+        "counts": {
+            "rows": sum(e["rows"] for e in epochs_info),
+            "tokens": sum(e["tokens"] for e in epochs_info),
+            "dropped_tokens": sum(p.dropped_tokens for p in plans),
+        },
+        "plans": state["plans"],
+        "shards": state["shards"],
+    }
+
+
+def _finish(out: Path, manifest: dict, dtype: np.dtype) -> None:
+    """datasets metadata, then manifest.json (atomic, last), then drop the state file."""
+    import dataclasses
+
+    import datasets
+
+    state = {
+        "_data_files": [{"filename": f"{s['name']}.arrow"} for s in manifest["shards"]],
+        "_fingerprint": manifest["job"][:16],
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": None,
+    }
+    info = dataclasses.asdict(
+        datasets.DatasetInfo(
+            description=PACK_DESCRIPTION,
+            features=pack_features(dtype),
+        )
+    )
+    atomic_write_json(out / "state.json", state)
+    atomic_write_json(out / "dataset_info.json", {k: info[k] for k in sorted(info)})
+    atomic_write_json(out / MANIFEST_NAME, manifest)
+    try:
+        os.remove(out / PACK_STATE_NAME)
+    except FileNotFoundError:
+        pass
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__

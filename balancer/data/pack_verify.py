@@ -1,0 +1,136 @@
+"""Checking a `balancer pack` folder: `verify_packed` (checksums, row order, every row against its plan) and
+`packed_metrics` (the balance of the written rows, from the rows alone)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from ..planning.cost import CostModel
+from ..planning.plan import Plan
+from ..planning.topology import Topology
+from .manifest import MANIFEST_NAME, load_json_file, verify_shard_files
+from .pack_output import PACK_FORMAT, is_pack_name
+from .pack_rows import SCALAR_COLUMNS, PackError, piece_positions, row_metrics, row_pieces, rows_per_epoch
+
+
+def load_packed_manifest(path: str | os.PathLike) -> dict:
+    """The manifest of a finished pack folder; PackError when there is none."""
+    m = load_json_file(Path(path) / MANIFEST_NAME)
+    if m is None or m.get("format") != PACK_FORMAT:
+        raise PackError(f"{path}: no {PACK_FORMAT} {MANIFEST_NAME} (not a finished `balancer pack` output)")
+    return m
+
+
+def is_packed(path: str | os.PathLike) -> bool:
+    """Whether `path` holds a finished `balancer pack` output (its manifest says so)."""
+    m = load_json_file(Path(path) / MANIFEST_NAME)
+    return m is not None and m.get("format") == PACK_FORMAT
+
+
+def _batches(out: Path, manifest: dict) -> Iterator[tuple[str, pa.RecordBatch]]:
+    for entry in manifest["shards"]:
+        name = f"{entry['name']}.arrow"
+        with pa.memory_map(str(out / name), "r") as source:
+            for batch in pa.ipc.open_stream(source):
+                yield name, batch
+
+
+def _list_parts(column: pa.ListArray) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets relative to the first row, values) of a list column."""
+    offsets = column.offsets.to_numpy().astype(np.int64)
+    values = column.values.to_numpy()[offsets[0] : offsets[-1]]
+    return offsets - offsets[0], values
+
+
+def _check_batch(batch: pa.RecordBatch, plan: Plan, epoch: int, first: int) -> list[str]:
+    """Problems of rows first..first+n-1 of the epoch against the plan (the tokens themselves are checksummed)."""
+    n = batch.num_rows
+    keys, pieces_per_row, doc, start, stop = row_pieces(plan, first, n)
+    problems = []
+    want = {"epoch": np.full(n, epoch), "step": keys[:, 0], "micro_batch": keys[:, 1], "dp_rank": keys[:, 2]}
+    for name in SCALAR_COLUMNS:
+        if not np.array_equal(batch.column(name).to_numpy(), want[name]):
+            problems.append(f"column {name} out of order (expected rows ordered epoch, step, micro-batch, DP rank)")
+    piece_offsets = np.concatenate([[0], np.cumsum(pieces_per_row)])
+    for name, expected in (("seq_lens", stop - start), ("doc_ids", doc), ("doc_starts", start)):
+        offsets, values = _list_parts(batch.column(name))
+        if not (np.array_equal(offsets, piece_offsets) and np.array_equal(values, expected)):
+            problems.append(f"column {name} differs from the plan")
+    token_offsets = np.concatenate([[0], np.cumsum(stop - start)])[piece_offsets]
+    for name in ("input_ids", "position_ids"):
+        offsets, values = _list_parts(batch.column(name))
+        if not np.array_equal(offsets, token_offsets):
+            problems.append(f"column {name}: row lengths differ from the sums of seq_lens")
+        elif name == "position_ids" and not np.array_equal(values, piece_positions(stop - start)):
+            problems.append("column position_ids does not restart at 0 for every piece")
+    return problems
+
+
+def verify_packed(path: str | os.PathLike) -> list[str]:
+    """Check a pack folder: every file's size and sha256 against the manifest, the plans, and every row against
+    its plan (order, pieces, lengths, positions), the counts, no stray files. Returns the problems (empty = OK),
+    each naming the file."""
+    out = Path(path)
+    try:
+        m = load_packed_manifest(out)
+    except PackError as exc:
+        return [str(exc)]
+    problems = [bad for entry in m["plans"] + m["shards"] if (bad := verify_shard_files(out, entry))]
+    if problems:
+        return problems
+    try:
+        plans = [Plan.load(out / e["plan"]) for e in m["epochs"]]
+    except (ValueError, KeyError, OSError) as exc:
+        return [f"{out}: unreadable plan ({exc})"]
+    bounds = np.cumsum([0] + [rows_per_epoch(p) for p in plans])
+    row = tokens = 0
+    for name, batch in _batches(out, m):
+        epoch = int(np.searchsorted(bounds, row, side="right") - 1)
+        if epoch >= len(plans) or row + batch.num_rows > bounds[epoch + 1]:
+            problems.append(f"{out / name}: rows beyond the plans' {bounds[-1]} rows, or a batch across epochs")
+            break
+        problems.extend(f"{out / name}: {p}" for p in _check_batch(batch, plans[epoch], epoch, row - bounds[epoch]))
+        row += batch.num_rows
+        tokens += len(batch.column("input_ids").values)
+    c = m["counts"]
+    if (row, tokens) != (c["rows"], c["tokens"]) or row != bounds[-1]:
+        problems.append(
+            f"{out / MANIFEST_NAME}: counts say {c['rows']} rows / {c['tokens']} tokens, shards hold {row} / {tokens}"
+        )
+    expected = {MANIFEST_NAME, "state.json", "dataset_info.json"} | {
+        f for e in m["plans"] + m["shards"] for f in e["files"]
+    }
+    stray = sorted(n for n in os.listdir(out) if is_pack_name(n) and n not in expected)
+    problems.extend(f"{out / n}: unexpected file (not in the manifest)" for n in stray)
+    return problems
+
+
+def packed_metrics(path: str | os.PathLike) -> list[dict]:
+    """Per epoch, the balance metrics of the written rows computed from their seq_lens, step, micro_batch and
+    dp_rank columns alone (with the manifest's topology and cost model); equal to the plans' Plan.metrics()."""
+    out = Path(path)
+    m = load_packed_manifest(out)
+    topology, cost = Topology.from_dict(m["topology"]), CostModel.from_dict(m["cost_model"])
+    columns: dict[int, dict[str, list]] = {}
+    for _, batch in _batches(out, m):
+        for epoch in np.unique(batch.column("epoch").to_numpy()):
+            rows = np.flatnonzero(batch.column("epoch").to_numpy() == epoch)
+            cols = columns.setdefault(int(epoch), {k: [] for k in ("seq_lens", "step", "micro_batch", "dp_rank")})
+            cols["seq_lens"].extend(batch.column("seq_lens").take(rows).to_pylist())
+            for k in ("step", "micro_batch", "dp_rank"):
+                cols[k].append(batch.column(k).to_numpy()[rows])
+    return [
+        row_metrics(
+            c["seq_lens"],
+            *(np.concatenate(c[k]) for k in ("step", "micro_batch", "dp_rank")),
+            topology,
+            cost,
+            source_tokens=m["source"]["tokens"],
+        )
+        for _, c in sorted(columns.items())
+    ]
