@@ -308,6 +308,21 @@ def cursor_for_record(record: int, inputs: list[dict]) -> Cursor:
     return Cursor(record, len(inputs), 0, None)
 
 
+def input_bytes_read(cursor: Cursor, inputs: list[dict]) -> int:
+    """Input bytes before `cursor` (uncompressed for compressed files; a progress measure): exact for JSON lines,
+    pro rata by records for other kinds."""
+    done = 0
+    for i, info in enumerate(inputs[: cursor.input + 1]):
+        size = info.get("decompressed_size", info.get("size", 0))
+        if i < cursor.input:
+            done += size
+        elif cursor.offset is not None and info["kind"] == "jsonl":
+            done += cursor.offset
+        elif info["records"]:
+            done += size * cursor.local // info["records"]
+    return done
+
+
 Record = tuple  # (doc_id, where, cursor_after: Cursor, kind, payload)
 
 
