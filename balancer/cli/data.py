@@ -52,6 +52,9 @@ def _run_pretokenize(args: argparse.Namespace) -> int:
     if (args.num_shards is None) != (args.shard_index is None):
         print("error: --num-shards and --shard-index go together", file=sys.stderr)
         return EXIT_ERROR
+    if args.ray_address is not None and args.engine != "ray":
+        print("error: --ray-address needs --engine ray", file=sys.stderr)
+        return EXIT_ERROR
     try:
         pretokenize(
             args.inputs,
@@ -62,6 +65,9 @@ def _run_pretokenize(args: argparse.Namespace) -> int:
             num_shards=args.num_shards or 1,
             shard_index=args.shard_index or 0,
             overwrite=args.overwrite,
+            progress=False if args.quiet else None,
+            engine=args.engine,
+            ray_address=args.ray_address,
         )
     except PretokenizeError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -167,13 +173,15 @@ def register(subparsers) -> None:
         "  balancer pretokenize data/ --tokenizer ./my_tokenizer --max-length 32768 --add-eos "
         "--num-proc 8 --output tok/\n"
         "  balancer pretokenize big.jsonl --num-shards 4 --shard-index 0 --output part0/  "
-        "# then: balancer merge part0 part1 part2 part3 --output tok/",
+        "# then: balancer merge part0 part1 part2 part3 --output tok/\n"
+        "  balancer pretokenize /shared/corpus/ --engine ray --ray-address head:6379 --output /shared/tok/",
     )
     p.add_argument(
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help=".jsonl/.json (JSON lines or an array of objects), .parquet, .txt (one document per file), "
+        help=".jsonl/.json (JSON lines or an array of objects), .parquet, .txt (one document per file), the "
+        "JSON and .txt files also gzip/zstd compressed (.jsonl.gz, .json.zst, .txt.gz, ...), "
         "directories of them (sorted by path), or a Hugging Face dataset folder (save_to_disk) or "
         "hub name (its 'train' split; needs the network)",
     )
@@ -222,7 +230,7 @@ def register(subparsers) -> None:
         type=_positive_int,
         default=1,
         metavar="N",
-        help="tokenize in N worker processes (output identical to N=1; default 1)",
+        help="tokenize in N worker processes, with --engine ray N tasks at a time (output identical to N=1; default 1)",
     )
     p.add_argument(
         "--on-error",
@@ -257,6 +265,26 @@ def register(subparsers) -> None:
         "--overwrite",
         action="store_true",
         help="replace a different job's output in --output (its shard files and manifest are deleted)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("local", "ray"),
+        default="local",
+        help="local (default): this machine, --num-proc processes; ray: Ray Data tasks (a local Ray cluster, "
+        "or the one at --ray-address; needs the ray extra). Same output either way",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="with --engine ray: the cluster to run on (HOST:PORT, ray://HOST:PORT or auto); its nodes must see "
+        "INPUTs and --output at the same paths (a shared filesystem). Default: start a local cluster",
+    )
+    p.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        help="no progress bar and no summary (errors are still printed); bars show only on a terminal anyway",
     )
     p.set_defaults(func=_run_pretokenize)
 

@@ -14,6 +14,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from .readers import (
     _batched,
     cursor_for_record,
     fingerprint_input,
+    input_bytes_read,
     iter_records,
     resolve_inputs,
 )
@@ -113,12 +115,16 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def summarize(out: Path, manifest: dict) -> None:
-    """Log what a finished folder holds (counts, skipped, truncated)."""
+def summarize(out: Path, manifest: dict, seconds: Optional[float] = None) -> None:
+    """Log what a finished folder holds (counts, skipped, truncated); with `seconds`, the input rate too."""
     c = manifest["counts"]
+    rate = ""
+    if seconds is not None:
+        mb = sum(i.get("size", 0) for i in manifest["inputs"]) / 1e6
+        rate = f", {mb:.1f} MB read in {seconds:.1f} s ({mb / max(seconds, 1e-9):.1f} MB/s)"
     log(
         f"{out}: {len(manifest['shards'])} shard(s), {c['documents']} documents, {c['rows']} rows, "
-        f"{c['tokens']} tokens from {c['records']} records"
+        f"{c['tokens']} tokens from {c['records']} records{rate}"
     )
     if c["skipped"]:
         first = manifest["skipped_records"][0] if manifest["skipped_records"] else None
@@ -319,7 +325,9 @@ def _resume_point(out: Path, prev: Optional[dict], cursor: Cursor) -> tuple[list
     return shards, counters, cursor
 
 
-def _manifest_of(run: _ShardRun, job: str, slice_, tok: Tokenizer, spec: str, infos: list, ignored: list) -> dict:
+def _manifest_of(
+    run: _ShardRun, job: str, slice_, tok: Tokenizer, spec: str, infos: list, ignored: list, engine: dict
+) -> dict:
     counters = run.counters
     return {
         "format": FORMAT_NAME,
@@ -335,27 +343,53 @@ def _manifest_of(run: _ShardRun, job: str, slice_, tok: Tokenizer, spec: str, in
         "counts": {k: v for k, v in counters.items() if k != "skipped_examples"},
         "skipped_records": counters["skipped_examples"],
         "shards": [{k: v for k, v in e.items() if k not in ("cursor", "counters")} for e in run.shards],
+        "engine": engine,
     }
 
 
-def _stream(run: _ShardRun, sources: list, cursor: Cursor, start: int, end: int, cfg, tok, num_proc, disable):
-    """Feed the records from `cursor` to `end` through the encoder into `run`; closes the last shard."""
-    records = iter_records(sources, run.opts.text_field, cursor, end)
+def _start_engine(engine: str, ray_address: Optional[str]) -> dict:
+    """Check the engine options (attaching to the Ray cluster); returns the manifest's `engine` entry."""
+    if engine == "local":
+        if ray_address is not None:
+            raise PretokenizeError("--ray-address needs --engine ray")
+        return {"name": "local"}
+    if engine != "ray":
+        raise PretokenizeError(f"--engine must be local or ray, got {engine!r}")
+    from . import ray_engine
+
+    ray_engine.connect(ray_address)  # a local cluster started here stays up for later calls in this process
+    return ray_engine.describe(ray_address)
+
+
+def _encoded_batches(engine: str, sources: list, infos: list, cursor: Cursor, end: int, cfg, tok, num_proc):
+    """(meta, (lengths, flat ids, errors)) per batch from `cursor` to record `end`, in input order, from the
+    local encoder pool or from Ray Data tasks: the same batches' records either way."""
+    if engine == "ray":
+        from . import ray_engine
+
+        return ray_engine.encode_stream(sources, infos, cfg, cursor, end, num_proc)
+    records = iter_records(sources, cfg.text_field, cursor, end)
+    return _encode_stream(_batched(records), cfg, tok, num_proc)
+
+
+def _stream(run: _ShardRun, batches: Iterator, infos: list, cursor: Cursor, end: int, n_inputs: int, disable):
+    """Feed the encoded batches into `run` (a progress bar over the input bytes); closes the last shard."""
     bar = tqdm(
-        total=end - start,
-        initial=cursor.record - start,
-        unit="doc",
+        total=input_bytes_read(Cursor(end, n_inputs, 0, None), infos),
+        initial=input_bytes_read(cursor, infos),
+        unit="B",
+        unit_scale=True,
         desc="pretokenize",
         disable=disable,
         file=sys.stderr,
         smoothing=0.1,
     )
     try:
-        for meta, (lengths, flat, errors) in _encode_stream(_batched(records), cfg, tok, num_proc):
+        for meta, (lengths, flat, errors) in batches:
             run.take_batch(meta, lengths, flat, errors)
-            bar.update(len(meta))
+            bar.update(input_bytes_read(meta[-1][2], infos) - bar.n)
         if run.writer is not None:
-            run.close_shard(Cursor(end, len(sources), 0, None))
+            run.close_shard(Cursor(end, n_inputs, 0, None))
     except BaseException:
         run.abort()
         raise
@@ -373,13 +407,19 @@ def pretokenize(
     shard_index: int = 0,
     overwrite: bool = False,
     progress: Optional[bool] = None,
+    engine: str = "local",
+    ray_address: Optional[str] = None,
 ) -> dict:
     """Tokenize `inputs` into shards under `output`; returns the manifest. Resumes a killed run of the same job.
 
     Raises PretokenizeError for bad input (naming the file and line) when `on_error='fail'`, for a refused output
-    folder, and for bad options; then no manifest is written. `progress=None` shows bars only on a terminal."""
+    folder, and for bad options; then no manifest is written. `progress=None` shows bars only on a terminal.
+    `engine='ray'` tokenizes with Ray Data tasks on the cluster at `ray_address` (a local one when None): the same
+    output, resume and checks as the local engine (only the manifest's `engine` entry differs)."""
     opts = options or PretokenizeOptions()
     _check_args(opts, num_proc, num_shards, shard_index)
+    engine_info = _start_engine(engine, ray_address)  # before hashing: a wrong address fails fast
+    t0 = time.perf_counter()
     out = Path(output)
     disable = None if progress is None else not progress
     sources, ignored = resolve_inputs(list(inputs), exclude=out)
@@ -404,8 +444,9 @@ def pretokenize(
 
         run = _ShardRun(out, opts, tok, state, counters)
         cfg = EncoderConfig(tokenizer, tok.hash, opts.text_field, opts.add_eos)
-        _stream(run, sources, cursor, start, end, cfg, tok, num_proc, disable)
-        manifest = _manifest_of(run, job, slice_, tok, tokenizer, infos, ignored)
+        batches = _encoded_batches(engine_info["name"], sources, infos, cursor, end, cfg, tok, num_proc)
+        _stream(run, batches, infos, cursor, end, len(sources), disable)
+        manifest = _manifest_of(run, job, slice_, tok, tokenizer, infos, ignored, engine_info)
         finish_output(out, manifest, tok.dtype)
-    summarize(out, manifest)
+    summarize(out, manifest, time.perf_counter() - t0)
     return manifest

@@ -1,6 +1,10 @@
 """Inputs of `balancer pretokenize`: discovery (`resolve_inputs`), fingerprints (`fingerprint_input`) and the
-record stream (`iter_records`, resumable at a `Cursor`) over .jsonl / .json / .parquet / .txt files and Hugging Face
-datasets; `PretokenizeError`, the error of the whole pretokenize pipeline (bad input, refused output folder, ...).
+record stream (`iter_records`, resumable at a `Cursor`) over .jsonl / .json / .parquet / .txt files (the first three
+also gzip or zstd compressed: `.jsonl.gz`, `.json.zst`, ...) and Hugging Face datasets; `PretokenizeError`, the error
+of the whole pretokenize pipeline (bad input, refused output folder, ...).
+
+A compressed input is streamed (`balancer.data.compression`): its records, line numbers and cursors are those of
+the uncompressed file; its checksum (`sha256`, `size`) is over the compressed bytes as stored.
 """
 
 from __future__ import annotations
@@ -17,13 +21,18 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
+from .compression import (
+    DecompressedReader,
+    PretokenizeError,
+    compression_of,
+    open_input,
+    seek_forward,
+    uncompressed_suffix,
+)
+
 READ_BATCH_DOCS = 1024  # documents per tokenization batch ...
 READ_BATCH_BYTES = 4 << 20  # ... or this many bytes of raw text
 INPUT_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
-
-
-class PretokenizeError(RuntimeError):
-    """A run cannot proceed: bad input (the message names the file and line), a refused output folder, ..."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -59,14 +68,15 @@ class InputSource:
 
 def _sniff_json(path: Path) -> str:
     """`.json` files: a top-level array -> json_array, else JSON lines."""
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         head = f.read(4096).lstrip()
     return "json_array" if head.startswith(b"[") else "jsonl"
 
 
 def _source_for_file(p: Path) -> Optional[InputSource]:
-    kind = INPUT_SUFFIXES.get(p.suffix.lower())
-    if kind is None:
+    """The source of a file by its suffix (`.jsonl`, `.jsonl.gz`, ...); None for other files."""
+    kind = INPUT_SUFFIXES.get(uncompressed_suffix(p))
+    if kind is None or (kind == "parquet" and compression_of(p) is not None):
         return None
     if kind == "json":
         kind = _sniff_json(p)
@@ -106,17 +116,17 @@ def resolve_inputs(specs: Sequence[str], exclude: Optional[Path] = None) -> tupl
                 else:
                     found.append(src)
             if not found:
-                raise PretokenizeError(f"{spec}: directory holds no .jsonl/.json/.parquet/.txt files")
+                raise PretokenizeError(f"{spec}: directory holds no .jsonl/.json/.parquet/.txt(.gz/.zst) files")
             sources.extend(found)
         elif p.is_file():
             src = _source_for_file(p)
             if src is None:
                 raise PretokenizeError(
-                    f"{spec}: unsupported input type {p.suffix!r} "
-                    f"(expected .jsonl, .json, .parquet, .txt, a directory or a dataset name)"
+                    f"{spec}: unsupported input type {''.join(p.suffixes[-2:])!r} (expected .jsonl, .json, .txt, "
+                    f"each optionally .gz or .zst compressed, .parquet, a directory or a dataset name)"
                 )
             sources.append(src)
-        elif p.suffix.lower() in INPUT_SUFFIXES or spec.startswith((".", "/", "~")) or os.sep + os.sep in spec:
+        elif uncompressed_suffix(p) in INPUT_SUFFIXES or spec.startswith((".", "/", "~")) or os.sep + os.sep in spec:
             raise PretokenizeError(f"{spec}: no such file or directory")
         else:
             sources.append(InputSource("hf_hub", spec))
@@ -160,24 +170,13 @@ def fingerprint_input(source: InputSource, progress: Optional[tqdm] = None) -> d
         info["records"] = len(ds)
         return info
     path = Path(source.path)
-    h = hashlib.sha256()
-    newlines = 0
-    last = b""
-    size = 0
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(1 << 23)
-            if not b:
-                break
-            h.update(b)
-            size += len(b)
-            if source.kind == "jsonl":
-                newlines += b.count(b"\n")
-            last = b[-1:]
-            if progress is not None:
-                progress.update(len(b))
-    info["size"] = size
-    info["sha256"] = h.hexdigest()
+    fmt = compression_of(path)
+    if fmt is not None:
+        sha, raw_size, size, newlines, last = _scan_compressed(path, fmt, progress)
+        info.update(compression=fmt, size=raw_size, sha256=sha, decompressed_size=size)
+    else:
+        sha, size, newlines, last = _scan_plain(path, progress)
+        info.update(size=size, sha256=sha)
     if source.kind == "jsonl":
         info["records"] = newlines + (1 if size and last != b"\n" else 0)
     elif source.kind == "txt":
@@ -191,9 +190,54 @@ def fingerprint_input(source: InputSource, progress: Optional[tqdm] = None) -> d
     return info
 
 
+def _scan_plain(path: Path, progress: Optional[tqdm]) -> tuple[str, int, int, bytes]:
+    """(sha256, size, newlines, last byte) of a plain file in one read."""
+    h = hashlib.sha256()
+    newlines = size = 0
+    last = b""
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(1 << 23)
+            if not b:
+                break
+            h.update(b)
+            size += len(b)
+            newlines += b.count(b"\n")
+            last = b[-1:]
+            if progress is not None:
+                progress.update(len(b))
+    return h.hexdigest(), size, newlines, last
+
+
+def _scan_compressed(path: Path, fmt: str, progress: Optional[tqdm]) -> tuple[str, int, int, int, bytes]:
+    """(sha256 and size of the compressed bytes, decompressed size, newlines, last byte) in one read; the whole
+    stream is decompressed, so a corrupt or truncated one fails here, before any output is written."""
+    h = hashlib.sha256()
+    raw_size = 0
+
+    def on_raw(chunk: bytes) -> None:
+        nonlocal raw_size
+        h.update(chunk)
+        raw_size += len(chunk)
+        if progress is not None:
+            progress.update(len(chunk))
+
+    reader = DecompressedReader(path, fmt, on_raw)
+    last = b""
+    with reader:
+        buf = bytearray(1 << 22)
+        while True:
+            n = reader.readinto(buf)
+            if not n:
+                break
+            last = bytes(buf[n - 1 : n])
+        reader.drain_raw()
+    return h.hexdigest(), raw_size, reader.produced, reader.lines, last
+
+
 def _load_json_array(path: Path) -> list:
     try:
-        with open(path, "rb") as f:
+        with open_input(path) as f:
             data = json.load(f)
     except json.JSONDecodeError as exc:
         raise PretokenizeError(
@@ -236,7 +280,7 @@ def _offset_of_line(path: Path, n: int) -> int:
     if n == 0:
         return 0
     seen = pos = 0
-    with open(path, "rb") as f:
+    with open_input(path) as f:
         while True:
             chunk = f.read(1 << 23)
             if not chunk:
@@ -264,6 +308,21 @@ def cursor_for_record(record: int, inputs: list[dict]) -> Cursor:
     return Cursor(record, len(inputs), 0, None)
 
 
+def input_bytes_read(cursor: Cursor, inputs: list[dict]) -> int:
+    """Input bytes before `cursor` (uncompressed for compressed files; a progress measure): exact for JSON lines,
+    pro rata by records for other kinds."""
+    done = 0
+    for i, info in enumerate(inputs[: cursor.input + 1]):
+        size = info.get("decompressed_size", info.get("size", 0))
+        if i < cursor.input:
+            done += size
+        elif cursor.offset is not None and info["kind"] == "jsonl":
+            done += cursor.offset
+        elif info["records"]:
+            done += size * cursor.local // info["records"]
+    return done
+
+
 Record = tuple  # (doc_id, where, cursor_after: Cursor, kind, payload)
 
 
@@ -278,8 +337,8 @@ def iter_records(sources: list[InputSource], text_field: str, cursor: Cursor, en
         offset = cursor.offset if i == cursor.input else 0
         shown = src.display
         if src.kind == "jsonl":
-            with open(src.path, "rb") as f:
-                f.seek(offset or 0)
+            with open_input(src.path) as f:
+                seek_forward(f, offset or 0)
                 pos = offset or 0
                 for line in f:
                     if end is not None and rec >= end:
@@ -290,7 +349,8 @@ def iter_records(sources: list[InputSource], text_field: str, cursor: Cursor, en
                     local += 1
         elif src.kind == "txt":
             if local == 0:
-                data = Path(src.path).read_bytes()
+                with open_input(src.path) as f:
+                    data = f.read()
                 yield rec, shown, Cursor(rec + 1, i, 1, None), "bytes", data
                 rec += 1
         elif src.kind == "json_array":
