@@ -363,7 +363,6 @@ def _register_pack(subparsers, default_shard_tokens: int) -> None:
         action="store_true",
         help="replace a different job's output in --output (its shard, plan and manifest files are deleted)",
     )
-    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar (none without a terminal either)")
     p.set_defaults(func=_run_pack)
 
 
