@@ -162,8 +162,11 @@ def test_unsupported_compressed_types_are_refused(tmp_path):
     (tmp_path / "t.parquet.gz").write_bytes(gzip.compress(b"x"))
     with pytest.raises(PretokenizeError, match=r"unsupported input type '\.parquet\.gz'.*optionally \.gz or \.zst"):
         run([tmp_path / "t.parquet.gz"], tmp_path / "o")
-    (tmp_path / "notes.gz").write_bytes(gzip.compress(b"x"))
-    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n'))
-    m = run([tmp_path], tmp_path / "o2")
+    corpus = tmp_path / "corpus"  # a folder input; the output must lie outside it
+    corpus.mkdir()
+    (tmp_path / "t.parquet.gz").rename(corpus / "t.parquet.gz")
+    (corpus / "notes.gz").write_bytes(gzip.compress(b"x"))
+    (corpus / "d.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n'))
+    m = run([corpus], tmp_path / "o2")
     assert sorted(Path(f).name for f in m["ignored_files"]) == ["notes.gz", "t.parquet.gz"]
     assert m["counts"]["documents"] == 1
