@@ -22,6 +22,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
 from .cost import CostModel
+from .metrics import one_f_one_b
 from .topology import Topology
 
 
@@ -113,7 +114,7 @@ def optimal_step(lengths, topology: Topology, cost: CostModel, time_limit: float
     assign = np.argmax(x, axis=1)
     loads = np.bincount(assign, weights=c, minlength=nb) + fixed
     per_rep = loads.reshape(dp, m)
-    step = float(((pp - 1) * per_rep.max(axis=1) + per_rep.sum(axis=1)).max()) * scale / t.cp
+    step = float(one_f_one_b(per_rep.max(axis=1), per_rep.sum(axis=1), pp).max()) * scale / t.cp
     bound = getattr(res, "mip_dual_bound", None)
     bound = float(bound) * scale / t.cp if bound is not None and np.isfinite(bound) else step
     return ExactResult(assign=assign, step_time=step, lower_bound=min(bound, step), optimal=res.status == 0)

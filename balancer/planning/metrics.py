@@ -14,10 +14,23 @@ from .cost import CostModel
 from .topology import Topology
 
 
+def one_f_one_b(largest, total, stages: int, *added):
+    """The 1F1B replica time `(P - 1) * largest + total` (+ each of `added`, in order), for scalars or arrays.
+
+    `largest` is the replica's largest micro-batch time, `total` the sum of its micro-batch times (with dynamic CP:
+    the rank's finish time). Every evaluation of the formula, including the planner's vectorised candidate
+    searches (`added` carries a candidate's change, summed left to right), goes through here.
+    """
+    time = (stages - 1) * largest + total
+    for extra in added:
+        time = time + extra
+    return time
+
+
 def replica_times(mb_cost: np.ndarray, topology: Topology) -> np.ndarray:
     """[steps, dp, M] micro-batch costs (fixed included) -> [steps, dp] per-CP-rank replica times."""
     t = np.asarray(mb_cost, dtype=np.float64) / topology.cp
-    return (topology.pp - 1) * t.max(axis=-1) + t.sum(axis=-1)
+    return one_f_one_b(t.max(axis=-1), t.sum(axis=-1), topology.pp)
 
 
 def step_times(mb_cost: np.ndarray, topology: Topology) -> np.ndarray:

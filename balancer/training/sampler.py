@@ -42,10 +42,10 @@ import numpy as np
 import torch
 
 from ..planning.cost import CostModel
-from ..planning.metrics import lower_bound
-from ..planning.planner import OVERFLOW_POLICIES, validate_lengths
+from ..planning.metrics import lower_bound, one_f_one_b
 from ..planning.planner import plan as make_plan
 from ..planning.topology import Topology
+from ..planning.units import OVERFLOW_POLICIES, validate_lengths
 
 STATE_FORMAT = "balancer.sampler/1"
 
@@ -368,7 +368,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         step's lower bound (docs/design.md) and their ratio (`imbalance`), loss tokens and tokens."""
         t = self.topology
         mb = self.predicted_times(step)
-        rep = (t.pp - 1) * mb.max(axis=1) + mb.sum(axis=1)
+        rep = one_f_one_b(mb.max(axis=1), mb.sum(axis=1), t.pp)
         sl = self._step_slice(step)
         seg = self.segment
         c = self.cost.cost(seg.end[sl] - seg.start[sl])

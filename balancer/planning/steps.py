@@ -1,0 +1,166 @@
+"""Cutting an epoch's shuffled units into steps: token targets per step, and the spreading (or, with pipeline
+stages, grouping) of heavy units so every step gets an equal share of heavy cost."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .topology import Topology
+
+HEAVY_STEP = 0.25  # heavier than this share of a micro-batch's average work: spread evenly over the steps
+HEAVY_PACK = 0.5  # heavier than this share of a micro-batch's average work: placed one by one in pack_step
+STEP_BAND = (0.93, 1.07)  # step sizes the planner aims for, in tokens_per_step (3% margin to the +-10% rule)
+SPREAD_WINDOW = 8  # heavy units are evened out over windows of this many steps (bounds their delay)
+GROUP_WINDOW = 32  # with pipelining, heavy units are grouped by cost inside windows of this many steps
+
+
+def step_token_targets(
+    total_tokens: int, step_tokens: int, capacity: int, tokens_per_step: int | None = None, floor: int = 0
+) -> np.ndarray:
+    """Token target of every step: equal steps near `step_tokens` when that keeps every step within 7% of
+    `tokens_per_step` (default: `step_tokens`; the 3% margin to the 10% rule absorbs packing granularity) and under
+    97% of capacity; otherwise full steps of `step_tokens` (at most 97% of capacity, what packing can reach) and a
+    smaller last one."""
+    tps = step_tokens if tokens_per_step is None else tokens_per_step
+    step_tokens = int(min(max(step_tokens, STEP_BAND[0] * tps), STEP_BAND[1] * tps, 0.97 * capacity))
+    step_tokens = max(step_tokens, int(min(floor, 0.97 * capacity)), 1)  # room for a document per micro-batch
+    base = max(1, int(round(total_tokens / step_tokens)))
+    for s in sorted({base, base + 1, max(1, base - 1)}, key=lambda s: abs(total_tokens / s - step_tokens)):
+        even = total_tokens / s
+        if STEP_BAND[0] * tps <= even <= STEP_BAND[1] * tps and even <= 0.97 * capacity:
+            return np.full(s, even)
+    s = max(1, int(np.ceil(total_tokens / step_tokens)))
+    targets = np.full(s, float(step_tokens))
+    targets[-1] = total_tokens - step_tokens * (s - 1)
+    return targets
+
+
+def effective_step_tokens(unit_cost: np.ndarray, unit_tokens: np.ndarray, topology: Topology) -> int:
+    """Step size in tokens, shrunk (down to STEP_BAND's lower end) when heavy documents need the room to be balanced.
+
+    A heavy document costs more per token than the light ones that fill the other micro-batches, so a balanced
+    step needs token room beyond its token count: `excess = cost/rho - tokens` summed over heavy documents, rho
+    being the light documents' cost per token. A step can only be balanced if its tokens stay below
+    `capacity - excess` (less a little for packing loss); otherwise token-full micro-batches can't reach the
+    replicas that hold heavy documents.
+    """
+    tps, capacity, nb = topology.tokens_per_step, topology.capacity, topology.bins_per_step
+    total = float(unit_tokens.sum())
+    target = float(tps)
+    for _ in range(3):
+        steps = max(1.0, total / target)
+        heavy = unit_cost > HEAVY_PACK * unit_cost.sum() / (steps * nb)
+        if not heavy.any() or heavy.all():
+            return tps
+        light_cost_per_token = unit_cost[~heavy].sum() / unit_tokens[~heavy].sum()
+        excess = float(np.sum(unit_cost[heavy] / light_cost_per_token - unit_tokens[heavy])) / steps
+        target = float(np.clip(0.98 * capacity - excess, STEP_BAND[0] * tps, tps))
+    return max(1, int(round(target)))
+
+
+def assign_steps(
+    unit_cost: np.ndarray,
+    unit_tokens: np.ndarray,
+    targets: np.ndarray,
+    bins: int,
+    rng: np.random.Generator,
+    grouped: bool,
+    attn_heavy: np.ndarray,
+) -> np.ndarray:
+    """Step of each unit (units given in shuffled order); heavy units spread by cost, light ones fill by tokens.
+
+    Every step gets an equal share of the heavy cost. Without pipelining the heavy units keep their shuffled
+    order. With pipelining (`grouped`) they are taken heaviest first, so each step holds heavy units of similar
+    cost that can share replicas without a pipeline bubble (the idea behind WLB-LLM's outlier queue, but without
+    breaking the step's token budget), and these groups go to steps in random order.
+    """
+    num_steps = len(targets)
+    if num_steps == 1:
+        return np.zeros(len(unit_cost), dtype=np.int64)
+    heavy = (unit_cost > HEAVY_STEP * unit_cost.sum() / (num_steps * bins)) & attn_heavy
+    step = np.empty(len(unit_cost), dtype=np.int64)
+    if heavy.any() and grouped:
+        step[heavy] = _group_heavy(np.flatnonzero(heavy), unit_cost, unit_tokens, targets, bins, rng)
+    elif heavy.any():
+        step[heavy] = _spread_heavy(np.flatnonzero(heavy), unit_cost, unit_tokens, targets)
+    heavy_tokens = np.bincount(step[heavy], weights=unit_tokens[heavy], minlength=num_steps)
+    budget = np.maximum(targets - heavy_tokens, 0.0)
+    light_tokens = unit_tokens[~heavy].astype(np.float64)
+    before = np.cumsum(light_tokens) - light_tokens
+    step[~heavy] = np.minimum(np.searchsorted(np.cumsum(budget), before, side="right"), num_steps - 1)
+    return step
+
+
+def _windows(idx: np.ndarray, unit_tokens: np.ndarray, targets: np.ndarray, window: int):
+    """Group heavy units (positions `idx` in shuffled order) by the window of `window` steps they naturally fall in.
+    Yields (first step, end step, member positions) per non-empty window."""
+    num_steps = len(targets)
+    ends = np.cumsum(targets)
+    before = (np.cumsum(unit_tokens) - unit_tokens)[idx]
+    natural = np.minimum(np.searchsorted(ends, before, side="right"), num_steps - 1)
+    win = natural // window
+    cuts = np.flatnonzero(np.diff(win)) + 1
+    firsts = win[np.concatenate([[0], cuts])] if len(idx) else []
+    for members, first in zip(np.split(np.arange(len(idx)), cuts), firsts):
+        lo = int(first) * window
+        hi = min(lo + window, num_steps)
+        if hi - lo > 1 and targets[hi - 1] < 0.9 * targets[lo]:
+            hi -= 1  # keep heavy units off a small last step
+        yield lo, hi, members
+
+
+def _spread_heavy(
+    idx: np.ndarray, unit_cost: np.ndarray, unit_tokens: np.ndarray, targets: np.ndarray, window: int = SPREAD_WINDOW
+) -> np.ndarray:
+    """Heavy units to steps, window by window (windows of `window` steps bound how far a unit moves).
+
+    Inside a window the `window` heaviest units anchor one step each; the other heavy units go, heaviest first, to
+    the step furthest below a share of the window's heavy cost proportional to its anchor. A step whose heaviest
+    document is big then also carries more work, so that document does not stall it (its replica's fair share
+    `W_s / dp` stays above the document's cost).
+    """
+    out = np.empty(len(idx), dtype=np.int64)
+    for lo, hi, members in _windows(idx, unit_tokens, targets, window):
+        k = hi - lo
+        order = members[np.argsort(-unit_cost[idx[members]], kind="stable")]
+        anchors = np.sort(order[:k])  # in shuffled order, one per step
+        steps = np.arange(lo, lo + len(anchors))
+        out[anchors] = steps
+        load = np.zeros(k)
+        load[: len(anchors)] = unit_cost[idx[anchors]]
+        share = load / load.sum() * unit_cost[idx[members]].sum()
+        for i in order[k:]:
+            j = int(np.argmax(share - load))
+            out[i] = lo + j
+            load[j] += unit_cost[idx[i]]
+    return out
+
+
+def _group_heavy(
+    idx: np.ndarray,
+    unit_cost: np.ndarray,
+    unit_tokens: np.ndarray,
+    targets: np.ndarray,
+    bins: int,
+    rng: np.random.Generator,
+    window: int = GROUP_WINDOW,
+) -> np.ndarray:
+    """Pipelined plans: inside each window of steps, heavy units, heaviest first, form groups of one per
+    micro-batch (`bins`) of similar cost, each within 90% of a step's tokens; groups go to the window's steps in
+    random order (wrapping round when there are more groups than steps)."""
+    out = np.empty(len(idx), dtype=np.int64)
+    limit = 0.9 * float(np.median(targets))
+    for lo, hi, members in _windows(idx, unit_tokens, targets, window):
+        order = members[np.argsort(-unit_cost[idx[members]], kind="stable")]
+        group = np.empty(len(order), dtype=np.int64)
+        current, count, used = 0, 0, 0.0
+        for k, i in enumerate(order):
+            tokens = unit_tokens[idx[i]]
+            if count and (count == bins or used + tokens > limit):
+                current, count, used = current + 1, 0, 0.0
+            group[k] = current
+            count += 1
+            used += tokens
+        slots = lo + rng.permutation(hi - lo)
+        out[order] = slots[group % (hi - lo)]
+    return out

@@ -1,0 +1,56 @@
+"""Planning units: validated document lengths, cut into the pieces the planner places (whole documents, windows
+of split documents, or truncated documents)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .topology import Topology
+
+OVERFLOW_POLICIES = ("error", "split", "truncate")
+
+
+def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
+    """1-D positive integer lengths as int64, or a ValueError naming the first bad document."""
+    arr = np.asarray(lengths)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D array of document lengths, got shape {arr.shape}")
+    if arr.size == 0:
+        raise ValueError(f"{name} is empty: there is nothing to plan")
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "f":
+        bad = ~np.isfinite(arr) | (arr != np.round(arr))
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(f"{name}[{i}] = {arr[i].item()!r} is not an integer token count (document {i})")
+    bad = arr <= 0
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise ValueError(f"{name}[{i}] = {arr[i].item()} : document {i} has no tokens (lengths must be >= 1)")
+    return arr.astype(np.int64)
+
+
+def planning_units(lengths: np.ndarray, cap: int, overflow: str, topology: Topology):
+    """Cut documents into planning units `(doc, start, end)` honouring the overflow policy."""
+    if overflow not in OVERFLOW_POLICIES:
+        raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+    n = len(lengths)
+    over = lengths > cap
+    if not over.any():
+        return np.arange(n), np.zeros(n, dtype=np.int64), lengths.copy()
+    if overflow == "error":
+        i = int(np.argmax(lengths * over))
+        raise ValueError(
+            f"document {i} has {lengths[i]} tokens, more than a micro-batch holds: max_tokens*cp = "
+            f"{topology.max_tokens}*{topology.cp} = {cap} ({int(over.sum())} documents are over); raise "
+            f"max_tokens or cp, or pass overflow='split' (windows) or 'truncate'"
+        )
+    if overflow == "truncate":
+        return np.arange(n), np.zeros(n, dtype=np.int64), np.minimum(lengths, cap)
+    pieces = -(-lengths // cap)
+    doc = np.repeat(np.arange(n), pieces)
+    first = np.cumsum(pieces) - pieces
+    start = (np.arange(len(doc)) - np.repeat(first, pieces)) * cap
+    end = np.minimum(start + cap, lengths[doc])
+    return doc, start, end
