@@ -15,6 +15,8 @@ from .planning.planner import pack_step, plan
 from .planning.topology import Topology
 from .training import loss
 from .training.collate import PackedCollator
+from .training.groups import cp_groups
+from .training.indices import CPGroup, Member
 from .training.sampler import BalancedBatchSampler, Span, SpanDataset
 
 _compat.install_aliases()
@@ -29,6 +31,9 @@ __all__ = [
     "PackedCollator",
     "Span",
     "SpanDataset",
+    "Member",
+    "CPGroup",
+    "cp_groups",
     "ShardDataset",
     "read_lengths",
     "loss",

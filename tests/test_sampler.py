@@ -397,3 +397,41 @@ def test_predicted_step_bound_with_fixed_cost():
         info = s.predicted_step(step)
         assert info["imbalance"] >= 1 - 1e-9
         assert info["lower_bound"] <= info["step_time"] * (1 + 1e-9)
+
+
+# ---- a sampler state is untrusted input: every field is checked ---------------------------------------------------
+def _good_state():
+    s = BalancedBatchSampler(LENGTHS, TOPO, COST, dp_rank=0, seed=0)
+    it = iter(s)
+    next(it), next(it), next(it)
+    return s.state_dict()
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda st: st.__setitem__("position", -1), "position"),
+        (lambda st: st.__setitem__("epoch", -2), "epoch"),
+        (lambda st: st.__setitem__("position", "3"), "position"),
+        (lambda st: st.__setitem__("position", True), "position"),
+        (lambda st: st.pop("segments"), "segments"),
+        (lambda st: st.pop("seed"), "seed"),
+        (lambda st: st.__setitem__("segments", []), "segments"),
+        (lambda st: st["segments"][0].__setitem__("topology", {"dp": -1}), "segments\\[0\\]"),
+        (lambda st: st["segments"].insert(0, {**st["segments"][0], "steps": -3}), "steps"),
+        (lambda st: st.__setitem__("overflow", "drop"), "overflow"),
+        (lambda st: st.__setitem__("fingerprint", 5), "fingerprint"),
+    ],
+)
+def test_load_state_rejects_lying_states(edit, field):
+    state = json.loads(json.dumps(_good_state()))
+    edit(state)
+    s = BalancedBatchSampler(LENGTHS, TOPO, COST, dp_rank=0, seed=0)
+    with pytest.raises(ValueError, match=field):
+        s.load_state_dict(state)
+
+
+def test_runaway_split_document_fails_fast():
+    lengths = np.array([5, 2**40, 7, 9])
+    with pytest.raises(ValueError, match=r"document 1 .*limit of \d+ windows"):
+        len(BalancedBatchSampler(lengths, Topology(dp=1, max_tokens=4096), COST, dp_rank=0, overflow="split"))

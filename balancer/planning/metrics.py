@@ -41,12 +41,42 @@ def step_times(mb_cost: np.ndarray, topology: Topology) -> np.ndarray:
 def lower_bound(
     work: np.ndarray | float, max_cost: np.ndarray | float, topology: Topology, fixed: float = 0.0, steps: int = 1
 ) -> np.ndarray:
-    """`max(W / (DP*CP) * (1 + (P-1)/M), P * max_d cost(d) / CP)` for each step (or, with `steps`, the epoch)."""
+    """`max(W / (DP*CP) * (1 + (P-1)/M), P * max_d cost(d) / C)` for each step (or, with `steps`, the epoch), C
+    being the largest CP group: `cp`, or with dynamic CP `max(cp_sizes)`. `fixed` is counted once per micro-batch
+    of the fewest a step can run (`dp * M`; dynamic: `M * dp * cp / max(cp_sizes)`)."""
     t = topology
-    work = np.asarray(work, dtype=np.float64) + fixed * t.dp * t.micro_batches * steps
+    groups_per_slot = t.dp if not t.dynamic else t.pool_size // t.largest_group
+    work = np.asarray(work, dtype=np.float64) + fixed * groups_per_slot * t.micro_batches * steps
     spread = work / (t.dp * t.cp) * (1.0 + (t.pp - 1) / t.micro_batches)
-    single = t.pp * (np.asarray(max_cost, dtype=np.float64) + fixed) / t.cp
+    single = t.pp * (np.asarray(max_cost, dtype=np.float64) + fixed) / t.largest_group
     return np.maximum(spread, single)
+
+
+def dynamic_step_times(
+    group_cost: np.ndarray, group_start: np.ndarray, group_size: np.ndarray, slot_ptr: np.ndarray, topology: Topology
+) -> np.ndarray:
+    """Step times of a dynamic-CP plan ([steps]).
+
+    Groups (cost with `fixed` included, first rank, size) are cut into slots by `slot_ptr`, `micro_batches` slots
+    per step, each slot's groups sorted by first rank and covering the pool. A group takes `t_g = cost / size`
+    and starts when all its ranks finished their previous slot; with P stages each rank pays `(P-1) * max_k t_g`
+    once: `T_step = max over ranks ((P-1) * max_k t_g(r, k) + finish_r)`. A plan whose groups never change gives
+    the static formula exactly.
+    """
+    pool, m = topology.pool_size, topology.micro_batches
+    steps = (len(slot_ptr) - 1) // m
+    group_time = np.asarray(group_cost, dtype=np.float64) / group_size
+    slot_of_group = np.repeat(np.arange(len(slot_ptr) - 1), np.diff(slot_ptr))
+    step_of_group = slot_of_group // m
+    finish = np.zeros(steps * pool)
+    largest = np.zeros(steps * pool)
+    for k in range(m):
+        members = np.flatnonzero(slot_of_group % m == k)
+        first_rank = step_of_group[members] * pool + group_start[members]
+        start_time = np.maximum.reduceat(finish, first_rank)
+        finish = np.repeat(start_time + group_time[members], group_size[members])
+        largest = np.maximum(largest, np.repeat(group_time[members], group_size[members]))
+    return one_f_one_b(largest, finish, topology.pp).reshape(steps, pool).max(axis=1)
 
 
 def natural_steps(order: np.ndarray, lengths: np.ndarray, tokens_per_step: int) -> np.ndarray:
@@ -62,7 +92,7 @@ def natural_steps(order: np.ndarray, lengths: np.ndarray, tokens_per_step: int) 
 
 
 def summarize(
-    mb_cost: np.ndarray,
+    step_time: np.ndarray,
     step_work: np.ndarray,
     step_max: np.ndarray,
     topology: Topology,
@@ -74,10 +104,10 @@ def summarize(
     delay_steps: np.ndarray | None = None,
     plan_seconds: float = float("nan"),
 ) -> dict:
-    """All section-3 metrics from per-micro-batch costs [steps, dp, M] and per-step work / max document cost."""
-    mb_cost = np.asarray(mb_cost, dtype=np.float64)
-    steps = mb_cost.shape[0]
-    t_step = step_times(mb_cost, topology)
+    """All section-3 metrics from the step times [steps] (`step_times` or `dynamic_step_times`) and per-step work /
+    max document cost."""
+    t_step = np.asarray(step_time, dtype=np.float64)
+    steps = len(t_step)
     lb_step = lower_bound(step_work, step_max, topology, cost.fixed)
     lb_epoch = float(lower_bound(np.sum(step_work), np.max(step_max), topology, cost.fixed, steps)) if steps else 0.0
     capacity_used = steps * topology.capacity

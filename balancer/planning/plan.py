@@ -1,20 +1,25 @@
-"""Plan: which documents (or document spans) every micro-batch of every replica of every step holds.
+"""Plan: which documents (or document spans) every micro-batch of every step holds, and on which ranks.
 
 Stored flat: placement arrays `doc`, `start`, `end` (token range of the document; whole documents span
-`[0, length)`) in plan order, cut into micro-batches by `mb_ptr`; micro-batch `k` is step `k // (dp*M)`, replica
-`(k // M) % dp`, index `k % M`. `plan.steps[s].replicas[r].micro_batches[m].docs` is the nested view.
-Inside a micro-batch whole documents come first, then spans, in the order the model sees them.
+`[0, length)`) in plan order, cut into micro-batches by `mb_ptr`. Inside a micro-batch whole documents come first,
+then spans, in the order the model sees them.
+
+- Static CP: micro-batch `k` is step `k // (dp*M)`, replica `(k // M) % dp`, index `k % M`;
+  `plan.steps[s].replicas[r].micro_batches[m].docs` is the nested view, `plan.rank_view(dp_rank)` one rank's.
+- Dynamic CP (`topology.cp_sizes`): micro-batch `k` runs on the CP group of pool ranks
+  `[group_start[k], group_start[k] + group_size[k])`; `slot_ptr` cuts the groups into slots (`M` per step, each
+  slot's groups sorted by first rank and covering the pool). `plan.steps[s].slots[k].groups[g]` is the nested
+  view, `plan.pool_view(pool_rank)` one rank's.
+
+The file formats are in docs/plan-format.md (reading and writing: balancer.planning.plan_io).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from pathlib import Path
 
 import numpy as np
 
@@ -39,35 +44,53 @@ class MicroBatch:
 
 
 @dataclass(frozen=True)
+class Group(MicroBatch):
+    """Dynamic CP: one slot's micro-batch on the pool ranks `ranks = (start, size)`."""
+
+    ranks: tuple[int, int] = (0, 1)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """The CP group key `(start, size)` (what `balancer.cp_groups` is keyed by)."""
+        return self.ranks
+
+
+@dataclass(frozen=True)
 class Replica:
     micro_batches: list[MicroBatch]
 
 
 @dataclass(frozen=True)
+class Slot:
+    """Dynamic CP: one micro-batch slot of a step, the pool cut into `groups`."""
+
+    groups: list[Group]
+
+
 class Step:
-    replicas: list[Replica]
+    """One step: `replicas` (static CP) or `slots` (dynamic CP)."""
+
+    def __init__(self, replicas: list[Replica] | None = None, slots: list[Slot] | None = None) -> None:
+        self._replicas, self.slots = replicas, slots
+
+    @property
+    def replicas(self) -> list[Replica]:
+        if self._replicas is None:
+            raise AttributeError(_static_view_error("Step.replicas"))
+        return self._replicas
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Step) and (self._replicas, self.slots) == (other._replicas, other.slots)
+
+    def __repr__(self) -> str:
+        return f"Step(replicas={self._replicas!r})" if self.slots is None else f"Step(slots={self.slots!r})"
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a plan is an ordinary file, shared as the user allows
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def _static_view_error(name: str) -> str:
+    return (
+        f"{name} is a static-CP view, but this plan has dynamic CP groups (topology.cp_sizes is set): use "
+        "plan.steps[s].slots[k].groups or plan.pool_view(pool_rank)"
+    )
 
 
 class Plan:
@@ -87,6 +110,7 @@ class Plan:
         natural_step: np.ndarray | None = None,
         plan_seconds: float = float("nan"),
         dropped_tokens: int | None = None,
+        groups: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
     ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.topology = topology
@@ -98,9 +122,19 @@ class Plan:
         self.seed = seed
         self.natural_step = None if natural_step is None else np.asarray(natural_step, dtype=np.int64)
         self.plan_seconds = plan_seconds
-        per = topology.bins_per_step
-        if (len(self.mb_ptr) - 1) % per:
-            raise ValueError(f"plan has {len(self.mb_ptr) - 1} micro-batches, not a multiple of dp*M = {per}")
+        if topology.dynamic != (groups is not None):
+            raise ValueError("a plan has CP groups (group_start, group_size, slot_ptr) exactly when cp_sizes is set")
+        self.group_start = self.group_size = self.slot_ptr = None
+        if groups is not None:
+            self.group_start, self.group_size, self.slot_ptr = (np.asarray(a, dtype=np.int64) for a in groups)
+            if len(self.group_start) != len(self.mb_ptr) - 1 or len(self.group_size) != len(self.group_start):
+                raise ValueError("a dynamic plan needs one (group_start, group_size) per micro-batch")
+            if (len(self.slot_ptr) - 1) % topology.micro_batches:
+                raise ValueError(f"plan has {len(self.slot_ptr) - 1} slots, not a multiple of M")
+        else:
+            per = topology.bins_per_step
+            if (len(self.mb_ptr) - 1) % per:
+                raise ValueError(f"plan has {len(self.mb_ptr) - 1} micro-batches, not a multiple of dp*M = {per}")
         if dropped_tokens is None:
             dropped_tokens = int(self.lengths.sum() - (self.end - self.start).sum())
         self.dropped_tokens = dropped_tokens
@@ -135,25 +169,42 @@ class Plan:
 
     # ---- shape ----------------------------------------------------------------------------------------------
     @property
+    def dynamic(self) -> bool:
+        return self.topology.dynamic
+
+    @property
     def num_docs(self) -> int:
         return len(self.lengths)
 
     @property
     def num_steps(self) -> int:
+        if self.dynamic:
+            return (len(self.slot_ptr) - 1) // self.topology.micro_batches
         return (len(self.mb_ptr) - 1) // self.topology.bins_per_step
 
     def __len__(self) -> int:
         return self.num_steps
 
-    def _micro_batch(self, k: int) -> MicroBatch:
+    def _micro_batch(self, k: int, cls=MicroBatch, **extra) -> MicroBatch:
         a, b = self.mb_ptr[k], self.mb_ptr[k + 1]
         doc, start, end = self.doc[a:b], self.start[a:b], self.end[a:b]
         whole = (start == 0) & (end == self.lengths[doc])
         spans = [(int(d), int(s), int(e)) for d, s, e in zip(doc[~whole], start[~whole], end[~whole])]
-        return MicroBatch(docs=doc[whole].tolist(), spans=spans)
+        return cls(docs=doc[whole].tolist(), spans=spans, **extra)
+
+    def _group(self, k: int) -> Group:
+        return self._micro_batch(k, Group, ranks=(int(self.group_start[k]), int(self.group_size[k])))
 
     def step(self, s: int) -> Step:
         t = self.topology
+        if self.dynamic:
+            slots = range(s * t.micro_batches, (s + 1) * t.micro_batches)
+            return Step(
+                slots=[
+                    Slot([self._group(k) for k in range(self.slot_ptr[slot], self.slot_ptr[slot + 1])])
+                    for slot in slots
+                ]
+            )
         base = s * t.bins_per_step
         return Step(
             [
@@ -164,12 +215,14 @@ class Plan:
 
     @property
     def steps(self) -> list[Step]:
-        """Nested view: `steps[s].replicas[r].micro_batches[m].docs`."""
+        """Nested view: `steps[s].replicas[r].micro_batches[m].docs` (dynamic: `steps[s].slots[k].groups[g]`)."""
         return [self.step(s) for s in range(self.num_steps)]
 
     def rank_view(self, dp_rank: int) -> list[list[list[int]]]:
         """This DP rank's micro-batches: `[step][m] -> document ids` in packing order."""
         t = self.topology
+        if self.dynamic:
+            raise ValueError(_static_view_error("Plan.rank_view"))
         if not 0 <= dp_rank < t.dp:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp={t.dp}")
         out = []
@@ -180,45 +233,83 @@ class Plan:
             )
         return out
 
+    def rank_groups(self, pool_rank: int) -> np.ndarray:
+        """Dynamic CP: [steps * M] index of the micro-batch (group) holding `pool_rank` in every slot."""
+        if not 0 <= pool_rank < self.topology.pool_size:
+            raise ValueError(f"pool rank {pool_rank} out of range for a pool of dp*cp = {self.topology.pool_size}")
+        inside = (self.group_start <= pool_rank) & (pool_rank < self.group_start + self.group_size)
+        return np.flatnonzero(inside)
+
+    def pool_view(self, pool_rank: int) -> list[list[tuple[tuple[int, int], list[int]]]]:
+        """Dynamic CP: `[step][slot] -> ((start, size), document ids)` of the group holding `pool_rank`
+        (pool rank = dp_rank * cp + cp_rank)."""
+        if not self.dynamic:
+            raise ValueError("Plan.pool_view is the dynamic-CP view; this plan has fixed CP groups (use rank_view)")
+        m = self.topology.micro_batches
+        out: list = []
+        for slot, k in enumerate(self.rank_groups(pool_rank)):
+            if slot % m == 0:
+                out.append([])
+            key = (int(self.group_start[k]), int(self.group_size[k]))
+            out[-1].append((key, self.doc[self.mb_ptr[k] : self.mb_ptr[k + 1]].tolist()))
+        return out
+
     # ---- costs and metrics ----------------------------------------------------------------------------------
     @cached_property
     def _entry_cost(self) -> np.ndarray:
         return self.cost_model.cost(self.end - self.start)
 
+    def _mb_cost_flat(self) -> np.ndarray:
+        ptr = self.mb_ptr
+        sums = np.add.reduceat(np.append(self._entry_cost, 0.0), ptr[:-1]) if len(ptr) > 1 else np.zeros(0)
+        return np.where(np.diff(ptr) > 0, sums, 0.0) + self.cost_model.fixed
+
     def micro_batch_costs(self) -> np.ndarray:
-        """[steps, dp, M] cost of each micro-batch (fixed included), before dividing by cp."""
+        """[steps, dp, M] cost of each micro-batch (fixed included), before dividing by cp; dynamic plans: the
+        flat [micro-batches] cost of every group's micro-batch."""
+        if self.dynamic:
+            return self._mb_cost_flat()
         t = self.topology
-        sums = (
-            np.add.reduceat(np.append(self._entry_cost, 0.0), self.mb_ptr[:-1]) if len(self.mb_ptr) > 1 else np.zeros(0)
-        )
-        sums = np.where(np.diff(self.mb_ptr) > 0, sums, 0.0) + self.cost_model.fixed
-        return sums.reshape(self.num_steps, t.dp, t.micro_batches)
+        return self._mb_cost_flat().reshape(self.num_steps, t.dp, t.micro_batches)
 
     def micro_batch_tokens(self) -> np.ndarray:
-        """[steps, dp, M] tokens of each micro-batch."""
+        """[steps, dp, M] tokens of each micro-batch (dynamic plans: flat [micro-batches])."""
         t = self.topology
-        tok = np.concatenate([[0], np.cumsum(self.end - self.start)])[self.mb_ptr]
-        return np.diff(tok).reshape(self.num_steps, t.dp, t.micro_batches)
+        tok = np.diff(np.concatenate([[0], np.cumsum(self.end - self.start)])[self.mb_ptr])
+        return tok if self.dynamic else tok.reshape(self.num_steps, t.dp, t.micro_batches)
+
+    def step_of_micro_batch(self) -> np.ndarray:
+        """[micro-batches] the step of each micro-batch."""
+        if self.dynamic:
+            slot = np.repeat(np.arange(len(self.slot_ptr) - 1), np.diff(self.slot_ptr))
+            return slot // self.topology.micro_batches
+        return np.arange(len(self.mb_ptr) - 1) // self.topology.bins_per_step
 
     def step_of_entry(self) -> np.ndarray:
-        counts = np.diff(self.mb_ptr)
-        mb_index = np.repeat(np.arange(len(counts)), counts)
-        return mb_index // self.topology.bins_per_step
+        return np.repeat(self.step_of_micro_batch(), np.diff(self.mb_ptr))
+
+    def step_times(self) -> np.ndarray:
+        """[steps] the modelled time of every step (per-rank cost units)."""
+        if self.dynamic:
+            return _metrics.dynamic_step_times(
+                self._mb_cost_flat(), self.group_start, self.group_size, self.slot_ptr, self.topology
+            )
+        return _metrics.step_times(self.micro_batch_costs(), self.topology)
 
     def metrics(self) -> dict:
         """The balance metrics of docs/design.md (see balancer.planning.metrics for the definitions)."""
-        s_of = self.step_of_entry()
-        c = self._entry_cost
-        work = np.bincount(s_of, weights=c, minlength=self.num_steps)
-        mx = np.zeros(self.num_steps)
-        np.maximum.at(mx, s_of, c)
+        step_of = self.step_of_entry()
+        cost = self._entry_cost
+        work = np.bincount(step_of, weights=cost, minlength=self.num_steps)
+        largest = np.zeros(self.num_steps)
+        np.maximum.at(largest, step_of, cost)
         delay = None
         if self.natural_step is not None:
-            delay = np.abs(s_of - self.natural_step[self.doc])
+            delay = np.abs(step_of - self.natural_step[self.doc])
         return _metrics.summarize(
-            self.micro_batch_costs(),
+            self.step_times(),
             work,
-            mx,
+            largest,
             self.topology,
             self.cost_model,
             total_tokens=int((self.end - self.start).sum()),
@@ -231,149 +322,33 @@ class Plan:
         """Check the plan's invariants; raise ValueError naming the first violation.
 
         Every token of every document is placed exactly once (or, for truncated documents, once up to the cut),
-        every micro-batch is non-empty and within `max_tokens * cp` tokens.
+        every micro-batch is non-empty and within its token cap (`max_tokens * cp`, dynamic: `max_tokens * size`);
+        with dynamic CP every slot's groups are aligned (`start % size == 0`), of sizes in `cp_sizes`, and cover
+        the pool exactly.
         """
-        t = self.topology
-        counts = np.diff(self.mb_ptr)
-        if np.any(counts == 0):
-            k = int(np.flatnonzero(counts == 0)[0])
-            raise ValueError(
-                f"empty micro-batch: step {k // t.bins_per_step}, replica "
-                f"{(k // t.micro_batches) % t.dp}, micro-batch {k % t.micro_batches}"
-            )
-        tok = self.micro_batch_tokens().ravel()
-        if np.any(tok > t.micro_batch_tokens):
-            k = int(np.argmax(tok))
-            raise ValueError(f"micro-batch {k} holds {tok[k]} tokens > max_tokens*cp = {t.micro_batch_tokens}")
-        if np.any((self.start < 0) | (self.end <= self.start) | (self.end > self.lengths[self.doc])):
-            raise ValueError("a placement has an invalid token range")
-        order = np.lexsort((self.start, self.doc))
-        d, s, e = self.doc[order], self.start[order], self.end[order]
-        first = np.ones(len(d), dtype=bool)
-        first[1:] = d[1:] != d[:-1]
-        if np.any(s[first] != 0):
-            raise ValueError(f"document {int(d[first][np.argmax(s[first] != 0)])} does not start at token 0")
-        gap = ~first & (s != np.roll(e, 1))
-        if np.any(gap):
-            raise ValueError(f"document {int(d[np.argmax(gap)])} has overlapping or missing spans")
-        missing = np.setdiff1d(np.arange(self.num_docs), d)
-        if len(missing):
-            raise ValueError(f"{len(missing)} documents are not in the plan (first: {int(missing[0])})")
+        from .plan_io import check_placements
+
+        check_placements(self)
 
     # ---- I/O ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return {
-            "format": FORMAT,
-            "topology": self.topology.to_dict(),
-            "cost_model": self.cost_model.to_dict(),
-            "num_docs": self.num_docs,
-            "seed": self.seed,
-            "lengths": self.lengths.tolist(),
-            "steps": [
-                {
-                    "replicas": [
-                        {
-                            "micro_batches": [
-                                (
-                                    {"docs": mb.docs, "spans": [list(x) for x in mb.spans]}
-                                    if mb.spans
-                                    else {"docs": mb.docs}
-                                )
-                                for mb in rep.micro_batches
-                            ]
-                        }
-                        for rep in st.replicas
-                    ]
-                }
-                for st in self.steps
-            ],
-        }
+        from .plan_io import plan_to_dict
+
+        return plan_to_dict(self)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: `.npz` (compact flat arrays) or anything else as JSON (docs/plan-format.md)."""
-        path = Path(path)
-        if path.suffix == ".npz":
-            arrays = dict(
-                lengths=self.lengths,
-                doc=self.doc,
-                start=self.start,
-                end=self.end,
-                mb_ptr=self.mb_ptr,
-                header=np.frombuffer(json.dumps(self._header()).encode(), dtype=np.uint8),
-            )
-            if self.natural_step is not None:
-                arrays["natural_step"] = self.natural_step
-            _atomic_write(path, lambda f: np.savez_compressed(f, **arrays))
-        else:
-            data = self.to_dict()
-            data.update({k: v for k, v in self._header().items() if k not in data})
-            if self.natural_step is not None:
-                data["natural_step"] = self.natural_step.tolist()
-            _atomic_write(path, lambda f: f.write(json.dumps(data, separators=(",", ":")).encode()))
+        from .plan_io import save_plan
 
-    def _header(self) -> dict:
-        return {
-            "format": FORMAT,
-            "topology": self.topology.to_dict(),
-            "cost_model": self.cost_model.to_dict(),
-            "num_docs": self.num_docs,
-            "seed": self.seed,
-            "plan_seconds": self.plan_seconds,
-            "dropped_tokens": self.dropped_tokens,
-        }
+        save_plan(self, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, lengths: np.ndarray | None = None) -> Plan:
-        """Read a plan written by `save` (JSON or .npz). `lengths` is needed only if the file has none."""
-        path = Path(path)
-        if path.suffix == ".npz":
-            with np.load(path) as z:
-                header = json.loads(z["header"].tobytes().decode())
-                return cls(
-                    z["lengths"],
-                    Topology.from_dict(header["topology"]),
-                    CostModel.from_dict(header["cost_model"]),
-                    z["doc"],
-                    z["start"],
-                    z["end"],
-                    z["mb_ptr"],
-                    seed=header.get("seed"),
-                    plan_seconds=header.get("plan_seconds", float("nan")),
-                    natural_step=z["natural_step"] if "natural_step" in z else None,
-                    dropped_tokens=header.get("dropped_tokens"),
-                )
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not a plan JSON file ({e})") from None
-        for key in ("topology", "cost_model", "steps"):
-            if key not in data:
-                raise ValueError(f"{path}: plan JSON has no '{key}'")
-        topo = Topology.from_dict(data["topology"])
-        if lengths is None:
-            if "lengths" not in data:
-                raise ValueError(f"{path}: plan has no 'lengths'; pass lengths=")
-            lengths = data["lengths"]
-        lengths = np.asarray(lengths, dtype=np.int64)
-        doc, start, end, ptr = [], [], [], [0]
-        for st in data["steps"]:
-            for rep in st["replicas"]:
-                for mb in rep["micro_batches"]:
-                    for d in mb["docs"]:
-                        doc.append(d), start.append(0), end.append(int(lengths[d]))
-                    for d, a, b in mb.get("spans", []):
-                        doc.append(d), start.append(a), end.append(b)
-                    ptr.append(len(doc))
-        return cls(
-            lengths,
-            topo,
-            CostModel.from_dict(data["cost_model"]),
-            np.asarray(doc, dtype=np.int64),
-            np.asarray(start, dtype=np.int64),
-            np.asarray(end, dtype=np.int64),
-            np.asarray(ptr),
-            seed=data.get("seed"),
-            plan_seconds=data.get("plan_seconds", float("nan")),
-            natural_step=data.get("natural_step"),
-            dropped_tokens=data.get("dropped_tokens"),
-        )
+    def load(cls, path: str | os.PathLike, lengths: np.ndarray | None = None, validate: bool = True) -> Plan:
+        """Read a plan written by `save` (JSON or .npz). `lengths` is needed only if the file has none; when both
+        exist they must agree. Every field is checked (types, ranges, pointer arrays) and, with `validate=True`
+        (default), the plan's invariants too (`Plan.validate`): a bad file raises one ValueError naming the file
+        and the field. `validate=False` skips only the invariant check (linear in the plan's size), for speed on
+        files you wrote yourself."""
+        from .plan_io import load_plan
+
+        return load_plan(cls, path, lengths, validate)

@@ -45,7 +45,9 @@ def plan(
     overflow: str = "error",
     progress: bool = False,
 ) -> Plan:
-    """Plan a whole epoch: every document exactly once, `micro_batches` non-empty micro-batches per replica per step.
+    """Plan a whole epoch: every document exactly once, `micro_batches` non-empty micro-batches per replica per step
+    (with `topology.cp_sizes`: per slot, a partition of the pool into CP groups, each with a non-empty micro-batch;
+    see balancer.planning.dynamic).
 
     `overflow` decides what happens to a document longer than `max_tokens * cp`: "error" (default) raises,
     "split" cuts it into consecutive windows (recorded as spans), "truncate" keeps its first `max_tokens * cp`
@@ -57,6 +59,10 @@ def plan(
         raise TypeError(f"topology must be a balancer.Topology, got {type(topology).__name__}")
     if not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a balancer.CostModel, got {type(cost).__name__}")
+    if topology.dynamic:
+        from .dynamic import plan_dynamic
+
+        return plan_dynamic(lengths, topology, cost, seed, overflow, progress)
     nb = topology.bins_per_step
     u_doc, u_start, u_end = planning_units(lengths, topology.micro_batch_tokens, overflow, topology)
     if len(u_doc) < nb:

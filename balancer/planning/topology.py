@@ -14,6 +14,11 @@ class Topology:
 
     `max_tokens` is per CP rank per micro-batch, so a micro-batch holds at most `max_tokens * cp` tokens.
     `tokens_per_step` is the global batch in tokens (default 85% of `capacity`); it may not exceed `capacity`.
+
+    `cp_sizes` (dynamic CP): the `dp * cp` ranks of a pipeline stage form one pool (pool rank = dp_rank * cp +
+    cp_rank); in every micro-batch slot the pool is cut into contiguous groups `[start, size]` with
+    `start % size == 0` and `size` in `cp_sizes`, each group running one micro-batch of at most
+    `size * max_tokens` tokens. Every size must divide `dp * cp`.
     """
 
     dp: int
@@ -22,6 +27,7 @@ class Topology:
     micro_batches: int = 1
     max_tokens: int = 4096
     tokens_per_step: Optional[int] = None
+    cp_sizes: Optional[tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "pp", "micro_batches", "max_tokens"):
@@ -48,6 +54,42 @@ class Topology:
                     f"dp*cp*micro_batches*max_tokens = {self.dp}*{self.cp}*{self.micro_batches}*{self.max_tokens}"
                     f" = {self.capacity}"
                 )
+        if self.cp_sizes is not None:
+            object.__setattr__(self, "cp_sizes", self._check_cp_sizes(self.cp_sizes))
+
+    def _check_cp_sizes(self, sizes) -> tuple[int, ...]:
+        if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+            raise ValueError(f"Topology.cp_sizes must be a sequence of group sizes, got {sizes!r}")
+        sizes = list(sizes)
+        if not sizes:
+            raise ValueError("Topology.cp_sizes is empty: give at least one CP group size")
+        pool = self.dp * self.cp
+        for size in sizes:
+            if isinstance(size, bool) or not hasattr(size, "__index__") or int(size) != size:
+                raise ValueError(f"Topology.cp_sizes: {size!r} is not an integer group size")
+            if int(size) < 1:
+                raise ValueError(f"Topology.cp_sizes: size {size} is not allowed (group sizes must be >= 1)")
+            if pool % int(size):
+                raise ValueError(
+                    f"Topology.cp_sizes: size {size} does not divide the pool of dp*cp = {self.dp}*{self.cp} = "
+                    f"{pool} ranks"
+                )
+        return tuple(sorted({int(size) for size in sizes}))
+
+    @property
+    def dynamic(self) -> bool:
+        """True when the CP groups change per micro-batch slot (`cp_sizes` is set)."""
+        return self.cp_sizes is not None
+
+    @property
+    def pool_size(self) -> int:
+        """Ranks of one pipeline stage: dp * cp (the pool dynamic CP partitions in every slot)."""
+        return self.dp * self.cp
+
+    @property
+    def largest_group(self) -> int:
+        """The largest CP group a plan may use: max(cp_sizes), or cp."""
+        return max(self.cp_sizes) if self.cp_sizes else self.cp
 
     @property
     def micro_batch_tokens(self) -> int:
@@ -69,16 +111,22 @@ class Topology:
         return self.dp * self.cp * self.pp
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if self.cp_sizes is None:
+            del data["cp_sizes"]  # static topologies keep their original record
+        else:
+            data["cp_sizes"] = list(self.cp_sizes)
+        return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Topology:
-        return cls(
-            **{k: data[k] for k in ("dp", "cp", "pp", "micro_batches", "max_tokens", "tokens_per_step") if k in data}
-        )
+        if not isinstance(data, dict):
+            raise ValueError(f"a topology record must be an object, got {type(data).__name__}")
+        keys = ("dp", "cp", "pp", "micro_batches", "max_tokens", "tokens_per_step", "cp_sizes")
+        return cls(**{k: data[k] for k in keys if k in data and data[k] is not None})
 
     def __str__(self) -> str:
         return (
             f"dp{self.dp} x cp{self.cp} x pp{self.pp}, M={self.micro_batches}, max_tokens={self.max_tokens}, "
-            f"tokens_per_step={self.tokens_per_step}"
+            f"tokens_per_step={self.tokens_per_step}" + (f", cp_sizes={list(self.cp_sizes)}" if self.cp_sizes else "")
         )

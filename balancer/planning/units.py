@@ -8,6 +8,7 @@ import numpy as np
 from .topology import Topology
 
 OVERFLOW_POLICIES = ("error", "split", "truncate")
+MAX_SPLIT_WINDOWS = 1 << 20  # overflow="split" makes at most this many windows in all (planning work grows with them)
 
 
 def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
@@ -48,7 +49,16 @@ def planning_units(lengths: np.ndarray, cap: int, overflow: str, topology: Topol
         )
     if overflow == "truncate":
         return np.arange(n), np.zeros(n, dtype=np.int64), np.minimum(lengths, cap)
-    pieces = -(-lengths // cap)
+    pieces = np.where(over, -(-lengths // cap), 1)
+    windows = int(pieces[over].sum())
+    if windows > MAX_SPLIT_WINDOWS:
+        i = int(np.argmax(pieces))
+        raise ValueError(
+            f"document {i} has {lengths[i]} tokens: split into windows of max_tokens*cp = {cap} tokens it alone "
+            f"makes {int(pieces[i])} windows ({windows} for all split documents), over the limit of "
+            f"{MAX_SPLIT_WINDOWS} windows that bounds planning time and memory; check the lengths, raise max_tokens "
+            "or cp, or pass overflow='truncate'"
+        )
     doc = np.repeat(np.arange(n), pieces)
     first = np.cumsum(pieces) - pieces
     start = (np.arange(len(doc)) - np.repeat(first, pieces)) * cap

@@ -30,7 +30,12 @@ class PackedCollator:
     global `cu_seqlens` (int32 [n_docs+1], padding included as a last document), `max_seqlen`, `layout`
     (`attention.CPLayout`), `num_tokens` (real tokens, all CP ranks), `num_loss_tokens` (targets != ignore_index,
     all CP ranks), `num_pad_tokens`, `seq_loss_tokens` (int64 [n_docs]), `num_sequences` (documents with >= 1
-    loss token).
+    loss token), and the CP group the batch runs on: `cp_rank`, `cp_size` and `cp_group_key` (`(start, size)` in
+    pool ranks, the key of `balancer.cp_groups(topology)`).
+
+    The group: items carrying `item["cp_group"]` (set by `SpanDataset` from the indices a dynamic-CP sampler yields)
+    decide it per batch; otherwise it is the fixed group of this collator, `(dp_rank * cp_size, cp_size)` with
+    `cp_rank` in it.
 
     `pad_to_multiple_of`: pad the packed sequence to a multiple of this many tokens; the pad tokens
     (`pad_token_id`) form their own last document, with `ignore_index` labels and positions 0..p-1, counted in
@@ -45,6 +50,7 @@ class PackedCollator:
         pad_to_multiple_of: Optional[int] = None,
         ignore_index: int = -100,
         pad_token_id: int = 0,
+        dp_rank: int = 0,
     ) -> None:
         from attention.layout import KINDS
 
@@ -56,7 +62,10 @@ class PackedCollator:
             raise ValueError(f"layout must be one of {KINDS}, got {layout!r}")
         if pad_to_multiple_of is not None and (int(pad_to_multiple_of) != pad_to_multiple_of or pad_to_multiple_of < 1):
             raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}")
+        if isinstance(dp_rank, bool) or int(dp_rank) != dp_rank or dp_rank < 0:
+            raise ValueError(f"dp_rank must be a non-negative int, got {dp_rank!r}")
         self.cp_rank, self.cp_size, self.kind = int(cp_rank), int(cp_size), layout
+        self.dp_rank = int(dp_rank)
         self.pad_to_multiple_of = pad_to_multiple_of
         self.ignore_index = int(ignore_index)
         self.pad_token_id = int(pad_token_id)
@@ -131,9 +140,9 @@ class PackedCollator:
     def __call__(self, items: Sequence[Any]) -> dict:
         from attention.layout import CPLayout
 
+        r, size, key = self._group(items)
         full = self.pack(items)
-        layout = CPLayout.build(full["cu_seqlens"], self.cp_size, kind=self.kind)
-        r = self.cp_rank
+        layout = CPLayout.build(full["cu_seqlens"], size, kind=self.kind)
         out = {k: layout.shard(full[k], r)[None] for k in ("input_ids", "labels", "seq_ids")}
         out["position_ids"] = torch.from_numpy(layout.position_ids(r))[None]
         out.update(
@@ -146,6 +155,17 @@ class PackedCollator:
             seq_loss_tokens=full["seq_loss_tokens"],
             num_sequences=full["num_sequences"],
             cp_rank=r,
-            cp_size=self.cp_size,
+            cp_size=size,
+            cp_group_key=key,
         )
         return out
+
+    def _group(self, items: Sequence[Any]) -> tuple[int, int, tuple[int, int]]:
+        """(cp_rank, cp_size, cp_group_key) of this batch: from the items' `cp_group`, else this collator's."""
+        groups = {tuple(it["cp_group"]) for it in items if isinstance(it, dict) and it.get("cp_group") is not None}
+        if not groups:
+            return self.cp_rank, self.cp_size, (self.dp_rank * self.cp_size, self.cp_size)
+        if len(groups) > 1 or any(not isinstance(it, dict) or it.get("cp_group") is None for it in items):
+            raise ValueError(f"the items of one micro-batch name different CP groups: {sorted(groups)}")
+        start, size, rank = groups.pop()
+        return int(rank), int(size), (int(start), int(size))

@@ -33,8 +33,6 @@ or, after an elastic resume, the re-planned remainder); it is the same on every 
 
 from __future__ import annotations
 
-import hashlib
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -45,138 +43,19 @@ from ..planning.cost import CostModel
 from ..planning.metrics import lower_bound, one_f_one_b
 from ..planning.planner import plan as make_plan
 from ..planning.topology import Topology
-from ..planning.units import OVERFLOW_POLICIES, validate_lengths
+from ..planning.units import OVERFLOW_POLICIES
+from .indices import CPGroup, Member, Span, SpanDataset
+from .lengths import fingerprint_lengths, resolve_lengths
+from .sampler_state import STATE_FORMAT, check_state
 
-STATE_FORMAT = "balancer.sampler/1"
-
-
-class Span:
-    """Part `[start, end)` of document `doc`; yielded for documents the plan splits or truncates.
-
-    Converting it to an int raises: a dataset that does not know spans must be wrapped in :class:`SpanDataset`.
-    """
-
-    __slots__ = ("doc", "start", "end")
-
-    def __init__(self, doc: int, start: int, end: int) -> None:
-        self.doc, self.start, self.end = int(doc), int(start), int(end)
-
-    def __index__(self) -> int:
-        raise TypeError(
-            f"{self!r} is part of a document (the plan split or truncated it): wrap the dataset in "
-            "balancer.sampler.SpanDataset(dataset) so it returns that token range"
-        )
-
-    __int__ = __index__
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Span) and (self.doc, self.start, self.end) == (other.doc, other.start, other.end)
-
-    def __hash__(self) -> int:
-        return hash((self.doc, self.start, self.end))
-
-    def __repr__(self) -> str:
-        return f"Span(doc={self.doc}, start={self.start}, end={self.end})"
-
-    def __reduce__(self):
-        return (Span, (self.doc, self.start, self.end))
-
-
-class SpanDataset(torch.utils.data.Dataset):
-    """Wraps a map-style dataset: `ds[i]` as before, `ds[Span(d, a, b)]` -> item `d` with `input_ids` (and `labels`,
-    when present) cut to tokens `[a, b)`."""
-
-    def __init__(self, dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, idx):
-        if not isinstance(idx, Span):
-            return self.dataset[idx]
-        item = dict(self.dataset[idx.doc])
-        for key in ("input_ids", "labels"):
-            if key in item and item[key] is not None:
-                x = item[key]
-                n = len(x)
-                if idx.end > n:
-                    raise ValueError(
-                        f"{idx!r} is beyond document {idx.doc}'s {n} tokens: the lengths given to the "
-                        "sampler do not match the dataset"
-                    )
-                item[key] = x[idx.start : idx.end]
-        return item
-
-
-# ---------------------------------------------------------------------------------------------------- lengths input
-def resolve_lengths(lengths, dataset=None) -> tuple[np.ndarray, Optional[int]]:
-    """Lengths from an array/list, a pretokenized folder or lengths file path, a `ShardDataset` (`.lengths`), a
-    `datasets.Dataset` (its `input_ids` column), or a column name of `dataset`. Returns (lengths, dataset size)."""
-    src = lengths
-    if isinstance(src, (str, os.PathLike)):
-        if dataset is not None and isinstance(src, str) and _is_hf_dataset(dataset) and src in dataset.column_names:
-            arr = np.asarray(_hf_column(dataset, src))
-            if arr.dtype == object or arr.ndim != 1:  # a list column (e.g. input_ids): lengths of its rows
-                arr = np.asarray(_hf_list_lengths(dataset, src))
-        else:
-            from ..data.shards import read_lengths
-
-            arr = read_lengths(src)
-    elif hasattr(src, "lengths") and not isinstance(src, np.ndarray):  # ShardDataset and alike
-        arr = np.asarray(src.lengths)
-        if dataset is None:
-            dataset = src
-    elif _is_hf_dataset(src):
-        if "input_ids" not in src.column_names:
-            raise ValueError(
-                f"the datasets.Dataset has no 'input_ids' column (columns: {src.column_names}); pass "
-                "lengths='<column>', dataset=ds or a lengths array"
-            )
-        arr = np.asarray(_hf_list_lengths(src, "input_ids"))
-        if dataset is None:
-            dataset = src
-    else:
-        arr = np.asarray(src)
-    arr = validate_lengths(arr)
-    n_ds = None
-    if dataset is not None:
-        n_ds = len(dataset)
-        if n_ds != len(arr):
-            raise ValueError(
-                f"lengths has {len(arr)} entries but the dataset has {n_ds} items: the lengths do not match the dataset"
-            )
-    return arr, n_ds
-
-
-def _is_hf_dataset(x) -> bool:
-    try:
-        import datasets
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(x, datasets.Dataset)
-
-
-def _hf_column(ds, name: str):
-    tbl = ds.with_format("arrow")[:]
-    return tbl.column(name).to_numpy(zero_copy_only=False)
-
-
-def _hf_list_lengths(ds, name: str) -> np.ndarray:
-    import pyarrow.compute as pc
-
-    tbl = ds.with_format("arrow")[:]
-    return pc.list_value_length(tbl.column(name)).to_numpy(zero_copy_only=False).astype(np.int64)
-
-
-def fingerprint_lengths(lengths: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:32]
+__all__ = ["BalancedBatchSampler", "Span", "SpanDataset", "Member", "CPGroup", "resolve_lengths", "STATE_FORMAT"]
 
 
 # ---------------------------------------------------------------------------------------------------- plan segments
 @dataclass
 class _Segment:
-    """One plan of (part of) an epoch: placements (doc, start, end) cut into micro-batches by mb_ptr."""
+    """One plan of (part of) an epoch: placements (doc, start, end) cut into micro-batches by mb_ptr; with dynamic
+    CP also each micro-batch's group (group_start, group_size) and the slot pointer."""
 
     topology: Topology
     cost: CostModel
@@ -185,14 +64,35 @@ class _Segment:
     end: np.ndarray
     mb_ptr: np.ndarray
     plan: Any
+    group_start: Optional[np.ndarray] = None
+    group_size: Optional[np.ndarray] = None
+    slot_ptr: Optional[np.ndarray] = None
 
     @property
     def num_steps(self) -> int:
+        if self.topology.dynamic:
+            return (len(self.slot_ptr) - 1) // self.topology.micro_batches
         return (len(self.mb_ptr) - 1) // self.topology.bins_per_step
 
-    def mb_index(self, step: int, dp_rank: int, m: int) -> int:
+    def first_mb(self, step: int) -> int:
+        """Index of the first micro-batch of `step` (`num_steps` gives the end)."""
+        if self.topology.dynamic:
+            return int(self.slot_ptr[step * self.topology.micro_batches])
+        return step * self.topology.bins_per_step
+
+    def mb_index(self, step: int, rank: int, m: int) -> int:
+        """The micro-batch of slot `m` of `step` for `rank` (static: the DP rank; dynamic: the pool rank)."""
         t = self.topology
-        return step * t.bins_per_step + dp_rank * t.micro_batches + m
+        if not t.dynamic:
+            return step * t.bins_per_step + rank * t.micro_batches + m
+        slot = step * t.micro_batches + m
+        first, last = int(self.slot_ptr[slot]), int(self.slot_ptr[slot + 1])
+        return first + int(np.searchsorted(self.group_start[first:last], rank, side="right")) - 1
+
+    def group(self, k: int, rank: int) -> CPGroup:
+        """The CP group of micro-batch `k` seen from `rank` (dynamic plans)."""
+        start = int(self.group_start[k])
+        return CPGroup(start, int(self.group_size[k]), rank - start)
 
     def placements(self, k: int):
         a, b = self.mb_ptr[k], self.mb_ptr[k + 1]
@@ -200,7 +100,7 @@ class _Segment:
 
     def consumed_mask(self, steps: int) -> np.ndarray:
         """Placements of the first `steps` steps."""
-        n = int(self.mb_ptr[min(steps * self.topology.bins_per_step, len(self.mb_ptr) - 1)])
+        n = int(self.mb_ptr[self.first_mb(min(steps, self.num_steps))])
         mask = np.zeros(len(self.doc), dtype=bool)
         mask[:n] = True
         return mask
@@ -212,7 +112,8 @@ def _plan_units(
     """Plan units (doc, start, end) - each planned as a document of end-start tokens - and map back."""
     if len(u_doc) == 0:
         e = np.zeros(0, dtype=np.int64)
-        return _Segment(topology, cost, e, e, e, np.zeros(1, dtype=np.int64), None)
+        groups = (e, e, np.zeros(1, dtype=np.int64)) if topology.dynamic else (None, None, None)
+        return _Segment(topology, cost, e, e, e, np.zeros(1, dtype=np.int64), None, *groups)
     whole = (
         (len(u_doc) == len(lengths))
         and np.array_equal(u_doc, np.arange(len(lengths)))
@@ -220,14 +121,16 @@ def _plan_units(
         and np.array_equal(u_end, lengths)
     )
     p = make_plan(lengths if whole else (u_end - u_start), topology, cost, seed=seed, overflow=overflow)
+    groups = (p.group_start, p.group_size, p.slot_ptr)
     if whole:
-        return _Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p)
-    return _Segment(topology, cost, u_doc[p.doc], u_start[p.doc] + p.start, u_start[p.doc] + p.end, p.mb_ptr, p)
+        return _Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p, *groups)
+    doc, start, end = u_doc[p.doc], u_start[p.doc] + p.start, u_start[p.doc] + p.end
+    return _Segment(topology, cost, doc, start, end, p.mb_ptr, p, *groups)
 
 
 # ---------------------------------------------------------------------------------------------------- the sampler
 class BalancedBatchSampler(torch.utils.data.Sampler):
-    """Yields this DP rank's micro-batches (lists of dataset indices) of the balanced plan of each epoch.
+    """Yields this rank's micro-batches (lists of dataset indices) of the balanced plan of each epoch.
 
     Args:
         lengths: token count per dataset item: an array/list, a pretokenized folder (or `.npy`/`.json` lengths file)
@@ -240,6 +143,11 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         seed: the epoch plan is `balancer.plan(..., seed=seed + epoch)`.
         overflow: the planner's policy for documents over `max_tokens * cp` ("error", "split", "truncate").
         dataset: the dataset the indices go to (checked to have `len(lengths)` items).
+        rank: this rank's pool rank `dp_rank * cp + cp_rank` (instead of `dp_rank`). Required for dynamic CP
+            (`topology.cp_sizes`) unless torch.distributed is initialised (then `global rank // pp`). With dynamic
+            CP every whole document comes as a :class:`Member` (an int) and every part as a :class:`Span`, both
+            carrying the micro-batch's :class:`CPGroup`; wrap the dataset in `SpanDataset` so the items carry it
+            to `PackedCollator`.
     """
 
     def __init__(
@@ -253,6 +161,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         dataset=None,
         device_mesh=None,
         dp_dim: str = "dp",
+        rank: Optional[int] = None,
     ) -> None:
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a balancer.Topology, got {type(topology).__name__}")
@@ -262,7 +171,11 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
         self.lengths, _ = resolve_lengths(lengths, dataset)
         longest = int(self.lengths.max())
-        if overflow == "error" and longest > topology.micro_batch_tokens:
+        if topology.dynamic:
+            from ..planning.dynamic import check_fits
+
+            check_fits(self.lengths, topology, overflow)
+        elif overflow == "error" and longest > topology.micro_batch_tokens:
             i = int(np.argmax(self.lengths))
             raise ValueError(
                 f"document {i} has {longest} tokens, more than a micro-batch holds: max_tokens*cp = "
@@ -273,7 +186,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self.cost = cost
         self.seed = int(seed)
         self.overflow = overflow
-        self.dp_rank = _resolve_dp_rank(dp_rank, topology, device_mesh, dp_dim)
+        self.pool_rank = _resolve_pool_rank(rank, dp_rank, topology, device_mesh, dp_dim)
+        self.dp_rank = self.pool_rank // topology.cp
         self.fingerprint = fingerprint_lengths(self.lengths)
         self.epoch = 0
         self.position = 0  # micro-batches of the current segment this rank has yielded
@@ -317,12 +231,32 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
     def __len__(self) -> int:
         return self.segment.num_steps * self.topology.micro_batches
 
-    def micro_batch(self, step: int, m: int, dp_rank: Optional[int] = None) -> list:
-        """Indices of micro-batch `m` of `step` for `dp_rank` (default: this rank)."""
+    def micro_batch(self, step: int, m: int, dp_rank: Optional[int] = None, rank: Optional[int] = None) -> list:
+        """Indices of micro-batch (slot) `m` of `step` for `dp_rank` or pool `rank` (default: this rank)."""
         seg = self.segment
-        doc, start, end = seg.placements(seg.mb_index(step, self.dp_rank if dp_rank is None else dp_rank, m))
+        if not self.topology.dynamic:
+            dp = self.dp_rank if dp_rank is None else dp_rank
+            if rank is not None:
+                dp = rank // self.topology.cp
+            doc, start, end = seg.placements(seg.mb_index(step, dp, m))
+            full = self.lengths[doc]
+            return [int(d) if (s == 0 and e == f) else Span(d, s, e) for d, s, e, f in zip(doc, start, end, full)]
+        rank = self.pool_rank if rank is None else rank
+        k = seg.mb_index(step, rank, m)
+        group = seg.group(k, rank)
+        doc, start, end = seg.placements(k)
         full = self.lengths[doc]
-        return [int(d) if (s == 0 and e == f) else Span(d, s, e) for d, s, e, f in zip(doc, start, end, full)]
+        return [
+            Member(d, group) if (s == 0 and e == f) else Span(d, s, e, group)
+            for d, s, e, f in zip(doc, start, end, full)
+        ]
+
+    def cp_group(self, step: int, m: int) -> CPGroup:
+        """The CP group this rank runs micro-batch (slot) `m` of `step` on (static plans: its replica's)."""
+        t = self.topology
+        if not t.dynamic:
+            return CPGroup(self.dp_rank * t.cp, t.cp, self.pool_rank - self.dp_rank * t.cp)
+        return self.segment.group(self.segment.mb_index(step, self.pool_rank, m), self.pool_rank)
 
     def step_of(self, index: int) -> tuple[int, int]:
         """(step, m) of the `index`-th micro-batch this rank yields in the current segment."""
@@ -333,8 +267,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         seg = self.segment
         if not 0 <= step < seg.num_steps:
             raise IndexError(f"step {step} out of range: this plan has {seg.num_steps} steps")
-        nb = self.topology.bins_per_step
-        return slice(int(seg.mb_ptr[step * nb]), int(seg.mb_ptr[(step + 1) * nb]))
+        return slice(int(seg.mb_ptr[seg.first_mb(step)]), int(seg.mb_ptr[seg.first_mb(step + 1)]))
 
     def step_loss_tokens(self, step: int) -> int:
         """Global number of loss tokens of `step` (all DP ranks, all micro-batches): sum over its documents (or
@@ -356,11 +289,15 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         return int(((self.segment.end[sl] - self.segment.start[sl]) > 1).sum())
 
     def predicted_times(self, step: int) -> np.ndarray:
-        """[dp, M] predicted time (cost-model units) of every micro-batch of `step` on one CP rank: cost / cp."""
+        """[dp, M] predicted time (cost-model units) of every micro-batch of `step` on one CP rank: cost / cp.
+        Dynamic CP: [M] the time of this rank's group in every slot, cost / size."""
         seg = self.segment
         if seg.plan is None:
             raise IndexError("nothing left to plan in this epoch")
         self._step_slice(step)
+        if self.topology.dynamic:
+            ks = [seg.mb_index(step, self.pool_rank, m) for m in range(self.topology.micro_batches)]
+            return seg.plan.micro_batch_costs()[ks] / seg.group_size[ks]
         return seg.plan.micro_batch_costs()[step] / self.topology.cp
 
     def predicted_step(self, step: int) -> dict:
@@ -368,7 +305,10 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         step's lower bound (docs/design.md) and their ratio (`imbalance`), loss tokens and tokens."""
         t = self.topology
         mb = self.predicted_times(step)
-        rep = one_f_one_b(mb.max(axis=1), mb.sum(axis=1), t.pp)
+        if t.dynamic:  # the step time needs every rank's waits: the plan's model; no per-replica times
+            rep = np.array([self.segment.plan.step_times()[step]])
+        else:
+            rep = one_f_one_b(mb.max(axis=1), mb.sum(axis=1), t.pp)
         sl = self._step_slice(step)
         seg = self.segment
         c = self.cost.cost(seg.end[sl] - seg.start[sl])
@@ -422,6 +362,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             "fingerprint": self.fingerprint,
             "num_docs": int(len(self.lengths)),
             "dp_rank": self.dp_rank,
+            "rank": self.pool_rank,
             "segments": [
                 {"topology": h["topology"].to_dict(), "cost": h["cost"].to_dict(), "steps": h["steps"]}
                 for h in self._history
@@ -432,9 +373,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()` output (see the module docstring for the contract); the next `iter()` yields
         the remainder of the saved epoch."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            found = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a BalancedBatchSampler state (format {found!r})")
+        state = check_state(state)
         if state["fingerprint"] != self.fingerprint or state["num_docs"] != len(self.lengths):
             raise ValueError(
                 f"the state is from another data set: {state['num_docs']} documents with lengths "
@@ -448,17 +387,10 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
                 f"the state is from overflow={state['overflow']!r}, this sampler has overflow={self.overflow!r}"
             )
         segs = state["segments"]
-        history = [
-            {
-                "topology": Topology.from_dict(s["topology"]),
-                "cost": CostModel.from_dict(s["cost"]),
-                "steps": int(s["steps"]),
-            }
-            for s in segs[:-1]
-        ]
-        last_topo, last_cost = Topology.from_dict(segs[-1]["topology"]), CostModel.from_dict(segs[-1]["cost"])
-        position = int(state["position"])
-        self.epoch = int(state["epoch"])
+        history = [{"topology": s["topology"], "cost": s["cost"], "steps": s["steps"]} for s in segs[:-1]]
+        last_topo, last_cost = segs[-1]["topology"], segs[-1]["cost"]
+        position = state["position"]
+        self.epoch = state["epoch"]
         if last_topo == self.topology and last_cost == self.cost:
             self._history, self.position = history, position
         else:
@@ -503,6 +435,32 @@ class _SamplerIter:
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
         self.sampler._resume_pending = False
+
+
+def _resolve_pool_rank(rank, dp_rank, topology: Topology, device_mesh, dp_dim: str) -> int:
+    """This rank's pool rank (`dp_rank * cp + cp_rank`) from `rank`, or `dp_rank` / the device mesh /
+    torch.distributed as `_resolve_dp_rank` finds it (CP rank from torch.distributed when initialised, else 0)."""
+    if rank is not None:
+        if isinstance(rank, bool) or int(rank) != rank or not 0 <= int(rank) < topology.pool_size:
+            raise ValueError(f"rank {rank!r} out of range for a pool of dp*cp = {topology.pool_size} ranks")
+        if dp_rank is not None and int(dp_rank) != int(rank) // topology.cp:
+            raise ValueError(f"dp_rank {dp_rank} and pool rank {rank} disagree (pool rank = dp_rank*cp + cp_rank)")
+        return int(rank)
+    import torch.distributed as dist
+
+    initialised = dist.is_available() and dist.is_initialized()
+    if topology.dynamic and dp_rank is None and device_mesh is None and not initialised:
+        if topology.pool_size == 1:
+            return 0
+        raise ValueError(
+            "with dynamic CP (cp_sizes) pass rank= (the pool rank dp_rank*cp + cp_rank) or initialise torch.distributed"
+        )
+    dp = _resolve_dp_rank(dp_rank, topology, device_mesh, dp_dim)
+    if dp_rank is None and device_mesh is None and initialised:
+        return dist.get_rank() // topology.pp
+    if topology.dynamic and topology.cp > 1:
+        raise ValueError("with dynamic CP and cp > 1 the CP rank is needed too: pass rank= (dp_rank*cp + cp_rank)")
+    return dp * topology.cp
 
 
 def _resolve_dp_rank(dp_rank, topology: Topology, device_mesh, dp_dim: str) -> int:
