@@ -55,17 +55,36 @@ def cost_from_args(args) -> CostModel:
     )
 
 
+def parse_cp_sizes(text: str | None) -> tuple[int, ...] | None:
+    """`--cp-sizes 1,2,4,8` -> (1, 2, 4, 8); a ValueError naming the option otherwise."""
+    if text is None:
+        return None
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--cp-sizes must be comma-separated group sizes such as 1,2,4,8, got {text!r}") from None
+    return sizes
+
+
 def topology_from_args(args, lengths: np.ndarray) -> Topology:
     max_tokens = args.max_tokens
-    if max_tokens is None:  # the next power of two that holds the longest document over the CP group
-        max_tokens = 1 << int(np.ceil(np.log2(max(1, -(-int(lengths.max()) // args.cp)))))
+    cp_sizes = parse_cp_sizes(getattr(args, "cp_sizes", None))
+    group = max([args.cp, *(cp_sizes or ())])
+    if max_tokens is None:  # the next power of two that holds the longest document over the (largest) CP group
+        max_tokens = 1 << int(np.ceil(np.log2(max(1, -(-int(lengths.max()) // max(group, 1))))))
     tps = args.tokens_per_step
     if args.fill is not None and not 0 < args.fill <= 1:  # also NaN and inf
         raise ValueError(f"--fill must be a share of the capacity in (0, 1], got {args.fill}")
     if tps is None and args.fill is not None:
         tps = int(args.fill * args.dp * args.cp * args.micro_batches * max_tokens)
     return Topology(
-        dp=args.dp, cp=args.cp, pp=args.pp, micro_batches=args.micro_batches, max_tokens=max_tokens, tokens_per_step=tps
+        dp=args.dp,
+        cp=args.cp,
+        pp=args.pp,
+        micro_batches=args.micro_batches,
+        max_tokens=max_tokens,
+        tokens_per_step=tps,
+        cp_sizes=cp_sizes,
     )
 
 
@@ -110,7 +129,8 @@ def default_plan_path(source: str, topo: Topology) -> Path:
     """Where `balancer plan` writes without -o: beside the input (for a folder: next to it, not inside), named after
     the input and the topology; for a built-in trace name: in the current folder."""
     src = Path(source)
-    tag = f"plan_dp{topo.dp}_cp{topo.cp}_pp{topo.pp}_m{topo.micro_batches}.json"
+    sizes = f"_cps{'-'.join(map(str, topo.cp_sizes))}" if topo.dynamic else ""
+    tag = f"plan_dp{topo.dp}_cp{topo.cp}{sizes}_pp{topo.pp}_m{topo.micro_batches}.json"
     if not src.exists():
         return Path(f"{source}.{tag}")
     src = src.resolve()
@@ -139,6 +159,19 @@ def baseline_plan(ours, topo: Topology, cost: CostModel, seed: int):
     return token_count_plan(ours.end - ours.start, topo, cost, seed=seed)
 
 
+def _static_plan(lengths: np.ndarray, topo: Topology, cost: CostModel, args):
+    """The static-CP plan a dynamic one is compared with, or None (with a note) when the documents do not fit."""
+    import dataclasses
+
+    try:
+        return make_plan(
+            lengths, dataclasses.replace(topo, cp_sizes=None), cost, seed=args.seed, overflow=args.overflow
+        )
+    except ValueError as e:
+        print(f"(no static-CP comparison: {e})", file=sys.stderr)
+        return None
+
+
 def cmd_plan(args) -> int:
     require_plot_backend(args)
     lengths = read_lengths(args.lengths)
@@ -148,7 +181,13 @@ def cmd_plan(args) -> int:
     ours = make_plan(lengths, topo, cost, seed=args.seed, overflow=args.overflow, progress=show_progress(args))
     plans = {"balancer": ours}
     if not args.no_baseline:
-        plans["token-count"] = baseline_plan(ours, topo, cost, args.seed)
+        static = ours
+        if topo.dynamic:  # compare with fixed CP groups of size cp, when the documents fit them
+            static = _static_plan(lengths, topo, cost, args)
+            if static is not None:
+                plans = {"balancer (dynamic CP)": ours, "balancer (static CP)": static}
+        if static is not None:
+            plans["token-count"] = baseline_plan(static, static.topology, cost, args.seed)
     print(compare_table(plans))
     if args.overflow != "error" and not args.no_baseline:
         print(f"(both columns plan the same units: documents after --overflow {args.overflow})")
@@ -261,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON list / .npy / text file of lengths, a pretokenized folder, or a built-in trace name",
     )
     add_topology_args(p)
+    p.add_argument(
+        "--cp-sizes",
+        metavar="SIZES",
+        help="dynamic CP: comma-separated CP group sizes, e.g. 1,2,4,8 (each dividing dp*cp); every micro-batch "
+        "slot regroups the dp*cp ranks, giant documents on large groups, short ones on one rank; the plan is "
+        "compared with the static one (default: fixed groups of --cp ranks)",
+    )
     p.add_argument(
         "--overflow",
         choices=OVERFLOW_POLICIES,

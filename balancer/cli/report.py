@@ -111,10 +111,10 @@ def plot(lengths: np.ndarray, cost: CostModel, path: str, plans: dict[str, Plan]
     axes[1].set_xscale("log"), axes[1].set_xlabel("document length (tokens)")
     axes[1].set_ylabel("share held by longer documents"), axes[1].legend(), axes[1].grid(alpha=0.3)
     if plans:
-        from ..planning.metrics import lower_bound, step_times
+        from ..planning.metrics import lower_bound
 
         for name, p in plans.items():
-            t = step_times(p.micro_batch_costs(), p.topology)
+            t = p.step_times()
             s_of = p.step_of_entry()
             c = p.cost_model.cost(p.end - p.start)
             work = np.bincount(s_of, weights=c, minlength=p.num_steps)

@@ -23,10 +23,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from .cost import CostModel
+from .metrics import one_f_one_b
 from .plan import Plan
 from .topology import Topology
 
-SPLIT_SLACK = 1e-3  # a group is cut into smaller ones only if no part then runs longer than this share over it
+MIN_BINS = 16  # the balancing plan keeps at least this many micro-batches per step (when no document stalls)
+STALL_SHARE = 0.5  # ... and a group size on which P * cost(d) / C is at most this share of a rank's step share
+SPLIT_SLACK = 2e-3  # cutting groups may make a step at most this much slower than the largest-group plan
 
 
 def check_fits(lengths: np.ndarray, topology: Topology, overflow: str) -> None:
@@ -41,9 +44,29 @@ def check_fits(lengths: np.ndarray, topology: Topology, overflow: str) -> None:
         )
 
 
-def largest_group_topology(topology: Topology) -> Topology:
-    """The static topology of step 1: the pool as `dp * cp / C` replicas of CP size C = max(cp_sizes)."""
-    size = topology.largest_group
+def base_group_size(unit_cost: np.ndarray, unit_tokens: np.ndarray, topology: Topology) -> int:
+    """The CP size C of the balancing plan (step 1).
+
+    The largest size balances best (one replica pools every document) but leaves few micro-batches per step to
+    pack (slow: the packer deals units in rounds of one per micro-batch); so C is the largest size that keeps at
+    least MIN_BINS micro-batches per step, raised to the smallest size on which no document stalls its step
+    (`P * cost(d) / C` within STALL_SHARE of a rank's share of a step) and to what the longest unit needs.
+    """
+    sizes = np.asarray(topology.cp_sizes)
+    pool, m, pp = topology.pool_size, topology.micro_batches, topology.pp
+    many_bins = sizes[(pool // sizes) * m >= MIN_BINS]
+    size = int(many_bins.max()) if len(many_bins) else int(sizes.min())
+    steps = max(1.0, float(unit_tokens.sum()) / topology.tokens_per_step)
+    share = float(unit_cost.sum()) / steps / pool * (1 + (pp - 1) / m)
+    no_stall = sizes[pp * float(unit_cost.max()) / sizes <= STALL_SHARE * share]
+    size = max(size, int(no_stall.min()) if len(no_stall) else int(sizes.max()))
+    holds = sizes[sizes * topology.max_tokens >= unit_tokens.max()]
+    return max(size, int(holds.min()) if len(holds) else int(sizes.max()))
+
+
+def largest_group_topology(topology: Topology, size: int | None = None) -> Topology:
+    """The static topology of step 1: the pool as `dp * cp / C` replicas of CP size C (default max(cp_sizes))."""
+    size = topology.largest_group if size is None else size
     return Topology(
         dp=topology.pool_size // size,
         cp=size,
@@ -62,8 +85,11 @@ def plan_dynamic(
 
     started = time.perf_counter()
     check_fits(lengths, topology, overflow)
-    base = static_plan(lengths, largest_group_topology(topology), cost, seed=seed, overflow=overflow, progress=progress)
-    order, group_start, group_size, sizes, slot_ptr = _split_groups(base, topology, cost)
+    unit_tokens = np.minimum(lengths, topology.largest_group * topology.max_tokens)
+    size = base_group_size(cost.cost(unit_tokens), unit_tokens, topology)
+    virtual = largest_group_topology(topology, size)
+    base = static_plan(lengths, virtual, cost, seed=seed, overflow=overflow, progress=progress)
+    order, group_start, group_size, sizes, slot_ptr = _split_groups(base, virtual, topology, cost)
     return Plan(
         base.lengths,
         topology,
@@ -111,25 +137,26 @@ class _Cutter:
         return out
 
 
-def _split_groups(base: Plan, topology: Topology, cost: CostModel):
-    """Cut every micro-batch of the largest-group plan into aligned smaller groups where that costs no time.
+def _split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostModel):
+    """Cut every micro-batch of the largest-group plan into aligned smaller groups where that costs (almost) no time.
 
     Returns the entry order of the new plan, each group's first rank, size and entry count, and the slot pointer.
     """
-    large, m = topology.largest_group, topology.micro_batches
-    replicas = topology.pool_size // large
+    large, m = virtual.cp, topology.micro_batches
+    replicas = virtual.dp
     entry_cost = cost.cost(base.end - base.start)
     cutter = _Cutter(
         entry_cost, base.end - base.start, _smaller_sizes(topology.cp_sizes), topology.max_tokens, cost.fixed
     )
+    slot_time = (base.micro_batch_costs() / large).reshape(base.num_steps, replicas, m)  # fixed included
     order, group_start, group_size, counts, slot_ptr = [], [], [], [], [0]
     for step in range(base.num_steps):
+        replica_time = one_f_one_b(slot_time[step].max(axis=1), slot_time[step].sum(axis=1), topology.pp)
+        limit = float(replica_time.max()) * (1 + SPLIT_SLACK)
+        cuts = [_cut_replica(cutter, base, step, r, slot_time[step, r], limit, virtual) for r in range(replicas)]
         for slot in range(m):
             for replica in range(replicas):
-                k = (step * replicas + replica) * m + slot
-                entries = np.arange(base.mb_ptr[k], base.mb_ptr[k + 1])
-                budget = (entry_cost[entries].sum() + cost.fixed) / large * (1 + SPLIT_SLACK)
-                for start, size, members in cutter.split(entries, replica * large, large, budget):
+                for start, size, members in cuts[replica][slot]:
                     order.append(members)
                     group_start.append(start)
                     group_size.append(size)
@@ -137,6 +164,39 @@ def _split_groups(base: Plan, topology: Topology, cost: CostModel):
             slot_ptr.append(len(group_start))
     as_array = [np.asarray(a, dtype=np.int64) for a in (group_start, group_size, counts, slot_ptr)]
     return (np.concatenate(order) if order else np.zeros(0, dtype=np.int64), *as_array)
+
+
+def _cut_replica(
+    cutter: _Cutter, base: Plan, step: int, replica: int, times: np.ndarray, limit: float, topology: Topology
+) -> list:
+    """The cuts of one large group's micro-batches of `step`, slot by slot, such that the group's ranks still
+    finish within `limit`.
+
+    After a cut, a slot takes its slowest part's time (the other parts' ranks wait for their next partners), so
+    the group's ranks finish by at most `(P-1) * max_k x_k + sum_k x_k` with x_k the slots' slowest parts: a slot
+    may be cut into parts as slow as `budget` while that bound stays within `limit` (a replica below the step's
+    time has room to spare; the slowest one only SPLIT_SLACK).
+    """
+    large, m, pp, replicas = topology.cp, topology.micro_batches, topology.pp, topology.dp
+    slowest, total = float(times.max()), float(times.sum())
+    out = []
+    for slot in range(m):
+        k = (step * replicas + replica) * m + slot
+        entries = np.arange(base.mb_ptr[k], base.mb_ptr[k + 1])
+        rest = total - times[slot]
+        # the largest x with (P-1) * max(slowest, x) + rest + x <= limit (the 1F1B bound above, inverted)
+        budget = limit - (pp - 1) * slowest - rest
+        if budget > slowest:
+            budget = (limit - rest) / pp
+        groups = cutter.split(entries, replica * large, large, max(budget, float(times[slot])))
+        taken = max((cutter.entry_cost[g].sum() + cutter.fixed) / size for _, size, g in groups)
+        if len(groups) == 1:
+            taken = float(times[slot])
+        if one_f_one_b(max(slowest, taken), rest + taken, pp) > limit and len(groups) > 1:
+            groups, taken = [(replica * large, large, entries)], float(times[slot])  # rounding: keep it whole
+        total, slowest = rest + taken, max(slowest, taken)
+        out.append(groups)
+    return out
 
 
 def _smaller_sizes(sizes: tuple[int, ...]) -> dict[int, int]:
