@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -29,7 +29,7 @@ from .topology import Topology
 
 MIN_BINS = 16  # the balancing plan keeps at least this many micro-batches per step (when no document stalls)
 STALL_SHARE = 0.5  # ... and a group size on which P * cost(d) / C is at most this share of a rank's step share
-SPLIT_SLACK = 2e-3  # cutting groups may make a step at most this much slower than the largest-group plan
+SPLIT_SLACK = 5e-3  # cutting groups may make a step at most this much slower than the largest-group plan
 
 
 def check_fits(lengths: np.ndarray, topology: Topology, overflow: str) -> None:
@@ -116,25 +116,55 @@ class _Cutter:
     max_tokens: int
     fixed: float
 
+    finest: dict[int, int] = field(default_factory=dict)  # size -> the smallest size reached by cutting it
+
+    def __post_init__(self) -> None:
+        for size in self.smaller:
+            finest = size
+            while finest in self.smaller:
+                finest = self.smaller[finest]
+            self.finest[size] = finest
+
     def split(self, entries: np.ndarray, start: int, size: int, budget: float) -> list[tuple[int, int, np.ndarray]]:
-        """Groups `(start, size, entries)` covering ranks `[start, start + size)`, cut recursively while every
-        part stays within `budget` time (module docstring)."""
+        """Groups `(start, size, entries)` covering ranks `[start, start + size)`, cut while every part stays within
+        `budget` time: first straight into the smallest size (one deal, the common case of short documents), else
+        into the next smaller size, recursively (module docstring)."""
+        whole = [(start, size, entries)]
         part_size = self.smaller.get(size)
-        if part_size is None or len(entries) < size // part_size:
-            return [(start, size, entries)]
-        parts = size // part_size
-        part_of = _deal_largest_first(self.entry_cost[entries], parts)
-        load = np.bincount(part_of, weights=self.entry_cost[entries], minlength=parts)
-        tokens = np.bincount(part_of, weights=self.entry_tokens[entries], minlength=parts)
-        used = np.bincount(part_of, minlength=parts)
-        too_slow = (load + self.fixed) / part_size > budget
-        if used.min() == 0 or tokens.max() > part_size * self.max_tokens or too_slow.any():
-            return [(start, size, entries)]
+        if part_size is None:
+            return whole
+        finest = self.finest[size]
+        if finest < part_size:
+            parts = self._deal(entries, size // finest, finest, budget)
+            if parts is not None:
+                return [(start + p * finest, finest, members) for p, members in enumerate(parts)]
+        parts = self._deal(entries, size // part_size, part_size, budget)
+        if parts is None:
+            return whole
         out = []
-        for p in range(parts):
-            members = entries[part_of == p]  # keeps the micro-batch's order (whole documents, then spans)
+        for p, members in enumerate(parts):
             out += self.split(members, start + p * part_size, part_size, budget)
         return out
+
+    def _deal(self, entries: np.ndarray, parts: int, part_size: int, budget: float) -> list[np.ndarray] | None:
+        """`entries` dealt into `parts` parts of `part_size` ranks (each keeping the micro-batch's order: whole
+        documents, then spans), or None when a part would be empty, over its token cap or slower than `budget`."""
+        if len(entries) < parts:
+            return None
+        costs = self.entry_cost[entries]
+        if (costs.max() + self.fixed) / part_size > budget:  # its largest document alone is too slow for a part
+            return None
+        part_of = _deal_largest_first(costs, parts)
+        load = np.bincount(part_of, weights=costs, minlength=parts)
+        tokens = np.bincount(part_of, weights=self.entry_tokens[entries], minlength=parts)
+        used = np.bincount(part_of, minlength=parts)
+        if (
+            used.min() == 0
+            or tokens.max() > part_size * self.max_tokens
+            or np.any((load + self.fixed) / part_size > budget)
+        ):
+            return None
+        return [entries[part_of == p] for p in range(parts)]
 
 
 def _split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostModel):
@@ -213,14 +243,16 @@ def _deal_largest_first(costs: np.ndarray, parts: int, exact: int = 32) -> np.nd
     """Items to `parts` parts of near-equal cost: the `exact * parts` largest by LPT (largest first, each to the
     least-loaded part, ties to the lowest), the rest, in their order, cut into runs that fill each part's remaining
     room (error at most one small item per part; keeps the loop short for micro-batches of many documents)."""
-    part_of = np.empty(len(costs), dtype=np.int64)
-    order = np.argsort(-costs, kind="stable")
+    values = costs.tolist()
+    order = sorted(range(len(values)), key=values.__getitem__, reverse=True)  # stable (ties keep their order)
+    part_of = [0] * len(values)
     heap = [(0.0, p) for p in range(parts)]
     for i in order[: exact * parts]:
         load, p = heapq.heappop(heap)
         part_of[i] = p
-        heapq.heappush(heap, (load + float(costs[i]), p))
-    rest = np.sort(order[exact * parts :])
+        heapq.heappush(heap, (load + values[i], p))
+    part_of = np.asarray(part_of, dtype=np.int64)
+    rest = np.sort(np.asarray(order[exact * parts :], dtype=np.int64))
     if len(rest):
         load = np.zeros(parts)
         for value, p in heap:
