@@ -163,7 +163,9 @@ class CostModel:
 
     Communication terms, used only by the layout-aware prediction (`balancer.planning.predict`): `comm_coef` per
     token whose K/V travels one ring hop (forward + backward, all layers), `comm_latency` per ring step (or per
-    all-gather), `kv_bytes_per_token` the bytes behind one such token-hop (for reports). `piece_coef` is the overhead
+    all-gather), `kv_bytes_per_token` the bytes behind one such token-hop (for reports), `comm_overlap` whether a
+    ring step's transfer overlaps its compute (`max(compute, transfer)`, GPUs with copy engines) or adds to it (CPU
+    ranks whose transfers take cycles from the same cores). `piece_coef` is the overhead
     of one document piece: one document's block in one attention call on one rank (forward + backward, all layers).
 
     Units are whatever the coefficients are in (FLOPs for `from_model` without hardware, seconds for `fit` and for
@@ -180,6 +182,7 @@ class CostModel:
     comm_coef: float = 0.0
     comm_latency: float = 0.0
     kv_bytes_per_token: float = 0.0
+    comm_overlap: bool = True
 
     def __post_init__(self) -> None:
         for name in _COEFFICIENTS:
@@ -194,6 +197,8 @@ class CostModel:
             )
         if self.window is not None:
             object.__setattr__(self, "window", int(self.window))
+        if not isinstance(self.comm_overlap, (bool, np.bool_)):
+            raise ValueError(f"CostModel.comm_overlap must be true or false, got {self.comm_overlap!r}")
 
     @property
     def has_comm(self) -> bool:

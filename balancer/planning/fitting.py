@@ -5,8 +5,9 @@ The predicted time (balancer.planning.predict) is linear in the coefficients onc
 rank is the slowest, and, in every ring step, whether compute or transfer is the larger side of
 `max(compute, transfer)`. The fit alternates: fix the choices under the current coefficients, solve a non-negative
 least-squares problem on relative errors (every row divided by its measured time, so a 10 ms and a 10 s sample
-count alike), repeat until the choices stop changing. It starts from several communication speeds (none, and
-transfer costing 1/4 to 4 times the compute it overlaps) and keeps the best fit.
+count alike), repeat until the choices stop changing. With `fit_comm` it fits both kinds of ring step, transfers
+added to compute (`comm_overlap=False`, one linear solve) and transfers overlapped with it (started from transfer
+costing 1/4, 1 and 4 times the compute it overlaps), and keeps the best fit.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ def _solve(features: np.ndarray, seconds: np.ndarray, active: np.ndarray) -> np.
     return out
 
 
-def _model(cls, coef: np.ndarray, causal: bool, window, kv_bytes: float = 0.0):
+def _model(cls, coef: np.ndarray, causal: bool, window, overlap: bool = True):
     values = dict(zip(TERMS, (float(c) for c in coef)))
     if values["attn_coef"] == 0 and values["linear_coef"] == 0:
         raise ValueError("CostModel.fit: the timings fit no positive attention or linear coefficient")
-    return cls(**values, causal=causal, window=window, kv_bytes_per_token=kv_bytes)
+    return cls(**values, causal=causal, window=window, comm_overlap=overlap)
 
 
 def fit_cost_model(
@@ -94,28 +95,28 @@ def fit_cost_model(
         return np.array([fit_features(t, m, model) for t, m in zip(terms, methods)])
 
     coef = _solve(features(None), seconds, active)
-    best = _iterate(cls, coef, features, seconds, active, causal, window)
-    if fit_comm:
+    best = _iterate(cls, coef, features, seconds, active, causal, window, overlap=not fit_comm)
+    if fit_comm:  # transfers that add to compute (above) or overlap it, from several starting speeds
         compute_per_token = _compute_per_moved_token(terms, coef)
         for ratio in COMM_STARTS:
             start = coef.copy()
             start[TERMS.index("comm_coef")] = ratio * compute_per_token
-            candidate = _iterate(cls, start, features, seconds, active, causal, window)
+            candidate = _iterate(cls, start, features, seconds, active, causal, window, overlap=True)
             if candidate[1] < best[1]:
                 best = candidate
     return best[0]
 
 
-def _iterate(cls, coef, features, seconds, active, causal, window):
+def _iterate(cls, coef, features, seconds, active, causal, window, overlap: bool):
     """Alternate choices and NNLS from `coef`; returns (model, sum of squared relative errors)."""
-    model = _model(cls, coef, causal, window)
+    model = _model(cls, coef, causal, window, overlap)
     previous = None
     for _ in range(MAX_ROUNDS):
         feats = features(model)
         if previous is not None and np.array_equal(feats, previous):
             break
         previous = feats
-        model = _model(cls, _solve(feats, seconds, active), causal, window)
+        model = _model(cls, _solve(feats, seconds, active), causal, window, overlap)
     predicted = features(model) @ np.array([getattr(model, t) for t in TERMS])
     return model, float(np.sum((predicted / seconds - 1.0) ** 2))
 

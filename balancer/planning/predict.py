@@ -7,6 +7,7 @@ long ones zigzag-split) and charges each rank r (docs/cost-model.md has the full
     t_r = fixed + linear_coef * tokens_r + sum over ring steps i of
           [ max(attn_coef * pairs[r, s_i] + piece_coef * pieces[r, s_i], comm_coef * moved_{r,i}) + comm_latency ]
 
+(`comm_overlap=False`: the sum of the two instead of the max)
 with `s_i = (r - i) mod cp` the rank whose K/V rank r holds at step i, `pairs[r, s]` the (query, key) pairs between
 rank r's queries and rank s's keys (windowed if the model has a window), `pieces[r, s]` the documents with such
 pairs, and `moved_{r,i}` the K/V tokens rank r sends and receives at that step (the larger of the two blocks; only
@@ -143,7 +144,8 @@ def rank_times(cost: CostModel, terms: MicroBatchTerms, method: str = "ring") ->
     held = step_blocks(cp)
     per_step = np.take_along_axis(compute, held, axis=1)  # [r, i]
     moved = cost.comm_coef * _ring_moved(terms)
-    return base + (np.maximum(per_step, moved) + cost.comm_latency).sum(axis=1)
+    step = np.maximum(per_step, moved) if cost.comm_overlap else per_step + moved
+    return base + (step + cost.comm_latency).sum(axis=1)
 
 
 def micro_batch_time(
@@ -156,7 +158,8 @@ def micro_batch_time(
 
 def fit_features(terms: MicroBatchTerms, method: str, cost: CostModel | None) -> np.ndarray:
     """Linear features [pairs, tokens, 1, pieces, comm tokens, latency count] of the slowest rank, with each ring
-    step charged to compute or to transfer as `cost` says (all to compute when `cost` is None)."""
+    step charged to compute or to transfer as `cost` says; both are counted when `cost` is None or does not
+    overlap (the slowest rank is then the one with the most tokens)."""
     cp = terms.cp
     times = rank_times(cost, terms, method) if cost is not None else terms.tokens
     r = int(np.argmax(times))
@@ -165,19 +168,11 @@ def fit_features(terms: MicroBatchTerms, method: str, cost: CostModel | None) ->
         return np.array([terms.pairs[r].sum(), terms.tokens[r], 1.0, terms.pieces[r].sum(), comm, float(cp > 1)])
     held = step_blocks(cp)[r]
     pairs, pieces, moved = terms.pairs[r, held], terms.pieces[r, held], _ring_moved(terms)[r]
-    if cost is None:
-        on_compute = np.ones(cp, dtype=bool)
-    else:
-        on_compute = cost.attn_coef * pairs + cost.piece_coef * pieces >= cost.comm_coef * moved
+    if cost is None or not cost.comm_overlap:  # compute and transfer both counted
+        return np.array([pairs.sum(), terms.tokens[r], 1.0, pieces.sum(), moved.sum(), float(cp)])
+    on_compute = cost.attn_coef * pairs + cost.piece_coef * pieces >= cost.comm_coef * moved
     return np.array(
-        [
-            pairs[on_compute].sum(),
-            terms.tokens[r],
-            1.0,
-            pieces[on_compute].sum(),
-            moved[~on_compute].sum(),
-            float(cp),
-        ]
+        [pairs[on_compute].sum(), terms.tokens[r], 1.0, pieces[on_compute].sum(), moved[~on_compute].sum(), float(cp)]
     )
 
 
