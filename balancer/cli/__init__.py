@@ -6,6 +6,7 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -42,16 +43,27 @@ def read_lengths(source: str) -> np.ndarray:
 
 
 def cost_from_args(args) -> CostModel:
+    if getattr(args, "cost", None):
+        return CostModel.load(args.cost)
+    window = getattr(args, "window", None)
+    if window is not None and window < 1:
+        raise ValueError(f"--window must be >= 1 token, got {window}")
+    for option in ("attn_coef", "linear_coef", "fixed"):
+        value = getattr(args, option, None)
+        if value is not None and value < 0:
+            raise ValueError(f"--{option.replace('_', '-')} must be >= 0, got {value}")
     if getattr(args, "model_config", None):
-        return CostModel.from_config(json.loads(Path(args.model_config).read_text()))
+        cost = CostModel.from_config(json.loads(Path(args.model_config).read_text()))
+        return cost if window is None else replace(cost, window=window)
     if getattr(args, "model", None):
-        return CostModel.from_model(**MODELS[args.model])
+        return CostModel.from_model(**MODELS[args.model], window=window)
     attn, lin = DEFAULT_COST
     return CostModel(
         attn_coef=args.attn_coef if args.attn_coef is not None else attn,
         linear_coef=args.linear_coef if args.linear_coef is not None else lin,
         fixed=args.fixed,
         causal=not args.non_causal,
+        window=window,
     )
 
 
@@ -121,6 +133,8 @@ def add_topology_args(p: argparse.ArgumentParser, dp: int = 8, micro_batches: in
     c.add_argument("--linear-coef", type=float, help="cost per token")
     c.add_argument("--fixed", type=float, default=0.0, help="cost per micro-batch (default 0)")
     c.add_argument("--non-causal", action="store_true", help="bidirectional attention: d*d pairs per document")
+    c.add_argument("--window", type=int, help="sliding-window attention: keys per query (pairs ~ d*window)")
+    c.add_argument("--cost", metavar="JSON", help="a fitted cost model (`balancer calibrate -o cost.json`)")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (there is none without a terminal)")
 
@@ -336,9 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="write the picture here")
     p.set_defaults(func=cmd_stats)
 
+    from . import calibrate as cli_calibrate
     from . import data as cli_data
 
     cli_data.register(sub)
+    cli_calibrate.register(sub)
     return parser
 
 

@@ -7,43 +7,213 @@ metrics, the benchmarks and the telemetry all call it.
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import numpy as np
 
 
-def attention_pairs(lengths: np.ndarray | Sequence[int], causal: bool = True) -> np.ndarray:
-    """Number of (query, key) pairs attention computes for documents of the given lengths (float64)."""
+def _clamped_prefix(x: np.ndarray, cap: np.ndarray) -> np.ndarray:
+    """`sum_{y <= x} clamp(y, 0, cap)` over integers y (0 for x <= 0), vectorised."""
+    x = np.maximum(x, 0.0)
+    inside = np.minimum(x, cap)
+    return inside * (inside + 1.0) / 2.0 + np.maximum(x - cap, 0.0) * cap
+
+
+def _causal_block_pairs(q_lo, q_hi, k_lo, k_hi, window) -> np.ndarray:
+    """Pairs (i, j) with i in [q_lo, q_hi), j in [k_lo, k_hi) and 0 <= i - j < window (window inf: j <= i)."""
+
+    def below(a, b):  # pairs with 0 <= i < a, 0 <= j < b, 0 <= i - j < window
+        # sum_{i<a} (#{j <= i, j < b} - #{j <= i - window, j < b}) = sum_i clamp(i+1, 0, b) - clamp(i+1-window, 0, b)
+        near = _clamped_prefix(a, b)
+        if np.isinf(window).all():
+            return near
+        far = _clamped_prefix(a - window, b)
+        return near - np.where(np.isinf(window), 0.0, far)
+
+    return below(q_hi, k_hi) - below(q_lo, k_hi) - below(q_hi, k_lo) + below(q_lo, k_lo)
+
+
+def block_pairs(q_lo, q_hi, k_lo, k_hi, causal: bool = True, window: int | None = None) -> np.ndarray:
+    """(query, key) pairs attention computes between query positions [q_lo, q_hi) and key positions [k_lo, k_hi)
+    of one document (float64, vectorised over the arguments).
+
+    Causal: pairs with `0 <= i - j < window`; non-causal: `|i - j| < window`; `window=None` is unlimited.
+    """
+    args = [np.asarray(a, dtype=np.float64) for a in (q_lo, q_hi, k_lo, k_hi)]
+    q_lo, q_hi, k_lo, k_hi = np.broadcast_arrays(*args)
+    w = np.full(q_lo.shape, np.inf if window is None else float(window))
+    ahead = _causal_block_pairs(q_lo, q_hi, k_lo, k_hi, w)
+    if causal:
+        return ahead
+    behind = _causal_block_pairs(k_lo, k_hi, q_lo, q_hi, w)  # j - i >= 0 within the window
+    diagonal = np.maximum(np.minimum(q_hi, k_hi) - np.maximum(q_lo, k_lo), 0.0)
+    return ahead + behind - diagonal
+
+
+def attention_pairs(lengths: np.ndarray | Sequence[int], causal: bool = True, window: int | None = None) -> np.ndarray:
+    """Number of (query, key) pairs attention computes for documents of the given lengths (float64).
+
+    Full attention: `d*(d+1)/2` causal, `d*d` otherwise. With a sliding window of `w` keys per query (query i sees
+    keys i-w+1..i, the Hugging Face / flash-attn convention): `d*(d+1)/2` for `d <= w`, else `w*(w+1)/2 + (d-w)*w`
+    (= `d*w - w*(w-1)/2`); non-causal windowed (`|i-j| < w`): twice that minus `d`.
+    """
     d = np.asarray(lengths, dtype=np.float64)
-    return d * (d + 1.0) / 2.0 if causal else d * d
+    if window is None:
+        return d * (d + 1.0) / 2.0 if causal else d * d
+    w = float(window)
+    one_way = np.where(d <= w, d * (d + 1.0) / 2.0, w * (w + 1.0) / 2.0 + (d - w) * w)
+    return one_way if causal else 2.0 * one_way - d
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Public figures of one device and its CP link, turned into seconds by `CostModel.from_model(hardware=...)`.
+
+    `flops`: dense bf16 peak FLOP/s of one device; `attn_efficiency` / `linear_efficiency`: the share of peak that
+    attention and matmul kernels reach; `link_bandwidth`: bytes/s one direction of the CP link; `link_latency`:
+    seconds per point-to-point transfer; `tile`: attention tile edge in tokens (a document piece pays at least one
+    tile: the per-piece overhead); `launch`: seconds of launch overhead per kernel call; `source`: where the figures
+    come from.
+    """
+
+    name: str
+    flops: float
+    attn_efficiency: float
+    linear_efficiency: float
+    link_bandwidth: float
+    link_latency: float
+    tile: int = 128
+    launch: float = 5e-6
+    source: str = ""
+
+
+HARDWARE = {
+    h.name: h
+    for h in (
+        Hardware(
+            "h100-nvlink",
+            989e12,
+            0.5,
+            0.6,
+            450e9,
+            10e-6,
+            source="NVIDIA H100 SXM datasheet (989 TFLOP/s dense "
+            "bf16, NVLink 4 900 GB/s bidirectional); NCCL p2p latency ~10 us (nccl-tests)",
+        ),
+        Hardware(
+            "h100-ib",
+            989e12,
+            0.5,
+            0.6,
+            50e9,
+            20e-6,
+            source="NVIDIA H100 SXM datasheet; ConnectX-7 NDR "
+            "InfiniBand 400 Gb/s per GPU; NCCL inter-node latency ~20 us",
+        ),
+        Hardware(
+            "h200-nvlink",
+            989e12,
+            0.5,
+            0.6,
+            450e9,
+            10e-6,
+            source="NVIDIA H200 SXM datasheet (989 TFLOP/s "
+            "dense bf16, same compute as H100, NVLink 900 GB/s bidirectional)",
+        ),
+        Hardware("h200-ib", 989e12, 0.5, 0.6, 50e9, 20e-6, source="NVIDIA H200 SXM datasheet; NDR InfiniBand 400 Gb/s"),
+        Hardware(
+            "a100-nvlink",
+            312e12,
+            0.5,
+            0.6,
+            300e9,
+            10e-6,
+            source="NVIDIA A100 SXM datasheet (312 TFLOP/s dense bf16, NVLink 3 600 GB/s bidirectional)",
+        ),
+        Hardware("a100-ib", 312e12, 0.5, 0.6, 25e9, 20e-6, source="NVIDIA A100 SXM datasheet; HDR InfiniBand 200 Gb/s"),
+        Hardware(
+            "cpu",
+            50e9,
+            0.2,
+            0.4,
+            2e9,
+            50e-6,
+            tile=1,
+            launch=20e-6,
+            source="one x86 core with AVX2 FMA "
+            "(2 x 8 fp32 FMA/cycle at ~3 GHz ~ 100 GFLOP/s fp32 peak, taken as 50); gloo over loopback TCP "
+            "~2 GB/s: rough figures, run `balancer calibrate` instead",
+        ),
+    )
+}
+
+_COEFFICIENTS = ("attn_coef", "linear_coef", "fixed", "piece_coef", "comm_coef", "comm_latency", "kv_bytes_per_token")
+FORMAT = "balancer.cost/1"
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Per-document cost: `attn_coef * pairs(d) + linear_coef * d`; `fixed` is charged once per micro-batch.
+    """Per-document cost: `attn_coef * pairs(d) + linear_coef * d + piece_coef`; `fixed` is charged once per
+    micro-batch. `pairs` follows `causal` and the sliding `window` (None: full attention).
 
-    Units are whatever the coefficients are in (FLOPs for `from_model`, seconds for `fit`); only ratios matter
-    to the planner.
+    Communication terms, used only by the layout-aware prediction (`balancer.planning.predict`): `comm_coef` per
+    token whose K/V travels one ring hop (forward + backward, all layers), `comm_latency` per ring step (or per
+    all-gather), `kv_bytes_per_token` the bytes behind one such token-hop (for reports), `comm_overlap` whether a
+    ring step's transfer overlaps its compute (`max(compute, transfer)`, GPUs with copy engines) or adds to it (CPU
+    ranks whose transfers take cycles from the same cores). `piece_coef` is the overhead
+    of one document piece: one document's block in one attention call on one rank (forward + backward, all layers).
+
+    Units are whatever the coefficients are in (FLOPs for `from_model` without hardware, seconds for `fit` and for
+    `from_model(hardware=...)`); only ratios matter to the planner. With the new terms left at 0 the model is the
+    plain `attn_coef * pairs + linear_coef * d` (+ `fixed`).
     """
 
     attn_coef: float
     linear_coef: float
     fixed: float = 0.0
     causal: bool = True
+    window: int | None = None
+    piece_coef: float = 0.0
+    comm_coef: float = 0.0
+    comm_latency: float = 0.0
+    kv_bytes_per_token: float = 0.0
+    comm_overlap: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("attn_coef", "linear_coef", "fixed"):
+        for name in _COEFFICIENTS:
             value = getattr(self, name)
-            if not np.isfinite(value) or value < 0:
+            if not isinstance(value, (int, float, np.floating, np.integer)) or not np.isfinite(value) or value < 0:
                 raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {value!r}")
         if self.attn_coef == 0 and self.linear_coef == 0:
             raise ValueError("CostModel needs attn_coef > 0 or linear_coef > 0 (both are 0)")
+        if self.window is not None and (int(self.window) != self.window or self.window < 1):
+            raise ValueError(
+                f"CostModel.window must be a positive integer (keys per query) or None, got {self.window!r}"
+            )
+        if self.window is not None:
+            object.__setattr__(self, "window", int(self.window))
+        if not isinstance(self.comm_overlap, (bool, np.bool_)):
+            raise ValueError(f"CostModel.comm_overlap must be true or false, got {self.comm_overlap!r}")
+
+    @property
+    def has_comm(self) -> bool:
+        """True when the model charges communication or per-piece overhead (the layout then matters)."""
+        return bool(self.comm_coef or self.comm_latency or self.piece_coef)
+
+    def pairs(self, lengths: np.ndarray | Sequence[int] | int) -> np.ndarray:
+        """Attention pairs per document under this model's mask (`causal`, `window`)."""
+        return attention_pairs(lengths, self.causal, self.window)
 
     def cost(self, lengths: np.ndarray | Sequence[int] | int) -> np.ndarray:
         """Vectorised per-document cost (float64 array of the input's shape; `fixed` not included)."""
         d = np.asarray(lengths, dtype=np.float64)
-        return self.attn_coef * attention_pairs(d, self.causal) + self.linear_coef * d
+        out = self.attn_coef * self.pairs(d) + self.linear_coef * d
+        return out + self.piece_coef * (d > 0) if self.piece_coef else out
 
     __call__ = cost
 
@@ -56,7 +226,42 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, data: dict) -> CostModel:
-        return cls(**{k: data[k] for k in ("attn_coef", "linear_coef", "fixed", "causal") if k in data})
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+    def save(self, path: str | os.PathLike, **report) -> None:
+        """Write the model as JSON (`{"format", fields..., "report": {...}}`), atomically; `report` is free-form
+        (a calibration's errors and settings) and ignored by `load`."""
+        path = Path(path)
+        payload = {"format": FORMAT, **self.to_dict()}
+        if report:
+            payload["report"] = report
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(payload, f, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CostModel:
+        """Read a model written by `save` (or any JSON object holding at least attn_coef and linear_coef)."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a cost model JSON file ({e})") from None
+        if not isinstance(data, dict) or "attn_coef" not in data or "linear_coef" not in data:
+            raise ValueError(f"{path}: a cost model needs 'attn_coef' and 'linear_coef'")
+        if data.get("format", FORMAT) != FORMAT:
+            raise ValueError(f"{path}: unknown cost model format {data['format']!r} (expected {FORMAT})")
+        try:
+            return cls.from_dict(data)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{path}: {e}") from None
 
     @classmethod
     def from_model(
@@ -71,6 +276,9 @@ class CostModel:
         gated_mlp: bool = True,
         causal: bool = True,
         fixed: float = 0.0,
+        window: int | None = None,
+        hardware: str | Hardware | None = None,
+        dtype_bytes: int = 2,
     ) -> CostModel:
         """Analytic training FLOPs (forward + backward) of a decoder-only transformer, per document.
 
@@ -80,6 +288,14 @@ class CostModel:
           `P_matmul = num_layers * (hidden*(num_heads*head_dim) + 2*hidden*(num_kv_heads*head_dim)
           + (num_heads*head_dim)*hidden + k*hidden*intermediate) + hidden*vocab` with `k = 3` for a gated (SwiGLU)
           MLP and `k = 2` otherwise; the input embedding is a lookup, not a matmul, and norms/activations are ignored.
+
+        `hardware` (a name in `HARDWARE` or a `Hardware`) turns FLOPs into seconds and adds the overhead and
+        communication terms (docs/cost-model.md): `attn_coef / (flops * attn_efficiency)`,
+        `linear_coef / (flops * linear_efficiency)`, `piece_coef` = half a `tile x tile` block of attention work,
+        `kv_bytes_per_token = num_layers * 2 * kv_dim * (2 * dtype_bytes + 4)` (forward K/V, backward K/V again and
+        float32 dK/dV), `comm_coef = kv_bytes_per_token / link_bandwidth`,
+        `comm_latency = 3 * num_layers * (link_latency + launch)` per ring step (one forward and two backward
+        transfers per layer, each with its kernel launch).
         """
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
@@ -106,11 +322,28 @@ class CostModel:
         )
         matmul_params = num_layers * per_layer + hidden_size * vocab_size
         attn = 12.0 * num_layers * num_heads * head_dim
-        return cls(attn_coef=float(attn), linear_coef=6.0 * float(matmul_params), fixed=float(fixed), causal=causal)
+        linear = 6.0 * float(matmul_params)
+        if hardware is None:
+            return cls(attn_coef=float(attn), linear_coef=linear, fixed=float(fixed), causal=causal, window=window)
+        hw = _hardware(hardware)
+        attn_s = attn / (hw.flops * hw.attn_efficiency)
+        kv_bytes = float(num_layers * 2 * kv_dim * (2 * dtype_bytes + 4))
+        return cls(
+            attn_coef=attn_s,
+            linear_coef=linear / (hw.flops * hw.linear_efficiency),
+            fixed=float(fixed),
+            causal=causal,
+            window=window,
+            piece_coef=attn_s * hw.tile * hw.tile / 2.0,
+            comm_coef=kv_bytes / hw.link_bandwidth,
+            comm_latency=3.0 * num_layers * (hw.link_latency + hw.launch),
+            kv_bytes_per_token=kv_bytes,
+        )
 
     @classmethod
-    def from_config(cls, config: dict) -> CostModel:
-        """`from_model` on a Hugging Face style config dict (`config.json` keys)."""
+    def from_config(cls, config: dict, hardware: str | Hardware | None = None) -> CostModel:
+        """`from_model` on a Hugging Face style config dict (`config.json` keys); `sliding_window` becomes
+        `window` unless `use_sliding_window` is false."""
 
         def get(*names, default=None):
             for n in names:
@@ -123,6 +356,7 @@ class CostModel:
         heads = get("num_attention_heads", "n_head", "num_heads")
         if hidden is None or layers is None or heads is None:
             raise ValueError("model config needs hidden_size, num_hidden_layers and num_attention_heads")
+        window = get("sliding_window") if get("use_sliding_window", default=True) else None
         return cls.from_model(
             hidden_size=hidden,
             num_layers=layers,
@@ -132,39 +366,56 @@ class CostModel:
             vocab_size=get("vocab_size", default=0),
             head_dim=get("head_dim"),
             gated_mlp=get("hidden_act", default="silu") in ("silu", "swiglu", "geglu"),
+            window=window,
+            hardware=hardware,
         )
 
     @classmethod
-    def fit(cls, lengths, seconds, causal: bool = True, fit_fixed: bool = True) -> CostModel:
-        """Fit coefficients to measured timings with non-negative least squares (scipy.optimize.nnls).
+    def fit(
+        cls,
+        lengths,
+        seconds,
+        causal: bool = True,
+        fit_fixed: bool = True,
+        *,
+        window: int | None = None,
+        cp: int | Sequence[int] = 1,
+        layout: str | Sequence[str] = "zigzag",
+        method: str | Sequence[str] = "ring",
+        fit_pieces: bool = False,
+        fit_comm: bool = False,
+        layout_options: dict | None = None,
+    ) -> CostModel:
+        """Fit coefficients to measured timings with non-negative least squares on relative errors.
 
         `lengths[i]` is either one document length or a sequence of document lengths that ran together as one
-        measured micro-batch; `seconds[i]` is its measured time. With `fit_fixed` a per-micro-batch constant is
-        fitted as well.
+        measured micro-batch; `seconds[i]` is its measured time (the slowest CP rank's, for `cp[i] > 1`). With
+        `fit_fixed` a per-micro-batch constant is fitted as well, with `fit_pieces` the per-piece overhead, with
+        `fit_comm` the communication terms (`comm_coef`, `comm_latency`; needs samples with cp > 1). `cp`, `layout`
+        (CPLayout kind) and `method` are one value for all samples or one per sample. See
+        balancer.planning.fitting for the method (the ring step's max(compute, transfer) makes it piecewise linear).
         """
-        from scipy.optimize import nnls
+        from .fitting import fit_cost_model
 
-        seconds = np.asarray(seconds, dtype=np.float64)
-        if seconds.ndim != 1 or len(seconds) != len(lengths):
-            raise ValueError(f"CostModel.fit: got {len(lengths)} samples of lengths but {seconds.shape} seconds")
-        if len(seconds) < (3 if fit_fixed else 2):
-            raise ValueError("CostModel.fit needs at least 3 timed samples (2 without fit_fixed)")
-        if not np.all(np.isfinite(seconds)) or np.any(seconds < 0):
-            raise ValueError("CostModel.fit: seconds must be finite and >= 0")
-        rows = []
-        for i, item in enumerate(lengths):
-            d = np.atleast_1d(np.asarray(item, dtype=np.float64))
-            if d.size == 0 or np.any(d < 1):
-                raise ValueError(f"CostModel.fit: sample {i} has an empty or non-positive length")
-            rows.append((attention_pairs(d, causal).sum(), d.sum(), 1.0))
-        a = np.array(rows)
-        if not fit_fixed:
-            a = a[:, :2]
-        scale = a.max(axis=0)
-        scale[scale == 0] = 1.0
-        coef, _ = nnls(a / scale, seconds)
-        coef = coef / scale
-        fixed = float(coef[2]) if fit_fixed else 0.0
-        if coef[0] == 0 and coef[1] == 0:
-            raise ValueError("CostModel.fit: the timings fit no positive attention or linear coefficient")
-        return cls(attn_coef=float(coef[0]), linear_coef=float(coef[1]), fixed=fixed, causal=causal)
+        return fit_cost_model(
+            cls,
+            lengths,
+            seconds,
+            causal=causal,
+            window=window,
+            fit_fixed=fit_fixed,
+            fit_pieces=fit_pieces,
+            fit_comm=fit_comm,
+            cp=cp,
+            layout=layout,
+            method=method,
+            layout_options=layout_options or {},
+        )
+
+
+def _hardware(hardware: str | Hardware) -> Hardware:
+    if isinstance(hardware, Hardware):
+        return hardware
+    if hardware not in HARDWARE:
+        raise ValueError(f"hardware must be one of {sorted(HARDWARE)} or a Hardware, got {hardware!r}")
+    return HARDWARE[hardware]

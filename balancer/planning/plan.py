@@ -318,6 +318,13 @@ class Plan:
             plan_seconds=self.plan_seconds,
         )
 
+    def predict(self, cost: CostModel | None = None, layout="zigzag", method: str = "ring", **layout_options) -> dict:
+        """Layout- and communication-aware time report (balancer.planning.predict.predict_plan; docs/cost-model.md);
+        `metrics()` keeps the compute-only definitions."""
+        from .predict import predict_plan
+
+        return predict_plan(self, cost, layout, method, **layout_options)
+
     def validate(self) -> None:
         """Check the plan's invariants; raise ValueError naming the first violation.
 

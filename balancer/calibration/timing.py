@@ -1,0 +1,176 @@
+"""Timing forward + backward of a real transformers model on packed micro-batches, on CP groups over gloo.
+
+All micro-batches run in one spawned gloo world as large as the largest CP size (one thread per process by default);
+a micro-batch of CP size c runs on ranks 0..c-1 while the others wait. Every process builds the same model from the
+config (same seed), and for every micro-batch shards it with `attention.CPLayout`, runs the
+model under `attention.hf.cp_context`, and times forward + loss + backward between barriers. A micro-batch's time is
+the slowest rank's (all-reduced max), on two clocks: wall time and process CPU time (on a machine shared with other
+jobs, CPU time is what a rank would take alone on its core: it does not count time the process waited to be
+scheduled). Each micro-batch is timed `repeats` times, after one warm-up run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 65536,
+}
+
+
+def build_model(config: dict):
+    """A randomly initialised causal LM from a transformers config dict, using the CP attention."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import attention.hf
+
+    attention.hf.register()
+    cfg = dict(config)
+    model_type = cfg.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("model config needs a 'model_type' (e.g. \"llama\")")
+    hf_config = AutoConfig.for_model(model_type, **cfg)
+    hf_config._attn_implementation = attention.hf.NAME
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention.hf.NAME)
+    return model.float().train()
+
+
+def _shifted_labels(ids, cu: np.ndarray):
+    labels = ids.roll(-1).clone()
+    labels[cu[1:] - 1] = -100  # a document's last token predicts nothing
+    return labels
+
+
+def _time_one(model, layout, rank: int, ids, labels, method: str, group) -> tuple[float, float]:
+    """(wall seconds, process CPU seconds) of forward + backward, each the max over the CP group."""
+    import torch
+    import torch.distributed as dist
+
+    import attention.hf
+
+    local_ids = layout.shard(ids, rank)[None]
+    local_labels = layout.shard(labels, rank)
+    pos = torch.from_numpy(layout.position_ids(rank))[None]
+    count = max(1, int((labels != -100).sum()))
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    dist.barrier(group=group)
+    start, cpu_start = time.perf_counter(), time.process_time()
+    with attention.hf.cp_context(layout, group=group, method=method):
+        logits = model(input_ids=local_ids, position_ids=pos).logits
+    loss = torch.nn.functional.cross_entropy(logits[0], local_labels, ignore_index=-100, reduction="sum") / count
+    loss.backward()
+    elapsed = torch.tensor([time.perf_counter() - start, time.process_time() - cpu_start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return float(elapsed[0]), float(elapsed[1])
+
+
+def _run_jobs(model, jobs: list[dict], rank: int, groups: dict, payload: dict, bar) -> list:
+    """Time every job this rank takes part in (ranks below the job's cp); the first job of each CP size runs once
+    untimed first (allocator and kernel warm-up)."""
+    import torch
+
+    from attention import CPLayout
+
+    vocab = int(model.config.vocab_size)
+    results, warm = [], set()
+    for j, job in enumerate(jobs):
+        cp = int(job["cp"])
+        if rank >= cp:
+            results.append(None)
+            continue
+        cu = np.concatenate([[0], np.cumsum(job["lengths"])]).astype(np.int64)
+        layout = CPLayout.build(cu, cp, kind=job["layout"], **job.get("options", {}))
+        ids = torch.randint(0, vocab, (int(cu[-1]),), generator=torch.Generator().manual_seed(j))
+        labels = _shifted_labels(ids, cu)
+        args = (model, layout, rank, ids, labels, payload["method"], groups[cp])
+        if cp not in warm:
+            _time_one(*args)
+            warm.add(cp)
+        results.append([_time_one(*args) for _ in range(payload["repeats"])])
+        if bar is not None:
+            bar.update()
+    return results
+
+
+def _worker(rank: int, world: int, port: int, payload: dict, out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(payload["threads"])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=1800),
+    )
+    try:
+        jobs = payload["jobs"]
+        # every rank creates every group, in the same order; jobs of CP size c run on ranks 0..c-1
+        groups = {cp: dist.new_group(list(range(cp))) for cp in sorted({int(j["cp"]) for j in jobs})}
+        model = build_model(payload["config"])
+        bar = None
+        if rank == 0 and payload["progress"]:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(jobs), desc="timing", unit="micro-batch")
+        gc.disable()
+        results = _run_jobs(model, jobs, rank, groups, payload, bar)
+        gc.enable()
+        if bar is not None:
+            bar.close()
+        if rank == 0:
+            Path(out_path).write_text(json.dumps(results))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_micro_batches(
+    config: dict,
+    jobs: list[dict],
+    *,
+    method: str = "ring",
+    repeats: int = 3,
+    threads: int = 1,
+    progress: bool = False,
+) -> list[list[tuple[float, float]]]:
+    """(wall, CPU) seconds of every repeat of every job (`{"lengths": [...], "cp": c, "layout": kind,
+    "options": {...}}`), all run in one spawned gloo world of the largest `cp` (a job of CP size c runs on ranks
+    0..c-1 while the others wait)."""
+    import torch.multiprocessing as mp
+
+    if not jobs:
+        return []
+    world = max(int(j["cp"]) for j in jobs)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    payload = dict(config=config, jobs=jobs, method=method, repeats=repeats, threads=threads, progress=progress)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.json")
+        mp.spawn(_worker, args=(world, _free_port(), payload, out), nprocs=world, join=True)
+        return json.loads(Path(out).read_text())

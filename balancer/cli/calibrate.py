@@ -1,0 +1,93 @@
+"""`balancer calibrate`: time a model's forward + backward on packed micro-batches, fit the cost model, write it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..planning.cost import CostModel
+
+
+def _config(args) -> dict | None:
+    if args.model_config is None:
+        return None
+    path = Path(args.model_config)
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--model-config {path}: no such file") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--model-config {path}: not JSON ({e})") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise ValueError(f"--model-config {path}: a transformers config.json with a 'model_type' is needed")
+    return config
+
+
+def cmd_calibrate(args) -> int:
+    from ..calibration import calibrate
+
+    result = calibrate(
+        _config(args),
+        cp_sizes=tuple(args.cp),
+        layouts=tuple(args.layout),
+        method=args.method,
+        budgets=tuple(args.tokens),
+        per_cell=args.per_cell,
+        repeats=args.repeats,
+        threads=args.threads,
+        held_out=args.held_out,
+        seed=args.seed,
+        split_threshold=args.split_threshold,
+        clock=args.clock,
+        progress=not args.quiet and sys.stderr.isatty(),
+    )
+    result.save(args.output)
+    print(format_report(result.cost, result.report))
+    print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+def format_report(cost: CostModel, report: dict) -> str:
+    """A few lines: the fitted terms and the held-out errors."""
+    lines = [
+        f"fitted (seconds): attention {cost.attn_coef:.3g}/pair, linear {cost.linear_coef:.3g}/token, "
+        f"fixed {cost.fixed:.3g}/micro-batch, piece {cost.piece_coef:.3g}, comm {cost.comm_coef:.3g}/token-hop, "
+        f"latency {cost.comm_latency:.3g}/ring step, transfers {'overlapped' if cost.comm_overlap else 'added'}"
+    ]
+    for key, value in report.items():
+        if key.startswith(("train", "held_out")) and value.get("count"):
+            lines.append(
+                f"{key:>24}: {value['count']:3d} micro-batches, median |error| {100 * value['median_abs_error']:.1f}%, "
+                f"p90 {100 * value['p90_abs_error']:.1f}%, max {100 * value['max_abs_error']:.1f}%"
+            )
+    lines.append(f"clock {report.get('clock')}, load average {report.get('loadavg_before', [0])[0]:.1f} before")
+    return "\n".join(lines)
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="time a model on packed micro-batches and fit the cost model (-o cost.json)",
+        description="Time forward + backward of a transformers model (a tiny Llama unless --model-config) on a grid "
+        "of packed micro-batches (SFT-like, long-tail, mixed) for each CP size over gloo, fit every cost term "
+        "(attention, linear, fixed, per-piece, communication), report the error on held-out micro-batches and write "
+        "the model for `balancer plan --cost`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("-o", "--output", default="cost.json", help="where to write the fitted cost model (JSON)")
+    p.add_argument("--model-config", help="a transformers config.json with model_type (random weights, no download)")
+    p.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="CP sizes to time (each a gloo world)")
+    p.add_argument("--layout", nargs="+", default=["zigzag"], help="CP layouts to time for CP > 1 (zigzag, hybrid)")
+    p.add_argument("--method", choices=("ring", "allgather"), default="ring", help="CP attention method")
+    p.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096], help="micro-batch token budgets")
+    p.add_argument("--per-cell", type=int, default=2, help="micro-batches per (kind, budget) in the grid")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per micro-batch (the minimum is kept)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--held-out", type=float, default=0.25, help="share of micro-batches kept out of the fit")
+    p.add_argument("--split-threshold", type=int, help="hybrid layout: split documents longer than this")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="process CPU time or wall time")
+    p.add_argument("--seed", type=int, default=0, help="grid and held-out seed")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_calibrate)

@@ -1,0 +1,224 @@
+"""Layout- and communication-aware time prediction: what a micro-batch costs each CP rank under a real CP layout.
+
+Section-3 metrics (`Plan.metrics`) charge every CP rank `sum cost(d) / cp`. This module instead places the documents
+with `attention.CPLayout` (zigzag: every document in `2*cp` chunks; hybrid: short documents whole on one rank,
+long ones zigzag-split) and charges each rank r (docs/cost-model.md has the full derivation):
+
+    t_r = fixed + linear_coef * tokens_r + sum over ring steps i of
+          [ max(attn_coef * pairs[r, s_i] + piece_coef * pieces[r, s_i], comm_coef * moved_{r,i}) + comm_latency ]
+
+(`comm_overlap=False`: the sum of the two instead of the max)
+with `s_i = (r - i) mod cp` the rank whose K/V rank r holds at step i, `pairs[r, s]` the (query, key) pairs between
+rank r's queries and rank s's keys (windowed if the model has a window), `pieces[r, s]` the documents with such
+pairs, and `moved_{r,i}` the K/V tokens rank r sends and receives at that step (the larger of the two blocks; only
+split documents' tokens travel). All-gather: `t_r = fixed + linear * tokens_r + sum_s compute[r, s]
++ comm_coef * (cp - 1) * max_s travel_s + comm_latency` (the gather is padded to the largest rank and, with one
+head group, not overlapped). With cp = 1 there is no communication and t is section 3's cost plus piece overhead.
+A micro-batch takes `max_r t_r`; steps are assembled with the 1F1B formula of balancer.planning.metrics.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cost import CostModel, block_pairs
+
+METHODS = ("ring", "allgather")
+
+
+@dataclass(frozen=True)
+class MicroBatchTerms:
+    """Cost-free quantities of one micro-batch under a layout: `tokens` [cp] local tokens per rank, `pairs`
+    [cp, cp] attention pairs of rank r's queries against rank s's keys, `pieces` [cp, cp] documents with such
+    pairs, `travel` [cp] tokens of rank s whose K/V must travel (split documents only)."""
+
+    tokens: np.ndarray
+    pairs: np.ndarray
+    pieces: np.ndarray
+    travel: np.ndarray
+
+    @property
+    def cp(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def _check_layout_kind(kind: str) -> None:
+    from attention.layout import KINDS
+
+    if kind not in KINDS:
+        raise ValueError(f"layout must be one of {KINDS}, got {kind!r}")
+
+
+def _zigzag_chunks(lengths: np.ndarray, cp: int, kind: str = "zigzag"):
+    """Chunk boundaries [n, k+1] and owner rank [k] of documents split by the zigzag (or contiguous) rule."""
+    from attention import CPLayout
+
+    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    lay = CPLayout.build(cu, cp, kind=kind)
+    return lay.bounds, lay.owner
+
+
+def micro_batch_terms(
+    lengths,
+    cp: int,
+    layout: str = "zigzag",
+    causal: bool = True,
+    window: int | None = None,
+    **layout_options,
+) -> MicroBatchTerms:
+    """Terms of one micro-batch of documents `lengths` (in packing order) on `cp` ranks with this layout kind.
+
+    Split documents follow the zigzag rule; whole documents (hybrid) sit on the rank the layout gives them.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.ndim != 1 or len(lengths) == 0 or np.any(lengths < 1):
+        raise ValueError("micro_batch_terms: lengths must be a non-empty 1-D array of positive token counts")
+    if int(cp) != cp or cp < 1:
+        raise ValueError(f"cp must be a positive integer, got {cp!r}")
+    cp = int(cp)
+    _check_layout_kind(layout)
+    n = len(lengths)
+    split = np.ones(n, dtype=bool)
+    whole_rank = np.zeros(n, dtype=np.int64)
+    if layout not in ("zigzag", "contiguous") and cp > 1:
+        from attention import CPLayout
+
+        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        lay = CPLayout.build(cu, cp, kind=layout, **layout_options)
+        split = np.asarray(lay.split_docs, dtype=bool)
+        whole_rank = np.argmax(lay.seg_len, axis=0)
+    tokens = np.zeros(cp, dtype=np.float64)
+    pairs = np.zeros((cp, cp), dtype=np.float64)
+    pieces = np.zeros((cp, cp), dtype=np.float64)
+    whole = ~split
+    if whole.any():
+        w_len = lengths[whole]
+        np.add.at(tokens, whole_rank[whole], w_len)
+        np.add.at(pairs, (whole_rank[whole], whole_rank[whole]), block_pairs(0, w_len, 0, w_len, causal, window))
+        np.add.at(pieces, (whole_rank[whole], whole_rank[whole]), 1.0)
+    travel = np.zeros(cp, dtype=np.float64)
+    if split.any():
+        s_len = lengths[split]
+        bounds, owner = _zigzag_chunks(s_len, cp, "contiguous" if layout == "contiguous" else "zigzag")
+        lo, hi = bounds[:, :-1].astype(np.float64), bounds[:, 1:].astype(np.float64)
+        np.add.at(travel, owner, (hi - lo).sum(axis=0))
+        tokens += travel
+        touched = np.zeros((cp, cp, len(s_len)), dtype=bool)
+        for a in range(lo.shape[1]):  # query chunk column
+            for b in range(lo.shape[1]):  # key chunk column
+                p = block_pairs(lo[:, a], hi[:, a], lo[:, b], hi[:, b], causal, window)
+                pairs[owner[a], owner[b]] += p.sum()
+                touched[owner[a], owner[b]] |= p > 0
+        pieces += touched.sum(axis=2)
+    if cp == 1:
+        travel[:] = 0.0
+    return MicroBatchTerms(tokens, pairs, pieces, travel)
+
+
+def step_blocks(cp: int) -> np.ndarray:
+    """[cp, cp] rank whose K/V rank r holds at ring step i: `(r - i) mod cp`."""
+    r = np.arange(cp)[:, None]
+    return (r - np.arange(cp)[None, :]) % cp
+
+
+def _ring_moved(terms: MicroBatchTerms) -> np.ndarray:
+    """[cp, cp] K/V tokens moved by rank r during ring step i: the larger of the block sent and the one received."""
+    held = step_blocks(terms.cp)
+    return np.maximum(terms.travel[held], terms.travel[(held - 1) % terms.cp])
+
+
+def rank_times(cost: CostModel, terms: MicroBatchTerms, method: str = "ring") -> np.ndarray:
+    """[cp] predicted time of every CP rank for one micro-batch (see the module docstring)."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    cp = terms.cp
+    base = cost.fixed + cost.linear_coef * terms.tokens
+    compute = cost.attn_coef * terms.pairs + cost.piece_coef * terms.pieces  # [r, s]
+    if cp == 1:
+        return base + compute.sum(axis=1)
+    if method == "allgather":
+        gathered = cost.comm_coef * (cp - 1) * terms.travel.max()
+        return base + compute.sum(axis=1) + gathered + cost.comm_latency
+    held = step_blocks(cp)
+    per_step = np.take_along_axis(compute, held, axis=1)  # [r, i]
+    moved = cost.comm_coef * _ring_moved(terms)
+    step = np.maximum(per_step, moved) if cost.comm_overlap else per_step + moved
+    return base + (step + cost.comm_latency).sum(axis=1)
+
+
+def micro_batch_time(
+    cost: CostModel, lengths, cp: int, layout: str = "zigzag", method: str = "ring", **layout_options
+) -> float:
+    """Predicted time of one micro-batch: the slowest CP rank's `rank_times`."""
+    terms = micro_batch_terms(lengths, cp, layout, cost.causal, cost.window, **layout_options)
+    return float(rank_times(cost, terms, method).max())
+
+
+def fit_features(terms: MicroBatchTerms, method: str, cost: CostModel | None) -> np.ndarray:
+    """Linear features [pairs, tokens, 1, pieces, comm tokens, latency count] of the slowest rank, with each ring
+    step charged to compute or to transfer as `cost` says; both are counted when `cost` is None or does not
+    overlap (the slowest rank is then the one with the most tokens)."""
+    cp = terms.cp
+    times = rank_times(cost, terms, method) if cost is not None else terms.tokens
+    r = int(np.argmax(times))
+    if cp == 1 or method == "allgather":
+        comm = (cp - 1) * terms.travel.max() if cp > 1 else 0.0
+        return np.array([terms.pairs[r].sum(), terms.tokens[r], 1.0, terms.pieces[r].sum(), comm, float(cp > 1)])
+    held = step_blocks(cp)[r]
+    pairs, pieces, moved = terms.pairs[r, held], terms.pieces[r, held], _ring_moved(terms)[r]
+    if cost is None or not cost.comm_overlap:  # compute and transfer both counted
+        return np.array([pairs.sum(), terms.tokens[r], 1.0, pieces.sum(), moved.sum(), float(cp)])
+    on_compute = cost.attn_coef * pairs + cost.piece_coef * pieces >= cost.comm_coef * moved
+    return np.array(
+        [pairs[on_compute].sum(), terms.tokens[r], 1.0, pieces[on_compute].sum(), moved[~on_compute].sum(), float(cp)]
+    )
+
+
+def predict_plan(
+    plan, cost: CostModel | None = None, layout: str | dict = "zigzag", method: str = "ring", **layout_options
+):
+    """Layout- and communication-aware report of a Plan (its own cost model unless `cost` is given).
+
+    Returns a dict: `layout` ({"kind", options}), `method`, `micro_batch_times` [steps, dp, M] (slowest CP rank),
+    `step_times` [steps] (1F1B over each replica, slowest replica), `step_time_total`, `compute_only_total` (the
+    section-3 step time total under the same cost model, for comparison), `kv_tokens_moved` and `kv_bytes_moved`
+    (K/V token-hops summed over CP ranks and ring steps; bytes when the model knows `kv_bytes_per_token`),
+    `attention_pieces` (document pieces summed over ranks and steps).
+    """
+    from . import metrics
+
+    if isinstance(layout, dict):  # a plan's recorded layout: {"kind": ..., options}
+        layout_options = {**{k: v for k, v in layout.items() if k != "kind"}, **layout_options}
+        layout = layout.get("kind", "zigzag")
+    cost = plan.cost_model if cost is None else cost
+    topo = plan.topology
+    n_mb = len(plan.mb_ptr) - 1
+    times = np.zeros(n_mb)
+    moved = pieces = 0.0
+    sizes = plan.end - plan.start
+    for k in range(n_mb):
+        lengths = sizes[plan.mb_ptr[k] : plan.mb_ptr[k + 1]]
+        terms = micro_batch_terms(lengths, topo.cp, layout, cost.causal, cost.window, **layout_options)
+        times[k] = rank_times(cost, terms, method).max()
+        pieces += terms.pieces.sum()
+        if topo.cp > 1:
+            moved += _ring_moved(terms).sum() if method == "ring" else (topo.cp - 1) * terms.travel.max() * topo.cp
+    mb_times = times.reshape(plan.num_steps, topo.dp, topo.micro_batches)
+    # replica_times takes per-micro-batch costs before the division by cp; these are already per rank
+    step = metrics.step_times(mb_times * topo.cp, topo)
+    entry = cost.cost(sizes)
+    mb_cost = np.add.reduceat(np.append(entry, 0.0), plan.mb_ptr[:-1]) + cost.fixed
+    section3 = float(metrics.step_times(mb_cost.reshape(mb_times.shape), topo).sum())
+    return {
+        "layout": {"kind": layout, **layout_options},
+        "method": method,
+        "micro_batch_times": mb_times,
+        "step_times": step,
+        "step_time_total": float(step.sum()),
+        "compute_only_total": section3,
+        "kv_tokens_moved": float(moved),
+        "kv_bytes_moved": float(moved * cost.kv_bytes_per_token) if cost.kv_bytes_per_token else None,
+        "attention_pieces": float(pieces),
+    }

@@ -1,0 +1,68 @@
+"""`balancer calibrate` and its Python API: a real tiny Llama timed on gloo worlds of 1 and 2, fitted, written,
+read back by `CostModel.load` and `balancer plan --cost`."""
+
+import json
+
+import numpy as np
+import pytest
+
+from balancer import CostModel, Plan
+from balancer.calibration import KINDS, calibration_grid, error_summary
+from balancer.cli import main
+
+
+def test_grid_fills_budgets_exactly():
+    grid = calibration_grid([64, 1000, 4096], per_cell=3, seed=1)
+    assert len(grid) == 3 * len(KINDS) * 3
+    for kind, lengths in grid:
+        assert kind in KINDS and min(lengths) >= 1
+    assert [sum(lengths) for _, lengths in grid] == [b for b in (64, 1000, 4096) for _ in range(3 * len(KINDS))]
+    long_tail = [max(lengths) / sum(lengths) for kind, lengths in grid if kind == "longtail"]
+    sft = [max(lengths) / sum(lengths) for kind, lengths in grid if kind == "sft"]
+    assert min(long_tail) >= 0.2 - 1e-9 and np.mean(long_tail) > 2 * np.mean(sft)
+    assert calibration_grid([512], seed=3) == calibration_grid([512], seed=3)
+
+
+def test_error_summary():
+    e = error_summary([1.1, 0.95, 2.0], [1.0, 1.0, 1.0])
+    assert e["median_abs_error"] == pytest.approx(0.1) and e["max_abs_error"] == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--split-threshold", "0"], "--split-threshold"),
+        (["--repeats", "0"], "--repeats"),
+        (["--tokens", "256", "--per-cell", "1", "--cp", "1"], "--per-cell"),
+        (["--tokens", "8"], "--tokens"),
+        (["--layout", "diagonal"], "--layout"),
+        (["--model-config", "/nonexistent/config.json"], "--model-config"),
+        (["--held-out", "1.5"], "--held-out"),
+    ],
+)
+def test_calibrate_rejects_bad_options(tmp_path, capsys, argv, match):
+    assert main(["calibrate", "-o", str(tmp_path / "c.json"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_calibrate_cli_writes_a_model_plan_reads(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    argv = ["calibrate", "--tokens", "256", "512", "--per-cell", "1", "--repeats", "1", "--cp", "1", "2"]
+    assert main([*argv, "--held-out", "0.3", "-o", str(out), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "held_out" in printed and "median |error|" in printed
+    cost = CostModel.load(out)
+    assert cost.attn_coef > 0 and cost.linear_coef > 0
+    data = json.loads(out.read_text())
+    report = data["report"]
+    assert report["held_out"]["count"] >= 1 and report["train"]["count"] >= 7
+    assert {s["cp"] for s in report["samples"]} == {1, 2}
+    assert all(s["seconds"] > 0 and s["predicted"] > 0 for s in report["samples"])
+    assert len(report["loadavg_before"]) == 3 and report["clock"] == "cpu"
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text(json.dumps(np.random.default_rng(0).integers(1, 500, 200).tolist()))
+    plan_path = tmp_path / "plan.json"
+    assert main(["plan", str(lengths), "--dp", "2", "--cost", str(out), "-o", str(plan_path), "--no-baseline"]) == 0
+    assert Plan.load(plan_path).cost_model == cost
