@@ -70,7 +70,7 @@ def consensus_check(g: Group, values: list[int], local_error: Optional[str], ver
     diff = [r for r in range(g.size) if not torch.equal(allv[r, 1:], allv[g.rank, 1:])]
     if diff:
         raise ValueError(
-            f"cp_attention: ranks disagree on (layout, heads, head_dim, dtype, causal, method, scale): "
+            f"cp_attention: ranks disagree on (layout, heads, head_dim, dtype, masks, method, scale): "
             f"rank {g.rank} has {allv[g.rank, 1:].tolist()}, rank {diff[0]} has {allv[diff[0], 1:].tolist()}"
         )
     if verified is not None:
