@@ -30,8 +30,11 @@ def _segment_mask(sq, sk, causal, left, right):
 
 
 def _attend(q, k, v, cu_q, cu_k, scale, causal, left, right, softcap):
-    """(out [Tq, H, D] float64, lse [H, Tq] float64), differentiable."""
+    """(out [Tq, H, D] float64, lse [H, Tq] float64), differentiable. Window sizes >= max_seqlen_k count as
+    unbounded, as in the kernels."""
     h, hk = q.shape[1], k.shape[1]
+    max_k = int((cu_k[1:] - cu_k[:-1]).max())
+    left, right = (-1 if w >= max_k else w for w in (left, right))
     outs, lses = [], []
     for b in range(cu_q.shape[0] - 1):
         qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
@@ -50,6 +53,8 @@ def _attend(q, k, v, cu_q, cu_k, scale, causal, left, right, softcap):
 def _grads(dout, q, k, v, o, lse, cu_q, cu_k, scale, causal, left, right, softcap):
     """Analytic gradients (custom ops run their body with autograd off): dS = P * (dP - rowsum(dO * O))."""
     h, hk = q.shape[1], k.shape[1]
+    max_k = int((cu_k[1:] - cu_k[:-1]).max())
+    left, right = (-1 if w >= max_k else w for w in (left, right))
     dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v))
     for b in range(cu_q.shape[0] - 1):
         qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])

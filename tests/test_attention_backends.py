@@ -186,4 +186,15 @@ def test_layout_pieces_device_tensors_cached():
     p = _pieces()
     first = b._calls(p, torch.device("cpu"))
     assert b._calls(p, torch.device("cpu")) is first
-    assert np.all([isinstance(c[0], Packed) for c in first])
+    assert np.all([isinstance(c[0], Packed) for c in first[0]]) and first[1] is None
+
+
+def test_tall_two_sided_window_blocks_stay_exact():
+    """flash-attn widens a right window >= max_seqlen_k to unbounded: such blocks (more queries than keys, the
+    first rows not seeing the last key) must not reach the kernel."""
+    b = _backend("2.7.4")
+    tall = Pieces([0, 10], [8, 4], [0, 5], [3, 4], False, [-1, 0], [UNBOUNDED, UNBOUNDED])
+    assert kernel_windows(tall)[0, 2] >= 3
+    CALLS.clear()
+    _check(b, tall)
+    assert len(CALLS) == 2  # the square causal block went to the kernel (fwd + bwd), the tall one did not

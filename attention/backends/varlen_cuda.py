@@ -10,12 +10,23 @@ host. The kernel's ``softmax_lse`` comes back unpadded ``[H, total_q]`` (newer k
 
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import numpy as np
 import torch
 
 from .base import Backend, Pieces
+from .reference import ReferenceBackend
+
+_REFERENCE = ReferenceBackend()
+_WARNED: set = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        logging.getLogger(__name__).warning(msg)
 
 
 def ranges_index(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -148,16 +159,26 @@ class VarlenCUDABackend(Backend):
         return ""
 
     def _calls(self, pieces: Pieces, device):
+        """(kernel calls [(packed, causal, window)], pieces for the reference backend or None), cached per device.
+        flash-attn treats a right window >= max_seqlen_k as unbounded; a tall banded piece whose right window
+        reaches its own key count (a two-sided window on a block with more queries than keys) would be widened, so
+        it runs on the reference backend instead (exact, logged)."""
+
         def build():
             wins = kernel_windows(pieces)
             if not self.has_window:
                 wins[:, 1:] = -1
-            keys, inv = np.unique(wins, axis=0, return_inverse=True)
+            wide = wins[:, 2] >= pieces.k_len
+            if wide.any():
+                _warn_once(f"{self.name}: {int(wide.sum())} tall two-sided-window blocks run on the reference backend")
+            keys, inv = np.unique(wins[~wide], axis=0, return_inverse=True)
             inv = inv.reshape(-1)
-            return [
-                (Packed(pieces.select(inv == g), device), bool(key[0]), (int(key[1]), int(key[2])))
+            fused = pieces.select(~wide)
+            calls = [
+                (Packed(fused.select(inv == g), device), bool(key[0]), (int(key[1]), int(key[2])))
                 for g, key in enumerate(keys)
             ]
+            return calls, (pieces.select(wide) if wide.any() else None)
 
         if pieces.banded.any() and not self.has_window:
             raise ValueError(f"{self.name} takes no sliding window; choose another backend")
@@ -168,7 +189,12 @@ class VarlenCUDABackend(Backend):
 
     def forward(self, q, k, v, pieces, scale):
         out, lse = self._empty_fwd(q, v)
-        for pk, causal, window in self._calls(pieces, q.device):
+        calls, rest = self._calls(pieces, q.device)
+        if rest is not None:
+            o2, l2 = _REFERENCE.forward(q, k, v, rest, scale)
+            rows = torch.isfinite(l2[:, 0])  # trimmed pieces: every covered row has a finite lse
+            out[rows], lse[rows] = o2[rows].to(out.dtype), l2[rows]
+        for pk, causal, window in calls:
             qq = Packed.take(pk.q, q).contiguous()
             kk, vv = Packed.take(pk.k, k).contiguous(), Packed.take(pk.k, v).contiguous()
             o, piece_lse = self._kfwd(qq, kk, vv, pk, causal, window, pieces.softcap, scale)
@@ -182,7 +208,10 @@ class VarlenCUDABackend(Backend):
         dq, dk, dv = self._zero_grads(q, k, v)
         if self._lse_padded is None and len(pieces):  # learn the kernel's lse layout once
             self.forward(q, k, v, pieces.select(np.arange(1)), scale)
-        for pk, causal, window in self._calls(pieces, q.device):
+        calls, rest = self._calls(pieces, q.device)
+        if rest is not None:
+            dq, dk, dv = _REFERENCE.backward(dout, q, k, v, out, lse, rest, scale)
+        for pk, causal, window in calls:
             qq = Packed.take(pk.q, q).contiguous()
             kk, vv = Packed.take(pk.k, k).contiguous(), Packed.take(pk.k, v).contiguous()
             do = Packed.take(pk.q, dout).to(q.dtype).contiguous()
