@@ -32,14 +32,30 @@ class Group:
         if rank < 0:
             raise ValueError("this process is not a member of the given process group")
         nxt, prv = dist.get_global_rank(g, (rank + 1) % size), dist.get_global_rank(g, (rank - 1) % size)
-        # collectives on gloo run on CPU tensors; other backends (nccl) on the tensors' device
-        comm = torch.device("cpu") if "gloo" in str(dist.get_backend(g)).lower() else device
-        return cls(g, size, rank, nxt, prv, comm)
+        return cls(g, size, rank, nxt, prv, comm_device(str(dist.get_backend(g)), device))
 
 
-def consensus_check(g: Group, values: list[int], local_error: Optional[str]) -> None:
+def comm_device(backend: str, device: torch.device) -> torch.device:
+    """Where this group moves tensors of ``device``: the backend registered for the device type decides
+    (``"cpu:gloo,cuda:nccl"`` sends CUDA tensors over nccl); gloo moves CPU tensors, so CUDA tensors on a gloo-only
+    group are staged through the host."""
+    backend = backend.lower()
+    per_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
+    chosen = per_device.get(device.type, backend if not per_device else "gloo")
+    return torch.device("cpu") if chosen.strip() == "gloo" else device
+
+
+def consensus_check(g: Group, values: list[int], local_error: Optional[str], verified: Optional[set] = None) -> None:
     """All ranks exchange ``values`` (ints) and an error flag; every rank raises ValueError if any rank reported an
-    error or the values differ, so a bad call fails everywhere instead of hanging or computing garbage."""
+    error or the values differ, so a bad call fails everywhere instead of hanging or computing garbage.
+
+    ``verified`` (a set kept with the layout): values already agreed on by this group are not exchanged again, so
+    repeated calls (every layer, every step) cost no collective and no host sync. A rank whose values change sees a
+    cache miss and exchanges them; ranks that did not change skip, so such a mismatch surfaces as a hang or a
+    failed collective rather than this message."""
+    key = (id(g.group), str(g.comm_device), tuple(int(x) for x in values))
+    if local_error is None and verified is not None and key in verified:
+        return
     t = torch.tensor(
         [0 if local_error is None else 1] + [int(x) for x in values], dtype=torch.int64, device=g.comm_device
     )
@@ -54,9 +70,11 @@ def consensus_check(g: Group, values: list[int], local_error: Optional[str]) -> 
     diff = [r for r in range(g.size) if not torch.equal(allv[r, 1:], allv[g.rank, 1:])]
     if diff:
         raise ValueError(
-            f"cp_attention: ranks disagree on (layout, heads, head_dim, dtype, causal, method, scale): "
+            f"cp_attention: ranks disagree on (layout, heads, head_dim, dtype, masks, method, scale): "
             f"rank {g.rank} has {allv[g.rank, 1:].tolist()}, rank {diff[0]} has {allv[diff[0], 1:].tolist()}"
         )
+    if verified is not None:
+        verified.add(key)
 
 
 def dtype_code(dtype: torch.dtype) -> int:

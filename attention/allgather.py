@@ -12,6 +12,7 @@ import torch.distributed as dist
 from ._dist import Group, reduce_scatter_sum
 from .backends import Backend, acc_dtype
 from .layout import CPLayout
+from .masks import backward_rounds, block_rounds, forward_rounds
 from .merge import Accumulator
 
 
@@ -48,9 +49,7 @@ def _gathered(k, v, heads: list[tuple[int, int]], counts: np.ndarray, g: Group, 
         yield a, b, kvs
 
 
-def allgather_forward(
-    q, k, v, layout: CPLayout, g: Group, causal: bool, scale: float, be: Backend, head_chunks: int = 1
-):
+def allgather_forward(q, k, v, layout: CPLayout, g: Group, causal, scale: float, be: Backend, head_chunks: int = 1):
     counts = layout.local_counts
     hk = k.shape[1]
     grp = q.shape[1] // hk
@@ -60,9 +59,7 @@ def allgather_forward(
         qh = q[:, a * grp : b * grp]
         acc = Accumulator()
         for s in range(g.size):
-            p = layout.pieces(g.rank, s, causal)
-            if len(p):
-                acc.add(*be.forward(qh, kvs[s][0], kvs[s][1], p, scale))
+            forward_rounds(be, qh, kvs[s][0], kvs[s][1], block_rounds(layout, g.rank, s, causal), scale, acc)
         if acc.out is not None:
             out[:, a * grp : b * grp] = acc.out.to(q.dtype)
             lse[:, a * grp : b * grp] = acc.lse
@@ -70,7 +67,7 @@ def allgather_forward(
 
 
 def allgather_backward(
-    dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal: bool, scale: float, be: Backend, head_chunks: int = 1
+    dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal, scale: float, be: Backend, head_chunks: int = 1
 ):
     counts = layout.local_counts
     hk, d = k.shape[1], k.shape[2]
@@ -82,9 +79,11 @@ def allgather_backward(
     for a, b, kvs in _gathered(k, v, _head_groups(hk, head_chunks), counts, g, q.device):
         qs = slice(a * grp, b * grp)
         for s in range(g.size):
-            p = layout.pieces(g.rank, s, causal)
-            if len(p):
-                gq, gk, gv = be.backward(dout[:, qs], q[:, qs], kvs[s][0], kvs[s][1], out[:, qs], lse[:, qs], p, scale)
+            rounds = block_rounds(layout, g.rank, s, causal)
+            if rounds:
+                gq, gk, gv = backward_rounds(
+                    be, dout[:, qs], q[:, qs], kvs[s][0], kvs[s][1], out[:, qs], lse[:, qs], rounds, scale
+                )
                 dq[:, qs] += gq
                 n = int(counts[s])
                 dkv[s, 0, :n, a:b] = gk

@@ -131,6 +131,7 @@ def cp_attention_forward(
         device = query.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
         query, key, value = (x.to(dtype) for x in (query, key, value))
+    window, softcap = _masks_from_kwargs(bool(causal), kwargs)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     outer = ctx
     while outer is not None:
@@ -138,7 +139,7 @@ def cp_attention_forward(
         outer = outer.parent
     if ctx.layout.cp_size == 1:  # one rank holds every token: packed attention, no process group involved
         cu = ctx.layout.local_cu_seqlens(0)
-        out = varlen_attention(q, k, v, cu, causal=bool(causal), softmax_scale=scaling, backend=ctx.backend)
+        out = varlen_attention(q, k, v, cu, bool(causal), scaling, ctx.backend, window_size=window, softcap=softcap)
         return out.unsqueeze(0), None
     out = cp_attention(
         q,
@@ -151,8 +152,39 @@ def cp_attention_forward(
         method=ctx.method,
         backend=ctx.backend,
         head_chunks=ctx.head_chunks,
+        window_size=window,
+        softcap=softcap,
     )
     return out.unsqueeze(0), None
+
+
+# keyword arguments transformers may pass that change attention in ways cp_attention does not reproduce
+_UNSUPPORTED = {
+    "s_aux": "attention sinks",
+    "sinks": "attention sinks",
+    "alibi_slopes": "ALiBi",
+    "alibi": "ALiBi",
+    "position_bias": "an additive position bias",
+    "attention_bias": "an additive attention bias",
+}
+
+
+def _masks_from_kwargs(causal: bool, kwargs: dict) -> tuple[tuple[int, int], float]:
+    """(window_size, softcap) for cp_attention from a model's attention kwargs: ``sliding_window=w`` (keys within
+    the last ``w`` positions, transformers' convention) -> ``(w - 1, -1)`` causal, ``(w - 1, w - 1)`` otherwise;
+    ``softcap``. Raises ValueError for anything cp_attention would silently compute differently."""
+    for name, what in _UNSUPPORTED.items():
+        if kwargs.get(name) is not None:
+            raise ValueError(f"CP attention cannot reproduce {what} (model passed {name!r}); use another attention")
+    sliding = kwargs.get("sliding_window")
+    window = (-1, -1)
+    if sliding is not None:
+        sliding = int(sliding)
+        if sliding < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding}")
+        window = (sliding - 1, -1 if causal else sliding - 1)
+    softcap = kwargs.get("softcap")
+    return window, float(softcap) if softcap else 0.0
 
 
 def register(name: str = NAME) -> str:

@@ -1,7 +1,7 @@
 """Ring attention: KV blocks rotate around the CP group by P2P (``batch_isend_irecv``), the next transfer posted
 before the current block is computed; partial results merge in float32 with the log-sum-exp. The backward rotates
 KV again and circulates dK/dV in float32 with it, one extra hop returning each block's gradient to its owner.
-Blocks the causal mask leaves empty are skipped (:meth:`CPLayout.pieces`)."""
+Blocks the causal mask or a sliding window leaves empty are skipped (:func:`attention.masks.block_rounds`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from ._dist import Group, sendrecv, wait_all
 from .backends import Backend, acc_dtype
 from .layout import CPLayout
+from .masks import backward_rounds, block_rounds, forward_rounds
 from .merge import Accumulator
 
 
@@ -39,17 +40,18 @@ def _kv_ring(k: torch.Tensor, v: torch.Tensor, counts, g: Group, device: torch.d
             kv = nxt.to(device)
 
 
-def ring_forward(q, k, v, layout: CPLayout, g: Group, causal: bool, scale: float, be: Backend):
-    """Returns (out in q.dtype, lse in the accumulation dtype) for this rank's queries."""
+def ring_forward(q, k, v, layout: CPLayout, g: Group, causal, scale: float, be: Backend):
+    """Returns (out in q.dtype, lse in the accumulation dtype) for this rank's queries. ``causal``: a bool or an
+    :class:`attention.masks.Mask` (window, softcap)."""
     r = g.rank
     counts = layout.local_counts
     hk, d = k.shape[1], k.shape[2]
     acc = Accumulator()
     for _, s, kv in _kv_ring(k, v, counts, g, q.device):
-        p = layout.pieces(r, s, causal)
-        if len(p):
+        rounds = block_rounds(layout, r, s, causal)  # [] when the mask leaves nothing: no compute this step
+        if rounds:
             kb, vb = _split_kv(kv, int(counts[s]), hk, d)
-            acc.add(*be.forward(q, kb, vb, p, scale))
+            forward_rounds(be, q, kb, vb, rounds, scale, acc)
     if acc.out is None:
         out = q.new_zeros(q.shape)
         lse = torch.full(q.shape[:2], -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
@@ -57,7 +59,7 @@ def ring_forward(q, k, v, layout: CPLayout, g: Group, causal: bool, scale: float
     return acc.out.to(q.dtype), acc.lse
 
 
-def ring_backward(dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal: bool, scale: float, be: Backend):
+def ring_backward(dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal, scale: float, be: Backend):
     """Exact gradients (dq, dk, dv) in the accumulation dtype; dK/dV travel the ring in that dtype."""
     c, r = g.size, g.rank
     counts = layout.local_counts
@@ -66,11 +68,11 @@ def ring_backward(dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal: b
     dq = torch.zeros(q.shape, dtype=a, device=q.device)
     dkv_reqs, dkv_in = [], None
     for i, s, kv in _kv_ring(k, v, counts, g, q.device):
-        p = layout.pieces(r, s, causal)
+        rounds = block_rounds(layout, r, s, causal)
         grad = None
-        if len(p):
+        if rounds:
             kb, vb = _split_kv(kv, int(counts[s]), hk, d)
-            gq, gk, gv = be.backward(dout, q, kb, vb, out, lse, p, scale)
+            gq, gk, gv = backward_rounds(be, dout, q, kb, vb, out, lse, rounds, scale)
             dq += gq
             grad = torch.cat([gk.reshape(-1), gv.reshape(-1)])
         if i == 0:

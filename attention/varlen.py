@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from .backends import Backend, Pieces, check_inputs, get_backend
+from .masks import as_mask, make_mask
 from .merge import Accumulator
 
 
@@ -26,13 +27,18 @@ def _cu_numpy(cu_seqlens, total: int) -> np.ndarray:
     return cu
 
 
-def varlen_rounds(cu: np.ndarray, causal: bool, chunk_size: Optional[int]) -> list[Pieces]:
-    """Pieces of packed attention, as rounds whose query ranges are disjoint. Without ``chunk_size``: one round,
-    one piece per document. With it: documents are tiled into chunks of ``chunk_size`` tokens; round ``o`` holds the
-    (query chunk ``i``, key chunk ``i - o``) pairs, so every kernel call sees at most chunk_size x chunk_size."""
+def varlen_rounds(cu: np.ndarray, mask, chunk_size: Optional[int]) -> list[Pieces]:
+    """Pieces of packed attention under ``mask`` (a :class:`Mask`, or a bool for plain causal/full), as rounds whose
+    query ranges are disjoint. Without ``chunk_size``: one round, one piece per document. With it: documents are
+    tiled into chunks of ``chunk_size`` tokens; round ``o`` holds the (query chunk ``i``, key chunk ``i - o``) pairs,
+    so every kernel call sees at most chunk_size x chunk_size; chunk pairs outside a window are dropped."""
+    mask = as_mask(mask)
+    causal = mask.causal
+    lo, hi = mask.doc_bounds()
     starts, lens = cu[:-1], np.diff(cu)
     if chunk_size is None:
-        return [Pieces(starts, lens, starts, lens, causal).nonempty()]
+        p = Pieces(starts, lens, starts, lens, False, lo, hi, mask.softcap)
+        return [p] if len(p) else []
     n_ch = -(-lens // chunk_size)  # chunks per document
     doc = np.repeat(np.arange(lens.shape[0]), n_ch)
     idx = np.arange(doc.shape[0]) - np.repeat(np.cumsum(n_ch) - n_ch, n_ch)
@@ -45,8 +51,10 @@ def varlen_rounds(cu: np.ndarray, causal: bool, chunk_size: Optional[int]) -> li
     for o in offsets:
         qsel = np.nonzero(idx >= o)[0] if o >= 0 else np.nonzero(last >= -o)[0]
         ksel = qsel - o
-        rounds.append(Pieces(c_start[qsel], c_len[qsel], c_start[ksel], c_len[ksel], causal and o == 0))
-    return [r for r in (r.nonempty() for r in rounds) if len(r)]
+        delta = o * chunk_size  # query chunk position - key chunk position
+        rounds.append(Pieces(c_start[qsel], c_len[qsel], c_start[ksel], c_len[ksel], False, lo - delta, hi - delta,
+                             mask.softcap))  # fmt: skip
+    return [r for r in rounds if len(r)]
 
 
 def attend(q, k, v, rounds: list[Pieces], scale: float, be: Backend):
@@ -103,13 +111,17 @@ def varlen_attention(
     softmax_scale: Optional[float] = None,
     backend: str = "auto",
     chunk_size: Optional[int] = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention over packed documents on one device, like ``flash_attn_varlen_func`` for self-attention.
 
     q ``[T, H, D]``, k/v ``[T, Hkv, D]`` (``H % Hkv == 0``), ``cu_seqlens`` ints ``[n_docs+1]`` ending at ``T``.
     Tokens attend only within their document (and, if ``causal``, to earlier positions). ``softmax_scale``
     defaults to ``D**-0.5``. ``chunk_size`` bounds every kernel call to ``chunk_size`` queries x keys and merges the
-    key chunks with the float32 log-sum-exp. Differentiable in q, k, v. Returns ``[T, H, D]`` in q's dtype.
+    key chunks with the float32 log-sum-exp. ``window_size=(left, right)``: flash-attn sliding window (-1 =
+    unbounded); ``softcap``: tanh soft-capping of the scaled scores (0 = off). Differentiable in q, k, v. Returns
+    ``[T, H, D]`` in q's dtype.
     """
     check_inputs(q, k, v)
     if k.shape[0] != q.shape[0]:
@@ -118,5 +130,7 @@ def varlen_attention(
         raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
     cu = _cu_numpy(cu_seqlens, q.shape[0])
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[2])
-    be = get_backend(backend, q, k)
-    return _VarlenAttention.apply(q, k, v, varlen_rounds(cu, causal, chunk_size), scale, be)
+    mask = make_mask(causal, window_size, softcap)
+    longest = int(np.diff(cu).max()) if cu.shape[0] > 1 else 0
+    be = get_backend(backend, q, k, mask.windowed, mask.softcap > 0, min(longest, chunk_size or longest))
+    return _VarlenAttention.apply(q, k, v, varlen_rounds(cu, mask, chunk_size), scale, be)

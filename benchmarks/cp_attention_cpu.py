@@ -1,7 +1,7 @@
 """CPU parallel efficiency of cp_attention: 2 gloo ranks with one thread each vs one process with one thread.
 
 Question: on packed documents of mixed lengths (16K-32K tokens, causal, zigzag layout), how close does the per-rank
-time of cp_attention (ring, allgather) come to half the single-process varlen_attention time, forward and
+time of cp_attention (ring, allgather, ulysses) come to half the single-process varlen_attention time, forward and
 forward+backward? efficiency = t_single / (2 * t_rank), t_rank = slowest rank. Also: the CPU torch backend's
 achieved GFLOP/s (causal forward, 4*pairs*H*D FLOPs) vs a plain fp32 matmul's, one thread.
 
@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import attention  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 4, 2, 64
+METHODS = ("ring", "allgather", "ulysses")
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cp_attention_cpu.json")
 
 
@@ -105,7 +106,7 @@ def _worker(rank: int, world: int, port: int, lens: np.ndarray, reps: int, q) ->
 
     layout = attention.CPLayout.build(cu, world)
     ql, kl, vl, dol = (layout.shard(t, rank) for t in (qf, kf, vf, dof))
-    for method in ("ring", "allgather"):
+    for method in METHODS:
         for name, bwd in (("fwd", False), ("fwd_bwd", True)):
 
             def run():
@@ -181,7 +182,7 @@ def main() -> None:
         "load_average_1min": [load_before, os.getloadavg()[0]],
     }
     summary["attention_vs_matmul"] = summary["attention_fwd_gflops"] / summary["matmul_gflops"]
-    for method in ("ring", "allgather"):
+    for method in METHODS:
         for name in ("fwd", "fwd_bwd"):
             t_rank = max(res[f"{method}_{name}_rank_s"])
             summary[f"{method}_{name}_efficiency"] = res[f"single_{name}_s"] / (2 * t_rank)
@@ -190,7 +191,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(OUT), exist_ok=True)
     with open(OUT, "w") as f:
         json.dump(summary, f, indent=2)
-    cols = [f"{m}_{n}" for m in ("ring", "allgather") for n in ("fwd", "fwd_bwd")]
+    cols = [f"{m}_{n}" for m in METHODS for n in ("fwd", "fwd_bwd")]
     print(
         "| tokens | docs | load | "
         + " | ".join(c.replace("_bwd", "+bwd") + " wall (cpu)" for c in cols)

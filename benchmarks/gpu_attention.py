@@ -1,14 +1,20 @@
-"""GPU: per-GPU throughput of cp_attention as a fraction of single-GPU flash attention on 1/W of the work.
+"""GPU check and kernel efficiency of every CP method's schedule, on one device (single-process simulation).
 
-On one GPU the W ranks are emulated: for every rank r, the kernels cp_attention runs on rank r (all ring steps'
-blocks, merges included, no communication) are timed on the GPU; the fraction is
-``(t_single / W) / max_r t_rank`` where t_single is varlen_attention over the whole packed batch. It measures the
-compute efficiency of splitting (smaller kernel calls, merges, balance), not the interconnect. Causal, zigzag,
-bf16, documents drawn from the same mix as the CPU benchmark, scaled up. Writes benchmarks/results/gpu_attention.json.
+For each method (ring, allgather, ulysses) and CP size W, all W ranks' kernel calls run in this process
+(:func:`attention.simulate.simulate`); no communication is timed.
+  - correctness: the simulated output and gradients equal single-device ``varlen_attention`` (same backend, same
+    dtype) within bf16 tolerances (1e-2 output, 2e-2 gradients, relative to the largest value);
+  - kernel efficiency: ``t_single / sum(kernel times of the schedule's pieces)``, forward and backward, where
+    ``t_single`` is one single-device call over the same tokens. 1.0 = splitting costs nothing; below 1: smaller
+    kernel calls, merges and launches.
+Defaults: bf16, torch backend, causal, zigzag, documents 256..64K tokens (131K tokens), 32 heads / 8 K/V heads, head
+dim 128. ``--device cpu --tiny`` runs the same code on CPU in seconds (used by the tests). Writes
+benchmarks/results/gpu_attention.json (``--out`` to change).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -20,109 +26,126 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import attention  # noqa: E402
 from attention.backends import get_backend  # noqa: E402
-from attention.merge import Accumulator  # noqa: E402
+from attention.simulate import TimedBackend, simulate  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu_attention.json")
+TOL_OUT, TOL_GRAD = 1e-2, 2e-2
 
 
-def draw_lengths(seed: int, total: int) -> np.ndarray:
+def draw_lengths(seed: int, total: int, bands) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    bands = [(256, 4096), (4096, 16384), (16384, 65536)]
     lens: list[int] = []
     while sum(lens) < total:
-        a, b = bands[rng.choice(3, p=[0.6, 0.3, 0.1])]
+        a, b = bands[rng.choice(len(bands), p=[0.6, 0.3, 0.1][: len(bands)])]
         lens.append(int(np.exp(rng.uniform(np.log(a), np.log(b)))))
     return np.array(lens)
 
 
-def cuda_time(fn, reps: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return best
+class Clock:
+    """Kernel timer: CUDA events on a GPU (synchronised per call: kernel time only), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def elapsed(self, t0) -> float:
+        if not self.cuda:
+            return time.perf_counter() - t0
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return t0.elapsed_time(end) / 1e3
 
 
-def main() -> None:
-    if not torch.cuda.is_available():
-        raise SystemExit("needs a CUDA device")
-    heads, kv_heads, dim, dtype = 32, 8, 128, torch.bfloat16
-    lens = draw_lengths(0, 131072)
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max()) / max(float(b.double().abs().max()), 1e-30)
+
+
+def single_device(q, k, v, cu, dout, be, clock: Clock, reps: int):
+    """(out, grads, fwd seconds, bwd seconds) of one varlen call over all tokens, through the same timed backend."""
+    times = {"fwd": [], "bwd": []}
+    timed = TimedBackend(be, lambda kind, s, p: times[kind].append(s), clock.start, clock.elapsed)
+    best = {"fwd": float("inf"), "bwd": float("inf")}
+    for _ in range(reps + 1):  # the first run warms up
+        times["fwd"].clear()
+        times["bwd"].clear()
+        x = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = attention.varlen_attention(*x, cu, causal=True, backend=timed)
+        grads = torch.autograd.grad(out, x, dout)
+        for kind in best:
+            best[kind] = min(best[kind], sum(times[kind]))
+    return out.detach(), grads, best["fwd"], best["bwd"]
+
+
+def schedule(q, k, v, cu, dout, be, clock: Clock, method: str, world: int, reps: int):
+    """(out, grads, summed fwd kernel seconds, summed bwd kernel seconds, kernel calls) of one method's schedule."""
+    times = {"fwd": [], "bwd": []}
+    timed = TimedBackend(be, lambda kind, s, p: times[kind].append(s), clock.start, clock.elapsed)
+    best = {"fwd": float("inf"), "bwd": float("inf")}
+    for _ in range(reps + 1):
+        times["fwd"].clear()
+        times["bwd"].clear()
+        out, grads = simulate(q, k, v, cu, world, method, causal=True, backend=timed, dout=dout)
+        for kind in best:
+            best[kind] = min(best[kind], sum(times[kind]))
+    return out, grads, best["fwd"], best["bwd"], len(times["fwd"])
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    ap.add_argument("--backend", default="torch", help="attention backend (torch, flash_attn, flash_attn3, auto)")
+    ap.add_argument("--tiny", action="store_true", help="small problem (seconds on CPU; for tests)")
+    ap.add_argument("--worlds", default="2,4,8", help="CP sizes, comma separated")
+    ap.add_argument("--reps", type=int, default=3, help="timed repetitions (best is kept)")
+    ap.add_argument("--out", default=OUT, help="result JSON path")
+    args = ap.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA device (or --device cpu)")
+    if args.tiny:
+        heads, kv_heads, dim, lens = 4, 2, 16, draw_lengths(0, 600, [(8, 64), (64, 200), (200, 300)])
+    else:
+        heads, kv_heads, dim, lens = 32, 8, 128, draw_lengths(0, 131072, [(256, 4096), (4096, 16384), (16384, 65536)])
+    dtype = torch.bfloat16
     cu = np.concatenate([[0], np.cumsum(lens)])
-    T = int(cu[-1])
-    q = torch.randn(T, heads, dim, device="cuda", dtype=dtype)
-    k = torch.randn(T, kv_heads, dim, device="cuda", dtype=dtype)
-    v = torch.randn(T, kv_heads, dim, device="cuda", dtype=dtype)
-    dout = torch.randn_like(q)
-    be = get_backend("auto", q, k)
-    scale = dim**-0.5
-    res = {
-        "backend": be.name,
-        "tokens": T,
-        "num_docs": int(lens.size),
-        "heads": heads,
-        "kv_heads": kv_heads,
-        "head_dim": dim,
-        "dtype": "bfloat16",
-        "device": torch.cuda.get_device_name(),
-        "worlds": {},
-    }
-
-    def single(bwd):
-        def run():
-            x = [t.detach().requires_grad_(bwd) for t in (q, k, v)]
-            o = attention.varlen_attention(*x, cu, causal=True, backend=be.name)
-            if bwd:
-                o.backward(dout)
-
-        return run
-
-    t_single = {n: cuda_time(single(b)) for n, b in (("fwd", False), ("fwd_bwd", True))}
-    pairs = int((lens * (lens + 1) // 2).sum())
-    res["single_s"] = t_single
-    res["single_fwd_tflops"] = 4.0 * pairs * heads * dim / t_single["fwd"] / 1e12
-    for world in (2, 4, 8):
-        lay = attention.CPLayout.build(cu, world)
-        shards = [[lay.shard(t, r) for t in (q, k, v, dout)] for r in range(world)]
-        per_rank = {"fwd": [], "fwd_bwd": []}
-        for r in range(world):
-            ql, kl, vl, dl = shards[r]
-
-            def fwd(r=r, ql=ql):
-                acc = Accumulator()
-                for s in range(world):
-                    p = lay.pieces(r, s, True)
-                    if len(p):
-                        acc.add(*be.forward(ql, shards[s][1], shards[s][2], p, scale))
-                return acc
-
-            def fwd_bwd(r=r, ql=ql, dl=dl):
-                acc = fwd()
-                o = acc.out.to(dtype)
-                for s in range(world):
-                    p = lay.pieces(r, s, True)
-                    if len(p):
-                        be.backward(dl, ql, shards[s][1], shards[s][2], o, acc.lse, p, scale)
-
-            per_rank["fwd"].append(cuda_time(fwd))
-            per_rank["fwd_bwd"].append(cuda_time(fwd_bwd))
-        res["worlds"][world] = {
-            n: {"rank_s": per_rank[n], "fraction": t_single[n] / world / max(per_rank[n])} for n in per_rank
-        }
-        print(
-            f"| W={world} | {be.name} | {T} | {res['worlds'][world]['fwd']['fraction']:.3f} | "
-            f"{res['worlds'][world]['fwd_bwd']['fraction']:.3f} |",
-            flush=True,
-        )
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (
+        torch.randn(int(cu[-1]), h, dim, generator=gen).to(device, dtype) for h in (heads, kv_heads, kv_heads, heads)
+    )
+    be = get_backend(args.backend, q, k, max_len=int(lens.max()))
+    clock = Clock(device)
+    ref_out, ref_grads, t_fwd, t_bwd = single_device(q, k, v, cu, dout, be, clock, args.reps)
+    res = dict(backend=be.name, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+               torch=torch.__version__, tokens=int(cu[-1]), num_docs=int(lens.size), longest=int(lens.max()),
+               heads=heads, kv_heads=kv_heads, head_dim=dim, dtype="bfloat16", single_s={"fwd": t_fwd, "bwd": t_bwd},
+               runs=[])  # fmt: skip
+    failures = []
+    for world in (int(w) for w in args.worlds.split(",")):
+        for method in ("ring", "allgather", "ulysses"):
+            if method == "ulysses" and heads % world:
+                continue
+            out, grads, s_fwd, s_bwd, calls = schedule(q, k, v, cu, dout, be, clock, method, world, args.reps)
+            errs = [rel(out, ref_out)] + [rel(g, rg) for g, rg in zip(grads, ref_grads)]
+            ok = errs[0] <= TOL_OUT and max(errs[1:]) <= TOL_GRAD
+            run = dict(method=method, world=world, kernel_calls_fwd=calls, sum_kernel_s={"fwd": s_fwd, "bwd": s_bwd},
+                       efficiency={"fwd": t_fwd / s_fwd, "bwd": t_bwd / s_bwd}, rel_err=errs, exact=ok)  # fmt: skip
+            res["runs"].append(run)
+            failures += [] if ok else [f"{method} W={world}: errors {errs}"]
+            print(f"| {method} | W={world} | {be.name} | fwd eff {t_fwd / s_fwd:.3f} | bwd eff {t_bwd / s_bwd:.3f} |"
+                  f" calls {calls} | max rel err {max(errs):.2e} | {'ok' if ok else 'FAIL'} |", flush=True)  # fmt: skip
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
         json.dump(res, f, indent=2)
-    print(json.dumps({k: v for k, v in res.items() if k != "worlds"}))
+    if failures:
+        raise SystemExit("not exact: " + "; ".join(failures))
+    return res
 
 
 if __name__ == "__main__":

@@ -16,15 +16,16 @@ TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 TOL_GRAD = {torch.bfloat16: 2e-2, torch.float16: 5e-3}
 
 
-def _flash_available() -> bool:
+def _flash_available(name: str = "flash_attn") -> bool:
     q = torch.zeros(1, 2, 64, device="cuda", dtype=torch.bfloat16)
     try:
-        return get_backend("flash_attn", q, q[:, :1]).name == "flash_attn"
+        return get_backend(name, q, q[:, :1]).name == name
     except ValueError:
         return False
 
 
-def _check(backend, dtype, causal, chunk_size=None, lens=(1, 7, 130, 64, 3, 257), heads=(8, 2), dim=64):
+def _check(backend, dtype, causal, chunk_size=None, lens=(1, 7, 130, 64, 3, 257), heads=(8, 2), dim=64, window=(-1, -1),
+           softcap=0.0):  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     cu = np.concatenate([[0], np.cumsum(lens)])
     T = int(cu[-1])
@@ -33,11 +34,11 @@ def _check(backend, dtype, causal, chunk_size=None, lens=(1, 7, 130, 64, 3, 257)
     )
     dout = torch.randn(T, heads[0], dim, generator=gen, dtype=torch.float64)
     qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
-    ref = reference(qr, kr, vr, cu, causal, dim**-0.5)
+    ref = reference(qr, kr, vr, cu, causal, dim**-0.5, window, softcap)
     ref_g = torch.autograd.grad(ref, (qr, kr, vr), dout)
     qc, kc, vc = (x.cuda().requires_grad_() for x in (q, k, v))
     out = varlen_attention(
-        qc, kc, vc, torch.from_numpy(cu).int().cuda(), causal=causal, backend=backend, chunk_size=chunk_size
+        qc, kc, vc, torch.from_numpy(cu).int().cuda(), causal, None, backend, chunk_size, window, softcap
     )
     grads = torch.autograd.grad(out, (qc, kc, vc), dout.to(dtype).cuda())
     assert float((out.double().cpu() - ref).abs().max()) <= TOL[dtype] * float(ref.abs().max())
@@ -51,6 +52,44 @@ def _check(backend, dtype, causal, chunk_size=None, lens=(1, 7, 130, 64, 3, 257)
 @pytest.mark.parametrize("chunk_size", [None, 48])
 def test_torch_backend_cuda(dtype, causal, chunk_size):
     _check("torch", dtype, causal, chunk_size)
+    qz = torch.zeros(1, 2, 64, device="cuda", dtype=dtype)
+    if get_backend("torch", qz, qz).has_window:
+        _check("torch", dtype, causal, chunk_size, window=(40, -1 if causal else 9))
+
+
+@pytest.mark.parametrize("name", ["flash_attn", "flash_attn3"])
+def test_flash_packages_masks(name):
+    if not _flash_available(name):
+        pytest.skip(f"{name} is not installed or not supported on this device")
+    for causal, window, softcap in ((True, (40, -1), 0.0), (False, (9, 21), 0.0), (True, (-1, -1), 3.0)):
+        _check(name, torch.bfloat16, causal, window=window, softcap=softcap)
+        _check(name, torch.bfloat16, causal, chunk_size=48, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
+def test_simulated_schedules_bf16(method):
+    """Every method's kernel sequence (all CP ranks in this process) on the GPU equals single-device attention."""
+    from attention.simulate import simulate
+
+    lens = (1, 7, 130, 64, 3, 257, 600)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(int(cu[-1]), h, 64, generator=gen).cuda().bfloat16() for h in (8, 2, 2, 8))
+    x = [t.detach().requires_grad_() for t in (q, k, v)]
+    ref = varlen_attention(*x, cu, backend="torch")
+    ref_g = torch.autograd.grad(ref, x, dout)
+    for world in (2, 4):
+        out, grads = simulate(q, k, v, cu, world, method, backend="torch", dout=dout)
+        assert float((out.double() - ref.double()).abs().max()) <= 1e-2 * float(ref.double().abs().max())
+        for g, rg in zip(grads, ref_g):
+            assert float((g.double() - rg.double()).abs().max()) <= 2e-2 * float(rg.double().abs().max())
+
+
+def test_reference_refused_for_long_documents_on_cuda():
+    q = torch.zeros(8, 2, 64, device="cuda", dtype=torch.float32)  # fp32: no fused CUDA kernel
+    assert get_backend("auto", q, q, max_len=1024).name == "reference"
+    with pytest.raises(ValueError, match="materialise"):
+        get_backend("auto", q, q, max_len=1 << 15)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -64,7 +103,8 @@ def test_flash_attn_backend(dtype, causal):
 
 def test_auto_backend_on_cuda():
     q = torch.zeros(4, 2, 64, device="cuda", dtype=torch.bfloat16)
-    assert get_backend("auto", q, q).name == ("flash_attn" if _flash_available() else "torch")
+    want = "flash_attn3" if _flash_available("flash_attn3") else "flash_attn" if _flash_available() else "torch"
+    assert get_backend("auto", q, q).name == want
     q32 = q.float()
     assert get_backend("auto", q32, q32).name == "reference"  # fp32 on CUDA: no fused varlen kernel
 
@@ -86,7 +126,7 @@ def _worker_cuda(rank, world):
     ref = ref_cp(qr, kr, vr, cu, True, 0.125)
     ref_g = torch.autograd.grad(ref, (qr, kr, vr), dout)
     lay = CPLayout.build(cu, world)
-    for method in ("ring", "allgather"):
+    for method in ("ring", "allgather", "ulysses"):
         ql, kl, vl = (lay.shard(x, rank).cuda().requires_grad_() for x in (q, k, v))
         out = cp_attention(ql, kl, vl, lay, causal=True, method=method)
         g = torch.autograd.grad(out, (ql, kl, vl), lay.shard(dout, rank).to(torch.bfloat16).cuda())

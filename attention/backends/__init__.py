@@ -1,0 +1,35 @@
+"""Attention kernels behind one interface, working on *pieces* of packed THD tensors (:mod:`.base`).
+
+Backends, one module per kernel family: ``reference`` (plain masked softmax, any dtype and device), ``torch`` on CPU
+(PyTorch's fused CPU flash kernel, :mod:`.torch_cpu`) and on CUDA (PyTorch's built-in varlen flash kernel,
+:mod:`.varlen_cuda`), ``flash_attn`` (flash-attn 2.x) and ``flash_attn3`` (flash-attn 3, Hopper) in :mod:`.flash`;
+the choice in :mod:`.select`.
+"""
+
+from .base import UNBOUNDED, Backend, Pieces, acc_dtype, check_inputs
+from .flash import ArgAdapter, FlashAttn3Backend, FlashAttnBackend, signature_params
+from .reference import ReferenceBackend
+from .select import BACKENDS, REFERENCE_CUDA_MAX_LEN, get_backend
+from .torch_cpu import TorchCPUBackend
+from .varlen_cuda import Packed, TorchCUDABackend, VarlenCUDABackend, kernel_windows
+
+__all__ = [
+    "UNBOUNDED",
+    "Backend",
+    "Pieces",
+    "acc_dtype",
+    "check_inputs",
+    "ArgAdapter",
+    "FlashAttn3Backend",
+    "FlashAttnBackend",
+    "signature_params",
+    "ReferenceBackend",
+    "BACKENDS",
+    "REFERENCE_CUDA_MAX_LEN",
+    "get_backend",
+    "TorchCPUBackend",
+    "Packed",
+    "TorchCUDABackend",
+    "VarlenCUDABackend",
+    "kernel_windows",
+]

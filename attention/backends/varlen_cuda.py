@@ -1,0 +1,273 @@
+"""The driver shared by the CUDA varlen kernels (PyTorch's built-in flash kernel, flash-attn 2, flash-attn 3).
+
+Pieces are grouped by kernel mask: (causal, window_left, window_right) in the kernel's bottom-right-aligned window
+convention, computed from each trimmed piece's band; each group is packed as consecutive varlen segments (slices
+where the pieces are already consecutive in memory, a gather otherwise) with ``cu_seqlens`` on the device. The
+packing is cached on the pieces per device (layouts cache their pieces), so repeated calls copy nothing from the
+host. The kernel's ``softmax_lse`` comes back unpadded ``[H, total_q]`` (newer kernels) or padded
+``[B, H, max_q]`` (older ones); both are converted to rows ``[total_q, H]``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import numpy as np
+import torch
+
+from .base import Backend, Pieces
+from .reference import ReferenceBackend
+
+_REFERENCE = ReferenceBackend()
+_WARNED: set = set()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _WARNED:
+        _WARNED.add(msg)
+        logging.getLogger(__name__).warning(msg)
+
+
+def ranges_index(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenate ``arange(s, s + l)`` for every (s, l), vectorised."""
+    total = int(lens.sum())
+    offs = np.cumsum(lens) - lens
+    return np.repeat(starts - offs, lens) + np.arange(total, dtype=np.int64)
+
+
+def kernel_windows(p: Pieces) -> np.ndarray:
+    """int64 [n, 3]: (causal, window_left, window_right) per piece for a kernel whose window is aligned at the
+    bottom-right corner (query ``i`` sees key ``j`` iff ``-right <= i - j + k_len - q_len <= left``; -1 = unbounded).
+    Trimmed pieces give non-negative bounds. A single query row gets ``right = 0`` (exact: after trimming it sees
+    every key of its piece), which also keeps flash-attn 2 from its ``max_q == 1`` GQA head swap."""
+    shift = p.k_len - p.q_len
+    left = np.where(p.hi >= p.q_len - 1, -1, p.hi + shift)
+    right = np.where(p.lo <= -(p.k_len - 1), -1, -p.lo - shift)
+    right = np.where(p.q_len == 1, 0, right)
+    causal = p.causal & (p.q_len > 1)
+    left, right = np.where(causal, -1, left), np.where(causal, -1, right)
+    return np.stack([causal.astype(np.int64), left, right], axis=1)
+
+
+class Packed:
+    """One kernel call's pieces as consecutive varlen segments on ``device``."""
+
+    def __init__(self, p: Pieces, device) -> None:
+        self.n = len(p)
+        self.q = self._side(p.q_start, p.q_len, device)
+        self.k = self._side(p.k_start, p.k_len, device)
+        self.cu_q = torch.from_numpy(np.concatenate([[0], np.cumsum(p.q_len)]).astype(np.int32)).to(device)
+        self.cu_k = torch.from_numpy(np.concatenate([[0], np.cumsum(p.k_len)]).astype(np.int32)).to(device)
+        self.max_q, self.max_k = int(p.q_len.max()), int(p.k_len.max())
+        self.q_len = p.q_len
+        self.total_q = int(p.q_len.sum())
+        b = np.repeat(np.arange(self.n), self.q_len)
+        r = np.arange(self.total_q) - np.repeat(np.cumsum(self.q_len) - self.q_len, self.q_len)
+        self.pad_b, self.pad_r = torch.from_numpy(b).to(device), torch.from_numpy(r).to(device)
+
+    @staticmethod
+    def _side(starts, lens, device):
+        if (starts[1:] == starts[:-1] + lens[:-1]).all():
+            return ("slice", int(starts[0]), int(lens.sum()))
+        return ("index", torch.from_numpy(ranges_index(starts, lens)).to(device))
+
+    @staticmethod
+    def take(side, x):
+        if side[0] == "slice":
+            return x[side[1] : side[1] + side[2]]
+        return x.index_select(0, side[1])
+
+    @staticmethod
+    def put(side, dst, val):
+        if side[0] == "slice":
+            dst[side[1] : side[1] + side[2]] = val.to(dst.dtype)
+        else:
+            dst.index_copy_(0, side[1], val.to(dst.dtype))
+
+    @staticmethod
+    def add(side, dst, val):
+        if side[0] == "slice":
+            dst[side[1] : side[1] + side[2]] += val.to(dst.dtype)
+        else:
+            dst.index_add_(0, side[1], val.to(dst.dtype))
+
+    def lse_from_kernel(self, lse: torch.Tensor, heads: int, kv_heads: int = 0, swapped: bool = False) -> torch.Tensor:
+        """Kernel lse -> rows ``[total_q, H]``. ``swapped``: flash-attn 2's ``max_q == 1`` GQA path ran the
+        problem as ``[B*groups, Hkv]`` queries and returned its unpadded ``[Hkv, B, groups]`` lse viewed as
+        ``[H, B]``; the padded layout of that path is already ``[B, H, 1]`` in head order."""
+        if lse.dim() == 2 and lse.shape == (heads, self.total_q):
+            if swapped and kv_heads and heads > kv_heads:
+                g = heads // kv_heads
+                lse = lse.reshape(kv_heads, self.total_q, g).permute(0, 2, 1).reshape(heads, self.total_q)
+            return lse.t()
+        if lse.dim() == 3 and lse.shape[0] == self.n and lse.shape[1] == heads:
+            return lse.permute(0, 2, 1)[self.pad_b, self.pad_r]
+        raise RuntimeError(f"unexpected softmax_lse shape {tuple(lse.shape)} from the varlen kernel")
+
+    def lse_to_kernel(self, lse_rows: torch.Tensor, like_padded: bool) -> torch.Tensor:
+        """Rows ``[total_q, H]`` -> the kernel's layout (unpadded ``[H, total_q]`` or padded ``[B, H, max_q]``)."""
+        if not like_padded:
+            return lse_rows.t().contiguous()
+        out = torch.zeros(self.n, self.max_q, lse_rows.shape[1], dtype=lse_rows.dtype, device=lse_rows.device)
+        out[self.pad_b, self.pad_r] = lse_rows
+        return out.permute(0, 2, 1).contiguous()
+
+
+def cuda_capability_ok(q: torch.Tensor) -> bool:
+    """Flash kernels need compute capability 8.0 (Ampere) or newer."""
+    return q.is_cuda and torch.cuda.get_device_capability(q.device) >= (8, 0)
+
+
+def deterministic() -> bool:
+    """Deterministic backward kernels exactly when PyTorch is asked for deterministic algorithms."""
+    return torch.are_deterministic_algorithms_enabled()
+
+
+class VarlenCUDABackend(Backend):
+    """Common driver: subclasses provide ``_kfwd(q, k, v, packed, causal, window, softcap, scale)`` and
+    ``_kbwd(dout, q, k, v, out, lse, packed, causal, window, softcap, scale)``, and the capability flags."""
+
+    has_window = False  # the kernel takes window sizes
+    has_softcap = False  # the kernel takes a softcap
+    swaps_gqa = False  # flash-attn 2 family: a max_q == 1 GQA call without a window runs head-swapped
+    max_head_dim = 256
+    _lse_padded: Optional[bool] = None
+
+    def available(self) -> bool:
+        return True
+
+    def supports(self, q, k, window: bool = False, softcap: bool = False) -> bool:
+        return not self.why_not(q, k, window, softcap)
+
+    def why_not(self, q, k, window: bool = False, softcap: bool = False) -> str:
+        if not self.available():
+            return f"{self.name} is not available"
+        if not q.is_cuda:
+            return f"{self.name} runs CUDA tensors only"
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            return f"{self.name} runs float16/bfloat16 only, got {q.dtype}"
+        if q.shape[2] % 8 or q.shape[2] > self.max_head_dim:
+            return f"{self.name} needs head_dim a multiple of 8 and <= {self.max_head_dim}, got {q.shape[2]}"
+        if not cuda_capability_ok(q):
+            cap = torch.cuda.get_device_capability(q.device)
+            return f"{self.name} needs compute capability 8.0+, {q.device} has {cap}"
+        if window and not self.has_window:
+            return f"{self.name} (this version) takes no sliding window"
+        if softcap and not self.has_softcap:
+            return f"{self.name} (this version) takes no softcap"
+        return ""
+
+    def _calls(self, pieces: Pieces, device):
+        """(kernel calls [(packed, causal, window)], pieces for the reference backend or None), cached per device.
+        flash-attn treats a right window >= max_seqlen_k as unbounded; a tall banded piece whose right window
+        reaches its own key count (a two-sided window on a block with more queries than keys) would be widened, so
+        it runs on the reference backend instead (exact, logged)."""
+
+        def build():
+            wins = kernel_windows(pieces)
+            if not self.has_window:
+                wins[:, 1:] = -1
+            wide = wins[:, 2] >= pieces.k_len
+            if wide.any():
+                _warn_once(f"{self.name}: {int(wide.sum())} tall two-sided-window blocks run on the reference backend")
+            keys, inv = np.unique(wins[~wide], axis=0, return_inverse=True)
+            inv = inv.reshape(-1)
+            fused = pieces.select(~wide)
+            calls = [
+                (Packed(fused.select(inv == g), device), bool(key[0]), (int(key[1]), int(key[2])))
+                for g, key in enumerate(keys)
+            ]
+            return calls, (pieces.select(wide) if wide.any() else None)
+
+        if pieces.banded.any() and not self.has_window:
+            raise ValueError(f"{self.name} takes no sliding window; choose another backend")
+        return pieces.device_cached((type(self).__name__, str(device)), build)
+
+    def _swapped(self, pk: Packed, q, k, window) -> bool:
+        return self.swaps_gqa and pk.max_q == 1 and q.shape[1] > k.shape[1] and window == (-1, -1)
+
+    def forward(self, q, k, v, pieces, scale):
+        out, lse = self._empty_fwd(q, v)
+        calls, rest = self._calls(pieces, q.device)
+        if rest is not None:
+            o2, l2 = _REFERENCE.forward(q, k, v, rest, scale)
+            rows = torch.isfinite(l2[:, 0])  # trimmed pieces: every covered row has a finite lse
+            out[rows], lse[rows] = o2[rows].to(out.dtype), l2[rows]
+        for pk, causal, window in calls:
+            qq = Packed.take(pk.q, q).contiguous()
+            kk, vv = Packed.take(pk.k, k).contiguous(), Packed.take(pk.k, v).contiguous()
+            o, piece_lse = self._kfwd(qq, kk, vv, pk, causal, window, pieces.softcap, scale)
+            type(self)._lse_padded = piece_lse.dim() == 3
+            Packed.put(pk.q, out, o)
+            rows = pk.lse_from_kernel(piece_lse, q.shape[1], k.shape[1], self._swapped(pk, q, k, window))
+            Packed.put(pk.q, lse, rows)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, pieces, scale):
+        dq, dk, dv = self._zero_grads(q, k, v)
+        if self._lse_padded is None and len(pieces):  # learn the kernel's lse layout once
+            self.forward(q, k, v, pieces.select(np.arange(1)), scale)
+        calls, rest = self._calls(pieces, q.device)
+        if rest is not None:
+            dq, dk, dv = _REFERENCE.backward(dout, q, k, v, out, lse, rest, scale)
+        for pk, causal, window in calls:
+            qq = Packed.take(pk.q, q).contiguous()
+            kk, vv = Packed.take(pk.k, k).contiguous(), Packed.take(pk.k, v).contiguous()
+            do = Packed.take(pk.q, dout).to(q.dtype).contiguous()
+            oo = Packed.take(pk.q, out).to(q.dtype).contiguous()
+            ll = pk.lse_to_kernel(Packed.take(pk.q, lse).float(), bool(self._lse_padded))
+            gq, gk, gv = self._kbwd(do, qq, kk, vv, oo, ll, pk, causal, window, pieces.softcap, scale)
+            Packed.put(pk.q, dq, gq)
+            Packed.add(pk.k, dk, gk)
+            Packed.add(pk.k, dv, gv)
+        return dq, dk, dv
+
+
+def _aten_arg_names(op) -> set:
+    try:
+        return {a.name for a in op.default._schema.arguments}
+    except Exception:  # pragma: no cover - very old torch
+        return set()
+
+
+class TorchCUDABackend(VarlenCUDABackend):
+    """PyTorch's built-in flash-attention 2 varlen kernel (``aten._flash_attention_forward/backward``); windows
+    where this PyTorch's schema has ``window_size_left/right``; no softcap."""
+
+    name = "torch"
+    swaps_gqa = True
+
+    def __init__(self) -> None:
+        names = _aten_arg_names(torch.ops.aten._flash_attention_forward)
+        self.has_window = {"window_size_left", "window_size_right"} <= names and {
+            "window_size_left",
+            "window_size_right",
+        } <= _aten_arg_names(torch.ops.aten._flash_attention_backward)
+
+    def available(self) -> bool:
+        return torch.backends.cuda.is_flash_attention_available()
+
+    def why_not(self, q, k, window: bool = False, softcap: bool = False) -> str:
+        if q.is_cuda and not self.available():
+            return "this PyTorch was built without its flash-attention kernels"
+        return super().why_not(q, k, window, softcap)
+
+    def _win(self, window) -> dict:
+        return dict(window_size_left=window[0], window_size_right=window[1]) if self.has_window else {}
+
+    def _kfwd(self, q, k, v, pk, causal, window, softcap, scale):
+        res = torch.ops.aten._flash_attention_forward(
+            q, k, v, pk.cu_q, pk.cu_k, pk.max_q, pk.max_k, 0.0, causal, False, scale=scale, **self._win(window)
+        )
+        return res[0], res[1]
+
+    def _kbwd(self, do, q, k, v, o, lse, pk, causal, window, softcap, scale):
+        # dropout_p == 0: the philox seed/offset are not read; pass placeholders of the expected dtype
+        seed = torch.zeros(2, dtype=torch.int64, device=q.device)
+        off = torch.zeros((), dtype=torch.int64, device=q.device)
+        res = torch.ops.aten._flash_attention_backward(
+            do, q, k, v, o, lse, pk.cu_q, pk.cu_k, pk.max_q, pk.max_k, 0.0, causal, seed, off, scale=scale,
+            **self._win(window),
+        )  # fmt: skip
+        return res[0], res[1], res[2]
