@@ -69,10 +69,6 @@ def topology_from_args(args, lengths: np.ndarray) -> Topology:
     )
 
 
-def add_quiet_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (there is none without a terminal)")
-
-
 def add_topology_args(p: argparse.ArgumentParser, dp: int = 8, micro_batches: int = 4) -> None:
     g = p.add_argument_group("topology")
     g.add_argument("--dp", type=int, default=dp, help=f"data-parallel replicas (default {dp})")
@@ -107,6 +103,7 @@ def add_topology_args(p: argparse.ArgumentParser, dp: int = 8, micro_batches: in
     c.add_argument("--fixed", type=float, default=0.0, help="cost per micro-batch (default 0)")
     c.add_argument("--non-causal", action="store_true", help="bidirectional attention: d*d pairs per document")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (there is none without a terminal)")
 
 
 def default_plan_path(source: str, topo: Topology) -> Path:
@@ -249,7 +246,6 @@ def build_parser() -> argparse.ArgumentParser:
         "micro-batches) and print the balance report beside token-count packing.",
     )
     add_topology_args(p)
-    add_quiet_arg(p)
     p.add_argument("--plot", metavar="PNG", help="also write a picture of the lengths and per-step balance")
     p.set_defaults(func=cmd_demo)
 
@@ -265,7 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="JSON list / .npy / text file of lengths, a pretokenized folder, or a built-in trace name",
     )
     add_topology_args(p)
-    add_quiet_arg(p)
     p.add_argument(
         "--overflow",
         choices=OVERFLOW_POLICIES,
@@ -290,7 +285,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("lengths", metavar="LENGTHS", help="as for `plan`")
     add_topology_args(p)
-    add_quiet_arg(p)
     p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="error", help="as for `plan`")
     p.add_argument("--no-plan", action="store_true", help="statistics only, no balance report")
     p.add_argument("--plot", metavar="PNG", help="write the picture here")
