@@ -289,7 +289,8 @@ def _ranks(topology: Topology) -> tuple[int, int, Optional[object]]:
         if world != 1:
             raise ValueError(
                 f"the topology has dp*cp = {topology.dp}*{topology.cp} = {world} ranks but torch.distributed is not "
-                f"initialised: launch {world} processes (torchrun --nproc-per-node {world} ... or accelerate launch)"
+                f"initialised: launch {world} processes (torchrun --nproc-per-node {world} ... or accelerate launch "
+                f"--multi_gpu --num_processes {world} ...)"
             )
         return 0, 0, None
     if dist.get_world_size() != world:
