@@ -170,7 +170,10 @@ class BalancedTrainingMixin:
             if epoch == s.epoch and not s._history:
                 n = s.num_steps
             else:
-                n = make_plan(s.lengths, s.topology, s.cost, seed=s.seed + epoch, overflow=s.overflow).num_steps
+                show = not self.args.disable_tqdm and self.is_world_process_zero()
+                logger.info("planning epoch %d to count its optimizer steps", epoch)
+                p = make_plan(s.lengths, s.topology, s.cost, seed=s.seed + epoch, overflow=s.overflow, progress=show)
+                n = p.num_steps
             self._steps_per_epoch[epoch] = n
         return self._steps_per_epoch[epoch]
 
