@@ -3,13 +3,13 @@
 
     python examples/train_cp.py --dp 2 --cp 2 --steps 5             # spawns its own 4 processes
     torchrun --nproc-per-node 4 examples/train_cp.py --dp 2 --cp 2  # or torchrun-style env ranks
-    python examples/train_cp.py --data tok/ ...                     # a `balancer pretokenize` folder (byte tokenizer)
+    python examples/train_cp.py --data tok/ --overflow split ...    # a `balancer pretokenize` folder (any tokenizer)
 
 Ranks: rank = dp_rank * cp + cp_rank (DP outermost, as `BalancedBatchSampler` assumes without an explicit dp_rank).
 Per rank: `BalancedBatchSampler` (this DP rank's micro-batches) -> `PackedCollator` (this CP rank's share) -> a
-transformers LlamaForCausalLM (tiny config, random init, byte-level vocab 257) whose attention is
-`attention.cp_attention` (registered through `attention.hf`) -> `balancer.loss.token_loss` normalised by the step's
-global loss-token count from the plan -> gradients summed over all DP x CP ranks -> AdamW.
+transformers LlamaForCausalLM (tiny config, random init; vocabulary from the folder's manifest, or bytes) whose
+attention is `attention.cp_attention` (registered through `attention.hf`) -> `balancer.loss.token_loss` normalised
+by the step's global loss-token count from the plan -> gradients summed over all DP x CP ranks -> AdamW.
 
 Logged per step (rank 0): loss, tokens, predicted per-replica time (cost model, scaled to seconds by the run's
 measured/predicted ratio so far) vs measured (forward+backward seconds, max over the replica's CP ranks), and the step
@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-VOCAB = 257  # byte tokenizer: 0..255, EOS 256
+BYTE_VOCAB = 257  # the synthetic corpus: bytes 0..255, EOS 256
 
 
 def parse_args(argv=None):
@@ -45,7 +45,15 @@ def parse_args(argv=None):
     p.add_argument("--tokens-per-step", type=int, default=None, help="global batch in tokens (default 85%% cap)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--docs", type=int, default=400, help="synthetic corpus size (without --data)")
-    p.add_argument("--data", default=None, help="a pretokenized folder (balancer pretokenize, byte tokenizer)")
+    p.add_argument(
+        "--data", default=None, help="a pretokenized folder (balancer pretokenize); its manifest gives the vocabulary"
+    )
+    p.add_argument(
+        "--overflow",
+        choices=("error", "split", "truncate"),
+        default="error",
+        help="documents longer than max_tokens*cp: error (default), split into windows, or truncate",
+    )
     p.add_argument("--method", choices=("ring", "allgather"), default="ring")
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -77,7 +85,7 @@ def worker(args) -> None:
     from balancer.collate import PackedCollator
     from balancer.cost import CostModel
     from balancer.loss import token_loss
-    from balancer.sampler import BalancedBatchSampler
+    from balancer.sampler import BalancedBatchSampler, SpanDataset
     from balancer.topology import Topology
 
     torch.set_num_threads(args.threads)
@@ -99,13 +107,17 @@ def worker(args) -> None:
         from balancer.shards import ShardDataset
 
         dataset = ShardDataset(args.data)
+        vocab = int(dataset.manifest["tokenizer"]["vocab_size"])
     else:
         dataset = synthetic_corpus(args.docs, args.seed, topo.micro_batch_tokens)
+        vocab = BYTE_VOCAB
     lengths = dataset.lengths if hasattr(dataset, "lengths") else np.array([len(d["input_ids"]) for d in dataset])
+    if args.overflow != "error":  # parts of documents come as Span(doc, start, end): the wrapper cuts them out
+        dataset = SpanDataset(dataset)
 
     ahf.register()
     cfg = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=args.hidden,
         intermediate_size=args.hidden * 2,
         num_hidden_layers=args.layers,
@@ -115,7 +127,8 @@ def worker(args) -> None:
         attn_implementation=ahf.NAME,
     )
     cost = CostModel.from_config(cfg.to_dict())
-    sampler = BalancedBatchSampler(lengths, topo, cost, seed=args.seed, dataset=dataset)  # dp_rank from dist
+    # dp_rank from torch.distributed
+    sampler = BalancedBatchSampler(lengths, topo, cost, seed=args.seed, dataset=dataset, overflow=args.overflow)
     assert sampler.dp_rank == dp_rank
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, collate_fn=PackedCollator(cp_rank=cp_rank, cp_size=args.cp)

@@ -38,27 +38,28 @@ def token_rows(n_docs: int, seed: int, max_len: int = 40) -> list[list[int]]:
     return [rng.integers(0, VOCAB, int(n)).tolist() for n in lengths]
 
 
+# One plain SGD step per optimizer step: lr 1, no clipping, no decay, constant schedule, no reporting, CPU.
+PLAIN_SGD = dict(
+    optim="sgd",
+    learning_rate=1.0,
+    lr_scheduler_type="constant",
+    weight_decay=0.0,
+    max_grad_norm=0.0,
+    num_train_epochs=1,
+    per_device_train_batch_size=1,
+    save_strategy="no",
+    report_to=[],
+    use_cpu=True,
+    disable_tqdm=True,
+    logging_strategy="no",
+)
+
+
 def training_args(output_dir, **overrides):
-    """One plain SGD step per optimizer step: lr 1, no clipping, no decay, constant schedule, no reporting."""
+    """TrainingArguments of PLAIN_SGD, with `overrides`."""
     from transformers import TrainingArguments
 
-    kw = dict(
-        output_dir=str(output_dir),
-        optim="sgd",
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        num_train_epochs=1,
-        per_device_train_batch_size=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        logging_strategy="no",
-    )
-    kw.update(overrides)
-    return TrainingArguments(**kw)
+    return TrainingArguments(output_dir=str(output_dir), **{**PLAIN_SGD, **overrides})
 
 
 def unpacked_sgd_delta(model, rows, labels=None) -> dict:

@@ -22,7 +22,7 @@ SEED = 1  # epoch 0 is planned with seed 1 (4 steps), epoch 1 with seed 2 (5 ste
 STOP = 6  # checkpoint and stop 2 steps into epoch 1
 
 
-def _trainer(out_dir, callbacks=(), **args):
+def _trainer(out_dir, callbacks=(), micro_batches=2, **args):
     import balancer
     import balancer.hf
 
@@ -31,7 +31,7 @@ def _trainer(out_dir, callbacks=(), **args):
             self.order.append(inputs["input_ids"][0].tolist())
             return super().compute_loss(model, inputs, **kwargs)
 
-    topo = balancer.Topology(dp=1, cp=1, micro_batches=2, max_tokens=48)
+    topo = balancer.Topology(dp=1, cp=1, micro_batches=micro_batches, max_tokens=48)
     kw = dict(learning_rate=0.05, lr_scheduler_type="linear", num_train_epochs=2)
     kw.update(args)
     trainer = Recording(
@@ -52,25 +52,43 @@ class _StopAt(transformers.TrainerCallback):
             control.should_training_stop = True
 
 
-def test_epoch_lengths_and_exact_resume(tmp_path):
-    full = _trainer(tmp_path / "full")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An uninterrupted 2-epoch run, and a run stopped (with a checkpoint) STOP steps in."""
+    tmp = tmp_path_factory.mktemp("runs")
+    full = _trainer(tmp / "full")
+    full.train()
+    first = _trainer(tmp / "run", callbacks=[_StopAt()], save_strategy="steps", save_steps=STOP)
+    first.train()
+    return full, first, tmp / "run" / f"checkpoint-{STOP}"
+
+
+def test_epoch_lengths_and_exact_resume(runs):
+    full, first, ckpt = runs
     steps = [full._epoch_num_steps(e) for e in (0, 1)]
     assert steps == [4, 5]  # the case the stock Trainer gets wrong (it assumes epoch 0's length for every epoch)
-    full.train()
     assert full.state.global_step == sum(steps)
     n_tokens = sum(len(r) for r in ROWS)
     per_epoch = [full.order[: 2 * steps[0]], full.order[2 * steps[0] :]]
     assert [sum(len(mb) for mb in ep) for ep in per_epoch] == [n_tokens, n_tokens]  # every token once per epoch
 
-    first = _trainer(tmp_path / "run", callbacks=[_StopAt()], save_strategy="steps", save_steps=STOP)
-    first.train()
-    ckpt = tmp_path / "run" / f"checkpoint-{STOP}"
     state = json.loads((ckpt / "balancer_sampler.json").read_text())
     assert (state["epoch"], state["position"]) == (1, 2 * (STOP - steps[0]))
-
-    resumed = _trainer(tmp_path / "run")
+    resumed = _trainer(ckpt.parent)
     resumed.train(resume_from_checkpoint=str(ckpt))
     assert first.order + resumed.order == full.order
     assert resumed.state.global_step == sum(steps)
     for (name, a), b in zip(resumed.model.named_parameters(), full.model.parameters()):
         assert torch.allclose(a, b, rtol=0, atol=1e-6), name
+
+
+def test_resume_onto_another_topology_replans_the_rest_of_the_epoch(runs, tmp_path):
+    full, first, ckpt = runs
+    resumed = _trainer(tmp_path, micro_batches=3)  # 3 micro-batches per step from here on
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    done_in_epoch1 = first.order[2 * 4 :]  # epoch 0 has 4 steps of 2 micro-batches
+    assert len(resumed.order) % 3 == 0 and resumed.state.global_step == STOP + len(resumed.order) // 3
+    assert resumed.state.global_step == resumed.state.max_steps  # the re-planned remainder sets the step count
+    # epoch 1 = what the first run did + what the resumed run re-planned: every token once, nothing repeated
+    seen = sorted(t for mb in done_in_epoch1 + resumed.order for t in mb)
+    assert seen == sorted(t for r in ROWS for t in r)

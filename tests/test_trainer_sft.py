@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _data_utils import make_texts, train_hf_tokenizer  # noqa: E402
-from _trainer_utils import relative_error, tiny_llama, unpacked_sgd_delta  # noqa: E402
+from _trainer_utils import PLAIN_SGD, relative_error, tiny_llama, unpacked_sgd_delta  # noqa: E402
 
 pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
@@ -28,24 +28,8 @@ def tokenizer(tmp_path_factory):
 def _sft_config(out, **kw):
     from trl import SFTConfig
 
-    base = dict(
-        output_dir=str(out),
-        max_length=None,
-        optim="sgd",
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=0.0,
-        num_train_epochs=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        logging_strategy="no",
-        bf16=False,  # fp32 proof; gradient_checkpointing stays on (TRL's default): recomputation needs the layout
-    )
-    base.update(kw)
-    return SFTConfig(**base)
+    # fp32 proof; gradient_checkpointing stays on (TRL's default): its recomputation needs the layout too
+    return SFTConfig(output_dir=str(out), **{**PLAIN_SGD, "max_length": None, "bf16": False, **kw})
 
 
 def _prompt_completion(n: int) -> datasets.Dataset:

@@ -1,18 +1,30 @@
 #!/usr/bin/env bash
 # Create .venv (once) and install the toolkit into it. Usage: tools/setup.sh [EXTRAS], e.g. tools/setup.sh test
 # torch: the CPU build 2.13.0 is installed when no torch is importable (an unpinned torch pulls a multi-GB CUDA build).
+# On a terminal every stage is announced and pip shows its progress bars; without one (CI, logs) it stays quiet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXTRAS="${1:-}"
 PY="${PYTHON:-python3}"
+if [ -t 1 ]; then
+    PIP_OUT=(--progress-bar on)
+    say() { echo "setup: $*"; }
+else
+    PIP_OUT=(--quiet)
+    say() { :; }
+fi
 if [ ! -x .venv/bin/python ]; then
+    say "creating .venv with $PY"
     "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
 "$VPY" -m pip install --quiet --upgrade pip >/dev/null 2>&1 || true
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
-    "$VPY" -m pip install --quiet "torch==2.13.0"
+    say "installing torch 2.13.0, CPU build (about 200 MB; a minute or so)"
+    "$VPY" -m pip install "${PIP_OUT[@]}" "torch==2.13.0"
 fi
 SPEC="."
 if [ -n "$EXTRAS" ]; then SPEC=".[$EXTRAS]"; fi
-"$VPY" -m pip install --quiet -e "$SPEC"
+say "installing seqbalancer $SPEC (editable) and its dependencies"
+"$VPY" -m pip install "${PIP_OUT[@]}" -e "$SPEC"
+say "done: .venv/bin/balancer --help"

@@ -170,21 +170,28 @@ class BalancedTrainingMixin:
             if epoch == s.epoch and not s._history:
                 n = s.num_steps
             else:
-                n = make_plan(s.lengths, s.topology, s.cost, seed=s.seed + epoch, overflow=s.overflow).num_steps
+                show = not self.args.disable_tqdm and self.is_world_process_zero()
+                logger.info("planning epoch %d to count its optimizer steps", epoch)
+                p = make_plan(s.lengths, s.topology, s.cost, seed=s.seed + epoch, overflow=s.overflow, progress=show)
+                n = p.num_steps
             self._steps_per_epoch[epoch] = n
         return self._steps_per_epoch[epoch]
+
+    def _planned_steps(self, first_epoch: int = 0) -> int:
+        """Optimizer steps of epochs `first_epoch`.. of `num_train_epochs` (a fraction of the last one rounded up)."""
+        whole = int(math.floor(self.args.num_train_epochs))
+        total = sum(self._epoch_num_steps(e) for e in range(first_epoch, whole))
+        frac = self.args.num_train_epochs - whole
+        if frac > 0 and whole >= first_epoch:
+            total += math.ceil(frac * self._epoch_num_steps(whole))
+        return total
 
     def set_initial_training_values(self, args, dataloader):
         values = list(super().set_initial_training_values(args, dataloader))
         if args.max_steps > 0:  # training stops at max_steps; one epoch of margin for epochs a step shorter
             values[0] += 1
         else:  # the exact count over the epochs, each with its own plan
-            whole = int(math.floor(args.num_train_epochs))
-            total = sum(self._epoch_num_steps(e) for e in range(whole))
-            frac = args.num_train_epochs - whole
-            if frac > 0:
-                total += math.ceil(frac * self._epoch_num_steps(whole))
-            values[6] = total
+            values[6] = self._planned_steps()
         return tuple(values)
 
     # ---- resume ----------------------------------------------------------------------------------------------
@@ -207,6 +214,9 @@ class BalancedTrainingMixin:
             state = json.load(f)
         sampler = self.balanced_sampler
         sampler.load_state_dict(state)
+        if self.args.max_steps <= 0:  # what is left of this epoch (re-planned after a topology change) and the rest
+            left = (len(sampler) - sampler.position) // self.topology.micro_batches
+            self.state.max_steps = self.state.global_step + left + self._planned_steps(sampler.epoch + 1)
         if sampler.position >= len(sampler):  # saved at the end of an epoch: the next one starts fresh
             return sampler.epoch + 1, 0
         self._resume_epoch = sampler.epoch
@@ -289,7 +299,8 @@ def _ranks(topology: Topology) -> tuple[int, int, Optional[object]]:
         if world != 1:
             raise ValueError(
                 f"the topology has dp*cp = {topology.dp}*{topology.cp} = {world} ranks but torch.distributed is not "
-                f"initialised: launch {world} processes (torchrun --nproc-per-node {world} ... or accelerate launch)"
+                f"initialised: launch {world} processes (torchrun --nproc-per-node {world} ... or accelerate launch "
+                f"--multi_gpu --num_processes {world} ...)"
             )
         return 0, 0, None
     if dist.get_world_size() != world:
