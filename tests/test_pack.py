@@ -251,7 +251,7 @@ def test_kill9_and_resume_byte_identical(tmp_path):
             return 0
 
     logs, kills = [], 0
-    for attempt in range(4):
+    for attempt in range(3):
         before = shards_done()
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if attempt == 0:
@@ -265,7 +265,7 @@ def test_kill9_and_resume_byte_identical(tmp_path):
             proc.send_signal(signal.SIGKILL)
             kills += 1
         logs.append(proc.communicate()[1].decode())
-    assert kills >= 3
+    assert kills >= 2
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     logs.append(done.stderr)

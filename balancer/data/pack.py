@@ -250,10 +250,27 @@ def pack(
         return _pack(src, Path(output), topology, cost, epochs, seed, overflow, shard_tokens, overwrite, progress)
 
 
+def _resume_state(out: Path, job: str, prev: Optional[dict]) -> dict:
+    """The state to continue from: the recorded plans, and the recorded shards up to the first that fails its
+    checksum (None: a fresh start)."""
+    state = {"job": job, "plans": [], "shards": []}
+    if prev is None:
+        return state
+    state["plans"] = prev["plans"]
+    for entry in prev["shards"]:
+        if verify_shard_files(out, entry) is not None:
+            break
+        state["shards"].append(entry)
+    rows = sum(e["rows"] for e in state["shards"])
+    _say(f"{out}: resuming after {len(state['shards'])} finished shard(s) at row {rows}")
+    return state
+
+
 def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, shard_tokens, overwrite, progress):
     check_fits(src, topology, overflow)
-    if out.resolve() == src.path.resolve():
-        raise PackError(f"--output {out} is the source folder; write the packed rows to another folder")
+    real_out, real_src = os.path.realpath(out), os.path.realpath(src.path)
+    if os.path.commonpath([real_out, real_src]) in (real_out, real_src):
+        raise PackError(f"--output {out} is, holds or lies in the source folder {src.path}; write to another folder")
     job = _job_key(src, topology, cost, epochs, seed, {"overflow": overflow, "shard_tokens": shard_tokens})
     status, prev = prepare_pack_output(out, job, overwrite)
     if status == "complete":
@@ -264,15 +281,7 @@ def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, 
             raise PackError(f"{out} holds this job's output but it fails verification: {problems[0]}; pass --overwrite")
         _say(f"{out}: already complete ({prev['counts']['rows']} rows, {prev['counts']['tokens']} tokens)")
         return prev
-    state = {"job": job, "plans": [], "shards": []}
-    if status == "resume":
-        state["plans"] = prev.get("plans", [])
-        for entry in prev.get("shards", []):
-            if verify_shard_files(out, entry) is not None:
-                break
-            state["shards"].append(entry)
-        rows = sum(e["rows"] for e in state["shards"])
-        _say(f"{out}: resuming after {len(state['shards'])} finished shard(s) at row {rows}")
+    state = _resume_state(out, job, prev if status == "resume" else None)
     keep = {fn for e in state["plans"] + state["shards"] for fn in e["files"]}
     clear_owned(out, keep=keep | {PACK_STATE_NAME})
     atomic_write_json(out / PACK_STATE_NAME, state)
