@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from .manifest import MANIFEST_NAME, load_json_file
+from .output import LOCK_NAME
 from .pack_rows import PackError
 
 PACK_FORMAT = "balancer-packed"
@@ -24,7 +25,6 @@ PACK_FORMAT_VERSION = 1
 PACK_STATE_NAME = ".pack-state.json"
 PACK_DESCRIPTION = "balancer pack output: one packed micro-batch per row, ordered (epoch, step, micro-batch, DP rank)"
 DATASETS_FILES = ("state.json", "dataset_info.json")
-LOCK_NAMES = (".balancer.lock",)
 _PACK_FILE_RE = re.compile(r"^(shard-\d{5,}\.arrow|plan-epoch-\d{5,}\.json)$")
 
 
@@ -100,7 +100,7 @@ def prepare_pack_output(out: Path, job: str, overwrite: bool) -> tuple[str, Opti
         raise PackError(f"--output {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     owned = owned_files(out)
-    foreign = sorted(set(os.listdir(out)) - owned - set(LOCK_NAMES))
+    foreign = sorted(set(os.listdir(out)) - owned - {LOCK_NAME})
     manifest, state = job_record(out / MANIFEST_NAME), job_record(out / PACK_STATE_NAME)
     idle = manifest is None and (state is None or not (state["plans"] or state["shards"]))
     if idle and not foreign:
