@@ -26,7 +26,7 @@ from _data_utils import dir_bytes, make_texts, write_jsonl  # noqa: E402
 import balancer  # noqa: E402
 from balancer.cli import main as cli_main  # noqa: E402
 from balancer.data.pack import PackError, pack, packed_metrics, verify_packed  # noqa: E402
-from balancer.data.shards import PretokenizeOptions, ShardDataset, pretokenize  # noqa: E402
+from balancer.data.shards import PretokenizeError, PretokenizeOptions, ShardDataset, pretokenize  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOPO = balancer.Topology(dp=2, cp=2, micro_batches=3, max_tokens=1024)
@@ -290,6 +290,11 @@ def test_output_folder_ownership(tok, tmp_path):
     second = pack(tok, mine, TOPO, COST, seed=1, overwrite=True, **args)
     assert second["job"] != first["job"] and verify_packed(mine) == []
     assert (mine / "notes.txt").exists()
+    from balancer.data.output import OutputLock
+
+    with OutputLock(mine):  # another run writing the folder
+        with pytest.raises(PretokenizeError, match="being written by another run"):
+            pack(tok, mine, TOPO, COST, seed=2, overwrite=True, **args)
     clash = tmp_path / "clash"
     clash.mkdir()
     (clash / "shard-00000.arrow").write_bytes(b"not ours")

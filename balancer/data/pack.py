@@ -238,7 +238,8 @@ def pack(
     `overflow` handles rows longer than a micro-batch (`max_tokens * cp`): "error" (default) refuses them, "split"
     places windows of them in several micro-batches, "truncate" keeps their first `max_tokens * cp` tokens (the
     rest counted as dropped). A killed run resumes when called again with the same arguments; a finished folder
-    is verified and returned as is. Returns the manifest; raises PackError on bad input or a refused folder.
+    is verified and returned as is. Returns the manifest; raises PackError on bad input or a refused folder
+    (PretokenizeError, its base class, for a folder that another run is writing or that is one of the inputs).
     `progress`: None = a bar only on a terminal."""
     check_static(topology)
     if overflow not in OVERFLOW_CHOICES:
