@@ -225,7 +225,7 @@ def test_verify_catches_corruption_and_rerun_is_idempotent(packed, tmp_path, cap
     )
     assert again == json.loads((out / "manifest.json").read_text())
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # complete: nothing rewritten
-    with pytest.raises(PackError, match="different pack job"):
+    with pytest.raises(PretokenizeError, match="different job"):
         pack(manifest["source"]["path"], out, TOPO, COST, epochs=1, overflow="split")
 
 
@@ -281,11 +281,11 @@ def test_output_folder_ownership(tok, tmp_path):
     mine.mkdir()
     (mine / "notes.txt").write_text("the user's")
     args = dict(overflow="split", shard_tokens=200_000)
-    with pytest.raises(PackError, match="not empty and holds no pack job"):
+    with pytest.raises(PretokenizeError, match="not empty and holds no pack job"):
         pack(tok, mine, TOPO, COST, **args)
     first = pack(tok, mine, TOPO, COST, overwrite=True, **args)
     assert (mine / "notes.txt").read_text() == "the user's" and verify_packed(mine) == []
-    with pytest.raises(PackError, match="different pack job"):
+    with pytest.raises(PretokenizeError, match="different job"):
         pack(tok, mine, TOPO, COST, seed=1, **args)
     second = pack(tok, mine, TOPO, COST, seed=1, overwrite=True, **args)
     assert second["job"] != first["job"] and verify_packed(mine) == []
@@ -298,7 +298,7 @@ def test_output_folder_ownership(tok, tmp_path):
     clash = tmp_path / "clash"
     clash.mkdir()
     (clash / "shard-00000.arrow").write_bytes(b"not ours")
-    with pytest.raises(PackError, match="was not written by it"):
+    with pytest.raises(PretokenizeError, match="was not written by it"):
         pack(tok, clash, TOPO, COST, overwrite=True, **args)
     assert (clash / "shard-00000.arrow").read_bytes() == b"not ours"
 
