@@ -130,25 +130,25 @@ def _run_merge(args: argparse.Namespace) -> int:
 
 
 def _run_pack(args: argparse.Namespace) -> int:
-    from ..data.pack import PackError, SourceTokens, pack
+    from ..data.pack import SourceTokens, pack
+    from ..data.readers import PretokenizeError
     from . import cost_from_args, topology_from_args
 
     try:
-        source = SourceTokens(args.tokdir)
-        topology = topology_from_args(args, source.lengths)
-        pack(
-            source,
-            args.output,
-            topology,
-            cost_from_args(args),
-            epochs=args.epochs,
-            seed=args.seed,
-            overflow=args.overflow,
-            shard_tokens=args.shard_tokens,
-            overwrite=args.overwrite,
-            progress=False if args.quiet else None,
-        )
-    except (PackError, ValueError) as exc:
+        with SourceTokens(args.tokdir) as source:
+            pack(
+                source,
+                args.output,
+                topology_from_args(args, source.lengths),
+                cost_from_args(args),
+                epochs=args.epochs,
+                seed=args.seed,
+                overflow=args.overflow,
+                shard_tokens=args.shard_tokens,
+                overwrite=args.overwrite,
+                progress=False if args.quiet else None,
+            )
+    except (PretokenizeError, ValueError) as exc:  # PackError is a PretokenizeError
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

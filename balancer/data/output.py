@@ -4,7 +4,8 @@
 Ownership: a file is ours only when this tool's manifest or state file in the folder names it (shard files), when
 its content is what this tool writes (`state.json`, `dataset_info.json`, the lock), or when it is a temporary or
 shard file of a job whose manifest or state is in the folder (left by a killed run). `--overwrite` deletes only
-those; any other file is the user's and is never deleted (a user file with one of our names is refused).
+those; any other file is the user's and is never deleted (a user file with one of our names is refused). The
+rules take an `OutputKind`, the names one command writes (`PRETOKENIZE`, the default, or `pack`'s).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import re
 import socket
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -26,67 +28,90 @@ DATASETS_STATE = "state.json"
 DATASETS_INFO = "dataset_info.json"
 DATASETS_DESCRIPTION = "balancer pretokenize output: input_ids per row, doc_id = source record index"
 _SHARD_FILE_RE = re.compile(r"^shard-\d{5,}\.(arrow|lengths\.npy|doc_ids\.npy)$")
-_FIXED_NAMES = (MANIFEST_NAME, STATE_NAME, DATASETS_STATE, DATASETS_INFO)
 
 
-def is_output_name(name: str) -> bool:
+@dataclass(frozen=True)
+class OutputKind:
+    """What one command writes into its output folders, for the ownership rules: `format_name` (the manifest's
+    "format"), `state_name` (its progress file), `file_re` (the data files its manifest and state name, in the
+    lists `record_lists`), `description` (its dataset_info.json's)."""
+
+    command: str
+    format_name: str
+    state_name: str
+    file_re: re.Pattern
+    description: str
+    record_lists: tuple[str, ...] = ("shards",)
+
+    @property
+    def fixed_names(self) -> tuple[str, ...]:
+        return (MANIFEST_NAME, self.state_name, DATASETS_STATE, DATASETS_INFO)
+
+
+PRETOKENIZE = OutputKind("pretokenize", FORMAT_NAME, STATE_NAME, _SHARD_FILE_RE, DATASETS_DESCRIPTION)
+
+
+def is_output_name(name: str, kind: OutputKind = PRETOKENIZE) -> bool:
     """True for a name this tool may write into an output folder (final or temporary)."""
     base = name[: -len(".tmp")] if name.endswith(".tmp") else name
-    return base in _FIXED_NAMES or bool(_SHARD_FILE_RE.match(base))
+    return base in kind.fixed_names or bool(kind.file_re.match(base))
 
 
-def _our_job_record(path: Path) -> Optional[dict]:
+def _our_job_record(path: Path, kind: OutputKind) -> Optional[dict]:
     """The manifest or state file at `path` when this tool wrote it, else None."""
     data = load_json_file(path)
-    if not isinstance(data, dict) or not isinstance(data.get("shards"), list) or "job" not in data:
+    if not isinstance(data, dict) or "job" not in data:
         return None
-    if path.name == MANIFEST_NAME and data.get("format") != FORMAT_NAME:
+    if not all(isinstance(data.get(key), list) for key in kind.record_lists):
+        return None
+    if path.name == MANIFEST_NAME and data.get("format") != kind.format_name:
         return None
     return data
 
 
-def _named_files(record: dict) -> set[str]:
+def _named_files(record: dict, kind: OutputKind) -> set[str]:
     names = set()
-    for entry in record["shards"]:
+    for entry in (e for key in kind.record_lists for e in record[key]):
         files = entry.get("files") if isinstance(entry, dict) else None
         if isinstance(files, dict):
-            names.update(n for n in files if isinstance(n, str) and _SHARD_FILE_RE.match(n))
+            names.update(n for n in files if isinstance(n, str) and kind.file_re.match(n))
     return names
 
 
-def _is_our_metadata(path: Path) -> bool:
+def _is_our_metadata(path: Path, kind: OutputKind) -> bool:
     data = load_json_file(path)
     if not isinstance(data, dict):
         return False
     if path.name == DATASETS_STATE:
         files = data.get("_data_files")
         return isinstance(files, list) and all(
-            isinstance(f, dict) and _SHARD_FILE_RE.match(str(f.get("filename", ""))) for f in files
+            isinstance(f, dict) and kind.file_re.match(str(f.get("filename", ""))) for f in files
         )
-    return data.get("description") == DATASETS_DESCRIPTION
+    return data.get("description") == kind.description
 
 
-def owned_files(out: Path) -> set[str]:
+def owned_files(out: Path, kind: OutputKind = PRETOKENIZE) -> set[str]:
     """Names in `out` this tool provably wrote (see the module docstring)."""
     entries = set(os.listdir(out))
-    records = [r for r in (_our_job_record(out / MANIFEST_NAME), _our_job_record(out / STATE_NAME)) if r]
-    owned = {n for n in (MANIFEST_NAME, STATE_NAME) if n in entries and _our_job_record(out / n)}
-    owned |= {n for n in (DATASETS_STATE, DATASETS_INFO) if n in entries and _is_our_metadata(out / n)}
-    if STATE_NAME + ".tmp" in entries:  # a hidden name of ours: a run killed before its first state rename
-        owned.add(STATE_NAME + ".tmp")
+    names = (MANIFEST_NAME, kind.state_name)
+    records = [r for r in (_our_job_record(out / n, kind) for n in names) if r]
+    owned = {n for n in names if n in entries and _our_job_record(out / n, kind)}
+    owned |= {n for n in (DATASETS_STATE, DATASETS_INFO) if n in entries and _is_our_metadata(out / n, kind)}
+    if kind.state_name + ".tmp" in entries:  # a hidden name of ours: a run killed before its first state rename
+        owned.add(kind.state_name + ".tmp")
     for record in records:
-        owned |= _named_files(record) & entries
-    if records:  # leftovers of a killed run of this job: shard files not yet recorded, temporary files
-        owned |= {n for n in entries if is_output_name(n)}
+        owned |= _named_files(record, kind) & entries
+    if records:  # leftovers of a killed run of this job: data files not yet recorded, temporary files
+        owned |= {n for n in entries if is_output_name(n, kind)}
     return owned
 
 
-def clear_outputs(out: Path, keep: Iterable[str] = ()) -> None:
+def clear_outputs(out: Path, keep: Iterable[str] = (), kind: OutputKind = PRETOKENIZE) -> None:
     """Remove the files we own in `out` except `keep`; the manifest and state file last, so that a kill midway
     leaves the proof of ownership of whatever is still there."""
     keep = set(keep)
-    doomed = owned_files(out) - keep
-    proofs = [n for n in (STATE_NAME, MANIFEST_NAME) if n in doomed]
+    doomed = owned_files(out, kind) - keep
+    proofs = [n for n in (kind.state_name, MANIFEST_NAME) if n in doomed]
     for name in sorted(doomed - set(proofs)) + proofs:
         try:
             os.remove(out / name)
@@ -113,16 +138,18 @@ def check_output_vs_inputs(out: Path, inputs: Sequence[str]) -> None:
             raise PretokenizeError(f"--output {out} is inside the input {spec}; write to a folder outside it")
 
 
-def prepare_output(out: Path, job: str, slice_: Optional[dict], overwrite: bool) -> tuple[str, Optional[dict]]:
+def prepare_output(
+    out: Path, job: str, slice_: Optional[dict], overwrite: bool, kind: OutputKind = PRETOKENIZE
+) -> tuple[str, Optional[dict]]:
     """('fresh'|'resume'|'complete', state or manifest). Refuses a folder holding something else; with
     `overwrite`, deletes only our files and refuses user files that carry one of our names."""
-    owned = owned_files(out)
+    owned = owned_files(out, kind)
     foreign = sorted(set(os.listdir(out)) - owned - {LOCK_NAME})
-    if not foreign and owned <= {STATE_NAME + ".tmp"}:  # empty, or killed before the first state rename
-        clear_outputs(out)
+    if not foreign and owned <= {kind.state_name + ".tmp"}:  # empty, or killed before the first state rename
+        clear_outputs(out, kind=kind)
         return "fresh", None
-    manifest = _our_job_record(out / MANIFEST_NAME)
-    state = _our_job_record(out / STATE_NAME)
+    manifest = _our_job_record(out / MANIFEST_NAME, kind)
+    state = _our_job_record(out / kind.state_name, kind)
     if not overwrite:
         if manifest is not None and manifest.get("job") == job and manifest.get("slice") == slice_:
             return "complete", manifest
@@ -130,20 +157,20 @@ def prepare_output(out: Path, job: str, slice_: Optional[dict], overwrite: bool)
             return "resume", state
         if manifest is not None or state is not None:
             raise PretokenizeError(
-                f"--output {out} holds a different job (other inputs, tokenizer or options); "
+                f"--output {out} holds a different job of `balancer {kind.command}` (other inputs or options); "
                 f"pass --overwrite to replace it"
             )
         raise PretokenizeError(
-            f"--output {out} is not empty and holds no pretokenize job "
+            f"--output {out} is not empty and holds no {kind.command} job "
             f"({len(foreign)} entries, e.g. {foreign[0]!r}); pass --overwrite to use it"
         )
-    clashing = [n for n in foreign if is_output_name(n)]
+    clashing = [n for n in foreign if is_output_name(n, kind)]
     if clashing:
         raise PretokenizeError(
             f"--output {out}: {clashing[0]!r} has a name this tool writes but was not written by it "
             f"(no manifest or state of ours names it); move it away, --overwrite never deletes your files"
         )
-    clear_outputs(out)
+    clear_outputs(out, kind=kind)
     return "fresh", None
 
 

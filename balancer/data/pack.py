@@ -31,6 +31,7 @@ from ..planning.cost import CostModel
 from ..planning.plan import Plan
 from ..planning.topology import Topology
 from .manifest import MANIFEST_NAME, atomic_write_json, fsync_file, verify_shard_files
+from .output import open_output
 from .pack_output import (
     PACK_DESCRIPTION,
     PACK_FORMAT,
@@ -59,7 +60,7 @@ from .pack_verify import (
 )
 from .pipeline import DEFAULT_SHARD_TOKENS
 from .readers import sha256_file
-from .writer import FLUSH_ROWS, FLUSH_TOKENS
+from .writer import FLUSH_ROWS, FLUSH_TOKENS, write_datasets_metadata
 
 OVERFLOW_CHOICES = ("error", "split", "truncate")
 
@@ -237,7 +238,8 @@ def pack(
     `overflow` handles rows longer than a micro-batch (`max_tokens * cp`): "error" (default) refuses them, "split"
     places windows of them in several micro-batches, "truncate" keeps their first `max_tokens * cp` tokens (the
     rest counted as dropped). A killed run resumes when called again with the same arguments; a finished folder
-    is verified and returned as is. Returns the manifest; raises PackError on bad input or a refused folder.
+    is verified and returned as is. Returns the manifest; raises PackError on bad input or a refused folder
+    (PretokenizeError, its base class, for a folder that another run is writing or that is one of the inputs).
     `progress`: None = a bar only on a terminal."""
     check_static(topology)
     if overflow not in OVERFLOW_CHOICES:
@@ -250,47 +252,56 @@ def pack(
         return _pack(src, Path(output), topology, cost, epochs, seed, overflow, shard_tokens, overwrite, progress)
 
 
+def _resume_state(out: Path, job: str, prev: Optional[dict]) -> dict:
+    """The state to continue from: the recorded plans, and the recorded shards up to the first that fails its
+    checksum (None: a fresh start)."""
+    state = {"job": job, "plans": [], "shards": []}
+    if prev is None:
+        return state
+    state["plans"] = prev["plans"]
+    for entry in prev["shards"]:
+        if verify_shard_files(out, entry) is not None:
+            break
+        state["shards"].append(entry)
+    rows = sum(e["rows"] for e in state["shards"])
+    _say(f"{out}: resuming after {len(state['shards'])} finished shard(s) at row {rows}")
+    return state
+
+
 def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, shard_tokens, overwrite, progress):
     check_fits(src, topology, overflow)
-    if out.resolve() == src.path.resolve():
-        raise PackError(f"--output {out} is the source folder; write the packed rows to another folder")
     job = _job_key(src, topology, cost, epochs, seed, {"overflow": overflow, "shard_tokens": shard_tokens})
-    status, prev = prepare_pack_output(out, job, overwrite)
-    if status == "complete":
-        if (out / PACK_STATE_NAME).exists():  # killed between writing the manifest and removing the state file
-            os.remove(out / PACK_STATE_NAME)
-        problems = verify_packed(out)
-        if problems:
-            raise PackError(f"{out} holds this job's output but it fails verification: {problems[0]}; pass --overwrite")
-        _say(f"{out}: already complete ({prev['counts']['rows']} rows, {prev['counts']['tokens']} tokens)")
-        return prev
-    state = {"job": job, "plans": [], "shards": []}
-    if status == "resume":
-        state["plans"] = prev.get("plans", [])
-        for entry in prev.get("shards", []):
-            if verify_shard_files(out, entry) is not None:
-                break
-            state["shards"].append(entry)
-        rows = sum(e["rows"] for e in state["shards"])
-        _say(f"{out}: resuming after {len(state['shards'])} finished shard(s) at row {rows}")
-    keep = {fn for e in state["plans"] + state["shards"] for fn in e["files"]}
-    clear_owned(out, keep=keep | {PACK_STATE_NAME})
-    atomic_write_json(out / PACK_STATE_NAME, state)
-    try:
-        plans = _plans(out, src, topology, cost, epochs, seed, overflow, state)
-    except PackError:
-        if not state["plans"]:  # the planner refused the topology: leave no trace of this run
-            os.remove(out / PACK_STATE_NAME)
-        raise
-    _write_rows(out, src, plans, state, shard_tokens, progress)
-    manifest = _manifest(src, job, topology, cost, epochs, seed, overflow, shard_tokens, plans, state)
-    _finish(out, manifest, src.dtype)
-    c = manifest["counts"]
-    _say(
-        f"{out}: {c['rows']} rows ({c['rows'] // topology.dp} per DP rank), {c['tokens']} tokens, "
-        f"{len(plans)} epoch(s), {len(manifest['shards'])} shard(s)"
-    )
-    return manifest
+    with open_output(out, [str(src.path)]):
+        status, prev = prepare_pack_output(out, job, overwrite)
+        if status == "complete":
+            if (out / PACK_STATE_NAME).exists():  # killed between writing the manifest and removing the state file
+                os.remove(out / PACK_STATE_NAME)
+            problems = verify_packed(out)
+            if problems:
+                raise PackError(
+                    f"{out} holds this job's output but it fails verification: {problems[0]}; pass --overwrite"
+                )
+            _say(f"{out}: already complete ({prev['counts']['rows']} rows, {prev['counts']['tokens']} tokens)")
+            return prev
+        state = _resume_state(out, job, prev if status == "resume" else None)
+        keep = {fn for e in state["plans"] + state["shards"] for fn in e["files"]}
+        clear_owned(out, keep=keep | {PACK_STATE_NAME})
+        atomic_write_json(out / PACK_STATE_NAME, state)
+        try:
+            plans = _plans(out, src, topology, cost, epochs, seed, overflow, state)
+        except PackError:
+            if not state["plans"]:  # the planner refused the topology: leave no trace of this run
+                os.remove(out / PACK_STATE_NAME)
+            raise
+        _write_rows(out, src, plans, state, shard_tokens, progress)
+        manifest = _manifest(src, job, topology, cost, epochs, seed, overflow, shard_tokens, plans, state)
+        _finish(out, manifest, src.dtype)
+        c = manifest["counts"]
+        _say(
+            f"{out}: {c['rows']} rows ({c['rows'] // topology.dp} per DP rank), {c['tokens']} tokens, "
+            f"{len(plans)} epoch(s), {len(manifest['shards'])} shard(s)"
+        )
+        return manifest
 
 
 def _manifest(src, job, topology, cost, epochs, seed, overflow, shard_tokens, plans, state) -> dict:
@@ -338,27 +349,8 @@ def _manifest(src, job, topology, cost, epochs, seed, overflow, shard_tokens, pl
 
 def _finish(out: Path, manifest: dict, dtype: np.dtype) -> None:
     """datasets metadata, then manifest.json (atomic, last), then drop the state file."""
-    import dataclasses
-
-    import datasets
-
-    state = {
-        "_data_files": [{"filename": f"{s['name']}.arrow"} for s in manifest["shards"]],
-        "_fingerprint": manifest["job"][:16],
-        "_format_columns": None,
-        "_format_kwargs": {},
-        "_format_type": None,
-        "_output_all_columns": False,
-        "_split": None,
-    }
-    info = dataclasses.asdict(
-        datasets.DatasetInfo(
-            description=PACK_DESCRIPTION,
-            features=pack_features(dtype),
-        )
-    )
-    atomic_write_json(out / "state.json", state)
-    atomic_write_json(out / "dataset_info.json", {k: info[k] for k in sorted(info)})
+    names = [s["name"] for s in manifest["shards"]]
+    write_datasets_metadata(out, names, dtype, manifest["job"], pack_features(dtype), PACK_DESCRIPTION)
     atomic_write_json(out / MANIFEST_NAME, manifest)
     try:
         os.remove(out / PACK_STATE_NAME)

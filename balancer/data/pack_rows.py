@@ -24,7 +24,8 @@ from ..planning.metrics import summarize
 from ..planning.plan import Plan
 from ..planning.planner import plan as make_plan
 from ..planning.topology import Topology
-from .manifest import load_manifest, shard_file_names
+from .checks import open_folder
+from .manifest import MANIFEST_NAME, shard_file_names
 from .readers import PretokenizeError
 
 SCALAR_COLUMNS = ("epoch", "step", "micro_batch", "dp_rank")
@@ -62,17 +63,19 @@ class SourceTokens:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
-        try:
-            self.manifest = load_manifest(self.path)
-        except PretokenizeError as exc:
-            raise PackError(f"{exc}; pack reads the output of `balancer pretokenize`") from None
+        if not (self.path / MANIFEST_NAME).is_file():
+            raise PackError(
+                f"{path}: no {MANIFEST_NAME}: not a finished `balancer pretokenize` output (pack reads those)"
+            )
+        opened = open_folder(self.path)  # structure, sizes, index checksums, Arrow row counts
+        self.manifest = opened.manifest
+        self.lengths, self._doc_ids = opened.lengths(), opened.doc_ids()
         self.dtype = np.dtype(self.manifest["tokenizer"]["dtype"])
         self._fds: list[int] = []
         row_file, row_byte, row_len = [], [], []
         try:
             for entry in self.manifest["shards"]:
                 arrow = self.path / shard_file_names(entry["name"])[0]
-                self._check_size(arrow, entry)
                 self._fds.append(os.open(arrow, os.O_RDONLY))
                 for byte, lengths in self._chunk_layout(arrow):
                     row_file.append(np.full(len(lengths), len(self._fds) - 1, dtype=np.int32))
@@ -81,11 +84,14 @@ class SourceTokens:
         except BaseException:
             self.close()
             raise
-        empty = np.zeros(0, np.int64)
-        self.row_file = np.concatenate(row_file) if row_file else empty.astype(np.int32)
-        self.row_byte = np.concatenate(row_byte) if row_byte else empty
-        self.lengths = np.concatenate(row_len) if row_len else empty
-        self._check_index()
+        self.row_file = np.concatenate(row_file) if row_file else np.zeros(0, np.int32)
+        self.row_byte = np.concatenate(row_byte) if row_byte else np.zeros(0, np.int64)
+        if not np.array_equal(np.concatenate(row_len) if row_len else self.lengths[:0], self.lengths):
+            self.close()
+            raise PackError(f"{self.path}: the lengths index differs from the token data; run `balancer verify`")
+        if len(self.lengths) == 0:
+            self.close()
+            raise PackError(f"{self.path}: holds no rows: there is nothing to pack")
 
     def _chunk_layout(self, arrow: Path) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per record batch of the shard: (file byte offset of every row's first token, row lengths)."""
@@ -107,28 +113,6 @@ class SourceTokens:
             raise PackError(f"{arrow}: unreadable shard ({exc}); run `balancer verify {self.path}`") from None
         # the map is unmapped when the last Arrow buffer over it goes, on return
 
-    def _check_size(self, arrow: Path, entry: dict) -> None:
-        want = entry["files"][arrow.name]["bytes"]
-        have = arrow.stat().st_size if arrow.is_file() else None
-        if have != want:
-            raise PackError(
-                f"{arrow}: {'missing' if have is None else f'{have} bytes'}, the manifest says {want}; "
-                f"run `balancer verify {self.path}`"
-            )
-
-    def _check_index(self) -> None:
-        """The lengths index (what a plan of this folder is made from) must describe the token data."""
-        try:
-            index = np.concatenate(
-                [np.load(self.path / shard_file_names(e["name"])[1]) for e in self.manifest["shards"]] or [[]]
-            )
-        except (OSError, ValueError) as exc:
-            raise PackError(f"{self.path}: unreadable lengths index ({exc}); run `balancer verify`") from None
-        if not np.array_equal(index, self.lengths):
-            raise PackError(f"{self.path}: the lengths index differs from the token data; run `balancer verify`")
-        if len(self.lengths) == 0:
-            raise PackError(f"{self.path}: holds no rows: there is nothing to pack")
-
     @property
     def num_rows(self) -> int:
         return len(self.lengths)
@@ -149,11 +133,7 @@ class SourceTokens:
 
     def doc_id(self, row: int) -> int:
         """The source record (input document) row `row` came from."""
-        for entry in self.manifest["shards"]:
-            if row < entry["rows"]:
-                return int(np.load(self.path / shard_file_names(entry["name"])[2], mmap_mode="r")[row])
-            row -= entry["rows"]
-        raise IndexError(row)
+        return int(self._doc_ids[row])
 
     def close(self) -> None:
         for fd in self._fds:

@@ -118,8 +118,16 @@ class ShardWriter:
                 pass
 
 
-def write_datasets_metadata(out: Path, shard_names: list[str], dtype: np.dtype, fingerprint: str) -> None:
-    """state.json + dataset_info.json so that `datasets.load_from_disk(out)` loads every shard as one Dataset."""
+def write_datasets_metadata(
+    out: Path,
+    shard_names: list[str],
+    dtype: np.dtype,
+    fingerprint: str,
+    features=None,
+    description: str = DATASETS_DESCRIPTION,
+) -> None:
+    """state.json + dataset_info.json so that `datasets.load_from_disk(out)` loads every shard as one Dataset
+    (`features`: default a pretokenized shard's)."""
     import datasets
 
     state = {
@@ -133,8 +141,8 @@ def write_datasets_metadata(out: Path, shard_names: list[str], dtype: np.dtype, 
     }
     info = dataclasses.asdict(
         datasets.DatasetInfo(
-            description=DATASETS_DESCRIPTION,
-            features=shard_features(dtype),
+            description=description,
+            features=shard_features(dtype) if features is None else features,
         )
     )
     atomic_write_json(out / DATASETS_STATE, state)
