@@ -198,3 +198,14 @@ def test_tall_two_sided_window_blocks_stay_exact():
     CALLS.clear()
     _check(b, tall)
     assert len(CALLS) == 2  # the square causal block went to the kernel (fwd + bwd), the tall one did not
+
+
+def test_comm_device_follows_the_per_device_backend():
+    from attention._dist import comm_device
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert comm_device("cpu:gloo,cuda:nccl", cuda) == cuda  # CUDA tensors over NCCL, not staged through the host
+    assert comm_device("cpu:gloo,cuda:nccl", cpu) == cpu
+    assert comm_device("nccl", cuda) == cuda
+    assert comm_device("gloo", cuda) == cpu  # gloo moves host tensors: CUDA K/V is staged
+    assert comm_device("cpu:gloo", cuda) == cpu

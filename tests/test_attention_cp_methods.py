@@ -55,6 +55,23 @@ def _worker(rank, world):
     check(rank, world, np.array([11, 4]), world * 2, 2, torch.float64, "ring", window=(3, -1), kind="contiguous")
     check(rank, world, np.array([11, 4]), world * 2, 2, torch.float64, "ulysses", softcap=2.0, kind="contiguous")
     _ulysses_heads_not_divisible(rank, world)
+    _argument_check_runs_once(rank, world)
+
+
+def _argument_check_runs_once(rank, world):
+    """The cross-rank argument check is exchanged on the first call for a layout, not on later identical ones."""
+    import attention._dist as adist
+
+    lay = CPLayout.build(np.array([0, 7, 20]), world)
+    x = torch.randn(lay.num_local_tokens(rank), 2, 8, dtype=torch.float64)
+    first = cp_attention(x, x, x, lay)
+    real = adist.dist.all_gather
+    adist.dist.all_gather = None  # any exchange now fails
+    try:
+        again = cp_attention(x, x, x, lay)
+    finally:
+        adist.dist.all_gather = real
+    assert torch.equal(first, again)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
