@@ -4,6 +4,7 @@ key/value chunking merged in float32 through :mod:`attention.merge`."""
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Optional
 
 import numpy as np
@@ -133,4 +134,20 @@ def varlen_attention(
     mask = make_mask(causal, window_size, softcap)
     longest = int(np.diff(cu).max()) if cu.shape[0] > 1 else 0
     be = get_backend(backend, q, k, mask.windowed, mask.softcap > 0, min(longest, chunk_size or longest))
-    return _VarlenAttention.apply(q, k, v, varlen_rounds(cu, mask, chunk_size), scale, be)
+    return _VarlenAttention.apply(q, k, v, cached_rounds(cu, mask, chunk_size), scale, be)
+
+
+_ROUNDS: OrderedDict = OrderedDict()
+
+
+def cached_rounds(cu: np.ndarray, mask, chunk_size: Optional[int], capacity: int = 64) -> list[Pieces]:
+    """:func:`varlen_rounds`, remembered for the last ``capacity`` batches: every layer of a model sees the same
+    batch, so its pieces (and their device-side index tensors) are built once, not per layer."""
+    key = (cu.tobytes(), as_mask(mask).key, chunk_size)
+    if key in _ROUNDS:
+        _ROUNDS.move_to_end(key)
+    else:
+        _ROUNDS[key] = varlen_rounds(cu, mask, chunk_size)
+        if len(_ROUNDS) > capacity:
+            _ROUNDS.popitem(last=False)
+    return _ROUNDS[key]
