@@ -26,25 +26,30 @@ datasets = pytest.importorskip("datasets")
 TOL = 3e-4  # fp32; a padded stock Trainer batch measures ~4e-5 against the same reference
 
 
-def _one_step_topology(rows, dp: int, cp: int):
+# (dp, cp, cp_sizes, max_tokens): max_tokens None = the step's tokens over the ranks (one step holds every document)
+CONFIGS = {"dp2": (2, 1, None, None), "cp2": (1, 2, None, None), "dynamic-cp": (1, 2, (1, 2), 90)}
+
+
+def _one_step_topology(rows, dp: int, cp: int, cp_sizes=None, max_tokens=None):
     import balancer
 
     total = sum(len(r) for r in rows)
-    return balancer.Topology(dp=dp, cp=cp, micro_batches=2, max_tokens=-(-total // (dp * cp)), tokens_per_step=total)
+    max_tokens = max_tokens or -(-total // (dp * cp))
+    return balancer.Topology(
+        dp=dp, cp=cp, micro_batches=2, max_tokens=max_tokens, tokens_per_step=total, cp_sizes=cp_sizes
+    )
 
 
-def _train_one_step(rank, world, rows, dp, cp, out_path):
+def _train_one_step(rank, world, rows, topo, out_path):
     """One BalancedTrainer step; rank 0 saves the weight change to `out_path`."""
     import balancer.hf
 
     model = tiny_llama()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    topo = _one_step_topology(rows, dp, cp)
     ds = datasets.Dataset.from_dict({"input_ids": rows})
-    trainer = balancer.hf.BalancedTrainer(
-        model=model, args=training_args(Path(out_path).parent / f"run_dp{dp}_cp{cp}"), train_dataset=ds, topology=topo
-    )
-    assert trainer.balanced_sampler.num_steps == 1 and (trainer.dp_rank, trainer.cp_rank) == divmod(rank, cp)
+    args = training_args(Path(out_path).with_suffix(""))
+    trainer = balancer.hf.BalancedTrainer(model=model, args=args, train_dataset=ds, topology=topo)
+    assert trainer.balanced_sampler.num_steps == 1 and (trainer.dp_rank, trainer.cp_rank) == divmod(rank, topo.cp)
     trainer.train()
     assert trainer.state.global_step == 1
     if rank == 0:
@@ -57,20 +62,35 @@ def _reference(rows) -> dict:
 
 def test_one_step_equals_unpacked_single_process(tmp_path):
     rows = token_rows(12, seed=1)
-    _train_one_step(0, 1, rows, 1, 1, tmp_path / "delta.pt")
+    _train_one_step(0, 1, rows, _one_step_topology(rows, 1, 1), tmp_path / "delta.pt")
     err = relative_error(torch.load(tmp_path / "delta.pt"), _reference(rows))
     assert err <= TOL, err
 
 
-def _dp2_then_cp2(rank, world, rows, out_dir):
-    for dp, cp in ((2, 1), (1, 2)):  # one world, two trainers: saves a second process start-up
-        _train_one_step(rank, world, rows, dp, cp, f"{out_dir}/delta_dp{dp}_cp{cp}.pt")
+def _two_process_rows():
+    return token_rows(12, seed=2) + [list(range(50)) * 2]  # a 100-token document: dynamic CP needs a 2-rank group
 
 
-def test_one_step_equals_unpacked_two_processes_dp2_and_cp2(tmp_path):
-    rows = token_rows(12, seed=2)
-    run_torchrun_world(2, _dp2_then_cp2, rows, str(tmp_path))
+def _every_config(rank, world, rows, out_dir):
+    from balancer.planning import dynamic
+
+    dynamic.SPLIT_SLACK = 0.5  # a tiny plan: let the planner mix group sizes within the step
+    for name, config in CONFIGS.items():  # one world, several trainers: saves process start-ups
+        _train_one_step(rank, world, rows, _one_step_topology(rows, *config), f"{out_dir}/delta_{name}.pt")
+
+
+def test_one_step_equals_unpacked_two_processes(tmp_path, monkeypatch):
+    import balancer
+    from balancer.planning import dynamic
+
+    rows = _two_process_rows()
+    monkeypatch.setattr(dynamic, "SPLIT_SLACK", 0.5)
+    cost = balancer.CostModel.from_config(tiny_llama().config.to_dict())  # the trainer's default cost model
+    plan = balancer.plan([len(r) for r in rows], _one_step_topology(rows, *CONFIGS["dynamic-cp"]), cost, seed=42)
+    sizes = [sorted(g.ranks[1] for g in slot.groups) for slot in plan.steps[0].slots]
+    assert sorted(sizes) == [[1, 1], [2]], sizes  # one slot on a 2-rank group, one on two 1-rank groups
+    run_torchrun_world(2, _every_config, rows, str(tmp_path))
     want = _reference(rows)
-    for dp, cp in ((2, 1), (1, 2)):
-        err = relative_error(torch.load(tmp_path / f"delta_dp{dp}_cp{cp}.pt"), want)
-        assert err <= TOL, (dp, cp, err)
+    for name in CONFIGS:
+        err = relative_error(torch.load(tmp_path / f"delta_{name}.pt"), want)
+        assert err <= TOL, (name, err)

@@ -53,16 +53,14 @@ def test_unsupported_topologies_and_launch(tmp_path):
 
     with pytest.raises(ValueError, match="pipeline parallelism"):
         _make(tmp_path, balancer.Topology(dp=1, cp=1, pp=2, micro_batches=2, max_tokens=128))
-    dynamic = balancer.Topology(dp=1, cp=1, micro_batches=2, max_tokens=128)
-    object.__setattr__(dynamic, "cp_sizes", (1, 2))
-    with pytest.raises(ValueError, match="dynamic CP"):
-        _make(tmp_path, dynamic)
     with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
         _make(tmp_path, balancer.Topology(dp=1, cp=2, micro_batches=2, max_tokens=128))
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):  # a dynamic-CP pool of 2 ranks
+        _make(tmp_path, balancer.Topology(dp=1, cp=2, micro_batches=2, max_tokens=128, cp_sizes=(1, 2)))
     with pytest.raises(ValueError, match="eval_strategy"):
         _make(
             tmp_path,
-            dynamic.__class__(dp=1, micro_batches=2, max_tokens=128),
+            balancer.Topology(dp=1, micro_batches=2, max_tokens=128),
             args=training_args(tmp_path, eval_strategy="steps", eval_steps=1),
         )
 
@@ -80,9 +78,9 @@ def test_dataset_without_input_ids_and_long_documents(tmp_path):
         )
     with pytest.raises(ValueError, match="overflow='split'"):
         _make(tmp_path, topo)  # a 40-token document, 16 tokens per micro-batch
-    trainer = _make(tmp_path, topo, overflow="split")  # windows of <= 16 tokens through SpanDataset
-    trainer.train()
-    assert trainer.state.global_step == trainer.balanced_sampler.num_steps
+    trainer = _make(tmp_path, topo, overflow="split", args=training_args(tmp_path, max_steps=2))
+    trainer.train()  # windows of <= 16 tokens through SpanDataset
+    assert trainer.state.global_step == 2
 
 
 def _layout(lengths, cp_size=1):

@@ -47,7 +47,7 @@ def test_sft_one_step_equals_unpacked_completion_loss(tmp_path, tokenizer):
     trainer = balancer.hf.BalancedSFTTrainer(
         model=model,
         args=_sft_config(tmp_path),
-        train_dataset=_prompt_completion(10),
+        train_dataset=_prompt_completion(6),
         processing_class=tokenizer,
         topology=big,
     )

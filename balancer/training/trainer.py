@@ -10,8 +10,9 @@ checkpoints, DDP/FSDP through accelerate - is the stock Trainer's):
   (all DP ranks, all micro-batches; one integer all-reduce per step), times the process count because DDP averages
   gradients: the gradient is exactly the one of the step's mean token loss;
 - attention: the model is switched to ``attention.hf.NAME``, which reads the packed layout (exact CP attention over
-  the CP group when ``topology.cp > 1``, packed single-device attention when ``cp == 1``); ranks come from
-  torch.distributed: rank = dp_rank * cp + cp_rank;
+  the CP group when ``topology.cp > 1``, packed single-device attention when ``cp == 1``; with dynamic CP,
+  ``Topology(cp_sizes=...)``, over the group each batch names); ranks come from torch.distributed:
+  rank = dp_rank * cp + cp_rank;
 - epochs: the number of optimizer steps of every epoch comes from its own plan (plans of different seeds can differ
   by a step); resume reads the sampler state saved in the checkpoint (``balancer_sampler.json``) and continues the
   epoch at the exact micro-batch, also after a change of topology at a step boundary.
@@ -54,11 +55,6 @@ def check_topology(topology: Topology) -> None:
     """Refuse what the Trainer integration cannot run, with the reason."""
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a balancer.Topology, got {type(topology).__name__}")
-    if getattr(topology, "cp_sizes", None):
-        raise ValueError(
-            f"dynamic CP (topology cp_sizes={topology.cp_sizes}) is not supported by the Trainer integration yet: "
-            "use a static topology (cp_sizes=None)"
-        )
     if topology.pp != 1:
         raise ValueError(f"pipeline parallelism (pp={topology.pp}) is not supported by the Trainer integration: pp=1")
 
@@ -124,18 +120,20 @@ class BalancedTrainingMixin:
             model.set_attn_implementation(ahf.NAME)
         self.topology, self.cost_model = topology, cost
         self.cp_method, self.attention_backend = cp_method, attention_backend
-        self.dp_rank, self.cp_rank, self._cp_group = _ranks(topology)
+        self.dp_rank, self.cp_rank, self._cp_groups = _ranks(topology)
         lengths, _ = resolve_lengths(self.train_dataset if lengths is None else lengths, self.train_dataset)
         self.balanced_sampler = BalancedBatchSampler(
             lengths,
             topology,
             cost,
-            dp_rank=self.dp_rank,
+            rank=self.dp_rank * topology.cp + self.cp_rank,
             seed=self.args.seed if seed is None else seed,
             overflow=overflow,
         )
-        self.packed_collator = PackedCollator(cp_rank=self.cp_rank, cp_size=topology.cp, layout=layout)
-        if overflow != "error":
+        # dynamic CP: every batch names its own group (carried by the sampler's indices through SpanDataset)
+        cp_rank, cp_size = (0, 1) if topology.dynamic else (self.cp_rank, topology.cp)
+        self.packed_collator = PackedCollator(cp_rank=cp_rank, cp_size=cp_size, layout=layout)
+        if overflow != "error" or topology.dynamic:
             self.train_dataset = SpanDataset(self.train_dataset)
         self._resume_epoch: Optional[int] = None
         self._epoch_start = (0, 0)  # (sampler position, global step) when the current epoch's loop began
@@ -257,14 +255,14 @@ class BalancedTrainingMixin:
 
     # ---- loss ------------------------------------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list, device) -> int:
-        """The step's global loss-token count: the collator counts a replica's micro-batch over all its CP ranks,
-        so the sum over all processes counts every replica `cp` times."""
-        local = sum(int(b["num_loss_tokens"]) for b in batch_samples)
+        """The step's global loss-token count: the collator counts a micro-batch over all ranks of its CP group, so
+        only the group's first rank contributes it to the sum over all processes."""
+        local = sum(int(b["num_loss_tokens"]) for b in batch_samples if b["cp_rank"] == 0)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             on = torch.device("cpu") if dist.get_backend() == "gloo" else self.args.device
             t = torch.tensor([local], dtype=torch.int64, device=on)
             dist.all_reduce(t)
-            local = int(t.item()) // self.topology.cp
+            local = int(t.item())
         return max(local, 1)  # a step without loss tokens gives a zero loss, not 0/0
 
     def _layout_context(self, model, inputs):
@@ -272,8 +270,9 @@ class BalancedTrainingMixin:
 
         if "layout" not in inputs:
             raise ValueError("the balanced trainer trains on PackedCollator batches (no 'layout' in the batch)")
+        group = self._cp_groups[tuple(inputs["cp_group_key"])] if self._cp_groups else None
         return ahf.cp_context(
-            inputs["layout"], group=self._cp_group, method=self.cp_method, backend=self.attention_backend, model=model
+            inputs["layout"], group=group, method=self.cp_method, backend=self.attention_backend, model=model
         )
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -292,8 +291,11 @@ class BalancedTrainingMixin:
         return (loss, outputs) if return_outputs else loss
 
 
-def _ranks(topology: Topology) -> tuple[int, int, Optional[object]]:
-    """(dp_rank, cp_rank, CP process group) from torch.distributed; rank = dp_rank * cp + cp_rank."""
+def _ranks(topology: Topology) -> tuple[int, int, dict]:
+    """(dp_rank, cp_rank, CP process groups keyed by `(start, size)`) from torch.distributed; rank = dp_rank * cp +
+    cp_rank. No groups for one process or for a static topology with cp = 1."""
+    from .groups import cp_groups
+
     world = topology.dp * topology.cp
     if not (dist.is_available() and dist.is_initialized()):
         if world != 1:
@@ -302,18 +304,15 @@ def _ranks(topology: Topology) -> tuple[int, int, Optional[object]]:
                 f"initialised: launch {world} processes (torchrun --nproc-per-node {world} ... or accelerate launch "
                 f"--multi_gpu --num_processes {world} ...)"
             )
-        return 0, 0, None
+        return 0, 0, {}
     if dist.get_world_size() != world:
         raise ValueError(
             f"torch.distributed has {dist.get_world_size()} processes but the topology needs dp*cp = "
             f"{topology.dp}*{topology.cp} = {world}"
         )
     dp_rank, cp_rank = divmod(dist.get_rank(), topology.cp)
-    group = None
-    if topology.cp > 1:  # every rank creates every group, in the same order
-        groups = [dist.new_group(list(range(d * topology.cp, (d + 1) * topology.cp))) for d in range(topology.dp)]
-        group = groups[dp_rank]
-    return dp_rank, cp_rank, group
+    groups = cp_groups(topology) if (topology.cp > 1 or topology.dynamic) else {}  # collective, same order
+    return dp_rank, cp_rank, groups
 
 
 def _dataset_for_packing(dataset):
@@ -339,7 +338,7 @@ class BalancedTrainer(BalancedTrainingMixin, Trainer):
     Args (besides the Trainer's own):
         train_dataset: rows with ``input_ids`` (and optionally ``labels``, -100 = no loss): a ``datasets.Dataset``,
             a ``balancer.ShardDataset``, or any map-style dataset (then pass ``lengths``).
-        topology: the run's ``balancer.Topology`` (dp * cp processes; pp = 1).
+        topology: the run's ``balancer.Topology`` (dp * cp processes; pp = 1; static or dynamic CP).
         cost: the ``CostModel``; default ``CostModel.from_config(model.config)``.
         lengths: token count per row, when the dataset cannot give them cheaply.
         overflow: the planner's policy for documents longer than ``max_tokens * cp`` ("error", "split", "truncate").
