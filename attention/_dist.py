@@ -1,5 +1,10 @@
 """Process-group helpers shared by ring and all-gather attention: group info, a cross-rank consistency check,
-P2P exchange and a reduce-scatter that works on backends without one (gloo)."""
+P2P exchange, a reduce-scatter that works on backends without one (gloo), and a counter of the bytes sent.
+
+Bytes sent (:func:`bytes_sent`) count the payload this process hands to other ranks through the attention's
+transfers: a P2P send counts its tensor once; an all-gather or reduce-scatter over ``c`` ranks counts
+``(c - 1)`` times this rank's block (what a ring or direct algorithm moves out of the rank; padding included).
+The cross-rank consistency check (a few integers per call) is not counted."""
 
 from __future__ import annotations
 
@@ -10,6 +15,21 @@ import torch
 import torch.distributed as dist
 
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+_BYTES_SENT = [0]
+
+
+def bytes_sent() -> int:
+    """Bytes this process has sent through CP attention transfers since the last :func:`reset_bytes_sent`."""
+    return _BYTES_SENT[0]
+
+
+def reset_bytes_sent() -> None:
+    _BYTES_SENT[0] = 0
+
+
+def count_sent(t: torch.Tensor, copies: int = 1) -> None:
+    """Add ``copies`` times the bytes of ``t`` to the counter."""
+    _BYTES_SENT[0] += int(t.numel()) * t.element_size() * int(copies)
 
 
 @dataclass(frozen=True)
@@ -86,6 +106,7 @@ def sendrecv(g: Group, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list
     both sides know the sizes from the layout). Returns requests to ``wait``."""
     ops = []
     if send.numel():
+        count_sent(send)
         ops.append(dist.P2POp(dist.isend, send, g.next_global, g.group, tag))
     if recv.numel():
         ops.append(dist.P2POp(dist.irecv, recv, g.prev_global, g.group, tag))
@@ -107,6 +128,7 @@ def reduce_scatter_sum(g: Group, blocks: list[torch.Tensor]) -> torch.Tensor:
     key = str(dist.get_backend(g.group))
     modes = [_RS_MODE[key]] if key in _RS_MODE else ["reduce_scatter", "all_to_all", "all_reduce"]
     blocks = [b.contiguous() for b in blocks]
+    count_sent(blocks[0], g.size - 1)
     for mode in modes:
         try:
             if mode == "reduce_scatter":

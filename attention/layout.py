@@ -15,6 +15,11 @@ empty; a rank may hold no token of a document, or of the whole batch.
 Contiguous: every document is cut into ``cp`` contiguous chunks (the first ``d % cp`` one token longer), rank ``r``
 holds chunk ``r``. Simple, but causal work grows with the rank.
 
+Hybrid: documents chosen by :mod:`attention.placement` (the long ones, or those no rank can take whole within
+``max_tokens``) are split as in zigzag; every other document stays whole on one rank (stored as all its tokens in
+that rank's front chunk, so the zigzag chunk-to-rank map holds for every document). Only split documents' K/V ever
+leave their rank: ``kv_counts`` / ``kv_rows`` describe the travelling part of each rank's K/V.
+
 On each rank, local tokens are ordered document by document, and within a document by chunk index (for zigzag: chunk
 ``r`` then chunk ``2cp-1-r``), so the local tokens of a document form one contiguous segment that is, as a sequence,
 in document order.
@@ -24,13 +29,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
 
 from .backends import Pieces
+from .placement import check_options, hybrid_assignment, zigzag_sizes
 
-KINDS = ("zigzag", "contiguous")
+KINDS = ("zigzag", "contiguous", "hybrid")
 
 
 def _ranges_to_index(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -43,6 +50,20 @@ def _ranges_to_index(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     return np.repeat(starts.astype(np.int64) - offs, lens) + np.arange(total, dtype=np.int64)
 
 
+def _check_cu_seqlens(cu_seqlens) -> np.ndarray:
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = cu_seqlens.detach().cpu().numpy()
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.shape[0] < 1 or not np.issubdtype(cu.dtype, np.integer):
+        raise ValueError(f"cu_seqlens must be a 1-D integer array [n_docs+1], got shape {cu.shape} dtype {cu.dtype}")
+    cu = cu.astype(np.int64)
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
+    if (np.diff(cu) < 0).any():
+        raise ValueError("cu_seqlens must be non-decreasing")
+    return cu
+
+
 @dataclass(eq=False)
 class CPLayout:
     """Token layout of one packed batch over a CP group. Build it with :meth:`CPLayout.build`.
@@ -51,7 +72,8 @@ class CPLayout:
     [n_docs, n_chunks+1], chunk boundaries as offsets inside each document), ``owner`` (int64 [n_chunks], rank of each
     chunk), ``seg_len`` (int64 [cp, n_docs], tokens of each document on each rank), ``first_len`` (int64 [cp, n_docs],
     tokens of the rank's first chunk of each document), ``seg_start`` (int64 [cp, n_docs], local offset of each
-    document's segment).
+    document's segment), ``split_docs`` (bool [n_docs]: True = spread over the whole group, False = whole on
+    ``doc_rank``), ``doc_rank`` (int64 [n_docs], -1 for split documents), ``options`` (the kind's options).
     """
 
     cu_seqlens: np.ndarray
@@ -62,45 +84,59 @@ class CPLayout:
     seg_len: np.ndarray
     first_len: np.ndarray
     seg_start: np.ndarray
+    split_docs: np.ndarray
+    doc_rank: np.ndarray
+    options: dict = field(default_factory=dict)
     _cache: dict = field(default_factory=dict, repr=False)
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def build(cls, cu_seqlens, cp_size: int, kind: str = "zigzag") -> CPLayout:
+    def build(
+        cls,
+        cu_seqlens,
+        cp_size: int,
+        kind: str = "zigzag",
+        split_threshold: Optional[int] = None,
+        max_tokens: Optional[int] = None,
+        tolerance: Optional[float] = None,
+    ) -> CPLayout:
         """Layout of packed documents ``cu_seqlens`` (ints [n_docs+1], starting at 0, non-decreasing) over
-        ``cp_size`` ranks. Vectorised: O(n_docs * cp_size) numpy work, no Python loop over documents or tokens."""
-        if isinstance(cu_seqlens, torch.Tensor):
-            cu_seqlens = cu_seqlens.detach().cpu().numpy()
-        cu = np.asarray(cu_seqlens)
-        if cu.ndim != 1 or cu.shape[0] < 1 or not np.issubdtype(cu.dtype, np.integer):
-            raise ValueError(
-                f"cu_seqlens must be a 1-D integer array [n_docs+1], got shape {cu.shape} dtype {cu.dtype}"
-            )
-        cu = cu.astype(np.int64)
-        if cu[0] != 0:
-            raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
+        ``cp_size`` ranks. ``split_threshold``, ``max_tokens`` (per rank) and ``tolerance`` are hybrid options (see
+        :mod:`attention.placement`); other kinds reject them. Vectorised for zigzag/contiguous; hybrid placement
+        loops over documents (a few microseconds each)."""
+        cu = _check_cu_seqlens(cu_seqlens)
         lens = np.diff(cu)
-        if (lens < 0).any():
-            raise ValueError("cu_seqlens must be non-decreasing")
         if not isinstance(cp_size, (int, np.integer)) or isinstance(cp_size, bool) or cp_size < 1:
             raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
         cp = int(cp_size)
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-
         n = lens.shape[0]
-        if kind == "zigzag":
-            nch = 2 * cp
-            b, rem = lens // nch, lens % nch
-            j = np.arange(nch)[None, :]
-            extra = np.where((rem <= cp)[:, None], j < rem[:, None], j >= (nch - rem)[:, None])
-            owner = np.minimum(np.arange(nch), nch - 1 - np.arange(nch))
+        split = np.ones(n, dtype=bool)
+        doc_rank = np.full(n, -1, dtype=np.int64)
+        options: dict = {}
+        if kind == "hybrid":
+            options = check_options(split_threshold, max_tokens, tolerance)
+            split, doc_rank = hybrid_assignment(lens, cp, options)
         else:
+            for name, value in (
+                ("split_threshold", split_threshold),
+                ("max_tokens", max_tokens),
+                ("tolerance", tolerance),
+            ):
+                if value is not None:
+                    raise ValueError(f"{name} is an option of the hybrid layout only, not of kind {kind!r}")
+        if kind == "contiguous":
             nch = cp
-            b, rem = lens // nch, lens % nch
-            extra = np.arange(nch)[None, :] < rem[:, None]
+            sizes = (lens // nch)[:, None] + (np.arange(nch)[None, :] < (lens % nch)[:, None]).astype(np.int64)
             owner = np.arange(nch)
-        sizes = b[:, None] + extra.astype(np.int64)  # [n, nch]
+        else:
+            nch = 2 * cp
+            sizes = zigzag_sizes(lens, cp)
+            owner = np.minimum(np.arange(nch), nch - 1 - np.arange(nch))
+            whole = np.nonzero(~split)[0]
+            sizes[whole] = 0
+            sizes[whole, doc_rank[whole]] = lens[whole]  # chunk r is rank r's front chunk
         bounds = np.zeros((n, nch + 1), dtype=np.int64)
         np.cumsum(sizes, axis=1, out=bounds[:, 1:])
         seg_len = np.zeros((cp, n), dtype=np.int64)
@@ -110,7 +146,24 @@ class CPLayout:
         for r in range(cp):
             first_len[r] = sizes[:, r]  # chunk r is rank r's first chunk
         seg_start = np.cumsum(seg_len, axis=1) - seg_len
-        return cls(cu, cp, kind, bounds, owner.astype(np.int64), seg_len, first_len, seg_start)
+        return cls(
+            cu, cp, kind, bounds, owner.astype(np.int64), seg_len, first_len, seg_start, split, doc_rank, options
+        )
+
+    @classmethod
+    def from_spec(cls, cu_seqlens, cp_size: int, spec: dict) -> CPLayout:
+        """Build from a :meth:`layout_spec` dict (as a plan records it): ``{"kind": ..., **options}``."""
+        if not isinstance(spec, dict) or "kind" not in spec:
+            raise ValueError(f"a layout spec must be a dict with a 'kind', got {spec!r}")
+        unknown = set(spec) - {"kind", "split_threshold", "max_tokens", "tolerance"}
+        if unknown:
+            raise ValueError(f"unknown layout option(s) {sorted(unknown)} in {spec!r}")
+        return cls.build(cu_seqlens, cp_size, **spec)
+
+    def layout_spec(self) -> dict:
+        """JSON-serialisable description ``{"kind": ..., **options}``: with the same ``cu_seqlens`` and ``cp_size``,
+        :meth:`from_spec` re-derives this exact layout."""
+        return {"kind": self.kind, **self.options}
 
     # ------------------------------------------------------------------ per-rank token information
     @property
@@ -173,6 +226,72 @@ class CPLayout:
         np.add.at(out, self.owner, per_chunk)
         return out
 
+    # ------------------------------------------------------------------ travelling K/V (split documents only)
+    @property
+    def kv_seg_len(self) -> np.ndarray:
+        """int64 [cp, n_docs]: tokens of each document in each rank's travelling K/V (0 for whole documents)."""
+        return self.seg_len * self.split_docs[None, :]
+
+    @property
+    def kv_counts(self) -> np.ndarray:
+        """int64 [cp]: tokens of each rank's K/V that other ranks need (its tokens of split documents)."""
+        return self.kv_seg_len.sum(axis=1)
+
+    @property
+    def all_split(self) -> bool:
+        """True when every document is split (zigzag, contiguous): the travelling K/V is the whole local K/V."""
+        return bool(self.split_docs.all())
+
+    def kv_rows(self, rank: int) -> np.ndarray:
+        """int64 [kv_counts[rank]]: local rows (into the rank's local tensors) of its travelling K/V, in order."""
+        rank = self._check_rank(rank)
+        key = ("kvrows", rank)
+        if key not in self._cache:
+            sel = self.split_docs
+            self._cache[key] = _ranges_to_index(self.seg_start[rank][sel], self.seg_len[rank][sel])
+        return self._cache[key]
+
+    def kv_indices(self, rank: int) -> np.ndarray:
+        """int64 [kv_counts[rank]]: global packed-token index of every travelling K/V row of ``rank``."""
+        return self.local_indices(rank)[self.kv_rows(rank)]
+
+    def to_travelling(self, rounds: list, kv_rank: int) -> list:
+        """The same attention blocks (a list of ``Pieces`` against ``kv_rank``'s local keys, ``kv_rank`` another rank
+        than the queries') with key ranges moved into ``kv_rank``'s travelling K/V (:meth:`kv_rows`). Unchanged when
+        every document is split. Cached per list object."""
+        if self.all_split or not rounds:
+            return rounds
+        key = ("travel", kv_rank, id(rounds))
+        hit = self._cache.get(key)
+        if hit is None or hit[0] is not rounds:
+            kv_len = self.kv_seg_len[kv_rank]
+            shift = self.seg_start[kv_rank] - (np.cumsum(kv_len) - kv_len)  # per document: local -> travelling
+            docs = self.local_doc_ids(kv_rank)
+            moved = [
+                Pieces(p.q_start, p.q_len, p.k_start - shift[docs[p.k_start]], p.k_len, False, p.lo, p.hi, p.softcap)
+                for p in rounds
+            ]
+            hit = self._cache[key] = (rounds, moved)
+        return hit[1]
+
+    def _kv_index(self, rank: int, device: torch.device) -> torch.Tensor:
+        key = ("tkv", rank, str(device))
+        if key not in self._cache:
+            self._cache[key] = torch.from_numpy(self.kv_rows(rank)).to(device)
+        return self._cache[key]
+
+    def travelling(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        """The rows of a local tensor ``x`` [T_local, ...] that travel (``x`` itself when every document is
+        split)."""
+        return x if self.all_split else x.index_select(0, self._kv_index(rank, x.device))
+
+    def add_travelling_(self, dst: torch.Tensor, rank: int, src: torch.Tensor) -> None:
+        """In place: ``dst[kv_rows(rank)] += src`` (the gradient of the travelling rows coming home)."""
+        if self.all_split:
+            dst += src.to(dst.dtype)
+        else:
+            dst.index_add_(0, self._kv_index(rank, dst.device), src.to(dst.dtype))
+
     # ------------------------------------------------------------------ tensors
     def _torch_index(self, rank: int, device: torch.device) -> torch.Tensor:
         key = ("tidx", rank, str(device))
@@ -208,7 +327,8 @@ class CPLayout:
 
         Every block is one document's (query range, key range) in the two ranks' local tensors, with a mask that is
         either full or causal on a square block whose queries and keys are the same tokens (the diagonal). Blocks the
-        mask leaves empty are left out; query ranges never overlap.
+        mask leaves empty are left out; query ranges never overlap. For another rank's keys, only its travelling
+        rows take part (:meth:`to_travelling` maps the key ranges into them).
         """
         q_rank, kv_rank = self._check_rank(q_rank), self._check_rank(kv_rank)
         key = ("pieces", q_rank, kv_rank, bool(causal))
@@ -236,10 +356,13 @@ class CPLayout:
         return p
 
     def fingerprint(self) -> int:
-        """A 63-bit hash of (cu_seqlens, cp_size, kind), to check that all ranks use the same layout."""
+        """A 63-bit hash of (cu_seqlens, cp_size, kind, options, placement), to check that all ranks use the same
+        layout."""
         if "fp" not in self._cache:
             import hashlib
+            import json
 
-            h = hashlib.sha256(self.cu_seqlens.tobytes() + f"{self.cp_size}:{self.kind}".encode()).digest()
+            head = f"{self.cp_size}:{json.dumps(self.layout_spec(), sort_keys=True)}".encode()
+            h = hashlib.sha256(self.cu_seqlens.tobytes() + self.doc_rank.tobytes() + head).digest()
             self._cache["fp"] = int.from_bytes(h[:8], "little") & ((1 << 63) - 1)
         return self._cache["fp"]

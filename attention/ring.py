@@ -1,7 +1,9 @@
-"""Ring attention: KV blocks rotate around the CP group by P2P (``batch_isend_irecv``), the next transfer posted
-before the current block is computed; partial results merge in float32 with the log-sum-exp. The backward rotates
-KV again and circulates dK/dV in float32 with it, one extra hop returning each block's gradient to its owner.
-Blocks the causal mask or a sliding window leaves empty are skipped (:func:`attention.masks.block_rounds`)."""
+"""Ring attention: each rank first attends its own K/V locally, while the travelling K/V (the split documents' rows:
+all of them in zigzag/contiguous, none of the whole documents in hybrid) rotate around the CP group by P2P
+(``batch_isend_irecv``), the next transfer posted before the current block is computed; partial results merge in
+float32 with the log-sum-exp. The backward rotates the travelling K/V again and circulates their dK/dV in float32
+behind them, the last hop returning each block's gradient to its owner. Blocks the causal mask or a sliding window
+leaves empty are skipped (:func:`attention.masks.block_rounds`)."""
 
 from __future__ import annotations
 
@@ -21,17 +23,16 @@ def _split_kv(buf: torch.Tensor, n_tok: int, hk: int, d: int):
     return buf[:half].view(n_tok, hk, d), buf[half:].view(n_tok, hk, d)
 
 
-def _kv_ring(k: torch.Tensor, v: torch.Tensor, counts, g: Group, device: torch.device):
-    """Yield (i, s, kv) for i = 0..c-1: rank s = r - i's keys and values packed flat in `kv`, with the transfer of
-    the next block already posted; it is waited for when the caller asks for the next block (after computing)."""
+def _kv_ring(kv: torch.Tensor, counts, per_token: int, g: Group, device: torch.device):
+    """Yield (i, s, kv) for i = 0..c-1: rank s = r - i's travelling keys and values packed flat in `kv`, with the
+    transfer of the next block already posted; it is waited for when the caller asks for the next block (after
+    computing)."""
     c, r = g.size, g.rank
-    hk, d = k.shape[1], k.shape[2]
-    kv = torch.cat([k.reshape(-1), v.reshape(-1)])
     kv_comm = kv.to(g.comm_device)  # gloo moves CPU tensors: CUDA KV is staged through the host
     for i in range(c):
         reqs, nxt = [], None
         if i + 1 < c:
-            nxt = kv_comm.new_empty(int(counts[(r - i - 1) % c]) * 2 * hk * d)
+            nxt = kv_comm.new_empty(int(counts[(r - i - 1) % c]) * per_token)
             reqs = sendrecv(g, kv_comm, nxt, tag=0)
         yield i, (r - i) % c, kv
         wait_all(reqs)
@@ -40,17 +41,25 @@ def _kv_ring(k: torch.Tensor, v: torch.Tensor, counts, g: Group, device: torch.d
             kv = nxt.to(device)
 
 
+def _travelling_kv(k, v, layout: CPLayout, rank: int) -> torch.Tensor:
+    """This rank's travelling K and V rows (split documents only) packed flat: [K rows | V rows]."""
+    return torch.cat([layout.travelling(k, rank).reshape(-1), layout.travelling(v, rank).reshape(-1)])
+
+
 def ring_forward(q, k, v, layout: CPLayout, g: Group, causal, scale: float, be: Backend):
     """Returns (out in q.dtype, lse in the accumulation dtype) for this rank's queries. ``causal``: a bool or an
-    :class:`attention.masks.Mask` (window, softcap)."""
+    :class:`attention.masks.Mask` (window, softcap). Step 0 is the local block (whole local K/V); steps 1..c-1 use
+    the other ranks' travelling K/V."""
     r = g.rank
-    counts = layout.local_counts
+    counts = layout.kv_counts
     hk, d = k.shape[1], k.shape[2]
     acc = Accumulator()
-    for _, s, kv in _kv_ring(k, v, counts, g, q.device):
+    for i, s, kv in _kv_ring(_travelling_kv(k, v, layout, r), counts, 2 * hk * d, g, q.device):
         rounds = block_rounds(layout, r, s, causal)  # [] when the mask leaves nothing: no compute this step
+        if rounds and i:
+            rounds = layout.to_travelling(rounds, s)
         if rounds:
-            kb, vb = _split_kv(kv, int(counts[s]), hk, d)
+            kb, vb = (k, v) if i == 0 else _split_kv(kv, int(counts[s]), hk, d)
             forward_rounds(be, q, kb, vb, rounds, scale, acc)
     if acc.out is None:
         out = q.new_zeros(q.shape)
@@ -60,35 +69,44 @@ def ring_forward(q, k, v, layout: CPLayout, g: Group, causal, scale: float, be: 
 
 
 def ring_backward(dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal, scale: float, be: Backend):
-    """Exact gradients (dq, dk, dv) in the accumulation dtype; dK/dV travel the ring in that dtype."""
+    """Exact gradients (dq, dk, dv) in the accumulation dtype. The local block's dK/dV stay home; the dK/dV of a
+    travelling block ride the ring in that dtype behind it (c-1 hops) and are added to the owner's rows at the end."""
     c, r = g.size, g.rank
-    counts = layout.local_counts
+    counts = layout.kv_counts
     hk, d = k.shape[1], k.shape[2]
     a = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=a, device=q.device)
+    dk = torch.zeros(k.shape, dtype=a, device=q.device)
+    dv = torch.zeros(v.shape, dtype=a, device=q.device)
     dkv_reqs, dkv_in = [], None
-    for i, s, kv in _kv_ring(k, v, counts, g, q.device):
+    for i, s, kv in _kv_ring(_travelling_kv(k, v, layout, r), counts, 2 * hk * d, g, q.device):
         rounds = block_rounds(layout, r, s, causal)
-        grad = None
+        if rounds and i:
+            rounds = layout.to_travelling(rounds, s)
+        if i == 0:
+            if rounds:
+                gq, gk, gv = backward_rounds(be, dout, q, k, v, out, lse, rounds, scale)
+                dq += gq
+                dk += gk
+                dv += gv
+            continue
+        if i == 1:
+            dkv = torch.zeros(int(counts[s]) * 2 * hk * d, dtype=a, device=q.device)
+        else:
+            wait_all(dkv_reqs)  # dK/dV of block s accumulated by the previous ranks
+            dkv = dkv_in.to(q.device)
         if rounds:
             kb, vb = _split_kv(kv, int(counts[s]), hk, d)
             gq, gk, gv = backward_rounds(be, dout, q, kb, vb, out, lse, rounds, scale)
             dq += gq
-            grad = torch.cat([gk.reshape(-1), gv.reshape(-1)])
-        if i == 0:
-            dkv = grad if grad is not None else torch.zeros(int(counts[s]) * 2 * hk * d, dtype=a, device=q.device)
-        else:
-            wait_all(dkv_reqs)  # dK/dV of block s accumulated by the previous ranks
-            dkv = dkv_in.to(q.device)
-            if grad is not None:
-                dkv += grad
-        if c > 1:
-            dkv_in = torch.empty(int(counts[(r - i - 1) % c]) * 2 * hk * d, dtype=a, device=g.comm_device)
-            dkv_reqs = sendrecv(g, dkv.to(g.comm_device), dkv_in, tag=1)
+            dkv += torch.cat([gk.reshape(-1), gv.reshape(-1)])
+        dkv_in = torch.empty(int(counts[(r - i - 1) % c]) * 2 * hk * d, dtype=a, device=g.comm_device)
+        dkv_reqs = sendrecv(g, dkv.to(g.comm_device), dkv_in, tag=1)
     if c > 1:
-        wait_all(dkv_reqs)  # the last hop brings this rank's own block home
-        dkv = dkv_in.to(q.device)
-    dk, dv = _split_kv(dkv, int(counts[r]), hk, d)
+        wait_all(dkv_reqs)  # the last hop brings this rank's own travelling block home
+        home_k, home_v = _split_kv(dkv_in.to(q.device), int(counts[r]), hk, d)
+        layout.add_travelling_(dk, r, home_k)
+        layout.add_travelling_(dv, r, home_v)
     return dq, dk, dv
 
 

@@ -60,6 +60,7 @@ def check_case(
     group=None,
     head_chunks=1,
     seed=0,
+    layout_opts=None,
 ):
     """One case: build the same global problem on every rank, run cp_attention on this rank's shard, compare the
     local output and local dq/dk/dv with the same rows of the float64 reference."""
@@ -77,7 +78,7 @@ def check_case(
 
     cp = dist.get_world_size(group)
     r = dist.get_rank(group)
-    layout = CPLayout.build(cu, cp, kind=kind)
+    layout = CPLayout.build(cu, cp, kind=kind, **(layout_opts or {}))
     ql, kl, vl = (layout.shard(x, r).requires_grad_() for x in (q, k, v))
     out = cp_attention(
         ql,

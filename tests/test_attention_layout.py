@@ -3,6 +3,7 @@ documented remainder slack, tiny documents, the contiguous kind, and the attenti
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -29,7 +30,7 @@ def _slack(d: int, cp: int) -> int:
 
 
 @settings(max_examples=150, deadline=None)
-@given(lengths, cps, st.sampled_from(["zigzag", "contiguous"]))
+@given(lengths, cps, st.sampled_from(["zigzag", "contiguous", "hybrid"]))
 def test_every_token_once_and_round_trip(lens, cp, kind):
     lay = CPLayout.build(_cu(lens), cp, kind=kind)
     T = int(sum(lens))
@@ -74,7 +75,7 @@ def test_work_counts_pairs_directly():
     """work() against a brute-force count of (query, key) pairs per rank."""
     lens = [1, 3, 7, 8, 13, 2]
     for cp in (2, 3, 4):
-        for kind in ("zigzag", "contiguous"):
+        for kind in ("zigzag", "contiguous", "hybrid"):
             lay = CPLayout.build(_cu(lens), cp, kind=kind)
             for r in range(cp):
                 pos = lay.position_ids(r)
@@ -114,15 +115,17 @@ def test_pieces_cover_exactly_the_causal_pairs():
     lens = [1, 3, 9, 16, 2, 31]
     cu = _cu(lens)
     for cp in (1, 2, 3, 4):
-        for kind in ("zigzag", "contiguous"):
+        for kind in ("zigzag", "contiguous", "hybrid"):
             for causal in (True, False):
-                lay = CPLayout.build(cu, cp, kind=kind)
+                lay = CPLayout.build(cu, cp, kind=kind, **({"split_threshold": 8} if kind == "hybrid" else {}))
                 got = set()
                 for r in range(cp):
                     gq = lay.local_indices(r)
                     for s in range(cp):
-                        gk = lay.local_indices(s)
                         p = lay.pieces(r, s, causal)
+                        gk = lay.local_indices(s)
+                        if s != r:  # the same blocks against the keys that travel
+                            gk, p = lay.kv_indices(s), lay.to_travelling([p], s)[0]
                         for i in range(len(p)):
                             qs, ql, ks, kl = p.q_start[i], p.q_len[i], p.k_start[i], p.k_len[i]
                             for a in range(ql):
@@ -163,10 +166,129 @@ def test_errors():
 def test_build_is_cheap_for_100k_documents():
     rng = np.random.default_rng(0)
     lens = rng.integers(1, 4000, size=100_000)
-    t = time.perf_counter()
+    t = time.process_time()
     lay = CPLayout.build(_cu(lens), 8)
     idx = lay.local_indices(3)
     lay.work()
     lay.pieces(3, 5, True)
-    assert time.perf_counter() - t < 2.0
+    assert time.process_time() - t < 2.0
     assert idx.shape[0] == lay.local_counts[3]
+
+
+# ---------------------------------------------------------------------------------------------- hybrid
+hybrid_opts = st.fixed_dictionaries(
+    {},
+    optional={
+        "split_threshold": st.integers(1, 400),
+        "max_tokens": st.integers(1, 2000),
+    },
+)
+
+
+def _relative_load(lay: CPLayout) -> float:
+    lens = np.diff(lay.cu_seqlens)
+    tokens, pairs = max(int(lens.sum()), 1), max(int((lens * (lens + 1) // 2).sum()), 1)
+    return float(np.maximum(lay.work() * lay.cp_size / pairs, lay.local_counts * lay.cp_size / tokens).max())
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths, cps, hybrid_opts)
+def test_hybrid_split_placement_and_caps(lens, cp, opts):
+    """Whole documents sit entirely on their rank, split ones are zigzag shares; longer-than-threshold documents are
+    split; max_tokens holds whenever it can (it can when the zigzag layout fits); the result is deterministic."""
+    cu = _cu(lens)
+    zig = CPLayout.build(cu, cp)
+    try:
+        lay = CPLayout.build(cu, cp, kind="hybrid", **opts)
+    except ValueError as e:
+        assert "max_tokens" in str(e)
+        assert zig.local_counts.max() > opts["max_tokens"]  # only when zigzag would not fit either
+        return
+    lens = np.array(lens, dtype=np.int64)
+    split, where = lay.split_docs, lay.doc_rank
+    assert split.dtype == bool and split.shape == lens.shape
+    assert ((where == -1) == split).all() and (where < cp).all()
+    whole = np.nonzero(~split)[0]
+    assert (lay.seg_len[where[whole], whole] == lens[whole]).all()  # the whole document on its rank
+    assert np.array_equal(lay.seg_len[:, split], zig.seg_len[:, split])  # split: exactly the zigzag shares
+    assert (lay.kv_counts == lay.seg_len[:, split].sum(axis=1)).all()
+    if "split_threshold" in opts:
+        assert split[lens > opts["split_threshold"]].all()
+    if "max_tokens" in opts:
+        assert lay.local_counts.max() <= opts["max_tokens"]
+    elif "split_threshold" not in opts:  # the balance rule
+        assert split.all() or _relative_load(lay) <= 1.02 + 1e-12
+    # no rank without a token while a whole document of 2+ tokens could have been split to fill it
+    assert lay.local_counts.min() > 0 or not (~split & (lens >= 2)).any()
+    again = CPLayout.build(cu.copy(), cp, kind="hybrid", **opts)
+    assert np.array_equal(again.doc_rank, lay.doc_rank) and again.fingerprint() == lay.fingerprint()
+    spec = json.loads(json.dumps(lay.layout_spec()))
+    assert CPLayout.from_spec(cu, cp, spec).fingerprint() == lay.fingerprint()
+
+
+def test_hybrid_keeps_short_documents_whole_and_balanced():
+    rng = np.random.default_rng(0)
+    lens = np.exp(rng.uniform(np.log(16), np.log(4000), 200)).astype(int)  # SFT-like
+    for cp in (2, 4, 8):
+        lay = CPLayout.build(_cu(lens), cp, kind="hybrid")
+        assert not lay.split_docs.any()  # nothing travels
+        assert lay.kv_counts.sum() == 0
+        assert _relative_load(lay) <= 1.02
+    mixed = np.concatenate([lens[:60], [9000, 12000, 7000]])
+    lay = CPLayout.build(_cu(mixed), 4, kind="hybrid")
+    assert lay.split_docs[-3:].all() and lay.split_docs.sum() <= 4
+    assert _relative_load(lay) <= 1.02
+    # a document longer than max_tokens is split even below the threshold
+    lay = CPLayout.build(_cu([100, 10, 10]), 2, kind="hybrid", split_threshold=1000, max_tokens=60)
+    assert lay.split_docs.tolist() == [True, False, False]
+    # a single document on two ranks is split: whole, one rank would do all the work
+    assert CPLayout.build(_cu([100]), 2, kind="hybrid").split_docs.tolist() == [True]
+    assert CPLayout.build(_cu([100]), 1, kind="hybrid").split_docs.tolist() == [False]
+
+
+def test_layout_specs_and_fingerprints_differ_by_options():
+    cu = _cu([5, 50, 7, 9, 400])
+    lays = [
+        CPLayout.build(cu, 2),
+        CPLayout.build(cu, 2, kind="hybrid"),
+        CPLayout.build(cu, 2, kind="hybrid", split_threshold=1000),
+        CPLayout.build(cu, 2, kind="hybrid", max_tokens=10_000),
+    ]
+    assert lays[0].layout_spec() == {"kind": "zigzag"}
+    assert lays[3].layout_spec() == {"kind": "hybrid", "split_threshold": None, "max_tokens": 10_000, "tolerance": None}
+    assert len({lay.fingerprint() for lay in lays}) == len(lays)
+
+
+@pytest.mark.parametrize(
+    "opts, match",
+    [
+        ({"split_threshold": 0}, "split_threshold"),
+        ({"split_threshold": -3}, "split_threshold"),
+        ({"split_threshold": 2.5}, "split_threshold"),
+        ({"split_threshold": True}, "split_threshold"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": "8k"}, "max_tokens"),
+        ({"tolerance": -0.1}, "tolerance"),
+        ({"tolerance": 0.1, "split_threshold": 5}, "tolerance"),
+        ({"max_tokens": 20}, "max_tokens=20 cannot hold"),
+    ],
+)
+def test_hybrid_bad_options(opts, match):
+    with pytest.raises(ValueError, match=match):
+        CPLayout.build(_cu([30, 30]), 2, kind="hybrid", **opts)
+
+
+def test_options_of_other_kinds_and_bad_specs():
+    with pytest.raises(ValueError, match="split_threshold is an option of the hybrid layout"):
+        CPLayout.build(_cu([3]), 2, kind="zigzag", split_threshold=4)
+    with pytest.raises(ValueError, match="unknown layout option"):
+        CPLayout.from_spec(_cu([3]), 2, {"kind": "hybrid", "threshold": 4})
+    with pytest.raises(ValueError, match="'kind'"):
+        CPLayout.from_spec(_cu([3]), 2, {"split_threshold": 4})
+
+
+def test_hybrid_build_is_cheap_for_a_large_batch():
+    lens = np.random.default_rng(1).integers(1, 4000, size=5_000)
+    t = time.process_time()
+    CPLayout.build(_cu(lens), 8, kind="hybrid")
+    assert time.process_time() - t < 5.0  # CPU seconds (not wall: the machine is shared); typically ~0.02

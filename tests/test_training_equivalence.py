@@ -87,14 +87,18 @@ def _worker(rank, world, cfg, out_path):
     )
     assert sampler.dp_rank == dp_rank
     loader = torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, collate_fn=PackedCollator(cp_rank=cp_rank, cp_size=topo.cp)
+        dataset,
+        batch_sampler=sampler,
+        collate_fn=PackedCollator(cp_rank=cp_rank, cp_size=topo.cp, layout=cfg.get("layout", "zigzag")),
     )
     ahf.register()
     model = _model(ahf.NAME)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    records, loss_acc = [], 0.0
+    records, loss_acc, mixed = [], 0.0, 0
     for i, batch in enumerate(loader):
         step, m = sampler.step_of(i)
+        split = batch["layout"].split_docs
+        mixed += bool(split.any() and not split.all())  # micro-batches with both split and whole documents
         with ahf.cp_context(batch["layout"], group=cp_group, method=cfg["method"]):
             logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
         loss = token_loss(logits, batch["labels"], sampler.step_loss_tokens(step))
@@ -113,6 +117,8 @@ def _worker(rank, world, cfg, out_path):
             opt.zero_grad(set_to_none=False)
             loss_acc = 0.0
     assert len(records) == sampler.num_steps
+    if cfg.get("layout"):
+        assert mixed >= 1, "the hybrid case must mix split and whole documents"
     if rank == 0:
         torch.save(records, out_path)
 
@@ -148,6 +154,18 @@ CONFIGS = {
     ),
     "dp2xcp2-allgather": dict(
         dp=2, cp=2, M=3, method="allgather", max_tokens=40, tokens_per_step=300, n_docs=26, seed=5
+    ),
+    # hybrid: documents over 12 tokens split, shorter ones whole on one CP rank
+    "dp2xcp2-hybrid-ring": dict(
+        dp=2,
+        cp=2,
+        M=2,
+        method="ring",
+        max_tokens=60,
+        tokens_per_step=200,
+        n_docs=16,
+        seed=24,
+        layout={"kind": "hybrid", "split_threshold": 12},
     ),
     "dp2xcp1": dict(dp=2, cp=1, M=2, method="ring", max_tokens=80, tokens_per_step=240, n_docs=24, seed=7),
 }

@@ -37,6 +37,10 @@ class PackedCollator:
     decide it per batch; otherwise it is the fixed group of this collator, `(dp_rank * cp_size, cp_size)` with
     `cp_rank` in it.
 
+    `layout`: "zigzag" (default), "contiguous", "hybrid", or a layout spec dict such as
+    `{"kind": "hybrid", "split_threshold": 4096, "max_tokens": None}` (`CPLayout.layout_spec()`, as a plan records
+    it); every micro-batch's layout is `CPLayout.from_spec(cu_seqlens, cp_size, spec)`.
+
     `pad_to_multiple_of`: pad the packed sequence to a multiple of this many tokens; the pad tokens
     (`pad_token_id`) form their own last document, with `ignore_index` labels and positions 0..p-1, counted in
     `num_pad_tokens` and not in `num_tokens`.
@@ -52,19 +56,22 @@ class PackedCollator:
         pad_token_id: int = 0,
         dp_rank: int = 0,
     ) -> None:
-        from attention.layout import KINDS
+        from attention.layout import KINDS, CPLayout
 
         if isinstance(cp_size, bool) or int(cp_size) != cp_size or cp_size < 1:
             raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
         if isinstance(cp_rank, bool) or int(cp_rank) != cp_rank or not 0 <= cp_rank < cp_size:
             raise ValueError(f"cp_rank {cp_rank!r} out of range for cp_size {cp_size}")
-        if layout not in KINDS:
-            raise ValueError(f"layout must be one of {KINDS}, got {layout!r}")
+        spec = dict(layout) if isinstance(layout, dict) else {"kind": layout}
+        if spec.get("kind") not in KINDS:
+            raise ValueError(f"layout must be one of {KINDS} or a layout spec dict, got {layout!r}")
+        spec = CPLayout.from_spec([0], int(cp_size), spec).layout_spec()  # a bad option fails here, naming it
         if pad_to_multiple_of is not None and (int(pad_to_multiple_of) != pad_to_multiple_of or pad_to_multiple_of < 1):
             raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}")
         if isinstance(dp_rank, bool) or int(dp_rank) != dp_rank or dp_rank < 0:
             raise ValueError(f"dp_rank must be a non-negative int, got {dp_rank!r}")
-        self.cp_rank, self.cp_size, self.kind = int(cp_rank), int(cp_size), layout
+        self.cp_rank, self.cp_size, self.kind = int(cp_rank), int(cp_size), spec["kind"]
+        self.layout_spec = spec
         self.dp_rank = int(dp_rank)
         self.pad_to_multiple_of = pad_to_multiple_of
         self.ignore_index = int(ignore_index)
@@ -142,7 +149,7 @@ class PackedCollator:
 
         r, size, key = self._group(items)
         full = self.pack(items)
-        layout = CPLayout.build(full["cu_seqlens"], size, kind=self.kind)
+        layout = CPLayout.from_spec(full["cu_seqlens"], size, self.layout_spec)
         out = {k: layout.shard(full[k], r)[None] for k in ("input_ids", "labels", "seq_ids")}
         out["position_ids"] = torch.from_numpy(layout.position_ids(r))[None]
         out.update(
