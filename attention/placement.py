@@ -15,7 +15,7 @@ run most models' forward pass.
 
 Split set: documents longer than ``split_threshold`` tokens when one is given. Without one (the default), the fewest
 longest documents are split such that the relative load of every rank is at most ``1 + tolerance`` (default
-``DEFAULT_TOLERANCE``): candidates 0, 1, 2, 3, 4, 6, 8, 12, ... longest documents are tried in turn.
+``DEFAULT_TOLERANCE``): candidates 0, 1, 2, 3, 4, 6, 9, 13, ... longest documents are tried in turn.
 """
 
 from __future__ import annotations

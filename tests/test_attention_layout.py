@@ -244,6 +244,9 @@ def test_hybrid_keeps_short_documents_whole_and_balanced():
     # a single document on two ranks is split: whole, one rank would do all the work
     assert CPLayout.build(_cu([100]), 2, kind="hybrid").split_docs.tolist() == [True]
     assert CPLayout.build(_cu([100]), 1, kind="hybrid").split_docs.tolist() == [False]
+    # tolerance: how uneven the automatic rule lets the ranks be before it splits
+    assert CPLayout.build(_cu([100, 50]), 2, kind="hybrid").split_docs.tolist() == [True, True]
+    assert CPLayout.build(_cu([100, 50]), 2, kind="hybrid", tolerance=1.0).split_docs.tolist() == [False, False]
 
 
 def test_layout_specs_and_fingerprints_differ_by_options():
