@@ -154,6 +154,8 @@ class _Cutter:
         costs = self.entry_cost[entries]
         if (costs.max() + self.fixed) / part_size > budget:  # its largest document alone is too slow for a part
             return None
+        if (costs.sum() / parts + self.fixed) / part_size > budget:  # even a perfect deal is too slow
+            return None
         part_of = _deal_largest_first(costs, parts)
         load = np.bincount(part_of, weights=costs, minlength=parts)
         tokens = np.bincount(part_of, weights=self.entry_tokens[entries], minlength=parts)
