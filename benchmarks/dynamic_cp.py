@@ -140,11 +140,37 @@ def goals(r: dict, tight: bool) -> dict:
     return g
 
 
+def table(data: dict) -> str:
+    """The markdown table of a results file (docs/dynamic-cp.md shows it)."""
+    lines = [
+        "| distribution | topology | static efficiency | dynamic efficiency | plan CPU s, static / dynamic | "
+        "rank-slots on groups of 1 | goals |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in data["rows"]:
+        s, d = r["static"], r["dynamic"]
+        slots = d.get("rank_slots_by_group_size", {})
+        single = slots.get("1", 0) / max(1, sum(slots.values()))
+        missed = [k for k, v in r["goals"].items() if not v]
+        lines.append(
+            f"| {r['distribution']} | {r['topology']} | {s['epoch_efficiency']:.4f} | {d['epoch_efficiency']:.4f} | "
+            f"{s['plan_cpu_seconds']:.2f} / {d['plan_cpu_seconds']:.2f} | {single:.0%} | "
+            f"{'missed: ' + ', '.join(missed) if missed else 'all met'} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--traces", nargs="+", default=["wlbllm", "prolong", "sft", "heavy"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--table", action="store_true", help="print the table of the saved results and exit")
     args = ap.parse_args()
+    if args.table:
+        from _common import RESULTS
+
+        print(table(json.loads((RESULTS / "dynamic_cp.json").read_text())))
+        return
     cost = DEFAULT_COST
     comm = any(k.startswith("comm") for k in cost.to_dict())
     rows, loads = [], [os.getloadavg()]
