@@ -251,3 +251,21 @@ def test_static_batches_carry_their_group():
                 {"input_ids": torch.arange(4), "cp_group": (2, 2, 0)},
             ]
         )
+
+
+# ---- command line --------------------------------------------------------------------------------------------------
+def test_cli_plan_cp_sizes(tmp_path, capsys):
+    from balancer.cli import main
+
+    src = tmp_path / "lengths.json"
+    src.write_text(json.dumps(_lengths(n=400).tolist()))
+    out = tmp_path / "plan.json"
+    base = [str(src), "--dp", "2", "--cp", "2", "--micro-batches", "2", "--max-tokens", "512", "-q"]
+    assert main(["plan", *base, "--cp-sizes", "1,2,4", "-o", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "balancer (dynamic CP)" in table and "balancer (static CP)" not in table  # giants do not fit cp=2
+    plan = Plan.load(out)
+    assert plan.topology.cp_sizes == (1, 2, 4) and plan.dynamic
+    for bad, match in (("1,3", "--cp-sizes: size 3 does not divide"), ("1,x", "comma-separated"), ("0,4", "size 0")):
+        assert main(["plan", *base, "--cp-sizes", bad, "-o", str(out)]) == 2
+        assert match in capsys.readouterr().err

@@ -81,9 +81,8 @@ def parse_cp_sizes(text: str | None) -> tuple[int, ...] | None:
 def topology_from_args(args, lengths: np.ndarray) -> Topology:
     max_tokens = args.max_tokens
     cp_sizes = parse_cp_sizes(getattr(args, "cp_sizes", None))
-    group = max([args.cp, *(cp_sizes or ())])
-    if max_tokens is None:  # the next power of two that holds the longest document over the (largest) CP group
-        max_tokens = 1 << int(np.ceil(np.log2(max(1, -(-int(lengths.max()) // max(group, 1))))))
+    if max_tokens is None:  # the next power of two that holds the longest document over the CP group
+        max_tokens = 1 << int(np.ceil(np.log2(max(1, -(-int(lengths.max()) // max(args.cp, 1))))))
     tps = args.tokens_per_step
     if args.fill is not None and not 0 < args.fill <= 1:  # also NaN and inf
         raise ValueError(f"--fill must be a share of the capacity in (0, 1], got {args.fill}")
@@ -193,13 +192,13 @@ def cmd_plan(args) -> int:
     topo = topology_from_args(args, lengths)
     print(f"{len(lengths):,} documents, {int(lengths.sum()):,} tokens; {topo}", file=sys.stderr)
     ours = make_plan(lengths, topo, cost, seed=args.seed, overflow=args.overflow, progress=show_progress(args))
-    plans = {"balancer": ours}
+    plans = {"balancer (dynamic CP)" if topo.dynamic else "balancer": ours}
     if not args.no_baseline:
         static = ours
         if topo.dynamic:  # compare with fixed CP groups of size cp, when the documents fit them
             static = _static_plan(lengths, topo, cost, args)
             if static is not None:
-                plans = {"balancer (dynamic CP)": ours, "balancer (static CP)": static}
+                plans["balancer (static CP)"] = static
         if static is not None:
             plans["token-count"] = baseline_plan(static, static.topology, cost, args.seed)
     print(compare_table(plans))

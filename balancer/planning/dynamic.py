@@ -1,14 +1,17 @@
 """Dynamic CP planning: in every micro-batch slot the pool of `dp * cp` ranks is cut into CP groups of the sizes in
 `cp_sizes`, giant documents on large groups, short ones on groups of one rank (no communication).
 
-1. *Balance on the largest groups.* The epoch is planned by the static planner for the pool cut into groups of the
-   largest size C = max(cp_sizes) (`dp * cp / C` replicas of CP size C): the same steps, the same 1F1B balancing,
-   and with it the dynamic bound `P * max_d cost(d) / C` instead of `P * max_d cost(d) / cp`.
-2. *Split what needs no large group.* Each group's micro-batch is then cut, recursively, into the next smaller
-   size that divides it (an aligned sub-partition, so `start % size == 0` holds): its documents are dealt largest
-   first to the least-loaded part, and the cut is kept only when every part is non-empty, within its token cap
-   and no part's time `(cost + fixed) / size` exceeds the group's by more than SPLIT_SLACK. A document heavier than
-   its share keeps the large group; a micro-batch of short documents ends on groups of one rank.
+1. *Balance on large groups.* The epoch is planned by the static planner for the pool cut into groups of one size
+   C (`dp * cp / C` replicas of CP size C; `base_group_size` picks C): the same steps, the same 1F1B balancing,
+   and with it the bound `P * max_d cost(d) / C` instead of `P * max_d cost(d) / cp`.
+2. *Cut what needs no large group.* Each group's micro-batch is then cut into aligned smaller groups (so
+   `start % size == 0` holds): straight into the smallest size, else into the next smaller one, recursively; its
+   documents are dealt largest first to the least-loaded part, and a cut is kept only when every part is
+   non-empty, within its token cap, and the group's ranks still finish within the step's time plus SPLIT_SLACK.
+   A document heavier than its share keeps a large group; a micro-batch of short documents ends on groups of one
+   rank. With a communication-aware cost model (`CostModel.has_comm`) the times compared are the layout-aware
+   predictions of balancer.planning.predict (a larger group pays more K/V traffic), so cuts pay off and short
+   documents move to small groups whenever that is faster.
 
 Every rank is busy in every slot (every group holds a micro-batch), every token is placed once, and the result
 is a deterministic function of (lengths, topology, cost, seed).
@@ -115,6 +118,7 @@ class _Cutter:
     smaller: dict[int, int]  # size -> the largest smaller size in cp_sizes dividing it
     max_tokens: int
     fixed: float
+    cost: CostModel | None = None  # a communication-aware model: group times from the layout-aware prediction
 
     finest: dict[int, int] = field(default_factory=dict)  # size -> the smallest size reached by cutting it
 
@@ -124,6 +128,15 @@ class _Cutter:
             while finest in self.smaller:
                 finest = self.smaller[finest]
             self.finest[size] = finest
+
+    def group_time(self, entries: np.ndarray, size: int) -> float:
+        """Time of one group's micro-batch: `(sum cost + fixed) / size`, or with a communication-aware cost model
+        the slowest rank's predicted time under the zigzag layout and ring attention (balancer.planning.predict)."""
+        if self.cost is None or size == 1:
+            return (float(self.entry_cost[entries].sum()) + self.fixed) / size
+        from .predict import micro_batch_time
+
+        return micro_batch_time(self.cost, self.entry_tokens[entries], size)
 
     def split(self, entries: np.ndarray, start: int, size: int, budget: float) -> list[tuple[int, int, np.ndarray]]:
         """Groups `(start, size, entries)` covering ranks `[start, start + size)`, cut while every part stays within
@@ -152,19 +165,20 @@ class _Cutter:
         if len(entries) < parts:
             return None
         costs = self.entry_cost[entries]
-        if (costs.max() + self.fixed) / part_size > budget:  # its largest document alone is too slow for a part
+        compute_only = self.cost is None
+        if compute_only and (costs.max() + self.fixed) / part_size > budget:  # the largest document alone is too slow
+            return None
+        if compute_only and (costs.sum() / parts + self.fixed) / part_size > budget:  # even a perfect deal is
             return None
         part_of = _deal_largest_first(costs, parts)
-        load = np.bincount(part_of, weights=costs, minlength=parts)
         tokens = np.bincount(part_of, weights=self.entry_tokens[entries], minlength=parts)
         used = np.bincount(part_of, minlength=parts)
-        if (
-            used.min() == 0
-            or tokens.max() > part_size * self.max_tokens
-            or np.any((load + self.fixed) / part_size > budget)
-        ):
+        if used.min() == 0 or tokens.max() > part_size * self.max_tokens:
             return None
-        return [entries[part_of == p] for p in range(parts)]
+        members = [entries[part_of == p] for p in range(parts)]
+        if any(self.group_time(part, part_size) > budget for part in members):
+            return None
+        return members
 
 
 def _split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostModel):
@@ -176,9 +190,19 @@ def _split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostM
     replicas = virtual.dp
     entry_cost = cost.cost(base.end - base.start)
     cutter = _Cutter(
-        entry_cost, base.end - base.start, _smaller_sizes(topology.cp_sizes), topology.max_tokens, cost.fixed
+        entry_cost,
+        base.end - base.start,
+        _smaller_sizes(topology.cp_sizes),
+        topology.max_tokens,
+        cost.fixed,
+        cost if cost.has_comm else None,
     )
-    slot_time = (base.micro_batch_costs() / large).reshape(base.num_steps, replicas, m)  # fixed included
+    if cutter.cost is None:
+        slot_time = base.micro_batch_costs() / large  # fixed included
+    else:
+        ptr = base.mb_ptr
+        slot_time = np.array([cutter.group_time(np.arange(ptr[k], ptr[k + 1]), large) for k in range(len(ptr) - 1)])
+    slot_time = slot_time.reshape(base.num_steps, replicas, m)
     order, group_start, group_size, counts, slot_ptr = [], [], [], [], [0]
     for step in range(base.num_steps):
         replica_time = one_f_one_b(slot_time[step].max(axis=1), slot_time[step].sum(axis=1), topology.pp)
@@ -219,9 +243,7 @@ def _cut_replica(
         if budget > slowest:
             budget = (limit - rest) / pp
         groups = cutter.split(entries, replica * large, large, max(budget, float(times[slot])))
-        taken = max((cutter.entry_cost[g].sum() + cutter.fixed) / size for _, size, g in groups)
-        if len(groups) == 1:
-            taken = float(times[slot])
+        taken = float(times[slot]) if len(groups) == 1 else max(cutter.group_time(g, z) for _, z, g in groups)
         if one_f_one_b(max(slowest, taken), rest + taken, pp) > limit and len(groups) > 1:
             groups, taken = [(replica * large, large, entries)], float(times[slot])  # rounding: keep it whole
         total, slowest = rest + taken, max(slowest, taken)
