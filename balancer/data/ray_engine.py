@@ -240,8 +240,9 @@ def encode_stream(
         if isinstance(cause, PretokenizeError):
             raise cause from None
         detail = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        retried = f" after {TASK_RETRIES} retries" if type(cause).__module__.startswith("ray") else ""  # a dead worker
         raise PretokenizeError(
-            f"Ray engine: a task failed after {TASK_RETRIES} retries ({type(cause).__name__}: {detail}) with records "
+            f"Ray engine: a task failed{retried} ({type(cause).__name__}: {detail}) with records "
             f"from {pending.record} on ({sources[pending.input].display} from record {pending.local}) unfinished; "
             f"only whole shards were kept: rerun the same command to resume"
         ) from exc
