@@ -1,8 +1,9 @@
-"""Throughput and memory of `balancer pretokenize` against the same tokenizer's batch encode called directly.
+"""Throughput and memory of `balancer pretokenize` against the same tokenizer's batch encode called directly, and
+against writing the same rows by hand with `datasets`; its scaling with --num-proc and with the Ray engine.
 
 Question: how much does the pipeline (reading, JSON parsing, windowing, Arrow writing, checksums, manifest) cost
-on top of tokenization itself, how does it scale with --num-proc, and does its memory stay flat as the corpus
-grows?
+on top of tokenization itself and compared with what a user would write by hand, how does it scale with
+--num-proc 1, 2 and `--engine ray` (per-core rate), and does its memory stay flat as the corpus grows?
 
 Method (one run, one machine): a synthetic JSON-lines corpus (mixed document lengths, multi-byte UTF-8); a
 byte-level BPE trained locally with `tokenizers` (vocab 8k, saved with transformers) and the built-in byte
@@ -11,6 +12,12 @@ discarded (what a hand-written loop does at least), also in a fresh child proces
 --repeat runs (the machine may be shared with other jobs). "pretokenize" = `balancer.shards.pretokenize` in a fresh
 child process, timed around the call (interpreter start and imports excluded, input hashing included); its peak
 RSS from /proc/self/status VmHWM inside that child. Both use the same tokenizer settings (TOKENIZERS_PARALLELISM on).
+"datasets_by_hand" (byte tokenizer) = what a user writes without this tool: `Dataset.from_generator` over the lines
+(json.loads, UTF-8 bytes as a list of ids, the doc_id) with the same features, then `save_to_disk`, in a fresh
+child (yielding lists; yielding numpy arrays was 3x slower still in a trial). "pretokenize_ray" = `--engine ray
+--num-proc 2` on a local Ray cluster of 2 CPUs started in the child before the clock starts (start-up reported
+separately). Every measurement records os.getloadavg() before it: the machine may be shared, so compare ratios
+measured in the same run.
 
 Writes benchmarks/results/pretokenize_throughput.json and prints markdown table rows.
 Usage: python benchmarks/pretokenize_throughput.py [--quick]
@@ -77,6 +84,48 @@ def direct_encode(path: Path, tokenizer: str) -> dict:
     return {"seconds": time.perf_counter() - t0, "tokens": tokens}
 
 
+HAND_CHILD = r"""
+import json, shutil, sys, time
+import datasets
+import pyarrow.compute as pc
+a = json.loads(sys.argv[1])
+datasets.disable_progress_bars()
+for d in (a["output"], a["output"] + ".cache"):
+    shutil.rmtree(d, ignore_errors=True)
+t0, c0 = time.perf_counter(), time.process_time()
+def rows():
+    with open(a["input"], "rb") as f:
+        for i, line in enumerate(f):
+            yield {"input_ids": list(json.loads(line)["text"].encode("utf-8")), "doc_id": i}
+features = datasets.Features({"input_ids": datasets.List(datasets.Value("uint16")), "doc_id": datasets.Value("int64")})
+ds = datasets.Dataset.from_generator(rows, features=features, cache_dir=a["output"] + ".cache")
+ds.save_to_disk(a["output"])
+seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+tokens = int(pc.sum(pc.list_value_length(ds.data.column("input_ids"))).as_py())
+print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "tokens": tokens}))
+for d in (a["output"], a["output"] + ".cache"):
+    shutil.rmtree(d, ignore_errors=True)
+"""
+
+
+RAY_CHILD = r"""
+import json, sys, time
+import datasets, transformers, ray
+from balancer.shards import pretokenize, PretokenizeOptions
+a = json.loads(sys.argv[1])
+t0 = time.perf_counter()
+ray.init(num_cpus=a["num_proc"], include_dashboard=False, log_to_driver=False, configure_logging=False)
+startup = time.perf_counter() - t0
+t0, c0 = time.perf_counter(), time.process_time()
+m = pretokenize([a["input"]], a["output"], tokenizer=a["tokenizer"], num_proc=a["num_proc"], engine="ray",
+                options=PretokenizeOptions(shard_tokens=a["shard_tokens"]), progress=False)
+seconds = time.perf_counter() - t0
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0].split()[1]
+print(json.dumps({"seconds": seconds, "ray_startup_seconds": startup, "tokens": m["counts"]["tokens"],
+                  "cpu_seconds": time.process_time() - c0, "peak_rss_mib": int(hwm) / 1024}))
+"""
+
+
 CHILD = r"""
 import json, resource, sys, time
 import datasets, transformers  # imports are start-up cost, like the interpreter's: not timed
@@ -125,6 +174,19 @@ def run_direct(path: Path, tokenizer: str, env_extra: dict) -> dict:
     return _child(DIRECT_CHILD, {"input": str(path), "tokenizer": tokenizer}, env_extra)
 
 
+def run_by_hand(path: Path, out: Path) -> dict:
+    """The same rows written by hand with datasets (byte tokenizer), in a fresh child process."""
+    return _child(HAND_CHILD, {"input": str(path), "output": str(out)}, {})
+
+
+def run_ray(path: Path, out: Path, tokenizer: str, num_proc: int, env_extra: dict, shard_tokens: int = 20_000_000):
+    """pretokenize --engine ray on a fresh local cluster of `num_proc` CPUs (start-up timed apart; `cpu_seconds`
+    is the driver's only)."""
+    shutil.rmtree(out, ignore_errors=True)
+    arg = {"input": str(path), "output": str(out), "tokenizer": tokenizer, "num_proc": num_proc}
+    return _child(RAY_CHILD, {**arg, "shard_tokens": shard_tokens}, env_extra)
+
+
 def run_pretokenize(
     path: Path, out: Path, tokenizer: str, num_proc: int, env_extra: dict, shard_tokens: int = 20_000_000
 ) -> dict:
@@ -153,7 +215,8 @@ def measure(configs: dict, repeat: int) -> dict:
     runs: dict = {k: [] for k in configs}
     for _ in range(repeat):
         for k, fn in configs.items():
-            runs[k].append(fn())
+            load = os.getloadavg()
+            runs[k].append({**fn(), "load_avg_before": load})
     best = {}
     for k, rs in runs.items():
         b = dict(min(rs, key=lambda r: r["seconds"]))
@@ -200,25 +263,34 @@ def main() -> None:
     for name, tok, mb, env in cases:
         path, docs, size = corpora[mb]
         out = work / "out"
-        best = measure(
-            {
-                "direct": lambda: run_direct(path, tok, env),
-                "pretokenize_np1": lambda: run_pretokenize(path, out, tok, 1, env),
-                "pretokenize_np2": lambda: run_pretokenize(path, out, tok, 2, env),
-            },
-            args.repeat,
-        )
+        configs = {
+            "direct": lambda: run_direct(path, tok, env),
+            "pretokenize_np1": lambda: run_pretokenize(path, out, tok, 1, env),
+            "pretokenize_np2": lambda: run_pretokenize(path, out, tok, 2, env),
+        }
+        if tok == "byte":
+            configs["datasets_by_hand"] = lambda: run_by_hand(path, work / "hand")
+        if env is on:
+            configs["pretokenize_ray"] = lambda: run_ray(path, out, tok, 2, env)
+        best = measure(configs, args.repeat)
         d = best["direct"]
         entry = {"tokenizer": name, "env": env, "corpus_mb": size / 2**20, "documents": docs}
         for k, r in best.items():
             assert r["tokens"] == d["tokens"], (k, r["tokens"], d["tokens"])
             r.update(mb_per_s=size / 2**20 / r["seconds"], tokens_per_s=r["tokens"] / r["seconds"])
-            if k != "direct":
+            if k not in ("direct", "datasets_by_hand", "pretokenize_ray"):
                 r.update(
                     overhead_vs_direct=r["seconds"] / d["seconds"] - 1,
                     cpu_overhead_vs_direct=r["cpu_seconds"] / d["cpu_seconds"] - 1,
                 )
             entry[k] = r
+        np1 = entry["pretokenize_np1"]
+        np2_speedup = np1["seconds"] / entry["pretokenize_np2"]["seconds"]
+        entry["scaling"] = {"per_core_mb_per_s": np1["mb_per_s"], "np2_speedup": np2_speedup}
+        if "pretokenize_ray" in entry:
+            entry["scaling"]["ray2_speedup"] = np1["seconds"] / entry["pretokenize_ray"]["seconds"]
+        if "datasets_by_hand" in entry:
+            entry["pretokenize_np1_vs_datasets_by_hand"] = np1["seconds"] / entry["datasets_by_hand"]["seconds"]
         results["runs"].append(entry)
         p1, p2 = entry["pretokenize_np1"], entry["pretokenize_np2"]
         rows.append(
@@ -242,6 +314,7 @@ def main() -> None:
             }
         )
     results["memory_vs_corpus_size"] = mem
+    results["machine"]["load_avg_at_end"] = os.getloadavg()
     shutil.rmtree(work / "out", ignore_errors=True)
 
     out = REPO / "benchmarks" / "results" / "pretokenize_throughput.json"
@@ -253,6 +326,12 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
+    print()
+    for e in results["runs"]:
+        extra = ""
+        if "pretokenize_np1_vs_datasets_by_hand" in e:
+            extra = f", pretokenize np=1 / datasets by hand = {e['pretokenize_np1_vs_datasets_by_hand']:.2f}x"
+        print(f"{e['tokenizer']}: scaling {json.dumps({k: round(v, 2) for k, v in e['scaling'].items()})}{extra}")
     print()
     print("| corpus MB (byte tokenizer, np=1) | peak RSS MiB | seconds |")
     print("|---|---|---|")

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zstandard
+from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _data_utils import dir_bytes, make_texts, write_jsonl
@@ -170,3 +171,20 @@ def test_unsupported_compressed_types_are_refused(tmp_path):
     m = run([corpus], tmp_path / "o2")
     assert sorted(Path(f).name for f in m["ignored_files"]) == ["notes.gz", "t.parquet.gz"]
     assert m["counts"]["documents"] == 1
+
+
+def test_progress_over_input_bytes_and_summary_line(packed, tmp_path, capsys):
+    """The bar counts the (uncompressed) input bytes to 100%; the summary names documents, tokens and MB/s;
+    --quiet hides the bars, not the summary."""
+    m = pretokenize([str(packed)], tmp_path / "shown", progress=True)
+    err = capsys.readouterr().err
+    bar = [line for line in re.split(r"[\r\n]", err) if line.startswith("pretokenize:")][-1]
+    total = sum(i["decompressed_size"] for i in m["inputs"])
+    size = tqdm.format_sizeof(total)
+    assert "100%" in bar and f"{size}/{size}" in bar, (bar, total)
+    c = m["counts"]
+    summary = rf"{c['documents']} documents, {c['rows']} rows, {c['tokens']} tokens .* MB read in .* s \(.* MB/s\)"
+    assert re.search(summary, err), err
+    code = cli_data.main(["pretokenize", str(packed), "--output", str(tmp_path / "quiet"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 0 and "pretokenize:" not in err and "hashing inputs" not in err and re.search(summary, err)

@@ -284,7 +284,7 @@ def register(subparsers) -> None:
         "--quiet",
         "-q",
         action="store_true",
-        help="no progress bar and no summary (errors are still printed); bars show only on a terminal anyway",
+        help="no progress bars (they show only on a terminal anyway); the final summary line is still printed",
     )
     p.set_defaults(func=_run_pretokenize)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -198,10 +199,6 @@ def _decode_row(row: dict) -> EncodedBatch:
     return meta, (lengths, flat, errors)
 
 
-def _range_name(sources: list[InputSource], start: Cursor, end: int) -> str:
-    return f"records {start.record}..{end - 1} ({sources[start.input].display} from record {start.local})"
-
-
 def encode_stream(
     sources: list[InputSource], infos: list[dict], cfg: EncoderConfig, cursor: Cursor, end: int, num_proc: int
 ) -> Iterator[EncodedBatch]:
@@ -215,16 +212,20 @@ def encode_stream(
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
     items = [{"range": json.dumps([c.to_json(), e])} for c, e in ranges]
-    ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-        _encode_task,
-        batch_size=1,
-        batch_format="pyarrow",
-        fn_kwargs={"sources": _task_sources(sources), "cfg": cfg},
-        num_cpus=1,
-        concurrency=num_proc,
-        max_retries=TASK_RETRIES,
-        retry_exceptions=False,
-    )
+    with warnings.catch_warnings():
+        # Ray Data retries the task of a dead worker forever unless the task's remote args bound it; up to Ray 2.63
+        # only the (deprecated) remote-args route sets it
+        warnings.simplefilter("ignore", DeprecationWarning)
+        ds = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+            _encode_task,
+            batch_size=1,
+            batch_format="pyarrow",
+            fn_kwargs={"sources": _task_sources(sources), "cfg": cfg},
+            num_cpus=1,
+            concurrency=num_proc,
+            max_retries=TASK_RETRIES,
+            retry_exceptions=False,
+        )
     done = 0  # batches handed on; the range in flight is named in errors
     try:
         for row in ds.iter_rows():
@@ -234,13 +235,15 @@ def encode_stream(
     except PretokenizeError:
         raise
     except Exception as exc:  # noqa: BLE001 - Ray wraps task failures in several exception types
-        failing = next(((c, e) for c, e in ranges if e > done), ranges[-1])
+        pending = next(((c, e) for c, e in ranges if e > done), ranges[-1])[0]
         cause = _root_cause(exc)
         if isinstance(cause, PretokenizeError):
             raise cause from None
+        detail = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+        retried = f" after {TASK_RETRIES} retries" if type(cause).__module__.startswith("ray") else ""  # a dead worker
         raise PretokenizeError(
-            f"Ray engine: the task for {_range_name(sources, *failing)} failed after {TASK_RETRIES} retries "
-            f"({type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause).strip() else ''}); "
+            f"Ray engine: a task failed{retried} ({type(cause).__name__}: {detail}) with records "
+            f"from {pending.record} on ({sources[pending.input].display} from record {pending.local}) unfinished; "
             f"only whole shards were kept: rerun the same command to resume"
         ) from exc
 
