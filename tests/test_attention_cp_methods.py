@@ -15,7 +15,7 @@ from attention.ulysses import kv_replication
 
 
 def check(rank, world, lens, heads, kv_heads, dtype, method, causal=True, window=(-1, -1), softcap=0.0,
-          kind="zigzag", seed=0):  # fmt: skip
+          kind="zigzag", seed=0, layout_opts=None):  # fmt: skip
     gen = torch.Generator().manual_seed(seed)
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     T, dim, scale = int(cu[-1]), 8, 0.3
@@ -26,7 +26,7 @@ def check(rank, world, lens, heads, kv_heads, dtype, method, causal=True, window
     qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))
     ref = reference(qr, kr, vr, cu, causal, scale, window, softcap)
     ref_g = torch.autograd.grad(ref, (qr, kr, vr), dout)
-    layout = CPLayout.build(cu, world, kind=kind)
+    layout = CPLayout.build(cu, world, kind=kind, **(layout_opts or {}))
     ql, kl, vl = (layout.shard(x, rank).requires_grad_() for x in (q, k, v))
     out = cp_attention(ql, kl, vl, layout, causal=causal, softmax_scale=scale, method=method, window_size=window,
                        softcap=softcap)  # fmt: skip
@@ -54,6 +54,11 @@ def _worker(rank, world):
     check(rank, world, np.array([1, 2 * world - 1, 9]), world, 1, torch.float64, "ulysses", window=(2, -1))
     check(rank, world, np.array([11, 4]), world * 2, 2, torch.float64, "ring", window=(3, -1), kind="contiguous")
     check(rank, world, np.array([11, 4]), world * 2, 2, torch.float64, "ulysses", softcap=2.0, kind="contiguous")
+    # the hybrid layout: documents above the threshold split, the rest whole on one rank, under every mask
+    lens, opts = np.array([25, 3, 12, 6, 1, 18, 9]), {"split_threshold": 10}
+    for method in ("ring", "allgather", "ulysses"):
+        check(rank, world, lens, world * 2, 2, torch.float64, method, window=(4, -1), kind="hybrid", layout_opts=opts)
+        check(rank, world, lens, world * 2, 1, torch.float32, method, False, (3, 2), 1.5, "hybrid", 1, opts)
     _ulysses_heads_not_divisible(rank, world)
     _argument_check_runs_once(rank, world)
 
