@@ -422,6 +422,7 @@ def pretokenize(
     t0 = time.perf_counter()
     out = Path(output)
     disable = None if progress is None else not progress
+    check_output_vs_inputs(out, inputs)
     sources, ignored = resolve_inputs(list(inputs), exclude=out)
     try:
         tok = load_tokenizer(tokenizer)
@@ -429,7 +430,6 @@ def pretokenize(
         raise PretokenizeError(str(exc)) from exc
     if opts.add_eos and tok.eos_id is None:
         raise PretokenizeError(f"--add-eos: tokenizer {tokenizer!r} has no eos_token")
-    check_output_vs_inputs(out, inputs)
     infos = _hash_inputs(sources, disable)
     job = _job_key(infos, tok, opts)
     start, end, slice_ = _slice_of(sum(i["records"] for i in infos), num_shards, shard_index)
