@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _data_utils import dir_bytes, make_texts, write_jsonl  # noqa: E402
-from _reliability import cli, copy_folder, make_corpus, tokenize  # noqa: E402
+from _reliability import cli, copy_folder, in_child, make_corpus, start_child, tokenize, wait_child  # noqa: E402
 
 from balancer.data.output import LOCK_NAME, OutputLock  # noqa: E402
 from balancer.data.shards import PretokenizeError, merge, verify  # noqa: E402
@@ -100,36 +100,6 @@ def test_merge_output_that_is_a_part_is_refused(src, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------- crash windows
-def start_child(work, stderr_path: Path, start_fd: int | None = None) -> int:
-    """Fork a process running `work()` (-> exit code; no interpreter start-up to pay), its stderr into a file;
-    with `start_fd`, it first waits for one byte on that pipe. Returns the pid."""
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover (child)
-        code = 99
-        try:
-            sys.stderr = open(stderr_path, "w")
-            if start_fd is not None:
-                os.read(start_fd, 1)
-            code = work()
-        except BaseException:  # noqa: BLE001
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            sys.stderr.flush()
-            os._exit(code)
-    return pid
-
-
-def wait_child(pid: int) -> int:
-    """Exit code of a child, or -signal when it was killed."""
-    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-
-
-def in_child(work, stderr_path: Path) -> int:
-    return wait_child(start_child(work, stderr_path))
-
-
 def _pretokenize_cli(src: Path, out: Path, shard_tokens: int = 4000):
     from balancer.cli.data import main
 
