@@ -43,12 +43,13 @@ def load_manifest(path: str | os.PathLike) -> dict:
 
 
 def load_json_file(path: Path) -> Optional[dict]:
-    """The JSON object in `path`, or None when it is missing or not valid JSON."""
+    """The JSON object in `path`, or None when it is missing, not valid JSON, or not an object."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 def verify_shard_files(out: Path, entry: dict) -> Optional[str]:
