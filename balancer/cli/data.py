@@ -167,7 +167,8 @@ def register(subparsers) -> None:
         help="tokenize raw corpora into memory-mappable shards with a lengths index and a manifest",
         description="Tokenize INPUTs into Arrow shards under --output (rows: input_ids, doc_id), with a lengths "
         "index per shard and manifest.json written last.\nA killed run resumes when started again "
-        "with the same command; the output is byte-identical to an uninterrupted run.",
+        "with the same command; the output is byte-identical to an uninterrupted run.\nOne run at a time writes "
+        "a folder: a second one fails naming DIR/.balancer.lock and the run holding it.",
         epilog="examples:\n"
         "  balancer pretokenize corpus.jsonl --output tok/\n"
         "  balancer pretokenize data/ --tokenizer ./my_tokenizer --max-length 32768 --add-eos "
