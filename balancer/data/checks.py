@@ -157,19 +157,14 @@ def _check_shard_index(folder: Path, entry: dict, prev_last_doc: int) -> tuple[n
     lengths = _load_index(folder / lfile, entry["files"][lfile], entry["rows"])
     doc_ids = _load_index(folder / dfile, entry["files"][dfile], entry["rows"])
     where = f"{folder / MANIFEST_NAME}: {entry['name']}"
-    _require(
-        int(lengths.sum()) == entry["tokens"],
-        where,
-        f"{lfile} sums to {int(lengths.sum())} tokens, the manifest says {entry['tokens']}",
-    )
+    total = int(lengths.sum())
+    _require(total == entry["tokens"], where, f"{lfile} sums to {total} tokens, the manifest says {entry['tokens']}")
     if len(lengths):
         _require(int(lengths.min()) >= 1, str(folder / lfile), "holds an empty row")
-        _require(
-            entry.get("max_length", int(lengths.max())) == int(lengths.max()),
-            where,
-            f"max_length {entry.get('max_length')} but {lfile} holds a row of {int(lengths.max())}",
-        )
-        in_order = doc_ids[0] >= prev_last_doc and not np.any(np.diff(doc_ids) < 0)
+        longest = int(lengths.max())
+        recorded = entry.get("max_length", longest)
+        _require(recorded == longest, where, f"max_length {recorded} but {lfile} holds a row of {longest}")
+        in_order = doc_ids[0] >= prev_last_doc and not np.any(doc_ids[1:] < doc_ids[:-1])
         _require(bool(in_order), str(folder / dfile), "doc_ids out of input order")
         ends = (entry.get("first_doc_id"), entry.get("last_doc_id"))
         _require(ends == (int(doc_ids[0]), int(doc_ids[-1])), where, f"first/last doc_id {ends} disagree with {dfile}")
