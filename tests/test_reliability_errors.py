@@ -173,3 +173,9 @@ def test_disk_full_on_a_small_tmpfs_then_resume(tmp_path, capsys):
         assert dir_bytes(out) == dir_bytes(tmp_path / "ref") and verify(out) == []
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)  # lazy: also when a file there is still open
+
+
+def test_corrupt_parquet_input_names_the_file(tmp_path, capsys):
+    bad = tmp_path / "c.parquet"
+    bad.write_bytes(b"PAR1 not really parquet")
+    one_line(*cli(capsys, "pretokenize", bad, "--output", tmp_path / "out"), "c.parquet", "not a readable parquet")
