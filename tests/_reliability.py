@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -54,3 +55,33 @@ def cli(capsys, *argv) -> tuple[int, list[str]]:
     code = main([str(a) for a in argv])
     err = capsys.readouterr().err
     return code, [line for line in err.splitlines() if line.strip()]
+
+
+def start_child(work, stderr_path: Path, start_fd: int | None = None) -> int:
+    """Fork a process running `work()` (-> exit code; no interpreter start-up to pay), its stderr into a file;
+    with `start_fd`, it first waits for one byte on that pipe. Returns the pid."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (child)
+        code = 99
+        try:
+            sys.stderr = open(stderr_path, "w")
+            if start_fd is not None:
+                os.read(start_fd, 1)
+            code = work()
+        except BaseException:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
+def wait_child(pid: int) -> int:
+    """Exit code of a child, or -signal when it was killed."""
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def in_child(work, stderr_path: Path) -> int:
+    return wait_child(start_child(work, stderr_path))

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -61,11 +62,40 @@ def test_good_folder_opens_and_arrow_header_count_matches_pyarrow(good):
         assert stream_row_count(f) == pa.ipc.open_stream(pa.memory_map(str(f))).read_all().num_rows
 
 
+@pytest.mark.parametrize("batches", [0, 1, 5, 40])
+def test_arrow_header_row_count_on_many_batches_and_damage(tmp_path, batches):
+    import pyarrow as pa
+
+    schema = pa.schema([("input_ids", pa.list_(pa.uint16())), ("doc_id", pa.int64())])
+    path = tmp_path / "s.arrow"
+    rng = np.random.default_rng(batches)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        for _ in range(batches):
+            n = int(rng.integers(1, 3000))
+            ids = pa.array([[1, 2, 3]] * n, type=pa.list_(pa.uint16()))
+            writer.write_batch(pa.RecordBatch.from_arrays([ids, pa.array(np.arange(n))], schema=schema))
+    assert stream_row_count(path) == pa.ipc.open_stream(pa.memory_map(str(path))).read_all().num_rows
+    data = path.read_bytes()
+    from balancer.data.arrow_rows import ArrowHeaderError
+
+    for damaged in (data[:-5], data[:-5] + b"\0" * 5, b"\0" * len(data), data[: len(data) // 2]):
+        path.write_bytes(damaged)
+        with pytest.raises(ArrowHeaderError):
+            stream_row_count(path)
+
+
 @pytest.mark.parametrize("index", ["lengths", "doc_ids"])
 def test_flipped_byte_in_an_index_file_is_refused_on_open(good, tmp_path, index):
     bad = copy_folder(good, tmp_path / "bad")
     flip_byte(bad / f"shard-00001.{index}.npy")
-    refused_everywhere(bad, rf"shard-00001\.{index}\.npy.*sha256")
+    refused_everywhere(bad, rf"shard-00001\.{index}\.npy: (checksum|sha256)")
+
+
+def forge_checksums(folder: Path, name: str) -> None:
+    """Record the current bytes of shard 0's file `name` in the manifest, as a forger would."""
+    data = (folder / name).read_bytes()
+    digests = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "crc32": zlib.crc32(data)}
+    edit_manifest(folder, lambda m: m["shards"][0]["files"][name].update(digests))
 
 
 def test_index_rewritten_with_matching_checksum_is_caught_by_consistency_or_full_check(good, tmp_path):
@@ -75,23 +105,13 @@ def test_index_rewritten_with_matching_checksum_is_caught_by_consistency_or_full
     path = bad / "shard-00000.lengths.npy"
     lengths = np.load(path)
     np.save(path, lengths[::-1].copy())
-    edit_manifest(
-        bad,
-        lambda m: m["shards"][0]["files"]["shard-00000.lengths.npy"].update(
-            sha256=hashlib.sha256(path.read_bytes()).hexdigest()
-        ),
-    )
+    forge_checksums(bad, "shard-00000.lengths.npy")
     with pytest.raises(PretokenizeError, match="lengths index differs"):
         ShardDataset(bad, check="full")
     assert any("lengths index differs" in p for p in verify(bad))
     # a changed total is caught on open
     np.save(path, lengths + 1)
-    edit_manifest(
-        bad,
-        lambda m: m["shards"][0]["files"]["shard-00000.lengths.npy"].update(
-            sha256=hashlib.sha256(path.read_bytes()).hexdigest()
-        ),
-    )
+    forge_checksums(bad, "shard-00000.lengths.npy")
     with pytest.raises(PretokenizeError, match="sums to"):
         ShardDataset(bad)
 

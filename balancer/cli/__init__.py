@@ -79,6 +79,8 @@ def parse_cp_sizes(text: str | None) -> tuple[int, ...] | None:
 
 
 def topology_from_args(args, lengths: np.ndarray) -> Topology:
+    if args.cp < 1:  # before it divides the longest document below
+        raise ValueError(f"--cp must be >= 1, got {args.cp}")
     max_tokens = args.max_tokens
     cp_sizes = parse_cp_sizes(getattr(args, "cp_sizes", None))
     if max_tokens is None:  # the next power of two that holds the longest document over the CP group

@@ -167,7 +167,8 @@ def register(subparsers) -> None:
         help="tokenize raw corpora into memory-mappable shards with a lengths index and a manifest",
         description="Tokenize INPUTs into Arrow shards under --output (rows: input_ids, doc_id), with a lengths "
         "index per shard and manifest.json written last.\nA killed run resumes when started again "
-        "with the same command; the output is byte-identical to an uninterrupted run.",
+        "with the same command; the output is byte-identical to an uninterrupted run.\nOne run at a time writes "
+        "a folder: a second one fails naming DIR/.balancer.lock and the run holding it.",
         epilog="examples:\n"
         "  balancer pretokenize corpus.jsonl --output tok/\n"
         "  balancer pretokenize data/ --tokenizer ./my_tokenizer --max-length 32768 --add-eos "
@@ -264,7 +265,9 @@ def register(subparsers) -> None:
     p.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace a different job's output in --output (its shard files and manifest are deleted)",
+        help="replace a different job's output in --output: deletes only the files this tool wrote there (named "
+        "by its manifest or state file), never your files or an input; a file of yours with one of our names "
+        "(manifest.json, state.json, ...) is refused, not deleted",
     )
     p.add_argument(
         "--engine",
@@ -292,8 +295,9 @@ def register(subparsers) -> None:
         "verify",
         help="check a pretokenized folder (checksums, counts, lengths index)",
         description="Check every file's sha256 and size against manifest.json, row and token "
-        "counts, and the lengths/doc_id index against the Arrow data. Exit 0 "
-        "when all is well, 1 naming each problem.",
+        "counts, and the lengths/doc_id index against the Arrow data; every name in the manifest must stay "
+        "inside DIR. Exit 0 when all is well, 1 naming each problem. (Opening a folder with ShardDataset or "
+        "read_lengths runs the cheap part of these checks every time.)",
     )
     v.add_argument("dir", metavar="DIR", help="a folder written by `balancer pretokenize`, `merge` or `pack`")
     v.set_defaults(func=_run_verify)
@@ -308,7 +312,11 @@ def register(subparsers) -> None:
     )
     m.add_argument("parts", nargs="+", metavar="PART_DIR", help="the K slice output folders")
     m.add_argument("--output", "-o", required=True, metavar="DIR", help="merged output folder")
-    m.add_argument("--overwrite", action="store_true", help="replace a different job's output in --output")
+    m.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a different job's output in --output (deletes only the files this tool wrote there)",
+    )
     m.set_defaults(func=_run_merge)
     _register_pack(subparsers, DEFAULT_SHARD_TOKENS)
 

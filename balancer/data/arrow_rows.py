@@ -15,6 +15,7 @@ import struct
 _CONTINUATION = 0xFFFFFFFF
 _RECORD_BATCH = 3  # MessageHeader union tag
 _SCHEMA = 1
+_FIRST_READ = 1024  # bytes read per message: our headers are a few hundred
 
 
 class ArrowHeaderError(ValueError):
@@ -58,20 +59,22 @@ def stream_row_count(path: str | os.PathLike) -> int:
         pos = rows = 0
         seen_schema = False
         while True:
-            head = os.pread(fd, 8, pos)
-            if len(head) < 4:
+            head = os.pread(fd, _FIRST_READ, pos)  # marker, length and (nearly always) the whole header at once
+            if len(head) < 8:
                 raise ArrowHeaderError(f"{path}: truncated at byte {pos} (no end-of-stream marker)")
-            marker, meta_len = struct.unpack("<Ii", head.ljust(8, b"\0"))
+            marker, meta_len = struct.unpack_from("<Ii", head)
             if marker != _CONTINUATION:
                 raise ArrowHeaderError(f"{path}: byte {pos}: not an Arrow IPC message")
             if meta_len == 0:
-                return rows if seen_schema else _raise(f"{path}: stream without a schema")
-            meta = os.pread(fd, meta_len, pos + 8)
+                if not seen_schema:
+                    raise ArrowHeaderError(f"{path}: stream without a schema")
+                return rows
+            meta = head[8 : 8 + meta_len] if 8 + meta_len <= len(head) else os.pread(fd, meta_len, pos + 8)
             if meta_len < 0 or len(meta) < meta_len:
                 raise ArrowHeaderError(f"{path}: truncated message header at byte {pos}")
             try:
                 header_type, batch_rows, body_length = _message_fields(meta)
-            except struct.error:
+            except (struct.error, IndexError):
                 raise ArrowHeaderError(f"{path}: malformed message header at byte {pos}") from None
             seen_schema = seen_schema or header_type == _SCHEMA
             pos += 8 + meta_len + body_length
@@ -80,7 +83,3 @@ def stream_row_count(path: str | os.PathLike) -> int:
             rows += batch_rows
     finally:
         os.close(fd)
-
-
-def _raise(message: str) -> int:
-    raise ArrowHeaderError(message)

@@ -7,7 +7,8 @@ never returns wrong data silently.
   exactly its three files, and the per-shard rows and tokens add up to the manifest's counts;
 - that every file the manifest names resolves inside the folder (absolute paths, `..` and symlinks out refused)
   and is a regular file of the recorded size;
-- the lengths and doc_id index files byte for byte against their recorded sha256, and against the manifest and each
+- the lengths and doc_id index files byte for byte against their recorded CRC-32 (sha256 for folders written before
+  the CRC was recorded), and against the manifest and each
   other (rows, tokens, longest row, first/last doc_id, doc_ids in input order, no empty rows);
 - each Arrow file's row count, read from its message headers (the token data is not read).
 `open_folder(path, full=True)` also runs `verify` (every byte of every file). PretokenizeError names the file.
@@ -19,8 +20,11 @@ import hashlib
 import io
 import os
 import re
+import stat
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -56,18 +60,24 @@ def _require(ok: bool, where: str, message: str) -> None:
         raise PretokenizeError(f"{where}: {message}")
 
 
-def check_file_name(folder: Path, name: object, where: str) -> Path:
-    """`folder / name` when `name` is a plain file name whose path stays inside `folder` (symlinks resolved)."""
+def check_file_name(folder: Path, name: object, where: str) -> Optional[os.stat_result]:
+    """The stat of `folder / name` (None when missing) when `name` is a plain file name whose path stays inside
+    `folder`: a symlink is followed and must resolve inside the folder. PretokenizeError otherwise."""
     plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
     _require(plain and "\0" not in name, where, f"file name {name!r} is not a plain name inside the folder")
     path = folder / name
-    real_folder = os.path.realpath(folder)
-    _require(
-        os.path.realpath(path).startswith(real_folder + os.sep),
-        where,
-        f"{name!r} resolves outside the folder (to {os.path.realpath(path)}); refused",
-    )
-    return path
+    try:
+        st = os.lstat(path)  # a plain name in the folder: inside it unless it is a symlink
+        if stat.S_ISLNK(st.st_mode):
+            target = os.path.realpath(path)
+            inside = target.startswith(os.path.realpath(folder) + os.sep)
+            _require(inside, where, f"{name!r} resolves outside the folder (to {target}); refused")
+            st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:  # a symlink loop, ...
+        raise PretokenizeError(f"{path}: cannot be read ({exc.strerror})") from None
+    return st
 
 
 def check_manifest_structure(folder: Path, m: dict) -> None:
@@ -92,6 +102,8 @@ def check_manifest_structure(folder: Path, m: dict) -> None:
             ok = isinstance(meta, dict) and _is_int(meta.get("bytes")) and meta["bytes"] >= 0
             _require(ok and isinstance(meta.get("sha256"), str), at, f"files[{fn!r}] lacks bytes/sha256")
             _require(bool(_SHA256_RE.match(meta["sha256"])), at, f"files[{fn!r}].sha256 is not a sha256")
+            crc = meta.get("crc32", 0)
+            _require(_is_int(crc) and 0 <= crc < 1 << 32, at, f"files[{fn!r}].crc32 is not a CRC-32")
         rows += entry["rows"]
         tokens += entry["tokens"]
     for key, total in (("rows", rows), ("tokens", tokens)):
@@ -102,17 +114,34 @@ def check_manifest_structure(folder: Path, m: dict) -> None:
 
 def _check_files_inside(folder: Path, entry: dict) -> None:
     for fn, meta in entry["files"].items():
-        path = check_file_name(folder, fn, str(folder / MANIFEST_NAME))
-        _require(path.is_file(), str(path), "missing (or not a regular file)")
-        size = os.path.getsize(path)
-        _require(size == meta["bytes"], str(path), f"size {size} != {meta['bytes']} recorded in the manifest")
+        st = check_file_name(folder, fn, str(folder / MANIFEST_NAME))
+        _require(st is not None and stat.S_ISREG(st.st_mode), str(folder / fn), "missing (or not a regular file)")
+        size = st.st_size
+        _require(size == meta["bytes"], str(folder / fn), f"size {size} != {meta['bytes']} recorded in the manifest")
+
+
+def _npy_view(data: bytes) -> np.ndarray:
+    """The array in .npy bytes, without copying them (np.load would)."""
+    stream = io.BytesIO(data)
+    version = np.lib.format.read_magic(stream)
+    if version not in ((1, 0), (2, 0)):
+        return np.load(io.BytesIO(data), allow_pickle=False)
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read_header(stream)
+    count = int(np.prod(shape))
+    arr = np.frombuffer(data, dtype=dtype, count=count, offset=stream.tell())
+    return arr.reshape(shape, order="F" if fortran else "C")
 
 
 def _load_index(path: Path, meta: dict, rows: int) -> np.ndarray:
     data = path.read_bytes()
-    _require(hashlib.sha256(data).hexdigest() == meta["sha256"], str(path), "sha256 mismatch (index file changed)")
+    if "crc32" in meta:  # written since the CRC was added: the cheap check
+        ok, kind = (zlib.crc32(data) & 0xFFFFFFFF) == meta["crc32"], "crc32"
+    else:
+        ok, kind = hashlib.sha256(data).hexdigest() == meta["sha256"], "sha256"
+    _require(ok, str(path), f"checksum ({kind}) mismatch: the index file changed or is corrupted")
     try:
-        arr = np.load(io.BytesIO(data), allow_pickle=False)
+        arr = _npy_view(data)
     except Exception as exc:  # noqa: BLE001
         raise PretokenizeError(f"{path}: not a readable .npy index ({exc})") from None
     _require(
@@ -128,19 +157,14 @@ def _check_shard_index(folder: Path, entry: dict, prev_last_doc: int) -> tuple[n
     lengths = _load_index(folder / lfile, entry["files"][lfile], entry["rows"])
     doc_ids = _load_index(folder / dfile, entry["files"][dfile], entry["rows"])
     where = f"{folder / MANIFEST_NAME}: {entry['name']}"
-    _require(
-        int(lengths.sum()) == entry["tokens"],
-        where,
-        f"{lfile} sums to {int(lengths.sum())} tokens, the manifest says {entry['tokens']}",
-    )
+    total = int(lengths.sum())
+    _require(total == entry["tokens"], where, f"{lfile} sums to {total} tokens, the manifest says {entry['tokens']}")
     if len(lengths):
         _require(int(lengths.min()) >= 1, str(folder / lfile), "holds an empty row")
-        _require(
-            entry.get("max_length", int(lengths.max())) == int(lengths.max()),
-            where,
-            f"max_length {entry.get('max_length')} but {lfile} holds a row of {int(lengths.max())}",
-        )
-        in_order = doc_ids[0] >= prev_last_doc and not np.any(np.diff(doc_ids) < 0)
+        longest = int(lengths.max())
+        recorded = entry.get("max_length", longest)
+        _require(recorded == longest, where, f"max_length {recorded} but {lfile} holds a row of {longest}")
+        in_order = doc_ids[0] >= prev_last_doc and not np.any(doc_ids[1:] < doc_ids[:-1])
         _require(bool(in_order), str(folder / dfile), "doc_ids out of input order")
         ends = (entry.get("first_doc_id"), entry.get("last_doc_id"))
         _require(ends == (int(doc_ids[0]), int(doc_ids[-1])), where, f"first/last doc_id {ends} disagree with {dfile}")

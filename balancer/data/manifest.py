@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,12 +44,13 @@ def load_manifest(path: str | os.PathLike) -> dict:
 
 
 def load_json_file(path: Path) -> Optional[dict]:
-    """The JSON object in `path`, or None when it is missing or not valid JSON."""
+    """The JSON object in `path`, or None when it is missing, not valid JSON, or not an object."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return None
+    return data if isinstance(data, dict) else None
 
 
 def verify_shard_files(out: Path, entry: dict) -> Optional[str]:
@@ -61,6 +63,8 @@ def verify_shard_files(out: Path, entry: dict) -> Optional[str]:
             return f"{p}: size {os.path.getsize(p)} != {meta['bytes']} in the manifest"
         if sha256_file(p) != meta["sha256"]:
             return f"{p}: sha256 mismatch (file changed or corrupted)"
+        if "crc32" in meta and zlib.crc32(p.read_bytes()) & 0xFFFFFFFF != meta["crc32"]:  # index files only: small
+            return f"{p}: crc32 mismatch with the manifest (the manifest was edited?)"
     return None
 
 

@@ -250,8 +250,10 @@ class _ShardRun:
         atomic_write_json(self.out / STATE_NAME, self.state)
 
     def abort(self) -> None:
+        """Remove the open shard's temporary files; the recorded shards and the state file stay (resumable)."""
         if self.writer is not None:
             self.writer.abort()
+            self.writer = None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -390,6 +392,12 @@ def _stream(run: _ShardRun, batches: Iterator, infos: list, cursor: Cursor, end:
             bar.update(input_bytes_read(meta[-1][2], infos) - bar.n)
         if run.writer is not None:
             run.close_shard(Cursor(end, n_inputs, 0, None))
+    except OSError as exc:  # Arrow's write errors carry the errno but no file name: name the shard
+        shard = run.writer.tmp if run.writer is not None else None
+        run.abort()
+        if exc.filename is None and exc.errno and shard is not None:
+            raise OSError(exc.errno, os.strerror(exc.errno), str(shard)) from exc
+        raise
     except BaseException:
         run.abort()
         raise
@@ -422,6 +430,7 @@ def pretokenize(
     t0 = time.perf_counter()
     out = Path(output)
     disable = None if progress is None else not progress
+    check_output_vs_inputs(out, inputs)
     sources, ignored = resolve_inputs(list(inputs), exclude=out)
     try:
         tok = load_tokenizer(tokenizer)
@@ -429,7 +438,6 @@ def pretokenize(
         raise PretokenizeError(str(exc)) from exc
     if opts.add_eos and tok.eos_id is None:
         raise PretokenizeError(f"--add-eos: tokenizer {tokenizer!r} has no eos_token")
-    check_output_vs_inputs(out, inputs)
     infos = _hash_inputs(sources, disable)
     job = _job_key(infos, tok, opts)
     start, end, slice_ = _slice_of(sum(i["records"] for i in infos), num_shards, shard_index)

@@ -182,9 +182,7 @@ def fingerprint_input(source: InputSource, progress: Optional[tqdm] = None) -> d
     elif source.kind == "txt":
         info["records"] = 1
     elif source.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        info["records"] = pq.ParquetFile(path).metadata.num_rows
+        info["records"] = _parquet_rows(str(path))
     elif source.kind == "json_array":
         info["records"] = len(_load_json_array(path))
     return info
@@ -383,9 +381,14 @@ def iter_records(sources: list[InputSource], text_field: str, cursor: Cursor, en
 
 
 def _parquet_rows(path: str) -> int:
+    """Rows of a parquet file (from its footer); PretokenizeError naming the file when it is not one."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    return pq.ParquetFile(path).metadata.num_rows
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowInvalid, pa.ArrowIOError) as exc:
+        raise PretokenizeError(f"{path}: not a readable parquet file ({exc})") from None
 
 
 def _iter_parquet(

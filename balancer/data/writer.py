@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -14,8 +16,12 @@ from .manifest import atomic_write_json, fsync_file, save_npy, shard_file_names
 from .output import DATASETS_DESCRIPTION, DATASETS_INFO, DATASETS_STATE
 from .readers import sha256_file
 
-FLUSH_TOKENS = 1 << 20  # Arrow record batch: at most ~1M tokens ...
+FLUSH_TOKENS = 1 << 20  # record batches of other row writers (balancer pack): at most ~1M tokens ...
 FLUSH_ROWS = 4096  # ... or this many rows
+# A shard's record batches: at most ~16M tokens or 64K rows. Large batches keep the open-time row count cheap
+# (one header per batch; cold, each header is one random read) at ~32 MB of buffered uint16 ids.
+SHARD_BATCH_TOKENS = 1 << 24
+SHARD_BATCH_ROWS = 1 << 16
 
 
 def shard_features(dtype: np.dtype):
@@ -25,6 +31,11 @@ def shard_features(dtype: np.dtype):
     return datasets.Features(
         {"input_ids": datasets.List(datasets.Value(np.dtype(dtype).name)), "doc_id": datasets.Value("int64")}
     )
+
+
+def crc32(data: bytes) -> int:
+    """The CRC-32 (zlib) of `data`, as an unsigned int."""
+    return zlib.crc32(data) & 0xFFFFFFFF
 
 
 class ShardWriter:
@@ -51,6 +62,7 @@ class ShardWriter:
 
     def add(self, ids: np.ndarray, doc_id: int) -> None:
         """Append one row (a document or one window of it)."""
+        ids = ids.astype(self.dtype)  # a copy in the shard's dtype: the encoder's batch array is not kept alive
         self.buf_ids.append(ids)
         self.buf_docs.append(doc_id)
         self.buf_tokens += len(ids)
@@ -59,7 +71,7 @@ class ShardWriter:
         if doc_id != self._last_doc:
             self.documents += 1
             self._last_doc = doc_id
-        if self.buf_tokens >= FLUSH_TOKENS or len(self.buf_docs) >= FLUSH_ROWS:
+        if self.buf_tokens >= SHARD_BATCH_TOKENS or len(self.buf_docs) >= SHARD_BATCH_ROWS:
             self._flush()
 
     def _flush(self) -> None:
@@ -91,7 +103,11 @@ class ShardWriter:
         files = {}
         for tmp, final in ((self.tmp, self.arrow_name), (tmp_l, self.lengths_name), (tmp_d, self.doc_ids_name)):
             fsync_file(tmp)
-            files[final] = {"bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
+            if final == self.arrow_name:
+                files[final] = {"bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
+            else:  # index files also get a CRC-32, checked on every open (several times faster than sha256)
+                data = tmp.read_bytes()
+                files[final] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "crc32": crc32(data)}
             os.replace(tmp, self.out / final)
         return {
             "name": self.name,
