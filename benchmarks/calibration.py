@@ -1,7 +1,7 @@
 """How well does the calibrated cost model predict a real model's micro-batch time on this machine?
 
 Times forward + backward of a tiny Llama (balancer.calibration.TINY_LLAMA) on SFT-like, long-tail and mixed packed
-micro-batches of 1K-8K tokens, on CP 1 and CP 2 (gloo, one thread per rank; zigzag, and the hybrid layout when this
+micro-batches of 2K-8K tokens, on CP 1 and CP 2 (gloo, one thread per rank; zigzag, and the hybrid layout when this
 build has it), fits every cost term on 75% of them and reports the error on the held-out rest. Writes
 benchmarks/results/calibration.json (report and every sample) and benchmarks/results/cost_tiny_llama_cpu.json (the
 fitted model, read by measured_speedup.py).
@@ -31,9 +31,9 @@ COST_FILE = RESULTS / "cost_tiny_llama_cpu.json"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a smaller grid (a test run)")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    budgets = (1024, 4096) if args.quick else (1024, 2048, 4096, 8192)
+    budgets = (2048, 4096) if args.quick else (2048, 4096, 8192)
     layouts = ("zigzag", "hybrid") if "hybrid" in LAYOUT_KINDS else ("zigzag",)
     t0 = time.perf_counter()
     result = calibrate(
@@ -41,7 +41,7 @@ def main() -> None:
         cp_sizes=(1, 2),
         layouts=layouts,
         budgets=budgets,
-        per_cell=2 if args.quick else 3,
+        per_cell=2 if args.quick else 4,
         repeats=args.repeats,
         held_out=0.25,
         seed=0,

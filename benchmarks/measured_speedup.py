@@ -16,6 +16,7 @@ the same layout. Writes benchmarks/results/measured_speedup.json.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -75,20 +76,53 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--predict-only",
+        action="store_true",
+        help="reuse the measured times of the last results JSON, recompute the predictions with the current model",
+    )
     args = ap.parse_args()
     if not COST_FILE.exists():
         sys.exit(f"{COST_FILE} is missing: run benchmarks/calibration.py first")
     cost = balancer.CostModel.load(COST_FILE)
+    previous = json.loads((RESULTS / "measured_speedup.json").read_text()) if args.predict_only else None
+    # the plans are made with the model of the timed run, so that re-predicting keeps the micro-batches that ran
+    plan_cost = balancer.CostModel.from_dict(previous["plan_cost_model"]) if previous else cost
     lengths, topo = scaled_setup(args.micro_batches)
     plans = {
-        "balancer": balancer.plan(lengths, topo, cost, seed=args.seed),
-        "trl-bfd": trl_plan(lengths, topo, cost, seed=args.seed),
-        "token-count": token_count_plan(lengths, topo, cost, seed=args.seed),
+        "balancer": balancer.plan(lengths, topo, plan_cost, seed=args.seed),
+        "trl-bfd": trl_plan(lengths, topo, plan_cost, seed=args.seed),
+        "token-count": token_count_plan(lengths, topo, plan_cost, seed=args.seed),
     }
     configs = [("balancer+hybrid", "balancer", "hybrid"), ("balancer+zigzag", "balancer", "zigzag")]
     configs += [("trl-bfd", "trl-bfd", "zigzag"), ("token-count", "token-count", "zigzag")]
     missing = [name for name, _, kind in configs if kind not in LAYOUT_KINDS]
     configs = [c for c in configs if c[0] not in missing]
+    if previous:
+        measured = {name: np.array(row["measured_micro_batch_seconds"]) for name, row in previous["rows"].items()}
+        run_info = {k: previous[k] for k in ("replay_seconds", "micro_batches_run", "loadavg_before", "loadavg_after")}
+    else:
+        measured, run_info = replay(plans, configs, topo, args)
+    rows = {}
+    for name, plan_name, kind in configs:
+        rows[name] = summarize(plans[plan_name], kind, cost, measured[name].ravel(), args.steps)
+    payload = compare(rows, missing)
+    payload.update(
+        topology=topo.to_dict(),
+        scale=SCALE,
+        cost_model=cost.to_dict(),
+        plan_cost_model=plan_cost.to_dict(),
+        model_config=TINY_LLAMA,
+        **run_info,
+        note="2 shared CPUs, other jobs running; times are process CPU time (the slowest CP rank), min of repeats",
+    )
+    path = write_result("measured_speedup", payload)
+    print_table(payload)
+    print(f"wrote {path}")
+
+
+def replay(plans: dict, configs: list, topo, args) -> tuple[dict, dict]:
+    """Run every micro-batch of the sampled steps of every configuration; returns measured seconds per config."""
     jobs, index = [], []
     for name, plan_name, kind in configs:
         for s in sampled_steps(plans[plan_name], args.steps):
@@ -98,26 +132,15 @@ def main() -> None:
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     times = time_micro_batches(TINY_LLAMA, jobs, repeats=args.repeats, progress=sys.stderr.isatty())
-    replay_seconds = time.perf_counter() - t0
-    measured_all = np.array([min(r[1] for r in reps) for reps in times])
-    rows = {}
-    for name, plan_name, kind in configs:
-        rows[name] = summarize(plans[plan_name], kind, cost, measured_all[[i == name for i in index]], args.steps)
-    payload = compare(rows, missing)
-    payload.update(
-        topology=topo.to_dict(),
-        scale=SCALE,
-        cost_model=cost.to_dict(),
-        model_config=TINY_LLAMA,
-        replay_seconds=replay_seconds,
-        micro_batches_run=len(jobs),
-        loadavg_before=list(load_before),
-        loadavg_after=list(os.getloadavg()),
-        note="2 shared CPUs, other jobs running; times are process CPU time (the slowest CP rank), min of repeats",
-    )
-    path = write_result("measured_speedup", payload)
-    print_table(payload)
-    print(f"wrote {path}")
+    info = {
+        "replay_seconds": time.perf_counter() - t0,
+        "micro_batches_run": len(jobs),
+        "loadavg_before": list(load_before),
+        "loadavg_after": list(os.getloadavg()),
+    }
+    seconds = np.array([min(r[1] for r in reps) for reps in times])
+    index = np.array(index)
+    return {name: seconds[index == name] for name, _, _ in configs}, info
 
 
 def summarize(plan: balancer.Plan, kind: str, cost, measured: np.ndarray, steps: int) -> dict:
@@ -133,6 +156,7 @@ def summarize(plan: balancer.Plan, kind: str, cost, measured: np.ndarray, steps:
         "layout": kind,
         "num_steps": plan.num_steps,
         "sampled_steps": sampled.tolist(),
+        "measured_micro_batch_seconds": measured.tolist(),
         "measured_step_seconds": measured_step.tolist(),
         "predicted_step_seconds": predicted_step.tolist(),
         "measured_epoch_seconds": float(measured_step.mean() * plan.num_steps),

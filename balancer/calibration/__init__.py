@@ -94,7 +94,7 @@ def calibrate(
     cp_sizes=(1, 2),
     layouts=("zigzag",),
     method: str = "ring",
-    budgets=(1024, 2048, 4096),
+    budgets=(2048, 4096, 8192),
     kinds=KINDS,
     per_cell: int = 2,
     repeats: int = 3,
