@@ -12,6 +12,7 @@ stops with an error naming the range, having committed whole shards only (rerun 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -208,10 +209,32 @@ def encode_stream(
     ranges = plan_ranges(sources, infos, cursor, end, RANGE_RECORDS)
     if not ranges:
         return
+    items = [{"range": json.dumps([c.to_json(), e])} for c, e in ranges]
+    with _quiet_ordered_ray_data(ray):
+        yield from _run_tasks(ray, items, ranges, sources, cfg, min(num_proc, len(items)))
+
+
+@contextlib.contextmanager
+def _quiet_ordered_ray_data(ray) -> Iterator[None]:
+    """Ray Data settings for one run, restored after: output in input order, no Ray progress bars or INFO lines
+    (the pipeline draws its own bar)."""
     ctx = ray.data.DataContext.get_current()
+    data_logger = logging.getLogger("ray.data")
+    saved = (ctx.execution_options.preserve_order, ctx.enable_progress_bars, data_logger.level)
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
-    items = [{"range": json.dumps([c.to_json(), e])} for c, e in ranges]
+    data_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        ctx.execution_options.preserve_order, ctx.enable_progress_bars = saved[:2]
+        data_logger.setLevel(saved[2])
+
+
+def _run_tasks(
+    ray, items: list, ranges: list, sources: list, cfg: EncoderConfig, concurrency: int
+) -> Iterator[EncodedBatch]:
+    """The tasks' encoded batches in input order; a failure becomes one PretokenizeError."""
     with warnings.catch_warnings():
         # Ray Data retries the task of a dead worker forever unless the task's remote args bound it; up to Ray 2.63
         # only the (deprecated) remote-args route sets it
@@ -222,7 +245,7 @@ def encode_stream(
             batch_format="pyarrow",
             fn_kwargs={"sources": _task_sources(sources), "cfg": cfg},
             num_cpus=1,
-            concurrency=num_proc,
+            concurrency=concurrency,
             max_retries=TASK_RETRIES,
             retry_exceptions=False,
         )
