@@ -269,3 +269,17 @@ def test_cli_plan_cp_sizes(tmp_path, capsys):
     for bad, match in (("1,3", "--cp-sizes: size 3 does not divide"), ("1,x", "comma-separated"), ("0,4", "size 0")):
         assert main(["plan", *base, "--cp-sizes", bad, "-o", str(out)]) == 2
         assert match in capsys.readouterr().err
+
+
+def test_communication_aware_cuts_and_prediction():
+    comm = CostModel.from_model(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, hardware="h100-ib")
+    lengths = _lengths(n=300, seed=4, giants=(1800, 1500))
+    static = balancer.plan(lengths, dataclasses.replace(TOPO, cp_sizes=None, max_tokens=1024), comm, seed=0)
+    p = balancer.plan(lengths, dataclasses.replace(TOPO, max_tokens=1024), comm, seed=0)
+    p.validate()
+    size_of_doc = np.zeros(len(lengths), dtype=np.int64)
+    size_of_doc[p.doc] = np.repeat(p.group_size, np.diff(p.mb_ptr))
+    assert np.mean(size_of_doc[lengths < 100] == 1) > 0.8  # short documents pay no K/V traffic
+    pred, pred_static = p.predict(), static.predict()
+    assert len(pred["step_times"]) == p.num_steps
+    assert pred["step_time_total"] < pred_static["step_time_total"]

@@ -320,10 +320,34 @@ class Plan:
 
     def predict(self, cost: CostModel | None = None, layout="zigzag", method: str = "ring", **layout_options) -> dict:
         """Layout- and communication-aware time report (balancer.planning.predict.predict_plan; docs/cost-model.md);
-        `metrics()` keeps the compute-only definitions."""
-        from .predict import predict_plan
+        `metrics()` keeps the compute-only definitions. Dynamic plans: every group's micro-batch is timed on its own
+        group size and the steps assembled with the slot model (`micro_batch_times` is then flat, one per group)."""
+        from .predict import micro_batch_time, predict_plan
 
-        return predict_plan(self, cost, layout, method, **layout_options)
+        if not self.dynamic:
+            return predict_plan(self, cost, layout, method, **layout_options)
+        cost = self.cost_model if cost is None else cost
+        sizes = self.end - self.start
+        ptr = self.mb_ptr
+        times = np.array(
+            [
+                micro_batch_time(
+                    cost, sizes[ptr[k] : ptr[k + 1]], int(self.group_size[k]), layout, method, **layout_options
+                )
+                for k in range(len(ptr) - 1)
+            ]
+        )
+        step = _metrics.dynamic_step_times(
+            times * self.group_size, self.group_start, self.group_size, self.slot_ptr, self.topology
+        )
+        return {
+            "layout": {"kind": layout, **layout_options},
+            "method": method,
+            "micro_batch_times": times,
+            "step_times": step,
+            "step_time_total": float(step.sum()),
+            "compute_only_total": float(self.step_times().sum()),
+        }
 
     def validate(self) -> None:
         """Check the plan's invariants; raise ValueError naming the first violation.
