@@ -61,6 +61,8 @@ def check_case(
     head_chunks=1,
     seed=0,
     layout_opts=None,
+    window=(-1, -1),
+    softcap=0.0,
 ):
     """One case: build the same global problem on every rank, run cp_attention on this rank's shard, compare the
     local output and local dq/dk/dv with the same rows of the float64 reference."""
@@ -73,7 +75,7 @@ def check_case(
     dout = torch.randn(T, heads, dim, generator=gen, dtype=torch.float64)
     scale = 0.5 / math.sqrt(dim)
     qr, kr, vr = (x.double().requires_grad_() for x in (q, k, v))  # reference sees the same rounded inputs
-    ref = reference(qr, kr, vr, cu, causal, scale)
+    ref = reference(qr, kr, vr, cu, causal, scale, window, softcap)
     ref_g = torch.autograd.grad(ref, (qr, kr, vr), dout)
 
     cp = dist.get_world_size(group)
@@ -91,6 +93,8 @@ def check_case(
         method=method,
         backend=backend,
         head_chunks=head_chunks,
+        window_size=window,
+        softcap=softcap,
     )
     assert out.dtype == dtype and out.shape == ql.shape
     grads = torch.autograd.grad(out, (ql, kl, vl), layout.shard(dout, r).to(dtype))

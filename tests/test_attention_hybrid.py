@@ -48,6 +48,13 @@ def _worker(rank, world):
                 )  # fmt: skip
                 n += 1
     assert n == 6 * len(CASES)
+    # sliding windows and softcap: windowed blocks against the travelling K/V
+    for window, softcap in (((5, -1), 0.0), ((3, 2), 1.5)):
+        for method in ("ring", "allgather"):
+            check_case(
+                rank, world, np.array([40, 3, 17, 9, 25]), 4, 2, 8, torch.float64, window[1] < 0, method,
+                kind="hybrid", layout_opts={"split_threshold": 10}, window=window, softcap=softcap,
+            )  # fmt: skip
     if world == 3:
         _check_bytes(rank, world)
 
