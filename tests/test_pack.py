@@ -4,7 +4,6 @@ resume with real subprocesses."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import random
@@ -197,12 +196,14 @@ def test_bad_input_one_line_exit_2(tok, tmp_path, capsys):
     assert err.count("\n") == 0 and "micro_batches" in err, err
     assert not os.listdir(tmp_path / "o")
 
-    @dataclasses.dataclass(frozen=True)
-    class DynamicTopology(balancer.Topology):
-        cp_sizes: tuple = (1, 2)
-
     with pytest.raises(PackError, match="cp_sizes=.*dynamic CP"):
-        pack(tok, tmp_path / "d", DynamicTopology(dp=1, cp=2, micro_batches=2, max_tokens=4096), COST)
+        pack(
+            tok, tmp_path / "d", balancer.Topology(dp=1, cp=2, micro_batches=2, max_tokens=4096, cp_sizes=(1, 2)), COST
+        )
+    assert cli_main([base[0], str(tok), *base[1:], "--cp", "2", "--cp-sizes", "1,2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "dynamic CP" in err and "--cp-sizes" in err, err
+    assert not (tmp_path / "d").exists()
 
 
 def test_verify_catches_corruption_and_rerun_is_idempotent(packed, tmp_path, capsys):

@@ -352,6 +352,12 @@ def _register_pack(subparsers, default_shard_tokens: int) -> None:
     )
     add_topology_args(p)
     p.add_argument(
+        "--cp-sizes",
+        metavar="SIZES",
+        help="dynamic CP (as for `balancer plan`) is refused: its micro-batch slots regroup the ranks, which rows "
+        "per DP rank cannot express; train from a plan with BalancedBatchSampler instead",
+    )
+    p.add_argument(
         "--overflow",
         choices=OVERFLOW_POLICIES,
         default="error",

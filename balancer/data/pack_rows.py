@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from ..planning.cost import CostModel
-from ..planning.metrics import summarize
+from ..planning.metrics import step_times, summarize
 from ..planning.plan import Plan
 from ..planning.planner import plan as make_plan
 from ..planning.topology import Topology
@@ -285,7 +285,7 @@ def row_metrics(
     np.maximum.at(most, piece_step, piece_cost)
     total = int(lens.sum())
     return summarize(
-        mb_cost,
+        step_times(mb_cost, t),
         work,
         most,
         t,
