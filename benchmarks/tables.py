@@ -182,7 +182,29 @@ def pretokenize_throughput() -> str:
     return markdown(["tokenizer", "run", "MB/s", "wall overhead", "peak RSS MiB"], rows)
 
 
+def pack_throughput() -> str:
+    data = load("pack_throughput")
+    rows = []
+    for size in data["sizes"]:
+        pack, pretok = size["pack"], size["pretokenize"]
+        rows.append(
+            [
+                f"{size['tokens']:,}",
+                fmt(pretok["mb_per_s"], ".1f"),
+                fmt(pack["mb_per_s"], ".1f"),
+                ", ".join(fmt(r, ".2f") for r in size["ratio_per_repeat"]),
+                fmt(size["pack_vs_pretokenize_bytes_per_cpu_s"], ".2f"),
+                fmt(pack["peak_rss_mib"] - pack["rss_after_imports_mib"], ".0f"),
+                "-".join(fmt(f(sample[0] for sample in size["loadavg"]), ".0f") for f in (min, max)),
+            ]
+        )
+    header = ["tokens", "pretokenize MB/s", "pack MB/s", "pack/pretokenize per repeat", "per CPU s"]
+    header += ["pack peak MiB above imports", "load avg (1 min)"]
+    return markdown(header, rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "pack_throughput": pack_throughput,
     "planner_quality": planner_quality,
     "planner_speed": planner_speed,
     "compare_speedup": compare_speedup,
