@@ -4,7 +4,6 @@ documented remainder slack, tiny documents, the contiguous kind, and the attenti
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import pytest
@@ -163,16 +162,16 @@ def test_errors():
         lay.unshard([torch.zeros(3), torch.zeros(3)])
 
 
-def test_build_is_cheap_for_100k_documents():
+def test_build_handles_100k_documents():
+    """A large batch builds (vectorised construction; its speed is a benchmark's business, not a test's) and every
+    token lands on exactly one rank."""
     rng = np.random.default_rng(0)
     lens = rng.integers(1, 4000, size=100_000)
-    t = time.process_time()
     lay = CPLayout.build(_cu(lens), 8)
-    idx = lay.local_indices(3)
-    lay.work()
-    lay.pieces(3, 5, True)
-    assert time.process_time() - t < 2.0
-    assert idx.shape[0] == lay.local_counts[3]
+    counts = [lay.local_indices(r).shape[0] for r in range(8)]
+    assert counts == list(lay.local_counts) and sum(counts) == int(lens.sum())
+    assert np.array_equal(np.sort(np.concatenate([lay.local_indices(r) for r in range(8)])), np.arange(lens.sum()))
+    assert len(lay.pieces(3, 5, True)) > 0
 
 
 # ---------------------------------------------------------------------------------------------- hybrid
@@ -290,8 +289,9 @@ def test_options_of_other_kinds_and_bad_specs():
         CPLayout.from_spec(_cu([3]), 2, {"split_threshold": 4})
 
 
-def test_hybrid_build_is_cheap_for_a_large_batch():
+def test_hybrid_handles_a_large_batch():
+    """5,000 documents: every token on exactly one rank (construction speed is measured by the benchmarks)."""
     lens = np.random.default_rng(1).integers(1, 4000, size=5_000)
-    t = time.process_time()
-    CPLayout.build(_cu(lens), 8, kind="hybrid")
-    assert time.process_time() - t < 5.0  # CPU seconds (not wall: the machine is shared); typically ~0.02
+    lay = CPLayout.build(_cu(lens), 8, kind="hybrid")
+    held = np.sort(np.concatenate([lay.local_indices(r) for r in range(8)]))
+    assert np.array_equal(held, np.arange(lens.sum()))
