@@ -1,7 +1,7 @@
 """Inputs of `balancer pretokenize`: discovery (`resolve_inputs`), fingerprints (`fingerprint_input`) and the
-record stream (`iter_records`, resumable at a `Cursor`) over .jsonl / .json / .parquet / .txt files (the first three
-also gzip or zstd compressed: `.jsonl.gz`, `.json.zst`, ...) and Hugging Face datasets; `PretokenizeError`, the error
-of the whole pretokenize pipeline (bad input, refused output folder, ...).
+record stream (`iter_records`, resumable at a `Cursor`) over .jsonl / .json / .parquet / .txt files (JSON and text
+files also gzip or zstd compressed: `.jsonl.gz`, `.json.zst`, ...) and Hugging Face datasets; `PretokenizeError`, the
+error of the whole pretokenize pipeline (bad input, refused output folder, ...).
 
 A compressed input is streamed (`balancer.data.compression`): its records, line numbers and cursors are those of
 the uncompressed file; its checksum (`sha256`, `size`) is over the compressed bytes as stored.
