@@ -161,6 +161,12 @@ def register(subparsers) -> None:
     """Add `pretokenize`, `verify`, `merge` and `pack` to an argparse subparsers object."""
     from ..data.shards import DEFAULT_SHARD_TOKENS
 
+    _register_pretokenize(subparsers, DEFAULT_SHARD_TOKENS)
+    _register_verify_and_merge(subparsers)
+    _register_pack(subparsers, DEFAULT_SHARD_TOKENS)
+
+
+def _register_pretokenize(subparsers, default_shard_tokens: int) -> None:
     p = subparsers.add_parser(
         "pretokenize",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -243,9 +249,9 @@ def register(subparsers) -> None:
     p.add_argument(
         "--shard-tokens",
         type=_positive_int,
-        default=DEFAULT_SHARD_TOKENS,
+        default=default_shard_tokens,
         metavar="N",
-        help=f"close a shard at the first document boundary after N tokens (default {DEFAULT_SHARD_TOKENS:,})",
+        help=f"close a shard at the first document boundary after N tokens (default {default_shard_tokens:,})",
     )
     p.add_argument(
         "--num-shards",
@@ -291,6 +297,8 @@ def register(subparsers) -> None:
     )
     p.set_defaults(func=_run_pretokenize)
 
+
+def _register_verify_and_merge(subparsers) -> None:
     v = subparsers.add_parser(
         "verify",
         help="check a pretokenized folder (checksums, counts, lengths index)",
@@ -318,7 +326,6 @@ def register(subparsers) -> None:
         help="replace a different job's output in --output (deletes only the files this tool wrote there)",
     )
     m.set_defaults(func=_run_merge)
-    _register_pack(subparsers, DEFAULT_SHARD_TOKENS)
 
 
 def _register_pack(subparsers, default_shard_tokens: int) -> None:
