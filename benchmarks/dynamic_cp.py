@@ -216,6 +216,20 @@ def table(data: dict) -> str:
             f"{s['plan_cpu_seconds']:.2f} / {d['plan_cpu_seconds']:.2f} | {single:.0%} | "
             f"{'missed: ' + ', '.join(missed) if missed else 'all met'} |"
         )
+    if data.get("communication_rows"):
+        lines += [
+            "",
+            "| distribution | topology | predicted step time, dynamic vs static | rank-slots on groups of 1 | "
+            "plan CPU s, static / dynamic |",
+            "|---|---|---|---|---|",
+        ]
+        for r in data["communication_rows"]:
+            cpu = r["plan_cpu_seconds"]
+            lines.append(
+                f"| {r['distribution']} | {r['topology']} | {1 / r['predicted_speedup']:.3f} "
+                f"({r['predicted_speedup']:.2f}x faster) | {r['rank_slots_on_groups_of_1']:.0%} | "
+                f"{cpu['static']:.2f} / {cpu['dynamic']:.2f} |"
+            )
     return "\n".join(lines)
 
 
@@ -230,7 +244,25 @@ def main() -> None:
         default=["wlbllm", "prolong", "heavy"],
         help="traces also planned and timed with the communication-aware model (slower: a layout per candidate)",
     )
+    ap.add_argument(
+        "--comm-only", action="store_true", help="recompute only the communication rows of the saved results"
+    )
     args = ap.parse_args()
+    if args.comm_only:
+        from _common import RESULTS
+
+        data = json.loads((RESULTS / "dynamic_cp.json").read_text())
+        data.pop("benchmark", None), data.pop("date", None), data.pop("machine", None)
+        data["communication_rows"] = []
+        for trace in args.comm_traces:
+            lengths = load_trace(trace, seed=args.seed)
+            for name, (dp, cp, pp, m) in TOPOLOGIES.items():
+                c = comm_row(trace, name, lengths, standard_topology(lengths, dp, cp, pp, m), args.seed)
+                data["communication_rows"].append(c)
+                data["load_average"].append(os.getloadavg())
+                print(f"comm model | {trace} | {name} | dynamic vs static: {c['predicted_speedup']:.3f}x", flush=True)
+        print(f"wrote {write_result('dynamic_cp', data)}")
+        return
     if args.table:
         from _common import RESULTS
 

@@ -47,22 +47,28 @@ def check_fits(lengths: np.ndarray, topology: Topology, overflow: str) -> None:
         )
 
 
-def base_group_size(unit_cost: np.ndarray, unit_tokens: np.ndarray, topology: Topology) -> int:
+def base_group_size(
+    unit_cost: np.ndarray, unit_tokens: np.ndarray, topology: Topology, communication: bool = False
+) -> int:
     """The CP size C of the balancing plan (step 1).
 
     The largest size balances best (one replica pools every document) but leaves few micro-batches per step to
     pack (slow: the packer deals units in rounds of one per micro-batch); so C is the largest size that keeps at
     least MIN_BINS micro-batches per step, raised to the smallest size on which no document stalls its step
-    (`P * cost(d) / C` within STALL_SHARE of a rank's share of a step) and to what the longest unit needs.
+    (`P * cost(d) / C` within STALL_SHARE of a rank's share of a step) and to what the longest unit needs. With a
+    `communication`-aware cost model: the static CP size (or what the longest unit needs; large groups are not free).
     """
     sizes = np.asarray(topology.cp_sizes)
     pool, m, pp = topology.pool_size, topology.micro_batches, topology.pp
     many_bins = sizes[(pool // sizes) * m >= MIN_BINS]
     size = int(many_bins.max()) if len(many_bins) else int(sizes.min())
+    if communication:  # large groups cost K/V traffic: start from the static CP size, grow only to fit
+        size = int(sizes[sizes >= topology.cp].min()) if np.any(sizes >= topology.cp) else int(sizes.max())
     steps = max(1.0, float(unit_tokens.sum()) / topology.tokens_per_step)
     share = float(unit_cost.sum()) / steps / pool * (1 + (pp - 1) / m)
     no_stall = sizes[pp * float(unit_cost.max()) / sizes <= STALL_SHARE * share]
-    size = max(size, int(no_stall.min()) if len(no_stall) else int(sizes.max()))
+    if not communication:
+        size = max(size, int(no_stall.min()) if len(no_stall) else int(sizes.max()))
     holds = sizes[sizes * topology.max_tokens >= unit_tokens.max()]
     return max(size, int(holds.min()) if len(holds) else int(sizes.max()))
 
@@ -83,13 +89,32 @@ def largest_group_topology(topology: Topology, size: int | None = None) -> Topol
 def plan_dynamic(
     lengths: np.ndarray, topology: Topology, cost: CostModel, seed: int, overflow: str, progress: bool
 ) -> Plan:
-    """The dynamic-CP plan of an epoch (see the module docstring)."""
-    from .planner import plan as static_plan
-
+    """The dynamic-CP plan of an epoch (see the module docstring). With a communication-aware cost model two
+    balancing sizes are tried (the compute rule's and the static CP size, where larger groups pay no extra K/V
+    traffic) and the plan with the smaller predicted time (`Plan.predict`) is kept."""
     started = time.perf_counter()
     check_fits(lengths, topology, overflow)
     unit_tokens = np.minimum(lengths, topology.largest_group * topology.max_tokens)
-    size = base_group_size(cost.cost(unit_tokens), unit_tokens, topology)
+    unit_cost = cost.cost(unit_tokens)
+    sizes = {base_group_size(unit_cost, unit_tokens, topology)}
+    if cost.has_comm:
+        sizes.add(base_group_size(unit_cost, unit_tokens, topology, communication=True))
+    best, best_time = None, np.inf
+    for size in sorted(sizes):
+        candidate = _plan_on(lengths, topology, cost, size, seed, overflow, progress)
+        time_taken = candidate.predict(cost)["step_time_total"] if len(sizes) > 1 else 0.0
+        if time_taken < best_time:
+            best, best_time = candidate, time_taken
+    best.plan_seconds = time.perf_counter() - started
+    return best
+
+
+def _plan_on(
+    lengths: np.ndarray, topology: Topology, cost: CostModel, size: int, seed: int, overflow: str, progress: bool
+) -> Plan:
+    """Steps 1 and 2 of the module docstring for balancing size `size`."""
+    from .planner import plan as static_plan
+
     virtual = largest_group_topology(topology, size)
     base = static_plan(lengths, virtual, cost, seed=seed, overflow=overflow, progress=progress)
     order, group_start, group_size, sizes, slot_ptr = _split_groups(base, virtual, topology, cost)
@@ -103,7 +128,6 @@ def plan_dynamic(
         np.concatenate([[0], np.cumsum(sizes)]),
         seed=seed,
         natural_step=base.natural_step,
-        plan_seconds=time.perf_counter() - started,
         dropped_tokens=base.dropped_tokens,
         groups=(group_start, group_size, slot_ptr),
     )
