@@ -233,6 +233,11 @@ def table(data: dict) -> str:
     return "\n".join(lines)
 
 
+def args_order(trace: str) -> int:
+    order = ["wlbllm", "prolong", "sft", "heavy"]
+    return order.index(trace) if trace in order else len(order)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--traces", nargs="+", default=["wlbllm", "prolong", "sft", "heavy"])
@@ -247,6 +252,15 @@ def main() -> None:
     ap.add_argument(
         "--comm-only", action="store_true", help="recompute only the communication rows of the saved results"
     )
+    ap.add_argument(
+        "--comm-max-pool",
+        type=int,
+        default=8,
+        help="communication rows only for pools of at most this many ranks (a layout per candidate cut is slow)",
+    )
+    ap.add_argument(
+        "--merge", action="store_true", help="replace only the --traces rows in the saved results (keep the others)"
+    )
     args = ap.parse_args()
     if args.comm_only:
         from _common import RESULTS
@@ -257,6 +271,8 @@ def main() -> None:
         for trace in args.comm_traces:
             lengths = load_trace(trace, seed=args.seed)
             for name, (dp, cp, pp, m) in TOPOLOGIES.items():
+                if dp * cp > args.comm_max_pool:
+                    continue
                 c = comm_row(trace, name, lengths, standard_topology(lengths, dp, cp, pp, m), args.seed)
                 data["communication_rows"].append(c)
                 data["load_average"].append(os.getloadavg())
@@ -296,13 +312,22 @@ def main() -> None:
                 flush=True,
             )
         for trace, name, lengths, topo in cases:
-            if trace in args.comm_traces:
+            if trace in args.comm_traces and topo.dp * topo.cp <= args.comm_max_pool:
                 c = comm_row(trace, name, lengths, topo, args.seed)
                 comm_rows.append(c)
                 loads.append(os.getloadavg())
                 print(
                     f"comm model | {trace} | {name} | predicted speedup dynamic vs static {c['predicted_speedup']:.3f}"
                 )
+    if args.merge:
+        from _common import RESULTS
+
+        saved = json.loads((RESULTS / "dynamic_cp.json").read_text())
+        keep = [r for r in saved["rows"] if r["distribution"] not in args.traces]
+        names = [*TOPOLOGIES, TIGHT[1]]
+        rows = sorted(keep + rows, key=lambda r: (args_order(r["distribution"]), names.index(r["topology"])))
+        comm_rows = [r for r in saved.get("communication_rows", []) if r["distribution"] not in args.traces] + comm_rows
+        loads = saved.get("load_average", []) + loads
     payload = {
         "cost": cost.to_dict(),
         "communication_model": comm_cost().to_dict(),
