@@ -92,7 +92,7 @@ def calibrate(
     config: dict | None = None,
     *,
     cp_sizes=(1, 2),
-    layouts=("zigzag",),
+    layouts=("zigzag", "hybrid"),
     method: str = "ring",
     budgets=(2048, 4096, 8192),
     kinds=KINDS,

@@ -79,7 +79,7 @@ def register(sub) -> None:
     p.add_argument("-o", "--output", default="cost.json", help="where to write the fitted cost model (JSON)")
     p.add_argument("--model-config", help="a transformers config.json with model_type (random weights, no download)")
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="CP sizes to time (each a gloo world)")
-    p.add_argument("--layout", nargs="+", default=["zigzag"], help="CP layouts to time for CP > 1 (zigzag, hybrid)")
+    p.add_argument("--layout", nargs="+", default=["zigzag", "hybrid"], help="CP layouts to time for CP > 1")
     p.add_argument("--method", choices=("ring", "allgather"), default="ring", help="CP attention method")
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192], help="micro-batch token budgets")
     p.add_argument("--per-cell", type=int, default=2, help="micro-batches per (kind, budget) in the grid")
