@@ -203,7 +203,138 @@ def pack_throughput() -> str:
     return markdown(header, rows)
 
 
+def dynamic_cp() -> str:
+    data = load("dynamic_cp")
+    rows = []
+    for row in data["rows"]:
+        static, dynamic = row["static"], row["dynamic"]
+        rows.append(
+            [
+                row["distribution"],
+                row["topology"],
+                ",".join(str(size) for size in row["cp_sizes"]),
+                fmt(static["epoch_efficiency"], ".4f"),
+                fmt(dynamic["epoch_efficiency"], ".4f"),
+                fmt(static["imbalance"], ".4f"),
+                fmt(dynamic["imbalance"], ".4f"),
+                fmt(dynamic["plan_cpu_seconds"] / max(static["plan_cpu_seconds"], 1e-9), ".1f") + "x",
+                goals_cell(row.get("goals", {})),
+            ]
+        )
+    header = ["distribution", "topology", "cp sizes", "static eff.", "dynamic eff.", "static imb.", "dynamic imb."]
+    header += ["plan CPU time dyn/static", "goals"]
+    return markdown(header, rows)
+
+
+def dynamic_cp_communication() -> str:
+    data = load("dynamic_cp")
+    rows = [
+        [
+            row["distribution"],
+            row["topology"],
+            ",".join(str(size) for size in row["cp_sizes"]),
+            fmt(row["predicted_speedup"], ".3f") + "x",
+            fmt(row["rank_slots_on_groups_of_1"], ".2f"),
+        ]
+        for row in data["communication_rows"]
+    ]
+    return markdown(
+        ["distribution", "topology", "cp sizes", "predicted speedup", "share of rank-slots in groups of 1"], rows
+    )
+
+
+def hybrid_layout() -> str:
+    data = load("hybrid_layout")
+    rows = []
+    for name, ratio in data["ratios_zigzag_over_hybrid"].items():
+        batch, method = name.split("/")
+        fewer = "all (hybrid sends 0)" if not ratio["hybrid_bytes"] else fmt(ratio["bytes_ratio"], ".1f") + "x"
+        rows.append(
+            [
+                batch,
+                method,
+                f"{ratio['zigzag_bytes'] / 2**20:,.0f}",
+                f"{ratio['hybrid_bytes'] / 2**20:,.0f}",
+                fewer,
+                fmt(ratio["speedup_wall"], ".2f") + "x",
+                fmt(ratio["speedup_cpu"], ".2f") + "x",
+            ]
+        )
+    header = ["micro-batch", "method", "zigzag MiB sent", "hybrid MiB sent", "fewer bytes", "speedup (wall)"]
+    header.append("speedup (CPU time)")
+    return markdown(header, rows)
+
+
+def measured_speedup() -> str:
+    data = load("measured_speedup")
+    rows = []
+    for name, row in data["rows"].items():
+        error = row.get("micro_batch_error") or {}
+        rows.append(
+            [
+                name,
+                row["layout"],
+                fmt(row.get("measured_epoch_seconds"), ".1f"),
+                fmt(row.get("predicted_epoch_seconds_sampled"), ".1f"),
+                fmt(row.get("measured_speedup_vs_trl"), ".2f") + "x",
+                fmt(row.get("predicted_speedup_vs_trl"), ".2f") + "x",
+                fmt(error.get("median_abs_error"), ".1%"),
+                fmt(row.get("kv_tokens_moved"), ",.0f"),
+            ]
+        )
+    header = ["plan", "layout", "measured s (sampled steps)", "predicted s", "measured speedup vs TRL"]
+    header += ["predicted speedup", "median micro-batch error", "K/V tokens moved"]
+    ranking = (
+        f"Measured ranking: {', '.join(data['ranking_measured'])}; predicted: {', '.join(data['ranking_predicted'])} "
+        f"({'the same' if data['ranking_correct'] else 'different'})."
+    )
+    return markdown(header, rows) + "\n\n" + ranking
+
+
+def calibration() -> str:
+    report = load("calibration")["report"]
+    rows = [
+        [
+            name.replace("_", " "),
+            str(part["count"]),
+            fmt(part["median_abs_error"], ".1%"),
+            fmt(part["p90_abs_error"], ".1%"),
+            fmt(part["max_abs_error"], ".1%"),
+        ]
+        for name, part in report.items()
+        if isinstance(part, dict) and "median_abs_error" in part
+    ]
+    return markdown(["micro-batches", "count", "median abs error", "p90 abs error", "max abs error"], rows)
+
+
+def open_checks() -> str:
+    data = load("open_checks")
+    rows = []
+    for name, corpus in data["corpora"].items():
+        for cache in ("cold", "warm"):
+            result = corpus.get(cache)
+            if not result:
+                continue
+            rows.append(
+                [
+                    f"{name} ({corpus['bytes'] / 1e9:.2f} GB, mean {corpus['mean_row_tokens']:.0f} tokens/row)",
+                    cache,
+                    fmt(result["wall"]["open_checks_share_of_full_read"], ".1%"),
+                    fmt(result["cpu"]["open_checks_share_of_full_read"], ".1%"),
+                    fmt(result["wall"].get("open_checks_share_of_verify"), ".2%"),
+                ]
+            )
+    header = ["corpus", "page cache", "open / full read (wall)", "open / full read (CPU)", "open / verify (wall)"]
+    return markdown(header, rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "dynamic_cp": dynamic_cp,
+    "dynamic_cp_communication": dynamic_cp_communication,
+    "hybrid_layout": hybrid_layout,
+    "measured_speedup": measured_speedup,
+    "calibration": calibration,
+    "open_checks": open_checks,
     "pack_throughput": pack_throughput,
     "planner_quality": planner_quality,
     "planner_speed": planner_speed,
