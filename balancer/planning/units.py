@@ -3,12 +3,22 @@ of split documents, or truncated documents)."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from .topology import Topology
 
 OVERFLOW_POLICIES = ("error", "split", "truncate")
 MAX_SPLIT_WINDOWS = 1 << 20  # overflow="split" makes at most this many windows in all (planning work grows with them)
+log = logging.getLogger(__name__)
+_logged: set = set()  # decisions already reported: each is logged once per process, not once per epoch
+
+
+def _log_once(key: tuple, level: int, message: str, *args) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.log(level, message, *args)
 
 
 def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
@@ -48,6 +58,11 @@ def planning_units(lengths: np.ndarray, cap: int, overflow: str, topology: Topol
             f"max_tokens or cp, or pass overflow='split' (windows) or 'truncate'"
         )
     if overflow == "truncate":
+        dropped = int((lengths - cap)[over].sum())
+        key = ("truncate", int(over.sum()), cap, dropped)
+        _log_once(
+            key, logging.WARNING, "overflow='truncate': %d documents cut to %d tokens, %d tokens dropped", *key[1:]
+        )
         return np.arange(n), np.zeros(n, dtype=np.int64), np.minimum(lengths, cap)
     pieces = np.where(over, -(-lengths // cap), 1)
     windows = int(pieces[over].sum())
@@ -59,6 +74,8 @@ def planning_units(lengths: np.ndarray, cap: int, overflow: str, topology: Topol
             f"{MAX_SPLIT_WINDOWS} windows that bounds planning time and memory; check the lengths, raise max_tokens "
             "or cp, or pass overflow='truncate'"
         )
+    key = ("split", int(over.sum()), windows, cap)
+    _log_once(key, logging.INFO, "overflow='split': %d documents cut into %d windows of at most %d tokens", *key[1:])
     doc = np.repeat(np.arange(n), pieces)
     first = np.cumsum(pieces) - pieces
     start = (np.arange(len(doc)) - np.repeat(first, pieces)) * cap
