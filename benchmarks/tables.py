@@ -1,8 +1,9 @@
-"""Generate the benchmark tables of docs/benchmarks.md from benchmarks/results/*.json.
+"""Generate the benchmark tables of docs/*.md from benchmarks/results/*.json.
 
-Every table in docs/benchmarks.md sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` and is written
-by the function registered under NAME here, from the result JSON alone. ``python benchmarks/tables.py`` rewrites
-the page; ``--check`` exits 1 if the page is out of date (the test suite runs it), so no figure is pasted by hand.
+Every figure table in docs/ sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` and is written by the
+function registered under NAME here, from the result JSON alone (a table may appear on several pages).
+``python benchmarks/tables.py`` rewrites the pages; ``--check`` exits 1 if one is out of date (the test suite runs
+it), so no figure is pasted by hand.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-PAGE = ROOT / "docs" / "benchmarks.md"
+DOCS = ROOT / "docs"
 
 
 def fmt(value, spec: str = ".3f") -> str:
@@ -175,11 +176,12 @@ def pretokenize_throughput() -> str:
                     run["tokenizer"],
                     name,
                     fmt(result["mb_per_s"], ".1f"),
+                    fmt(result.get("cpu_seconds"), ".2f"),
                     fmt(result.get("overhead_vs_direct"), "+.0%") if "overhead_vs_direct" in result else "-",
                     fmt(result.get("peak_rss_mib"), ".0f"),
                 ]
             )
-    return markdown(["tokenizer", "run", "MB/s", "wall overhead", "peak RSS MiB"], rows)
+    return markdown(["tokenizer", "run", "MB/s", "CPU s", "wall overhead", "peak RSS MiB"], rows)
 
 
 def pack_throughput() -> str:
@@ -265,6 +267,29 @@ def hybrid_layout() -> str:
     return markdown(header, rows)
 
 
+def hybrid_layout_runs() -> str:
+    data = load("hybrid_layout")
+    rows = []
+    for run in data["rows"]:
+        options = {k: v for k, v in run["layout"].items() if k != "kind"}
+        label = run["layout"]["kind"] + (f" ({', '.join(f'{k}={v}' for k, v in options.items())})" if options else "")
+        rows.append(
+            [
+                run["batch"],
+                run["method"],
+                label,
+                fmt(run["fwd_bwd_s"], ".2f"),
+                fmt(run["fwd_bwd_cpu_s"], ".2f"),
+                fmt(sum(run["bytes_per_rank"]) / 1e6, ".1f"),
+                str(run["split_docs"]),
+                fmt(run["relative_load"]),
+            ]
+        )
+    header = ["micro-batch", "method", "layout", "fwd+bwd wall s", "fwd+bwd CPU s", "MB sent (all ranks)"]
+    header += ["split docs", "max relative load"]
+    return markdown(header, rows)
+
+
 def measured_speedup() -> str:
     data = load("measured_speedup")
     rows = []
@@ -332,6 +357,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "dynamic_cp": dynamic_cp,
     "dynamic_cp_communication": dynamic_cp_communication,
     "hybrid_layout": hybrid_layout,
+    "hybrid_layout_runs": hybrid_layout_runs,
     "measured_speedup": measured_speedup,
     "calibration": calibration,
     "open_checks": open_checks,
@@ -346,34 +372,40 @@ TABLES: dict[str, Callable[[], str]] = {
 MARKER = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
 
-def render(page: str) -> str:
+def render(page: str, path: Path) -> str:
     """The page with every marked table regenerated; unknown table names are an error."""
 
     def replace(match: re.Match) -> str:
         name = match.group("name")
         if name not in TABLES:
-            raise SystemExit(f"{PAGE}: unknown table {name!r}; known: {', '.join(sorted(TABLES))}")
+            raise SystemExit(f"{path}: unknown table {name!r}; known: {', '.join(sorted(TABLES))}")
         return match.group(1) + TABLES[name]() + "\n" + match.group(4)
 
-    missing = sorted(set(TABLES) - {match.group("name") for match in MARKER.finditer(page)})
-    if missing:
-        raise SystemExit(f"{PAGE}: no place for the tables {', '.join(missing)}")
     return MARKER.sub(replace, page)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is out of date")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page of docs/ is out of date")
     args = parser.parse_args(argv)
-    page = PAGE.read_text()
-    fresh = render(page)
-    if args.check:
-        if fresh != page:
-            print(f"{PAGE} is out of date: run python benchmarks/tables.py", file=sys.stderr)
-            return 1
-        return 0
-    PAGE.write_text(fresh)
-    print(f"wrote {PAGE}")
+    placed, stale = set(), []
+    for path in sorted(DOCS.glob("*.md")):
+        page = path.read_text()
+        placed |= {match.group("name") for match in MARKER.finditer(page)}
+        fresh = render(page, path)
+        if fresh == page:
+            continue
+        if args.check:
+            stale.append(path)
+        else:
+            path.write_text(fresh)
+            print(f"wrote {path}")
+    missing = sorted(set(TABLES) - placed)
+    if missing:
+        raise SystemExit(f"no page of {DOCS} shows the tables {', '.join(missing)}")
+    if stale:
+        print(f"out of date: {', '.join(map(str, stale))}: run python benchmarks/tables.py", file=sys.stderr)
+        return 1
     return 0
 
 
