@@ -251,22 +251,28 @@ def test_kill9_and_resume_byte_identical(tmp_path):
         except (OSError, ValueError, KeyError):
             return 0
 
+    # kill moments keyed to recorded progress, not to the clock: one during start-up, then three at random points
+    # of the writing phase (each later than the last), so the test kills mid-run on a fast machine as on a slow one
+    quarter = max(n_shards // 4, 1)
+    targets = [
+        rng.randint(1, quarter),
+        rng.randint(quarter + 1, 2 * quarter),
+        rng.randint(2 * quarter + 1, 3 * quarter),
+    ]
     logs, kills = [], 0
-    for attempt in range(3):
-        before = shards_done()
+    for attempt in range(4):
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         if attempt == 0:
-            time.sleep(rng.uniform(0.2, 3.0))  # anywhere, start-up and planning included
-        else:  # wait until this run finishes a shard, then a random moment after (inside a shard or between two)
+            time.sleep(rng.uniform(0.05, 0.5))  # inside the interpreter's start-up and imports
+        else:
             t0 = time.time()
-            while shards_done() <= before and proc.poll() is None and time.time() - t0 < 60:
-                time.sleep(0.005)
-            time.sleep(rng.uniform(0.0, 0.3))
+            while shards_done() < targets[attempt - 1] and proc.poll() is None and time.time() - t0 < 120:
+                time.sleep(0.001)
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             kills += 1
         logs.append(proc.communicate()[1].decode())
-    assert kills >= 2
+    assert kills >= 3
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     logs.append(done.stderr)
