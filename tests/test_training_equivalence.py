@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _dist_utils import run_world  # noqa: E402
+from _trainer_utils import tiny_llama  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,20 +32,7 @@ TOL = 1e-9
 
 
 def _model(attn: str):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation=attn,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).double()
+    return tiny_llama(attn).double()  # float64: the equivalence is checked to 1e-9
 
 
 def _data(n_docs: int, seed: int):
