@@ -38,6 +38,25 @@ def _nonneg_int(text: str) -> int:
     return v
 
 
+def _reporting(call, errors: tuple, resumable: bool) -> int:
+    """Run a data job: ``errors`` (and, for every job, OS errors) become one ``error:`` line and EXIT_ERROR; Ctrl-C
+    on a ``resumable`` job says how to resume."""
+    try:
+        call()
+    except errors as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except OSError as exc:
+        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        if not resumable:
+            raise
+        print("interrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+    return EXIT_OK
+
+
 def _run_pretokenize(args: argparse.Namespace) -> int:
     from ..data.shards import PretokenizeError, PretokenizeOptions, pretokenize
 
@@ -55,8 +74,8 @@ def _run_pretokenize(args: argparse.Namespace) -> int:
     if args.ray_address is not None and args.engine != "ray":
         print("error: --ray-address needs --engine ray", file=sys.stderr)
         return EXIT_ERROR
-    try:
-        pretokenize(
+    return _reporting(
+        lambda: pretokenize(
             args.inputs,
             args.output,
             tokenizer=args.tokenizer,
@@ -68,27 +87,19 @@ def _run_pretokenize(args: argparse.Namespace) -> int:
             progress=False if args.quiet else None,
             engine=args.engine,
             ray_address=args.ray_address,
-        )
-    except PretokenizeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    except OSError as exc:
-        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("interrupted: run the same command again to resume", file=sys.stderr)
-        return 130
-    return EXIT_OK
+        ),
+        (PretokenizeError,),
+        resumable=True,
+    )
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    from ..data.pack import is_packed, verify_packed
+    from ..data.pack import is_packed, load_packed_manifest, verify_packed
     from ..data.shards import load_manifest, verify
 
     try:
-        if is_packed(args.dir):
-            return _verify_packed(args.dir, verify_packed(args.dir))
-        problems = verify(args.dir)
+        packed = is_packed(args.dir)
+        problems = verify_packed(args.dir) if packed else verify(args.dir)
     except OSError as exc:
         print(f"error: {describe_os_error(exc)}", file=sys.stderr)
         return EXIT_ERROR
@@ -97,36 +108,19 @@ def _run_verify(args: argparse.Namespace) -> int:
             print(f"FAIL {p}", file=sys.stderr)
         print(f"{args.dir}: {len(problems)} problem(s)", file=sys.stderr)
         return EXIT_PROBLEM
-    c = load_manifest(args.dir)["counts"]
-    print(f"OK {args.dir}: {c['rows']} rows, {c['tokens']} tokens, {c['documents']} documents verified")
-    return EXIT_OK
-
-
-def _verify_packed(folder: str, problems: list[str]) -> int:
-    if problems:
-        for p in problems:
-            print(f"FAIL {p}", file=sys.stderr)
-        print(f"{folder}: {len(problems)} problem(s)", file=sys.stderr)
-        return EXIT_PROBLEM
-    from ..data.pack import load_packed_manifest
-
-    c = load_packed_manifest(folder)["counts"]
-    print(f"OK {folder}: {c['rows']} packed rows, {c['tokens']} tokens verified against the plans")
+    if packed:
+        c = load_packed_manifest(args.dir)["counts"]
+        print(f"OK {args.dir}: {c['rows']} packed rows, {c['tokens']} tokens verified against the plans")
+    else:
+        c = load_manifest(args.dir)["counts"]
+        print(f"OK {args.dir}: {c['rows']} rows, {c['tokens']} tokens, {c['documents']} documents verified")
     return EXIT_OK
 
 
 def _run_merge(args: argparse.Namespace) -> int:
     from ..data.shards import PretokenizeError, merge
 
-    try:
-        merge(args.parts, args.output, overwrite=args.overwrite)
-    except PretokenizeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    except OSError as exc:
-        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
-        return EXIT_ERROR
-    return EXIT_OK
+    return _reporting(lambda: merge(args.parts, args.output, overwrite=args.overwrite), (PretokenizeError,), False)
 
 
 def _run_pack(args: argparse.Namespace) -> int:
@@ -134,7 +128,7 @@ def _run_pack(args: argparse.Namespace) -> int:
     from ..data.readers import PretokenizeError
     from . import cost_from_args, topology_from_args
 
-    try:
+    def run() -> None:
         with SourceTokens(args.tokdir) as source:
             pack(
                 source,
@@ -148,13 +142,8 @@ def _run_pack(args: argparse.Namespace) -> int:
                 overwrite=args.overwrite,
                 progress=False if args.quiet else None,
             )
-    except (PretokenizeError, ValueError) as exc:  # PackError is a PretokenizeError
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        print("interrupted: run the same command again to resume", file=sys.stderr)
-        return 130
-    return EXIT_OK
+
+    return _reporting(run, (PretokenizeError, ValueError), resumable=True)  # PackError is a PretokenizeError
 
 
 def register(subparsers) -> None:
