@@ -15,15 +15,15 @@ from typing import Optional
 import numpy as np
 import torch
 
-from ._dist import Group, consensus_check, dtype_code
-from .allgather import AllGatherAttention
-from .backends import BACKENDS, Backend, Pieces, check_inputs, get_backend
-from .layout import CPLayout
-from .masks import Mask, make_mask
-from .merge import merge_
-from .ring import RingAttention
-from .ulysses import ulysses_attention
-from .varlen import varlen_attention
+from attention._dist import Group, consensus_check, dtype_code
+from attention.allgather import AllGatherAttention
+from attention.backends import BACKENDS, Backend, Pieces, check_inputs, get_backend
+from attention.layout import CPLayout
+from attention.masks import Mask, make_mask
+from attention.merge import merge_
+from attention.ring import RingAttention
+from attention.ulysses import ulysses_attention
+from attention.varlen import varlen_attention
 
 METHODS = ("ring", "allgather", "ulysses")
 

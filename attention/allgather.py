@@ -11,11 +11,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._dist import Group, count_sent, reduce_scatter_sum
-from .backends import Backend, acc_dtype
-from .layout import CPLayout
-from .masks import backward_rounds, block_rounds, forward_rounds
-from .merge import Accumulator
+from attention._dist import Group, count_sent, reduce_scatter_sum
+from attention.backends import Backend, acc_dtype
+from attention.layout import CPLayout
+from attention.masks import backward_rounds, block_rounds, forward_rounds
+from attention.merge import Accumulator
 
 
 def _head_groups(hk: int, chunks: int) -> list[tuple[int, int]]:

@@ -38,9 +38,9 @@ from typing import Optional
 
 import torch
 
-from . import cp_attention
-from .layout import CPLayout
-from .varlen import varlen_attention
+from attention import cp_attention
+from attention.layout import CPLayout
+from attention.varlen import varlen_attention
 
 NAME = "cp_attention"
 

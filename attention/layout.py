@@ -34,8 +34,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .backends import Pieces
-from .placement import check_options, hybrid_assignment, zigzag_sizes
+from attention.backends import Pieces
+from attention.placement import check_options, hybrid_assignment, zigzag_sizes
 
 KINDS = ("zigzag", "contiguous", "hybrid")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .backends import UNBOUNDED, Backend, Pieces
+from attention.backends import UNBOUNDED, Backend, Pieces
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ import math
 
 import torch
 
-from ._dist import Group, sendrecv, wait_all
-from .backends import Backend, acc_dtype
-from .layout import CPLayout
-from .masks import backward_rounds, block_rounds, forward_rounds
-from .merge import Accumulator
+from attention._dist import Group, sendrecv, wait_all
+from attention.backends import Backend, acc_dtype
+from attention.layout import CPLayout
+from attention.masks import backward_rounds, block_rounds, forward_rounds
+from attention.merge import Accumulator
 
 
 def _split_kv(buf: torch.Tensor, n_tok: int, hk: int, d: int):

@@ -17,12 +17,12 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .backends import Backend, acc_dtype, check_inputs, get_backend
-from .layout import CPLayout
-from .masks import Mask, block_rounds, make_mask
-from .merge import Accumulator
-from .ulysses import kv_replication
-from .varlen import attend, attend_backward, varlen_rounds
+from attention.backends import Backend, acc_dtype, check_inputs, get_backend
+from attention.layout import CPLayout
+from attention.masks import Mask, block_rounds, make_mask
+from attention.merge import Accumulator
+from attention.ulysses import kv_replication
+from attention.varlen import attend, attend_backward, varlen_rounds
 
 
 class TimedBackend(Backend):

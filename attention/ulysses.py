@@ -15,10 +15,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._dist import Group
-from .layout import CPLayout
-from .masks import Mask
-from .varlen import varlen_attention
+from attention._dist import Group
+from attention.layout import CPLayout
+from attention.masks import Mask
+from attention.varlen import varlen_attention
 
 
 def kv_replication(heads: int, kv_heads: int, world: int) -> int:

@@ -10,9 +10,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .backends import Backend, Pieces, check_inputs, get_backend
-from .masks import as_mask, make_mask
-from .merge import Accumulator
+from attention.backends import Backend, Pieces, check_inputs, get_backend
+from attention.masks import as_mask, make_mask
+from attention.merge import Accumulator
 
 
 def _cu_numpy(cu_seqlens, total: int) -> np.ndarray:

@@ -1,41 +1,32 @@
 """balancer: sequence-length-aware packing and DP x CP x PP scheduling for mixed long/short training data.
 
 Sub-packages by concern: ``balancer.planning`` (cost model, topology, plan, planner, metrics),
-``balancer.training`` (sampler, collator, loss), ``balancer.data`` (readers, tokenizers, shards, traces) and
-``balancer.cli`` (the ``balancer`` command, thin over the rest). See docs/design.md.
+``balancer.training`` (sampler, collator, loss), ``balancer.data`` (the shard format, ``pretokenize``, ``pack``,
+length traces), ``balancer.calibration`` and ``balancer.cli`` (the ``balancer`` command, thin over the rest). The
+names users start from are re-exported here and imported on first use (``import balancer`` imports no torch,
+scipy, pyarrow or datasets). Where every public name lives: docs/design.md.
 """
+
+from balancer._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
-from . import _compat
-from .data.dataset import ShardDataset, read_lengths
-from .planning.cost import CostModel
-from .planning.plan import Plan
-from .planning.planner import pack_step, plan
-from .planning.topology import Topology
-from .training import loss
-from .training.collate import PackedCollator
-from .training.groups import cp_groups
-from .training.indices import CPGroup, Member
-from .training.sampler import BalancedBatchSampler, Span, SpanDataset
-
-_compat.install_aliases()
-
-__all__ = [
-    "CostModel",
-    "Topology",
-    "Plan",
-    "plan",
-    "pack_step",
-    "BalancedBatchSampler",
-    "PackedCollator",
-    "Span",
-    "SpanDataset",
-    "Member",
-    "CPGroup",
-    "cp_groups",
-    "ShardDataset",
-    "read_lengths",
-    "loss",
-    "__version__",
-]
+_EXPORTS = {
+    "CostModel": "balancer.planning.cost",
+    "Topology": "balancer.planning.topology",
+    "Plan": "balancer.planning.plans",
+    "plan": "balancer.planning.planner",
+    "pack_step": "balancer.planning.binpack",
+    "BalancedBatchSampler": "balancer.training.sampler",
+    "PackedCollator": "balancer.training.collate",
+    "Span": "balancer.training.indices",
+    "SpanDataset": "balancer.training.indices",
+    "Member": "balancer.training.indices",
+    "CPGroup": "balancer.training.indices",
+    "cp_groups": "balancer.training.groups",
+    "loss": "balancer.training.loss",
+    "ShardDataset": "balancer.data.shards.dataset",
+    "read_lengths": "balancer.data.shards.lengths",
+}
+__all__ = [*_EXPORTS, "__version__"]
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -35,7 +35,7 @@ import peers  # noqa: E402
 
 import balancer  # noqa: E402
 from balancer.cli import MODELS  # noqa: E402
-from balancer.traces import load_trace  # noqa: E402
+from balancer.data.traces import load_trace  # noqa: E402
 
 DISTS = ("wlbllm", "prolong", "sft", "heavy")
 DEFAULT_COST = ("default", 2 / 53000, 1.0)  # attention per causal pair, linear per token (equal at 53K tokens)

@@ -30,8 +30,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from balancer.data.checks import open_folder  # noqa: E402
-from balancer.data.shards import PretokenizeOptions, ShardDataset, load_manifest, pretokenize, verify  # noqa: E402
+from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize  # noqa: E402
+from balancer.data.shards.checks import open_folder  # noqa: E402
+from balancer.data.shards.dataset import ShardDataset
+from balancer.data.shards.manifest import load_manifest
+from balancer.data.shards.verify import verify
 from balancer.data.traces import load_trace  # noqa: E402
 from benchmarks._common import write_result  # noqa: E402
 

@@ -58,8 +58,8 @@ def make_corpus(path: Path, documents: int, seed: int = 0) -> dict:
 CHILD = r"""
 import json, os, sys, time
 import datasets, transformers, balancer  # start-up cost, like the interpreter's: not timed
-from balancer.data.shards import pretokenize, PretokenizeOptions
-from balancer.data.pack import pack
+from balancer.data.pretokenize.pipeline import pretokenize, PretokenizeOptions
+from balancer.data.pack.build import pack
 a = json.loads(sys.argv[1])
 def status(key):  # KiB
     return int([l for l in open("/proc/self/status") if l.startswith(key)][0].split()[1])

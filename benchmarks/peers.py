@@ -2,7 +2,8 @@
 
 Every peer gets the same lengths, topology, cost model and seed, starts from the same seeded shuffle
 (`np.random.default_rng(seed).permutation(n)`, the corpus order), and returns a Plan built with
-`Plan.from_micro_batches` whose `natural_step` is `balancer.metrics.natural_steps(order, lengths, tokens_per_step)`
+`Plan.from_micro_batches` whose `natural_step` is
+`balancer.planning.metrics.natural_steps(order, lengths, tokens_per_step)`
 and whose `plan_seconds` is measured. Metrics are never computed here: `Plan.metrics()` does it for all of them.
 
 Peers (see each function for what is the published algorithm and what is glue needed to make a valid plan):
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from wlb import wlb_plan  # noqa: E402,F401  (re-exported: one WLB implementation)
 
 import balancer  # noqa: E402
-from balancer.metrics import natural_steps  # noqa: E402
+from balancer.planning.metrics import natural_steps  # noqa: E402
 
 VERL_WORKLOAD_A = 24576  # verl.utils.seqlen_balancing.calculate_workload: 24576 * L + L^2 (6 * 4096 for a 7B)
 

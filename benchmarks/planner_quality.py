@@ -14,7 +14,7 @@ from _common import DEFAULT_COST, TOPOLOGIES, standard_topology, write_result
 from wlb import wlb_plan
 
 import balancer
-from balancer.traces import load_trace
+from balancer.data.traces import load_trace
 
 KEYS = ("imbalance", "epoch_efficiency", "worst_step", "mean_delay_steps", "plan_seconds", "steps")
 

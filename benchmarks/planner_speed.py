@@ -17,7 +17,7 @@ from _common import DEFAULT_COST, write_result
 from wlb import wlb_plan
 
 import balancer
-from balancer.traces import load_trace
+from balancer.data.traces import load_trace
 
 
 def best_time(fn, repeat: int) -> float:

@@ -9,9 +9,10 @@ Method (one run, one machine): a synthetic JSON-lines corpus (mixed document len
 byte-level BPE trained locally with `tokenizers` (vocab 8k, saved with transformers) and the built-in byte
 tokenizer. "direct" = read the lines, json.loads, tokenizer batch encode in batches of 1024 documents, results
 discarded (what a hand-written loop does at least), also in a fresh child process. Each figure is the fastest of
---repeat runs (the machine may be shared with other jobs). "pretokenize" = `balancer.shards.pretokenize` in a fresh
-child process, timed around the call (interpreter start and imports excluded, input hashing included); its peak
-RSS from /proc/self/status VmHWM inside that child. Both use the same tokenizer settings (TOKENIZERS_PARALLELISM on).
+--repeat runs (the machine may be shared with other jobs). "pretokenize" =
+`balancer.data.pretokenize.pretokenize` in a fresh child process, timed around the call (interpreter start and
+imports excluded, input hashing included); its peak RSS from /proc/self/status VmHWM inside that child. Both use
+the same tokenizer settings (TOKENIZERS_PARALLELISM on).
 "datasets_by_hand" (byte tokenizer) = what a user writes without this tool: `Dataset.from_generator` over the lines
 (json.loads, UTF-8 bytes as a list of ids, the doc_id) with the same features, then `save_to_disk`, in a fresh
 child (yielding lists; yielding numpy arrays was 3x slower still in a trial). "pretokenize_ray" = `--engine ray
@@ -67,7 +68,7 @@ def make_corpus(path: Path, mb: int, seed: int = 0) -> int:
 
 def direct_encode(path: Path, tokenizer: str) -> dict:
     """Baseline: json.loads + the tokenizer's batch encode in batches of 1024, nothing written."""
-    from balancer.tokenize import load_tokenizer
+    from balancer.data.pretokenize.tokenize import load_tokenizer
 
     tok = load_tokenizer(tokenizer)
     t0 = time.perf_counter()
@@ -111,7 +112,7 @@ for d in (a["output"], a["output"] + ".cache"):
 RAY_CHILD = r"""
 import json, sys, time
 import datasets, transformers, ray
-from balancer.shards import pretokenize, PretokenizeOptions
+from balancer.data.pretokenize.pipeline import pretokenize, PretokenizeOptions
 a = json.loads(sys.argv[1])
 t0 = time.perf_counter()
 ray.init(num_cpus=a["num_proc"], include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -129,7 +130,7 @@ print(json.dumps({"seconds": seconds, "ray_startup_seconds": startup, "tokens": 
 CHILD = r"""
 import json, resource, sys, time
 import datasets, transformers  # imports are start-up cost, like the interpreter's: not timed
-from balancer.shards import pretokenize, PretokenizeOptions
+from balancer.data.pretokenize.pipeline import pretokenize, PretokenizeOptions
 a = json.loads(sys.argv[1])
 t0, c0 = time.perf_counter(), time.process_time()
 m = pretokenize([a["input"]], a["output"], tokenizer=a["tokenizer"], num_proc=a["num_proc"],

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 import balancer
-from balancer.metrics import natural_steps
+from balancer.planning.metrics import natural_steps
 
 
 def wlb_plan(

@@ -82,11 +82,12 @@ def worker(args) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import attention.hf as ahf
-    from balancer.collate import PackedCollator
-    from balancer.cost import CostModel
-    from balancer.loss import token_loss
-    from balancer.sampler import BalancedBatchSampler, SpanDataset
-    from balancer.topology import Topology
+    from balancer.planning.cost import CostModel
+    from balancer.planning.topology import Topology
+    from balancer.training.collate import PackedCollator
+    from balancer.training.indices import SpanDataset
+    from balancer.training.loss import token_loss
+    from balancer.training.sampler import BalancedBatchSampler
 
     torch.set_num_threads(args.threads)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -104,7 +105,7 @@ def worker(args) -> None:
         tokens_per_step=args.tokens_per_step,
     )
     if args.data:
-        from balancer.shards import ShardDataset
+        from balancer.data.shards.dataset import ShardDataset
 
         dataset = ShardDataset(args.data)
         vocab = int(dataset.manifest["tokenizer"]["vocab_size"])

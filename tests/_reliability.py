@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _data_utils import make_texts, write_jsonl  # noqa: E402
 
-from balancer.data.shards import PretokenizeOptions, pretokenize  # noqa: E402
+from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

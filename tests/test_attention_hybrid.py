@@ -103,7 +103,7 @@ def test_hybrid_cp_attention_matches_reference(world):
 def test_collator_hybrid_layout():
     """PackedCollator(layout="hybrid" or a spec dict): every rank's shard comes from the same hybrid layout, the
     shards unshard to the packed batch, and a bad option fails at construction naming it."""
-    from balancer.collate import PackedCollator
+    from balancer.training.collate import PackedCollator
 
     g = torch.Generator().manual_seed(0)
     items = [{"input_ids": torch.randint(0, 100, (n,), generator=g)} for n in (5, 90, 7, 12, 3, 40)]

@@ -172,7 +172,7 @@ def test_errors_name_flags_not_python(tmp_path, capsys):
 
 
 def test_missing_optional_dependencies_name_the_extra(tmp_path, capsys, monkeypatch):
-    from balancer.data.tokenize import HFTokenizer, TokenizerError
+    from balancer.data.pretokenize.tokenize import HFTokenizer, TokenizerError
 
     src = tmp_path / "l.json"
     src.write_text("[1, 2, 3]")

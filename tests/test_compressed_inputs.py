@@ -19,9 +19,13 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).parent))
 from _data_utils import dir_bytes, make_texts, write_jsonl
 
-from balancer import cli_data
-from balancer.data import compression
-from balancer.shards import PretokenizeError, PretokenizeOptions, ShardDataset, load_manifest, pretokenize, verify
+from balancer import cli
+from balancer.data.pretokenize import compression
+from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize
+from balancer.data.shards.dataset import ShardDataset
+from balancer.data.shards.errors import DataError
+from balancer.data.shards.manifest import load_manifest
+from balancer.data.shards.verify import verify
 
 
 def run(inputs, out, **kw):
@@ -84,7 +88,7 @@ def test_compressed_inputs_give_the_rows_of_the_uncompressed_ones(plain, packed,
     for i in range(3):
         parts.append(str(tmp_path / f"part{i}"))
         run([packed], parts[-1], max_length=50, num_shards=3, shard_index=i)
-    assert cli_data.main(["merge", *parts, "--output", str(tmp_path / "merged")]) == 0
+    assert cli.main(["merge", *parts, "--output", str(tmp_path / "merged")]) == 0
     assert rows_of(tmp_path / "merged") == rows_of(tmp_path / "ref")
 
 
@@ -92,14 +96,14 @@ def test_bad_record_line_numbers_match_the_uncompressed_file(tmp_path):
     good = json.dumps({"text": "fine"})
     text = "\n".join([good] * 5000 + ['{"text": "unterminated'] + [good] * 10) + "\n"
     (tmp_path / "x.jsonl.zst").write_bytes(zst_frames(text.encode(), parts=3))
-    with pytest.raises(PretokenizeError, match=r"x\.jsonl\.zst line 5001: invalid JSON"):
+    with pytest.raises(DataError, match=r"x\.jsonl\.zst line 5001: invalid JSON"):
         run([tmp_path / "x.jsonl.zst"], tmp_path / "o")
     assert not (tmp_path / "o" / "manifest.json").exists()
 
 
 def _corrupt_error(path: Path, out: Path, capsys) -> tuple[int, int]:
     """Run the CLI on a corrupt input: exit 2, one line naming the file, the line and the decompressed offset."""
-    code = cli_data.main(["pretokenize", str(path), "--output", str(out)])
+    code = cli.main(["pretokenize", str(path), "--output", str(out)])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     found = re.search(re.escape(str(path)) + r" line (\d+): corrupt \w+ stream at byte (\d+) of the decompressed", err)
@@ -161,7 +165,7 @@ def test_compressed_input_resumes_byte_identical(tmp_path, monkeypatch):
 
 def test_unsupported_compressed_types_are_refused(tmp_path):
     (tmp_path / "t.parquet.gz").write_bytes(gzip.compress(b"x"))
-    with pytest.raises(PretokenizeError, match=r"unsupported input type '\.parquet\.gz'.*optionally \.gz or \.zst"):
+    with pytest.raises(DataError, match=r"unsupported input type '\.parquet\.gz'.*optionally \.gz or \.zst"):
         run([tmp_path / "t.parquet.gz"], tmp_path / "o")
     corpus = tmp_path / "corpus"  # a folder input; the output must lie outside it
     corpus.mkdir()
@@ -185,6 +189,6 @@ def test_progress_over_input_bytes_and_summary_line(packed, tmp_path, capsys):
     c = m["counts"]
     summary = rf"{c['documents']} documents, {c['rows']} rows, {c['tokens']} tokens .* MB read in .* s \(.* MB/s\)"
     assert re.search(summary, err), err
-    code = cli_data.main(["pretokenize", str(packed), "--output", str(tmp_path / "quiet"), "--quiet"])
+    code = cli.main(["pretokenize", str(packed), "--output", str(tmp_path / "quiet"), "--quiet"])
     err = capsys.readouterr().err
     assert code == 0 and "pretokenize:" not in err and "hashing inputs" not in err and re.search(summary, err)

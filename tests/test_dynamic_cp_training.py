@@ -57,7 +57,7 @@ def _setup():
 def _worker(rank, world, out_path):
     import attention.hf as ahf
     import balancer
-    from balancer.loss import token_loss
+    from balancer.training.loss import token_loss
 
     lengths, dataset, topo, cost = _setup()
     groups = balancer.cp_groups(topo)

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 import balancer
-from balancer import CostModel, Topology, metrics
-from balancer.exact import optimal_step
+from balancer import CostModel, Topology
+from balancer.planning import metrics
+from balancer.planning.exact import optimal_step
 
 COST = CostModel(attn_coef=2 / 53000, linear_coef=1.0)
 

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from balancer import CostModel, Plan, Topology, metrics
+from balancer import CostModel, Plan, Topology
+from balancer.planning import metrics
 
 
 def test_metrics_by_hand_pipeline():

@@ -24,8 +24,12 @@ from _data_utils import dir_bytes, make_texts, write_jsonl  # noqa: E402
 
 import balancer  # noqa: E402
 from balancer.cli import main as cli_main  # noqa: E402
-from balancer.data.pack import PackError, pack, packed_metrics, verify_packed  # noqa: E402
-from balancer.data.shards import PretokenizeError, PretokenizeOptions, ShardDataset, pretokenize  # noqa: E402
+from balancer.data.pack.build import pack
+from balancer.data.pack.rows import PackError  # noqa: E402
+from balancer.data.pack.verify import packed_metrics, verify_packed
+from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize
+from balancer.data.shards.dataset import ShardDataset
+from balancer.data.shards.errors import DataError  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TOPO = balancer.Topology(dp=2, cp=2, micro_batches=3, max_tokens=1024)
@@ -226,7 +230,7 @@ def test_verify_catches_corruption_and_rerun_is_idempotent(packed, tmp_path, cap
     )
     assert again == json.loads((out / "manifest.json").read_text())
     assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # complete: nothing rewritten
-    with pytest.raises(PretokenizeError, match="different job"):
+    with pytest.raises(DataError, match="different job"):
         pack(manifest["source"]["path"], out, TOPO, COST, epochs=1, overflow="split")
 
 
@@ -288,24 +292,24 @@ def test_output_folder_ownership(tok, tmp_path):
     mine.mkdir()
     (mine / "notes.txt").write_text("the user's")
     args = dict(overflow="split", shard_tokens=200_000)
-    with pytest.raises(PretokenizeError, match="not empty and holds no pack job"):
+    with pytest.raises(DataError, match="not empty and holds no pack job"):
         pack(tok, mine, TOPO, COST, **args)
     first = pack(tok, mine, TOPO, COST, overwrite=True, **args)
     assert (mine / "notes.txt").read_text() == "the user's" and verify_packed(mine) == []
-    with pytest.raises(PretokenizeError, match="different job"):
+    with pytest.raises(DataError, match="different job"):
         pack(tok, mine, TOPO, COST, seed=1, **args)
     second = pack(tok, mine, TOPO, COST, seed=1, overwrite=True, **args)
     assert second["job"] != first["job"] and verify_packed(mine) == []
     assert (mine / "notes.txt").exists()
-    from balancer.data.output import OutputLock
+    from balancer.data.shards.output import OutputLock
 
     with OutputLock(mine):  # another run writing the folder
-        with pytest.raises(PretokenizeError, match="being written by another run"):
+        with pytest.raises(DataError, match="being written by another run"):
             pack(tok, mine, TOPO, COST, seed=2, overwrite=True, **args)
     clash = tmp_path / "clash"
     clash.mkdir()
     (clash / "shard-00000.arrow").write_bytes(b"not ours")
-    with pytest.raises(PretokenizeError, match="was not written by it"):
+    with pytest.raises(DataError, match="was not written by it"):
         pack(tok, clash, TOPO, COST, overwrite=True, **args)
     assert (clash / "shard-00000.arrow").read_bytes() == b"not ours"
 

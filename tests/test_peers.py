@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import balancer  # noqa: E402
-from balancer.traces import heavy_tail, sft_mix  # noqa: E402
+from balancer.data.traces import heavy_tail, sft_mix  # noqa: E402
 
 peers = pytest.importorskip("peers")
 
@@ -43,10 +43,12 @@ def test_peer_plans_are_valid(name, spec, lengths):
     assert m["dropped_tokens"] == 0
     assert m["imbalance"] >= 1.0 - 1e-9 and 0 < m["epoch_efficiency"] <= 1.0 + 1e-9
     assert plan.plan_seconds > 0
-    # same seeded shuffle as the toolkit: natural_step is that of balancer.metrics.natural_steps
+    # same seeded shuffle as the toolkit: natural_step is that of balancer.planning.metrics.natural_steps
     order = np.random.default_rng(1).permutation(len(lengths))
     if name != "balancer":
-        assert np.array_equal(plan.natural_step, balancer.metrics.natural_steps(order, lengths, topo.tokens_per_step))
+        assert np.array_equal(
+            plan.natural_step, balancer.planning.metrics.natural_steps(order, lengths, topo.tokens_per_step)
+        )
 
 
 @pytest.mark.parametrize("name", ["multipack", "verl"])

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 import balancer
 from balancer import CostModel, Topology
-from balancer.baseline import token_count_plan
+from balancer.planning.baseline import token_count_plan
 
 COST = CostModel(attn_coef=2 / 53000, linear_coef=1.0)
 
@@ -157,7 +157,7 @@ def test_integer_valued_floats_accepted():
 
 
 def test_pack_step_one_global_batch():
-    from balancer.traces import load_trace
+    from balancer.data.traces import load_trace
 
     lengths = load_trace("wlbllm", n=2000, seed=1)
     topo = Topology(dp=8, micro_batches=4, max_tokens=int(lengths.sum() / 0.8 / 32) + 1)

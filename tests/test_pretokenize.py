@@ -21,16 +21,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _data_utils import dir_bytes, make_texts, train_hf_tokenizer, write_jsonl, write_parquet  # noqa: E402
 
-from balancer import cli_data  # noqa: E402
-from balancer.shards import (
-    PretokenizeError,
-    PretokenizeOptions,
-    ShardDataset,
-    load_manifest,  # noqa: E402
-    pretokenize,
-    read_lengths,
-    verify,
-)
+from balancer import cli  # noqa: E402
+from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize
+from balancer.data.shards.dataset import ShardDataset
+from balancer.data.shards.errors import DataError
+from balancer.data.shards.lengths import read_lengths
+from balancer.data.shards.manifest import load_manifest
+from balancer.data.shards.verify import verify
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -156,27 +153,27 @@ def test_bad_input_fails_naming_file_and_line(tmp_path, capsys):
     good = json.dumps({"text": "fine"})
     bad_json = write_jsonl(tmp_path / "ok.jsonl", ["x"])  # placeholder replaced below
     bad_json.write_text("\n".join([good, good, '{"text": "unterminated', good]) + "\n")
-    with pytest.raises(PretokenizeError, match=r"ok\.jsonl line 3: invalid JSON"):
+    with pytest.raises(DataError, match=r"ok\.jsonl line 3: invalid JSON"):
         run([bad_json], tmp_path / "o1")
     assert not (tmp_path / "o1" / "manifest.json").exists()
 
     missing = tmp_path / "missing.jsonl"
     missing.write_text("\n".join([good, json.dumps({"body": "no text"})]) + "\n")
-    with pytest.raises(PretokenizeError, match=r"missing\.jsonl line 2: no text field 'text'"):
+    with pytest.raises(DataError, match=r"missing\.jsonl line 2: no text field 'text'"):
         run([missing], tmp_path / "o2")
 
     undecodable = tmp_path / "bad.txt"
     undecodable.write_bytes(b"line one\nline two ok\n" + b"caf\xe9 latin-1\n")
-    with pytest.raises(PretokenizeError, match=r"bad\.txt: line 3: invalid UTF-8"):
+    with pytest.raises(DataError, match=r"bad\.txt: line 3: invalid UTF-8"):
         run([undecodable], tmp_path / "o3")
     # same through the CLI: exit code 2 and the message on stderr, no manifest
-    code = cli_data.main(["pretokenize", str(undecodable), "--output", str(tmp_path / "o4")])
+    code = cli.main(["pretokenize", str(undecodable), "--output", str(tmp_path / "o4")])
     assert code == 2 and "bad.txt: line 3: invalid UTF-8" in capsys.readouterr().err
     assert not (tmp_path / "o4" / "manifest.json").exists()
 
     notext = tmp_path / "notext.parquet"
     write_parquet(notext, ["a", "b"], field="body")
-    with pytest.raises(PretokenizeError, match=r"notext\.parquet row 0: no text field"):
+    with pytest.raises(DataError, match=r"notext\.parquet row 0: no text field"):
         run([notext], tmp_path / "o5")
 
 
@@ -201,7 +198,7 @@ def test_skip_mode_counts_by_reason_and_empty_documents(tmp_path, capsys):
     # empty documents are skipped (and counted) even in fail mode
     m = run([empty_txt], tmp_path / "e")
     assert m["counts"]["skipped"] == {"empty": 1} and m["counts"]["rows"] == 0
-    code = cli_data.main(
+    code = cli.main(
         ["pretokenize", str(src), str(txt), str(empty_txt), "--output", str(tmp_path / "s"), "--on-error", "skip"]
     )
     assert code == 0
@@ -229,18 +226,18 @@ def test_verify_catches_flipped_byte(corpus, tmp_path, capsys):
     d, _ = corpus
     out = tmp_path / "out"
     run([d / "a.jsonl"], out, shard_tokens=20_000)
-    assert cli_data.main(["verify", str(out)]) == 0
+    assert cli.main(["verify", str(out)]) == 0
     victim = out / "shard-00002.arrow"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01
     victim.write_bytes(bytes(data))
     capsys.readouterr()
-    assert cli_data.main(["verify", str(out)]) == 1
+    assert cli.main(["verify", str(out)]) == 1
     assert "shard-00002.arrow: sha256 mismatch" in capsys.readouterr().err
     victim.write_bytes(bytes(data[: len(data) // 2]))  # truncated file
     assert any("shard-00002.arrow: size" in p for p in verify(out))
     # a resumed/re-run of the same job refuses to call the corrupt output complete
-    with pytest.raises(PretokenizeError, match="fails verification"):
+    with pytest.raises(DataError, match="fails verification"):
         run([d / "a.jsonl"], out, shard_tokens=20_000)
 
 
@@ -249,23 +246,23 @@ def test_output_folder_guard(corpus, tmp_path):
     out = tmp_path / "out"
     run([d / "a.jsonl"], out)
     run([d / "a.jsonl"], out)  # same job: already complete, no error
-    with pytest.raises(PretokenizeError, match="different job"):
+    with pytest.raises(DataError, match="different job"):
         run([d / "a.jsonl"], out, max_length=10)
     m = run([d / "a.jsonl"], out, max_length=10, overwrite=True)
     assert m["options"]["max_length"] == 10 and verify(out) == []
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.md").write_text("mine")
-    with pytest.raises(PretokenizeError, match="not empty"):
+    with pytest.raises(DataError, match="not empty"):
         run([d / "a.jsonl"], other)
     # an output folder inside an input directory is refused (--overwrite there could reach the user's files)
     data = tmp_path / "data"
     data.mkdir()
     write_jsonl(data / "x.jsonl", ["abc", "de"])
-    with pytest.raises(PretokenizeError, match="is inside the input"):
+    with pytest.raises(DataError, match="is inside the input"):
         run([data], data / "tok")
     assert sorted(os.listdir(data)) == ["x.jsonl"]
-    with pytest.raises(PretokenizeError, match="no such file"):
+    with pytest.raises(DataError, match="no such file"):
         run([d / "nope.jsonl"], tmp_path / "x")
 
 
@@ -278,9 +275,9 @@ def test_num_shards_slices_and_merge_equal_single_run(corpus, tmp_path, capsys):
         p = tmp_path / f"part{i}"
         run(inputs, p, max_length=64, shard_tokens=15_000, num_shards=3, shard_index=i)
         parts.append(str(p))
-    assert cli_data.main(["merge", parts[0], parts[1], "--output", str(tmp_path / "bad")]) == 2
+    assert cli.main(["merge", parts[0], parts[1], "--output", str(tmp_path / "bad")]) == 2
     assert "missing slice(s) [2]" in capsys.readouterr().err
-    assert cli_data.main(["merge", parts[2], parts[0], parts[1], "--output", str(tmp_path / "merged")]) == 0
+    assert cli.main(["merge", parts[2], parts[0], parts[1], "--output", str(tmp_path / "merged")]) == 0
     assert verify(tmp_path / "merged") == []
     assert rows_of(tmp_path / "merged") == rows_of(tmp_path / "single")
     single, merged = load_manifest(tmp_path / "single"), load_manifest(tmp_path / "merged")
@@ -313,7 +310,7 @@ def test_json_array_and_json_lines_files_and_ignored_files(tmp_path):
     m = run([data / "a.json"], tmp_path / "out2")
     assert bytes(ShardDataset(tmp_path / "out2")[1]["input_ids"].tolist()) == "sécond".encode()
     (data / "c.json").write_text('[{"text": "x"}, oops]')
-    with pytest.raises(PretokenizeError, match=r"c\.json line 1 column 17: invalid JSON"):
+    with pytest.raises(DataError, match=r"c\.json line 1 column 17: invalid JSON"):
         run([data / "c.json"], tmp_path / "out3")
 
 
@@ -349,7 +346,7 @@ def test_read_lengths_formats(tmp_path):
 
 def test_help_explains_every_option():
     res = subprocess.run(
-        [sys.executable, "-m", "balancer.cli_data", "pretokenize", "--help"],
+        [sys.executable, "-m", "balancer", "pretokenize", "--help"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -381,7 +378,7 @@ def test_kill9_and_resume_byte_identical(tmp_path):
         return [
             sys.executable,
             "-m",
-            "balancer.cli_data",
+            "balancer",
             "pretokenize",
             str(src),
             "--output",

@@ -22,9 +22,13 @@ import ray.cloudpickle
 sys.path.insert(0, str(Path(__file__).parent))
 from _data_utils import make_texts, write_jsonl, write_parquet
 
-from balancer import cli_data
-from balancer.data import ray_engine
-from balancer.shards import PretokenizeError, PretokenizeOptions, ShardDataset, load_manifest, pretokenize, verify
+from balancer import cli
+from balancer.data.pretokenize import ray_engine
+from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize
+from balancer.data.shards.dataset import ShardDataset
+from balancer.data.shards.errors import DataError
+from balancer.data.shards.manifest import load_manifest
+from balancer.data.shards.verify import verify
 
 REPO = Path(__file__).resolve().parents[1]
 OPTS = dict(max_length=64, shard_tokens=12_000, on_error="skip", add_eos=True)
@@ -91,7 +95,7 @@ def test_same_rows_and_manifest_as_local_engine_and_slices_merge(cluster, corpus
     parts = [str(tmp_path / f"part{i}") for i in range(2)]
     for i, part in enumerate(parts):
         run(corpus, part, engine="ray", num_shards=2, shard_index=i, **OPTS)
-    assert cli_data.main(["merge", *parts, "--output", str(tmp_path / "merged")]) == 0
+    assert cli.main(["merge", *parts, "--output", str(tmp_path / "merged")]) == 0
     ds, ref = ShardDataset(tmp_path / "merged"), ShardDataset(reference)
     assert len(ds) == len(ref) and np.array_equal(ds.doc_ids, ref.doc_ids)
     assert all(np.array_equal(ds[i]["input_ids"], ref[i]["input_ids"]) for i in range(0, len(ds), 7))
@@ -102,7 +106,8 @@ def _dying_task(marker: str, at_record: int):
     a marker holding 'once' it removes it first (the retry then succeeds)."""
 
     def task(batch, sources, cfg):
-        import balancer.data.ray_engine as engine  # in a worker: the real task (patched in this process only)
+        # in a worker: the real task (patched in this process only)
+        import balancer.data.pretokenize.ray_engine as engine
 
         start = json.loads(batch["range"].to_pylist()[0])[0]["record"]
         if start == at_record and os.path.exists(marker):
@@ -127,7 +132,7 @@ def test_dead_worker_retried_then_clear_error_and_resume(cluster, corpus, refere
     marker.write_text("always")
     out = tmp_path / "failed"
     failure = r"a task failed after 1 retries \(WorkerCrashedError: .*\) with records from (\d+) on \(.*a\.jsonl"
-    with pytest.raises(PretokenizeError, match=failure + r" from record \1\) unfinished; .*rerun the same command"):
+    with pytest.raises(DataError, match=failure + r" from record \1\) unfinished; .*rerun the same command"):
         run(corpus, out, engine="ray", **OPTS)
     assert not (out / "manifest.json").exists()
     state = json.loads((out / ".pretokenize-state.json").read_text())
@@ -141,11 +146,11 @@ def test_killed_driver_resumes_byte_identical(cluster, tmp_path):
     src = write_jsonl(tmp_path / "big.jsonl", make_texts(3000, seed=7, max_words=400))
     args = ["--max-length", "500", "--shard-tokens", "120000", "--quiet"]
     ref = tmp_path / "ref"
-    assert cli_data.main(["pretokenize", str(src), "--output", str(ref), *args]) == 0
+    assert cli.main(["pretokenize", str(src), "--output", str(ref), *args]) == 0
     n_shards = len(load_manifest(ref)["shards"])
     assert n_shards >= 8
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "balancer.cli_data", "pretokenize", str(src), "--output", str(out), *args]
+    cmd = [sys.executable, "-m", "balancer", "pretokenize", str(src), "--output", str(out), *args]
     cmd += ["--engine", "ray", "--ray-address", cluster]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     state, t0 = out / ".pretokenize-state.json", time.time()
@@ -170,10 +175,10 @@ def test_unreachable_address_is_a_clear_error(tmp_path, capsys):
         port = s.getsockname()[1]
     (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
     argv = ["pretokenize", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "o"), "--engine", "ray"]
-    assert cli_data.main([*argv, "--ray-address", f"127.0.0.1:{port}"]) == 2
+    assert cli.main([*argv, "--ray-address", f"127.0.0.1:{port}"]) == 2
     err = capsys.readouterr().err
     assert f"--ray-address 127.0.0.1:{port}: cannot reach 127.0.0.1:{port}" in err and "Traceback" not in err
-    assert cli_data.main([*argv, "--ray-address", "nonsense"]) == 2
+    assert cli.main([*argv, "--ray-address", "nonsense"]) == 2
     assert "expected HOST:PORT" in capsys.readouterr().err
-    assert cli_data.main(argv[:-2] + ["--ray-address", "127.0.0.1:1"]) == 2  # without --engine ray
+    assert cli.main(argv[:-2] + ["--ray-address", "127.0.0.1:1"]) == 2  # without --engine ray
     assert "--ray-address needs --engine ray" in capsys.readouterr().err

@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _data_utils import dir_bytes, make_texts, write_jsonl  # noqa: E402
 from _reliability import cli, edit_manifest, in_child, make_corpus, tokenize  # noqa: E402
 
-from balancer.data.shards import verify  # noqa: E402
+from balancer.data.shards.verify import verify  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _data_utils import dir_bytes, make_texts, write_jsonl  # noqa: E402
 from _reliability import cli, copy_folder, in_child, make_corpus, start_child, tokenize, wait_child  # noqa: E402
 
-from balancer.data.output import LOCK_NAME, OutputLock  # noqa: E402
-from balancer.data.shards import PretokenizeError, merge, verify  # noqa: E402
+from balancer.data.pretokenize.merge import merge
+from balancer.data.shards.errors import DataError  # noqa: E402
+from balancer.data.shards.output import LOCK_NAME, OutputLock  # noqa: E402
+from balancer.data.shards.verify import verify
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,7 @@ def test_overwrite_keeps_user_files_and_refuses_user_files_with_our_names(src, r
         user = tmp_path / f"user_{name}"
         user.mkdir()
         (user / name).write_text(content)
-        with pytest.raises(PretokenizeError, match="was not written by it"):
+        with pytest.raises(DataError, match="was not written by it"):
             tokenize([src], user, overwrite=True)
         assert sorted(os.listdir(user)) == [name] and (user / name).read_text() == content
 
@@ -62,7 +64,7 @@ def test_overwrite_deletes_nothing_a_foreign_manifest_names(src, tmp_path):
     out.mkdir()
     (out / "shard-00000.arrow").write_text("user data")
     (out / "manifest.json").write_text(json.dumps({"format": "other", "job": "x", "shards": []}))
-    with pytest.raises(PretokenizeError, match="was not written by it"):
+    with pytest.raises(DataError, match="was not written by it"):
         tokenize([src], out, overwrite=True)
     assert (out / "shard-00000.arrow").read_text() == "user data"
 
@@ -80,7 +82,7 @@ def test_output_related_to_an_input_is_refused(src, tmp_path, where):
     else:
         inputs, out = [data], data / "tok"
     match = {"output_is_input": "is the input", "input_inside_output": "contains the input"}.get(where, "is inside")
-    with pytest.raises(PretokenizeError, match=match):
+    with pytest.raises(DataError, match=match):
         tokenize(inputs, out, overwrite=True)
     assert dir_bytes(data) == before and sorted(os.listdir(data)) == ["in.jsonl"]
 
@@ -90,9 +92,9 @@ def test_merge_output_that_is_a_part_is_refused(src, tmp_path):
     for i, p in enumerate(parts):
         tokenize([src], p, num_shards=2, shard_index=i)
     before = [dir_bytes(p) for p in parts]
-    with pytest.raises(PretokenizeError, match="is the input"):
+    with pytest.raises(DataError, match="is the input"):
         merge([str(p) for p in parts], parts[0], overwrite=True)
-    with pytest.raises(PretokenizeError, match="contains the input"):
+    with pytest.raises(DataError, match="contains the input"):
         merge([str(p) for p in parts], tmp_path, overwrite=True)
     assert [dir_bytes(p) for p in parts] == before
     merge([str(p) for p in parts], tmp_path / "merged")
@@ -101,7 +103,7 @@ def test_merge_output_that_is_a_part_is_refused(src, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- crash windows
 def _pretokenize_cli(src: Path, out: Path, shard_tokens: int = 4000):
-    from balancer.cli.data import main
+    from balancer.cli import main
 
     return lambda: main(["pretokenize", str(src), "--output", str(out), "--shard-tokens", str(shard_tokens)])
 
@@ -144,7 +146,7 @@ def test_a_held_lock_refuses_a_second_writer_naming_it(src, tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     with OutputLock(out):
-        with pytest.raises(PretokenizeError, match=rf"{LOCK_NAME}.*pid {os.getpid()}.*delete"):
+        with pytest.raises(DataError, match=rf"{LOCK_NAME}.*pid {os.getpid()}.*delete"):
             tokenize([src], out)
         code, err = cli(capsys, "pretokenize", src, "--output", out)
         assert code == 2 and len(err) == 1 and LOCK_NAME in err[0] and "Traceback" not in err[0]

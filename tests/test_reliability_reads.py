@@ -18,8 +18,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from _reliability import copy_folder, edit_manifest, flip_byte, make_corpus, tokenize  # noqa: E402
 
-from balancer.data.arrow_rows import stream_row_count  # noqa: E402
-from balancer.data.shards import PretokenizeError, ShardDataset, merge, read_lengths, verify  # noqa: E402
+from balancer.data.pretokenize.merge import merge
+from balancer.data.shards.arrow_rows import stream_row_count  # noqa: E402
+from balancer.data.shards.dataset import ShardDataset
+from balancer.data.shards.errors import DataError  # noqa: E402
+from balancer.data.shards.lengths import read_lengths
+from balancer.data.shards.verify import verify
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +47,7 @@ def slices(tmp_path_factory) -> list[Path]:
 
 def refused_everywhere(folder: Path, match: str) -> None:
     """ShardDataset, read_lengths and verify all refuse `folder` with a message matching `match`."""
-    with pytest.raises(PretokenizeError, match=match):
+    with pytest.raises(DataError, match=match):
         ShardDataset(folder)
     with pytest.raises(ValueError, match=match):
         read_lengths(folder)
@@ -76,7 +80,7 @@ def test_arrow_header_row_count_on_many_batches_and_damage(tmp_path, batches):
             writer.write_batch(pa.RecordBatch.from_arrays([ids, pa.array(np.arange(n))], schema=schema))
     assert stream_row_count(path) == pa.ipc.open_stream(pa.memory_map(str(path))).read_all().num_rows
     data = path.read_bytes()
-    from balancer.data.arrow_rows import ArrowHeaderError
+    from balancer.data.shards.arrow_rows import ArrowHeaderError
 
     for damaged in (data[:-5], data[:-5] + b"\0" * 5, b"\0" * len(data), data[: len(data) // 2]):
         path.write_bytes(damaged)
@@ -106,13 +110,13 @@ def test_index_rewritten_with_matching_checksum_is_caught_by_consistency_or_full
     lengths = np.load(path)
     np.save(path, lengths[::-1].copy())
     forge_checksums(bad, "shard-00000.lengths.npy")
-    with pytest.raises(PretokenizeError, match="lengths index differs"):
+    with pytest.raises(DataError, match="lengths index differs"):
         ShardDataset(bad, check="full")
     assert any("lengths index differs" in p for p in verify(bad))
     # a changed total is caught on open
     np.save(path, lengths + 1)
     forge_checksums(bad, "shard-00000.lengths.npy")
-    with pytest.raises(PretokenizeError, match="sums to"):
+    with pytest.raises(DataError, match="sums to"):
         ShardDataset(bad)
 
 
@@ -129,7 +133,7 @@ def test_swapped_shard_entries_are_refused(good, tmp_path):
             a[key], b[key] = b[key], a[key]
 
     edit_manifest(bad2, swap_data)
-    with pytest.raises(PretokenizeError, match="shard-0000[01]"):
+    with pytest.raises(DataError, match="shard-0000[01]"):
         ShardDataset(bad2)
 
 
@@ -155,7 +159,7 @@ def test_arrow_row_count_checked_on_open(good, tmp_path):
     (bad / "shard-00001.arrow").write_bytes((good / "shard-00002.arrow").read_bytes())
     entry2 = json.loads((good / "manifest.json").read_text())["shards"][2]["files"]["shard-00002.arrow"]
     edit_manifest(bad, lambda m: m["shards"][1]["files"]["shard-00001.arrow"].update(entry2))
-    with pytest.raises(PretokenizeError, match=r"shard-00001\.arrow: \d+ rows, the manifest says"):
+    with pytest.raises(DataError, match=r"shard-00001\.arrow: \d+ rows, the manifest says"):
         ShardDataset(bad)
     # truncated Arrow file: size differs from the manifest
     bad2 = copy_folder(good, tmp_path / "bad2")
@@ -168,7 +172,7 @@ def test_token_bytes_flipped_open_is_cheap_full_check_catches(good, tmp_path):
     bad = copy_folder(good, tmp_path / "bad")
     flip_byte(bad / "shard-00002.arrow", offset_from_end=200)
     assert len(ShardDataset(bad)) > 0  # the cheap open does not read token data (documented)
-    with pytest.raises(PretokenizeError, match=r"shard-00002\.arrow.*sha256"):
+    with pytest.raises(DataError, match=r"shard-00002\.arrow.*sha256"):
         ShardDataset(bad, check="full")
     assert any("shard-00002.arrow" in p for p in verify(bad))
 
@@ -211,13 +215,13 @@ def test_merge_never_links_a_file_from_outside_a_part(slices, tmp_path):
     secret.write_bytes((parts[1] / "shard-00000.arrow").read_bytes())
     os.remove(parts[1] / "shard-00000.arrow")
     os.symlink(secret, parts[1] / "shard-00000.arrow")
-    with pytest.raises(PretokenizeError, match="resolves outside the folder"):
+    with pytest.raises(DataError, match="resolves outside the folder"):
         merge([str(p) for p in parts], tmp_path / "merged")
     assert not (tmp_path / "merged").exists() or not any((tmp_path / "merged").iterdir())
     # and a traversal name in a part's manifest
     parts2 = [copy_folder(p, tmp_path / f"{p.name}b") for p in slices]
     _rename_in_manifest(parts2[0], "shard-00000.arrow", "../secret.arrow")
-    with pytest.raises(PretokenizeError, match="names files"):
+    with pytest.raises(DataError, match="names files"):
         merge([str(p) for p in parts2], tmp_path / "merged2")
     os.remove(secret)
     merged = merge([str(p) for p in slices], tmp_path / "merged3")

@@ -17,11 +17,12 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).parent))
 
 from attention.layout import CPLayout  # noqa: E402
-from balancer.collate import PackedCollator  # noqa: E402
-from balancer.cost import CostModel  # noqa: E402
-from balancer.loss import token_loss  # noqa: E402
-from balancer.sampler import BalancedBatchSampler, Span, SpanDataset  # noqa: E402
-from balancer.topology import Topology  # noqa: E402
+from balancer.planning.cost import CostModel  # noqa: E402
+from balancer.planning.topology import Topology  # noqa: E402
+from balancer.training.collate import PackedCollator  # noqa: E402
+from balancer.training.indices import Span, SpanDataset
+from balancer.training.loss import token_loss  # noqa: E402
+from balancer.training.sampler import BalancedBatchSampler  # noqa: E402
 
 COST = CostModel(attn_coef=1.0, linear_coef=50.0)
 TOPO = Topology(dp=4, cp=2, micro_batches=2, max_tokens=256, tokens_per_step=2800)
@@ -223,7 +224,8 @@ def test_dataloader_over_arrow_dataset():
 
 
 def test_dataloader_over_pretokenized_folder(tmp_path):
-    from balancer.shards import PretokenizeOptions, ShardDataset, pretokenize
+    from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize
+    from balancer.data.shards.dataset import ShardDataset
 
     rng = np.random.default_rng(1)
     with open(tmp_path / "c.jsonl", "w") as f:
@@ -388,7 +390,7 @@ def test_dp_rank_from_device_mesh():
 
 
 def test_predicted_step_bound_with_fixed_cost():
-    from balancer.sampler import BalancedBatchSampler
+    from balancer.training.sampler import BalancedBatchSampler
 
     lengths = np.random.default_rng(0).integers(100, 3000, 400)
     topo = Topology(dp=2, cp=2, pp=3, micro_batches=4, max_tokens=4096)

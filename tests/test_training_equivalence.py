@@ -44,9 +44,9 @@ def _data(n_docs: int, seed: int):
 
 
 def _setup(cfg):
-    from balancer.cost import CostModel
-    from balancer.sampler import BalancedBatchSampler
-    from balancer.topology import Topology
+    from balancer.planning.cost import CostModel
+    from balancer.planning.topology import Topology
+    from balancer.training.sampler import BalancedBatchSampler
 
     lengths, dataset = _data(cfg["n_docs"], cfg["seed"])
     topo = Topology(
@@ -62,8 +62,8 @@ def _setup(cfg):
 
 def _worker(rank, world, cfg, out_path):
     import attention.hf as ahf
-    from balancer.collate import PackedCollator
-    from balancer.loss import token_loss
+    from balancer.training.collate import PackedCollator
+    from balancer.training.loss import token_loss
 
     lengths, dataset, topo, cost, Sampler = _setup(cfg)
     dp_rank, cp_rank = divmod(rank, topo.cp)

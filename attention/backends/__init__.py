@@ -6,12 +6,12 @@ Backends, one module per kernel family: ``reference`` (plain masked softmax, any
 the choice in :mod:`.select`.
 """
 
-from .base import UNBOUNDED, Backend, Pieces, acc_dtype, check_inputs
-from .flash import ArgAdapter, FlashAttn3Backend, FlashAttnBackend, signature_params
-from .reference import ReferenceBackend
-from .select import BACKENDS, REFERENCE_CUDA_MAX_LEN, get_backend
-from .torch_cpu import TorchCPUBackend
-from .varlen_cuda import Packed, TorchCUDABackend, VarlenCUDABackend, kernel_windows
+from attention.backends.base import UNBOUNDED, Backend, Pieces, acc_dtype, check_inputs
+from attention.backends.flash import ArgAdapter, FlashAttn3Backend, FlashAttnBackend, signature_params
+from attention.backends.reference import ReferenceBackend
+from attention.backends.select import BACKENDS, REFERENCE_CUDA_MAX_LEN, get_backend
+from attention.backends.torch_cpu import TorchCPUBackend
+from attention.backends.varlen_cuda import Packed, TorchCUDABackend, VarlenCUDABackend, kernel_windows
 
 __all__ = [
     "UNBOUNDED",

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .varlen_cuda import VarlenCUDABackend, deterministic
+from attention.backends.varlen_cuda import VarlenCUDABackend, deterministic
 
 # our value name -> parameter names that take it, in the kernels' spellings
 ALIASES = {

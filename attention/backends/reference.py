@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from .base import Backend, Pieces, acc_dtype
+from attention.backends.base import Backend, Pieces, acc_dtype
 
 
 def _band_mask(lq: int, lk: int, lo: int, hi: int, device) -> torch.Tensor:

@@ -13,11 +13,11 @@ from typing import Optional
 
 import torch
 
-from .base import Backend
-from .flash import FlashAttn3Backend, FlashAttnBackend
-from .reference import ReferenceBackend
-from .torch_cpu import TorchCPUBackend
-from .varlen_cuda import TorchCUDABackend
+from attention.backends.base import Backend
+from attention.backends.flash import FlashAttn3Backend, FlashAttnBackend
+from attention.backends.reference import ReferenceBackend
+from attention.backends.torch_cpu import TorchCPUBackend
+from attention.backends.varlen_cuda import TorchCUDABackend
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .base import Backend, Pieces
-from .reference import ReferenceBackend
+from attention.backends.base import Backend, Pieces
+from attention.backends.reference import ReferenceBackend
 
 _REFERENCE = ReferenceBackend()
 

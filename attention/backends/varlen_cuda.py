@@ -16,8 +16,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from .base import Backend, Pieces
-from .reference import ReferenceBackend
+from attention.backends.base import Backend, Pieces
+from attention.backends.reference import ReferenceBackend
 
 _REFERENCE = ReferenceBackend()
 _WARNED: set = set()

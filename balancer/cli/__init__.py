@@ -1,4 +1,4 @@
-"""The `balancer` command: demo, plan, stats (and pretokenize, verify, merge from balancer.cli_data)."""
+"""The `balancer` command: demo, plan, stats (and pretokenize, verify, merge from balancer.cli.data)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import __version__
-from ..data.lengths import read_lengths as read_any_lengths
-from ..data.oserrors import describe_os_error
-from ..planning.baseline import token_count_plan
-from ..planning.cost import CostModel
-from ..planning.planner import OVERFLOW_POLICIES, validate_lengths
-from ..planning.planner import plan as make_plan
-from ..planning.topology import Topology
-from .report import compare_table, format_stats, length_stats, plot
+from balancer import __version__
+from balancer.cli.report import compare_table, format_stats, length_stats, plot
+from balancer.data.shards.errors import describe_os_error
+from balancer.data.shards.lengths import read_lengths as read_any_lengths
+from balancer.planning.baseline import token_count_plan
+from balancer.planning.cost import CostModel
+from balancer.planning.planner import OVERFLOW_POLICIES, validate_lengths
+from balancer.planning.planner import plan as make_plan
+from balancer.planning.topology import Topology
 
 # Llama-style configs for --model (analytic FLOPs via CostModel.from_model)
 MODELS = {
@@ -38,7 +38,7 @@ DEFAULT_COST = (2 / 53000, 1.0)  # attention cost per causal pair, linear cost p
 
 def read_lengths(source: str) -> np.ndarray:
     """Lengths to plan from a JSON list, a .npy/.npz file, a text file of one length per line, a pretokenized
-    folder or a built-in trace name (`balancer.data.lengths.read_lengths`), checked by the planner's rules."""
+    folder or a built-in trace name (`balancer.data.shards.lengths.read_lengths`), checked by the planner's rules."""
     return validate_lengths(read_any_lengths(source), name=str(source))
 
 
@@ -216,7 +216,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from ..data.traces import load_trace
+    from balancer.data.traces import load_trace
 
     require_plot_backend(args)
     lengths = load_trace("wlbllm")
@@ -248,7 +248,7 @@ def rows_note(source: str) -> str | None:
     are; None otherwise."""
     if not Path(source).is_dir():
         return None
-    from ..data.dataset import load_manifest
+    from balancer.data.shards.manifest import load_manifest
 
     counts = load_manifest(source).get("counts", {})
     rows, docs = counts.get("rows"), counts.get("documents")
@@ -351,8 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="write the picture here")
     p.set_defaults(func=cmd_stats)
 
-    from . import calibrate as cli_calibrate
-    from . import data as cli_data
+    from balancer.cli import calibrate as cli_calibrate
+    from balancer.cli import data as cli_data
 
     cli_data.register(sub)
     cli_calibrate.register(sub)

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..planning.cost import CostModel
+from balancer.planning.cost import CostModel
 
 
 def _config(args) -> dict | None:
@@ -26,7 +26,7 @@ def _config(args) -> dict | None:
 
 
 def cmd_calibrate(args) -> int:
-    from ..calibration import calibrate
+    from balancer.calibration import calibrate
 
     result = calibrate(
         _config(args),

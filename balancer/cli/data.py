@@ -1,17 +1,14 @@
 """Data subcommands of the `balancer` command: `pretokenize`, `verify`, `merge`, `pack`.
 
 `register(subparsers)` adds them to an argparse subparsers object; each sets `func(args) -> exit code`.
-`python -m balancer.cli_data ...` runs them without the main `balancer` command.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
-from typing import Optional
 
-from ..data.oserrors import describe_os_error
+from balancer.data.shards.errors import describe_os_error
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1  # verify found problems
@@ -58,7 +55,8 @@ def _reporting(call, errors: tuple, resumable: bool) -> int:
 
 
 def _run_pretokenize(args: argparse.Namespace) -> int:
-    from ..data.shards import PretokenizeError, PretokenizeOptions, pretokenize
+    from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize
+    from balancer.data.shards.errors import DataError
 
     opts = PretokenizeOptions(
         text_field=args.text_field,
@@ -88,14 +86,15 @@ def _run_pretokenize(args: argparse.Namespace) -> int:
             engine=args.engine,
             ray_address=args.ray_address,
         ),
-        (PretokenizeError,),
+        (DataError,),
         resumable=True,
     )
 
 
 def _run_verify(args: argparse.Namespace) -> int:
-    from ..data.pack import is_packed, load_packed_manifest, verify_packed
-    from ..data.shards import load_manifest, verify
+    from balancer.data.pack.verify import is_packed, load_packed_manifest, verify_packed
+    from balancer.data.shards.manifest import load_manifest
+    from balancer.data.shards.verify import verify
 
     try:
         packed = is_packed(args.dir)
@@ -118,15 +117,17 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _run_merge(args: argparse.Namespace) -> int:
-    from ..data.shards import PretokenizeError, merge
+    from balancer.data.pretokenize.merge import merge
+    from balancer.data.shards.errors import DataError
 
-    return _reporting(lambda: merge(args.parts, args.output, overwrite=args.overwrite), (PretokenizeError,), False)
+    return _reporting(lambda: merge(args.parts, args.output, overwrite=args.overwrite), (DataError,), False)
 
 
 def _run_pack(args: argparse.Namespace) -> int:
-    from ..data.pack import SourceTokens, pack
-    from ..data.readers import PretokenizeError
-    from . import cost_from_args, topology_from_args
+    from balancer.cli import cost_from_args, topology_from_args
+    from balancer.data.pack.build import pack
+    from balancer.data.pack.rows import SourceTokens
+    from balancer.data.shards.errors import DataError
 
     def run() -> None:
         with SourceTokens(args.tokdir) as source:
@@ -143,12 +144,12 @@ def _run_pack(args: argparse.Namespace) -> int:
                 progress=False if args.quiet else None,
             )
 
-    return _reporting(run, (PretokenizeError, ValueError), resumable=True)  # PackError is a PretokenizeError
+    return _reporting(run, (DataError, ValueError), resumable=True)  # PackError is a DataError
 
 
 def register(subparsers) -> None:
     """Add `pretokenize`, `verify`, `merge` and `pack` to an argparse subparsers object."""
-    from ..data.shards import DEFAULT_SHARD_TOKENS
+    from balancer.data.pretokenize.pipeline import DEFAULT_SHARD_TOKENS
 
     _register_pretokenize(subparsers, DEFAULT_SHARD_TOKENS)
     _register_verify_and_merge(subparsers)
@@ -318,8 +319,8 @@ def _register_verify_and_merge(subparsers) -> None:
 
 
 def _register_pack(subparsers, default_shard_tokens: int) -> None:
-    from ..planning.planner import OVERFLOW_POLICIES
-    from . import add_topology_args
+    from balancer.cli import add_topology_args
+    from balancer.planning.planner import OVERFLOW_POLICIES
 
     p = subparsers.add_parser(
         "pack",
@@ -374,16 +375,3 @@ def _register_pack(subparsers, default_shard_tokens: int) -> None:
         help="replace a different job's output in --output (its shard, plan and manifest files are deleted)",
     )
     p.set_defaults(func=_run_pack)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m balancer.cli_data {pretokenize,verify,merge} ...`"""
-    parser = argparse.ArgumentParser(prog="balancer", description="balancer data commands")
-    sub = parser.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..planning.cost import CostModel, attention_pairs
-from ..planning.plan import Plan
+from balancer.planning.cost import CostModel, attention_pairs
+from balancer.planning.plans import Plan
 
 THRESHOLDS = (8192, 32768, 131072)
 ROWS = (
@@ -111,7 +111,7 @@ def plot(lengths: np.ndarray, cost: CostModel, path: str, plans: dict[str, Plan]
     axes[1].set_xscale("log"), axes[1].set_xlabel("document length (tokens)")
     axes[1].set_ylabel("share held by longer documents"), axes[1].legend(), axes[1].grid(alpha=0.3)
     if plans:
-        from ..planning.metrics import lower_bound
+        from balancer.planning.metrics import lower_bound
 
         for name, p in plans.items():
             t = p.step_times()

@@ -1,1 +1,22 @@
-"""Data on disk: input readers, tokenizers, the pretokenize pipeline, shard folders and length traces."""
+"""Data on disk, by product: `shards` (the pretokenized folder format that both products read and write: manifest,
+open-time checks, `verify`, `ShardDataset`, the one lengths reader, output ownership), `pretokenize` (raw corpus ->
+shards: readers, tokenizers, the local and Ray engines, `merge`), `pack` (`balancer pack`: balanced pre-packed
+rows) and `traces` (built-in and published length traces).
+"""
+
+from balancer._lazy import lazy_exports
+
+_EXPORTS = {
+    "ShardDataset": "balancer.data.shards.dataset",
+    "read_lengths": "balancer.data.shards.lengths",
+    "verify": "balancer.data.shards.verify",
+    "DataError": "balancer.data.shards.errors",
+    "pretokenize": "balancer.data.pretokenize.pipeline",
+    "PretokenizeOptions": "balancer.data.pretokenize.pipeline",
+    "merge": "balancer.data.pretokenize.merge",
+    "pack": "balancer.data.pack.build",
+    "verify_packed": "balancer.data.pack.verify",
+    "load_trace": "balancer.data.traces",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -11,11 +11,11 @@ import time
 
 import numpy as np
 
-from .cost import CostModel
-from .metrics import natural_steps
-from .plan import Plan
-from .planner import validate_lengths
-from .topology import Topology
+from balancer.planning.cost import CostModel
+from balancer.planning.metrics import natural_steps
+from balancer.planning.planner import validate_lengths
+from balancer.planning.plans import Plan
+from balancer.planning.topology import Topology
 
 
 def token_count_plan(lengths, topology: Topology, cost: CostModel, seed: int = 0) -> Plan:

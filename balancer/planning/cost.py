@@ -395,7 +395,7 @@ class CostModel:
         (CPLayout kind) and `method` are one value for all samples or one per sample. See
         balancer.planning.fitting for the method (the ring step's max(compute, transfer) makes it piecewise linear).
         """
-        from .fitting import fit_cost_model
+        from balancer.planning.fitting import fit_cost_model
 
         return fit_cost_model(
             cls,

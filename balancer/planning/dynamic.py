@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .cost import CostModel
-from .metrics import one_f_one_b
-from .plan import Plan
-from .topology import Topology
+from balancer.planning.cost import CostModel
+from balancer.planning.metrics import one_f_one_b
+from balancer.planning.plans import Plan
+from balancer.planning.topology import Topology
 
 MIN_BINS = 16  # the balancing plan keeps at least this many micro-batches per step (when no document stalls)
 STALL_SHARE = 0.5  # ... and a group size on which P * cost(d) / C is at most this share of a rank's step share
@@ -113,7 +113,7 @@ def _plan_on(
     lengths: np.ndarray, topology: Topology, cost: CostModel, size: int, seed: int, overflow: str, progress: bool
 ) -> Plan:
     """Steps 1 and 2 of the module docstring for balancing size `size`."""
-    from .planner import plan as static_plan
+    from balancer.planning.planner import plan as static_plan
 
     virtual = largest_group_topology(topology, size)
     base = static_plan(lengths, virtual, cost, seed=seed, overflow=overflow, progress=progress)
@@ -158,7 +158,7 @@ class _Cutter:
         the slowest rank's predicted time under the zigzag layout and ring attention (balancer.planning.predict)."""
         if self.cost is None or size == 1:
             return (float(self.entry_cost[entries].sum()) + self.fixed) / size
-        from .predict import micro_batch_time
+        from balancer.planning.predict import micro_batch_time
 
         return micro_batch_time(self.cost, self.entry_tokens[entries], size)
 

@@ -21,15 +21,15 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
-from .cost import CostModel
-from .metrics import one_f_one_b
-from .topology import Topology
+from balancer.planning.cost import CostModel
+from balancer.planning.metrics import one_f_one_b
+from balancer.planning.topology import Topology
 
 
 @dataclass
 class ExactResult:
     assign: np.ndarray  # micro-batch (replica * M + m) of every unit
-    step_time: float  # per-CP-rank step time of `assign` (same units as balancer.metrics)
+    step_time: float  # per-CP-rank step time of `assign` (same units as balancer.planning.metrics)
     lower_bound: float  # proven lower bound on the optimum step time
     optimal: bool  # True when the solver proved optimality
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .predict import METHODS, fit_features, micro_batch_terms
+from balancer.planning.predict import METHODS, fit_features, micro_batch_terms
 
 TERMS = ("attn_coef", "linear_coef", "fixed", "piece_coef", "comm_coef", "comm_latency")
 COMM_STARTS = (0.25, 1.0, 4.0)

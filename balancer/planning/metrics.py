@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cost import CostModel
-from .topology import Topology
+from balancer.planning.cost import CostModel
+from balancer.planning.topology import Topology
 
 
 def one_f_one_b(largest, total, stages: int, *added):

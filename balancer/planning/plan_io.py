@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .cost import CostModel
-from .topology import Topology
+from balancer.planning.cost import CostModel
+from balancer.planning.topology import Topology
 
 
 class PlanFileError(ValueError):
@@ -61,7 +61,7 @@ def _step_record(step) -> dict:
 
 
 def header(plan) -> dict:
-    from .plan import FORMAT
+    from balancer.planning.plans import FORMAT
 
     return {
         "format": FORMAT,

@@ -24,13 +24,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .cost import CostModel
-from .metrics import natural_steps, step_times
-from .pack import pack_step
-from .plan import Plan
-from .steps import STEP_BAND, assign_steps, effective_step_tokens, step_token_targets
-from .topology import Topology
-from .units import OVERFLOW_POLICIES, planning_units, validate_lengths
+from balancer.planning.binpack import pack_step
+from balancer.planning.cost import CostModel
+from balancer.planning.metrics import natural_steps, step_times
+from balancer.planning.plans import Plan
+from balancer.planning.steps import STEP_BAND, assign_steps, effective_step_tokens, step_token_targets
+from balancer.planning.topology import Topology
+from balancer.planning.units import OVERFLOW_POLICIES, planning_units, validate_lengths
 
 ATTN_SHARE = 1 / 3  # a unit is attention-heavy when attention is at least this share of its cost
 
@@ -60,7 +60,7 @@ def plan(
     if not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a balancer.CostModel, got {type(cost).__name__}")
     if topology.dynamic:
-        from .dynamic import plan_dynamic
+        from balancer.planning.dynamic import plan_dynamic
 
         return plan_dynamic(lengths, topology, cost, seed, overflow, progress)
     nb = topology.bins_per_step

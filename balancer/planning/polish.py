@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .metrics import one_f_one_b
-from .topology import Topology
+from balancer.planning.metrics import one_f_one_b
+from balancer.planning.topology import Topology
 
 
 @dataclass

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .cost import CostModel, block_pairs
+from balancer.planning.cost import CostModel, block_pairs
 
 METHODS = ("ring", "allgather")
 
@@ -187,7 +187,7 @@ def predict_plan(
     (K/V token-hops summed over CP ranks and ring steps; bytes when the model knows `kv_bytes_per_token`),
     `attention_pieces` (document pieces summed over ranks and steps).
     """
-    from . import metrics
+    from balancer.planning import metrics
 
     if isinstance(layout, dict):  # a plan's recorded layout: {"kind": ..., options}
         layout_options = {**{k: v for k, v in layout.items() if k != "kind"}, **layout_options}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .topology import Topology
+from balancer.planning.topology import Topology
 
 HEAVY_STEP = 0.25  # heavier than this share of a micro-batch's average work: spread evenly over the steps
 HEAVY_PACK = 0.5  # heavier than this share of a micro-batch's average work: placed one by one in pack_step

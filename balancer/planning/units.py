@@ -7,7 +7,7 @@ import logging
 
 import numpy as np
 
-from .topology import Topology
+from balancer.planning.topology import Topology
 
 OVERFLOW_POLICIES = ("error", "split", "truncate")
 MAX_SPLIT_WINDOWS = 1 << 20  # overflow="split" makes at most this many windows in all (planning work grows with them)

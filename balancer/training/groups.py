@@ -6,7 +6,7 @@ Ranks are laid out DP outermost, then CP, then pipeline stages: global rank = `p
 
 from __future__ import annotations
 
-from ..planning.topology import Topology
+from balancer.planning.topology import Topology
 
 
 def group_keys(topology: Topology) -> list[tuple[int, int]]:

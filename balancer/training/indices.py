@@ -58,7 +58,7 @@ class Span:
     def __index__(self) -> int:
         raise TypeError(
             f"{self!r} is part of a document (the plan split or truncated it): wrap the dataset in "
-            "balancer.sampler.SpanDataset(dataset) so it returns that token range"
+            "balancer.SpanDataset(dataset) so it returns that token range"
         )
 
     __int__ = __index__

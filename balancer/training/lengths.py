@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from ..planning.units import validate_lengths
+from balancer.planning.units import validate_lengths
 
 
 def resolve_lengths(lengths, dataset=None) -> tuple[np.ndarray, Optional[int]]:
@@ -22,7 +22,7 @@ def resolve_lengths(lengths, dataset=None) -> tuple[np.ndarray, Optional[int]]:
             if arr.dtype == object or arr.ndim != 1:  # a list column (e.g. input_ids): lengths of its rows
                 arr = np.asarray(_hf_list_lengths(dataset, src))
         else:
-            from ..data.shards import read_lengths
+            from balancer.data.shards.lengths import read_lengths
 
             arr = read_lengths(src)
     elif hasattr(src, "lengths") and not isinstance(src, np.ndarray):  # ShardDataset and alike

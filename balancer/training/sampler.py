@@ -39,14 +39,14 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ..planning.cost import CostModel
-from ..planning.metrics import lower_bound, one_f_one_b
-from ..planning.planner import plan as make_plan
-from ..planning.topology import Topology
-from ..planning.units import OVERFLOW_POLICIES
-from .indices import CPGroup, Member, Span, SpanDataset
-from .lengths import fingerprint_lengths, resolve_lengths
-from .sampler_state import STATE_FORMAT, check_state
+from balancer.planning.cost import CostModel
+from balancer.planning.metrics import lower_bound, one_f_one_b
+from balancer.planning.planner import plan as make_plan
+from balancer.planning.topology import Topology
+from balancer.planning.units import OVERFLOW_POLICIES
+from balancer.training.indices import CPGroup, Member, Span, SpanDataset
+from balancer.training.lengths import fingerprint_lengths, resolve_lengths
+from balancer.training.sampler_state import STATE_FORMAT, check_state
 
 __all__ = ["BalancedBatchSampler", "Span", "SpanDataset", "Member", "CPGroup", "resolve_lengths", "STATE_FORMAT"]
 
@@ -172,7 +172,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self.lengths, _ = resolve_lengths(lengths, dataset)
         longest = int(self.lengths.max())
         if topology.dynamic:
-            from ..planning.dynamic import check_fits
+            from balancer.planning.dynamic import check_fits
 
             check_fits(self.lengths, topology, overflow)
         elif overflow == "error" and longest > topology.micro_batch_tokens:

@@ -6,9 +6,9 @@ from typing import Optional
 
 import numpy as np
 
-from ..planning.cost import CostModel
-from ..planning.topology import Topology
-from ..planning.units import OVERFLOW_POLICIES
+from balancer.planning.cost import CostModel
+from balancer.planning.topology import Topology
+from balancer.planning.units import OVERFLOW_POLICIES
 
 STATE_FORMAT = "balancer.sampler/1"
 

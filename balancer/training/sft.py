@@ -11,9 +11,9 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised without trl only
     raise ImportError("balancer.hf.BalancedSFTTrainer needs TRL: pip install 'seqbalancer[trainer]'") from exc
 
-from ..planning.cost import CostModel
-from ..planning.topology import Topology
-from .trainer import BalancedTrainingMixin, _dataset_for_packing, balanced_args, check_topology
+from balancer.planning.cost import CostModel
+from balancer.planning.topology import Topology
+from balancer.training.trainer import BalancedTrainingMixin, _dataset_for_packing, balanced_args, check_topology
 
 
 class BalancedSFTTrainer(BalancedTrainingMixin, SFTTrainer):

@@ -36,13 +36,13 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised without transformers only
     raise ImportError("balancer.hf needs transformers and accelerate: pip install 'seqbalancer[trainer]'") from exc
 
-from ..planning.cost import CostModel
-from ..planning.planner import OVERFLOW_POLICIES
-from ..planning.planner import plan as make_plan
-from ..planning.topology import Topology
-from .collate import PackedCollator
-from .loss import token_loss
-from .sampler import BalancedBatchSampler, SpanDataset, resolve_lengths
+from balancer.planning.cost import CostModel
+from balancer.planning.planner import OVERFLOW_POLICIES
+from balancer.planning.planner import plan as make_plan
+from balancer.planning.topology import Topology
+from balancer.training.collate import PackedCollator
+from balancer.training.loss import token_loss
+from balancer.training.sampler import BalancedBatchSampler, SpanDataset, resolve_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -294,7 +294,7 @@ class BalancedTrainingMixin:
 def _ranks(topology: Topology) -> tuple[int, int, dict]:
     """(dp_rank, cp_rank, CP process groups keyed by `(start, size)`) from torch.distributed; rank = dp_rank * cp +
     cp_rank. No groups for one process or for a static topology with cp = 1."""
-    from .groups import cp_groups
+    from balancer.training.groups import cp_groups
 
     world = topology.dp * topology.cp
     if not (dist.is_available() and dist.is_initialized()):

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .manifest import FORMAT_NAME, MANIFEST_NAME, STATE_NAME, load_json_file
-from .readers import PretokenizeError
+from balancer.data.shards.errors import DataError
+from balancer.data.shards.manifest import FORMAT_NAME, MANIFEST_NAME, STATE_NAME, load_json_file
 
 LOCK_NAME = ".balancer.lock"
 DATASETS_STATE = "state.json"
@@ -131,11 +131,11 @@ def check_output_vs_inputs(out: Path, inputs: Sequence[str]) -> None:
             continue  # a hub dataset name
         real_in = os.path.realpath(spec)
         if real_in == real_out:
-            raise PretokenizeError(f"--output {out} is the input {spec}; write to another folder")
+            raise DataError(f"--output {out} is the input {spec}; write to another folder")
         if _inside(real_in, real_out):
-            raise PretokenizeError(f"--output {out} contains the input {spec}; write to a folder outside it")
+            raise DataError(f"--output {out} contains the input {spec}; write to a folder outside it")
         if _inside(real_out, real_in):
-            raise PretokenizeError(f"--output {out} is inside the input {spec}; write to a folder outside it")
+            raise DataError(f"--output {out} is inside the input {spec}; write to a folder outside it")
 
 
 def prepare_output(
@@ -156,17 +156,17 @@ def prepare_output(
         if manifest is None and state is not None and state.get("job") == job and state.get("slice") == slice_:
             return "resume", state
         if manifest is not None or state is not None:
-            raise PretokenizeError(
+            raise DataError(
                 f"--output {out} holds a different job of `balancer {kind.command}` (other inputs or options); "
                 f"pass --overwrite to replace it"
             )
-        raise PretokenizeError(
+        raise DataError(
             f"--output {out} is not empty and holds no {kind.command} job "
             f"({len(foreign)} entries, e.g. {foreign[0]!r}); pass --overwrite to use it"
         )
     clashing = [n for n in foreign if is_output_name(n, kind)]
     if clashing:
-        raise PretokenizeError(
+        raise DataError(
             f"--output {out}: {clashing[0]!r} has a name this tool writes but was not written by it "
             f"(no manifest or state of ours names it); move it away, --overwrite never deletes your files"
         )
@@ -202,7 +202,7 @@ class OutputLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise PretokenizeError(
+                raise DataError(
                     f"{self.path}: the folder is being written by another run ({_lock_owner(self.path)}); wait for "
                     f"it to finish, or stop it; if no such process is running, delete {self.path} and run again"
                 ) from None
@@ -235,6 +235,6 @@ def open_output(out: Path, inputs: Sequence[str]) -> OutputLock:
     (use as a context manager)."""
     check_output_vs_inputs(out, inputs)
     if out.exists() and not out.is_dir():
-        raise PretokenizeError(f"--output {out} exists and is not a directory")
+        raise DataError(f"--output {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     return OutputLock(out)

@@ -24,9 +24,10 @@ from typing import Optional
 
 import numpy as np
 
-from .compression import compression_of, open_input, seek_forward
-from .readers import Cursor, InputSource, PretokenizeError, _batched, iter_records
-from .tokenize import _WORKER, EncoderConfig, encode_payloads, init_encoder
+from balancer.data.pretokenize.compression import compression_of, open_input, seek_forward
+from balancer.data.pretokenize.readers import Cursor, InputSource, _batched, iter_records
+from balancer.data.pretokenize.tokenize import _WORKER, EncoderConfig, encode_payloads, init_encoder
+from balancer.data.shards.errors import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ def _ray():
         import ray
         import ray.data  # noqa: F401
     except ImportError:
-        raise PretokenizeError("--engine ray needs Ray Data: pip install 'seqbalancer[ray]'") from None
+        raise DataError("--engine ray needs Ray Data: pip install 'seqbalancer[ray]'") from None
     return ray
 
 
@@ -57,11 +58,11 @@ def _check_reachable(address: str) -> None:
     hostport = address.split("://", 1)[-1].rstrip("/")
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
-        raise PretokenizeError(f"--ray-address {address!r}: expected HOST:PORT, ray://HOST:PORT or auto")
+        raise DataError(f"--ray-address {address!r}: expected HOST:PORT, ray://HOST:PORT or auto")
     try:
         socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as exc:
-        raise PretokenizeError(
+        raise DataError(
             f"--ray-address {address}: cannot reach {host}:{port} ({exc}); start the cluster there "
             f"(`ray start --head`) or fix the address"
         ) from None
@@ -80,7 +81,7 @@ def connect(address: Optional[str], num_cpus: Optional[int] = None) -> Callable[
         try:
             ray.init(address=address, **kwargs)
         except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
-            raise PretokenizeError(f"--ray-address {address}: cannot connect ({type(exc).__name__}: {exc})") from exc
+            raise DataError(f"--ray-address {address}: cannot connect ({type(exc).__name__}: {exc})") from exc
     else:
         logger.info("starting a local Ray cluster (%s CPUs)", num_cpus or "all")
         ray.init(num_cpus=num_cpus, **kwargs)
@@ -119,7 +120,7 @@ def _line_offsets(path: str, first_line: int, first_offset: int, lines: list[int
             line += len(starts)
             pos += len(chunk)
     if target is not None:
-        raise PretokenizeError(f"{path}: has fewer than {target} lines (changed while running?)")
+        raise DataError(f"{path}: has fewer than {target} lines (changed while running?)")
     return found
 
 
@@ -234,7 +235,7 @@ def _quiet_ordered_ray_data(ray) -> Iterator[None]:
 def _run_tasks(
     ray, items: list, ranges: list, sources: list, cfg: EncoderConfig, concurrency: int
 ) -> Iterator[EncodedBatch]:
-    """The tasks' encoded batches in input order; a failure becomes one PretokenizeError."""
+    """The tasks' encoded batches in input order; a failure becomes one DataError."""
     with warnings.catch_warnings():
         # Ray Data retries the task of a dead worker forever unless the task's remote args bound it; up to Ray 2.63
         # only the (deprecated) remote-args route sets it
@@ -255,16 +256,16 @@ def _run_tasks(
             decoded = _decode_row(row)
             done = decoded[0][-1][2].record
             yield decoded
-    except PretokenizeError:
+    except DataError:
         raise
     except Exception as exc:  # noqa: BLE001 - Ray wraps task failures in several exception types
         pending = next(((c, e) for c, e in ranges if e > done), ranges[-1])[0]
         cause = _root_cause(exc)
-        if isinstance(cause, PretokenizeError):
+        if isinstance(cause, DataError):
             raise cause from None
         detail = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
         retried = f" after {TASK_RETRIES} retries" if type(cause).__module__.startswith("ray") else ""  # a dead worker
-        raise PretokenizeError(
+        raise DataError(
             f"Ray engine: a task failed{retried} ({type(cause).__name__}: {detail}) with records "
             f"from {pending.record} on ({sources[pending.input].display} from record {pending.local}) unfinished; "
             f"only whole shards were kept: rerun the same command to resume"

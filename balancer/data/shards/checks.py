@@ -11,7 +11,7 @@ never returns wrong data silently.
   the CRC was recorded), and against the manifest and each
   other (rows, tokens, longest row, first/last doc_id, doc_ids in input order, no empty rows);
 - each Arrow file's row count, read from its message headers (the token data is not read).
-`open_folder(path, full=True)` also runs `verify` (every byte of every file). PretokenizeError names the file.
+`open_folder(path, full=True)` also runs `verify` (every byte of every file). DataError names the file.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from typing import Optional
 
 import numpy as np
 
-from .arrow_rows import ArrowHeaderError, stream_row_count
-from .manifest import MANIFEST_NAME, load_manifest, shard_file_names
-from .readers import PretokenizeError
+from balancer.data.shards.arrow_rows import ArrowHeaderError, stream_row_count
+from balancer.data.shards.errors import DataError
+from balancer.data.shards.manifest import MANIFEST_NAME, load_manifest, shard_file_names
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -57,12 +57,12 @@ def _is_int(v) -> bool:
 
 def _require(ok: bool, where: str, message: str) -> None:
     if not ok:
-        raise PretokenizeError(f"{where}: {message}")
+        raise DataError(f"{where}: {message}")
 
 
 def check_file_name(folder: Path, name: object, where: str) -> Optional[os.stat_result]:
     """The stat of `folder / name` (None when missing) when `name` is a plain file name whose path stays inside
-    `folder`: a symlink is followed and must resolve inside the folder. PretokenizeError otherwise."""
+    `folder`: a symlink is followed and must resolve inside the folder. DataError otherwise."""
     plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
     _require(plain and "\0" not in name, where, f"file name {name!r} is not a plain name inside the folder")
     path = folder / name
@@ -76,7 +76,7 @@ def check_file_name(folder: Path, name: object, where: str) -> Optional[os.stat_
     except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:  # a symlink loop, ...
-        raise PretokenizeError(f"{path}: cannot be read ({exc.strerror})") from None
+        raise DataError(f"{path}: cannot be read ({exc.strerror})") from None
     return st
 
 
@@ -143,7 +143,7 @@ def _load_index(path: Path, meta: dict, rows: int) -> np.ndarray:
     try:
         arr = _npy_view(data)
     except Exception as exc:  # noqa: BLE001
-        raise PretokenizeError(f"{path}: not a readable .npy index ({exc})") from None
+        raise DataError(f"{path}: not a readable .npy index ({exc})") from None
     _require(
         arr.dtype == np.int64 and arr.shape == (rows,),
         str(path),
@@ -171,14 +171,14 @@ def _check_shard_index(folder: Path, entry: dict, prev_last_doc: int) -> tuple[n
     try:
         arrow_rows = stream_row_count(folder / arrow)
     except ArrowHeaderError as exc:
-        raise PretokenizeError(str(exc)) from None
+        raise DataError(str(exc)) from None
     _require(arrow_rows == entry["rows"], str(folder / arrow), f"{arrow_rows} rows, the manifest says {entry['rows']}")
     return lengths, doc_ids
 
 
 def open_folder(path: str | os.PathLike, full: bool = False) -> OpenedFolder:
     """The checked manifest and index of a finished folder (see the module docstring); `full=True` also reads and
-    checks every byte (`verify`). PretokenizeError naming the file and what is wrong otherwise."""
+    checks every byte (`verify`). DataError naming the file and what is wrong otherwise."""
     folder = Path(path)
     m = load_manifest(folder)
     check_manifest_structure(folder, m)
@@ -193,10 +193,10 @@ def open_folder(path: str | os.PathLike, full: bool = False) -> OpenedFolder:
         all_lengths.append(lengths)
         all_doc_ids.append(doc_ids)
     if full:
-        from .verify import verify
+        from balancer.data.shards.verify import verify
 
         problems = verify(folder)
         if problems:
             more = f" (and {len(problems) - 1} more; run `balancer verify {folder}`)" if len(problems) > 1 else ""
-            raise PretokenizeError(problems[0] + more)
+            raise DataError(problems[0] + more)
     return OpenedFolder(folder, m, all_lengths, all_doc_ids)

@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from ..planning.cost import CostModel
-from ..planning.plan import Plan
-from ..planning.topology import Topology
-from .manifest import MANIFEST_NAME, load_json_file, verify_shard_files
-from .pack_output import PACK_FORMAT, is_pack_name
-from .pack_rows import SCALAR_COLUMNS, PackError, piece_positions, row_metrics, row_pieces, rows_per_epoch
+from balancer.data.pack.output import PACK_FORMAT, is_pack_name
+from balancer.data.pack.rows import SCALAR_COLUMNS, PackError, piece_positions, row_metrics, row_pieces, rows_per_epoch
+from balancer.data.shards.manifest import MANIFEST_NAME, load_json_file, verify_shard_files
+from balancer.planning.cost import CostModel
+from balancer.planning.plans import Plan
+from balancer.planning.topology import Topology
 
 
 def load_packed_manifest(path: str | os.PathLike) -> dict:

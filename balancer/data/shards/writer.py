@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from .manifest import atomic_write_json, fsync_file, save_npy, shard_file_names
-from .output import DATASETS_DESCRIPTION, DATASETS_INFO, DATASETS_STATE
-from .readers import sha256_file
+from balancer.data.shards.manifest import atomic_write_json, fsync_file, save_npy, sha256_file, shard_file_names
+from balancer.data.shards.output import DATASETS_DESCRIPTION, DATASETS_INFO, DATASETS_STATE
 
 FLUSH_TOKENS = 1 << 20  # record batches of other row writers (balancer pack): at most ~1M tokens ...
 FLUSH_ROWS = 4096  # ... or this many rows

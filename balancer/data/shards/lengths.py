@@ -98,15 +98,15 @@ def read_lengths(source: str | os.PathLike) -> np.ndarray:
     file, or a built-in trace name; ValueError naming the file (and entry or line) for anything else."""
     path = Path(source)
     if path.is_dir():
-        from .checks import open_folder
-        from .readers import PretokenizeError
+        from balancer.data.shards.checks import open_folder
+        from balancer.data.shards.errors import DataError
 
         try:
             return open_folder(path).lengths()
-        except PretokenizeError as exc:
+        except DataError as exc:
             raise ValueError(str(exc)) from None
     if not path.exists():
-        from .traces import NAMES, load_trace
+        from balancer.data.traces import NAMES, load_trace
 
         if str(source) in NAMES:
             return load_trace(str(source))

@@ -1,8 +1,14 @@
-"""One line for an operating-system error: the file, what went wrong, and what to do."""
+"""Errors of the data commands: `DataError` (bad input, a refused output folder, ...; the message names the file)
+and one line for an operating-system error (`describe_os_error`: the file, what went wrong, and what to do)."""
 
 from __future__ import annotations
 
 import errno
+
+
+class DataError(RuntimeError):
+    """A data job cannot proceed: bad input (the message names the file and line), a refused output folder, ..."""
+
 
 _HINTS = {
     errno.ENOSPC: "free space on that disk (or pick another folder), then run the same command again",

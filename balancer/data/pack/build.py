@@ -1,7 +1,7 @@
 """`balancer pack`: balanced, pre-packed rows for loaders that cannot take a sampler.
 
 Plans every epoch of a pretokenized folder for a topology (epoch e with seed S+e) and writes a `datasets` folder
-with one row per (epoch, step, micro-batch, DP rank), in that order (row format: `balancer.data.pack_rows`)::
+with one row per (epoch, step, micro-batch, DP rank), in that order (row format: `balancer.data.pack.rows`)::
 
     DIR/shard-00000.arrow          Arrow IPC stream of rows (one shard closes at a row boundary after --shard-tokens)
     DIR/plan-epoch-00000.json      the plan of epoch 0 (balancer plan JSON), ... one per epoch
@@ -27,12 +27,7 @@ import numpy as np
 import pyarrow as pa
 from tqdm import tqdm
 
-from ..planning.cost import CostModel
-from ..planning.plan import Plan
-from ..planning.topology import Topology
-from .manifest import MANIFEST_NAME, atomic_write_json, fsync_file, verify_shard_files
-from .output import open_output
-from .pack_output import (
+from balancer.data.pack.output import (
     PACK_DESCRIPTION,
     PACK_FORMAT,
     PACK_FORMAT_VERSION,
@@ -40,7 +35,7 @@ from .pack_output import (
     clear_owned,
     prepare_pack_output,
 )
-from .pack_rows import (
+from balancer.data.pack.rows import (
     PackError,
     SourceTokens,
     build_rows,
@@ -52,15 +47,14 @@ from .pack_rows import (
     row_tokens,
     rows_per_epoch,
 )
-from .pack_verify import (
-    is_packed,
-    load_packed_manifest,
-    packed_metrics,
-    verify_packed,
-)
-from .pipeline import DEFAULT_SHARD_TOKENS
-from .readers import sha256_file
-from .writer import FLUSH_ROWS, FLUSH_TOKENS, write_datasets_metadata
+from balancer.data.pack.verify import is_packed, load_packed_manifest, packed_metrics, verify_packed
+from balancer.data.pretokenize.pipeline import DEFAULT_SHARD_TOKENS
+from balancer.data.shards.manifest import MANIFEST_NAME, atomic_write_json, fsync_file, sha256_file, verify_shard_files
+from balancer.data.shards.output import open_output
+from balancer.data.shards.writer import FLUSH_ROWS, FLUSH_TOKENS, write_datasets_metadata
+from balancer.planning.cost import CostModel
+from balancer.planning.plans import Plan
+from balancer.planning.topology import Topology
 
 OVERFLOW_CHOICES = ("error", "split", "truncate")
 
@@ -239,7 +233,7 @@ def pack(
     places windows of them in several micro-batches, "truncate" keeps their first `max_tokens * cp` tokens (the
     rest counted as dropped). A killed run resumes when called again with the same arguments; a finished folder
     is verified and returned as is. Returns the manifest; raises PackError on bad input or a refused folder
-    (PretokenizeError, its base class, for a folder that another run is writing or that is one of the inputs).
+    (DataError, its base class, for a folder that another run is writing or that is one of the inputs).
     `progress`: None = a bar only on a terminal."""
     check_static(topology)
     if overflow not in OVERFLOW_CHOICES:
@@ -363,6 +357,6 @@ def _say(message: str) -> None:
 
 
 def _version() -> str:
-    from .. import __version__
+    from balancer import __version__
 
     return __version__

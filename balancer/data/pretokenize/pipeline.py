@@ -24,18 +24,8 @@ from typing import Optional
 import numpy as np
 from tqdm import tqdm
 
-from .manifest import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    MANIFEST_NAME,
-    STATE_NAME,
-    atomic_write_json,
-    verify_shard_files,
-)
-from .output import check_output_vs_inputs, clear_outputs, open_output, prepare_output
-from .readers import (
+from balancer.data.pretokenize.readers import (
     Cursor,
-    PretokenizeError,
     _batched,
     cursor_for_record,
     fingerprint_input,
@@ -43,8 +33,25 @@ from .readers import (
     iter_records,
     resolve_inputs,
 )
-from .tokenize import EncoderConfig, Tokenizer, TokenizerError, encode_payloads, init_encoder, load_tokenizer
-from .writer import ShardWriter, shard_features, write_datasets_metadata
+from balancer.data.pretokenize.tokenize import (
+    EncoderConfig,
+    Tokenizer,
+    TokenizerError,
+    encode_payloads,
+    init_encoder,
+    load_tokenizer,
+)
+from balancer.data.shards.errors import DataError
+from balancer.data.shards.manifest import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    STATE_NAME,
+    atomic_write_json,
+    verify_shard_files,
+)
+from balancer.data.shards.output import check_output_vs_inputs, clear_outputs, open_output, prepare_output
+from balancer.data.shards.writer import ShardWriter, shard_features, write_datasets_metadata
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # ~200 MB of uint16 ids per shard
 MAX_SKIPPED_EXAMPLES = 100  # skipped records listed in the manifest (counts are always exact)
@@ -75,13 +82,13 @@ class PretokenizeOptions:
 
     def check(self) -> None:
         if self.overflow not in OVERFLOW_CHOICES:
-            raise PretokenizeError(f"--overflow must be one of {OVERFLOW_CHOICES}, got {self.overflow!r}")
+            raise DataError(f"--overflow must be one of {OVERFLOW_CHOICES}, got {self.overflow!r}")
         if self.on_error not in ("fail", "skip"):
-            raise PretokenizeError(f"--on-error must be fail or skip, got {self.on_error!r}")
+            raise DataError(f"--on-error must be fail or skip, got {self.on_error!r}")
         if self.max_length is not None and self.max_length < 1:
-            raise PretokenizeError(f"--max-length must be >= 1, got {self.max_length}")
+            raise DataError(f"--max-length must be >= 1, got {self.max_length}")
         if self.shard_tokens < 1:
-            raise PretokenizeError(f"--shard-tokens must be >= 1, got {self.shard_tokens}")
+            raise DataError(f"--shard-tokens must be >= 1, got {self.shard_tokens}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -150,13 +157,13 @@ def finish_output(out: Path, manifest: dict, dtype: np.dtype) -> None:
 
 
 def _version() -> str:
-    from .. import __version__
+    from balancer import __version__
 
     return __version__
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# encoder pool (the per-batch work is balancer.tokenize.encode_payloads, importable without torch/datasets)
+# encoder pool (the per-batch work is tokenize.encode_payloads, importable without torch/datasets)
 
 
 def _encode_stream(
@@ -210,7 +217,7 @@ class _ShardRun:
             if n < 0:
                 reason, message = errors[j]
                 if reason not in ("empty", "blank_line") and self.opts.on_error == "fail":
-                    raise PretokenizeError(f"{where}: {message} (use --on-error skip to skip such records)")
+                    raise DataError(f"{where}: {message} (use --on-error skip to skip such records)")
                 _note_skip(self.counters, reason, doc_id, where, message)
             else:
                 self._take_document(flat[offs[j] : offs[j + 1]], doc_id, where)
@@ -263,9 +270,9 @@ class _ShardRun:
 def _check_args(opts: PretokenizeOptions, num_proc: int, num_shards: int, shard_index: int) -> None:
     opts.check()
     if num_proc < 1:
-        raise PretokenizeError(f"--num-proc must be >= 1, got {num_proc}")
+        raise DataError(f"--num-proc must be >= 1, got {num_proc}")
     if num_shards < 1 or not 0 <= shard_index < num_shards:
-        raise PretokenizeError(f"--shard-index must be in [0, --num-shards), got {shard_index} of {num_shards}")
+        raise DataError(f"--shard-index must be in [0, --num-shards), got {shard_index} of {num_shards}")
 
 
 def _job_key(inputs: list[dict], tok: Tokenizer, opts: PretokenizeOptions) -> str:
@@ -296,13 +303,13 @@ def _slice_of(total_records: int, num_shards: int, shard_index: int) -> tuple[in
 
 
 def _already_complete(out: Path, prev: dict) -> dict:
-    from .verify import verify
+    from balancer.data.shards.verify import verify
 
     if (out / STATE_NAME).exists():  # killed between writing the manifest and removing the state file
         os.remove(out / STATE_NAME)
     problems = verify(out)
     if problems:
-        raise PretokenizeError(
+        raise DataError(
             f"{out} holds this job's finished output but it fails verification: "
             f"{problems[0]}; pass --overwrite to redo it"
         )
@@ -353,11 +360,11 @@ def _start_engine(engine: str, ray_address: Optional[str]) -> dict:
     """Check the engine options (attaching to the Ray cluster); returns the manifest's `engine` entry."""
     if engine == "local":
         if ray_address is not None:
-            raise PretokenizeError("--ray-address needs --engine ray")
+            raise DataError("--ray-address needs --engine ray")
         return {"name": "local"}
     if engine != "ray":
-        raise PretokenizeError(f"--engine must be local or ray, got {engine!r}")
-    from . import ray_engine
+        raise DataError(f"--engine must be local or ray, got {engine!r}")
+    from balancer.data.pretokenize import ray_engine
 
     ray_engine.connect(ray_address)  # a local cluster started here stays up for later calls in this process
     return ray_engine.describe(ray_address)
@@ -367,7 +374,7 @@ def _encoded_batches(engine: str, sources: list, infos: list, cursor: Cursor, en
     """(meta, (lengths, flat ids, errors)) per batch from `cursor` to record `end`, in input order, from the
     local encoder pool or from Ray Data tasks: the same batches' records either way."""
     if engine == "ray":
-        from . import ray_engine
+        from balancer.data.pretokenize import ray_engine
 
         return ray_engine.encode_stream(sources, infos, cfg, cursor, end, num_proc)
     records = iter_records(sources, cfg.text_field, cursor, end)
@@ -420,7 +427,7 @@ def pretokenize(
 ) -> dict:
     """Tokenize `inputs` into shards under `output`; returns the manifest. Resumes a killed run of the same job.
 
-    Raises PretokenizeError for bad input (naming the file and line) when `on_error='fail'`, for a refused output
+    Raises DataError for bad input (naming the file and line) when `on_error='fail'`, for a refused output
     folder, and for bad options; then no manifest is written. `progress=None` shows bars only on a terminal.
     `engine='ray'` tokenizes with Ray Data tasks on the cluster at `ray_address` (a local one when None): the same
     output, resume and checks as the local engine (only the manifest's `engine` entry differs)."""
@@ -435,9 +442,9 @@ def pretokenize(
     try:
         tok = load_tokenizer(tokenizer)
     except TokenizerError as exc:
-        raise PretokenizeError(str(exc)) from exc
+        raise DataError(str(exc)) from exc
     if opts.add_eos and tok.eos_id is None:
-        raise PretokenizeError(f"--add-eos: tokenizer {tokenizer!r} has no eos_token")
+        raise DataError(f"--add-eos: tokenizer {tokenizer!r} has no eos_token")
     infos = _hash_inputs(sources, disable)
     job = _job_key(infos, tok, opts)
     start, end, slice_ = _slice_of(sum(i["records"] for i in infos), num_shards, shard_index)

@@ -7,6 +7,7 @@ readers see the old or the new version, never half of one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import zlib
@@ -15,12 +16,23 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .readers import PretokenizeError, sha256_file
+from balancer.data.shards.errors import DataError
 
 FORMAT_NAME = "balancer-pretokenized"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 STATE_NAME = ".pretokenize-state.json"
+
+
+def sha256_file(path: Path, chunk: int = 1 << 23) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(chunk)
+            if not b:
+                return h.hexdigest()
+            h.update(b)
 
 
 def shard_file_names(name: str) -> tuple[str, str, str]:
@@ -29,17 +41,17 @@ def shard_file_names(name: str) -> tuple[str, str, str]:
 
 
 def load_manifest(path: str | os.PathLike) -> dict:
-    """The manifest of a finished output folder; PretokenizeError when there is none (unfinished or not ours)."""
+    """The manifest of a finished output folder; DataError when there is none (unfinished or not ours)."""
     p = Path(path) / MANIFEST_NAME
     if not p.is_file():
-        raise PretokenizeError(f"{path}: no {MANIFEST_NAME} (not a finished `balancer pretokenize` output)")
+        raise DataError(f"{path}: no {MANIFEST_NAME} (not a finished `balancer pretokenize` output)")
     try:
         with open(p, encoding="utf-8") as f:
             m = json.load(f)
     except json.JSONDecodeError as exc:
-        raise PretokenizeError(f"{p}: invalid JSON ({exc})") from exc
+        raise DataError(f"{p}: invalid JSON ({exc})") from exc
     if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
-        raise PretokenizeError(f"{p}: not a {FORMAT_NAME} manifest")
+        raise DataError(f"{p}: not a {FORMAT_NAME} manifest")
     return m
 
 

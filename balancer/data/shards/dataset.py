@@ -11,9 +11,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from .checks import open_folder
-from .lengths import read_lengths  # noqa: F401  (one reader of lengths; re-exported here)
-from .manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, load_manifest, shard_file_names  # noqa: F401
+from balancer.data.shards.checks import open_folder
+from balancer.data.shards.lengths import read_lengths  # noqa: F401  (one reader of lengths; re-exported here)
+from balancer.data.shards.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, load_manifest, shard_file_names  # noqa: F401
 
 
 def _open_arrow(path: Path) -> pa.Table:
@@ -26,8 +26,8 @@ class ShardDataset(torch.utils.data.Dataset):
     {"input_ids": LongTensor, "doc_id": int}. `.lengths` / `.doc_ids` (int64 numpy) come from the lengths index
     without touching the token data. Shards are memory-mapped lazily, per process (safe with DataLoader workers).
 
-    Opening checks the manifest, the index files (sha256) and the Arrow row counts (`balancer.data.checks`);
-    `check="full"` also reads and checks every byte (`verify`). PretokenizeError names the file otherwise."""
+    Opening checks the manifest, the index files (sha256) and the Arrow row counts (`balancer.data.shards.checks`);
+    `check="full"` also reads and checks every byte (`verify`). DataError names the file otherwise."""
 
     def __init__(self, path: str | os.PathLike, check: str = "index") -> None:
         if check not in ("index", "full"):

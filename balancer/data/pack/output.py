@@ -1,4 +1,4 @@
-"""The output folder of `balancer pack`: its names, for the ownership rules of `balancer.data.output` (a file is
+"""The output folder of `balancer pack`: its names, for the ownership rules of `balancer.data.shards.output` (a file is
 ours only when a pack manifest or state in the folder names it, or it is metadata this tool wrote; `--overwrite`
 never deletes the user's files)."""
 
@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Optional
 
-from .output import OutputKind, clear_outputs, is_output_name, prepare_output
+from balancer.data.shards.output import OutputKind, clear_outputs, is_output_name, prepare_output
 
 PACK_FORMAT = "balancer-packed"
 PACK_FORMAT_VERSION = 1

@@ -19,19 +19,19 @@ from typing import Optional
 import numpy as np
 import pyarrow as pa
 
-from ..planning.cost import CostModel
-from ..planning.metrics import step_times, summarize
-from ..planning.plan import Plan
-from ..planning.planner import plan as make_plan
-from ..planning.topology import Topology
-from .checks import open_folder
-from .manifest import MANIFEST_NAME, shard_file_names
-from .readers import PretokenizeError
+from balancer.data.shards.checks import open_folder
+from balancer.data.shards.errors import DataError
+from balancer.data.shards.manifest import MANIFEST_NAME, shard_file_names
+from balancer.planning.cost import CostModel
+from balancer.planning.metrics import step_times, summarize
+from balancer.planning.planner import plan as make_plan
+from balancer.planning.plans import Plan
+from balancer.planning.topology import Topology
 
 SCALAR_COLUMNS = ("epoch", "step", "micro_batch", "dp_rank")
 
 
-class PackError(PretokenizeError):
+class PackError(DataError):
     """`balancer pack` cannot proceed: not a pretokenized folder, a topology that cannot hold a document, ..."""
 
 

@@ -1,10 +1,10 @@
 """Inputs of `balancer pretokenize`: discovery (`resolve_inputs`), fingerprints (`fingerprint_input`) and the
 record stream (`iter_records`, resumable at a `Cursor`) over .jsonl / .json / .parquet / .txt files (JSON and text
-files also gzip or zstd compressed: `.jsonl.gz`, `.json.zst`, ...) and Hugging Face datasets; `PretokenizeError`, the
+files also gzip or zstd compressed: `.jsonl.gz`, `.json.zst`, ...) and Hugging Face datasets; `DataError`, the
 error of the whole pretokenize pipeline (bad input, refused output folder, ...).
 
-A compressed input is streamed (`balancer.data.compression`): its records, line numbers and cursors are those of
-the uncompressed file; its checksum (`sha256`, `size`) is over the compressed bytes as stored.
+A compressed input is streamed (`compression.py`): its records, line numbers and cursors are those of the
+uncompressed file; its checksum (`sha256`, `size`) is over the compressed bytes as stored.
 """
 
 from __future__ import annotations
@@ -21,33 +21,19 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
-from .compression import (
+from balancer.data.pretokenize.compression import (
     DecompressedReader,
-    PretokenizeError,
     compression_of,
     open_input,
     seek_forward,
     uncompressed_suffix,
 )
+from balancer.data.shards.errors import DataError
+from balancer.data.shards.manifest import sha256_file
 
 READ_BATCH_DOCS = 1024  # documents per tokenization batch ...
 READ_BATCH_BYTES = 4 << 20  # ... or this many bytes of raw text
 INPUT_SUFFIXES = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# file hashing
-
-
-def sha256_file(path: Path, chunk: int = 1 << 23) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(chunk)
-            if not b:
-                return h.hexdigest()
-            h.update(b)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -86,14 +72,14 @@ def _source_for_file(p: Path) -> Optional[InputSource]:
 def resolve_inputs(specs: Sequence[str], exclude: Optional[Path] = None) -> tuple[list[InputSource], list[str]]:
     """Expand INPUT arguments into sources, in command-line order (directory contents sorted by relative path).
 
-    Returns (sources, ignored files found in directories). Raises PretokenizeError for a missing path, an
+    Returns (sources, ignored files found in directories). Raises DataError for a missing path, an
     unsupported file type or a directory without inputs. A path that does not exist and does not look like a file
     path is taken as a Hugging Face hub dataset name. Files under `exclude` (the output folder) are skipped."""
     excl = exclude.resolve() if exclude is not None else None
     sources: list[InputSource] = []
     ignored: list[str] = []
     if not specs:
-        raise PretokenizeError("no INPUT given")
+        raise DataError("no INPUT given")
     for spec in specs:
         p = Path(spec)
         if p.is_dir():
@@ -116,18 +102,18 @@ def resolve_inputs(specs: Sequence[str], exclude: Optional[Path] = None) -> tupl
                 else:
                     found.append(src)
             if not found:
-                raise PretokenizeError(f"{spec}: directory holds no .jsonl/.json/.parquet/.txt(.gz/.zst) files")
+                raise DataError(f"{spec}: directory holds no .jsonl/.json/.parquet/.txt(.gz/.zst) files")
             sources.extend(found)
         elif p.is_file():
             src = _source_for_file(p)
             if src is None:
-                raise PretokenizeError(
+                raise DataError(
                     f"{spec}: unsupported input type {''.join(p.suffixes[-2:])!r} (expected .jsonl, .json, .txt, "
                     f"each optionally .gz or .zst compressed, .parquet, a directory or a dataset name)"
                 )
             sources.append(src)
         elif uncompressed_suffix(p) in INPUT_SUFFIXES or spec.startswith((".", "/", "~")) or os.sep + os.sep in spec:
-            raise PretokenizeError(f"{spec}: no such file or directory")
+            raise DataError(f"{spec}: no such file or directory")
         else:
             sources.append(InputSource("hf_hub", spec))
     return sources, ignored
@@ -143,10 +129,10 @@ def _load_hf(source: InputSource):
         else:
             ds = datasets.load_dataset(source.path, split="train")
     except Exception as exc:
-        raise PretokenizeError(f"{source.path}: cannot load with `datasets` ({type(exc).__name__}: {exc})") from exc
+        raise DataError(f"{source.path}: cannot load with `datasets` ({type(exc).__name__}: {exc})") from exc
     if isinstance(ds, datasets.DatasetDict):
         if "train" not in ds:
-            raise PretokenizeError(f"{source.path}: a DatasetDict without a 'train' split (splits: {list(ds)})")
+            raise DataError(f"{source.path}: a DatasetDict without a 'train' split (splits: {list(ds)})")
         ds = ds["train"]
     return ds
 
@@ -238,14 +224,14 @@ def _load_json_array(path: Path) -> list:
         with open_input(path) as f:
             data = json.load(f)
     except json.JSONDecodeError as exc:
-        raise PretokenizeError(
+        raise DataError(
             f"{path} line {exc.lineno} column {exc.colno}: invalid JSON ({exc.msg}); "
             f"a JSON array file is parsed whole, use JSON lines to skip single bad records"
         ) from None
     except UnicodeDecodeError as exc:
-        raise PretokenizeError(f"{path}: invalid UTF-8 at byte {exc.start} ({exc.reason})") from None
+        raise DataError(f"{path}: invalid UTF-8 at byte {exc.start} ({exc.reason})") from None
     if not isinstance(data, list):
-        raise PretokenizeError(f"{path}: expected a JSON array or JSON lines")
+        raise DataError(f"{path}: expected a JSON array or JSON lines")
     return data
 
 
@@ -282,7 +268,7 @@ def _offset_of_line(path: Path, n: int) -> int:
         while True:
             chunk = f.read(1 << 23)
             if not chunk:
-                raise PretokenizeError(f"{path}: has fewer than {n} lines (changed while running?)")
+                raise DataError(f"{path}: has fewer than {n} lines (changed while running?)")
             c = chunk.count(b"\n")
             if seen + c >= n:
                 idx = -1
@@ -377,18 +363,18 @@ def iter_records(sources: list[InputSource], text_field: str, cursor: Cursor, en
                     yield r, f"{shown} row {a + j}", Cursor(r + 1, i, a + j + 1, None), "value", v
             rec += max(0, stop - local)
         else:  # pragma: no cover
-            raise PretokenizeError(f"{src.path}: unknown input kind {src.kind}")
+            raise DataError(f"{src.path}: unknown input kind {src.kind}")
 
 
 def _parquet_rows(path: str) -> int:
-    """Rows of a parquet file (from its footer); PretokenizeError naming the file when it is not one."""
+    """Rows of a parquet file (from its footer); DataError naming the file when it is not one."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
         return pq.ParquetFile(path).metadata.num_rows
     except (pa.ArrowInvalid, pa.ArrowIOError) as exc:
-        raise PretokenizeError(f"{path}: not a readable parquet file ({exc})") from None
+        raise DataError(f"{path}: not a readable parquet file ({exc})") from None
 
 
 def _iter_parquet(

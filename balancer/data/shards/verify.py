@@ -8,11 +8,11 @@ from typing import Optional
 
 import numpy as np
 
-from .checks import check_file_name, check_manifest_structure
-from .dataset import _open_arrow
-from .manifest import MANIFEST_NAME, load_manifest, shard_file_names, verify_shard_files
-from .output import is_output_name
-from .readers import PretokenizeError
+from balancer.data.shards.checks import check_file_name, check_manifest_structure
+from balancer.data.shards.dataset import _open_arrow
+from balancer.data.shards.errors import DataError
+from balancer.data.shards.manifest import MANIFEST_NAME, load_manifest, shard_file_names, verify_shard_files
+from balancer.data.shards.output import is_output_name
 
 
 def _row_lengths(table) -> np.ndarray:
@@ -64,7 +64,7 @@ def verify(path: str | os.PathLike) -> list[str]:
         for entry in m["shards"]:  # never follow a name out of the folder
             for fn in entry["files"]:
                 check_file_name(out, fn, str(out / MANIFEST_NAME))
-    except PretokenizeError as exc:
+    except DataError as exc:
         return [str(exc)]
     problems: list[str] = []
     rows = tokens = 0

@@ -9,39 +9,39 @@ from pathlib import Path
 
 import numpy as np
 
-from .checks import open_folder
-from .manifest import STATE_NAME, atomic_write_json, shard_file_names
-from .output import clear_outputs, open_output, prepare_output
-from .pipeline import MAX_SKIPPED_EXAMPLES, finish_output, log, new_counters, summarize
-from .readers import PretokenizeError, sha256_file
+from balancer.data.pretokenize.pipeline import MAX_SKIPPED_EXAMPLES, finish_output, log, new_counters, summarize
+from balancer.data.shards.checks import open_folder
+from balancer.data.shards.errors import DataError
+from balancer.data.shards.manifest import STATE_NAME, atomic_write_json, sha256_file, shard_file_names
+from balancer.data.shards.output import clear_outputs, open_output, prepare_output
 
 
 def _slices_by_index(parts: Sequence[str]) -> dict[int, tuple[str, dict]]:
     """slice index -> (folder, manifest); refuses parts of different jobs, duplicates and missing slices."""
     if not parts:
-        raise PretokenizeError("merge: no input folders")
+        raise DataError("merge: no input folders")
     mans = [(p, open_folder(p).manifest) for p in parts]  # checked: names inside the part, index intact
     first = mans[0][1]
     for p, m in mans:
         if m.get("slice") is None:
-            raise PretokenizeError(f"merge: {p} is not a --num-shards slice")
+            raise DataError(f"merge: {p} is not a --num-shards slice")
         for key in ("job", "tokenizer", "options"):
             if m[key] != first[key]:
-                raise PretokenizeError(
+                raise DataError(
                     f"merge: {p} differs from {mans[0][0]} in {key} (different inputs, tokenizer or options)"
                 )
     k = first["slice"]["num_shards"]
     by_index: dict[int, tuple[str, dict]] = {}
     for p, m in mans:
         if m["slice"]["num_shards"] != k:
-            raise PretokenizeError(f"merge: {p} is a slice of {m['slice']['num_shards']}, others of {k}")
+            raise DataError(f"merge: {p} is a slice of {m['slice']['num_shards']}, others of {k}")
         i = m["slice"]["shard_index"]
         if i in by_index:
-            raise PretokenizeError(f"merge: {p} and {by_index[i][0]} are both slice {i}")
+            raise DataError(f"merge: {p} and {by_index[i][0]} are both slice {i}")
         by_index[i] = (p, m)
     missing = sorted(set(range(k)) - set(by_index))
     if missing:
-        raise PretokenizeError(f"merge: missing slice(s) {missing} of {k}")
+        raise DataError(f"merge: missing slice(s) {missing} of {k}")
     return by_index
 
 
@@ -60,7 +60,7 @@ def _link_shard(part: str, entry: dict, out: Path, index: int) -> dict:
             shutil.copyfile(src, tmp)
         if sha256_file(tmp) != meta["sha256"]:
             os.remove(tmp)
-            raise PretokenizeError(f"merge: {src}: sha256 mismatch (run `balancer verify {part}`)")
+            raise DataError(f"merge: {src}: sha256 mismatch (run `balancer verify {part}`)")
         os.replace(tmp, out / new_fn)
         new["files"][new_fn] = meta
     return new

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .metrics import lower_bound, one_f_one_b, step_times
-from .polish import polish
-from .steps import HEAVY_PACK
-from .topology import Topology
+from balancer.planning.metrics import lower_bound, one_f_one_b, step_times
+from balancer.planning.polish import polish
+from balancer.planning.steps import HEAVY_PACK
+from balancer.planning.topology import Topology
 
 SPILL_SLACK = 1e-3  # once targets are met, leftovers may raise the step's time by this much, else move on ...
 SPILL_MOVE = 0.1  # ... to the next step, up to this share of the step's tokens

@@ -2,7 +2,7 @@
 
 `open_input(path)` gives the decompressed bytes of any input file (a plain file as it is), so every reader sees
 the same lines, line numbers and byte offsets as in the uncompressed file. Multi-member gzip files and multi-frame
-zstd files are read whole. A corrupt or truncated stream raises `PretokenizeError` naming the file, the line and
+zstd files are read whole. A corrupt or truncated stream raises `DataError` naming the file, the line and
 the byte offset in the decompressed stream where reading stopped (every byte before it was delivered).
 """
 
@@ -14,13 +14,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO, Optional
 
+from balancer.data.shards.errors import DataError
+
 COMPRESSION_SUFFIXES = {".gz": "gzip", ".zst": "zstd"}
 RAW_CHUNK = 1 << 18  # compressed bytes fed to the decompressor at a time (bounds the error offset's granularity)
 STREAM_BUFFER = 1 << 20
-
-
-class PretokenizeError(RuntimeError):
-    """A run cannot proceed: bad input (the message names the file and line), a refused output folder, ..."""
 
 
 def compression_of(path: str | Path) -> Optional[str]:
@@ -40,9 +38,7 @@ def _zstd_module():
     try:
         import zstandard
     except ImportError:
-        raise PretokenizeError(
-            "reading .zst inputs needs the zstandard package: pip install 'seqbalancer[zstd]'"
-        ) from None
+        raise DataError("reading .zst inputs needs the zstandard package: pip install 'seqbalancer[zstd]'") from None
     return zstandard
 
 
@@ -77,7 +73,7 @@ class DecompressedReader(io.RawIOBase):
     def readinto(self, buf) -> int:
         while not len(self._out):
             if self._error is not None:
-                raise PretokenizeError(self._error)
+                raise DataError(self._error)
             if self._done:
                 return 0
             self._fill()
@@ -150,5 +146,5 @@ def seek_forward(stream: BinaryIO, offset: int) -> None:
     while left > 0:
         chunk = stream.read(min(left, 1 << 22))
         if not chunk:
-            raise PretokenizeError(f"{getattr(stream, 'name', stream)}: shorter than {offset} bytes (changed?)")
+            raise DataError(f"{getattr(stream, 'name', stream)}: shorter than {offset} bytes (changed?)")
         left -= len(chunk)

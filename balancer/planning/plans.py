@@ -23,9 +23,9 @@ from functools import cached_property
 
 import numpy as np
 
-from . import metrics as _metrics
-from .cost import CostModel
-from .topology import Topology
+from balancer.planning import metrics as _metrics
+from balancer.planning.cost import CostModel
+from balancer.planning.topology import Topology
 
 FORMAT = "balancer.plan/1"
 
@@ -322,7 +322,7 @@ class Plan:
         """Layout- and communication-aware time report (balancer.planning.predict.predict_plan; docs/cost-model.md);
         `metrics()` keeps the compute-only definitions. Dynamic plans: every group's micro-batch is timed on its own
         group size and the steps assembled with the slot model (`micro_batch_times` is then flat, one per group)."""
-        from .predict import micro_batch_time, predict_plan
+        from balancer.planning.predict import micro_batch_time, predict_plan
 
         if not self.dynamic:
             return predict_plan(self, cost, layout, method, **layout_options)
@@ -357,19 +357,19 @@ class Plan:
         with dynamic CP every slot's groups are aligned (`start % size == 0`), of sizes in `cp_sizes`, and cover
         the pool exactly.
         """
-        from .plan_io import check_placements
+        from balancer.planning.plan_io import check_placements
 
         check_placements(self)
 
     # ---- I/O ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        from .plan_io import plan_to_dict
+        from balancer.planning.plan_io import plan_to_dict
 
         return plan_to_dict(self)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: `.npz` (compact flat arrays) or anything else as JSON (docs/plan-format.md)."""
-        from .plan_io import save_plan
+        from balancer.planning.plan_io import save_plan
 
         save_plan(self, path)
 
@@ -380,6 +380,6 @@ class Plan:
         (default), the plan's invariants too (`Plan.validate`): a bad file raises one ValueError naming the file
         and the field. `validate=False` skips only the invariant check (linear in the plan's size), for speed on
         files you wrote yourself."""
-        from .plan_io import load_plan
+        from balancer.planning.plan_io import load_plan
 
         return load_plan(cls, path, lengths, validate)
