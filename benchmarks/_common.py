@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shlex
+import sys
 import time
 from pathlib import Path
 
@@ -37,18 +39,42 @@ def standard_topology(
     )
 
 
-def write_result(name: str, payload: dict) -> Path:
+CLOCKS = ("wall", "process_cpu", "wall+process_cpu", "cuda_events", "none")  # "none": the result holds no timings
+LOAD_AT_START = os.getloadavg()  # measured when the benchmark imports this module, before any work
+
+
+def machine_record() -> dict:
+    """The machine as measured now: cores, 1/5/15-minute load averages at start (import) and now, Python."""
+    return {
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+        "load_average_start": [round(x, 2) for x in LOAD_AT_START],
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def write_result(name: str, payload: dict, *, clock: str, model: dict | None = None) -> Path:
+    """Write benchmarks/results/NAME.json: the payload plus how it was measured (the clock of its timings, the
+    machine with its load measured at start and end, the model where one ran, the command line). Nothing in the
+    record is a fixed note: every field comes from this run."""
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    payload = {
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(Path(__file__).resolve().parents[1])
+    except ValueError:
+        pass
+    record = {
         "benchmark": name,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": {
-            "python": platform.python_version(),
-            "cpus": os.cpu_count(),
-            "processor": platform.processor() or platform.machine(),
-        },
-        **payload,
+        "command": shlex.join(["python", str(script), *sys.argv[1:]]),
+        "clock": clock,
+        "machine": machine_record(),
     }
+    if model is not None:
+        record["model"] = model
     path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=1))
+    path.write_text(json.dumps({**record, **payload}, indent=1))
     return path

@@ -66,6 +66,7 @@ def main() -> None:
             "note": "other jobs shared the 2 CPUs during this run (see loadavg); times are process CPU time, min of "
             "repeats",
         },
+        clock="wall",
     )
     print(f"wrote {path} and {COST_FILE}")
 

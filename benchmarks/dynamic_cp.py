@@ -277,7 +277,7 @@ def main() -> None:
                 data["communication_rows"].append(c)
                 data["load_average"].append(os.getloadavg())
                 print(f"comm model | {trace} | {name} | dynamic vs static: {c['predicted_speedup']:.3f}x", flush=True)
-        print(f"wrote {write_result('dynamic_cp', data)}")
+        print(f"wrote {write_result('dynamic_cp', data, clock='wall+process_cpu')}")
         return
     if args.table:
         from _common import RESULTS
@@ -337,7 +337,7 @@ def main() -> None:
         "note": "2-core machine shared with other jobs: planning times are CPU seconds, compared within the run",
         "rows": rows,
     }
-    print(f"\nwrote {write_result('dynamic_cp', payload)}")
+    print(f"\nwrote {write_result('dynamic_cp', payload, clock='wall+process_cpu')}")
 
 
 if __name__ == "__main__":

@@ -226,7 +226,7 @@ def main() -> None:
         "ratios_zigzag_over_hybrid": _ratios(rows),
         "rows": rows,
     }
-    path = write_result(args.name, payload)
+    path = write_result(args.name, payload, clock="wall+process_cpu")
     print("| batch | method | layout | fwd+bwd s | cpu s | MB sent (both ranks) | split docs | rel. load |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

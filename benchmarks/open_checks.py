@@ -211,7 +211,7 @@ def main() -> None:
         "fixed mean row length, so the share measured here holds for a 10 GB (or 1 TB) corpus of the same rows; it "
         "grows as rows get shorter (index bytes / token bytes = 8 / mean row tokens for uint16 ids)."
     )
-    print(write_result("open_checks", result))
+    print(write_result("open_checks", result, clock="wall+process_cpu"))
 
 
 if __name__ == "__main__":

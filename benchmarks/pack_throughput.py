@@ -160,7 +160,7 @@ def main() -> None:
             "pack_output_mib": [small["pack"]["output_bytes"] / 2**20, large["pack"]["output_bytes"] / 2**20],
         },
     }
-    path = write_result("pack_throughput" + ("_quick" if args.quick else ""), payload)
+    path = write_result("pack_throughput" + ("_quick" if args.quick else ""), payload, clock="wall+process_cpu")
     print(f"wrote {path}")
     print(
         "| documents | tokens | pretokenize MB/s | pack MB/s (with planning) | pack writing MB/s | ratio | "

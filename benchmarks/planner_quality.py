@@ -71,7 +71,7 @@ def main() -> None:
                 f"{mw['worst_step']:.3f} | {mo['mean_delay_steps']:.2f} | {status} |",
                 flush=True,
             )
-    path = write_result("planner_quality", {"cost": DEFAULT_COST.to_dict(), "rows": rows})
+    path = write_result("planner_quality", {"cost": DEFAULT_COST.to_dict(), "rows": rows}, clock="none")
     print(f"\nwrote {path}")
 
 

@@ -76,6 +76,7 @@ def main() -> None:
             "size_ratio": size_ratio,
             "global_batch_2000_ms": step_ms,
         },
+        clock="wall",
     )
     print(f"wrote {path}")
 
