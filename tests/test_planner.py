@@ -200,3 +200,74 @@ def test_delay_counts_truncated_tokens_and_survives_json(tmp_path):
         p.save(tmp_path / "p.json")
         back = balancer.Plan.load(tmp_path / "p.json")
         assert back.metrics()["mean_delay_steps"] == pytest.approx(p.metrics()["mean_delay_steps"])
+
+
+@st.composite
+def equal_rows(draw):
+    """Corpora of fixed-length rows (every document the same length) on random topologies."""
+    dp, cp, pp, m = (draw(st.integers(1, 4)) for _ in range(4))
+    row = draw(st.integers(1, 5000))
+    per_mb = draw(st.integers(1, 3))  # rows a micro-batch holds
+    max_tokens = -(-row * per_mb // cp)
+    n = draw(st.integers(1, 60 * dp * m))
+    fill = draw(st.one_of(st.none(), st.floats(0.05, 1.0)))
+    cap = dp * cp * m * max_tokens
+    tps = None if fill is None else max(1, int(fill * cap))
+    topo = Topology(dp=dp, cp=cp, pp=pp, micro_batches=m, max_tokens=max_tokens, tokens_per_step=tps)
+    return np.full(n, row), topo, draw(st.integers(0, 100))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(equal_rows())
+def test_fixed_length_rows_plan_whenever_a_cut_exists(inst):
+    """Equal rows plan with any tokens_per_step (the default 0.85 of capacity included) whenever the rows can be cut
+    into steps of at least one row per micro-batch; otherwise the error names the numbers and the arguments."""
+    lengths, topo, seed = inst
+    n, nb = len(lengths), topo.bins_per_step
+    per_mb = topo.micro_batch_tokens // int(lengths[0])
+    feasible = n >= nb and -(-n // (nb * per_mb)) <= n // nb
+    if not feasible:
+        with pytest.raises(ValueError) as err:
+            balancer.plan(lengths, topo, COST, seed=seed)
+        message = str(err.value)
+        assert f"{n} documents" in message and str(nb) in message
+        assert "Topology.max_tokens" in message or "lower dp or micro_batches" in message
+        return
+    p = balancer.plan(lengths, topo, COST, seed=seed)
+    p.validate()
+    assert np.all(np.diff(p.mb_ptr) > 0) and sorted(p.doc.tolist()) == list(range(n))
+    assert np.all(p.micro_batch_tokens() <= topo.micro_batch_tokens)
+    counts = np.diff(p.mb_ptr).reshape(p.num_steps, topo.dp, topo.micro_batches)
+    assert np.all(counts.max(axis=(1, 2)) - counts.min(axis=(1, 2)) <= 1)  # dealt evenly
+    per_step = counts.sum(axis=(1, 2))
+    assert np.all(per_step >= nb) and np.all(per_step[:-1] >= per_step[-1])  # only the last step is smaller
+    tokens = per_step * int(lengths[0])
+    rows_asked = topo.tokens_per_step / int(lengths[0])
+    # tokens_per_step can be met (a row is a small part of it, and a short last step borrows one row per step): +-10%
+    if max(1.1 * nb, 40) <= rows_asked <= 0.9 * nb * per_mb and p.num_steps > nb + 1:
+        assert np.all(np.abs(tokens[:-1] / topo.tokens_per_step - 1) <= 0.10), tokens
+    b = balancer.plan(lengths, topo, COST, seed=seed)
+    assert np.array_equal(p.doc, b.doc) and np.array_equal(p.mb_ptr, b.mb_ptr)
+
+
+def test_fixed_length_rows_with_default_flags_on_the_cli(tmp_path):
+    """`balancer plan` on 4,096-token rows with default flags (max_tokens 4,096, 85% fill: 27.8 rows per step for 32
+    micro-batches); a row count no step cut can serve is refused naming the flags that fix it."""
+    import subprocess
+    import sys
+
+    for n, code in ((32 * 40, 0), (32 * 40 + 5, 2)):
+        src = tmp_path / f"rows{n}.npy"
+        np.save(src, np.full(n, 4096, dtype=np.int64))
+        out = tmp_path / f"plan{n}.json"
+        r = subprocess.run(
+            [sys.executable, "-m", "balancer", "plan", str(src), "-o", str(out), "--no-baseline", "-q"],
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == code, r.stderr
+        if code:
+            assert "--max-tokens" in r.stderr and "8192" in r.stderr and "--dp" in r.stderr, r.stderr
+            assert "Traceback" not in r.stderr
+        else:
+            assert balancer.Plan.load(out).num_steps == 40

@@ -28,7 +28,13 @@ from balancer.planning.binpack import pack_step
 from balancer.planning.cost import CostModel
 from balancer.planning.metrics import natural_steps, step_times
 from balancer.planning.plans import Plan
-from balancer.planning.steps import STEP_BAND, assign_steps, effective_step_tokens, step_token_targets
+from balancer.planning.steps import (
+    STEP_BAND,
+    assign_steps,
+    effective_step_tokens,
+    equal_row_steps,
+    step_token_targets,
+)
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, planning_units, validate_lengths
 
@@ -76,12 +82,18 @@ def plan(
     # only documents whose attention is a large part of their cost need spreading or grouping over the steps;
     # the rest fill the steps by tokens in shuffled order
     attn_heavy = (u_cost - cost.linear_coef * u_tok) >= ATTN_SHARE * u_cost
-    step_tokens = _choose_step_tokens(u_cost, u_tok, attn_heavy, topology, seed)
-    # a step must hold at least one document per micro-batch: with tokens_per_step below that (tiny budgets or
-    # huge documents) +-10% cannot hold, so steps grow to fit a few documents per micro-batch
-    floor = int(1.25 * nb * u_tok.mean())
-    targets = step_token_targets(int(u_tok.sum()), step_tokens, topology.capacity, topology.tokens_per_step, floor)
-    packed = _pack_epoch(u_cost, u_tok, attn_heavy, targets, topology, np.random.default_rng([seed, 1]), progress)
+    if u_tok.min() == u_tok.max():  # fixed-length rows: whole rows per step, dealt evenly
+        rows = equal_row_steps(len(u_tok), int(u_tok[0]), topology)
+        targets = rows * float(u_tok[0])
+        packed = _pack_equal_rows(rows, topology)
+    else:
+        step_tokens = _choose_step_tokens(u_cost, u_tok, attn_heavy, topology, seed)
+        # a step must hold at least one document per micro-batch: with tokens_per_step below that (tiny budgets
+        # or huge documents) +-10% cannot hold, so steps grow to fit a few documents per micro-batch
+        floor = int(1.25 * nb * u_tok.mean())
+        targets = step_token_targets(int(u_tok.sum()), step_tokens, topology.capacity, topology.tokens_per_step, floor)
+        rng = np.random.default_rng([seed, 1])
+        packed = _pack_epoch(u_cost, u_tok, attn_heavy, targets, topology, rng, progress)
 
     sizes = np.concatenate([mb_sizes for _, mb_sizes in packed])
     unit = shuffled[np.concatenate([units for units, _ in packed])]
@@ -163,6 +175,21 @@ def _pack_epoch(
             raise RuntimeError("planner failed to place all documents (units fit no micro-batch)")
     if bar:
         bar.close()
+    return packed
+
+
+def _pack_equal_rows(rows: np.ndarray, topology: Topology) -> list:
+    """Packed steps (as `_pack_epoch` returns them) for equal units, `rows[s]` of them in step s in shuffled order:
+    the j-th unit of a step goes to replica `j % dp`, micro-batch `(j // dp) % M`, so replicas and micro-batches
+    differ by at most one unit."""
+    dp, m = topology.dp, topology.micro_batches
+    packed, first = [], 0
+    for count in rows.tolist():
+        j = np.arange(count)
+        bins = (j % dp) * m + (j // dp) % m
+        order = np.argsort(bins, kind="stable")
+        packed.append((first + order, np.bincount(bins, minlength=dp * m)))
+        first += count
     return packed
 
 
@@ -335,8 +362,10 @@ def _reopen_last_step(packed: list, units: np.ndarray, u_cost: np.ndarray, nb: i
         need -= len(take)
     if need > 0:
         raise ValueError(
-            f"cannot give every one of the {nb} micro-batches of the last step a document: the "
-            "documents are too large for the step size; raise max_tokens or lower micro_batches"
+            f"cannot give every one of the {nb} micro-batches of the last step a document: the documents are too "
+            f"large for the step size ({len(units)} left for the last step, and every micro-batch of the steps before "
+            "holds one); raise Topology.max_tokens so that a micro-batch holds two documents, or lower Topology.dp "
+            "or Topology.micro_batches"
         )
     return np.concatenate(borrowed)
 

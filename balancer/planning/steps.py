@@ -164,3 +164,54 @@ def _group_heavy(
         slots = lo + rng.permutation(hi - lo)
         out[order] = slots[group % (hi - lo)]
     return out
+
+
+def equal_row_steps(num_rows: int, row_tokens: int, topology: Topology) -> np.ndarray:
+    """Rows per step when every planning unit has the same length (fixed-length rows, e.g. a corpus pretokenized
+    with a maximum length): whole rows per step, as close to `tokens_per_step` as the topology allows.
+
+    A step needs at least one row per micro-batch (`dp * micro_batches`, none empty) and at most what its
+    micro-batches hold (`max_tokens * cp // row_tokens` rows each). Like `step_token_targets`: equal steps when
+    they stay within 7% of `tokens_per_step`, else full steps and a smaller last one; when no step size in the
+    allowed range is within 7% of `tokens_per_step` (it asks for fewer rows than micro-batches, or more than
+    they hold), the rows are spread evenly over the steps. A ValueError with the numbers and the arguments that
+    fix it when no cut of `num_rows` into such steps exists.
+    """
+    t, nb = topology, topology.bins_per_step
+    per_mb = t.micro_batch_tokens // row_tokens
+    low, high = nb, nb * per_mb  # rows a step may hold
+    fewest, most = -(-num_rows // high), num_rows // low  # step counts that keep every step within [low, high]
+    if fewest > most:
+        raise ValueError(
+            f"{num_rows} documents of {row_tokens} tokens each cannot be cut into steps that give each of the "
+            f"dp*micro_batches = {t.dp}*{t.micro_batches} = {nb} micro-batches a document: a micro-batch holds "
+            f"{per_mb} (max_tokens*cp = {t.max_tokens}*{t.cp} = {t.micro_batch_tokens} tokens), so a step holds "
+            f"{low} to {high} documents; raise Topology.max_tokens to {-(-(per_mb + 1) * row_tokens // t.cp)} (a "
+            f"micro-batch then holds {per_mb + 1}), or choose Topology.dp and Topology.micro_batches so that "
+            f"{num_rows} is a multiple of dp*micro_batches"
+        )
+    target = t.tokens_per_step / row_tokens  # rows
+    full = int(np.clip(round(target), low, high))
+
+    def in_band(rows: float) -> bool:
+        return abs(rows / target - 1) <= STEP_BAND[1] - 1
+
+    def even(steps: int) -> np.ndarray:
+        rows = np.full(steps, num_rows // steps, dtype=np.int64)
+        rows[: num_rows % steps] += 1
+        return rows
+
+    base = max(1, round(num_rows / full))
+    for steps in sorted({base - 1, base, base + 1}, key=lambda s: abs(num_rows / max(s, 1) - full)):
+        if fewest <= steps <= most and in_band(num_rows / steps):
+            return even(steps)
+    if in_band(full):  # full steps and a smaller last one, which borrows rows when it has fewer than `low`
+        rows = np.full(-(-num_rows // full), full, dtype=np.int64)
+        rows[-1] = num_rows - full * (len(rows) - 1)
+        donors = np.flatnonzero(rows[:-1] > low)[::-1]  # one row from each step before, latest first
+        take = donors[: max(0, low - rows[-1])]
+        rows[take] -= 1
+        rows[-1] += len(take)
+        if rows[-1] >= low:
+            return rows
+    return even(int(np.clip(base, fewest, most)))
