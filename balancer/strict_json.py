@@ -111,8 +111,10 @@ def _unique_keys(pairs: list) -> dict:
     return out
 
 
-def parse_json(data: bytes | str, name: str) -> Any:
-    """Parse JSON text read from `name` (a file name, or `name[field]`), strictly; JSONFileError naming it."""
+def parse_json(data: bytes | str, name: str, allow_nan: bool = False) -> Any:
+    """Parse JSON text read from `name` (a file name, or `name[field]`), strictly; JSONFileError naming it.
+    `allow_nan`: read NaN / Infinity as floats (older files of ours wrote them; the schema still refuses them
+    wherever a finite number is due)."""
     if isinstance(data, bytes):
         try:
             data = data.decode("utf-8")
@@ -121,7 +123,8 @@ def parse_json(data: bytes | str, name: str) -> Any:
     if data.startswith("\ufeff"):
         data = data[1:]  # a UTF-8 byte-order mark, as some editors write
     try:
-        return json.loads(data, object_pairs_hook=_unique_keys, parse_constant=_refuse_constant)
+        constant = float if allow_nan else _refuse_constant
+        return json.loads(data, object_pairs_hook=_unique_keys, parse_constant=constant)
     except json.JSONDecodeError as e:
         raise JSONFileError(f"{name}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
     except RecursionError:
@@ -131,11 +134,11 @@ def parse_json(data: bytes | str, name: str) -> Any:
         raise JSONFileError(f"{name}: invalid JSON: {reason}") from None
 
 
-def load_json(path: str | os.PathLike) -> Any:
+def load_json(path: str | os.PathLike, allow_nan: bool = False) -> Any:
     """Read and parse one JSON file strictly (see the module docstring); OSError as raised by `open`."""
     with open(path, "rb") as f:
         data = f.read()
-    return parse_json(data, os.fspath(path))
+    return parse_json(data, os.fspath(path), allow_nan)
 
 
 # ---------------------------------------------------------------------------------------------------- checking

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import balancer
 from balancer import CostModel, Plan, Topology
 from balancer.planning.metrics import dynamic_step_times, step_times
-from balancer.planning.plan_io import check_partition
+from balancer.planning.plan_checks import check_partition
 
 COST = CostModel(attn_coef=1.0, linear_coef=50.0)
 

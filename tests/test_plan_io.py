@@ -73,7 +73,7 @@ def test_validate_catches_corruption(plan):
 def test_load_errors(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(ValueError, match="not a plan JSON"):
+    with pytest.raises(ValueError, match="bad.json: invalid JSON at line 1"):
         Plan.load(bad)
     bad.write_text("{}")
     with pytest.raises(ValueError, match="no 'topology'"):
@@ -113,7 +113,7 @@ def _tamper_json(tmp_path, edit):
             lambda d: d["steps"][0]["replicas"][0]["micro_batches"][0]["docs"].append(
                 d["steps"][0]["replicas"][0]["micro_batches"][1]["docs"][0]
             ),
-            "overlapping|max_tokens",
+            "overlap|max_tokens",
         ),
     ],
 )
@@ -175,6 +175,178 @@ def test_load_validate_opt_out(tmp_path):
         mbs[0]["docs"].append(mbs[1]["docs"][0])
 
     path = _tamper_json(tmp_path, edit)
-    with pytest.raises(ValueError, match="overlapping|max_tokens"):
+    with pytest.raises(ValueError, match="overlap|max_tokens"):
         Plan.load(path)
     assert Plan.load(path, validate=False).num_docs == 60
+
+
+# ---- coverage, nesting, format versions, damaged .npz (issue 20) ------------------------------------------------
+def _split_plan():
+    lengths = np.random.default_rng(2).integers(1, 400, 40)
+    lengths[7] = 2500  # split into windows of 1024
+    return balancer.plan(lengths, Topology(dp=2, micro_batches=3, max_tokens=1024), COST, seed=0, overflow="split")
+
+
+def _spans_of(data, doc):
+    return [
+        (s, r, m, i)
+        for s, st in enumerate(data["steps"])
+        for r, rep in enumerate(st["replicas"])
+        for m, mb in enumerate(rep["micro_batches"])
+        for i, span in enumerate(mb.get("spans", []))
+        if span[0] == doc
+    ]
+
+
+def _save_json(plan, tmp_path) -> tuple:
+    path = tmp_path / "p.json"
+    plan.save(path)
+    return path, json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("damage", ["shorten", "drop"])
+def test_load_refuses_a_split_document_not_covered(tmp_path, damage):
+    path, data = _save_json(_split_plan(), tmp_path)
+    spans = _spans_of(data, 7)
+    last = max(spans, key=lambda x: data["steps"][x[0]]["replicas"][x[1]]["micro_batches"][x[2]]["spans"][x[3]][1])
+    s, r, m, i = last
+    mb = data["steps"][s]["replicas"][r]["micro_batches"][m]
+    if damage == "shorten":
+        mb["spans"][i][2] -= 100
+    else:  # the last window gone (its micro-batch keeps its other documents)
+        del mb["spans"][i]
+        if not mb["docs"] and not mb["spans"]:
+            pytest.skip("the window was alone in its micro-batch")
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError) as err:
+        Plan.load(path)
+    message = str(err.value)
+    assert str(path) in message and "document 7 has 2500 tokens but its spans end at token" in message, message
+    assert "step " in message and "replica " in message and "micro-batch " in message
+    assert Plan.load(path, validate=False).num_docs == 40  # the opt-out still reads it
+
+
+def test_truncated_plans_still_load_and_a_cut_elsewhere_is_refused(tmp_path):
+    lengths = np.random.default_rng(3).integers(1, 400, 40)
+    lengths[[4, 9]] = [3000, 5000]
+    plan = balancer.plan(lengths, Topology(dp=2, micro_batches=3, max_tokens=1024), COST, seed=0, overflow="truncate")
+    path, data = _save_json(plan, tmp_path)
+    assert Plan.load(path).dropped_tokens == 3000 + 5000 - 2 * 1024
+    for st in data["steps"]:
+        for rep in st["replicas"]:
+            for mb in rep["micro_batches"]:
+                for span in mb.get("spans", []):
+                    if span[0] == 9:
+                        span[2] -= 10
+    data["dropped_tokens"] += 10
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="document 9 has 5000 tokens but its spans end at token 1014"):
+        Plan.load(path)
+    data["dropped_tokens"] = 0  # a truncation the plan does not own up to
+    for st in data["steps"]:
+        for rep in st["replicas"]:
+            for mb in rep["micro_batches"]:
+                for span in mb.get("spans", []):
+                    span[2] = 1024
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="document 4 has 3000 tokens but its spans end at token 1024.*missing"):
+        Plan.load(path)
+
+
+def test_load_refuses_nesting_that_disagrees_with_the_topology(tmp_path):
+    path, data = _save_json(_split_plan(), tmp_path)  # dp=2, micro_batches=3
+    reps = data["steps"][0]["replicas"]
+    reps[0]["micro_batches"].append(reps[1]["micro_batches"].pop())  # 4 + 2: the same total, re-sliced before
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"steps\[0\].replicas\[0\].micro_batches has 4 entries, but the topology"):
+        Plan.load(path, validate=False)
+    path, data = _save_json(_split_plan(), tmp_path)
+    data["steps"][0]["replicas"].append(data["steps"][1]["replicas"].pop())
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"steps\[0\].replicas has 3 entries, but the topology has dp = 2"):
+        Plan.load(path)
+
+
+def test_dynamic_plan_slots_per_step_must_match(tmp_path):
+    lengths = np.random.default_rng(4).integers(1, 900, 80)
+    topo = Topology(dp=2, cp=2, micro_batches=2, max_tokens=1024, cp_sizes=(1, 2, 4))
+    path, data = _save_json(balancer.plan(lengths, topo, COST, seed=0), tmp_path)
+    assert Plan.load(path).dynamic
+    data["steps"][0]["slots"].append(data["steps"][1]["slots"].pop())
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"steps\[0\].slots has 3 entries, but the topology has micro_batches = 2"):
+        Plan.load(path)
+
+
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (lambda d: d.__setitem__("format_version", 3), '"format_version": 3 is newer than this balancer reads'),
+        (lambda d: d.__setitem__("format", "balancer.pln"), '"format": not a balancer.plan file'),
+        (lambda d: d.__setitem__("seeed", 1), '"seeed": unknown key (did you mean "seed"?)'),
+        (lambda d: d["cost_model"].__setitem__("causal", "false"), '"cost_model.causal": expected true or false'),
+        (lambda d: d["cost_model"].__setitem__("window", True), '"cost_model.window": expected an integer >= 1'),
+        (lambda d: d["topology"].__setitem__("dp", True), '"topology.dp": expected an integer >= 1, got true'),
+        (lambda d: d["topology"].__setitem__("dp", 2**64), '"topology.dp": expected an integer in [1, 2^63-1]'),
+        (lambda d: d["steps"][0]["replicas"][0].__setitem__("micro_batch", []), "unknown key"),
+        (lambda d: d["steps"][0]["replicas"][0]["micro_batches"][0].__setitem__("doc", [1]), ".doc: unknown key"),
+    ],
+)
+def test_load_reads_the_header_strictly(tmp_path, edit, needle):
+    path = _tamper_json(tmp_path, edit)
+    with pytest.raises(ValueError) as err:
+        Plan.load(path)
+    assert str(path) in str(err.value) and needle in str(err.value), str(err.value)
+
+
+def test_version_1_plans_still_load(tmp_path):
+    """A plan as version 1 wrote it: "format": "balancer.plan/1", no format_version, NaN plan_seconds."""
+    plan = _small_plan()
+    path, data = _save_json(plan, tmp_path)
+    assert data["format"] == "balancer.plan" and data["format_version"] == 2
+    del data["format_version"]
+    data["format"] = "balancer.plan/1"
+    data["plan_seconds"] = None
+    path.write_text(json.dumps(data).replace('"plan_seconds":null', '"plan_seconds":NaN'))
+    back = Plan.load(path)
+    assert np.array_equal(back.doc, plan.doc) and np.isnan(back.plan_seconds)
+    data["format_version"] = 1
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="not used with the old format name"):
+        Plan.load(path)
+
+
+def _npz_bytes(tmp_path) -> bytes:
+    path = tmp_path / "good.npz"
+    _small_plan().save(path)
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        lambda b: b[: len(b) // 2],  # truncated: BadZipFile
+        lambda b: b[:20],  # EOFError
+        lambda b: b"",
+        lambda b: b"not a zip at all",
+        lambda b: b[:200] + bytes(x ^ 0x5A for x in b[200:400]) + b[400:],  # zlib.error / CRC mismatch
+    ],
+)
+def test_damaged_npz_is_one_error_naming_the_file(tmp_path, damage):
+    path = tmp_path / "p.npz"
+    path.write_bytes(damage(_npz_bytes(tmp_path)))
+    with pytest.raises(ValueError) as err:
+        Plan.load(path)
+    assert str(err.value).startswith(f"{path}: ") and "\n" not in str(err.value), str(err.value)
+
+
+def test_npz_with_unknown_or_missing_arrays(tmp_path):
+    path = _tamper_npz(tmp_path, lambda a: {"extra": np.arange(3)})
+    with pytest.raises(ValueError, match="unknown array 'extra'"):
+        Plan.load(path)
+    path = _tamper_npz(tmp_path, lambda a: {"doc": None})
+    with pytest.raises(ValueError, match="no 'doc' array"):
+        Plan.load(path)
+    path = _tamper_npz(tmp_path, lambda a: {"header": np.frombuffer(b'{"format": "balancer.plan"}', np.uint8)})
+    with pytest.raises(ValueError, match=r"p.npz: missing key \"format_version\""):
+        Plan.load(path)

@@ -141,3 +141,96 @@ def test_check_format_refuses_unknown_formats(data, needle):
 def test_check_format_optional_reads_current_version():
     assert check_format({"a": 1}, "t.json", SPEC, required=False) == 3
     assert SPEC.header() == {"format": "balancer.thing", "format_version": 3}
+
+
+# ---- cost model files and model configs --------------------------------------------------------------------------
+def _cost_file(tmp_path, payload) -> str:
+    path = tmp_path / "cost.json"
+    path.write_text(payload if isinstance(payload, str) else json.dumps(payload))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "payload, needle",
+    [
+        ({"attn_coef": 1e-6, "linear_coef": 1.0, "causal": "false"}, '"causal": expected true or false, got "false"'),
+        ({"attn_coef": 1e-6, "linear_coef": 1.0, "window": True}, '"window": expected an integer >= 1 or null'),
+        ({"attn_coef": 1e-6, "linear_coef": 1.0, "fixd": 2.0}, '"fixd": unknown key (did you mean "fixed"?)'),
+        ({"attn_coef": 1e-6, "linear_coef": "1"}, '"linear_coef": expected a number >= 0, got "1"'),
+        ({"attn_coef": 1e-6}, 'missing key "linear_coef"'),
+        ({"format": "balancer.cost", "format_version": 9, "attn_coef": 1, "linear_coef": 1}, "newer than"),
+        ({"format": "balancer.plan", "format_version": 1, "attn_coef": 1, "linear_coef": 1}, "not a balancer.cost"),
+        ('{"attn_coef": 1e-6, "linear_coef": 1.0, "window": 1' + "0" * 30 + "}", '"window": expected an integer'),
+        ('{"attn_coef": NaN, "linear_coef": 1.0}', "NaN is not a JSON number"),
+        ([1, 2], "expected a JSON object"),
+    ],
+)
+def test_cost_files_are_read_strictly(tmp_path, payload, needle):
+    from balancer import CostModel
+
+    path = _cost_file(tmp_path, payload)
+    with pytest.raises(ValueError) as err:
+        CostModel.load(path)
+    assert str(err.value).startswith(path + ": ") and needle in str(err.value), str(err.value)
+
+
+def test_cost_files_round_trip_and_version_1_still_loads(tmp_path):
+    from balancer import CostModel
+
+    cost = CostModel(attn_coef=2e-6, linear_coef=1.0, fixed=3.0, causal=False, window=512, comm_overlap=False)
+    cost.save(tmp_path / "c.json", held_out={"count": 3})
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["format"] == "balancer.cost" and data["format_version"] == 2
+    assert CostModel.load(tmp_path / "c.json") == cost
+    del data["format_version"]
+    data["format"] = "balancer.cost/1"  # as version 1 wrote it
+    assert CostModel.load(_cost_file(tmp_path, data)) == cost
+    hand_written = {"attn_coef": 2e-6, "linear_coef": 1.0}
+    assert CostModel.load(_cost_file(tmp_path, hand_written)) == CostModel(attn_coef=2e-6, linear_coef=1.0)
+
+
+@pytest.mark.parametrize(
+    "argument, value",
+    [("causal", "false"), ("causal", 1), ("window", True), ("window", "64"), ("comm_overlap", "yes")],
+)
+def test_cost_model_api_names_the_argument(argument, value):
+    from balancer import CostModel
+
+    with pytest.raises(ValueError, match=f"CostModel.{argument} must be"):
+        CostModel(attn_coef=1.0, linear_coef=1.0, **{argument: value})
+
+
+LLAMA = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        ({"num_attention_heads": 0}, '"num_attention_heads": expected an integer in [1, 2147483647], got 0'),
+        ({"hidden_size": "64"}, '"hidden_size": expected an integer in [1, 2147483647], got "64"'),
+        ({"hidden_size": True}, '"hidden_size": expected an integer'),
+        ({"hidden_size": 64.0}, '"hidden_size": expected an integer'),
+        ({"num_hidden_layers": 2**80}, '"num_hidden_layers": expected an integer in [1, 2147483647]'),
+        ({"sliding_window": True}, '"sliding_window": expected an integer'),
+        ({"use_sliding_window": "false", "sliding_window": 16}, '"use_sliding_window": expected true or false'),
+        ({"num_attention_heads": 5}, '"hidden_size" 64 is not divisible by "num_attention_heads" 5'),
+        ({"num_attention_heads": None}, 'missing key "num_attention_heads"'),
+    ],
+)
+def test_model_configs_name_the_file_and_key(change, needle):
+    from balancer import CostModel
+
+    config = {**LLAMA, **change}
+    config = {k: v for k, v in config.items() if v is not None}
+    with pytest.raises(ValueError) as err:
+        CostModel.from_config(config, source="config.json")
+    assert str(err.value).startswith("config.json: ") and needle in str(err.value), str(err.value)
+
+
+def test_model_configs_keep_reading_what_they_read():
+    from balancer import CostModel
+
+    qwen = {**LLAMA, "use_sliding_window": False, "sliding_window": 4096, "num_key_value_heads": 2, "extra": "x"}
+    assert CostModel.from_config(qwen).window is None
+    assert CostModel.from_config({**LLAMA, "sliding_window": 32}).window == 32
+    assert CostModel.from_config({**LLAMA, "sliding_window": None}).window is None

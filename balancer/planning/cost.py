@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
 
 import numpy as np
+
+from balancer.strict_json import FORMAT_KEYS, FormatSpec, anything, boolean, integer, number, obj, string
 
 
 def _clamped_prefix(x: np.ndarray, cap: np.ndarray) -> np.ndarray:
@@ -153,7 +153,24 @@ HARDWARE = {
 }
 
 _COEFFICIENTS = ("attn_coef", "linear_coef", "fixed", "piece_coef", "comm_coef", "comm_latency", "kv_bytes_per_token")
-FORMAT = "balancer.cost/1"
+COST_FORMAT = FormatSpec("balancer.cost", 2, {"balancer.cost/1": 1})  # 2: format_version written (fields as in 1)
+FORMAT = COST_FORMAT.name
+COST_FIELDS = {  # the model's own keys, as `to_dict` writes them (also the `cost_model` record of a plan)
+    **{name: number(min=0, required=name in ("attn_coef", "linear_coef")) for name in _COEFFICIENTS},
+    "causal": boolean(required=False),
+    "window": integer(min=1, nullable=True, required=False),
+    "comm_overlap": boolean(required=False),
+}
+COST_SCHEMA = obj({**FORMAT_KEYS, **COST_FIELDS, "report": anything(required=False)})
+_DIM = integer(min=1, max=2**31 - 1)  # model dimensions: positive, and small enough that FLOP counts stay finite
+CONFIG_KEYS = {
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head", "num_heads"), _DIM),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "num_key_value_heads", "head_dim"), _DIM),
+    **dict.fromkeys(("intermediate_size", "n_inner", "sliding_window"), _DIM),
+    "vocab_size": integer(min=0, max=2**31 - 1),
+    "use_sliding_window": boolean(),
+    "hidden_act": string(),
+}
 
 
 @dataclass(frozen=True)
@@ -191,6 +208,14 @@ class CostModel:
                 raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {value!r}")
         if self.attn_coef == 0 and self.linear_coef == 0:
             raise ValueError("CostModel needs attn_coef > 0 or linear_coef > 0 (both are 0)")
+        if not isinstance(self.causal, (bool, np.bool_)):
+            raise ValueError(f"CostModel.causal must be True or False, got {self.causal!r}")
+        if isinstance(self.window, (bool, np.bool_)) or (
+            self.window is not None and not isinstance(self.window, (int, float, np.integer, np.floating))
+        ):
+            raise ValueError(
+                f"CostModel.window must be a positive integer (keys per query) or None, got {self.window!r}"
+            )
         if self.window is not None and (int(self.window) != self.window or self.window < 1):
             raise ValueError(
                 f"CostModel.window must be a positive integer (keys per query) or None, got {self.window!r}"
@@ -229,35 +254,28 @@ class CostModel:
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
     def save(self, path: str | os.PathLike, **report) -> None:
-        """Write the model as JSON (`{"format", fields..., "report": {...}}`), atomically; `report` is free-form
-        (a calibration's errors and settings) and ignored by `load`."""
-        path = Path(path)
-        payload = {"format": FORMAT, **self.to_dict()}
+        """Write the model as JSON (`{"format", "format_version", fields..., "report": {...}}`, docs/cost-model.md),
+        atomically (a temporary file renamed over `path`: a link at `path` is replaced, never written through);
+        `report` is free-form (a calibration's errors and settings) and ignored by `load`."""
+        from balancer.files import atomic_write
+
+        payload = {**COST_FORMAT.header(), **self.to_dict()}
         if report:
             payload["report"] = report
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(payload, f, indent=1)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        atomic_write(path, lambda f: f.write(json.dumps(payload, indent=1).encode()))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> CostModel:
-        """Read a model written by `save` (or any JSON object holding at least attn_coef and linear_coef)."""
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: not a cost model JSON file ({e})") from None
-        if not isinstance(data, dict) or "attn_coef" not in data or "linear_coef" not in data:
-            raise ValueError(f"{path}: a cost model needs 'attn_coef' and 'linear_coef'")
-        if data.get("format", FORMAT) != FORMAT:
-            raise ValueError(f"{path}: unknown cost model format {data['format']!r} (expected {FORMAT})")
+        """Read a model written by `save`, or a hand-written JSON object with at least `attn_coef` and
+        `linear_coef`. Strict (balancer.strict_json): exact types (`"causal": "false"` and `"window": true` are
+        refused), ranges, no unknown keys, a known `format` / `format_version`; one ValueError naming the file and
+        the key."""
+        from balancer.strict_json import check, check_format, load_json
+
+        path = os.fspath(path)
+        data = load_json(path)
+        version = check_format(data, path, COST_FORMAT, required=False)
+        check(data, COST_SCHEMA, path, version=version)
         try:
             return cls.from_dict(data)
         except (TypeError, ValueError) as e:
@@ -341,21 +359,35 @@ class CostModel:
         )
 
     @classmethod
-    def from_config(cls, config: dict, hardware: str | Hardware | None = None) -> CostModel:
+    def from_config(
+        cls, config: dict, hardware: str | Hardware | None = None, *, source: str = "model config"
+    ) -> CostModel:
         """`from_model` on a Hugging Face style config dict (`config.json` keys); `sliding_window` becomes
-        `window` unless `use_sliding_window` is false."""
+        `window` unless `use_sliding_window` is false. The keys read are checked strictly (positive integers, not
+        strings or booleans; see `CONFIG_KEYS`); other keys are ignored. Errors name `source` (the file) and the key."""
+        from balancer.strict_json import check
+
+        if not isinstance(config, dict):
+            raise ValueError(f"{source}: a model config must be a JSON object, got {type(config).__name__}")
 
         def get(*names, default=None):
             for n in names:
                 if n in config and config[n] is not None:
-                    return config[n]
+                    return check(config[n], CONFIG_KEYS[n], source, n)
             return default
 
         hidden = get("hidden_size", "n_embd", "d_model")
         layers = get("num_hidden_layers", "n_layer", "num_layers")
         heads = get("num_attention_heads", "n_head", "num_heads")
-        if hidden is None or layers is None or heads is None:
-            raise ValueError("model config needs hidden_size, num_hidden_layers and num_attention_heads")
+        for value, names in ((hidden, "hidden_size"), (layers, "num_hidden_layers"), (heads, "num_attention_heads")):
+            if value is None:
+                raise ValueError(f'{source}: missing key "{names}" (needed for the cost model)')
+        head_dim = get("head_dim")
+        if head_dim is None and hidden % heads:
+            raise ValueError(
+                f'{source}: "hidden_size" {hidden} is not divisible by "num_attention_heads" {heads} and there is no '
+                '"head_dim"'
+            )
         window = get("sliding_window") if get("use_sliding_window", default=True) else None
         return cls.from_model(
             hidden_size=hidden,
@@ -364,7 +396,7 @@ class CostModel:
             num_kv_heads=get("num_key_value_heads", default=heads),
             intermediate_size=get("intermediate_size", "n_inner", default=4 * hidden),
             vocab_size=get("vocab_size", default=0),
-            head_dim=get("head_dim"),
+            head_dim=head_dim,
             gated_mlp=get("hidden_act", default="silu") in ("silu", "swiglu", "geglu"),
             window=window,
             hardware=hardware,

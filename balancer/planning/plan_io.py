@@ -2,46 +2,65 @@
 
 A plan file is untrusted input: `load_plan` checks every field it reads (types, ranges, pointer arrays, the
 lengths it was made for) and raises one ValueError naming the file and the field, never an IndexError or a
-silently wrong plan. `check_placements` is the invariant check behind `Plan.validate`.
+silently wrong plan; with `validate=True` the invariants too (balancer.planning.plan_checks).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
+import math
+import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
 
-from balancer.planning.cost import CostModel
+from balancer.files import atomic_write
+from balancer.planning.cost import COST_FIELDS, CostModel
+from balancer.planning.plan_checks import check_placements
 from balancer.planning.topology import Topology
+from balancer.strict_json import (
+    FORMAT_KEYS,
+    FormatSpec,
+    array,
+    check,
+    check_format,
+    integer,
+    load_json,
+    number,
+    obj,
+    parse_json,
+)
+
+# Version history (docs/plan-format.md): 1 = "format": "balancer.plan/1"; 2 = "format": "balancer.plan" with
+# "format_version", plan_seconds null instead of NaN, keys checked strictly (nothing else changed).
+PLAN_FORMAT = FormatSpec("balancer.plan", 2, {"balancer.plan/1": 1})
+TOPOLOGY_RECORD = obj(
+    {
+        **{k: integer(min=1) for k in ("dp", "cp", "pp", "micro_batches", "max_tokens")},
+        "tokens_per_step": integer(min=1, nullable=True, required=False),
+        "cp_sizes": array(integer(min=1), nullable=True, required=False),
+    }
+)
+HEADER_KEYS = {
+    **FORMAT_KEYS,
+    "topology": TOPOLOGY_RECORD,
+    "cost_model": obj(COST_FIELDS),
+    "num_docs": integer(min=0, required=False),
+    "seed": integer(nullable=True, required=False),
+    "plan_seconds": number(min=0, nullable=True, required=False),
+    "dropped_tokens": integer(min=0, nullable=True, required=False),
+    "layout": obj(required=False),  # {"kind": ..., options}: the CP layout the plan is sharded with
+}
+JSON_PLAN = obj(
+    {**HEADER_KEYS, "lengths": array(required=False), "steps": array(), "natural_step": array(required=False)}
+)
+NPZ_ARRAYS = ("lengths", "doc", "start", "end", "mb_ptr", "header", "group_start", "group_size", "slot_ptr")
+NPZ_ARRAYS += ("natural_step",)
 
 
 class PlanFileError(ValueError):
     """A plan file that cannot be read as a valid plan."""
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a plan is an ordinary file, shared as the user allows
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 # ---------------------------------------------------------------------------------------------------- writing
@@ -61,22 +80,21 @@ def _step_record(step) -> dict:
 
 
 def header(plan) -> dict:
-    from balancer.planning.plans import FORMAT
-
+    seconds = plan.plan_seconds
     return {
-        "format": FORMAT,
+        **PLAN_FORMAT.header(),
         "topology": plan.topology.to_dict(),
         "cost_model": plan.cost_model.to_dict(),
         "num_docs": plan.num_docs,
         "seed": plan.seed,
-        "plan_seconds": plan.plan_seconds,
+        "plan_seconds": None if seconds is None or not math.isfinite(seconds) else seconds,
         "dropped_tokens": plan.dropped_tokens,
     }
 
 
 def plan_to_dict(plan) -> dict:
     head = header(plan)
-    data = {k: head[k] for k in ("format", "topology", "cost_model", "num_docs", "seed")}
+    data = {k: head[k] for k in ("format", "format_version", "topology", "cost_model", "num_docs", "seed")}
     data["lengths"] = plan.lengths.tolist()
     data["steps"] = [_step_record(st) for st in plan.steps]
     return data
@@ -97,13 +115,13 @@ def save_plan(plan, path) -> None:
             arrays.update(group_start=plan.group_start, group_size=plan.group_size, slot_ptr=plan.slot_ptr)
         if plan.natural_step is not None:
             arrays["natural_step"] = plan.natural_step
-        _atomic_write(path, lambda f: np.savez_compressed(f, **arrays))
+        atomic_write(path, lambda f: np.savez_compressed(f, **arrays))
     else:
         data = plan_to_dict(plan)
         data.update({k: v for k, v in header(plan).items() if k not in data})
         if plan.natural_step is not None:
             data["natural_step"] = plan.natural_step.tolist()
-        _atomic_write(path, lambda f: f.write(json.dumps(data, separators=(",", ":")).encode()))
+        atomic_write(path, lambda f: f.write(json.dumps(data, separators=(",", ":"), allow_nan=False).encode()))
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -137,12 +155,14 @@ def _check_ptr(path, name: str, ptr: np.ndarray, total: int) -> None:
         raise PlanFileError(f"{path}: field '{name}' decreases at index {i} ({ptr[i]} -> {ptr[i + 1]})")
 
 
-def _parse_header(path, head) -> tuple[Topology, CostModel]:
-    if not isinstance(head, dict):
-        raise PlanFileError(f"{path}: the plan header must be an object")
-    for key in ("topology", "cost_model"):
-        if key not in head:
-            raise PlanFileError(f"{path}: plan has no '{key}'")
+def _parse_header(path, head, schema) -> tuple[Topology, CostModel]:
+    """Check the header's keys strictly (a JSON plan's top level, or an .npz plan's `header`) and build the
+    topology and cost model."""
+    name = str(path)
+    if isinstance(head, dict) and isinstance(head.get("plan_seconds"), float) and math.isnan(head["plan_seconds"]):
+        head = {**head, "plan_seconds": None}  # version 1 wrote NaN for "not timed"
+    version = check_format(head, name, PLAN_FORMAT)
+    check(head, schema, name, version=version)
     try:
         topology = Topology.from_dict(head["topology"])
     except (ValueError, TypeError) as e:
@@ -182,49 +202,59 @@ def load_plan(cls, path, lengths, validate: bool):
     except PlanFileError:
         raise
     except (ValueError, TypeError, KeyError, IndexError) as e:
-        raise PlanFileError(f"{path}: not a valid plan: {e}") from None
+        message = str(e)
+        raise PlanFileError(message if message.startswith(f"{path}:") else f"{path}: not a valid plan: {e}") from None
     return plan
 
 
-def _load_npz(cls, path: Path, lengths):
-    try:
-        archive = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise PlanFileError(f"{path}: not a plan .npz file ({e})") from None
-    with archive as z:
-        for key in ("header", "doc", "start", "end", "mb_ptr"):
-            if key not in z:
-                raise PlanFileError(f"{path}: plan .npz has no '{key}' array")
+def _read_npz(path: Path) -> dict:
+    """Every array of the archive; a damaged or foreign file is a PlanFileError (opening it is an OSError)."""
+    with open(path, "rb") as f:
         try:
-            head = json.loads(z["header"].tobytes().decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise PlanFileError(f"{path}: field 'header' is not JSON ({e})") from None
-        topology, cost = _parse_header(path, head)
-        arrays = {k: z[k] for k in z.files if k != "header"}
+            with np.load(f, allow_pickle=False) as z:
+                unknown = sorted(set(z.files) - set(NPZ_ARRAYS))
+                if unknown:
+                    raise PlanFileError(f"{path}: plan .npz holds an unknown array {unknown[0]!r}")
+                return {k: z[k] for k in z.files}
+        except (zipfile.BadZipFile, EOFError, zlib.error, OSError, ValueError) as e:
+            if isinstance(e, PlanFileError):
+                raise
+            raise PlanFileError(f"{path}: not a readable plan .npz file ({type(e).__name__}: {e})") from None
+
+
+def _load_npz(cls, path: Path, lengths):
+    arrays = _read_npz(path)
+    for key in ("header", "doc", "start", "end", "mb_ptr"):
+        if key not in arrays:
+            raise PlanFileError(f"{path}: plan .npz has no '{key}' array")
+    if arrays["header"].dtype != np.uint8 or arrays["header"].ndim != 1:
+        raise PlanFileError(f"{path}: field 'header' must be JSON bytes (uint8), got {arrays['header'].dtype}")
+    head = parse_json(arrays.pop("header").tobytes(), f"{path}[header]", allow_nan=True)
+    topology, cost = _parse_header(path, head, obj(HEADER_KEYS))
     lengths = _check_lengths(path, arrays.get("lengths"), lengths)
     doc, start, end = (_int_array(path, k, arrays[k]) for k in ("doc", "start", "end"))
     mb_ptr = _int_array(path, "mb_ptr", arrays["mb_ptr"])
     groups = None
+    group_keys = ("group_start", "group_size", "slot_ptr")
     if topology.dynamic:
-        missing = [k for k in ("group_start", "group_size", "slot_ptr") if k not in arrays]
+        missing = [k for k in group_keys if k not in arrays]
         if missing:
             raise PlanFileError(f"{path}: dynamic-CP plan .npz has no '{missing[0]}' array")
-        groups = tuple(_int_array(path, k, arrays[k]) for k in ("group_start", "group_size", "slot_ptr"))
+        groups = tuple(_int_array(path, k, arrays[k]) for k in group_keys)
+    elif any(k in arrays for k in group_keys):
+        raise PlanFileError(f"{path}: a static-CP plan (no cp_sizes) holds dynamic-CP group arrays")
     natural = _int_array(path, "natural_step", arrays["natural_step"]) if "natural_step" in arrays else None
     return _build(cls, path, head, lengths, topology, cost, (doc, start, end, mb_ptr), groups, natural)
 
 
 def _load_json(cls, path: Path, lengths):
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PlanFileError(f"{path}: not a plan JSON file ({e})") from None
+    data = load_json(path, allow_nan=True)
     if not isinstance(data, dict):
         raise PlanFileError(f"{path}: not a plan JSON file (the top level is not an object)")
     for key in ("topology", "cost_model", "steps"):
         if key not in data:
             raise PlanFileError(f"{path}: plan JSON has no '{key}'")
-    topology, cost = _parse_header(path, data)
+    topology, cost = _parse_header(path, data, JSON_PLAN)
     lengths = _check_lengths(path, data.get("lengths"), lengths)
     flat, groups = _json_steps(path, data["steps"], lengths, topology)
     natural = data.get("natural_step")
@@ -232,10 +262,11 @@ def _load_json(cls, path: Path, lengths):
     return _build(cls, path, data, lengths, topology, cost, flat, groups, natural)
 
 
-def _json_micro_batch(path, where: str, mb, lengths, out) -> None:
+def _json_micro_batch(path, where: str, mb, lengths, out, extra: tuple = ()) -> None:
     doc, start, end = out
     if not isinstance(mb, dict) or not isinstance(mb.get("docs"), list):
         raise PlanFileError(f"{path}: {where} must be an object with a 'docs' list")
+    _no_unknown_keys(path, where, mb, ("docs", "spans", *extra))
     for d in mb["docs"]:
         d = _int(path, f"{where}.docs", d)
         if not 0 <= d < len(lengths):
@@ -253,41 +284,67 @@ def _json_micro_batch(path, where: str, mb, lengths, out) -> None:
         doc.append(d), start.append(a), end.append(b)
 
 
-def _json_list(path, where: str, value, key: str) -> list:
+def _no_unknown_keys(path, where: str, record: dict, known: tuple) -> None:
+    for key in record:
+        if key not in known:
+            raise PlanFileError(
+                f"{path}: {where}.{key}: unknown key (a {where.rsplit('.', 1)[-1].split('[')[0]} "
+                f"holds {', '.join(known)})"
+            )
+
+
+def _json_list(path, where: str, value, key: str, count: int, unit: str) -> list:
+    """`value[key]`: a list of exactly `count` entries (the topology's nesting), else a PlanFileError."""
     if not isinstance(value, dict) or not isinstance(value.get(key), list):
         raise PlanFileError(f"{path}: {where} must be an object with a '{key}' list")
+    _no_unknown_keys(path, where, value, (key,))
+    if len(value[key]) != count:
+        raise PlanFileError(
+            f"{path}: {where}.{key} has {len(value[key])} entries, but the topology has {unit} = {count}"
+        )
     return value[key]
 
 
+def _json_groups(path, where: str, slot, lengths, flat, ptr, groups) -> None:
+    group_start, group_size, slot_ptr = groups
+    if not isinstance(slot, dict) or not isinstance(slot.get("groups"), list) or not slot["groups"]:
+        raise PlanFileError(f"{path}: {where} must be an object with a non-empty 'groups' list")
+    _no_unknown_keys(path, where, slot, ("groups",))
+    for g, grp in enumerate(slot["groups"]):
+        at = f"{where}.groups[{g}]"
+        ranks = grp.get("ranks") if isinstance(grp, dict) else None
+        if not isinstance(ranks, list) or len(ranks) != 2:
+            raise PlanFileError(f"{path}: {at}.ranks must be [start, size]")
+        group_start.append(_int(path, f"{at}.ranks", ranks[0]))
+        group_size.append(_int(path, f"{at}.ranks", ranks[1]))
+        _json_micro_batch(path, at, grp, lengths, flat, ("ranks",))
+        ptr.append(len(flat[0]))
+    slot_ptr.append(len(group_start))
+
+
 def _json_steps(path, steps, lengths, topology: Topology):
+    """The flat arrays of the nested `steps`, whose nesting must match the topology: `dp` replicas of
+    `micro_batches` micro-batches per step (dynamic: `micro_batches` slots); nothing is re-sliced."""
     if not isinstance(steps, list):
         raise PlanFileError(f"{path}: field 'steps' must be a list")
     flat = ([], [], [])
     ptr = [0]
-    group_start, group_size, slot_ptr = [], [], [0]
+    groups = ([], [], [0])
+    m = topology.micro_batches
     for s, st in enumerate(steps):
         if topology.dynamic:
-            for k, slot in enumerate(_json_list(path, f"steps[{s}]", st, "slots")):
-                for g, grp in enumerate(_json_list(path, f"steps[{s}].slots[{k}]", slot, "groups")):
-                    where = f"steps[{s}].slots[{k}].groups[{g}]"
-                    ranks = grp.get("ranks") if isinstance(grp, dict) else None
-                    if not isinstance(ranks, list) or len(ranks) != 2:
-                        raise PlanFileError(f"{path}: {where}.ranks must be [start, size]")
-                    group_start.append(_int(path, f"{where}.ranks", ranks[0]))
-                    group_size.append(_int(path, f"{where}.ranks", ranks[1]))
-                    _json_micro_batch(path, where, grp, lengths, flat)
-                    ptr.append(len(flat[0]))
-                slot_ptr.append(len(group_start))
+            for k, slot in enumerate(_json_list(path, f"steps[{s}]", st, "slots", m, "micro_batches")):
+                _json_groups(path, f"steps[{s}].slots[{k}]", slot, lengths, flat, ptr, groups)
         else:
-            for r, rep in enumerate(_json_list(path, f"steps[{s}]", st, "replicas")):
-                for m, mb in enumerate(_json_list(path, f"steps[{s}].replicas[{r}]", rep, "micro_batches")):
-                    _json_micro_batch(path, f"steps[{s}].replicas[{r}].micro_batches[{m}]", mb, lengths, flat)
+            for r, rep in enumerate(_json_list(path, f"steps[{s}]", st, "replicas", topology.dp, "dp")):
+                where = f"steps[{s}].replicas[{r}]"
+                for i, mb in enumerate(_json_list(path, where, rep, "micro_batches", m, "micro_batches")):
+                    _json_micro_batch(path, f"{where}.micro_batches[{i}]", mb, lengths, flat)
                     ptr.append(len(flat[0]))
     arrays = tuple(np.asarray(a, dtype=np.int64) for a in flat) + (np.asarray(ptr, dtype=np.int64),)
-    groups = None
-    if topology.dynamic:
-        groups = tuple(np.asarray(a, dtype=np.int64) for a in (group_start, group_size, slot_ptr))
-    return arrays, groups
+    if not topology.dynamic:
+        return arrays, None
+    return arrays, tuple(np.asarray(a, dtype=np.int64) for a in groups)
 
 
 def _build(cls, path, head, lengths, topology, cost, flat, groups, natural):
@@ -303,15 +360,9 @@ def _build(cls, path, head, lengths, topology, cost, flat, groups, natural):
         _check_ptr(path, "slot_ptr", groups[2], len(groups[0]))
     if natural is not None and len(natural) != len(lengths):
         raise PlanFileError(f"{path}: field 'natural_step' has {len(natural)} entries for {len(lengths)} documents")
-    seed = head.get("seed")
-    if seed is not None:
-        seed = _int(path, "seed", seed)
-    dropped = head.get("dropped_tokens")
-    if dropped is not None:
-        dropped = _int(path, "dropped_tokens", dropped)
-    plan_seconds = head.get("plan_seconds", float("nan"))
-    if plan_seconds is None or isinstance(plan_seconds, bool) or not isinstance(plan_seconds, (int, float)):
-        raise PlanFileError(f"{path}: field 'plan_seconds' must be a number, got {plan_seconds!r}")
+    seed, dropped = head.get("seed"), head.get("dropped_tokens")  # types and ranges checked with the header
+    plan_seconds = head.get("plan_seconds")
+    plan_seconds = float("nan") if plan_seconds is None else plan_seconds
     try:
         return cls(
             lengths, topology, cost, doc, start, end, mb_ptr, seed=seed, natural_step=natural,
@@ -319,73 +370,3 @@ def _build(cls, path, head, lengths, topology, cost, flat, groups, natural):
         )  # fmt: skip
     except ValueError as e:
         raise PlanFileError(f"{path}: {e}") from None
-
-
-# ---------------------------------------------------------------------------------------------------- invariants
-def check_placements(plan) -> None:
-    """Every token placed exactly once (up to a truncation cut), micro-batches non-empty and within their token
-    caps, dynamic groups a valid partition of the pool in every slot. Raises ValueError naming the violation."""
-    t = plan.topology
-    counts = np.diff(plan.mb_ptr)
-    if np.any(counts == 0):
-        k = int(np.flatnonzero(counts == 0)[0])
-        if plan.dynamic:
-            raise ValueError(f"empty micro-batch: group {k} (ranks {plan.group_start[k]}+{plan.group_size[k]})")
-        raise ValueError(
-            f"empty micro-batch: step {k // t.bins_per_step}, replica "
-            f"{(k // t.micro_batches) % t.dp}, micro-batch {k % t.micro_batches}"
-        )
-    tokens = np.ravel(plan.micro_batch_tokens())
-    caps = t.max_tokens * plan.group_size if plan.dynamic else t.micro_batch_tokens
-    if np.any(tokens > caps):
-        k = int(np.argmax(tokens - caps))
-        cap = np.broadcast_to(caps, tokens.shape)[k]
-        what = f"max_tokens*size = {cap}" if plan.dynamic else f"max_tokens*cp = {cap}"
-        raise ValueError(f"micro-batch {k} holds {tokens[k]} tokens > {what}")
-    if plan.dynamic:
-        check_partition(plan.group_start, plan.group_size, plan.slot_ptr, t)
-    doc, start, end = plan.doc, plan.start, plan.end
-    if np.any((doc < 0) | (doc >= plan.num_docs)):
-        raise ValueError(
-            f"a placement names document {int(doc[(doc < 0) | (doc >= plan.num_docs)][0])}, outside the plan"
-        )
-    bad = (start < 0) | (end <= start) | (end > plan.lengths[doc])
-    if np.any(bad):
-        i = int(np.argmax(bad))
-        raise ValueError(f"document {int(doc[i])} has an invalid token range [{int(start[i])}, {int(end[i])})")
-    order = np.lexsort((start, doc))
-    d, s, e = doc[order], start[order], end[order]
-    first = np.ones(len(d), dtype=bool)
-    first[1:] = d[1:] != d[:-1]
-    if np.any(s[first] != 0):
-        raise ValueError(f"document {int(d[first][np.argmax(s[first] != 0)])} does not start at token 0")
-    gap = ~first & (s != np.roll(e, 1))
-    if np.any(gap):
-        raise ValueError(f"document {int(d[np.argmax(gap)])} has overlapping or missing spans")
-    missing = np.setdiff1d(np.arange(plan.num_docs), d)
-    if len(missing):
-        raise ValueError(f"{len(missing)} documents are not in the plan (first: {int(missing[0])})")
-
-
-def check_partition(group_start: np.ndarray, group_size: np.ndarray, slot_ptr: np.ndarray, topology: Topology) -> None:
-    """Every slot's groups: sizes in `cp_sizes`, `start % size == 0`, sorted by start, covering the pool once."""
-    sizes = np.asarray(topology.cp_sizes)
-    bad = ~np.isin(group_size, sizes)
-    if np.any(bad):
-        k = int(np.argmax(bad))
-        raise ValueError(f"group {k} has size {group_size[k]}, not one of cp_sizes {list(topology.cp_sizes)}")
-    misaligned = group_start % group_size != 0
-    if np.any(misaligned):
-        k = int(np.argmax(misaligned))
-        raise ValueError(f"group {k} starts at rank {group_start[k]}, not a multiple of its size {group_size[k]}")
-    expected = np.zeros(len(group_start), dtype=np.int64)  # each group starts where the previous one ended
-    ends = group_start + group_size
-    expected[1:] = ends[:-1]
-    expected[slot_ptr[:-1][np.diff(slot_ptr) > 0]] = 0
-    wrong = group_start != expected
-    last = slot_ptr[1:][np.diff(slot_ptr) > 0] - 1
-    short = np.zeros(len(group_start), dtype=bool)
-    short[last] = ends[last] != topology.pool_size
-    if np.any(wrong | short) or np.any(np.diff(slot_ptr) == 0):
-        slot = int(np.searchsorted(slot_ptr, int(np.argmax(wrong | short)), side="right") - 1)
-        raise ValueError(f"slot {slot}: the groups do not cover the pool of {topology.pool_size} ranks exactly once")

@@ -27,7 +27,7 @@ from balancer.planning import metrics as _metrics
 from balancer.planning.cost import CostModel
 from balancer.planning.topology import Topology
 
-FORMAT = "balancer.plan/1"
+FORMAT = "balancer.plan"  # the "format" of plan files; "format_version" and history: plan_io.PLAN_FORMAT
 
 
 @dataclass(frozen=True)
@@ -352,12 +352,14 @@ class Plan:
     def validate(self) -> None:
         """Check the plan's invariants; raise ValueError naming the first violation.
 
-        Every token of every document is placed exactly once (or, for truncated documents, once up to the cut),
-        every micro-batch is non-empty and within its token cap (`max_tokens * cp`, dynamic: `max_tokens * size`);
-        with dynamic CP every slot's groups are aligned (`start % size == 0`), of sizes in `cp_sizes`, and cover
-        the pool exactly.
+        Every token of every document is placed exactly once: its spans start at 0, follow each other without gap or
+        overlap and end at its length (truncated documents: at the one truncation cut, the tokens left out adding
+        up to `dropped_tokens`); every micro-batch is non-empty and within its token cap (`max_tokens * cp`,
+        dynamic: `max_tokens * size`); with dynamic CP every slot's groups are aligned (`start % size == 0`), of
+        sizes in `cp_sizes`, and cover the pool exactly. Errors name the step, replica / slot, micro-batch and
+        document (balancer.planning.plan_checks).
         """
-        from balancer.planning.plan_io import check_placements
+        from balancer.planning.plan_checks import check_placements
 
         check_placements(self)
 

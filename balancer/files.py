@@ -1,0 +1,108 @@
+"""Single output files (plans, cost models, pictures): where one may be written, and writing it atomically.
+
+`check_output_file(path, inputs, flag)` refuses an output that is one of the command's inputs (also through a
+link), lies inside a folder the command reads, or lies inside a balancer data folder (one that holds a
+pretokenize or pack manifest, state or lock): a plan written as `tok/manifest.json` would replace the folder's
+manifest. `atomic_write(path, write)` writes through a temporary file in the same folder, renamed over `path`: a
+reader sees the old file or the new one, never half of one, and a symbolic link at `path` is replaced, never
+written through.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["OutputPathError", "atomic_write", "check_output_file", "data_folder_marker"]
+
+
+class OutputPathError(ValueError):
+    """An output path that would replace an input or a file of a balancer data folder."""
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -> None:
+    """Create `path`'s folder if needed and write it through a temporary file renamed over it (fsync first).
+    `write(f)` gets the binary file. The file gets the permissions the umask allows (0666 & ~umask), like any
+    ordinary file; an OSError without a file name gets `path` as its file name."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)  # replaces a link at `path` itself, not its target
+    except OSError as e:
+        _remove(tmp)
+        if e.filename is None:
+            e.filename = os.fspath(path)
+        raise
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _inside(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+def data_folder_marker(folder: str | os.PathLike) -> str | None:
+    """The name of the file that makes `folder` a balancer data folder (a pretokenized or packed folder's
+    manifest, a run's progress state or lock), or None."""
+    import json
+
+    from balancer.data.pack.output import PACK
+    from balancer.data.shards.manifest import FORMAT_NAME, MANIFEST_NAME
+    from balancer.data.shards.output import LOCK_NAME, PRETOKENIZE
+
+    for name in (LOCK_NAME, PRETOKENIZE.state_name, PACK.state_name):
+        if os.path.lexists(os.path.join(folder, name)):
+            return name
+    try:
+        with open(os.path.join(folder, MANIFEST_NAME), "rb") as f:
+            manifest = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    if isinstance(manifest, dict) and manifest.get("format") in (FORMAT_NAME, PACK.format_name):
+        return MANIFEST_NAME
+    return None
+
+
+def check_output_file(path: str | os.PathLike, inputs: Sequence[str | os.PathLike], flag: str) -> None:
+    """Refuse (OutputPathError naming `flag`) an output file `path` that is an input, lies inside an input folder
+    or inside a balancer data folder, or is a folder. Inputs that do not exist (built-in trace names) are skipped."""
+    real_out = os.path.realpath(path)
+    for spec in inputs:
+        if spec is None or not os.path.exists(spec):
+            continue
+        real_in = os.path.realpath(spec)
+        if real_in == real_out:
+            raise OutputPathError(f"{flag} {path} is the input {spec}: writing it would replace it; pick another file")
+        if _inside(real_out, real_in):
+            raise OutputPathError(f"{flag} {path} lies inside the input folder {spec}: pick a file outside it")
+    if os.path.isdir(path):
+        raise OutputPathError(f"{flag} {path} is a folder: give a file name")
+    parent = os.path.dirname(real_out)
+    marker = data_folder_marker(parent)
+    if marker is not None:
+        raise OutputPathError(
+            f"{flag} {path} lies inside the balancer data folder {parent} (it holds {marker}): pick a file outside it"
+        )

@@ -1,0 +1,129 @@
+"""The invariants of a plan (`Plan.validate`, `Plan.load(validate=True)`): micro-batches non-empty and within their
+caps, dynamic CP groups a partition of the pool in every slot, and every document's spans covering it exactly once
+(up to a truncation cut). Vectorised: a plan of a million documents checks in about a second. Errors name the
+step, replica (or slot and group) and micro-batch, and the document."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from balancer.planning.topology import Topology
+
+
+def micro_batch_name(plan, k: int) -> str:
+    """'step s, replica r, micro-batch m' (dynamic: 'step s, slot j, group g (ranks start+size)') of micro-batch k."""
+    t = plan.topology
+    if not plan.dynamic:
+        return (
+            f"step {k // t.bins_per_step}, replica {(k // t.micro_batches) % t.dp}, micro-batch {k % t.micro_batches}"
+        )
+    slot = int(np.searchsorted(plan.slot_ptr, k, side="right") - 1)
+    group = k - int(plan.slot_ptr[slot])
+    ranks = f"{int(plan.group_start[k])}+{int(plan.group_size[k])}"
+    return f"step {slot // t.micro_batches}, slot {slot % t.micro_batches}, group {group} (ranks {ranks})"
+
+
+def _entry_name(plan, i: int) -> str:
+    return micro_batch_name(plan, int(np.searchsorted(plan.mb_ptr, i, side="right") - 1))
+
+
+def check_placements(plan) -> None:
+    """Every micro-batch non-empty and within its token cap, dynamic groups a valid partition of the pool in every
+    slot, and every document's spans cover it (`check_coverage`). Raises ValueError naming the violation."""
+    t = plan.topology
+    counts = np.diff(plan.mb_ptr)
+    if np.any(counts == 0):
+        raise ValueError(f"empty micro-batch: {micro_batch_name(plan, int(np.flatnonzero(counts == 0)[0]))}")
+    tokens = np.ravel(plan.micro_batch_tokens())
+    caps = t.max_tokens * plan.group_size if plan.dynamic else t.micro_batch_tokens
+    if np.any(tokens > caps):
+        k = int(np.argmax(tokens - caps))
+        cap = np.broadcast_to(caps, tokens.shape)[k]
+        what = f"max_tokens*size = {cap}" if plan.dynamic else f"max_tokens*cp = {cap}"
+        raise ValueError(f"micro-batch {k} ({micro_batch_name(plan, k)}) holds {tokens[k]} tokens > {what}")
+    if plan.dynamic:
+        check_partition(plan.group_start, plan.group_size, plan.slot_ptr, t)
+    check_coverage(plan)
+
+
+def check_coverage(plan) -> None:
+    """Every document placed, its spans starting at token 0, consecutive (no gap, no overlap) and ending at its
+    length, or, for a plan with dropped tokens (overflow='truncate'), at one truncation cut shared by every
+    document longer than it; the tokens short of the lengths add up to `dropped_tokens`. Vectorised: one sort."""
+    doc, start, end, lengths = plan.doc, plan.start, plan.end, plan.lengths
+    outside = (doc < 0) | (doc >= plan.num_docs)
+    if np.any(outside):
+        i = int(np.argmax(outside))
+        raise ValueError(f"{_entry_name(plan, i)}: a placement names document {int(doc[i])}, outside the plan")
+    bad = (start < 0) | (end <= start) | (end > lengths[doc])
+    if np.any(bad):
+        i = int(np.argmax(bad))
+        raise ValueError(
+            f"{_entry_name(plan, i)}: document {int(doc[i])} ({int(lengths[doc[i]])} tokens) has an invalid token "
+            f"range [{int(start[i])}, {int(end[i])})"
+        )
+    order = np.lexsort((start, doc))
+    d, s, e = doc[order], start[order], end[order]
+    first = np.ones(len(d), dtype=bool)
+    first[1:] = d[1:] != d[:-1]
+    present = np.zeros(plan.num_docs, dtype=bool)
+    present[d[first]] = True
+    if not present.all():
+        missing = np.flatnonzero(~present)
+        raise ValueError(f"{len(missing)} documents are not in the plan (first: document {int(missing[0])})")
+    broken = (first & (s != 0)) | (~first & (s != np.roll(e, 1)))
+    if np.any(broken):
+        j = int(np.argmax(broken))
+        what = "does not start at token 0" if first[j] else f"has a gap or overlap at token {int(np.roll(e, 1)[j])}"
+        raise ValueError(
+            f"{_entry_name(plan, int(order[j]))}: document {int(d[j])}: its span [{int(s[j])}, {int(e[j])}) {what}"
+        )
+    last = np.append(first[1:], True)
+    covered = e[last]  # per document 0..n-1, the end of its last span
+    _check_shortfall(plan, covered, order[last])
+
+
+def _check_shortfall(plan, covered: np.ndarray, last_entry: np.ndarray) -> None:
+    lengths = plan.lengths
+    short = covered < lengths
+    dropped = int((lengths - covered).sum())
+    if not short.any() and dropped == plan.dropped_tokens:
+        return
+    cut = int(covered[short].max()) if short.any() else 0
+    # a truncation cut (at most the cap): every document longer than it ends at it; the plan records the drop
+    wrong = (short & (covered != cut)) | (~short & (lengths > cut)) if plan.dropped_tokens else short
+    if np.any(wrong):
+        i = int(np.argmax(wrong))
+        why = "a span is missing or shortened" if not plan.dropped_tokens else f"other documents are cut at {cut}"
+        raise ValueError(
+            f"document {i} has {int(lengths[i])} tokens but its spans end at token {int(covered[i])} (last span in "
+            f"{_entry_name(plan, int(last_entry[i]))}): {why}"
+        )
+    if dropped != plan.dropped_tokens:
+        raise ValueError(
+            f"the plan records dropped_tokens = {plan.dropped_tokens}, but its spans leave {dropped} tokens out"
+        )
+
+
+def check_partition(group_start: np.ndarray, group_size: np.ndarray, slot_ptr: np.ndarray, topology: Topology) -> None:
+    """Every slot's groups: sizes in `cp_sizes`, `start % size == 0`, sorted by start, covering the pool once."""
+    sizes = np.asarray(topology.cp_sizes)
+    bad = ~np.isin(group_size, sizes)
+    if np.any(bad):
+        k = int(np.argmax(bad))
+        raise ValueError(f"group {k} has size {group_size[k]}, not one of cp_sizes {list(topology.cp_sizes)}")
+    misaligned = group_start % group_size != 0
+    if np.any(misaligned):
+        k = int(np.argmax(misaligned))
+        raise ValueError(f"group {k} starts at rank {group_start[k]}, not a multiple of its size {group_size[k]}")
+    expected = np.zeros(len(group_start), dtype=np.int64)  # each group starts where the previous one ended
+    ends = group_start + group_size
+    expected[1:] = ends[:-1]
+    expected[slot_ptr[:-1][np.diff(slot_ptr) > 0]] = 0
+    wrong = group_start != expected
+    last = slot_ptr[1:][np.diff(slot_ptr) > 0] - 1
+    short = np.zeros(len(group_start), dtype=bool)
+    short[last] = ends[last] != topology.pool_size
+    if np.any(wrong | short) or np.any(np.diff(slot_ptr) == 0):
+        slot = int(np.searchsorted(slot_ptr, int(np.argmax(wrong | short)), side="right") - 1)
+        raise ValueError(f"slot {slot}: the groups do not cover the pool of {topology.pool_size} ranks exactly once")
