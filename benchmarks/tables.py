@@ -317,7 +317,8 @@ def measured_speedup() -> str:
 
 
 def calibration() -> str:
-    report = load("calibration")["report"]
+    data = load("calibration")
+    report = data["report"]
     rows = [
         [
             name.replace("_", " "),
@@ -327,9 +328,22 @@ def calibration() -> str:
             fmt(part["max_abs_error"], ".1%"),
         ]
         for name, part in report.items()
-        if isinstance(part, dict) and "median_abs_error" in part
+        if isinstance(part, dict) and "p90_abs_error" in part and "max_abs_error" in part
     ]
-    return markdown(["micro-batches", "count", "median abs error", "p90 abs error", "max abs error"], rows)
+    table = markdown(["micro-batches", "count", "median abs error", "p90 abs error", "max abs error"], rows)
+    splits = report.get("splits")
+    if not splits or "median_abs_error" not in splits:
+        return table
+    machine = report.get("machine", {})
+    pct = {k: fmt(splits[k], ".1%") for k in splits if k.endswith("abs_error")}
+    return (
+        f"{table}\n\nHeld out over {splits['count']} splits by micro-batch: median |error| {pct['median_abs_error']} "
+        f"(median over splits; worst split {pct['worst_median_abs_error']}), p90 {pct['median_p90_abs_error']} "
+        f"(median; worst split {pct['worst_p90_abs_error']}). Targets (median <= 5%, p90 <= 10%) "
+        f"{'met' if report.get('meets_targets') else 'missed'}. Clock: {report.get('clock')}, "
+        f"{machine.get('cores')} cores, load average {machine.get('loadavg_before', ['?'])[0]} before and "
+        f"{machine.get('loadavg_after', ['?'])[0]} after timing, {fmt(report.get('timing_seconds'), '.0f')} s."
+    )
 
 
 def open_checks() -> str:

@@ -52,3 +52,33 @@ def calibration_grid(
     """`per_cell` micro-batches of every (kind, budget): a list of (kind, lengths)."""
     rng = np.random.default_rng(seed)
     return [(k, micro_batch(k, int(b), rng, max_doc)) for b in budgets for k in kinds for _ in range(per_cell)]
+
+
+def _heavy_tail_docs(rng: np.random.Generator, budget: int) -> list[int]:
+    """Pareto-tailed documents (32 tokens and up, tail index 1.2) filling `budget` tokens: another distribution than
+    the grid's log-normal short documents with a few planted long ones."""
+    out, left = [], budget
+    while left > 0:
+        d = int(min(32 * (1.0 + rng.pareto(1.2)), budget))
+        out.append(min(d, left))
+        left -= out[-1]
+    return out
+
+
+def fresh_budgets(budgets) -> list[int]:
+    """Token budgets outside a grid: the geometric midpoint of each pair of neighbouring grid budgets and 1.5 times
+    the largest (a single budget b: 0.7 b and 1.5 b), rounded to 16 tokens."""
+    grid = sorted({int(b) for b in budgets})
+    if len(grid) == 1:
+        picks = [0.7 * grid[0], 1.5 * grid[0]]
+    else:
+        picks = [np.sqrt(a * b) for a, b in zip(grid, grid[1:])] + [1.5 * grid[-1]]
+    out = sorted({max(16, int(round(p / 16)) * 16) for p in picks} - set(grid))
+    return out
+
+
+def fresh_micro_batches(budgets, per_budget: int = 3, seed: int = 0) -> list[tuple[str, list[int]]]:
+    """`per_budget` micro-batches of Pareto-tailed documents (kind "pareto") for every budget: micro-batches a
+    calibration grid never holds, for checking a fitted model on data it was not fitted to."""
+    rng = np.random.default_rng([seed, 0xF7E5])  # a stream the grid's generator never produces
+    return [("pareto", _heavy_tail_docs(rng, int(b))) for b in budgets for _ in range(per_budget)]

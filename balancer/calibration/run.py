@@ -1,32 +1,49 @@
-"""Calibration: time a real model on a grid of packed micro-batches, fit a CostModel, report held-out error.
+"""Calibration: time a real model on a grid of packed micro-batches, fit a CostModel, judge it on unseen ones.
 
     from balancer.calibration import calibrate
     result = calibrate(TINY_LLAMA, cp_sizes=(1, 2), budgets=(1024, 2048, 4096))
     result.cost.save("cost.json")            # or result.save("cost.json"): the model plus the report
     result.report["held_out"]["median_abs_error"]
 
-See docs/cost-model.md for the grid, the fit and the errors measured on this project's machines.
+The held-out split is drawn over micro-batches (balancer.calibration.split): a held-out micro-batch is timed at
+every CP size and layout, and none of those timings reaches the fit. See docs/cost-model.md for the grid, the fit,
+the fresh-batch check and the errors measured on this project's machines.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from balancer.calibration.grid import KINDS, calibration_grid
+from balancer.calibration.clock import CLOCKS, choose_clock, quietness
+from balancer.calibration.grid import KINDS, calibration_grid, fresh_budgets, fresh_micro_batches
+from balancer.calibration.report import (
+    TARGETS,
+    by_config,
+    error_summary,
+    fit_samples,
+    predict_samples,
+    remedy,
+    split_errors,
+    target_misses,
+)
+from balancer.calibration.split import split_by_micro_batch
 from balancer.calibration.timing import TINY_LLAMA, time_micro_batches
 from balancer.planning.cost import CostModel
 
 log = logging.getLogger(__name__)
-CLOCKS = ("cpu", "wall")
+__all__ = ["CLOCKS", "Calibration", "calibrate", "error_summary"]
+DEFAULTS = dict(budgets=(2048, 4096, 8192), per_cell=3, repeats=5, splits=8, fresh_per_budget=2)
 
 
 @dataclass
 class Calibration:
-    """A fitted `cost`, the timed `samples` (dicts: kind, lengths, cp, layout, seconds, held_out) and `report`."""
+    """A fitted `cost`, the timed `samples` (dicts: kind, lengths, cp, layout, seconds, wall, cpu, micro_batch,
+    held_out, fresh, predicted) and the `report`."""
 
     cost: CostModel
     samples: list[dict]
@@ -37,34 +54,18 @@ class Calibration:
         self.cost.save(path, **self.report, samples=self.samples)
 
 
-def error_summary(predicted, measured) -> dict:
-    """Relative errors `predicted / measured - 1`: median and 90th percentile of their absolute value, max, bias."""
-    rel = np.asarray(predicted, dtype=np.float64) / np.asarray(measured, dtype=np.float64) - 1.0
-    if rel.size == 0:
-        return {"count": 0}
-    return {
-        "count": int(rel.size),
-        "median_abs_error": float(np.median(np.abs(rel))),
-        "p90_abs_error": float(np.percentile(np.abs(rel), 90)),
-        "max_abs_error": float(np.max(np.abs(rel))),
-        "mean_error": float(np.mean(rel)),
-    }
-
-
-def _layouts(layouts, cp_sizes) -> list[str]:
+def _layouts(layouts) -> list[str]:
     from attention.layout import KINDS as LAYOUT_KINDS
 
-    chosen = []
     for kind in layouts:
         if kind not in LAYOUT_KINDS:
             raise ValueError(f"--layout {kind!r} is not a CP layout of this build ({', '.join(LAYOUT_KINDS)})")
-        chosen.append(kind)
-    if not chosen:
+    if not layouts:
         raise ValueError("--layout: give at least one CP layout")
-    return chosen
+    return list(layouts)
 
 
-def _check(cp_sizes, budgets, repeats, held_out, split_threshold) -> None:
+def _check(cp_sizes, budgets, repeats, held_out, split_threshold, splits, fresh_per_budget) -> None:
     if not cp_sizes or any(int(c) != c or c < 1 for c in cp_sizes):
         raise ValueError(f"--cp must list positive CP sizes, got {list(cp_sizes)}")
     if not budgets or any(int(b) != b or b < 16 for b in budgets):
@@ -75,15 +76,20 @@ def _check(cp_sizes, budgets, repeats, held_out, split_threshold) -> None:
         raise ValueError(f"--held-out must be a fraction between 0 and 1, got {held_out}")
     if split_threshold is not None and split_threshold < 1:
         raise ValueError(f"--split-threshold must be >= 1 token, got {split_threshold}")
+    if int(splits) != splits or splits < 1:
+        raise ValueError(f"--splits must be >= 1, got {splits}")
+    if int(fresh_per_budget) != fresh_per_budget or fresh_per_budget < 0:
+        raise ValueError(f"--fresh must be >= 0 micro-batches per budget, got {fresh_per_budget}")
 
 
-def _check_enough(count: int, held_out: float, cp_sizes) -> None:
+def _check_enough(grid, held: np.ndarray, configs: int, cp_sizes) -> None:
     terms = 4 + 2 * any(cp > 1 for cp in cp_sizes)  # attention, linear, fixed, piece (+ comm, latency)
-    train = count - int(np.ceil(held_out * count))
+    train = int((~held).sum()) * configs
     if train < terms + 1:
         raise ValueError(
-            f"too few micro-batches to fit {terms} terms: the grid gives {count} ({train} after --held-out "
-            f"{held_out}), at least {terms + 1} are needed for the fit; raise --per-cell or add --tokens budgets"
+            f"too few micro-batches to fit {terms} terms: the grid gives {len(grid)} micro-batches, "
+            f"{int((~held).sum())} after --held-out ({train} timed samples), at least {terms + 1} samples are needed "
+            "for the fit; raise --per-cell or add --tokens budgets"
         )
 
 
@@ -93,93 +99,104 @@ def calibrate(
     cp_sizes=(1, 2),
     layouts=("zigzag", "hybrid"),
     method: str = "ring",
-    budgets=(2048, 4096, 8192),
+    budgets=DEFAULTS["budgets"],
     kinds=KINDS,
-    per_cell: int = 2,
-    repeats: int = 3,
+    per_cell: int = DEFAULTS["per_cell"],
+    repeats: int = DEFAULTS["repeats"],
     threads: int = 1,
     held_out: float = 0.25,
+    splits: int = DEFAULTS["splits"],
+    fresh_per_budget: int = DEFAULTS["fresh_per_budget"],
     seed: int = 0,
     split_threshold: int | None = None,
     window: int | None = None,
-    clock: str = "cpu",
+    clock: str = "auto",
     progress: bool = False,
 ) -> Calibration:
-    """Time `config`'s model (default: a tiny Llama) on `calibration_grid(budgets, kinds, per_cell)` for every CP
-        size (CP > 1: every layout), fit all terms (`CostModel.fit`) on the samples not held out, report the error on
-        the held-out ones. A sample's time is the minimum over `repeats` (the least disturbed by other jobs) of the
-    `clock`: "cpu" (process CPU time, the slowest rank's; robust on a shared machine) or "wall"."""
+    """Time `config`'s model (default: a tiny Llama) on `calibration_grid(budgets, kinds, per_cell)` and on
+    `fresh_per_budget` fresh micro-batches per budget of `fresh_budgets(budgets)`, every CP size (CP > 1: every
+    layout), `repeats` times each (the minimum is kept: the least disturbed run), in a seeded shuffled order.
+
+    The saved model is fitted (`CostModel.fit`, every term) on the grid micro-batches outside the held-out split of
+    `seed`; the report gives its error on that split's held-out micro-batches, the held-out error of `splits` splits
+    (seeds `seed`, `seed + 1`, ...; each judged with its own fit), the error on the fresh micro-batches, and
+    `warnings` when the targets (median <= 5%, p90 <= 10%) are missed. `clock` "auto" fits wall time on a quiet
+    machine and process CPU time otherwise (balancer.calibration.clock; the reason is in the report)."""
     if clock not in CLOCKS:
         raise ValueError(f"--clock must be one of {CLOCKS}, got {clock!r}")
     config = dict(TINY_LLAMA if config is None else config)
-    _check(cp_sizes, budgets, repeats, held_out, split_threshold)
-    layouts = _layouts(layouts, cp_sizes)
+    _check(cp_sizes, budgets, repeats, held_out, split_threshold, splits, fresh_per_budget)
+    layouts = _layouts(layouts)
     grid = calibration_grid(budgets, kinds, per_cell, seed)
-    _check_enough(len(grid) * sum(len(layouts) if cp > 1 else 1 for cp in cp_sizes), held_out, cp_sizes)
+    held = split_by_micro_batch(grid, held_out, seed)
+    configs = [(int(cp), kind) for cp in cp_sizes for kind in (layouts if cp > 1 else ["zigzag"])]
+    _check_enough(grid, held, len(configs), cp_sizes)
+    fresh = fresh_micro_batches(fresh_budgets(budgets), fresh_per_budget, seed)
     options = {"split_threshold": split_threshold} if split_threshold is not None else {}
-    load_before = os.getloadavg()
     jobs = [
-        {"kind": k, "lengths": lengths, "cp": int(cp), "layout": kind, "options": options if kind == "hybrid" else {}}
-        for cp in cp_sizes
-        for kind in (layouts if cp > 1 else ["zigzag"])
-        for k, lengths in grid
+        {"kind": k, "lengths": lengths, "cp": cp, "layout": kind, "options": options if kind == "hybrid" else {}}
+        | {"micro_batch": i, "held_out": bool(i < len(grid) and held[i]), "fresh": i >= len(grid)}
+        for cp, kind in configs
+        for i, (k, lengths) in enumerate(grid + fresh)
     ]
-    times = time_micro_batches(config, jobs, method=method, repeats=repeats, threads=threads, progress=progress)
-    samples = []
-    for job, reps in zip(jobs, times):
-        wall, cpu = [r[0] for r in reps], [r[1] for r in reps]
-        samples.append({**job, "seconds": min(cpu) if clock == "cpu" else min(wall), "wall": wall, "cpu": cpu})
-    rng = np.random.default_rng(seed)
-    held = rng.random(len(samples)) < held_out
-    if held.all() or not held.any():
-        held = np.arange(len(samples)) % max(2, round(1 / held_out)) == 0
-    for s, h in zip(samples, held):
-        s["held_out"] = bool(h)
-    report = _fit_and_report(samples, config, method, window, options)
-    report.report.update(
-        clock=clock,
-        repeats=repeats,
-        threads=threads,
-        loadavg_before=list(load_before),
-        loadavg_after=list(os.getloadavg()),
+    load_before, t0 = os.getloadavg(), time.perf_counter()
+    # a shuffled order, so that a change of load during the run does not line up with a CP size or a budget
+    order = np.random.default_rng([seed, 1]).permutation(len(jobs))
+    timed = time_micro_batches(
+        config, [jobs[i] for i in order], method=method, repeats=repeats, threads=threads, progress=progress
     )
-    return report
-
-
-def _fit_and_report(samples, config, method, window, options) -> Calibration:
-    train = [s for s in samples if not s["held_out"]]
-    test = [s for s in samples if s["held_out"]]
+    times = [None] * len(jobs)
+    for i, reps in zip(order, timed):
+        times[i] = reps
+    samples = [{**job, "wall": [r[0] for r in reps], "cpu": [r[1] for r in reps]} for job, reps in zip(jobs, times)]
+    facts = quietness(samples, load_before)
+    facts.update(loadavg_before=list(load_before), loadavg_after=list(os.getloadavg()))
+    chosen, reason = choose_clock(clock, facts)
+    for s in samples:
+        s["seconds"] = min(s[chosen])
+    settings = dict(
+        clock=chosen,
+        clock_reason=reason,
+        machine=facts,
+        repeats=repeats,
+        per_cell=per_cell,
+        budgets=[int(b) for b in budgets],
+        threads=threads,
+        timing_seconds=time.perf_counter() - t0,
+    )
     if window is None:
         window = CostModel.from_config({k: v for k, v in config.items() if k != "model_type"}).window
-    fit_comm = any(s["cp"] > 1 for s in train)
-    cost = CostModel.fit(
-        [s["lengths"] for s in train],
-        [s["seconds"] for s in train],
-        window=window,
-        cp=[s["cp"] for s in train],
-        layout=[s["layout"] for s in train],
-        method=method,
-        fit_pieces=True,
-        fit_comm=fit_comm,
-        layout_options=options,
+    seeds = range(seed, seed + splits)
+    result = _fit_and_report(samples, grid, held_out, seeds, window, method, options)
+    result.report.update(model_config=config, **settings)
+    misses = target_misses(result.report)
+    result.report["meets_targets"] = not misses
+    result.report["warnings"] = (
+        [f"the fit misses its targets: {'; '.join(misses)}. Remedy: {remedy(result.report)}"] if misses else []
     )
-    from balancer.planning.predict import micro_batch_time
+    return result
 
-    for s in samples:
-        opts = s["options"]
-        s["predicted"] = micro_batch_time(cost, s["lengths"], s["cp"], s["layout"], method, **opts)
+
+def _fit_and_report(samples, grid, held_out, seeds, window, method, options) -> Calibration:
+    grid_samples = [s for s in samples if not s["fresh"]]
+    train = [s for s in grid_samples if not s["held_out"]]
+    cost = fit_samples(train, window, method, options)
+    for s, p in zip(samples, predict_samples(cost, samples, method)):
+        s["predicted"] = p
+    test = [s for s in grid_samples if s["held_out"]]
+    fresh = [s for s in samples if s["fresh"]]
     report = {
-        "model_config": config,
         "method": method,
         "layout_options": options,
+        "split": {"by": "micro-batch", "held_out": held_out, "seed": seeds[0], "micro_batches": len(grid)},
+        "targets": TARGETS,
         "train": error_summary([s["predicted"] for s in train], [s["seconds"] for s in train]),
         "held_out": error_summary([s["predicted"] for s in test], [s["seconds"] for s in test]),
+        **by_config(test, "held_out"),
+        "splits": split_errors(grid_samples, grid, held_out, seeds, window, method, options),
+        "fresh": error_summary([s["predicted"] for s in fresh], [s["seconds"] for s in fresh]),
+        **by_config(fresh, "fresh"),
     }
-    for cp in sorted({s["cp"] for s in samples}):
-        for kind in sorted({s["layout"] for s in samples if s["cp"] == cp}):
-            part = [s for s in test if s["cp"] == cp and s["layout"] == kind]
-            report[f"held_out_cp{cp}_{kind}"] = error_summary(
-                [s["predicted"] for s in part], [s["seconds"] for s in part]
-            )
+    report["split"]["held_out_micro_batches"] = len({s["micro_batch"] for s in test})
     log.info("calibration: held-out median |error| %.1f%%", 100 * report["held_out"].get("median_abs_error", 0))
     return Calibration(cost, samples, report)

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from balancer.calibration.run import DEFAULTS
 from balancer.planning.cost import CostModel
 
 
@@ -38,6 +39,8 @@ def cmd_calibrate(args) -> int:
         repeats=args.repeats,
         threads=args.threads,
         held_out=args.held_out,
+        splits=args.splits,
+        fresh_per_budget=args.fresh,
         seed=args.seed,
         split_threshold=args.split_threshold,
         clock=args.clock,
@@ -45,6 +48,8 @@ def cmd_calibrate(args) -> int:
     )
     result.save(args.output)
     print(format_report(result.cost, result.report))
+    for warning in result.report["warnings"]:
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"wrote {args.output}", file=sys.stderr)
     return 0
 
@@ -57,12 +62,19 @@ def format_report(cost: CostModel, report: dict) -> str:
         f"latency {cost.comm_latency:.3g}/ring step, transfers {'overlapped' if cost.comm_overlap else 'added'}"
     ]
     for key, value in report.items():
-        if key.startswith(("train", "held_out")) and value.get("count"):
+        if key.startswith(("train", "held_out", "fresh")) and value.get("count"):
             lines.append(
                 f"{key:>24}: {value['count']:3d} micro-batches, median |error| {100 * value['median_abs_error']:.1f}%, "
                 f"p90 {100 * value['p90_abs_error']:.1f}%, max {100 * value['max_abs_error']:.1f}%"
             )
-    lines.append(f"clock {report.get('clock')}, load average {report.get('loadavg_before', [0])[0]:.1f} before")
+    splits = report.get("splits", {})
+    if "median_abs_error" in splits:
+        lines.append(
+            f"{'held-out, ' + str(splits['count']) + ' splits':>24}: median |error| "
+            f"{100 * splits['median_abs_error']:.1f}% (median over splits), worst p90 "
+            f"{100 * splits['worst_p90_abs_error']:.1f}%" + (f", {splits['failed']} failed" if splits["failed"] else "")
+        )
+    lines.append(f"clock: {report.get('clock_reason', report.get('clock'))}")
     return "\n".join(lines)
 
 
@@ -81,13 +93,36 @@ def register(sub) -> None:
     p.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="CP sizes to time (each a gloo world)")
     p.add_argument("--layout", nargs="+", default=["zigzag", "hybrid"], help="CP layouts to time for CP > 1")
     p.add_argument("--method", choices=("ring", "allgather"), default="ring", help="CP attention method")
-    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192], help="micro-batch token budgets")
-    p.add_argument("--per-cell", type=int, default=2, help="micro-batches per (kind, budget) in the grid")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per micro-batch (the minimum is kept)")
+    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULTS["budgets"]), help="micro-batch token budgets")
+    p.add_argument(
+        "--per-cell", type=int, default=DEFAULTS["per_cell"], help="micro-batches per (kind, budget) in the grid"
+    )
+    p.add_argument(
+        "--repeats", type=int, default=DEFAULTS["repeats"], help="timed runs per micro-batch (the minimum is kept)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--held-out", type=float, default=0.25, help="share of micro-batches kept out of the fit")
+    p.add_argument(
+        "--held-out",
+        type=float,
+        default=0.25,
+        help="share of the grid's micro-batches kept out of the fit (with all their CP sizes and layouts)",
+    )
+    p.add_argument(
+        "--splits", type=int, default=DEFAULTS["splits"], help="held-out splits to report (each fitted on its own)"
+    )
+    p.add_argument(
+        "--fresh",
+        type=int,
+        default=DEFAULTS["fresh_per_budget"],
+        help="fresh micro-batches (other documents, budgets between and beyond --tokens) per budget, never fitted",
+    )
     p.add_argument("--split-threshold", type=int, help="hybrid layout: split documents longer than this")
-    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="process CPU time or wall time")
+    p.add_argument(
+        "--clock",
+        choices=("auto", "cpu", "wall"),
+        default="auto",
+        help="wall time, process CPU time, or auto: wall time when the machine was quiet while timing, else CPU time",
+    )
     p.add_argument("--seed", type=int, default=0, help="grid and held-out seed")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_calibrate)
