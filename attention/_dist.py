@@ -1,13 +1,15 @@
-"""Process-group helpers shared by ring and all-gather attention: group info, a cross-rank consistency check,
-P2P exchange, a reduce-scatter that works on backends without one (gloo), and a counter of the bytes sent.
+"""Process-group helpers shared by ring, all-gather and Ulysses attention: group info, a cross-rank consistency check,
+P2P exchange, a reduce-scatter whose collective is chosen by the backend, and a counter of the bytes sent.
 
 Bytes sent (:func:`bytes_sent`) count the payload this process hands to other ranks through the attention's
 transfers: a P2P send counts its tensor once; an all-gather or reduce-scatter over ``c`` ranks counts
-``(c - 1)`` times this rank's block (what a ring or direct algorithm moves out of the rank; padding included).
+``(c - 1)`` times this rank's block (what a ring or direct algorithm moves out of the rank; padding included); an
+all-to-all counts the rows addressed to other ranks (Ulysses: both exchanges, forward and backward).
 The cross-rank consistency check (a few integers per call) is not counted."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,6 +32,11 @@ def reset_bytes_sent() -> None:
 def count_sent(t: torch.Tensor, copies: int = 1) -> None:
     """Add ``copies`` times the bytes of ``t`` to the counter."""
     _BYTES_SENT[0] += int(t.numel()) * t.element_size() * int(copies)
+
+
+def count_rows_sent(t: torch.Tensor, rows: int) -> None:
+    """Add the bytes of ``rows`` rows (dim 0) of ``t`` to the counter."""
+    _BYTES_SENT[0] += int(rows) * math.prod(t.shape[1:]) * t.element_size()
 
 
 @dataclass(frozen=True)
@@ -59,10 +66,15 @@ def comm_device(backend: str, device: torch.device) -> torch.device:
     """Where this group moves tensors of ``device``: the backend registered for the device type decides
     (``"cpu:gloo,cuda:nccl"`` sends CUDA tensors over nccl); gloo moves CPU tensors, so CUDA tensors on a gloo-only
     group are staged through the host."""
+    return torch.device("cpu") if _backend_for(backend, device.type) == "gloo" else device
+
+
+def _backend_for(backend: str, device_type: str) -> str:
+    """The backend of a (possibly per-device, ``"cpu:gloo,cuda:nccl"``) backend string that handles
+    ``device_type``; gloo when a per-device string names none for it."""
     backend = backend.lower()
     per_device = dict(part.split(":", 1) for part in backend.split(",") if ":" in part)
-    chosen = per_device.get(device.type, backend if not per_device else "gloo")
-    return torch.device("cpu") if chosen.strip() == "gloo" else device
+    return per_device.get(device_type, backend if not per_device else "gloo").strip()
 
 
 def consensus_check(g: Group, values: list[int], local_error: Optional[str], verified: Optional[set] = None) -> None:
@@ -118,34 +130,30 @@ def wait_all(reqs: list) -> None:
         r.wait()
 
 
-_RS_MODE: dict = {}
+def device_backend(g: Group) -> str:
+    """The process-group backend that moves this group's tensors (the one registered for ``g.comm_device``)."""
+    return _backend_for(str(dist.get_backend(g.group)), g.comm_device.type)
 
 
 def reduce_scatter_sum(g: Group, blocks: list[torch.Tensor]) -> torch.Tensor:
     """``blocks[s]`` is this rank's contribution for rank ``s`` (equal shapes); returns the sum over ranks of the
-    contributions for this rank. Uses ``reduce_scatter`` where the backend has it, else ``all_to_all`` plus a local
-    sum, else ``all_reduce`` (detected once per backend by trying, not by version)."""
-    key = str(dist.get_backend(g.group))
-    modes = [_RS_MODE[key]] if key in _RS_MODE else ["reduce_scatter", "all_to_all", "all_reduce"]
+    contributions for this rank. gloo: ``all_to_all`` plus a local sum (gloo's ``reduce_scatter`` exists only in
+    recent PyTorch); every other backend: ``reduce_scatter``. A failing collective raises RuntimeError naming the
+    backend; nothing else is tried."""
+    backend = device_backend(g)
     blocks = [b.contiguous() for b in blocks]
     count_sent(blocks[0], g.size - 1)
-    for mode in modes:
-        try:
-            if mode == "reduce_scatter":
-                out = torch.empty_like(blocks[0])
-                dist.reduce_scatter(out, blocks, op=dist.ReduceOp.SUM, group=g.group)
-            elif mode == "all_to_all":
-                recv = [torch.empty_like(b) for b in blocks]
-                dist.all_to_all(recv, blocks, group=g.group)
-                out = torch.stack(recv).sum(0)
-            else:
-                allb = torch.stack(blocks)
-                dist.all_reduce(allb, group=g.group)
-                out = allb[g.rank].clone()
-        except (RuntimeError, NotImplementedError, ValueError):
-            if len(modes) == 1:
-                raise
-            continue
-        _RS_MODE[key] = mode
+    op = "all_to_all" if backend == "gloo" else "reduce_scatter"
+    try:
+        if op == "all_to_all":
+            recv = [torch.empty_like(b) for b in blocks]
+            dist.all_to_all(recv, blocks, group=g.group)
+            return torch.stack(recv).sum(0)
+        out = torch.empty_like(blocks[0])
+        dist.reduce_scatter(out, blocks, op=dist.ReduceOp.SUM, group=g.group)
         return out
-    raise RuntimeError("no reduce-scatter strategy worked")  # pragma: no cover
+    except (RuntimeError, NotImplementedError, ValueError) as e:
+        raise RuntimeError(
+            f"cp_attention: {op} of the all-gather backward failed on the {backend!r} process-group backend "
+            f"({type(e).__name__}: {e}); use method='ring', which needs only point-to-point sends"
+        ) from e

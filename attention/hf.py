@@ -19,7 +19,9 @@ How inputs must be prepared:
     passes its shard in ``layout.shard`` order;
   - ``position_ids`` must be the position of each token inside its document (``layout.position_ids(rank)``), not
     0..T_local-1: RoPE needs the true positions, and the attention itself takes the document structure from the
-    layout, not from ``position_ids`` or an attention mask (leave ``attention_mask`` None);
+    layout, not from ``position_ids`` or an attention mask (leave ``attention_mask`` None: a mask of all ones is
+    accepted, one with zeros, i.e. padding, or any 4-D mask raises ValueError; so does an unknown keyword argument,
+    see :data:`IGNORED` for the ones accepted without effect);
   - labels must be shifted per document *before* sharding: ``shifted[t] = input_ids[t+1]`` inside a document and
     ``-100`` at each document's last token (the next token of a shard is usually on another rank, and a document's
     next token belongs to another document). Then compute the loss on the logits without any further shift (or pass
@@ -126,6 +128,8 @@ def cp_attention_forward(
         raise ValueError(f"CP attention takes one packed sequence (batch size 1), got batch size {query.shape[0]}")
     if dropout:
         raise ValueError("CP attention does not implement attention dropout; set attention_dropout=0")
+    _check_attention_mask(attention_mask)
+    _check_kwargs(kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not query.dtype == key.dtype == value.dtype:  # autocast hands mixed precisions (fp32 after RoPE, bf16 values)
         device = query.device.type
@@ -167,6 +171,56 @@ _UNSUPPORTED = {
     "position_bias": "an additive position bias",
     "attention_bias": "an additive attention bias",
 }
+# keyword arguments cp_attention reads (besides query/key/value, attention_mask, dropout, scaling, is_causal)
+_HONOURED = ("sliding_window", "softcap")
+# keyword arguments that reach the attention function but do not change what it computes, with the reason
+# (docs/attention.md lists them); anything else is refused rather than silently ignored
+IGNORED = {
+    "position_ids": "positions are applied by the model (RoPE) before attention; the layout holds the documents",
+    "cu_seq_lens_q": "flash-attn packing boundaries; the CP layout holds the document boundaries",
+    "cu_seq_lens_k": "flash-attn packing boundaries; the CP layout holds the document boundaries",
+    "max_length_q": "flash-attn packing bound; the CP layout holds the document boundaries",
+    "max_length_k": "flash-attn packing bound; the CP layout holds the document boundaries",
+    "seq_idx": "packed-sequence index for state-space layers; the CP layout holds the document boundaries",
+    "cache_position": "positions of new tokens in a KV cache; cp_attention checks K/V rows against the layout",
+    "use_cache": "a model-level flag; cp_attention checks K/V rows against the layout",
+    "output_hidden_states": "a model-level output flag",
+    "output_router_logits": "a model-level output flag (MoE routers)",
+    "num_items_in_batch": "a loss normaliser passed through the model",
+    "labels": "loss inputs passed through the model",
+    "shift_labels": "loss inputs passed through the model",
+    "return_dict": "a model-level output flag",
+}
+
+
+def _check_attention_mask(attention_mask) -> None:
+    """Refuse a mask cp_attention would not honour: any 4-D mask, or a 1-D/2-D padding mask with a zero (padding).
+    A mask of all ones (no padding) adds nothing to the layout's document-causal mask and is accepted (the check
+    reads the mask on the host: pass None to avoid it)."""
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() > 2:
+        shape = tuple(attention_mask.shape) if hasattr(attention_mask, "shape") else type(attention_mask).__name__
+        raise ValueError(
+            f"CP attention takes the document and causal mask from the CP layout and cannot honour a custom "
+            f"attention_mask {shape}; pass attention_mask=None"
+        )
+    if not bool(attention_mask.all()):
+        raise ValueError(
+            "attention_mask has zeros (padding or masked tokens), which CP attention cannot honour: the CP layout "
+            "says which tokens attend to which; pack whole documents without padding and pass attention_mask=None"
+        )
+
+
+def _check_kwargs(kwargs: dict) -> None:
+    if kwargs.get("output_attentions"):
+        raise ValueError("CP attention does not materialise attention weights; set output_attentions=False")
+    unknown = sorted(set(kwargs) - set(_UNSUPPORTED) - set(_HONOURED) - set(IGNORED) - {"output_attentions"})
+    if unknown:
+        raise ValueError(
+            f"CP attention got keyword argument(s) {unknown} it does not know; it cannot tell whether they change "
+            "the attention, so it refuses rather than ignore them (docs/attention.md lists the accepted ones)"
+        )
 
 
 def _masks_from_kwargs(causal: bool, kwargs: dict) -> tuple[tuple[int, int], float]:
@@ -192,4 +246,18 @@ def register(name: str = NAME) -> str:
     from transformers import AttentionInterface  # noqa: PLC0415
 
     AttentionInterface.register(name, cp_attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface  # noqa: PLC0415
+    except ImportError:  # older transformers hand the user's mask to the attention function as it is
+        return name
+    AttentionMaskInterface.register(name, padding_mask)
     return name
+
+
+def padding_mask(*args, attention_mask: Optional[torch.Tensor] = None, **kwargs) -> Optional[torch.Tensor]:
+    """transformers mask function for :data:`NAME`: the model's 2-D padding mask, unchanged when it has a zero
+    (:func:`cp_attention_forward` then refuses it), else None. Without it transformers drops the mask of an
+    attention implementation it does not know, and padding would be silently ignored."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    return attention_mask

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from attention._dist import Group
+from attention._dist import Group, count_rows_sent
 from attention.layout import CPLayout
 from attention.masks import Mask
 from attention.varlen import varlen_attention
@@ -33,6 +33,7 @@ def kv_replication(heads: int, kv_heads: int, world: int) -> int:
 def _a2a(g: Group, send: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
     """all_to_all_single over dim 0 with per-rank row counts, on the group's comm device."""
     out = send.new_empty((sum(recv_rows),) + tuple(send.shape[1:]), device=g.comm_device)
+    count_rows_sent(send, sum(send_rows) - send_rows[g.rank])  # the rows addressed to the other ranks
     dist.all_to_all_single(out, send.contiguous().to(g.comm_device), recv_rows, send_rows, group=g.group)
     return out.to(send.device)
 

@@ -209,3 +209,37 @@ def test_comm_device_follows_the_per_device_backend():
     assert comm_device("nccl", cuda) == cuda
     assert comm_device("gloo", cuda) == cpu  # gloo moves host tensors: CUDA K/V is staged
     assert comm_device("cpu:gloo", cuda) == cpu
+
+
+def _broken_flash_attn(root, message: str):
+    """A flash_attn package on ``root`` whose kernel module fails to import (like a CUDA extension built for
+    another torch)."""
+    pkg = root / "flash_attn"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "flash_attn_interface.py").write_text(f"raise ImportError({message!r})\n")
+
+
+def test_broken_flash_attn_is_logged_with_its_exception(tmp_path, monkeypatch, caplog):
+    """An installed flash-attn whose import raises: a warning carrying the exception, and the backend's refusal
+    (ValueError of get_backend) names it; a package that is not installed stays quiet (debug only)."""
+    import sys
+
+    message = "libcudart.so.12: cannot open shared object file"
+    _broken_flash_attn(tmp_path, message)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("flash_attn", "flash_attn.flash_attn_interface"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    monkeypatch.delitem(sel._LAZY, "flash_attn", raising=False)
+    with caplog.at_level(logging.DEBUG, logger="attention.backends.flash"):
+        backend = FlashAttnBackend()
+        not_installed = FlashAttn3Backend()
+    assert not backend.available() and message in backend.problem and "installed" in backend.problem
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "flash_attn.flash_attn_interface" in warnings[0].getMessage()
+    assert isinstance(warnings[0].exc_info[1], ImportError) and message in str(warnings[0].exc_info[1])
+    assert not_installed.problem == "flash_attn3 is not installed"
+    assert all(r.levelno == logging.DEBUG for r in caplog.records if "flash_attn_interface is not" in r.getMessage())
+    q = torch.zeros(4, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="import failed: ImportError: libcudart"):
+        get_backend("flash_attn", q, q)

@@ -97,3 +97,64 @@ def test_needs_context():
     model = _model(ahf.register())
     with pytest.raises(RuntimeError, match="cp_context"):
         model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+
+
+def _one_rank_inputs():
+    import attention
+
+    cu = np.array([0, 4, 11])
+    layout = attention.CPLayout.build(cu, 1)
+    ids = torch.randint(0, 61, (1, 11), generator=torch.Generator().manual_seed(2))
+    return layout, ids, torch.from_numpy(layout.position_ids(0))[None]
+
+
+def test_attention_mask_all_ones_accepted_padding_refused():
+    """A padding mask of all ones changes nothing; one with a zero (padding) raises instead of being ignored (also
+    through transformers, which drops the mask of an attention it does not know unless told); a 4-D mask raises."""
+    import attention.hf as ahf
+
+    model = _model(ahf.register())
+    layout, ids, pos = _one_rank_inputs()
+    with ahf.cp_context(layout):
+        plain = model(input_ids=ids, position_ids=pos).logits
+        ones = model(input_ids=ids, position_ids=pos, attention_mask=torch.ones_like(ids)).logits
+    assert torch.equal(plain, ones)
+    padded = torch.ones_like(ids)
+    padded[0, -2:] = 0
+    with pytest.raises(ValueError, match="attention_mask has zeros"):
+        with ahf.cp_context(layout):
+            model(input_ids=ids, position_ids=pos, attention_mask=padded)
+    q = torch.zeros(1, 4, 11, 8, dtype=torch.float64)
+    k = torch.zeros(1, 2, 11, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="custom attention_mask"):
+        with ahf.cp_context(layout):
+            mask = torch.ones(1, 1, 11, 11, dtype=torch.bool)
+            ahf.cp_attention_forward(model.model.layers[0].self_attn, q, k, k, mask)
+
+
+def test_unknown_keywords_refused_documented_ones_ignored():
+    """Keywords that reach the attention function: the documented ignored ones (docs/attention.md) are accepted
+    without changing the output; an unknown one, output_attentions=True and attention sinks raise."""
+    from pathlib import Path
+
+    import attention.hf as ahf
+
+    model = _model(ahf.register())
+    module = model.model.layers[0].self_attn
+    layout, _, pos = _one_rank_inputs()
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 4, 11, 8, generator=g, dtype=torch.float64), torch.randn(1, 2, 11, 8, generator=g).double()
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "attention.md").read_text()
+    with ahf.cp_context(layout):
+        base = ahf.cp_attention_forward(module, q, k, k, None)[0]
+        ignored = {name: None for name in ahf.IGNORED}
+        ignored.update(position_ids=pos, use_cache=False, output_attentions=False)
+        assert torch.equal(ahf.cp_attention_forward(module, q, k, k, None, **ignored)[0], base)
+        for bad, match in (
+            ({"block_indices": torch.zeros(3)}, "does not know"),
+            ({"output_attentions": True}, "attention weights"),
+            ({"s_aux": torch.zeros(4)}, "attention sinks"),
+        ):
+            with pytest.raises(ValueError, match=match):
+                ahf.cp_attention_forward(module, q, k, k, None, **bad)
+    assert all(f"`{name}`" in docs for name in ahf.IGNORED), "docs/attention.md must list every ignored keyword"

@@ -67,23 +67,26 @@ def _worker(rank, world, out_path):
     )
     ahf.register()
     model = _model(ahf.NAME)
-    keys = []
+    keys, loss = [], torch.zeros(1, dtype=torch.float64)
     for i, batch in enumerate(loader):
         step, m = sampler.step_of(i)
         assert step == 0 and batch["cp_group_key"] == tuple(sampler.cp_group(step, m))[:2]
         keys.append(batch["cp_group_key"])
         with ahf.cp_context(batch["layout"], group=groups[batch["cp_group_key"]], method="ring"):
             logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-        token_loss(logits, batch["labels"], sampler.step_loss_tokens(step)).backward()
+        part = token_loss(logits, batch["labels"], sampler.step_loss_tokens(step))
+        part.backward()
+        loss += part.detach()
     grads = [p.grad for p in model.parameters()]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = torch.cat([g.reshape(-1) for g in grads] + [loss])
     dist.all_reduce(flat)  # the loss is globally normalised: sum over the pool
     off = 0
     for g in grads:
         g.copy_(flat[off : off + g.numel()].view_as(g))
         off += g.numel()
     if rank == 0:
-        torch.save({"keys": keys, "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}, out_path)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        torch.save({"keys": keys, "grads": grads, "loss": float(flat[-1])}, out_path)
 
 
 def _reference():
@@ -99,11 +102,11 @@ def _reference():
         total = total + torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="sum")
         count += len(ids) - 1
     (total / count).backward()
-    return plan, {n: p.grad.clone() for n, p in model.named_parameters()}
+    return plan, float(total / count), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def test_dynamic_cp_training_equals_unpacked(tmp_path):
-    plan, ref = _reference()
+    plan, ref_loss, ref = _reference()
     assert plan.num_steps == 1  # one step, gradient accumulation over its slots
     sizes_per_slot = [sorted(g.ranks[1] for g in slot.groups) for slot in plan.steps[0].slots]
     assert any(1 in s for s in sizes_per_slot) and any(max(s) > 1 for s in sizes_per_slot), sizes_per_slot
@@ -112,6 +115,7 @@ def test_dynamic_cp_training_equals_unpacked(tmp_path):
     run_world(4, _worker, str(out))
     got = torch.load(out)
     assert [k for k, _ in plan.pool_view(0)[0]] == got["keys"]
+    assert abs(got["loss"] - ref_loss) <= TOL * abs(ref_loss), (got["loss"], ref_loss)
     for n, gr in ref.items():
         err = float((got["grads"][n] - gr).abs().max())
         scale = max(float(gr.abs().max()), 1e-300)

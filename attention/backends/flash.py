@@ -12,12 +12,16 @@ parameter to go to and every parameter without a default gets a value, so nothin
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import logging
 from typing import Optional
 
 import torch
 
 from attention.backends.varlen_cuda import VarlenCUDABackend, deterministic
+
+log = logging.getLogger(__name__)
 
 # our value name -> parameter names that take it, in the kernels' spellings
 ALIASES = {
@@ -102,20 +106,36 @@ _NEUTRAL = dict(
 )  # fmt: skip
 
 
-def _load(modules: tuple[str, ...], fwd_names: tuple[str, ...], bwd_names: tuple[str, ...]) -> list:
-    """Every (module, forward fn, backward fn) found, in preference order; [] when not installed or its CUDA
-    extension fails to load."""
-    found = []
+def _installed(mod_name: str) -> bool:
+    """Whether the top-level package of ``mod_name`` is installed (found on the path), without importing it."""
+    try:
+        return importlib.util.find_spec(mod_name.split(".")[0]) is not None
+    except (ImportError, ValueError):  # a broken parent package or an odd sys.modules entry
+        return True
+
+
+def _load(modules: tuple[str, ...], fwd_names: tuple[str, ...], bwd_names: tuple[str, ...]) -> tuple[list, list]:
+    """(every (module, forward fn, backward fn) found, in preference order; why each installed module failed).
+
+    A package that is not installed is skipped quietly (debug log). One that is installed but whose import raises
+    (a broken CUDA extension, a torch/ABI mismatch, a missing dependency) is logged as a warning with the exception
+    and reported in the failures, so the backend's refusal says why instead of silently falling back."""
+    found, failures = [], []
     for mod_name in modules:
+        if not _installed(mod_name):
+            log.debug("%s is not installed", mod_name)
+            continue
         try:
             mod = importlib.import_module(mod_name)
-        except Exception:  # ImportError, or a broken CUDA extension
+        except Exception as e:  # noqa: BLE001 - any import-time error of an installed kernel package is reported
+            failures.append(f"{mod_name} is installed but its import failed: {type(e).__name__}: {e}")
+            log.warning("%s is installed but its import failed; its kernels are unavailable", mod_name, exc_info=e)
             continue
         for fn_name, bn_name in zip(fwd_names, bwd_names):
             fwd, bwd = getattr(mod, fn_name, None), getattr(mod, bn_name, None)
             if fwd is not None and bwd is not None:
                 found.append((mod_name, fwd, bwd))
-    return found
+    return found, failures
 
 
 class _FlashPackageBackend(VarlenCUDABackend):
@@ -131,11 +151,13 @@ class _FlashPackageBackend(VarlenCUDABackend):
         self.problem = ""
         self._fwd_fn = self._bwd_fn = None
         self.source = ""
-        candidates = (
-            [("given", *functions)] if functions is not None else _load(self.modules, self.fwd_names, self.bwd_names)
-        )
+        failures: list = []
+        if functions is not None:
+            candidates = [("given", *functions)]
+        else:
+            candidates, failures = _load(self.modules, self.fwd_names, self.bwd_names)
         if not candidates:
-            self.problem = f"{self.name} is not installed"
+            self.problem = "; ".join(failures) if failures else f"{self.name} is not installed"
             return
         for self.source, *functions in candidates:
             self.fwd_adapter = ArgAdapter(signature_params(functions[0]), REQUIRED_FWD)

@@ -1,7 +1,9 @@
 """Backend selection: ``get_backend(name, q, k, ...)``, with the automatic choice logged once per cause.
 
 ``"auto"`` takes the first of flash-attn 3, flash-attn 2, PyTorch's fused kernel whose ``supports`` holds (device,
-dtype, head_dim, compute capability, how PyTorch was built, masks asked for), and the reference backend otherwise.
+dtype, head_dim, compute capability, how PyTorch was built, masks asked for), and the reference backend otherwise;
+the log line of the choice names every preferred kernel that refused and why (a flash-attn package that is
+installed but fails to import is also logged, with its exception, when it is first tried).
 On CUDA the reference backend materialises ``[heads, L, L]`` scores per document: it is taken only for documents up
 to :data:`REFERENCE_CUDA_MAX_LEN` tokens; longer ones raise a ValueError naming why every fused kernel refused.
 """
@@ -76,8 +78,10 @@ def get_backend(
     for cand in order:
         b = _backend(cand, q.is_cuda)
         if b.supports(q, k, window, softcap):
+            why = f" (not {'; not '.join(refused)})" if refused else ""  # the preferred kernels and why they refused
             log_once(
-                logging.INFO, f"attention backend: {b.name} for {q.dtype} on {q.device.type}" + _masks(window, softcap)
+                logging.INFO,
+                f"attention backend: {b.name} for {q.dtype} on {q.device.type}" + _masks(window, softcap) + why,
             )
             return b
         refused.append(f"{cand}: {b.why_not(q, k, window, softcap)}")
