@@ -17,6 +17,8 @@ _EXPORTS = {
     "Plan": "balancer.planning.plans",
     "plan": "balancer.planning.planner",
     "pack_step": "balancer.planning.binpack",
+    "balance_batch": "balancer.planning.batch",
+    "distributed": "balancer.distributed",
     "BalancedBatchSampler": "balancer.training.sampler",
     "PackedCollator": "balancer.training.collate",
     "Span": "balancer.training.indices",

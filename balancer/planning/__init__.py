@@ -3,6 +3,7 @@
 Modules, lower ones first: topology.py, cost.py (`CostModel`; fitting.py fits it), metrics.py (section-3 metrics and
 the 1F1B formula), predict.py (layout- and communication-aware prediction), plans.py (`Plan`; files in plan_io.py),
 units.py / steps.py / binpack.py / polish.py (the planner's stages), planner.py (`plan`), dynamic.py (dynamic CP),
+batch.py / batch_pack.py / batch_dynamic.py (`balance_batch`: one fixed post-training batch),
 exact.py (MILP optimum of one step), baseline.py (token-count packing).
 """
 
@@ -22,6 +23,8 @@ _EXPORTS = {
     "optimal_step": "balancer.planning.exact",
     "token_count_plan": "balancer.planning.baseline",
     "OVERFLOW_POLICIES": "balancer.planning.units",
+    "balance_batch": "balancer.planning.batch",
+    "pipeline_times": "balancer.planning.batch_pack",
 }
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
