@@ -24,8 +24,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from balancer.planning.binpack import pack_step
+from balancer.planning.binpack import pack_step, step_time
 from balancer.planning.cost import CostModel
+from balancer.planning.fastpack import pack_steps, step_quality
 from balancer.planning.metrics import natural_steps, step_times
 from balancer.planning.plans import Plan
 from balancer.planning.steps import (
@@ -39,6 +40,7 @@ from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, planning_units, validate_lengths
 
 ATTN_SHARE = 1 / 3  # a unit is attention-heavy when attention is at least this share of its cost
+FAST_ENOUGH = 1.01  # a step keeps its batched packing when its time is within this factor of its lower bound
 
 __all__ = ["plan", "pack_step", "step_token_targets", "validate_lengths", "OVERFLOW_POLICIES"]
 
@@ -135,7 +137,11 @@ def _pack_epoch(
     rng: np.random.Generator,
     progress: bool = False,
 ) -> list:
-    """Cut the shuffled units into steps and pack each; returns per step (units sorted by micro-batch, sizes)."""
+    """Cut the shuffled units into steps and pack each; returns per step (units sorted by micro-batch, sizes).
+
+    Every step is first packed by the batched LPT of balancer.planning.fastpack (all steps at once); a step keeps
+    that packing when it placed every unit within FAST_ENOUGH of the step's lower bound, and is re-packed by
+    `pack_step` otherwise (or when units moved into it from the step before)."""
     nb = topology.bins_per_step
     step_of = assign_steps(u_cost, u_tok, targets, nb, rng, grouped=topology.pp > 1, attn_heavy=attn_heavy)
     key = step_of.astype(np.int16) if len(targets) < 2**15 else step_of  # 16-bit keys sort by radix
@@ -143,22 +149,53 @@ def _pack_epoch(
     bounds = np.searchsorted(step_of[by_step], np.arange(len(targets) + 1))
     groups = [by_step[bounds[s] : bounds[s + 1]] for s in range(len(targets))]
     _borrow_for_small_tail(groups, u_cost, nb)
+    for s in range(len(groups) - 1):  # trade light units between neighbours, so steps hold their token targets
+        target = float(targets[min(s, len(targets) - 1)])
+        groups[s] = _hold_step_tokens(groups[s], groups, s, target, u_tok, attn_heavy, nb)
+    flat = np.concatenate(groups)
+    ptr = np.concatenate([[0], np.cumsum([len(g) for g in groups])])
+    fast_bin = pack_steps(u_cost[flat], u_tok[flat], ptr, topology)
+    ratio, complete = step_quality(fast_bin, u_cost[flat], ptr, topology)
+    fast = [fast_bin[ptr[s] : ptr[s + 1]] if ok else None for s, ok in enumerate(complete)]
+    good = list(ratio <= FAST_ENOUGH)
+    return _settle(groups, fast, good, u_cost, u_tok, attn_heavy, targets, topology, progress)
 
+
+def _settle(
+    groups: list,
+    fast: list,
+    good: list,
+    u_cost: np.ndarray,
+    u_tok: np.ndarray,
+    attn_heavy: np.ndarray,
+    targets: np.ndarray,
+    topology: Topology,
+    progress: bool,
+) -> list:
+    """Step by step: keep the batched packing `fast[s]` where it is `good[s]` and the step's units did not change
+    (None: they did, or it left units unplaced); else pack with `pack_step` (keeping the batched packing when that
+    is faster), move what fits nowhere on to the next step (which then is re-packed
+    too) and backfill; a too-small overflow step borrows from earlier ones. Returns per step (units sorted by
+    micro-batch, sizes)."""
+    nb = topology.bins_per_step
     packed: list[tuple[np.ndarray, np.ndarray]] = []  # per step: units sorted by micro-batch, micro-batch sizes
     carry = np.zeros(0, dtype=np.int64)
     s = 0
     bar = _progress(len(groups), progress)
     while s < len(groups) or len(carry):
         units = groups[s] if s < len(groups) else np.zeros(0, dtype=np.int64)
+        unit_bin = fast[s] if s < len(fast) and not len(carry) else None
         units = np.concatenate([carry, units])
         if s == len(groups) - 1 and u_tok[units].sum() > 1.1 * targets.max() and len(units) > 2 * nb:
             groups.append(np.zeros(0, dtype=np.int64))  # the last step overflows: open one more
-        if s + 1 < len(groups):
+        if unit_bin is None and s + 1 < len(groups):
             target = float(targets[s]) if s < len(targets) else float(targets.max())
             units = _hold_step_tokens(units, groups, s, target, u_tok, attn_heavy, nb)
+            _forget(fast, s + 1)  # the next step's units may have changed
         if len(units) < nb and packed:
-            units = _reopen_last_step(packed, units, u_cost, nb)
-        unit_bin = pack_step(u_cost[units], u_tok[units], topology)
+            units, unit_bin = _reopen_last_step(packed, units, u_cost, nb), None
+        if unit_bin is None or s >= len(good) or not good[s]:
+            unit_bin = _faster(unit_bin, pack_step(u_cost[units], u_tok[units], topology), u_cost[units], topology)
         carry = units[unit_bin < 0]
         placed = units[unit_bin >= 0]
         bins = unit_bin[unit_bin >= 0]
@@ -166,6 +203,7 @@ def _pack_epoch(
             placed, bins = _backfill(
                 placed, bins, float(u_tok[carry].sum()), groups, s, u_tok, u_cost, attn_heavy, topology
             )
+            _forget(fast, s + 1)
         by_bin = np.argsort(bins * len(u_cost) + placed)  # by micro-batch, shuffled order inside (unique keys)
         packed.append((placed[by_bin], np.bincount(bins, minlength=nb)))
         s += 1
@@ -176,6 +214,18 @@ def _pack_epoch(
     if bar:
         bar.close()
     return packed
+
+
+def _faster(fast: np.ndarray | None, packed: np.ndarray, cost: np.ndarray, topology: Topology) -> np.ndarray:
+    """The faster of a step's batched packing (None: none) and `pack_step`'s (which may leave units unplaced)."""
+    if fast is None or step_time(packed, cost, topology) < step_time(fast, cost, topology):
+        return packed
+    return fast
+
+
+def _forget(fast: list, s: int) -> None:
+    if s < len(fast):
+        fast[s] = None
 
 
 def _pack_equal_rows(rows: np.ndarray, topology: Topology) -> list:

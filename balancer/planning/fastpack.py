@@ -1,0 +1,117 @@
+"""Packing every step of an epoch at once: batched LPT over padded [steps, units] arrays, so that planning does
+no Python work per step.
+
+Inside each step the units go largest first. While a step has many units left (TAIL_ROUNDS or more per
+micro-batch) they go in rounds of one per micro-batch: a round's units, largest first, to the micro-batches in
+order of their cost, least loaded first (ties spread over the replicas); a unit that would overflow its
+micro-batch's token cap goes to the least-loaded micro-batch it fits. The last units of a step go one at a
+time to the micro-batch that least raises its replica's 1F1B time `(P-1) * max_m t_m + sum_m t_m` (rounds
+would leave the last micro-batches uneven). A unit that fits nowhere stays unplaced (-1). Every operation is one
+NumPy call over all steps together: the loops run over a step's units (in rounds, then one by one), never over
+steps.
+
+The planner keeps this packing where it is within FAST_ENOUGH of the step's lower bound and re-packs the other
+steps with `pack_step` (water-filling, heavy units, pipelining, the local search), see
+balancer.planning.planner.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from balancer.planning.metrics import lower_bound, one_f_one_b, step_times
+from balancer.planning.topology import Topology
+
+TAIL_ROUNDS = 3  # a step's last this-many rounds of units go one unit at a time (rounds leave the last ones uneven)
+
+
+def pack_steps(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: Topology) -> np.ndarray:
+    """Micro-batch (replica * M + m) of every unit, for units given step by step (`ptr[s]:ptr[s + 1]` is step
+    s); -1 for a unit that fits no micro-batch of its step."""
+    nb, cap, m = topology.bins_per_step, topology.micro_batch_tokens, topology.micro_batches
+    steps = len(ptr) - 1
+    counts = np.diff(ptr)
+    step = np.repeat(np.arange(steps), counts)
+    order = np.lexsort((-cost, step))  # step by step, largest first (lexsort is stable: ties keep their order)
+    rank = np.arange(len(cost)) - ptr[step[order]]
+    width = int(counts.max()) if steps else 0
+    grid = np.full((steps, width), -1, dtype=np.int64)  # [step, rank] -> unit, -1 past the step's units
+    grid[step[order], rank] = order
+    load = np.zeros((steps, nb))
+    used = np.zeros((steps, nb), dtype=np.int64)
+    unit_bin = np.full(len(cost), -1, dtype=np.int64)
+    for first in range(0, width, nb):
+        chunk = grid[:, first : first + nb]
+        in_rounds = counts - first >= TAIL_ROUNDS * nb  # steps with many units left: a round at once
+        if in_rounds.any():
+            _round(chunk[in_rounds], np.flatnonzero(in_rounds), cost, tokens, load, used, unit_bin, cap, m)
+        rest = np.flatnonzero(~in_rounds & (counts > first))
+        for col in range(chunk.shape[1]):  # the last units of a step: one at a time, where they cost least
+            live = rest[chunk[rest, col] >= 0]
+            if len(live):
+                _greedy(chunk[live, col], live, cost, tokens, load, used, unit_bin, topology)
+    return unit_bin
+
+
+def _round(chunk, rows, cost, tokens, load, used, unit_bin, cap, m) -> None:
+    """One round: the chunk's units (largest first) to their steps' micro-batches, least loaded first; a unit that
+    overflows its micro-batch goes to the least-loaded one with room, or stays unplaced."""
+    bins = load.shape[1]
+    spread = np.broadcast_to((np.arange(bins) % m) * (bins // m) + np.arange(bins) // m, (len(rows), bins))
+    target = np.lexsort((spread, load[rows]), axis=1)[:, : chunk.shape[1]]  # ties: across replicas first
+    unit = np.maximum(chunk, 0)
+    fits = (chunk >= 0) & (np.take_along_axis(used[rows], target, axis=1) + tokens[unit] <= cap)
+    r, c = np.nonzero(fits)
+    _place(chunk[r, c], rows[r], target[r, c], cost, tokens, load, used, unit_bin)
+    misfit = (chunk >= 0) & ~fits
+    ranks = np.cumsum(misfit, axis=1) - 1
+    for k in range(int(misfit.sum(axis=1).max()) if misfit.any() else 0):
+        r, c = np.nonzero(misfit & (ranks == k))
+        units, step_rows = chunk[r, c], rows[r]
+        room = used[step_rows] + tokens[units][:, None] <= cap
+        choice = np.argmin(np.where(room, load[step_rows], np.inf), axis=1)
+        ok = room[np.arange(len(units)), choice]
+        _place(units[ok], step_rows[ok], choice[ok], cost, tokens, load, used, unit_bin)
+
+
+def _greedy(units, rows, cost, tokens, load, used, unit_bin, topology: Topology) -> None:
+    """One unit per step (`units[i]` of step `rows[i]`) to the micro-batch that least raises its replica's 1F1B
+    time `(P-1) * max_m t_m + sum_m t_m` (ties: the cheaper micro-batch), among those with room."""
+    dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
+    per_replica = load[rows].reshape(len(rows), dp, m)
+    c = cost[units][:, None]
+    largest = np.repeat(per_replica.max(axis=2), m, axis=1)
+    total = np.repeat(per_replica.sum(axis=2), m, axis=1)
+    new_time = one_f_one_b(np.maximum(largest, load[rows] + c), total, topology.pp, c)
+    new_time[used[rows] + tokens[units][:, None] > cap] = np.inf
+    best = new_time.min(axis=1, keepdims=True)
+    tied = new_time <= best * (1 + 1e-12)
+    choice = np.argmin(np.where(tied, load[rows], np.inf), axis=1)
+    ok = np.isfinite(best[:, 0])
+    _place(units[ok], rows[ok], choice[ok], cost, tokens, load, used, unit_bin)
+
+
+def _place(units, rows, bins, cost, tokens, load, used, unit_bin) -> None:
+    """Units to (step row, micro-batch) pairs, each pair at most once per call (in place)."""
+    unit_bin[units] = bins
+    load[rows, bins] += cost[units]
+    used[rows, bins] += tokens[units]
+
+
+def step_quality(
+    unit_bin: np.ndarray, cost: np.ndarray, ptr: np.ndarray, topology: Topology
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per step of a batched packing: its time over its lower bound (section-3 model, per-CP-rank cost units) and
+    whether it is complete (every unit placed, no micro-batch empty)."""
+    steps, nb = len(ptr) - 1, topology.bins_per_step
+    step = np.repeat(np.arange(steps), np.diff(ptr))
+    placed = unit_bin >= 0
+    mb = np.bincount(step[placed] * nb + unit_bin[placed], weights=cost[placed], minlength=steps * nb)
+    times = step_times(mb.reshape(steps, topology.dp, topology.micro_batches), topology)
+    work = np.bincount(step, weights=cost, minlength=steps)
+    heaviest = np.zeros(steps)
+    np.maximum.at(heaviest, step, cost)
+    bound = lower_bound(work, heaviest, topology)
+    filled = np.bincount(step[placed] * nb + unit_bin[placed], minlength=steps * nb).reshape(steps, nb) > 0
+    complete = (np.bincount(step[~placed], minlength=steps) == 0) & filled.all(axis=1)
+    return times / np.maximum(bound, 1e-300), complete
