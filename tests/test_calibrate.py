@@ -56,7 +56,8 @@ def test_calibrate_cli_writes_a_model_plan_reads(tmp_path, capsys):
     scheduling noise of a loaded machine (at 256-512 tokens a fit could put everything on the fixed and per-piece
     terms)."""
     out = tmp_path / "cost.json"
-    argv = ["calibrate", "--tokens", "1024", "4096", "--per-cell", "2", "--repeats", "1", "--cp", "1", "2"]
+    argv = ["calibrate", "--tokens", "1024", "4096", "--per-cell", "2", "--repeats", "1", "--max-repeats", "1"]
+    argv += ["--cp", "1", "2"]
     argv += ["--layout", "hybrid", "--fresh", "1", "--splits", "3"]
     assert main([*argv, "--held-out", "0.25", "-o", str(out), "--quiet"]) == 0
     captured = capsys.readouterr()
@@ -82,7 +83,7 @@ def test_calibrate_cli_writes_a_model_plan_reads(tmp_path, capsys):
     assert len(report["machine"]["loadavg_before"]) == 3 and report["machine"]["cores"] >= 1
     assert report["meets_targets"] == (not report["warnings"])
     assert ("warning: the fit misses its targets" in captured.err) == (not report["meets_targets"])
-    assert all("Remedy: raise --repeats" in w for w in report["warnings"])
+    assert all("Remedy: raise --max-repeats" in w for w in report["warnings"])
     lengths = tmp_path / "lengths.json"
     lengths.write_text(json.dumps(np.random.default_rng(0).integers(1, 500, 200).tolist()))
     plan_path = tmp_path / "plan.json"

@@ -112,7 +112,8 @@ def remedy(report: dict) -> str:
     """What to change when a fit misses, from the settings and the machine the calibration measured."""
     facts = report.get("machine", {})
     steps = [
-        f"raise --repeats (now {report.get('repeats')}) and --per-cell (now {report.get('per_cell')})",
+        f"raise --max-repeats (now {report.get('max_repeats')}, {report.get('runs_per_micro_batch', 0):.1f} runs per "
+        f"micro-batch on average) and --per-cell (now {report.get('per_cell')})",
         f"add larger --tokens budgets (now {report.get('budgets')}; the smallest micro-batches are the noisiest)",
     ]
     if facts.get("load_per_core", 0) > 0.5 or facts.get("wall_over_cpu", 1) > 1.1:

@@ -37,7 +37,7 @@ from balancer.planning.cost import CostModel
 
 log = logging.getLogger(__name__)
 __all__ = ["CLOCKS", "Calibration", "calibrate", "error_summary"]
-DEFAULTS = dict(budgets=(2048, 4096, 8192), per_cell=3, repeats=5, splits=8, fresh_per_budget=2)
+DEFAULTS = dict(budgets=(4096, 8192), per_cell=4, repeats=3, max_repeats=12, splits=8, fresh_per_budget=2)
 
 
 @dataclass
@@ -65,13 +65,15 @@ def _layouts(layouts) -> list[str]:
     return list(layouts)
 
 
-def _check(cp_sizes, budgets, repeats, held_out, split_threshold, splits, fresh_per_budget) -> None:
+def _check(cp_sizes, budgets, repeats, max_repeats, held_out, split_threshold, splits, fresh_per_budget) -> None:
     if not cp_sizes or any(int(c) != c or c < 1 for c in cp_sizes):
         raise ValueError(f"--cp must list positive CP sizes, got {list(cp_sizes)}")
     if not budgets or any(int(b) != b or b < 16 for b in budgets):
         raise ValueError(f"--tokens must list token budgets >= 16, got {list(budgets)}")
     if int(repeats) != repeats or repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    if int(max_repeats) != max_repeats or max_repeats < repeats:
+        raise ValueError(f"--max-repeats must be an integer >= --repeats ({repeats}), got {max_repeats}")
     if not 0 < held_out < 1:
         raise ValueError(f"--held-out must be a fraction between 0 and 1, got {held_out}")
     if split_threshold is not None and split_threshold < 1:
@@ -103,6 +105,7 @@ def calibrate(
     kinds=KINDS,
     per_cell: int = DEFAULTS["per_cell"],
     repeats: int = DEFAULTS["repeats"],
+    max_repeats: int = DEFAULTS["max_repeats"],
     threads: int = 1,
     held_out: float = 0.25,
     splits: int = DEFAULTS["splits"],
@@ -115,7 +118,8 @@ def calibrate(
 ) -> Calibration:
     """Time `config`'s model (default: a tiny Llama) on `calibration_grid(budgets, kinds, per_cell)` and on
     `fresh_per_budget` fresh micro-batches per budget of `fresh_budgets(budgets)`, every CP size (CP > 1: every
-    layout), `repeats` times each (the minimum is kept: the least disturbed run), in a seeded shuffled order.
+    layout), in a seeded shuffled order: `repeats` times each, then again until the two fastest runs agree within
+    2% (`max_repeats` runs at most); the minimum is kept (the least disturbed run).
 
     The saved model is fitted (`CostModel.fit`, every term) on the grid micro-batches outside the held-out split of
     `seed`; the report gives its error on that split's held-out micro-batches, the held-out error of `splits` splits
@@ -125,7 +129,7 @@ def calibrate(
     if clock not in CLOCKS:
         raise ValueError(f"--clock must be one of {CLOCKS}, got {clock!r}")
     config = dict(TINY_LLAMA if config is None else config)
-    _check(cp_sizes, budgets, repeats, held_out, split_threshold, splits, fresh_per_budget)
+    _check(cp_sizes, budgets, repeats, max_repeats, held_out, split_threshold, splits, fresh_per_budget)
     layouts = _layouts(layouts)
     grid = calibration_grid(budgets, kinds, per_cell, seed)
     held = split_by_micro_batch(grid, held_out, seed)
@@ -143,7 +147,14 @@ def calibrate(
     # a shuffled order, so that a change of load during the run does not line up with a CP size or a budget
     order = np.random.default_rng([seed, 1]).permutation(len(jobs))
     timed = time_micro_batches(
-        config, [jobs[i] for i in order], method=method, repeats=repeats, threads=threads, progress=progress
+        config,
+        [jobs[i] for i in order],
+        method=method,
+        repeats=repeats,
+        max_repeats=max_repeats,
+        settle_on="wall" if clock == "wall" else "cpu",
+        threads=threads,
+        progress=progress,
     )
     times = [None] * len(jobs)
     for i, reps in zip(order, timed):
@@ -159,6 +170,8 @@ def calibrate(
         clock_reason=reason,
         machine=facts,
         repeats=repeats,
+        max_repeats=max_repeats,
+        runs_per_micro_batch=float(np.mean([len(s["cpu"]) for s in samples])),
         per_cell=per_cell,
         budgets=[int(b) for b in budgets],
         threads=threads,

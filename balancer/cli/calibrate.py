@@ -37,6 +37,7 @@ def cmd_calibrate(args) -> int:
         budgets=tuple(args.tokens),
         per_cell=args.per_cell,
         repeats=args.repeats,
+        max_repeats=max(args.repeats, args.max_repeats),
         threads=args.threads,
         held_out=args.held_out,
         splits=args.splits,
@@ -99,6 +100,13 @@ def register(sub) -> None:
     )
     p.add_argument(
         "--repeats", type=int, default=DEFAULTS["repeats"], help="timed runs per micro-batch (the minimum is kept)"
+    )
+    p.add_argument(
+        "--max-repeats",
+        type=int,
+        default=DEFAULTS["max_repeats"],
+        help="re-run a micro-batch until its two fastest runs agree within 2%%, at most this many runs "
+        "(raised to --repeats when below it)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument(
