@@ -1,16 +1,29 @@
-"""How fast is the planner, against the WLB-LLM style greedy, as the epoch grows?
+"""How fast is the planner, on few large steps and on many small ones, against simple greedies?
 
-dp64 x cp4, 8 micro-batches, max_tokens 32768 (a micro-batch holds 131,072 tokens), lengths resampled from the
-built-in WLB-LLM trace (max 124,913). Times one full epoch plan at 100K and 1M documents for both planners in the
-same run (best of `--repeat`), the growth 1M / 100K, and `pack_step` on one global batch of ~2,000 documents.
-Writes benchmarks/results/planner_speed.json and prints the README table.
+Two questions, each answered side by side in one run (process CPU time, best of `--repeat`; the machine is
+shared, so the load average is recorded at start and end):
+
+1. *Few large steps* (the original row): dp64 x cp4, 8 micro-batches, max_tokens 32768, lengths resampled from the
+   built-in WLB-LLM trace, 100K and 1M documents, against the WLB-LLM style greedy (benchmarks/wlb.py).
+2. *Many small steps*: 1M SFT-like documents (log-normal, median 700 tokens, sigma 0.8, clipped to 32..4,096) on
+   dp4 x cp2 x M4 x 2,048 (~17K steps) against (a) the same documents on dp64 x cp4 x M8 x 32,768 (~20 steps) and
+   (b) a per-document cost greedy (each document, in shuffled order, to the least-loaded micro-batch with room;
+   steps cut every tokens_per_step tokens). Goals: <= 0.1x the greedy, <= 3x the few-steps topology.
+
+Also `pack_step` on one step's documents (~58 SFT-like documents, dp4 x cp2 x M4, what a sampler or a
+fixed-batch trainer calls) and on one global batch of 2,000 WLB-LLM documents (dp8, M4), each against the
+`pack_step` of git revision `--ref` loaded from history in the same run (it is the "today" of issue 21).
+Writes benchmarks/results/planner_speed.json and prints the tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 import time
-import timeit
+import types
+from pathlib import Path
 
 import numpy as np
 from _common import DEFAULT_COST, write_result
@@ -19,66 +32,153 @@ from wlb import wlb_plan
 import balancer
 from balancer.data.traces import load_trace
 
+REPO = Path(__file__).resolve().parents[1]
+FEW_STEPS = balancer.Topology(dp=64, cp=4, micro_batches=8, max_tokens=32768)  # tokens_per_step: 0.85 x capacity
 
-def best_time(fn, repeat: int) -> float:
+
+def cpu_time(fn, repeat: int) -> float:
+    """Best process CPU time of `repeat` calls."""
     best = np.inf
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, time.process_time() - t0)
     return best
+
+
+def sft_like(n: int, seed: int = 1) -> np.ndarray:
+    """Log-normal SFT lengths: median 700 tokens, sigma 0.8, clipped to 32..4,096."""
+    return np.clip(np.random.default_rng(seed).lognormal(np.log(700), 0.8, n), 32, 4096).astype(np.int64)
+
+
+def cost_greedy(lengths: np.ndarray, topo: balancer.Topology, cost: balancer.CostModel, seed: int = 0) -> float:
+    """The per-document baseline: documents in shuffled order, each to the least-loaded micro-batch (by cost) of the
+    current step that has room; a step closes when its tokens reach tokens_per_step or a document fits nowhere.
+    Returns the sum of step times (section-3 model), so the baseline's result is used and checked."""
+    nb, cap = topo.bins_per_step, topo.micro_batch_tokens
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    tokens, costs = lengths[order].tolist(), cost.cost(lengths[order]).tolist()
+    load, used = np.zeros(nb), np.zeros(nb)
+    total, step_tokens = 0.0, 0
+    for t, c in zip(tokens, costs):
+        room = used + t <= cap
+        if step_tokens + t > topo.tokens_per_step or not room.any():
+            total += float(load.reshape(topo.dp, -1).sum(axis=1).max())
+            load[:], used[:], step_tokens = 0.0, 0.0, 0
+            room = used + t <= cap
+        j = int(np.argmin(np.where(room, load, np.inf)))
+        load[j] += c
+        used[j] += t
+        step_tokens += t
+    return total + float(load.reshape(topo.dp, -1).sum(axis=1).max())
+
+
+def pack_step_at(ref: str):
+    """`pack_step` as it was at git revision `ref` (its module loaded from history; helpers from today's tree)."""
+    source = subprocess.run(
+        ["git", "show", f"{ref}:balancer/planning/binpack.py"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout
+    module = types.ModuleType(f"binpack_{ref}")
+    exec(compile(source, f"{ref}:balancer/planning/binpack.py", "exec"), module.__dict__)
+    return module.pack_step
+
+
+def few_large_steps(sizes: list[int], repeat: int) -> list[dict]:
+    topo = FEW_STEPS
+    rows = []
+    for n in sizes:
+        lengths = load_trace("wlbllm", n=n, seed=1)
+        ours = cpu_time(lambda: balancer.plan(lengths, topo, DEFAULT_COST, seed=0), repeat)
+        wlb = cpu_time(lambda: wlb_plan(lengths, topo, DEFAULT_COST, seed=0), 1 if n > 200_000 else repeat)
+        m = balancer.plan(lengths, topo, DEFAULT_COST, seed=0).metrics()
+        rows.append(
+            {"documents": n, "balancer_s": ours, "wlb_s": wlb, "speedup": wlb / ours, "steps": m["steps"]}
+            | {"imbalance": m["imbalance"], "epoch_efficiency": m["epoch_efficiency"]}
+        )
+        print(f"| {n:,} | {ours:.3f} s | {wlb:.3f} s | {wlb / ours:.1f}x | {m['steps']} | {m['imbalance']:.4f} |")
+    return rows
+
+
+def many_small_steps(n: int, repeat: int) -> dict:
+    lengths = sft_like(n)
+    small = balancer.Topology(dp=4, cp=2, micro_batches=4, max_tokens=2048)
+    large = FEW_STEPS
+    out = {"documents": n, "lengths": "log-normal median 700, sigma 0.8, clipped 32..4096, seed 1"}
+    for name, topo in (("dp4xcp2xM4x2048", small), ("dp64xcp4xM8x32768", large)):
+        seconds = cpu_time(lambda: balancer.plan(lengths, topo, DEFAULT_COST, seed=0), repeat)
+        m = balancer.plan(lengths, topo, DEFAULT_COST, seed=0).metrics()
+        out[name] = {"topology": topo.to_dict(), "cpu_s": seconds, "steps": m["steps"]} | {
+            k: m[k] for k in ("imbalance", "epoch_efficiency", "worst_step")
+        }
+    t0 = time.process_time()
+    greedy_total = cost_greedy(lengths, small, DEFAULT_COST)
+    out["greedy_cpu_s"] = time.process_time() - t0
+    bound = balancer.plan(lengths, small, DEFAULT_COST, seed=0).metrics()["lower_bound_epoch"]  # plan-independent
+    out["greedy_epoch_efficiency"] = bound / (greedy_total / small.cp)
+    ours = out["dp4xcp2xM4x2048"]["cpu_s"]
+    out["vs_greedy"] = ours / out["greedy_cpu_s"]
+    out["vs_few_steps"] = ours / out["dp64xcp4xM8x32768"]["cpu_s"]
+    out["goals"] = {"<=0.1x_greedy": out["vs_greedy"] <= 0.1, "<=3x_few_steps": out["vs_few_steps"] <= 3}
+    return out
+
+
+def pack_step_rows(ref: str) -> list[dict]:
+    cases = []
+    docs = sft_like(58, seed=3)
+    cases.append(
+        (
+            "58 SFT-like documents, dp4 x cp2 x M4 x 2048",
+            docs,
+            balancer.Topology(dp=4, cp=2, micro_batches=4, max_tokens=2048),
+        )
+    )
+    batch = load_trace("wlbllm", n=2000, seed=2)
+    cases.append(
+        (
+            "2,000 WLB-LLM documents, dp8 x M4 x 262144",
+            batch,
+            balancer.Topology(dp=8, micro_batches=4, max_tokens=262144),
+        )
+    )
+    old = pack_step_at(ref)
+    rows = []
+    for name, lengths, topo in cases:
+        c = DEFAULT_COST.cost(lengths)
+        number = 20
+        now = cpu_time(lambda: [balancer.pack_step(c, lengths, topo) for _ in range(number)], 5) / number
+        before = cpu_time(lambda: [old(c, lengths, topo) for _ in range(number)], 5) / number
+        rows.append({"case": name, "ms": now * 1e3, "ms_at_ref": before * 1e3, "ratio": now / before})
+        print(f"pack_step, {name}: {now * 1e3:.2f} ms (at {ref}: {before * 1e3:.2f} ms)")
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", type=int, nargs="+", default=[100_000, 1_000_000])
+    ap.add_argument("--sft-documents", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--ref", default="7152d1d", help="git revision whose pack_step is timed alongside today's")
     args = ap.parse_args()
-    topo = balancer.Topology(
-        dp=64, cp=4, micro_batches=8, max_tokens=32768, tokens_per_step=int(0.85 * 64 * 4 * 8 * 32768)
-    )
-    rows = []
-    for n in args.sizes:
-        lengths = load_trace("wlbllm", n=n, seed=1)
-        ours = best_time(lambda: balancer.plan(lengths, topo, DEFAULT_COST, seed=0), args.repeat)
-        wlb = best_time(lambda: wlb_plan(lengths, topo, DEFAULT_COST, seed=0), 1 if n > 200_000 else args.repeat)
-        m = balancer.plan(lengths, topo, DEFAULT_COST, seed=0).metrics()
-        rows.append(
-            {
-                "documents": n,
-                "balancer_s": ours,
-                "wlb_s": wlb,
-                "speedup": wlb / ours,
-                "steps": m["steps"],
-                "imbalance": m["imbalance"],
-            }
-        )
-        print(
-            f"| {n:,} | {ours:.3f} s | {wlb:.3f} s | {wlb / ours:.1f}x | {m['steps']} | {m['imbalance']:.4f} |",
-            flush=True,
-        )
+    rows = few_large_steps(args.sizes, args.repeat)
     growth = rows[-1]["balancer_s"] / rows[0]["balancer_s"] if len(rows) > 1 else None
     size_ratio = rows[-1]["documents"] / rows[0]["documents"] if len(rows) > 1 else None
-    step_topo = balancer.Topology(dp=8, micro_batches=4, max_tokens=262144)
-    batch = load_trace("wlbllm", n=2000, seed=2)
-    c = DEFAULT_COST.cost(batch)
-    step_ms = min(timeit.repeat(lambda: balancer.pack_step(c, batch, step_topo), number=1, repeat=20)) * 1e3
-    print(
-        f"\ngrowth {size_ratio:.0f}x documents -> {growth:.1f}x time; one global batch of 2,000 documents "
-        f"(dp8, M4): {step_ms:.1f} ms"
-    )
+    many = many_small_steps(args.sft_documents, args.repeat)
+    print({k: v for k, v in many.items() if not isinstance(v, dict)})
+    steps = pack_step_rows(args.ref)
     path = write_result(
         "planner_speed",
         {
-            "topology": topo.to_dict(),
+            "topology": FEW_STEPS.to_dict(),
             "rows": rows,
             "growth": growth,
             "size_ratio": size_ratio,
-            "global_batch_2000_ms": step_ms,
+            "many_small_steps": many,
+            "pack_step": steps,
+            "pack_step_ref": args.ref,
         },
-        clock="wall",
+        clock="process_cpu",
     )
-    print(f"wrote {path}")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -271,3 +271,53 @@ def test_fixed_length_rows_with_default_flags_on_the_cli(tmp_path):
             assert "Traceback" not in r.stderr
         else:
             assert balancer.Plan.load(out).num_steps == 40
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances(max_docs=400), st.integers(1, 12))
+def test_batched_packing_respects_caps_and_matches_itself(inst, steps):
+    """balancer.planning.fastpack.pack_steps on many steps at once: every unit in a micro-batch of its own step or
+    unplaced (-1), caps kept, a complete step has no empty micro-batch, and one step packed alone comes out the
+    same as inside the batch (steps do not interact)."""
+    from balancer.planning.fastpack import pack_steps, step_quality
+
+    lengths, topo, _ = inst
+    lengths = np.minimum(lengths, topo.micro_batch_tokens)
+    steps = min(steps, len(lengths))
+    rng = np.random.default_rng(len(lengths))
+    cut = np.sort(rng.choice(np.arange(1, len(lengths)), steps - 1, replace=False)) if steps > 1 else []
+    ptr = np.concatenate([[0], cut, [len(lengths)]]).astype(np.int64)
+    cost = COST.cost(lengths)
+    unit_bin = pack_steps(cost, lengths, ptr, topo)
+    assert unit_bin.min() >= -1 and unit_bin.max() < topo.bins_per_step
+    times, bound, complete = step_quality(unit_bin, cost, ptr, topo)
+    assert np.all(times[complete] >= bound[complete] * (1 - 1e-9))
+    for s in range(len(ptr) - 1):
+        part = slice(ptr[s], ptr[s + 1])
+        b = unit_bin[part]
+        used = np.bincount(b[b >= 0], weights=lengths[part][b >= 0], minlength=topo.bins_per_step)
+        assert used.max() <= topo.micro_batch_tokens
+        if complete[s]:
+            assert np.all(b >= 0) and np.all(np.bincount(b, minlength=topo.bins_per_step) > 0)
+        alone = pack_steps(cost[part], lengths[part], np.array([0, ptr[s + 1] - ptr[s]]), topo)
+        assert np.array_equal(alone, b)
+
+
+def test_many_small_steps_use_the_batched_packing():
+    """SFT-like documents on a small topology (hundreds of steps): the plan is valid and close to its bound while
+    `pack_step` runs on only a few steps."""
+    import balancer.planning.planner as planner
+
+    lengths = np.clip(np.random.default_rng(0).lognormal(np.log(700), 0.8, 20_000), 32, 4096).astype(np.int64)
+    topo = Topology(dp=4, cp=2, micro_batches=4, max_tokens=2048)
+    calls = []
+    original = planner.pack_step
+    planner.pack_step = lambda *a: calls.append(1) or original(*a)
+    try:
+        p = balancer.plan(lengths, topo, COST, seed=0)
+    finally:
+        planner.pack_step = original
+    p.validate()
+    m = p.metrics()
+    assert m["steps"] > 300 and m["epoch_efficiency"] > 0.99
+    assert len(calls) < 0.05 * m["steps"]

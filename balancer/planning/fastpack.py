@@ -22,7 +22,7 @@ import numpy as np
 from balancer.planning.metrics import lower_bound, one_f_one_b, step_times
 from balancer.planning.topology import Topology
 
-TAIL_ROUNDS = 3  # a step's last this-many rounds of units go one unit at a time (rounds leave the last ones uneven)
+TAIL_ROUNDS = 2  # a step's last this-many rounds of units go one unit at a time (rounds leave the last ones uneven)
 
 
 def pack_steps(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: Topology) -> np.ndarray:
@@ -32,7 +32,9 @@ def pack_steps(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: 
     steps = len(ptr) - 1
     counts = np.diff(ptr)
     step = np.repeat(np.arange(steps), counts)
-    order = np.lexsort((-cost, step))  # step by step, largest first (lexsort is stable: ties keep their order)
+    order = np.argsort(-cost, kind="stable")  # largest first (stable: ties keep their order on every machine) ...
+    key = step[order].astype(np.int16) if steps < 2**15 else step[order]  # ... then by step (radix sort)
+    order = order[np.argsort(key, kind="stable")]
     rank = np.arange(len(cost)) - ptr[step[order]]
     width = int(counts.max()) if steps else 0
     grid = np.full((steps, width), -1, dtype=np.int64)  # [step, rank] -> unit, -1 past the step's units
@@ -78,15 +80,20 @@ def _greedy(units, rows, cost, tokens, load, used, unit_bin, topology: Topology)
     """One unit per step (`units[i]` of step `rows[i]`) to the micro-batch that least raises its replica's 1F1B
     time `(P-1) * max_m t_m + sum_m t_m` (ties: the cheaper micro-batch), among those with room."""
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
-    per_replica = load[rows].reshape(len(rows), dp, m)
-    c = cost[units][:, None]
-    largest = np.repeat(per_replica.max(axis=2), m, axis=1)
-    total = np.repeat(per_replica.sum(axis=2), m, axis=1)
-    new_time = one_f_one_b(np.maximum(largest, load[rows] + c), total, topology.pp, c)
-    new_time[used[rows] + tokens[units][:, None] > cap] = np.inf
+    every = len(rows) == len(load)  # all steps take part: views, no copies
+    step_load = load if every else load[rows]
+    room = (used if every else used[rows]) + tokens[units][:, None] <= cap
+    per_replica = step_load.reshape(len(rows), dp, m)
+    c = cost[units][:, None, None]
+    new_time = per_replica.sum(axis=2, keepdims=True) + c  # with one stage the replica time is its sum ...
+    if topology.pp > 1:  # ... with more, (P-1) times its largest micro-batch on top
+        new_time = one_f_one_b(
+            np.maximum(per_replica.max(axis=2, keepdims=True), per_replica + c), new_time, topology.pp
+        )
+    new_time = np.where(room.reshape(len(rows), dp, m), np.broadcast_to(new_time, per_replica.shape), np.inf)
+    new_time = new_time.reshape(len(rows), dp * m)
     best = new_time.min(axis=1, keepdims=True)
-    tied = new_time <= best * (1 + 1e-12)
-    choice = np.argmin(np.where(tied, load[rows], np.inf), axis=1)
+    choice = np.argmin(np.where(new_time <= best * (1 + 1e-12), step_load, np.inf), axis=1)
     ok = np.isfinite(best[:, 0])
     _place(units[ok], rows[ok], choice[ok], cost, tokens, load, used, unit_bin)
 
@@ -100,18 +107,32 @@ def _place(units, rows, bins, cost, tokens, load, used, unit_bin) -> None:
 
 def step_quality(
     unit_bin: np.ndarray, cost: np.ndarray, ptr: np.ndarray, topology: Topology
-) -> tuple[np.ndarray, np.ndarray]:
-    """Per step of a batched packing: its time over its lower bound (section-3 model, per-CP-rank cost units) and
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per step of a batched packing: its time and its lower bound (section-3 model, per-CP-rank cost units), and
     whether it is complete (every unit placed, no micro-batch empty)."""
     steps, nb = len(ptr) - 1, topology.bins_per_step
     step = np.repeat(np.arange(steps), np.diff(ptr))
     placed = unit_bin >= 0
-    mb = np.bincount(step[placed] * nb + unit_bin[placed], weights=cost[placed], minlength=steps * nb)
+    slot = step[placed] * nb + unit_bin[placed]
+    mb = np.bincount(slot, weights=cost[placed], minlength=steps * nb)
     times = step_times(mb.reshape(steps, topology.dp, topology.micro_batches), topology)
     work = np.bincount(step, weights=cost, minlength=steps)
     heaviest = np.zeros(steps)
     np.maximum.at(heaviest, step, cost)
     bound = lower_bound(work, heaviest, topology)
-    filled = np.bincount(step[placed] * nb + unit_bin[placed], minlength=steps * nb).reshape(steps, nb) > 0
+    filled = np.bincount(slot, minlength=steps * nb).reshape(steps, nb) > 0
     complete = (np.bincount(step[~placed], minlength=steps) == 0) & filled.all(axis=1)
-    return times / np.maximum(bound, 1e-300), complete
+    return times, bound, complete
+
+
+def worth_repacking(times: np.ndarray, bound: np.ndarray, complete: np.ndarray, slack: float, skip: float):
+    """Steps to re-pack: the incomplete ones, and those more than `slack` above their bound, except the least
+    excess ones whose summed excess `time - bound` stays within `skip` of the epoch's summed bound (re-packing
+    them could gain at most that share of the epoch's time)."""
+    repack = ~complete | (times > (1 + slack) * bound)
+    candidates = np.flatnonzero(repack & complete)
+    excess = times[candidates] - bound[candidates]
+    by_excess = np.argsort(excess, kind="stable")
+    skipped = candidates[by_excess[np.cumsum(excess[by_excess]) <= skip * bound.sum()]]
+    repack[skipped] = False
+    return repack

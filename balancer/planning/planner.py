@@ -26,7 +26,7 @@ import numpy as np
 
 from balancer.planning.binpack import pack_step, step_time
 from balancer.planning.cost import CostModel
-from balancer.planning.fastpack import pack_steps, step_quality
+from balancer.planning.fastpack import pack_steps, step_quality, worth_repacking
 from balancer.planning.metrics import natural_steps, step_times
 from balancer.planning.plans import Plan
 from balancer.planning.steps import (
@@ -40,7 +40,8 @@ from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, planning_units, validate_lengths
 
 ATTN_SHARE = 1 / 3  # a unit is attention-heavy when attention is at least this share of its cost
-FAST_ENOUGH = 1.01  # a step keeps its batched packing when its time is within this factor of its lower bound
+FAST_ENOUGH = 1.01  # a step keeps its batched packing when its time is within this factor of its lower bound ...
+REPACK_SKIP = 1e-3  # ... or when re-packing all steps with the least excess over their bound could gain at most this
 
 __all__ = ["plan", "pack_step", "step_token_targets", "validate_lengths", "OVERFLOW_POLICIES"]
 
@@ -140,31 +141,61 @@ def _pack_epoch(
     """Cut the shuffled units into steps and pack each; returns per step (units sorted by micro-batch, sizes).
 
     Every step is first packed by the batched LPT of balancer.planning.fastpack (all steps at once); a step keeps
-    that packing when it placed every unit within FAST_ENOUGH of the step's lower bound, and is re-packed by
-    `pack_step` otherwise (or when units moved into it from the step before)."""
+    that packing when it placed every unit within FAST_ENOUGH of the step's lower bound (or when it is among the
+    steps of least excess time that together could gain at most REPACK_SKIP of the epoch), and is re-packed by
+    `pack_step` otherwise, or when units moved into it from the step before."""
     nb = topology.bins_per_step
-    step_of = assign_steps(u_cost, u_tok, targets, nb, rng, grouped=topology.pp > 1, attn_heavy=attn_heavy)
+    groups = _cut_steps(u_cost, u_tok, attn_heavy, targets, nb, rng, grouped=topology.pp > 1)
+    flat = np.concatenate(groups)
+    ptr = np.concatenate([[0], np.cumsum([len(g) for g in groups])])
+    fast_bin = pack_steps(u_cost[flat], u_tok[flat], ptr, topology)
+    times, bound, complete = step_quality(fast_bin, u_cost[flat], ptr, topology)
+    repack = worth_repacking(times, bound, complete, FAST_ENOUGH - 1, REPACK_SKIP)
+    fast = [fast_bin[ptr[s] : ptr[s + 1]] if ok else None for s, ok in enumerate(complete)]
+    # the good steps' result, sorted by micro-batch in one go (the -1 of incomplete steps sorts first, unused)
+    step = np.repeat(np.arange(len(groups)), np.diff(ptr))
+    slot = step * (nb + 1) + fast_bin + 1
+    by_bin = flat[np.argsort(slot * len(u_cost) + flat)]  # by micro-batch, shuffled order inside (unique keys)
+    sizes = np.bincount(slot, minlength=len(groups) * (nb + 1)).reshape(len(groups), nb + 1)[:, 1:]
+    ready = [None if bad else (by_bin[ptr[s] : ptr[s + 1]], sizes[s]) for s, bad in enumerate(repack)]
+    return _settle(groups, fast, ready, u_cost, u_tok, attn_heavy, targets, topology, progress)
+
+
+def _cut_steps(
+    u_cost: np.ndarray,
+    u_tok: np.ndarray,
+    attn_heavy: np.ndarray,
+    targets: np.ndarray,
+    nb: int,
+    rng: np.random.Generator,
+    grouped: bool,
+) -> list[np.ndarray]:
+    """The units of every step (`assign_steps`), each step with at least `nb` units, then light units traded
+    between neighbours so that steps hold their token targets (`_hold_step_tokens`, only where a step is off)."""
+    step_of = assign_steps(u_cost, u_tok, targets, nb, rng, grouped=grouped, attn_heavy=attn_heavy)
     key = step_of.astype(np.int16) if len(targets) < 2**15 else step_of  # 16-bit keys sort by radix
     by_step = np.argsort(key, kind="stable")  # shuffled order kept inside a step
     bounds = np.searchsorted(step_of[by_step], np.arange(len(targets) + 1))
     groups = [by_step[bounds[s] : bounds[s + 1]] for s in range(len(targets))]
     _borrow_for_small_tail(groups, u_cost, nb)
-    for s in range(len(groups) - 1):  # trade light units between neighbours, so steps hold their token targets
+    sizes = np.array([len(g) for g in groups])
+    totals = np.zeros(len(groups))
+    totals[sizes > 0] = np.add.reduceat(u_tok[np.concatenate(groups)], (np.cumsum(sizes) - sizes)[sizes > 0])
+    touched = False  # the step before traded units with this one: its total is stale
+    for s in range(len(groups) - 1):
         target = float(targets[min(s, len(targets) - 1)])
+        if not touched and abs(totals[s] - target) <= 0.02 * target:
+            continue
+        before = groups[s + 1]
         groups[s] = _hold_step_tokens(groups[s], groups, s, target, u_tok, attn_heavy, nb)
-    flat = np.concatenate(groups)
-    ptr = np.concatenate([[0], np.cumsum([len(g) for g in groups])])
-    fast_bin = pack_steps(u_cost[flat], u_tok[flat], ptr, topology)
-    ratio, complete = step_quality(fast_bin, u_cost[flat], ptr, topology)
-    fast = [fast_bin[ptr[s] : ptr[s + 1]] if ok else None for s, ok in enumerate(complete)]
-    good = list(ratio <= FAST_ENOUGH)
-    return _settle(groups, fast, good, u_cost, u_tok, attn_heavy, targets, topology, progress)
+        touched = groups[s + 1] is not before
+    return groups
 
 
 def _settle(
     groups: list,
     fast: list,
-    good: list,
+    ready: list,
     u_cost: np.ndarray,
     u_tok: np.ndarray,
     attn_heavy: np.ndarray,
@@ -172,40 +203,19 @@ def _settle(
     topology: Topology,
     progress: bool,
 ) -> list:
-    """Step by step: keep the batched packing `fast[s]` where it is `good[s]` and the step's units did not change
-    (None: they did, or it left units unplaced); else pack with `pack_step` (keeping the batched packing when that
-    is faster), move what fits nowhere on to the next step (which then is re-packed
-    too) and backfill; a too-small overflow step borrows from earlier ones. Returns per step (units sorted by
-    micro-batch, sizes)."""
-    nb = topology.bins_per_step
+    """Step by step: take `ready[s]` (the batched packing, good enough and sorted by micro-batch) where there is one
+    and the step's units did not change; else pack with `pack_step` (keeping the batched packing `fast[s]` when
+    that is faster), move what fits nowhere on to the next step (which then is re-packed too) and backfill; a
+    too-small overflow step borrows from earlier ones. Returns per step (units sorted by micro-batch, sizes)."""
     packed: list[tuple[np.ndarray, np.ndarray]] = []  # per step: units sorted by micro-batch, micro-batch sizes
     carry = np.zeros(0, dtype=np.int64)
     s = 0
     bar = _progress(len(groups), progress)
     while s < len(groups) or len(carry):
-        units = groups[s] if s < len(groups) else np.zeros(0, dtype=np.int64)
-        unit_bin = fast[s] if s < len(fast) and not len(carry) else None
-        units = np.concatenate([carry, units])
-        if s == len(groups) - 1 and u_tok[units].sum() > 1.1 * targets.max() and len(units) > 2 * nb:
-            groups.append(np.zeros(0, dtype=np.int64))  # the last step overflows: open one more
-        if unit_bin is None and s + 1 < len(groups):
-            target = float(targets[s]) if s < len(targets) else float(targets.max())
-            units = _hold_step_tokens(units, groups, s, target, u_tok, attn_heavy, nb)
-            _forget(fast, s + 1)  # the next step's units may have changed
-        if len(units) < nb and packed:
-            units, unit_bin = _reopen_last_step(packed, units, u_cost, nb), None
-        if unit_bin is None or s >= len(good) or not good[s]:
-            unit_bin = _faster(unit_bin, pack_step(u_cost[units], u_tok[units], topology), u_cost[units], topology)
-        carry = units[unit_bin < 0]
-        placed = units[unit_bin >= 0]
-        bins = unit_bin[unit_bin >= 0]
-        if len(carry) and s + 1 < len(groups):
-            placed, bins = _backfill(
-                placed, bins, float(u_tok[carry].sum()), groups, s, u_tok, u_cost, attn_heavy, topology
-            )
-            _forget(fast, s + 1)
-        by_bin = np.argsort(bins * len(u_cost) + placed)  # by micro-batch, shuffled order inside (unique keys)
-        packed.append((placed[by_bin], np.bincount(bins, minlength=nb)))
+        if not len(carry) and s < len(ready) and ready[s] is not None and s + 1 < len(groups):
+            packed.append(ready[s])  # the common case: nothing moved in, the batched packing is good
+        else:
+            carry = _settle_step(s, carry, groups, fast, ready, packed, u_cost, u_tok, attn_heavy, targets, topology)
         s += 1
         if bar:
             bar.update(1)
@@ -216,6 +226,36 @@ def _settle(
     return packed
 
 
+def _settle_step(s, carry, groups, fast, ready, packed, u_cost, u_tok, attn_heavy, targets, topology) -> np.ndarray:
+    """Pack step `s` (with the units `carry` moved in from the step before) onto `packed`; returns the units that
+    move on to the next step."""
+    nb = topology.bins_per_step
+    units = groups[s] if s < len(groups) else np.zeros(0, dtype=np.int64)
+    unit_bin = fast[s] if s < len(fast) and not len(carry) else None
+    units = np.concatenate([carry, units])
+    if s == len(groups) - 1 and u_tok[units].sum() > 1.1 * targets.max() and len(units) > 2 * nb:
+        groups.append(np.zeros(0, dtype=np.int64))  # the last step overflows: open one more
+    if unit_bin is None and s + 1 < len(groups):
+        target = float(targets[s]) if s < len(targets) else float(targets.max())
+        units = _hold_step_tokens(units, groups, s, target, u_tok, attn_heavy, nb)
+        _forget(fast, ready, s + 1)  # the next step's units may have changed
+    if len(units) < nb and packed:
+        units, unit_bin = _reopen_last_step(packed, units, u_cost, nb), None
+    if unit_bin is None or s >= len(ready) or ready[s] is None:
+        unit_bin = _faster(unit_bin, pack_step(u_cost[units], u_tok[units], topology), u_cost[units], topology)
+    carry = units[unit_bin < 0]
+    placed = units[unit_bin >= 0]
+    bins = unit_bin[unit_bin >= 0]
+    if len(carry) and s + 1 < len(groups):
+        placed, bins = _backfill(
+            placed, bins, float(u_tok[carry].sum()), groups, s, u_tok, u_cost, attn_heavy, topology
+        )
+        _forget(fast, ready, s + 1)
+    by_bin = np.argsort(bins * len(u_cost) + placed)  # by micro-batch, shuffled order inside (unique keys)
+    packed.append((placed[by_bin], np.bincount(bins, minlength=nb)))
+    return carry
+
+
 def _faster(fast: np.ndarray | None, packed: np.ndarray, cost: np.ndarray, topology: Topology) -> np.ndarray:
     """The faster of a step's batched packing (None: none) and `pack_step`'s (which may leave units unplaced)."""
     if fast is None or step_time(packed, cost, topology) < step_time(fast, cost, topology):
@@ -223,9 +263,10 @@ def _faster(fast: np.ndarray | None, packed: np.ndarray, cost: np.ndarray, topol
     return fast
 
 
-def _forget(fast: list, s: int) -> None:
+def _forget(fast: list, ready: list, s: int) -> None:
+    """Step `s`'s units changed: its batched packing no longer applies."""
     if s < len(fast):
-        fast[s] = None
+        fast[s] = ready[s] = None
 
 
 def _pack_equal_rows(rows: np.ndarray, topology: Topology) -> list:
