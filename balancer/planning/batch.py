@@ -173,8 +173,8 @@ def balance_static(lengths: np.ndarray, topology: Topology, cost: CostModel, gro
 
 def _pack_by_ranks(g_cost, g_tok, u_group, u_cost, u_tok, g_perm, topology: Topology, options):
     """Rank rules: the groups go to `mini_batches * dp` (step, rank) bins at once (one balanced assignment, so
-    every step's ranks are even, not only every step's work), the bins are dealt to the steps, and each rank's
-    documents are packed into its micro-batches. Returns (units per step, micro-batch per unit) or None.
+    every step's ranks are even, not only every step's work), the bins are dealt to the steps (`_deal_bins`), and
+    each rank's documents are packed into its micro-batches. Returns (units per step, micro-batch per unit) or None.
 
     `equal_counts` asks for equal counts only among the ranks of one step: when the joint assignment cannot make
     all `mini_batches * dp` bins equal, the mini-batches are split first and each step's groups assigned alone."""
@@ -223,12 +223,10 @@ def _assign(members, g_cost, g_tok, g_count, g_perm, ranks: Topology, options) -
 
 
 def _deal_bins(load: np.ndarray, k: int, dp: int) -> np.ndarray:
-    """[k, dp] the (step, rank) bins dealt to the steps heaviest first in snake order (even work per step)."""
-    out = np.empty((k, dp), dtype=np.int64)
-    for i, b in enumerate(np.argsort(-load, kind="stable")):
-        rnd, pos = divmod(i, k)
-        out[pos if rnd % 2 == 0 else k - 1 - pos, rnd] = b
-    return out
+    """[k, dp] the (step, rank) bins dealt to the steps in order of load, `dp` consecutive bins per step: a step
+    waits for its slowest rank, so bins of like load share a step (this minimises the sum over the steps of their
+    slowest bin; the steps' work differs only as much as the balanced bins do)."""
+    return np.argsort(-load, kind="stable").reshape(k, dp)
 
 
 def _seeded(units: np.ndarray, u_group: np.ndarray, g_perm: np.ndarray) -> np.ndarray:

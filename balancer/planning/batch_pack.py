@@ -134,16 +134,27 @@ def _equal_count_lpt(cost, tokens, count, dp: int, rank_cap: int) -> np.ndarray 
 
 
 def _improve(rep, cost, tokens, count, dp: int, rank_cap: int, same_count: bool, keep_items: int) -> None:
-    """Local search on the ranks' summed cost (in place): the best move (not with `same_count`) or swap of an item
-    of the slowest rank with another rank, while it lowers the larger of the two ranks' loads; ranks keep at least
-    `keep_items` items and stay within `rank_cap` tokens."""
+    """Local search on the ranks' summed cost (in place), from both ends: lower the slowest rank (moves and swaps),
+    then raise the fastest (swaps: the same search on negated costs), while either finds something. Both ends
+    matter: steps take ranks of like load, so a light rank is what sets a light step's gap to its bound."""
+    for _ in range(4):
+        lowered = _search(rep, cost, tokens, count, dp, rank_cap, same_count, keep_items, moves=not same_count)
+        raised = _search(rep, -cost, tokens, count, dp, rank_cap, same_count, keep_items, moves=False)
+        if not (lowered or raised):
+            return
+
+
+def _search(rep, cost, tokens, count, dp: int, rank_cap: int, same_count: bool, keep_items: int, moves: bool) -> int:
+    """The best move (with `moves`) or swap of an item of the rank of largest summed `cost` with another rank,
+    repeated while it lowers the larger of the two ranks' sums; ranks keep at least `keep_items` items and stay
+    within `rank_cap` tokens. Returns the number of changes (in place on `rep`)."""
     load = np.bincount(rep, weights=cost, minlength=dp)
     rtok = np.bincount(rep, weights=tokens, minlength=dp)
-    for _ in range(SWAP_ROUNDS):
+    for done in range(SWAP_ROUNDS):
         r = int(np.argmax(load))
         mine, others = np.flatnonzero(rep == r), np.flatnonzero(rep != r)
         if not len(others):
-            return
+            return done
         q = rep[others]
         delta = cost[mine][:, None] - cost[others][None, :]  # swap i (of r) with j (of q)
         dtok = tokens[mine][:, None] - tokens[others][None, :]
@@ -153,7 +164,7 @@ def _improve(rep, cost, tokens, count, dp: int, rank_cap: int, same_count: bool,
         gain = np.where(ok, load[r] - np.maximum(load[r] - delta, load[q][None, :] + delta), -np.inf)
         best = np.unravel_index(int(np.argmax(gain)), gain.shape)
         best_gain, move = float(gain[best]), None
-        if not same_count and len(mine) > keep_items:
+        if moves and len(mine) > keep_items:
             rank_tok = np.bincount(rep, weights=tokens, minlength=dp)
             move_ok = rank_tok[None, :] + tokens[mine][:, None] <= rank_cap
             move_ok[:, r] = False
@@ -163,8 +174,8 @@ def _improve(rep, cost, tokens, count, dp: int, rank_cap: int, same_count: bool,
             mv = np.unravel_index(int(np.argmax(move_gain)), move_gain.shape)
             if move_gain[mv] > best_gain:
                 best_gain, move = float(move_gain[mv]), mv
-        if best_gain <= 1e-12 * load[r]:
-            return
+        if best_gain <= 1e-12 * abs(load[r]):
+            return done
         if move is not None:
             i, dest = int(mine[move[0]]), int(move[1])
             _shift(rep, load, rtok, i, dest, cost, tokens)
@@ -173,6 +184,7 @@ def _improve(rep, cost, tokens, count, dp: int, rank_cap: int, same_count: bool,
             dest = int(rep[j])
             _shift(rep, load, rtok, i, dest, cost, tokens)
             _shift(rep, load, rtok, j, r, cost, tokens)
+    return SWAP_ROUNDS
 
 
 def _shift(rep, load, rtok, i: int, dest: int, cost, tokens) -> None:
