@@ -13,6 +13,7 @@ from balancer.calibration import calibration_grid, choose_clock, fresh_budgets, 
 from balancer.calibration.report import fit_samples, split_errors, target_misses
 from balancer.calibration.run import _fit_and_report
 from balancer.calibration.split import composition, leaked_compositions, split_by_micro_batch
+from balancer.calibration.timing import settled
 from balancer.planning.predict import micro_batch_time
 
 TRUE = CostModel(
@@ -116,3 +117,11 @@ def test_target_misses_name_the_figure():
     assert any("worst split" in m and "12.0%" in m for m in misses)
     assert any("fresh" in m and "6.0%" in m for m in misses)
     assert not target_misses({"splits": {"count": 8, "failed": 0, "median_abs_error": 0.04}})
+
+
+def test_a_micro_batch_is_settled_when_its_two_fastest_runs_agree():
+    assert not settled([(1.0, 1.0)])
+    assert settled([(9.0, 1.0), (5.0, 1.015)])  # CPU time agrees within 2%; wall is not asked
+    assert not settled([(9.0, 1.0), (5.0, 1.015)], clocks=(0, 1))
+    assert not settled([(1.0, 1.0), (1.0, 1.2), (1.0, 1.3)])
+    assert settled([(1.0, 1.3), (1.0, 1.0), (1.0, 1.2), (1.0, 1.01)])

@@ -56,7 +56,8 @@ def build_model(config: dict):
     return model.float().train()
 
 
-def _shifted_labels(ids, cu: np.ndarray):
+def shifted_labels(ids, cu: np.ndarray):
+    """Next-token labels of packed documents: each token predicts the next one of its document."""
     labels = ids.roll(-1).clone()
     labels[cu[1:] - 1] = -100  # a document's last token predicts nothing
     return labels
@@ -115,7 +116,7 @@ def _run_jobs(model, jobs: list[dict], rank: int, groups: dict, payload: dict, b
         cu = np.concatenate([[0], np.cumsum(job["lengths"])]).astype(np.int64)
         layout = CPLayout.build(cu, cp, kind=job["layout"], **job.get("options", {}))
         ids = torch.randint(0, vocab, (int(cu[-1]),), generator=torch.Generator().manual_seed(j))
-        labels = _shifted_labels(ids, cu)
+        labels = shifted_labels(ids, cu)
         args = (model, layout, rank, ids, labels, payload["method"], groups[cp])
         if j % GC_EVERY == 0:  # automatic collection is off while timing; a full collection costs ~0.1 s
             gc.collect()

@@ -95,15 +95,24 @@ def fit_cost_model(
         return np.array([fit_features(t, m, model) for t, m in zip(terms, methods)])
 
     coef = _solve(features(None), seconds, active)
-    best = _iterate(cls, coef, features, seconds, active, causal, window, overlap=not fit_comm)
+    starts = [(coef, not fit_comm)]
     if fit_comm:  # transfers that add to compute (above) or overlap it, from several starting speeds
         compute_per_token = _compute_per_moved_token(terms, coef)
         for ratio in COMM_STARTS:
             start = coef.copy()
             start[TERMS.index("comm_coef")] = ratio * compute_per_token
-            candidate = _iterate(cls, start, features, seconds, active, causal, window, overlap=True)
-            if candidate[1] < best[1]:
-                best = candidate
+            starts.append((start, True))
+    best, failure = None, None
+    for start, overlap in starts:
+        try:
+            candidate = _iterate(cls, start, features, seconds, active, causal, window, overlap=overlap)
+        except ValueError as e:  # this start ran into a degenerate solve; the others may not
+            failure = e
+            continue
+        if best is None or candidate[1] < best[1]:
+            best = candidate
+    if best is None:
+        raise failure
     return best[0]
 
 
