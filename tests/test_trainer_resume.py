@@ -92,3 +92,19 @@ def test_resume_onto_another_topology_replans_the_rest_of_the_epoch(runs, tmp_pa
     # epoch 1 = what the first run did + what the resumed run re-planned: every token once, nothing repeated
     seen = sorted(t for mb in done_in_epoch1 + resumed.order for t in mb)
     assert seen == sorted(t for r in ROWS for t in r)
+
+
+def test_resume_from_a_mid_step_sampler_state_is_refused(runs, tmp_path):
+    """A sampler state between two optimizer steps would make the loop run a different number of steps: refused,
+    naming the position and the step size."""
+    import shutil
+
+    _, _, ckpt = runs
+    edited = tmp_path / ckpt.name
+    shutil.copytree(ckpt, edited)
+    state = json.loads((edited / "balancer_sampler.json").read_text())
+    state["position"] += 1
+    (edited / "balancer_sampler.json").write_text(json.dumps(state))
+    resumed = _trainer(tmp_path)
+    with pytest.raises(ValueError, match=rf"position {state['position']} is not at a step boundary.*micro_batches = 2"):
+        resumed.train(resume_from_checkpoint=str(edited))

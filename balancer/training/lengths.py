@@ -1,10 +1,15 @@
 """Sampler inputs: document lengths from arrays, pretokenized folders, `ShardDataset`s or `datasets.Dataset`
-columns, and the lengths fingerprint a resume state is checked against."""
+columns, and the lengths fingerprint a resume state is checked against.
+
+An integer array (a memory-mapped `.npy` included) is used as it is, never copied whole: it is checked, summed and
+fingerprinted in chunks of `CHUNK` documents (`scan_lengths`)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -21,6 +26,8 @@ def resolve_lengths(lengths, dataset=None) -> tuple[np.ndarray, Optional[int]]:
             arr = np.asarray(_hf_column(dataset, src))
             if arr.dtype == object or arr.ndim != 1:  # a list column (e.g. input_ids): lengths of its rows
                 arr = np.asarray(_hf_list_lengths(dataset, src))
+        elif Path(src).suffix == ".npy" and Path(src).is_file():  # memory-mapped, never read whole
+            arr = _map_npy(Path(src))
         else:
             from balancer.data.shards.lengths import read_lengths
 
@@ -39,8 +46,8 @@ def resolve_lengths(lengths, dataset=None) -> tuple[np.ndarray, Optional[int]]:
         if dataset is None:
             dataset = src
     else:
-        arr = np.asarray(src)
-    arr = validate_lengths(arr)
+        arr = src if isinstance(src, np.ndarray) else np.asarray(src)
+    arr = arr if _plain_ints(arr) else validate_lengths(arr)
     n_ds = None
     if dataset is not None:
         n_ds = len(dataset)
@@ -71,5 +78,55 @@ def _hf_list_lengths(ds, name: str) -> np.ndarray:
     return pc.list_value_length(tbl.column(name)).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
+CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class LengthsSummary:
+    """What one pass over the lengths gives: document count, total tokens, the longest document and the
+    fingerprint a resume state is checked against."""
+
+    num_docs: int
+    total_tokens: int
+    longest: int
+    longest_doc: int
+    fingerprint: str
+
+
+def _map_npy(path: Path) -> np.ndarray:
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)
+    except Exception as exc:  # noqa: BLE001 - any unreadable file is one error naming it
+        raise ValueError(f"{path}: not a readable .npy array ({type(exc).__name__}: {exc})") from None
+
+
+def _plain_ints(arr: np.ndarray) -> bool:
+    """A 1-D signed or unsigned integer array, checked in scan_lengths without a copy (int64 or narrower)."""
+    return arr.ndim == 1 and arr.dtype.kind in "iu" and arr.dtype.itemsize <= 8 and len(arr) > 0
+
+
+def scan_lengths(lengths: np.ndarray, name: str = "lengths") -> LengthsSummary:
+    """One chunked pass: every length >= 1 (ValueError naming the first bad document), the total, the longest and
+    the fingerprint (sha256 of the int64 values, as `fingerprint_lengths`). Memory: one chunk."""
+    sha = hashlib.sha256()
+    total, longest, longest_doc = 0, -1, 0
+    for first in range(0, len(lengths), CHUNK):
+        raw = lengths[first : first + CHUNK]
+        if raw.dtype == np.uint64 and int(raw.max()) >= 1 << 63:
+            i = first + int(np.argmax(raw >= np.uint64(1 << 63)))
+            raise ValueError(f"{name}[{i}] = {int(raw[i - first])} is out of range (lengths are 1 .. 2**63-1)")
+        chunk = np.asarray(raw, dtype=np.int64)
+        low = int(chunk.min())
+        if low <= 0:
+            i = first + int(np.argmax(chunk <= 0))
+            raise ValueError(f"{name}[{i}] = {low} : document {i} has no tokens (lengths must be >= 1)")
+        top = int(chunk.argmax())
+        if int(chunk[top]) > longest:
+            longest, longest_doc = int(chunk[top]), first + top
+        total += int(chunk.sum())
+        sha.update(chunk.tobytes())
+    return LengthsSummary(len(lengths), total, longest, longest_doc, sha.hexdigest()[:32])
+
+
 def fingerprint_lengths(lengths: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:32]
+    return scan_lengths(lengths).fingerprint

@@ -1,8 +1,13 @@
 """BalancedBatchSampler: this DP rank's micro-batches of a balanced epoch plan, as a torch batch sampler.
 
-Every rank plans the same epoch (`balancer.plan(lengths, topology, cost, seed=seed + epoch)`: deterministic, no
-communication) and yields its own view: exactly `micro_batches` micro-batches per step, the same number on every rank,
-every document once per epoch over all ranks (a last partial step is planned, not cut).
+Every rank plans the same epoch, window by window (balancer.planning.window: a window is a contiguous block of
+`window_docs` documents of the epoch's seeded shuffle, planned from (seed, epoch, window index) alone:
+deterministic, no communication), and yields its own view: exactly `micro_batches` micro-batches per step, the same
+number on every rank, every document once per epoch over all ranks. With one window (`window_docs >=
+len(lengths)`) the plan is `balancer.plan(lengths, topology, cost, seed=seed + epoch)`, the whole-epoch plan. A
+window's last step may hold fewer tokens than `tokens_per_step` (the one exception to the step-size rule besides
+the epoch's last step). Only the window a rank is in is held (and the next, planned ahead on a background thread
+from the middle of the current one); lengths may be a memory-mapped array and are never copied whole.
 
     sampler = BalancedBatchSampler(lengths, topo, cost, dp_rank=r, seed=0)
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=PackedCollator(cp_rank=c, cp_size=topo.cp))
@@ -16,131 +21,60 @@ dataset refuses a Span with an error instead of silently returning the whole doc
 
 Resume contract (`state_dict` / `load_state_dict`, also the torchdata StatefulDataLoader protocol: the iterator
 returned by `iter(sampler)` has `state_dict`/`load_state_dict` too):
-  - the state holds the epoch, `position` (micro-batches of the current plan this rank has yielded), the seed, the
-    overflow policy, a fingerprint of the lengths, and the chain of plan *segments* of this epoch (topology, cost
-    model, steps consumed) - a few hundred bytes, no document lists: the consumed documents are re-derived by
-    re-planning deterministically;
+  - the state holds the epoch, the window size and the window the rank is in, `position` (micro-batches of that
+    window's plan this rank has yielded), the seed, the overflow policy, a fingerprint of the lengths, and the
+    chain of plan *segments* of that window (topology, cost model, steps consumed) - a few hundred bytes, no
+    document lists: the consumed documents are re-derived by re-planning deterministically;
   - same topology and cost model: resume at any micro-batch; the remainder is identical to an uninterrupted run;
   - a different topology (DP size, CP size, micro_batches, max_tokens, ...) or cost model: the state must sit at a
     step boundary (`position % micro_batches == 0`, what every rank has after a finished optimizer step); the
-    documents (or, for split documents, the token windows) not yet consumed are re-planned for the new topology with
-    `seed + epoch`: nothing lost, nothing repeated. A mid-step state onto a new topology is refused;
+    documents (or, for split documents, the token windows) of the window not yet consumed are re-planned for the
+    new topology, later windows are planned for it: nothing lost, nothing repeated. A mid-step state onto a new
+    topology is refused;
+  - the resumed epoch keeps the state's window size (the windows are part of the epoch's identity); later epochs
+    use the sampler's own;
   - a state from another seed, data set (lengths) or overflow policy is refused with a ValueError.
 
-`len(sampler)` is the number of micro-batches this rank yields for the current plan of the epoch (the whole epoch,
-or, after an elastic resume, the re-planned remainder); it is the same on every DP rank.
+After a resume, positions count from the start of the resumed window's (re-planned) plan: `position` and
+`len(sampler)` cover the rest of the epoch from there. `len(sampler)` is the number of micro-batches this rank
+yields (the same on every DP rank); with several windows, computing it plans every window once (one at a time: the
+time of planning the epoch, the memory of one window) - iteration itself never needs it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
 from balancer.planning.cost import CostModel
 from balancer.planning.metrics import lower_bound, one_f_one_b
-from balancer.planning.planner import plan as make_plan
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES
+from balancer.planning.window import check_window_docs, default_window_docs, globalise
 from balancer.training.indices import CPGroup, Member, Span, SpanDataset
-from balancer.training.lengths import fingerprint_lengths, resolve_lengths
-from balancer.training.sampler_state import STATE_FORMAT, check_state
+from balancer.training.lengths import resolve_lengths, scan_lengths
+from balancer.training.sampler_state import STATE_FORMAT, STATE_VERSION, check_state
+from balancer.training.segments import EpochWindows, Segment
 
 __all__ = ["BalancedBatchSampler", "Span", "SpanDataset", "Member", "CPGroup", "resolve_lengths", "STATE_FORMAT"]
 
 
-# ---------------------------------------------------------------------------------------------------- plan segments
-@dataclass
-class _Segment:
-    """One plan of (part of) an epoch: placements (doc, start, end) cut into micro-batches by mb_ptr; with dynamic
-    CP also each micro-batch's group (group_start, group_size) and the slot pointer."""
-
-    topology: Topology
-    cost: CostModel
-    doc: np.ndarray
-    start: np.ndarray
-    end: np.ndarray
-    mb_ptr: np.ndarray
-    plan: Any
-    group_start: Optional[np.ndarray] = None
-    group_size: Optional[np.ndarray] = None
-    slot_ptr: Optional[np.ndarray] = None
-
-    @property
-    def num_steps(self) -> int:
-        if self.topology.dynamic:
-            return (len(self.slot_ptr) - 1) // self.topology.micro_batches
-        return (len(self.mb_ptr) - 1) // self.topology.bins_per_step
-
-    def first_mb(self, step: int) -> int:
-        """Index of the first micro-batch of `step` (`num_steps` gives the end)."""
-        if self.topology.dynamic:
-            return int(self.slot_ptr[step * self.topology.micro_batches])
-        return step * self.topology.bins_per_step
-
-    def mb_index(self, step: int, rank: int, m: int) -> int:
-        """The micro-batch of slot `m` of `step` for `rank` (static: the DP rank; dynamic: the pool rank)."""
-        t = self.topology
-        if not t.dynamic:
-            return step * t.bins_per_step + rank * t.micro_batches + m
-        slot = step * t.micro_batches + m
-        first, last = int(self.slot_ptr[slot]), int(self.slot_ptr[slot + 1])
-        return first + int(np.searchsorted(self.group_start[first:last], rank, side="right")) - 1
-
-    def group(self, k: int, rank: int) -> CPGroup:
-        """The CP group of micro-batch `k` seen from `rank` (dynamic plans)."""
-        start = int(self.group_start[k])
-        return CPGroup(start, int(self.group_size[k]), rank - start)
-
-    def placements(self, k: int):
-        a, b = self.mb_ptr[k], self.mb_ptr[k + 1]
-        return self.doc[a:b], self.start[a:b], self.end[a:b]
-
-    def consumed_mask(self, steps: int) -> np.ndarray:
-        """Placements of the first `steps` steps."""
-        n = int(self.mb_ptr[self.first_mb(min(steps, self.num_steps))])
-        mask = np.zeros(len(self.doc), dtype=bool)
-        mask[:n] = True
-        return mask
-
-
-def _plan_units(
-    lengths: np.ndarray, u_doc, u_start, u_end, topology: Topology, cost: CostModel, seed: int, overflow: str
-) -> _Segment:
-    """Plan units (doc, start, end) - each planned as a document of end-start tokens - and map back."""
-    if len(u_doc) == 0:
-        e = np.zeros(0, dtype=np.int64)
-        groups = (e, e, np.zeros(1, dtype=np.int64)) if topology.dynamic else (None, None, None)
-        return _Segment(topology, cost, e, e, e, np.zeros(1, dtype=np.int64), None, *groups)
-    whole = (
-        (len(u_doc) == len(lengths))
-        and np.array_equal(u_doc, np.arange(len(lengths)))
-        and not np.any(u_start)
-        and np.array_equal(u_end, lengths)
-    )
-    p = make_plan(lengths if whole else (u_end - u_start), topology, cost, seed=seed, overflow=overflow)
-    groups = (p.group_start, p.group_size, p.slot_ptr)
-    if whole:
-        return _Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p, *groups)
-    doc, start, end = u_doc[p.doc], u_start[p.doc] + p.start, u_start[p.doc] + p.end
-    return _Segment(topology, cost, doc, start, end, p.mb_ptr, p, *groups)
-
-
-# ---------------------------------------------------------------------------------------------------- the sampler
 class BalancedBatchSampler(torch.utils.data.Sampler):
     """Yields this rank's micro-batches (lists of dataset indices) of the balanced plan of each epoch.
 
     Args:
-        lengths: token count per dataset item: an array/list, a pretokenized folder (or `.npy`/`.json` lengths file)
-            path, a `ShardDataset`, a `datasets.Dataset` (lengths of its `input_ids` rows), or the name of a column
-            of `dataset` (an int column of lengths, or a list column such as `input_ids`).
+        lengths: token count per dataset item: an array/list (a memory-mapped array is used in place), a
+            pretokenized folder (or `.npy` - memory-mapped - or `.json` lengths file) path, a `ShardDataset`, a
+            `datasets.Dataset` (lengths of its `input_ids` rows), or the name of a column of `dataset` (an int column
+            of lengths, or a list column such as `input_ids`).
         topology, cost: the `Topology` and `CostModel` of the run.
         dp_rank: this rank's data-parallel index. When None: from `device_mesh` (its `dp_dim` dimension) or, when
             torch.distributed is initialised, `rank // (cp * pp)` of the default group (DP outermost; the world size
             must equal `topology.world_size`); otherwise 0 when `topology.dp == 1`.
-        seed: the epoch plan is `balancer.plan(..., seed=seed + epoch)`.
+        seed: the epoch's shuffle and plans come from (seed, epoch) (one window: `balancer.plan(...,
+            seed=seed + epoch)`).
         overflow: the planner's policy for documents over `max_tokens * cp` ("error", "split", "truncate").
         dataset: the dataset the indices go to (checked to have `len(lengths)` items).
         rank: this rank's pool rank `dp_rank * cp + cp_rank` (instead of `dp_rank`). Required for dynamic CP
@@ -148,6 +82,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             CP every whole document comes as a :class:`Member` (an int) and every part as a :class:`Span`, both
             carrying the micro-batch's :class:`CPGroup`; wrap the dataset in `SpanDataset` so the items carry it
             to `PackedCollator`.
+        window_docs: documents per planning window (at least dp * micro_batches); None: the default, the documents
+            of about 64 steps and at least 65,536 (docs/windows.md); `>= len(lengths)`: the whole epoch as one window.
     """
 
     def __init__(
@@ -162,6 +98,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         device_mesh=None,
         dp_dim: str = "dp",
         rank: Optional[int] = None,
+        window_docs: Optional[int] = None,
     ) -> None:
         if not isinstance(topology, Topology):
             raise TypeError(f"topology must be a balancer.Topology, got {type(topology).__name__}")
@@ -169,71 +106,104 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             raise TypeError(f"cost must be a balancer.CostModel, got {type(cost).__name__}")
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         self.lengths, _ = resolve_lengths(lengths, dataset)
-        longest = int(self.lengths.max())
-        if topology.dynamic:
-            from balancer.planning.dynamic import check_fits
-
-            check_fits(self.lengths, topology, overflow)
-        elif overflow == "error" and longest > topology.micro_batch_tokens:
-            i = int(np.argmax(self.lengths))
-            raise ValueError(
-                f"document {i} has {longest} tokens, more than a micro-batch holds: max_tokens*cp = "
-                f"{topology.max_tokens}*{topology.cp} = {topology.micro_batch_tokens}; raise max_tokens "
-                "or cp, or pass overflow='split' or 'truncate'"
-            )
+        summary = scan_lengths(self.lengths)
+        n = summary.num_docs
+        if window_docs is None:
+            self.window_docs = default_window_docs(n, summary.total_tokens, topology)
+        else:
+            if isinstance(window_docs, bool) or not isinstance(window_docs, (int, np.integer)):
+                raise TypeError(f"window_docs must be an integer or None, got {window_docs!r}")
+            self.window_docs = n if window_docs >= n else check_window_docs(window_docs, topology)
+        self._check_fits(summary, topology, overflow)
         self.topology = topology
         self.cost = cost
         self.seed = int(seed)
         self.overflow = overflow
         self.pool_rank = _resolve_pool_rank(rank, dp_rank, topology, device_mesh, dp_dim)
         self.dp_rank = self.pool_rank // topology.cp
-        self.fingerprint = fingerprint_lengths(self.lengths)
+        self.fingerprint = summary.fingerprint
         self.epoch = 0
-        self.position = 0  # micro-batches of the current segment this rank has yielded
-        self._history: list[dict] = []  # earlier segments of this epoch: {"topology", "cost", "steps"}
-        self._segment: Optional[_Segment] = None
+        self.position = 0  # micro-batches this rank has yielded since the start of window `origin`'s plan
+        self._windows: Optional[EpochWindows] = None
+        self._epoch_setup = (self.window_docs, 0, [])  # (window_docs, origin window, history) of this epoch
+        self._cursor = (0, 0)  # (window, position at its first micro-batch) of the last yielded micro-batch
         self._resume_pending = False
+
+    def _check_fits(self, summary, topology: Topology, overflow: str) -> None:
+        if topology.dynamic:
+            from balancer.planning.dynamic import check_fits
+
+            check_fits(np.array([summary.longest]), topology, overflow)
+        elif overflow == "error" and summary.longest > topology.micro_batch_tokens:
+            raise ValueError(
+                f"document {summary.longest_doc} has {summary.longest} tokens, more than a micro-batch holds: "
+                f"max_tokens*cp = {topology.max_tokens}*{topology.cp} = {topology.micro_batch_tokens}; raise "
+                "max_tokens or cp, or pass overflow='split' or 'truncate'"
+            )
 
     # ---- plan -------------------------------------------------------------------------------------------------
     @property
-    def segment(self) -> _Segment:
-        """The current plan segment (the epoch's plan, or its re-planned remainder after an elastic resume)."""
-        if self._segment is None:
-            self._segment = self._build_segment(self._history)
-        return self._segment
+    def windows(self) -> EpochWindows:
+        """This epoch's windows (from the resumed one on, after a resume)."""
+        if self._windows is None:
+            window_docs, origin, history = self._epoch_setup
+            self._windows = EpochWindows(
+                self.lengths, self.topology, self.cost, seed=self.seed, epoch=self.epoch,
+                overflow=self.overflow, window_docs=window_docs, origin=origin, history=history,
+            )  # fmt: skip
+        return self._windows
+
+    @property
+    def num_windows(self) -> int:
+        return self.windows.count
+
+    @property
+    def segment(self) -> Segment:
+        """The plan segment of the window this rank is in."""
+        return self.windows.segment(self._cursor[0])
 
     @property
     def plan(self):
-        """The `balancer.Plan` of the current segment (None if nothing is left)."""
-        return self.segment.plan
-
-    def _build_segment(self, history: list[dict]) -> _Segment:
-        seed = self.seed + self.epoch
-        n = len(self.lengths)
-        u_doc, u_start, u_end = np.arange(n), np.zeros(n, dtype=np.int64), self.lengths.copy()
-        for h in history:
-            seg = _plan_units(self.lengths, u_doc, u_start, u_end, h["topology"], h["cost"], seed, self.overflow)
-            if h["steps"] > seg.num_steps:
-                raise ValueError(
-                    f"the state says {h['steps']} steps were consumed but that plan has only {seg.num_steps}"
-                )
-            left = ~seg.consumed_mask(h["steps"])
-            u_doc, u_start, u_end = seg.doc[left], seg.start[left], seg.end[left]
-            order = np.lexsort((u_start, u_doc))
-            u_doc, u_start, u_end = u_doc[order], u_start[order], u_end[order]
-        return _plan_units(self.lengths, u_doc, u_start, u_end, self.topology, self.cost, seed, self.overflow)
+        """The `balancer.Plan` of the window this rank is in (document ids global; None if nothing is left). With
+        several windows it places only that window's documents (see `balancer.plan_window`)."""
+        seg = self.segment
+        if seg.plan is None or seg.ids is None:
+            return seg.plan
+        return globalise(seg.plan, seg.ids, self.lengths)
 
     @property
     def num_steps(self) -> int:
-        return self.segment.num_steps
+        return self.windows.total_steps()
 
     def __len__(self) -> int:
-        return self.segment.num_steps * self.topology.micro_batches
+        return self.num_steps * self.topology.micro_batches
+
+    def epoch_num_steps(self, epoch: int) -> int:
+        """Optimizer steps of a fresh pass over `epoch` (this sampler's topology and window size); plans every window
+        of it once unless it is the epoch the sampler is in, fresh."""
+        if epoch == self.epoch and self._epoch_setup[1:] == (0, []) and self._epoch_setup[0] == self.window_docs:
+            return self.num_steps
+        return EpochWindows(
+            self.lengths, self.topology, self.cost, seed=self.seed, epoch=int(epoch), overflow=self.overflow,
+            window_docs=self.window_docs,
+        ).total_steps()  # fmt: skip
+
+    def _locate(self, step: int) -> tuple[Segment, int]:
+        """The segment and the step inside it of the `step`-th step from the origin."""
+        w, local = self.windows.locate(int(step))
+        if step < 0 or w >= self.windows.count:
+            raise IndexError(f"step {step} out of range: this plan has {self.num_steps} steps")
+        return self.windows.segment(w), local
 
     def micro_batch(self, step: int, m: int, dp_rank: Optional[int] = None, rank: Optional[int] = None) -> list:
         """Indices of micro-batch (slot) `m` of `step` for `dp_rank` or pool `rank` (default: this rank)."""
-        seg = self.segment
+        seg, local = self._locate(step)
+        return self._indices(seg, local, m, dp_rank, rank)
+
+    def _indices(self, seg: Segment, step: int, m: int, dp_rank=None, rank=None) -> list:
         if not self.topology.dynamic:
             dp = self.dp_rank if dp_rank is None else dp_rank
             if rank is not None:
@@ -256,49 +226,44 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         t = self.topology
         if not t.dynamic:
             return CPGroup(self.dp_rank * t.cp, t.cp, self.pool_rank - self.dp_rank * t.cp)
-        return self.segment.group(self.segment.mb_index(step, self.pool_rank, m), self.pool_rank)
+        seg, local = self._locate(step)
+        return seg.group(seg.mb_index(local, self.pool_rank, m), self.pool_rank)
 
     def step_of(self, index: int) -> tuple[int, int]:
-        """(step, m) of the `index`-th micro-batch this rank yields in the current segment."""
+        """(step, m) of the `index`-th micro-batch this rank yields from the origin."""
         return divmod(int(index), self.topology.micro_batches)
 
     # ---- per-step information -----------------------------------------------------------------------------------
-    def _step_slice(self, step: int) -> slice:
-        seg = self.segment
-        if not 0 <= step < seg.num_steps:
-            raise IndexError(f"step {step} out of range: this plan has {seg.num_steps} steps")
-        return slice(int(seg.mb_ptr[seg.first_mb(step)]), int(seg.mb_ptr[seg.first_mb(step + 1)]))
+    def _step_sizes(self, step: int) -> np.ndarray:
+        seg, local = self._locate(step)
+        sl = seg.step_slice(local)
+        return seg.end[sl] - seg.start[sl]
 
     def step_loss_tokens(self, step: int) -> int:
         """Global number of loss tokens of `step` (all DP ranks, all micro-batches): sum over its documents (or
         document windows) of `tokens - 1`, each document's last token having no target. Pass it to
         `balancer.loss.token_loss` as the normaliser (valid when every token is a training target; with masked
         labels, sum the collator's `num_loss_tokens` over the step instead)."""
-        sl = self._step_slice(step)
-        seg = self.segment
-        return int((seg.end[sl] - seg.start[sl] - 1).sum())
+        return int((self._step_sizes(step) - 1).sum())
 
     def step_tokens(self, step: int) -> int:
-        sl = self._step_slice(step)
-        return int((self.segment.end[sl] - self.segment.start[sl]).sum())
+        return int(self._step_sizes(step).sum())
 
     def step_num_sequences(self, step: int) -> int:
         """Documents (or windows) of `step` holding at least one loss token: the normaliser of the per-sequence
         loss (`balancer.loss.token_loss(..., reduction="sequence")`)."""
-        sl = self._step_slice(step)
-        return int(((self.segment.end[sl] - self.segment.start[sl]) > 1).sum())
+        return int((self._step_sizes(step) > 1).sum())
 
     def predicted_times(self, step: int) -> np.ndarray:
         """[dp, M] predicted time (cost-model units) of every micro-batch of `step` on one CP rank: cost / cp.
         Dynamic CP: [M] the time of this rank's group in every slot, cost / size."""
-        seg = self.segment
+        seg, local = self._locate(step)
         if seg.plan is None:
             raise IndexError("nothing left to plan in this epoch")
-        self._step_slice(step)
         if self.topology.dynamic:
-            ks = [seg.mb_index(step, self.pool_rank, m) for m in range(self.topology.micro_batches)]
+            ks = [seg.mb_index(local, self.pool_rank, m) for m in range(self.topology.micro_batches)]
             return seg.plan.micro_batch_costs()[ks] / seg.group_size[ks]
-        return seg.plan.micro_batch_costs()[step] / self.topology.cp
+        return seg.plan.micro_batch_costs()[local] / self.topology.cp
 
     def predicted_step(self, step: int) -> dict:
         """Telemetry of `step`: predicted per-replica 1F1B times (`replica_times`, [dp]), the step time (max), the
@@ -306,12 +271,11 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         t = self.topology
         mb = self.predicted_times(step)
         if t.dynamic:  # the step time needs every rank's waits: the plan's model; no per-replica times
-            rep = np.array([self.segment.plan.step_times()[step]])
+            seg, local = self._locate(step)
+            rep = np.array([seg.plan.step_times()[local]])
         else:
             rep = one_f_one_b(mb.max(axis=1), mb.sum(axis=1), t.pp)
-        sl = self._step_slice(step)
-        seg = self.segment
-        c = self.cost.cost(seg.end[sl] - seg.start[sl])
+        c = self.cost.cost(self._step_sizes(step))
         lb = float(lower_bound(c.sum(), c.max(), t, self.cost.fixed))
         return {
             "replica_times": rep,
@@ -330,33 +294,70 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         if epoch == self.epoch:
             return
         self.epoch = epoch
-        self.position = 0
-        self._history = []
-        self._segment = None
+        self._restart()
+
+    def _restart(self) -> None:
+        """A fresh pass over the current epoch with this sampler's own window size and topology."""
+        stale = self._windows is not None and self._windows.epoch != self.epoch
+        if stale or self._epoch_setup != (self.window_docs, 0, []):
+            self._windows = None
+        self._epoch_setup = (self.window_docs, 0, [])
+        self.position, self._cursor = 0, (0, 0)
         self._resume_pending = False
 
     def __iter__(self) -> _SamplerIter:
         if self._resume_pending:
             self._resume_pending = False
         else:
-            if self._history:  # a fresh pass over an epoch that was resumed elastically: whole epoch
-                self._history = []
-                self._segment = None
-            self.position = 0
+            self._restart()
         return _SamplerIter(self)
+
+    def _next_indices(self) -> list:
+        """The next micro-batch of this rank (StopIteration at the end of the epoch); plans windows as it goes."""
+        ew = self.windows
+        m_per_step = self.topology.micro_batches
+        while True:
+            w, first = self._cursor
+            if w >= ew.count:
+                raise StopIteration
+            n = ew.steps(w) * m_per_step
+            local = self.position - first
+            if local < n:
+                break
+            self._cursor = (w + 1, first + n)
+        if 2 * local >= n:
+            ew.plan_ahead(w + 1)
+        step, m = divmod(local, m_per_step)
+        out = self._indices(ew.segment(w), step, m)
+        self.position += 1
+        return out
 
     # ---- state ------------------------------------------------------------------------------------------------
     def state_dict(self, position: Optional[int] = None) -> dict:
         """The resume state. `position` overrides the micro-batches counted as consumed (default: those handed
-        out; with DataLoader workers prefetching, pass the number your loop consumed in the current plan)."""
+        out; with DataLoader workers prefetching, pass the number your loop consumed since the origin)."""
         if position is None:
             position = self.position
-        elif not 0 <= int(position) <= len(self):
-            raise ValueError(f"position {position} out of range 0..{len(self)}")
+        elif isinstance(position, bool) or not isinstance(position, (int, np.integer)) or position < 0:
+            raise ValueError(f"position must be a non-negative integer, got {position!r}")
+        ew, m_per_step = self.windows, self.topology.micro_batches
+        w, first = ew.origin, 0
+        while True:
+            n = ew.steps(w) * m_per_step
+            if position - first < n or w == ew.count - 1:
+                break
+            w, first = w + 1, first + n
+        if position - first > n:
+            raise ValueError(f"position {position} out of range 0..{first + n}")
+        here = [{"topology": self.topology.to_dict(), "cost": self.cost.to_dict(), "steps": None}]
+        past = ew.history if w == ew.origin else []
         return {
             "format": STATE_FORMAT,
+            "format_version": STATE_VERSION,
             "epoch": self.epoch,
-            "position": int(position),
+            "window_docs": ew.window_docs,
+            "window": w,
+            "position": int(position - first),
             "seed": self.seed,
             "overflow": self.overflow,
             "fingerprint": self.fingerprint,
@@ -364,21 +365,20 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             "dp_rank": self.dp_rank,
             "rank": self.pool_rank,
             "segments": [
-                {"topology": h["topology"].to_dict(), "cost": h["cost"].to_dict(), "steps": h["steps"]}
-                for h in self._history
+                {"topology": h["topology"].to_dict(), "cost": h["cost"].to_dict(), "steps": h["steps"]} for h in past
             ]
-            + [{"topology": self.topology.to_dict(), "cost": self.cost.to_dict(), "steps": None}],
+            + here,
         }
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()` output (see the module docstring for the contract); the next `iter()` yields
         the remainder of the saved epoch."""
         state = check_state(state)
-        if state["fingerprint"] != self.fingerprint or state["num_docs"] != len(self.lengths):
+        n = len(self.lengths)
+        if state["fingerprint"] != self.fingerprint or state["num_docs"] != n:
             raise ValueError(
                 f"the state is from another data set: {state['num_docs']} documents with lengths "
-                f"fingerprint {state['fingerprint']}, this sampler has {len(self.lengths)} documents "
-                f"with fingerprint {self.fingerprint}"
+                f"fingerprint {state['fingerprint']}, this sampler has {n} documents with fingerprint {self.fingerprint}"
             )
         if state["seed"] != self.seed:
             raise ValueError(f"the state is from seed {state['seed']}, this sampler has seed {self.seed}")
@@ -386,14 +386,12 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             raise ValueError(
                 f"the state is from overflow={state['overflow']!r}, this sampler has overflow={self.overflow!r}"
             )
+        window_docs = n if state["window_docs"] is None else state["window_docs"]
         segs = state["segments"]
         history = [{"topology": s["topology"], "cost": s["cost"], "steps": s["steps"]} for s in segs[:-1]]
         last_topo, last_cost = segs[-1]["topology"], segs[-1]["cost"]
         position = state["position"]
-        self.epoch = state["epoch"]
-        if last_topo == self.topology and last_cost == self.cost:
-            self._history, self.position = history, position
-        else:
+        if not (last_topo == self.topology and last_cost == self.cost):
             if position % last_topo.micro_batches:
                 raise ValueError(
                     f"the state is mid-step (micro-batch {position % last_topo.micro_batches} of step "
@@ -401,13 +399,20 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
                     f"same topology and cost model. Save at a step boundary to change the topology "
                     f"(now {self.topology})"
                 )
-            self._history = history + [
-                {"topology": last_topo, "cost": last_cost, "steps": position // last_topo.micro_batches}
-            ]
-            self.position = 0
-        self._segment = None
-        if self.position > len(self):
-            raise ValueError(f"the state's position {self.position} is past the plan's {len(self)} micro-batches")
+            history.append({"topology": last_topo, "cost": last_cost, "steps": position // last_topo.micro_batches})
+            position = 0
+        windows = EpochWindows(
+            self.lengths, self.topology, self.cost, seed=self.seed, epoch=state["epoch"], overflow=self.overflow,
+            window_docs=window_docs, origin=state["window"], history=history,
+        )  # fmt: skip
+        if position > windows.steps(state["window"]) * self.topology.micro_batches:
+            raise ValueError(
+                f"the state's position {position} is past window {state['window']}'s "
+                f"{windows.steps(state['window']) * self.topology.micro_batches} micro-batches"
+            )
+        self.epoch, self._windows = state["epoch"], windows
+        self._epoch_setup = (windows.window_docs, windows.origin, history)
+        self.position, self._cursor = position, (windows.origin, 0)
         self._resume_pending = True
 
 
@@ -421,13 +426,7 @@ class _SamplerIter:
         return self
 
     def __next__(self) -> list:
-        s = self.sampler
-        if s.position >= len(s):
-            raise StopIteration
-        step, m = divmod(s.position, s.topology.micro_batches)
-        out = s.micro_batch(step, m)
-        s.position += 1
-        return out
+        return self.sampler._next_indices()
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict()

@@ -38,7 +38,6 @@ except ImportError as exc:  # pragma: no cover - exercised without transformers 
 
 from balancer.planning.cost import CostModel
 from balancer.planning.planner import OVERFLOW_POLICIES
-from balancer.planning.planner import plan as make_plan
 from balancer.planning.topology import Topology
 from balancer.training.collate import PackedCollator
 from balancer.training.loss import token_loss
@@ -164,15 +163,8 @@ class BalancedTrainingMixin:
     def _epoch_num_steps(self, epoch: int) -> int:
         """Optimizer steps of `epoch`'s plan (plans of different seeds may differ by a step)."""
         if epoch not in self._steps_per_epoch:
-            s = self.balanced_sampler
-            if epoch == s.epoch and not s._history:
-                n = s.num_steps
-            else:
-                show = not self.args.disable_tqdm and self.is_world_process_zero()
-                logger.info("planning epoch %d to count its optimizer steps", epoch)
-                p = make_plan(s.lengths, s.topology, s.cost, seed=s.seed + epoch, overflow=s.overflow, progress=show)
-                n = p.num_steps
-            self._steps_per_epoch[epoch] = n
+            logger.info("counting the optimizer steps of epoch %d", epoch)
+            self._steps_per_epoch[epoch] = self.balanced_sampler.epoch_num_steps(epoch)
         return self._steps_per_epoch[epoch]
 
     def _planned_steps(self, first_epoch: int = 0) -> int:
@@ -212,6 +204,12 @@ class BalancedTrainingMixin:
             state = json.load(f)
         sampler = self.balanced_sampler
         sampler.load_state_dict(state)
+        if sampler.position % self.topology.micro_batches:  # the loop counts whole optimizer steps
+            raise ValueError(
+                f"{path}: the sampler state's position {sampler.position} is not at a step boundary (a multiple of "
+                f"micro_batches = {self.topology.micro_batches} micro-batches per step): the checkpoint was not "
+                "written by this trainer at the end of an optimizer step"
+            )
         if self.args.max_steps <= 0:  # what is left of this epoch (re-planned after a topology change) and the rest
             left = (len(sampler) - sampler.position) // self.topology.micro_batches
             self.state.max_steps = self.state.global_step + left + self._planned_steps(sampler.epoch + 1)

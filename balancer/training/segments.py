@@ -1,0 +1,201 @@
+"""The plan segments a `BalancedBatchSampler` walks through an epoch: one per window (balancer.planning.window),
+the first one possibly the re-planned remainder of a window after an elastic resume.
+
+`EpochWindows` plans a window when it is first needed, keeps at most the two most recent ones (the one a rank is in
+and the next, which it plans ahead on a background thread) and remembers every window's step count (one int per
+window), so nothing per document is held beyond the current windows.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from balancer.planning.cost import CostModel
+from balancer.planning.planner import plan as make_plan
+from balancer.planning.topology import Topology
+from balancer.planning.window import num_windows, window_ids, window_seed
+from balancer.training.indices import CPGroup
+
+KEEP_WINDOWS = 2  # planned windows kept in memory: the current one and the next
+
+
+@dataclass
+class Segment:
+    """One plan of (part of) a window: placements (doc, start, end) cut into micro-batches by mb_ptr; with dynamic
+    CP also each micro-batch's group (group_start, group_size) and the slot pointer. `plan` is the window's Plan in
+    window-local document ids (its costs and times are what the sampler reports)."""
+
+    topology: Topology
+    cost: CostModel
+    doc: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    mb_ptr: np.ndarray
+    plan: Any
+    group_start: Optional[np.ndarray] = None
+    group_size: Optional[np.ndarray] = None
+    slot_ptr: Optional[np.ndarray] = None
+    ids: Optional[np.ndarray] = None  # the window's global ids (local plan id -> global id); None: identity
+
+    @property
+    def num_steps(self) -> int:
+        if self.topology.dynamic:
+            return (len(self.slot_ptr) - 1) // self.topology.micro_batches
+        return (len(self.mb_ptr) - 1) // self.topology.bins_per_step
+
+    def first_mb(self, step: int) -> int:
+        """Index of the first micro-batch of `step` (`num_steps` gives the end)."""
+        if self.topology.dynamic:
+            return int(self.slot_ptr[step * self.topology.micro_batches])
+        return step * self.topology.bins_per_step
+
+    def mb_index(self, step: int, rank: int, m: int) -> int:
+        """The micro-batch of slot `m` of `step` for `rank` (static: the DP rank; dynamic: the pool rank)."""
+        t = self.topology
+        if not t.dynamic:
+            return step * t.bins_per_step + rank * t.micro_batches + m
+        slot = step * t.micro_batches + m
+        first, last = int(self.slot_ptr[slot]), int(self.slot_ptr[slot + 1])
+        return first + int(np.searchsorted(self.group_start[first:last], rank, side="right")) - 1
+
+    def group(self, k: int, rank: int) -> CPGroup:
+        """The CP group of micro-batch `k` seen from `rank` (dynamic plans)."""
+        start = int(self.group_start[k])
+        return CPGroup(start, int(self.group_size[k]), rank - start)
+
+    def placements(self, k: int):
+        a, b = self.mb_ptr[k], self.mb_ptr[k + 1]
+        return self.doc[a:b], self.start[a:b], self.end[a:b]
+
+    def step_slice(self, step: int) -> slice:
+        return slice(int(self.mb_ptr[self.first_mb(step)]), int(self.mb_ptr[self.first_mb(step + 1)]))
+
+    def consumed_mask(self, steps: int) -> np.ndarray:
+        """Placements of the first `steps` steps."""
+        n = int(self.mb_ptr[self.first_mb(min(steps, self.num_steps))])
+        mask = np.zeros(len(self.doc), dtype=bool)
+        mask[:n] = True
+        return mask
+
+
+def plan_units(u_doc, u_start, u_end, topology: Topology, cost: CostModel, seed: int, overflow: str, lengths=None):
+    """Plan units (doc, start, end) - each planned as a document of end-start tokens - and map back. `lengths`
+    instead: the units are exactly the whole documents of `lengths` (the whole-epoch plan, no remapping)."""
+    if lengths is None and len(u_doc) == 0:
+        e = np.zeros(0, dtype=np.int64)
+        groups = (e, e, np.zeros(1, dtype=np.int64)) if topology.dynamic else (None, None, None)
+        return Segment(topology, cost, e, e, e, np.zeros(1, dtype=np.int64), None, *groups)
+    p = make_plan(lengths if lengths is not None else (u_end - u_start), topology, cost, seed=seed, overflow=overflow)
+    groups = (p.group_start, p.group_size, p.slot_ptr)
+    p.natural_step = None  # per document of the window: not needed by the sampler
+    if lengths is not None:
+        return Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p, *groups)
+    doc, start, end = u_doc[p.doc], u_start[p.doc] + p.start, u_start[p.doc] + p.end
+    return Segment(topology, cost, doc, start, end, p.mb_ptr, p, *groups, ids=u_doc)
+
+
+class EpochWindows:
+    """An epoch's windows from window `origin` on, as one rank walks them: window `origin` is re-planned after the
+    segments in `history` (topology, cost, steps consumed: an elastic resume), every later window is planned for the
+    current topology. Thread-safe: the next window may be planned ahead (`plan_ahead`)."""
+
+    def __init__(
+        self, lengths, topology, cost, *, seed: int, epoch: int, overflow: str, window_docs: int, origin=0, history=()
+    ) -> None:
+        self.lengths, self.topology, self.cost = lengths, topology, cost
+        self.seed, self.epoch, self.overflow = seed, epoch, overflow
+        self.num_docs = len(lengths)
+        self.window_docs = min(int(window_docs), self.num_docs)
+        self.count = num_windows(self.num_docs, self.window_docs)
+        if not 0 <= origin < self.count:
+            raise ValueError(f"window {origin} out of range: this epoch has {self.count} windows")
+        self.origin, self.history = int(origin), list(history)
+        self._segments: dict[int, Segment] = {}
+        self._steps: dict[int, int] = {}
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._executor: Optional[ThreadPoolExecutor] = None
+
+    def __getstate__(self) -> dict:  # pickles without the thread pool and the plans (re-planned on demand)
+        state = dict(self.__dict__)
+        state.update(_segments={}, _pending={}, _lock=None, _executor=None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    # ---- planning ---------------------------------------------------------------------------------------------
+    def _build(self, w: int) -> Segment:
+        seed = window_seed(self.seed, self.epoch, w, self.count)
+        history = self.history if w == self.origin else []
+        if self.count == 1 and not history:
+            return plan_units(None, None, None, self.topology, self.cost, seed, self.overflow, lengths=self.lengths)
+        ids = window_ids(self.num_docs, self.seed, self.epoch, w, self.window_docs)
+        u_doc, u_start = ids, np.zeros(len(ids), dtype=np.int64)
+        u_end = np.asarray(self.lengths[ids], dtype=np.int64)
+        for h in history:
+            seg = plan_units(u_doc, u_start, u_end, h["topology"], h["cost"], seed, self.overflow)
+            if h["steps"] > seg.num_steps:
+                raise ValueError(
+                    f"the state says {h['steps']} steps of window {w} were consumed but that plan has only "
+                    f"{seg.num_steps}"
+                )
+            left = ~seg.consumed_mask(h["steps"])
+            u_doc, u_start, u_end = seg.doc[left], seg.start[left], seg.end[left]
+            order = np.lexsort((u_start, u_doc))
+            u_doc, u_start, u_end = u_doc[order], u_start[order], u_end[order]
+        return plan_units(u_doc, u_start, u_end, self.topology, self.cost, seed, self.overflow)
+
+    def segment(self, w: int) -> Segment:
+        """The plan segment of window `w` (planned now unless kept or planned ahead)."""
+        with self._lock:
+            seg = self._segments.get(w)
+            pending = self._pending.pop(w, None)
+        if seg is not None:
+            return seg
+        seg = pending.result() if pending is not None else self._build(w)
+        with self._lock:
+            self._segments[w] = seg
+            self._steps[w] = seg.num_steps
+            for old in sorted(self._segments)[:-KEEP_WINDOWS]:
+                if old != w:
+                    del self._segments[old]
+        return seg
+
+    def plan_ahead(self, w: int) -> None:
+        """Start planning window `w` on a background thread (no-op if out of range, kept or already pending)."""
+        if not self.origin <= w < self.count:
+            return
+        with self._lock:
+            if w in self._segments or w in self._pending:
+                return
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="balancer-window")
+            self._pending[w] = self._executor.submit(self._build, w)
+
+    def steps(self, w: int) -> int:
+        """Steps of window `w`'s segment (plans it if it was never planned: only its count is kept)."""
+        if w not in self._steps:
+            self.segment(w)
+        return self._steps[w]
+
+    def total_steps(self) -> int:
+        """Steps of windows origin.. (plans every window not planned yet, one at a time)."""
+        return sum(self.steps(w) for w in range(self.origin, self.count))
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(window, step inside it) of the `step`-th step from the origin; (count, 0) past the end."""
+        w, first = self.origin, 0
+        while w < self.count:
+            n = self.steps(w)
+            if step < first + n:
+                return w, step - first
+            first += n
+            w += 1
+        return self.count, step - first
