@@ -378,7 +378,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         if state["fingerprint"] != self.fingerprint or state["num_docs"] != n:
             raise ValueError(
                 f"the state is from another data set: {state['num_docs']} documents with lengths "
-                f"fingerprint {state['fingerprint']}, this sampler has {n} documents with fingerprint {self.fingerprint}"
+                f"fingerprint {state['fingerprint']}, this sampler has {n} documents with fingerprint "
+                f"{self.fingerprint}"
             )
         if state["seed"] != self.seed:
             raise ValueError(f"the state is from seed {state['seed']}, this sampler has seed {self.seed}")
