@@ -16,6 +16,7 @@ _EXPORTS = {
     "Topology": "balancer.planning.topology",
     "Plan": "balancer.planning.plans",
     "plan": "balancer.planning.planner",
+    "plan_window": "balancer.planning.window",
     "pack_step": "balancer.planning.binpack",
     "balance_batch": "balancer.planning.batch",
     "distributed": "balancer.distributed",

@@ -14,6 +14,7 @@ _EXPORTS = {
     "Topology": "balancer.planning.topology",
     "Plan": "balancer.planning.plans",
     "plan": "balancer.planning.planner",
+    "plan_window": "balancer.planning.window",
     "pack_step": "balancer.planning.binpack",
     "predict_plan": "balancer.planning.predict",
     "micro_batch_time": "balancer.planning.predict",

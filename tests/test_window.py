@@ -1,0 +1,178 @@
+"""Windowed planning: the epoch shuffle is a bijection, windows partition it, `plan_window` with one window is the
+whole-epoch plan, window plans place every document exactly once per epoch, every rank's sampler sees its view of
+the same window plans, and bad window sizes are refused naming the argument."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import balancer
+from balancer.planning.window import EpochShuffle, num_windows, window_ids, window_range
+from balancer.training.indices import Span
+
+COST = balancer.CostModel(attn_coef=1.0, linear_coef=50.0)
+TOPO = balancer.Topology(dp=4, cp=2, micro_batches=2, max_tokens=256, tokens_per_step=2800)
+
+
+def _lengths(n=600, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(1, 120, n)
+    x[rng.choice(n, 12, replace=False)] = rng.integers(200, 512, 12)
+    return x
+
+
+LENGTHS = _lengths()
+
+
+def _tokens(items, lengths):
+    c = Counter()
+    for i in items:
+        if isinstance(i, Span):
+            c.update((i.doc, t) for t in range(i.start, i.end))
+        else:
+            c.update((int(i), t) for t in range(int(lengths[i])))
+    return c
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 5000), st.integers(0, 2**32), st.integers(0, 50))
+def test_epoch_shuffle_is_a_bijection(n, seed, epoch):
+    ids = EpochShuffle(n, seed, epoch)(np.arange(n))
+    assert np.array_equal(np.sort(ids), np.arange(n))
+
+
+def test_epoch_shuffle_depends_on_seed_and_epoch_and_mixes():
+    n = 100_000
+    a, b, c = (EpochShuffle(n, s, e)(np.arange(n)) for s, e in [(0, 0), (1, 0), (0, 1)])
+    assert not np.array_equal(a, b) and not np.array_equal(a, c)
+    assert abs(np.corrcoef(np.arange(n), a)[0, 1]) < 0.02  # no trace of the original order
+    first = a[: n // 10]  # a window draws from the whole corpus
+    assert np.histogram(first, bins=10, range=(0, n))[0].min() > 0.8 * n // 100
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(1, 3000), st.integers(1, 3000))
+def test_windows_partition_the_shuffle(n, w):
+    k = num_windows(n, w)
+    ranges = [window_range(n, w, i) for i in range(k)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(stop - first == w for first, stop in ranges[:-1])  # every window but the last holds window_docs
+    last = ranges[-1][1] - ranges[-1][0]
+    assert k == 1 or w // 4 <= last < w + w // 4 + 1  # a small rest joins the window before
+    ids = np.concatenate([window_ids(n, 3, 1, i, w) for i in range(k)])
+    assert np.array_equal(np.sort(ids), np.arange(n))
+
+
+def test_one_window_is_the_whole_epoch_plan():
+    for epoch in (0, 3):
+        whole = balancer.plan(LENGTHS, TOPO, COST, seed=5 + epoch)
+        for w in (len(LENGTHS), 10 * len(LENGTHS)):
+            p = balancer.plan_window(LENGTHS, TOPO, COST, seed=5, epoch=epoch, index=0, window_docs=w)
+            for a in ("doc", "start", "end", "mb_ptr"):
+                assert np.array_equal(getattr(p, a), getattr(whole, a))
+        s = balancer.BalancedBatchSampler(LENGTHS, TOPO, COST, dp_rank=1, seed=5, window_docs=len(LENGTHS))
+        s.set_epoch(epoch)
+        want = [mb for step in whole.rank_view(1) for mb in step]
+        assert list(s) == want
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(0, 10_000),
+    st.sampled_from([(1, 1, 2), (2, 2, 2), (4, 1, 3), (3, 2, 1)]),
+    st.integers(20, 400),
+    st.sampled_from(["error", "split"]),
+)
+def test_window_plans_place_every_token_once(seed, shape, window_docs, overflow):
+    dp, cp, m = shape
+    lengths = _lengths(500, seed % 97)
+    if overflow == "split":
+        lengths = np.concatenate([lengths, [900, 1300]])
+    topo = balancer.Topology(dp=dp, cp=cp, micro_batches=m, max_tokens=512 // cp, tokens_per_step=dp * cp * m * 200)
+    window_docs = max(window_docs, topo.bins_per_step * 4)
+    k = num_windows(len(lengths), window_docs)
+    got = Counter()
+    for i in range(k):
+        p = balancer.plan_window(
+            lengths, topo, COST, seed=seed, epoch=2, index=i, window_docs=window_docs, overflow=overflow
+        )
+        assert p.window.index == i and p.window.num_windows == k
+        assert set(p.doc.tolist()) == set(p.window_ids.tolist())  # a window's plan holds its documents only
+        assert np.all(np.diff(p.mb_ptr) > 0) and np.all(p.micro_batch_tokens() <= topo.micro_batch_tokens)
+        for d, a, b in zip(p.doc, p.start, p.end):
+            got.update((int(d), t) for t in range(a, b))
+    assert set(got.values()) == {1} and len(got) == int(lengths.sum())
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 1000), st.integers(40, 300), st.sampled_from([(4, 2, 2), (2, 1, 3)]))
+def test_every_rank_sees_its_view_of_the_same_window_plans(seed, window_docs, shape):
+    dp, cp, m = shape
+    topo = balancer.Topology(dp=dp, cp=cp, micro_batches=m, max_tokens=512 // cp, tokens_per_step=dp * cp * m * 150)
+    samplers = [
+        balancer.BalancedBatchSampler(LENGTHS, topo, COST, dp_rank=r, seed=seed, window_docs=window_docs)
+        for r in range(dp)
+    ]
+    for s in samplers:
+        s.set_epoch(1)
+    views = [list(s) for s in samplers]
+    k = num_windows(len(LENGTHS), window_docs)
+    assert samplers[0].num_windows == k > 1
+    plans = [
+        balancer.plan_window(LENGTHS, topo, COST, seed=seed, epoch=1, index=i, window_docs=window_docs)
+        for i in range(k)
+    ]
+    for r, view in enumerate(views):
+        assert view == [mb for p in plans for step in p.rank_view(r) for mb in step]
+        assert len(view) == len(samplers[r]) == sum(p.num_steps for p in plans) * m
+    flat = sorted(int(i) for v in views for mb in v for i in mb)
+    assert flat == list(range(len(LENGTHS)))  # every document exactly once per epoch
+    again = balancer.BalancedBatchSampler(LENGTHS, topo, COST, dp_rank=0, seed=seed, window_docs=window_docs)
+    again.set_epoch(2)
+    assert list(again) != views[0]  # another epoch, another shuffle
+
+
+def test_step_information_follows_the_windows():
+    s = balancer.BalancedBatchSampler(LENGTHS, TOPO, COST, dp_rank=0, seed=1, window_docs=150)
+    assert s.num_windows == 4
+    tokens = sum(s.step_tokens(k) for k in range(s.num_steps))
+    assert tokens == int(LENGTHS.sum())
+    assert s.epoch_num_steps(0) == s.num_steps
+    with pytest.raises(IndexError):
+        s.step_tokens(s.num_steps)
+    p = s.plan  # the window this rank is in (window 0 before iterating), global ids
+    want = balancer.plan_window(LENGTHS, TOPO, COST, seed=1, epoch=0, index=0, window_docs=150)
+    assert np.array_equal(p.doc, want.doc) and np.array_equal(p.mb_ptr, want.mb_ptr)
+
+
+@pytest.mark.parametrize(
+    "value,error,match",
+    [
+        (0, ValueError, "window_docs"),
+        (-5, ValueError, "window_docs"),
+        (7, ValueError, "window_docs = 7 is below dp\\*micro_batches = 8"),
+        (True, TypeError, "window_docs"),
+        (2.5, TypeError, "window_docs"),
+        ("100", TypeError, "window_docs"),
+    ],
+)
+def test_bad_window_docs_named(value, error, match):
+    with pytest.raises(error, match=match):
+        balancer.BalancedBatchSampler(LENGTHS, TOPO, COST, dp_rank=0, window_docs=value)
+    with pytest.raises(error, match=match):
+        balancer.plan_window(LENGTHS, TOPO, COST, seed=0, epoch=0, index=0, window_docs=value)
+
+
+def test_plan_window_bad_arguments_named():
+    kw = dict(seed=0, epoch=0, index=0, window_docs=100)
+    for name, value in [("seed", -1), ("epoch", True), ("index", 1.0)]:
+        with pytest.raises((ValueError, TypeError), match=name):
+            balancer.plan_window(LENGTHS, TOPO, COST, **{**kw, name: value})
+    with pytest.raises(ValueError, match="index 6 out of range"):
+        balancer.plan_window(LENGTHS, TOPO, COST, **{**kw, "index": 6})
