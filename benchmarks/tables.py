@@ -367,7 +367,77 @@ def open_checks() -> str:
     return markdown(header, rows)
 
 
+def _machine(data: dict) -> str:
+    m = data["machine"]
+    load_start, load_end = m["load_average_start"][0], m["load_average_end"][0]
+    return f"{data['clock']} clock, {m['cpus']} cores, 1-minute load {load_start} at start and {load_end} at end"
+
+
+def window_first_batch() -> str:
+    data = load("window_planning")
+    first = data["first_micro_batch"]
+    runs = [(f"{r['window_steps']} steps", r) for r in first["windows"]] + [("default", first["default"])]
+    if "whole_epoch" in first:
+        runs.append(("whole epoch (one window)", first["whole_epoch"]))
+    rows = [
+        [name, f"{r['window_docs']:,}", f"{r['windows']:,}", f"{r['cpu_seconds']:.2f} s",
+         f"{r['peak_rss_above_lengths_mib']:,.0f} MiB"]
+        for name, r in runs
+    ]  # fmt: skip
+    table = markdown(
+        ["window", "documents per window", "windows", "CPU to first micro-batch", "peak RSS above lengths"], rows
+    )
+    scan = first["scan"]
+    return (
+        f"{table}\n\n{first['documents']:,} documents ({first['default']['lengths_mib']:,.0f} MiB of int64 "
+        f"lengths, memory-mapped); the pass over the lengths every sampler makes took {scan['cpu_seconds']:.2f} s "
+        f"({scan['ns_per_document']:.1f} ns per document). Measured in a fresh process per row: {_machine(data)}."
+    )
+
+
+def window_quality(key: str = "quality") -> str:
+    data = load("window_planning")
+    if key not in data:
+        return "(not measured in the last run of benchmarks/window_planning.py)"
+    steps = [r["window_steps"] for r in data["first_micro_batch"]["windows"]]
+    rows = []
+    for row in data[key]:
+        d = row["default"]
+        rows.append(
+            [row["distribution"], row["topology"], f"{row['documents']:,}", fmt(row["whole_epoch"], ".4f")]
+            + [fmt(row[f"steps_{s}"]["loss"], "+.4f") for s in steps]
+            + [f"{d['windows']} x {d['window_docs']:,}", fmt(d["loss"], "+.4f")]
+        )
+    header = ["distribution", "topology", "documents", "whole-epoch efficiency"] + [f"loss, {s} steps" for s in steps]
+    return markdown(header + ["default windows", "loss, default"], rows) + f"\n\nGoals: {goals_cell(data['goals'])}."
+
+
+def window_billion() -> str:
+    data = load("window_planning")
+    first = data["first_micro_batch"]
+    d, scan = first["default"], first["scan"]
+    plan_cpu = max(0.0, d["cpu_seconds"] - scan["cpu_seconds"])
+    n = 1_000_000_000
+    mem = f"{d['peak_rss_above_lengths_mib']:,.0f} MiB peak"
+    pages = f"{n * 8 / 2**30:.1f} / {n * 4 / 2**30:.1f} GiB file pages"
+    rows = [
+        ["pass over the lengths (check, sum, fingerprint)", f"{scan['ns_per_document']:.1f} s", "one 8 MiB chunk"],
+        ["plan the first window (same window size as at 30M)", f"{plan_cpu:.1f} s", mem],
+        ["lengths (int64 / int32 .npy, memory-mapped, shared page cache)", "-", pages],
+        ["step count per window (for len and positions)", "-", f"{n // d['window_docs'] + 1:,} ints"],
+    ]  # fmt: skip
+    total = scan["ns_per_document"] * n / 1e9 + plan_cpu
+    return markdown(["per rank, 1B documents", "CPU", "memory"], rows) + (
+        f"\n\nAbout {total:.0f} s of CPU before the first micro-batch, scaled from the 30M measurement above "
+        "(the pass over the lengths grows with the corpus, the window's plan does not)."
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "window_first_batch": window_first_batch,
+    "window_quality": window_quality,
+    "window_quality_scaled": lambda: window_quality("quality_scaled"),
+    "window_billion": window_billion,
     "dynamic_cp": dynamic_cp,
     "dynamic_cp_communication": dynamic_cp_communication,
     "hybrid_layout": hybrid_layout,

@@ -176,3 +176,50 @@ def test_plan_window_bad_arguments_named():
             balancer.plan_window(LENGTHS, TOPO, COST, **{**kw, name: value})
     with pytest.raises(ValueError, match="index 6 out of range"):
         balancer.plan_window(LENGTHS, TOPO, COST, **{**kw, "index": 6})
+
+
+def test_cli_writes_one_window(tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "lengths.npy"
+    np.save(src, LENGTHS)
+    out = tmp_path / "w1.json"
+    base = [sys.executable, "-m", "balancer", "plan", str(src), "--dp", "4", "--cp", "2", "--micro-batches", "2"]
+    run = subprocess.run([*base, "--max-tokens", "256", "--tokens-per-step", "2800", "--window-docs", "150",
+                          "--window-index", "1", "--epoch", "2", "--seed", "3", "-o", str(out), "--no-baseline"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "window 1 of 4 (epoch 2, seed 3)" in run.stderr
+    got = balancer.Plan.load(out, validate=False)
+    cli_cost = balancer.CostModel(attn_coef=2 / 53000, linear_coef=1.0)  # the CLI default
+    want = balancer.plan_window(LENGTHS, TOPO, cli_cost, seed=3, epoch=2, index=1, window_docs=150)
+    assert np.array_equal(got.doc, want.doc) and np.array_equal(got.mb_ptr, want.mb_ptr)
+    for extra, message in [
+        (["--window-docs", "150"], "--window-docs and --window-index go together"),
+        (["--window-docs", "150", "--window-index", "9"], "--window-index 9: 600 documents in windows of"),
+        (["--window-docs", "3", "--window-index", "0"], "--window-docs = 3 is below dp\\*micro_batches"),
+    ]:
+        bad = subprocess.run([*base, "--max-tokens", "256", *extra, "-o", str(out)], capture_output=True, text=True)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        assert __import__("re").search(message, bad.stderr), bad.stderr
+
+
+def test_dynamic_cp_windows_cover_every_token_once():
+    topo = balancer.Topology(dp=2, cp=2, micro_batches=2, max_tokens=256, tokens_per_step=1800, cp_sizes=(1, 2, 4))
+    lengths = np.concatenate([LENGTHS, [700, 900]])  # two documents only a group of 4 holds
+    samplers = [balancer.BalancedBatchSampler(lengths, topo, COST, rank=r, window_docs=120) for r in range(4)]
+    assert samplers[0].num_windows == 5
+    views = [list(s) for s in samplers]
+    assert len({len(v) for v in views}) == 1
+    seen = Counter()
+    for r, view in enumerate(views):
+        for mb in view:
+            group = mb[0].group
+            assert all(i.group == group for i in mb) and group.start <= r < group.start + group.size
+            if group.rank == 0:  # a micro-batch is counted once, by its group's first rank
+                seen += _tokens(mb, lengths)
+    assert set(seen.values()) == {1} and len(seen) == int(lengths.sum())
+    with pytest.raises(ValueError, match=f"document {len(lengths) - 1} has 900 tokens"):
+        big = balancer.Topology(dp=2, cp=2, micro_batches=2, max_tokens=200, cp_sizes=(1, 2, 4))
+        balancer.BalancedBatchSampler(lengths, big, COST, rank=0)

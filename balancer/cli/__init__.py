@@ -187,13 +187,35 @@ def _static_plan(lengths: np.ndarray, topo: Topology, cost: CostModel, args):
         return None
 
 
+def _plan_or_window(lengths: np.ndarray, topo: Topology, cost: CostModel, args):
+    """The whole-epoch plan, or with --window-docs one window of epoch --epoch (balancer.plan_window)."""
+    if (args.window_docs is None) != (args.window_index is None):
+        raise ValueError("--window-docs and --window-index go together (one window of the epoch)")
+    if args.window_docs is None:
+        return make_plan(lengths, topo, cost, seed=args.seed, overflow=args.overflow, progress=show_progress(args))
+    from balancer.planning.window import num_windows, plan_window
+
+    if args.window_docs < 1 or args.window_index < 0 or args.epoch < 0:
+        raise ValueError("--window-docs must be >= 1, --window-index and --epoch >= 0")
+    k = num_windows(len(lengths), min(args.window_docs, len(lengths)))
+    if args.window_index >= k:
+        raise ValueError(f"--window-index {args.window_index}: {len(lengths):,} documents in windows of "
+                         f"--window-docs {args.window_docs} make {k} (0..{k - 1})")  # fmt: skip
+    print(f"window {args.window_index} of {k} (epoch {args.epoch}, seed {args.seed})", file=sys.stderr)
+    try:
+        return plan_window(lengths, topo, cost, seed=args.seed, epoch=args.epoch, index=args.window_index,
+                           window_docs=args.window_docs, overflow=args.overflow)  # fmt: skip
+    except ValueError as e:
+        raise ValueError(str(e).replace("window_docs", "--window-docs")) from None
+
+
 def cmd_plan(args) -> int:
     require_plot_backend(args)
     lengths = read_lengths(args.lengths)
     cost = cost_from_args(args)
     topo = topology_from_args(args, lengths)
     print(f"{len(lengths):,} documents, {int(lengths.sum()):,} tokens; {topo}", file=sys.stderr)
-    ours = make_plan(lengths, topo, cost, seed=args.seed, overflow=args.overflow, progress=show_progress(args))
+    ours = _plan_or_window(lengths, topo, cost, args)
     plans = {"balancer (dynamic CP)" if topo.dynamic else "balancer": ours}
     if not args.no_baseline:
         static = ours
@@ -207,6 +229,8 @@ def cmd_plan(args) -> int:
     if args.overflow != "error" and not args.no_baseline:
         print(f"(both columns plan the same units: documents after --overflow {args.overflow})")
     out = Path(args.output) if args.output else default_plan_path(args.lengths, topo)
+    if args.window_docs is not None and not args.output:
+        out = out.with_name(f"{out.stem}_window{args.window_index}{out.suffix}")
     ours.save(out)
     print(f"wrote {out}", file=sys.stderr)
     if args.plot:
@@ -336,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--plot", metavar="PNG", help="also write a picture of the lengths and per-step balance")
     p.add_argument("--no-baseline", action="store_true", help="skip the token-count comparison")
+    w = p.add_argument_group("one planning window (docs/windows.md; default: the whole epoch)")
+    w.add_argument("--window-docs", type=int, metavar="N", help="documents per planning window")
+    w.add_argument("--window-index", type=int, metavar="I", help="which window of the epoch to plan (0-based)")
+    w.add_argument("--epoch", type=int, default=0, help="the epoch whose shuffle the windows cut (default 0)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser(

@@ -2,9 +2,9 @@
 
 Modules, lower ones first: topology.py, cost.py (`CostModel`; fitting.py fits it), metrics.py (section-3 metrics and
 the 1F1B formula), predict.py (layout- and communication-aware prediction), plans.py (`Plan`; files in plan_io.py),
-units.py / steps.py / binpack.py / polish.py (the planner's stages), planner.py (`plan`), dynamic.py (dynamic CP),
-batch.py / batch_pack.py / batch_dynamic.py (`balance_batch`: one fixed post-training batch),
-exact.py (MILP optimum of one step), baseline.py (token-count packing).
+units.py / steps.py / binpack.py / polish.py (the planner's stages), planner.py (`plan`), window.py (`plan_window`:
+one window of an epoch), dynamic.py (dynamic CP), batch.py / batch_pack.py / batch_dynamic.py (`balance_batch`: one
+fixed post-training batch), exact.py (MILP optimum of one step), baseline.py (token-count packing).
 """
 
 from balancer._lazy import lazy_exports

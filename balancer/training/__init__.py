@@ -1,7 +1,8 @@
 """Training-loop integration: the balanced sampler, the packed collator, CP process groups and loss normalisation.
 
-Modules: sampler.py (`BalancedBatchSampler`; resume states in sampler_state.py, length sources in lengths.py),
-indices.py (`Span`, `Member`, `CPGroup`, `SpanDataset`), collate.py (`PackedCollator`), groups.py (`cp_groups`),
+Modules: sampler.py (`BalancedBatchSampler`; planning windows in segments.py, resume states in sampler_state.py,
+length sources in lengths.py), indices.py (`Span`, `Member`, `CPGroup`, `SpanDataset`), collate.py
+(`PackedCollator`), groups.py (`cp_groups`),
 loss.py, and the Hugging Face trainers (trainer.py, sft.py; imported through `balancer.hf`).
 """
 

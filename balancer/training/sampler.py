@@ -136,7 +136,10 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         if topology.dynamic:
             from balancer.planning.dynamic import check_fits
 
-            check_fits(np.array([summary.longest]), topology, overflow)
+            try:  # checked on the longest document alone: the lengths are not read again
+                check_fits(np.array([summary.longest]), topology, overflow)
+            except ValueError as e:
+                raise ValueError(str(e).replace("document 0 ", f"document {summary.longest_doc} ", 1)) from None
         elif overflow == "error" and summary.longest > topology.micro_batch_tokens:
             raise ValueError(
                 f"document {summary.longest_doc} has {summary.longest} tokens, more than a micro-batch holds: "

@@ -1,0 +1,216 @@
+"""Windowed planning: what a rank pays before its first micro-batch, and what windows cost in plan quality.
+
+1. First micro-batch: a fresh child process memory-maps 30M document lengths (the wlbllm trace resampled, saved as
+   int64 .npy), builds a rank's BalancedBatchSampler (dp64 x cp4 x M8 x 32,768) and takes one micro-batch; it reports
+   its process CPU time and its peak RSS (VmHWM) above what it held before touching the lengths, less the lengths
+   array itself (its mapped pages count in RSS). Run for windows of 8..128 steps' documents and the default; with
+   `--whole-epoch`, also for one window (the plan of the whole epoch, what the sampler did before windows).
+2. Quality: every row of the planner-quality benchmark (benchmarks/planner_quality.py: 4 traces x 3 topologies),
+   planned whole and window by window (the window plans of an epoch concatenated into one plan); epoch efficiency
+   of each against the whole-epoch plan, for the same window sizes (in steps' documents) and the default. The rows
+   hold 78K-100K documents (17-1,927 steps), so large windows often hold the whole epoch: the same rows with every
+   trace resampled to `--scale` (4) times its documents are planned too, and draw the curve.
+Writes benchmarks/results/window_planning.json and window_planning.png (loss vs memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import DEFAULT_COST, RESULTS, TOPOLOGIES, standard_topology, write_result
+
+import balancer
+from balancer.data.traces import load_trace
+from balancer.planning.window import DEFAULT_WINDOW_STEPS, default_window_docs, num_windows, plan_window
+
+STEPS = (8, 16, 32, 64, 128)
+BIG = dict(dp=64, cp=4, pp=1, micro_batches=8, max_tokens=32768)
+
+
+def _rss_kib(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def child(path: str, window_docs: int | None) -> dict:
+    """Runs in a fresh process: sampler + first micro-batch on the memory-mapped lengths."""
+    import torch  # noqa: F401 - imported before the measurement, as a training process has it
+
+    rss0 = _rss_kib("VmRSS")
+    cpu0 = time.process_time()
+    lengths = np.load(path, mmap_mode="r")
+    topo = balancer.Topology(**BIG)
+    sampler = balancer.BalancedBatchSampler(lengths, topo, DEFAULT_COST, dp_rank=17, seed=0, window_docs=window_docs)
+    first = next(iter(sampler))
+    cpu = time.process_time() - cpu0
+    peak = _rss_kib("VmHWM")
+    return {
+        "window_docs": sampler.window_docs,
+        "windows": sampler.num_windows,
+        "steps_in_first_window": sampler.windows.steps(0),
+        "first_micro_batch_docs": len(first),
+        "cpu_seconds": round(cpu, 3),
+        "peak_rss_above_start_mib": round((peak - rss0) / 1024, 1),
+        "peak_rss_above_lengths_mib": round((peak - rss0) / 1024 - lengths.nbytes / 2**20, 1),
+        "lengths_mib": round(lengths.nbytes / 2**20, 1),
+        "children_maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+    }
+
+
+def child_scan(path: str) -> dict:
+    """Runs in a fresh process: the one pass over the lengths every sampler makes (check, sum, fingerprint)."""
+    from balancer.training.lengths import scan_lengths
+
+    lengths = np.load(path, mmap_mode="r")
+    cpu0 = time.process_time()
+    scan_lengths(lengths)
+    cpu = time.process_time() - cpu0
+    return {
+        "documents": len(lengths),
+        "cpu_seconds": round(cpu, 3),
+        "ns_per_document": round(cpu / len(lengths) * 1e9, 2),
+    }
+
+
+def run_child(path: str, window_docs: int | None, mode: str = "--child") -> dict:
+    cmd = [sys.executable, __file__, mode, path, "--window-docs", str(window_docs or 0)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=os.environ)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def docs_per_step(lengths: np.ndarray, topo: balancer.Topology) -> float:
+    return topo.tokens_per_step * len(lengths) / float(lengths.sum())
+
+
+def windowed_efficiency(lengths, topo, window_docs: int, seed: int) -> tuple[float, int]:
+    """Epoch efficiency of the epoch planned window by window (the window plans concatenated), and the windows."""
+    k = num_windows(len(lengths), window_docs)
+    plans = [
+        plan_window(lengths, topo, DEFAULT_COST, seed=seed, epoch=0, index=i, window_docs=window_docs) for i in range(k)
+    ]
+    ptr = [np.zeros(1, dtype=np.int64)]
+    for p in plans:
+        ptr.append(p.mb_ptr[1:] + ptr[-1][-1])
+    whole = balancer.Plan(
+        lengths, topo, DEFAULT_COST,
+        np.concatenate([p.doc for p in plans]), np.concatenate([p.start for p in plans]),
+        np.concatenate([p.end for p in plans]), np.concatenate(ptr),
+    )  # fmt: skip
+    return float(whole.metrics()["epoch_efficiency"]), k
+
+
+def quality(traces: list[str], seed: int, scale: int = 1) -> list[dict]:
+    """The planner-quality rows (scale > 1: each trace resampled to `scale` times its documents, so that windows of
+    up to 128 steps cut every epoch into several)."""
+    rows = []
+    for trace in traces:
+        lengths = load_trace(trace, seed=seed)
+        if scale > 1:
+            lengths = np.random.default_rng(seed).choice(lengths, scale * len(lengths))
+        for tname, (dp, cp, pp, m) in TOPOLOGIES.items():
+            topo = standard_topology(lengths, dp, cp, pp, m)
+            base = float(balancer.plan(lengths, topo, DEFAULT_COST, seed=seed).metrics()["epoch_efficiency"])
+            per = docs_per_step(lengths, topo)
+            row = {"distribution": trace, "topology": tname, "documents": len(lengths), "whole_epoch": base}
+            row["docs_per_step"] = round(per, 1)
+            for steps in STEPS:
+                eff, k = windowed_efficiency(lengths, topo, max(topo.bins_per_step, int(np.ceil(steps * per))), seed)
+                row[f"steps_{steps}"] = {"efficiency": eff, "loss": base - eff, "windows": k}
+            w = default_window_docs(len(lengths), int(lengths.sum()), topo)
+            eff, k = windowed_efficiency(lengths, topo, w, seed)
+            row["default"] = {"window_docs": w, "efficiency": eff, "loss": base - eff, "windows": k}
+            rows.append(row)
+            losses = {s: round(row[f"steps_{s}"]["loss"], 4) for s in STEPS}
+            print(trace, tname, len(lengths), f"whole {base:.4f}", losses, f"default {row['default']['loss']:.4f}",
+                  f"({k} windows)", flush=True)  # fmt: skip
+    return rows
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["window_steps"] for r in result["first_micro_batch"]["windows"]]
+    mem = [r["peak_rss_above_lengths_mib"] for r in result["first_micro_batch"]["windows"]]
+    rows = result["quality_scaled"]
+    loss = [max(row[f"steps_{s}"]["loss"] for row in rows) for s in steps]
+    mean = [float(np.mean([row[f"steps_{s}"]["loss"] for row in rows])) for s in steps]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(mem, loss, "o-", label="worst row")
+    ax.plot(mem, mean, "s--", label="mean over rows")
+    for x, y, s in zip(mem, loss, steps):
+        ax.annotate(f"{s} steps", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.axhline(0.005, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("peak RSS above the lengths before the first micro-batch (MiB, 30M docs, dp64xcp4xM8)")
+    ax.set_ylabel("epoch efficiency lost to windows")
+    ax.set_title(f"window size: quality ({result['quality_scale']}x planner-quality rows) vs memory", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--docs", type=int, default=30_000_000)
+    ap.add_argument("--traces", nargs="+", default=["wlbllm", "prolong", "sft", "heavy"])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scale", type=int, default=4, help="documents of the scaled quality rows (x the trace's)")
+    ap.add_argument("--whole-epoch", action="store_true", help="also time the whole-epoch plan (minutes)")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--child-scan", help=argparse.SUPPRESS)
+    ap.add_argument("--window-docs", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.window_docs or None)))
+        return
+    if args.child_scan:
+        print(json.dumps(child_scan(args.child_scan)))
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "lengths.npy")
+        lengths = load_trace("wlbllm", n=args.docs, seed=args.seed)
+        np.save(path, lengths.astype(np.int64))
+        per = docs_per_step(lengths, balancer.Topology(**BIG))
+        del lengths
+        first = {"documents": args.docs, "topology": BIG, "docs_per_step": round(per, 1), "windows": []}
+        for steps in STEPS:
+            r = run_child(path, int(np.ceil(steps * per)))
+            first["windows"].append({"window_steps": steps, **r})
+            print("first micro-batch", steps, "steps:", r, flush=True)
+        first["scan"] = run_child(path, None, "--child-scan")
+        print("lengths scan:", first["scan"], flush=True)
+        first["default"] = run_child(path, None)
+        print("first micro-batch, default:", first["default"], flush=True)
+        if args.whole_epoch:
+            first["whole_epoch"] = run_child(path, args.docs)
+            print("first micro-batch, whole epoch:", first["whole_epoch"], flush=True)
+    result = {"first_micro_batch": first, "quality": quality(args.traces, args.seed)}
+    result["quality_scale"] = args.scale
+    result["quality_scaled"] = quality(args.traces, args.seed, args.scale)
+    result["default_window_steps"] = DEFAULT_WINDOW_STEPS
+    result["goals"] = {
+        "first_micro_batch_cpu<=3s": first["default"]["cpu_seconds"] <= 3.0,
+        "memory_above_lengths<=1GiB": first["default"]["peak_rss_above_lengths_mib"] <= 1024,
+        "default_loss<=0.005_every_row": all(r["default"]["loss"] <= 0.005 for r in result["quality"]),
+        "default_loss<=0.005_every_scaled_row": all(r["default"]["loss"] <= 0.005 for r in result["quality_scaled"]),
+    }
+    plot(result, RESULTS / "window_planning.png")
+    print("goals:", result["goals"])
+    print("wrote", write_result("window_planning", result, clock="process_cpu"))
+
+
+if __name__ == "__main__":
+    main()
