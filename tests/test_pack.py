@@ -309,9 +309,15 @@ def test_output_folder_ownership(tok, tmp_path):
     clash = tmp_path / "clash"
     clash.mkdir()
     (clash / "shard-00000.arrow").write_bytes(b"not ours")
-    with pytest.raises(DataError, match="was not written by it"):
+    with pytest.raises(DataError, match="not provably this tool"):
         pack(tok, clash, TOPO, COST, overwrite=True, **args)
     assert (clash / "shard-00000.arrow").read_bytes() == b"not ours"
+    # a user's file with a plan name beside a finished job of ours: neither --overwrite nor a rerun replaces it
+    (mine / "plan-epoch-00003.json").write_text("my plan")
+    for overwrite in (False, True):
+        with pytest.raises(DataError, match="plan-epoch-00003.json: has a name this tool writes"):
+            pack(tok, mine, TOPO, COST, seed=3, overwrite=overwrite, **args)
+    assert (mine / "plan-epoch-00003.json").read_text() == "my plan"
 
 
 def test_truncate_keeps_each_row_head_and_counts_the_rest(tok, tmp_path):

@@ -79,9 +79,9 @@ def test_manifest_without_shard_list(ref, tmp_path, capsys):
 
     bad = Path(shutil.copytree(ref, tmp_path / "bad"))
     edit_manifest(bad, lambda m: m.pop("shards"))
-    one_line(*cli(capsys, "plan", bad, "--dp", "1"), "manifest.json", "no 'shards' list")
+    one_line(*cli(capsys, "plan", bad, "--dp", "1"), "manifest.json", 'missing key "shards"')
     code, lines = cli(capsys, "verify", bad)
-    assert code == 1 and any("no 'shards' list" in x for x in lines), lines
+    assert code == 1 and any('missing key "shards"' in x for x in lines), lines
 
 
 # ---------------------------------------------------------------------------------------------------- OS errors

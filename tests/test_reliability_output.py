@@ -53,7 +53,7 @@ def test_overwrite_keeps_user_files_and_refuses_user_files_with_our_names(src, r
         user = tmp_path / f"user_{name}"
         user.mkdir()
         (user / name).write_text(content)
-        with pytest.raises(DataError, match="was not written by it"):
+        with pytest.raises(DataError, match="not provably this tool"):
             tokenize([src], user, overwrite=True)
         assert sorted(os.listdir(user)) == [name] and (user / name).read_text() == content
 
@@ -64,7 +64,7 @@ def test_overwrite_deletes_nothing_a_foreign_manifest_names(src, tmp_path):
     out.mkdir()
     (out / "shard-00000.arrow").write_text("user data")
     (out / "manifest.json").write_text(json.dumps({"format": "other", "job": "x", "shards": []}))
-    with pytest.raises(DataError, match="was not written by it"):
+    with pytest.raises(DataError, match="not provably this tool"):
         tokenize([src], out, overwrite=True)
     assert (out / "shard-00000.arrow").read_text() == "user data"
 

@@ -8,11 +8,45 @@ from __future__ import annotations
 import argparse
 import sys
 
-from balancer.data.shards.errors import describe_os_error
+from balancer.data.shards.errors import describe_os_error, render_message
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1  # verify found problems
 EXIT_ERROR = 2  # bad input, refused output folder, bad options
+
+
+# Python argument names of pretokenize/merge/pack (and the topology they plan for) -> the flags of these commands:
+# the API raises with argument names, and the CLI shows the same message with its flags.
+FLAGS = {
+    "inputs": "INPUT",
+    "parts": "PART_DIR",
+    "source": "TOKDIR",
+    "output": "--output",
+    "tokenizer": "--tokenizer",
+    "text_field": "--text-field",
+    "max_length": "--max-length",
+    "overflow": "--overflow",
+    "add_eos": "--add-eos",
+    "num_proc": "--num-proc",
+    "on_error": "--on-error",
+    "shard_tokens": "--shard-tokens",
+    "num_shards": "--num-shards",
+    "shard_index": "--shard-index",
+    "overwrite": "--overwrite",
+    "engine": "--engine",
+    "ray_address": "--ray-address",
+    "epochs": "--epochs",
+    "seed": "--seed",
+    "max_tokens": "--max-tokens",
+    "cp": "--cp",
+    "cp_sizes": "--cp-sizes",
+}
+
+
+def cli_message(exc: BaseException) -> str:
+    """The message of a data error with the CLI's flags where it names an option."""
+    raw = getattr(exc, "raw_message", None)
+    return render_message(raw, FLAGS) if raw is not None else str(exc)
 
 
 def _positive_int(text: str) -> int:
@@ -41,7 +75,7 @@ def _reporting(call, errors: tuple, resumable: bool) -> int:
     try:
         call()
     except errors as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {cli_message(exc)}", file=sys.stderr)
         return EXIT_ERROR
     except OSError as exc:
         print(f"error: {describe_os_error(exc)}", file=sys.stderr)
@@ -207,7 +241,7 @@ def _register_pretokenize(subparsers, default_shard_tokens: int) -> None:
         type=_positive_int,
         default=None,
         metavar="N",
-        help="longest row in tokens; longer documents are handled by --overflow (default: no limit)",
+        help="longest row in tokens, 1..2,147,483,647; longer documents are handled by --overflow (default: no limit)",
     )
     p.add_argument(
         "--overflow",
@@ -227,7 +261,8 @@ def _register_pretokenize(subparsers, default_shard_tokens: int) -> None:
         type=_positive_int,
         default=1,
         metavar="N",
-        help="tokenize in N worker processes, with --engine ray N tasks at a time (output identical to N=1; default 1)",
+        help="tokenize in N worker processes (at most 1024; clipped to the CPUs and the records, with a note), with "
+        "--engine ray N tasks at a time (output identical to N=1; default 1)",
     )
     p.add_argument(
         "--on-error",
@@ -241,14 +276,15 @@ def _register_pretokenize(subparsers, default_shard_tokens: int) -> None:
         type=_positive_int,
         default=default_shard_tokens,
         metavar="N",
-        help=f"close a shard at the first document boundary after N tokens (default {default_shard_tokens:,})",
+        help=f"close a shard at the first document boundary after N tokens (at most 2**40; default "
+        f"{default_shard_tokens:,})",
     )
     p.add_argument(
         "--num-shards",
         type=_positive_int,
         default=None,
         metavar="K",
-        help="process only slice --shard-index of K equal record ranges of the inputs (with --shard-index); "
+        help="process only slice --shard-index of K (at most 1,048,576) equal record ranges of the inputs; "
         "join the K outputs with `balancer merge`",
     )
     p.add_argument(
@@ -361,13 +397,15 @@ def _register_pack(subparsers, default_shard_tokens: int) -> None:
         help="rows of TOKDIR longer than max_tokens*cp: error (default), split into windows placed in several "
         "micro-batches, or truncate (the rest is counted as dropped in the manifest)",
     )
-    p.add_argument("--epochs", type=_positive_int, default=1, metavar="E", help="epochs to plan and write (default 1)")
+    p.add_argument(
+        "--epochs", type=_positive_int, default=1, metavar="E", help="epochs to plan and write, <= 10,000 (default 1)"
+    )
     p.add_argument(
         "--shard-tokens",
         type=_positive_int,
         default=default_shard_tokens,
         metavar="N",
-        help=f"close a shard at the first row boundary after N tokens (default {default_shard_tokens:,})",
+        help=f"close a shard at the first row boundary after N tokens (<= 2**40; default {default_shard_tokens:,})",
     )
     p.add_argument(
         "--overwrite",

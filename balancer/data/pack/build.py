@@ -28,6 +28,7 @@ import pyarrow as pa
 from tqdm import tqdm
 
 from balancer.data.pack.output import (
+    PACK,
     PACK_DESCRIPTION,
     PACK_FORMAT,
     PACK_FORMAT_VERSION,
@@ -49,9 +50,12 @@ from balancer.data.pack.rows import (
 )
 from balancer.data.pack.verify import is_packed, load_packed_manifest, packed_metrics, verify_packed
 from balancer.data.pretokenize.pipeline import DEFAULT_SHARD_TOKENS
+from balancer.data.shards.errors import arg
+from balancer.data.shards.limits import MAX_EPOCHS, MAX_SEED, MAX_SHARD_TOKENS, check_count
 from balancer.data.shards.manifest import MANIFEST_NAME, atomic_write_json, fsync_file, sha256_file, verify_shard_files
-from balancer.data.shards.output import open_output
-from balancer.data.shards.writer import FLUSH_ROWS, FLUSH_TOKENS, write_datasets_metadata
+from balancer.data.shards.output import is_our_record, open_output
+from balancer.data.shards.schema import load_record, state_header
+from balancer.data.shards.writer import FLUSH_ROWS, FLUSH_TOKENS, new_arrow_sink, write_datasets_metadata
 from balancer.planning.cost import CostModel
 from balancer.planning.plans import Plan
 from balancer.planning.topology import Topology
@@ -92,7 +96,7 @@ class RowShardWriter:
     def __init__(self, out: Path, index: int, schema: pa.Schema, first_row: int) -> None:
         self.out, self.name, self.first_row = out, f"shard-{index:05d}", first_row
         self.tmp = out / f"{self.name}.arrow.tmp"
-        self.sink = pa.OSFile(str(self.tmp), "wb")
+        self.sink = new_arrow_sink(self.tmp)
         self.writer = pa.ipc.new_stream(self.sink, schema)
         self.rows = self.tokens = 0
 
@@ -237,9 +241,10 @@ def pack(
     `progress`: None = a bar only on a terminal."""
     check_static(topology)
     if overflow not in OVERFLOW_CHOICES:
-        raise PackError(f"--overflow must be one of {OVERFLOW_CHOICES}, got {overflow!r}")
-    if epochs < 1 or shard_tokens < 1:
-        raise PackError(f"--epochs and --shard-tokens must be >= 1, got {epochs} and {shard_tokens}")
+        raise PackError(f"{arg('overflow')} must be one of {OVERFLOW_CHOICES}, got {overflow!r}")
+    check_count("epochs", epochs, 1, MAX_EPOCHS)
+    check_count("seed", seed, 0, MAX_SEED)
+    check_count("shard_tokens", shard_tokens, 1, MAX_SHARD_TOKENS)
     if isinstance(source, SourceTokens):
         return _pack(source, Path(output), topology, cost, epochs, seed, overflow, shard_tokens, overwrite, progress)
     with SourceTokens(source) as src:
@@ -249,9 +254,10 @@ def pack(
 def _resume_state(out: Path, job: str, prev: Optional[dict]) -> dict:
     """The state to continue from: the recorded plans, and the recorded shards up to the first that fails its
     checksum (None: a fresh start)."""
-    state = {"job": job, "plans": [], "shards": []}
+    state = {**state_header("pack_state"), "job": job, "plans": [], "shards": []}
     if prev is None:
         return state
+    prev = load_record(out / PACK_STATE_NAME, "pack_state")  # strict: exact types, no unknown keys
     state["plans"] = prev["plans"]
     for entry in prev["shards"]:
         if verify_shard_files(out, entry) is not None:
@@ -265,21 +271,22 @@ def _resume_state(out: Path, job: str, prev: Optional[dict]) -> dict:
 def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, shard_tokens, overwrite, progress):
     check_fits(src, topology, overflow)
     job = _job_key(src, topology, cost, epochs, seed, {"overflow": overflow, "shard_tokens": shard_tokens})
-    with open_output(out, [str(src.path)]):
-        status, prev = prepare_pack_output(out, job, overwrite)
+    with open_output(out, [str(src.path)], "source"):
+        status, prev, owned = prepare_pack_output(out, job, overwrite)
         if status == "complete":
-            if (out / PACK_STATE_NAME).exists():  # killed between writing the manifest and removing the state file
+            if is_our_record(out / PACK_STATE_NAME, PACK):  # killed between writing the manifest and the state removal
                 os.remove(out / PACK_STATE_NAME)
             problems = verify_packed(out)
             if problems:
                 raise PackError(
-                    f"{out} holds this job's output but it fails verification: {problems[0]}; pass --overwrite"
+                    f"{out} holds this job's output but it fails verification: {problems[0]}; "
+                    f"pass {arg('overwrite', True)}"
                 )
             _say(f"{out}: already complete ({prev['counts']['rows']} rows, {prev['counts']['tokens']} tokens)")
             return prev
         state = _resume_state(out, job, prev if status == "resume" else None)
         keep = {fn for e in state["plans"] + state["shards"] for fn in e["files"]}
-        clear_owned(out, keep=keep | {PACK_STATE_NAME})
+        clear_owned(out, owned, keep=keep | {PACK_STATE_NAME})
         atomic_write_json(out / PACK_STATE_NAME, state)
         try:
             plans = _plans(out, src, topology, cost, epochs, seed, overflow, state)

@@ -24,11 +24,12 @@ def is_pack_name(name: str) -> bool:
     return is_output_name(name, PACK)
 
 
-def clear_owned(out: Path, keep: set[str]) -> None:
-    """Remove the files of ours in `out` except `keep`."""
-    clear_outputs(out, keep, PACK)
+def clear_owned(out: Path, owned: set[str], keep: set[str]) -> None:
+    """Remove the files of ours (`owned`) in `out` except `keep`."""
+    clear_outputs(out, owned, keep, PACK)
 
 
-def prepare_pack_output(out: Path, job: str, overwrite: bool) -> tuple[str, Optional[dict]]:
-    """('fresh'|'resume'|'complete', state or manifest) for writing job `job` into the (existing) folder `out`."""
+def prepare_pack_output(out: Path, job: str, overwrite: bool) -> tuple[str, Optional[dict], set[str]]:
+    """('fresh'|'resume'|'complete', state or manifest, owned names) for writing job `job` into the (existing)
+    folder `out`."""
     return prepare_output(out, job, None, overwrite, PACK)

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from balancer.data.shards.checks import open_folder
-from balancer.data.shards.errors import DataError
+from balancer.data.shards.errors import DataError, arg
 from balancer.data.shards.manifest import MANIFEST_NAME, shard_file_names
 from balancer.planning.cost import CostModel
 from balancer.planning.metrics import step_times, summarize
@@ -158,7 +158,7 @@ def check_static(topology: Topology) -> None:
         raise PackError(
             f"pack writes one row per (step, micro-batch, DP rank) of a static CP topology, but this topology has "
             f"cp_sizes={tuple(cp_sizes)} (dynamic CP regroups the ranks in every micro-batch slot); drop "
-            f"--cp-sizes, or train from the plan with BalancedBatchSampler"
+            f"{arg('cp_sizes')}, or train from the plan with BalancedBatchSampler"
         )
 
 
@@ -171,9 +171,10 @@ def check_fits(source: SourceTokens, topology: Topology, overflow: str) -> None:
         row = int(np.argmax(lengths > cap))
         raise PackError(
             f"{source.path}: row {row} (source record {source.doc_id(row)}) has {int(lengths[row])} tokens, more "
-            f"than a micro-batch holds (--max-tokens x --cp = {topology.max_tokens} x {topology.cp} = {cap}; "
-            f"{int((lengths > cap).sum())} rows are over); pass --overflow split to place it in windows over "
-            f"several micro-batches, or raise --max-tokens or --cp"
+            f"than a micro-batch holds ({arg('max_tokens')} x {arg('cp')} = "
+            f"{topology.max_tokens} x {topology.cp} = {cap}; "
+            f"{int((lengths > cap).sum())} rows are over); pass {arg('overflow', 'split')} to place it in windows over "
+            f"several micro-batches, or raise {arg('max_tokens')} or {arg('cp')}"
         )
 
 

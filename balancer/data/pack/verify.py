@@ -12,7 +12,9 @@ import pyarrow as pa
 
 from balancer.data.pack.output import PACK_FORMAT, is_pack_name
 from balancer.data.pack.rows import SCALAR_COLUMNS, PackError, piece_positions, row_metrics, row_pieces, rows_per_epoch
+from balancer.data.shards.errors import DataError
 from balancer.data.shards.manifest import MANIFEST_NAME, load_json_file, verify_shard_files
+from balancer.data.shards.schema import load_record
 from balancer.planning.cost import CostModel
 from balancer.planning.plans import Plan
 from balancer.planning.topology import Topology
@@ -20,10 +22,13 @@ from balancer.planning.topology import Topology
 
 def load_packed_manifest(path: str | os.PathLike) -> dict:
     """The manifest of a finished pack folder; PackError when there is none."""
-    m = load_json_file(Path(path) / MANIFEST_NAME)
-    if m is None or m.get("format") != PACK_FORMAT:
+    p = Path(path) / MANIFEST_NAME
+    if not p.is_file():
         raise PackError(f"{path}: no {PACK_FORMAT} {MANIFEST_NAME} (not a finished `balancer pack` output)")
-    return m
+    try:
+        return load_record(p, "pack_manifest")  # strict: exact types, no unknown keys, known format_version
+    except DataError as exc:
+        raise PackError(str(exc)) from None
 
 
 def is_packed(path: str | os.PathLike) -> bool:
@@ -71,6 +76,61 @@ def _check_batch(batch: pa.RecordBatch, plan: Plan, epoch: int, first: int) -> l
     return problems
 
 
+def _check_names(out: Path, m: dict) -> list[str]:
+    """Shards and plans named in sequence (`shard-00000`, `plan-epoch-00000.json`, ...), each with exactly its
+    own file: no name in the manifest leaves the folder or points at another entry's file."""
+    where = out / MANIFEST_NAME
+    for key, name_of, files_of in (
+        ("shards", lambda i: f"shard-{i:05d}", lambda n: [f"{n}.arrow"]),
+        ("plans", lambda i: f"plan-epoch-{i:05d}.json", lambda n: [n]),
+    ):
+        for i, entry in enumerate(m[key]):
+            if entry["name"] != name_of(i) or sorted(entry["files"]) != files_of(entry["name"]):
+                return [
+                    f"{where}: {key}[{i}] is {entry['name']!r} with files {sorted(entry['files'])}, expected "
+                    f"{name_of(i)!r} with {files_of(name_of(i))}"
+                ]
+    rows = 0
+    for i, entry in enumerate(m["shards"]):
+        if entry["first_row"] != rows:
+            return [f"{where}: shards[{i}].first_row is {entry['first_row']}, the shards before it hold {rows} rows"]
+        rows += entry["rows"]
+    return []
+
+
+def _check_plans_against_manifest(out: Path, m: dict, plans: list[Plan]) -> list[str]:
+    """The manifest's topology, cost model, epochs and plan list against the plans it names (what the readers and
+    `packed_metrics` rely on)."""
+    where = out / MANIFEST_NAME
+    try:
+        topology = Topology.from_dict(m["topology"])
+        CostModel.from_dict(m["cost_model"])
+    except (ValueError, TypeError, KeyError) as exc:
+        return [f"{where}: unreadable topology or cost_model ({exc})"]
+    options = m["options"]
+    if len(m["epochs"]) != options["epochs"]:
+        return [f"{where}: {len(m['epochs'])} epochs listed, options.epochs says {options['epochs']}"]
+    recorded = [p["name"] for p in m["plans"]]
+    problems = []
+    for i, (entry, plan) in enumerate(zip(m["epochs"], plans)):
+        name = f"plan-epoch-{i:05d}.json"
+        if (entry["epoch"], entry["plan"], entry["seed"]) != (i, name, options["seed"] + i):
+            problems.append(f"{where}: epochs[{i}] names epoch {entry['epoch']}, {entry['plan']}, seed {entry['seed']}")
+        if name not in recorded:
+            problems.append(f"{where}: {name} is not in the checksummed plans list")
+        if plan.topology.to_dict() != topology.to_dict():
+            problems.append(
+                f"{out / name}: the plan's topology {plan.topology.to_dict()} disagrees with the manifest's "
+                f"{topology.to_dict()}"
+            )
+        elif (entry["steps"], entry["rows"]) != (plan.num_steps, rows_per_epoch(plan)):
+            problems.append(
+                f"{where}: epochs[{i}] says {entry['steps']} steps / {entry['rows']} rows, the plan has "
+                f"{plan.num_steps} / {rows_per_epoch(plan)}"
+            )
+    return problems
+
+
 def verify_packed(path: str | os.PathLike) -> list[str]:
     """Check a pack folder: every file's size and sha256 against the manifest, the plans, and every row against
     its plan (order, pieces, lengths, positions), the counts, no stray files. Returns the problems (empty = OK),
@@ -80,13 +140,18 @@ def verify_packed(path: str | os.PathLike) -> list[str]:
         m = load_packed_manifest(out)
     except PackError as exc:
         return [str(exc)]
-    problems = [bad for entry in m["plans"] + m["shards"] if (bad := verify_shard_files(out, entry))]
+    problems = _check_names(out, m) or [
+        bad for entry in m["plans"] + m["shards"] if (bad := verify_shard_files(out, entry))
+    ]
     if problems:
         return problems
     try:
         plans = [Plan.load(out / e["plan"]) for e in m["epochs"]]
     except (ValueError, KeyError, OSError) as exc:
         return [f"{out}: unreadable plan ({exc})"]
+    problems = _check_plans_against_manifest(out, m, plans)
+    if problems:
+        return problems
     bounds = np.cumsum([0] + [rows_per_epoch(p) for p in plans])
     row = tokens = 0
     for name, batch in _batches(out, m):

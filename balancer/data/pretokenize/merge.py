@@ -9,11 +9,20 @@ from pathlib import Path
 
 import numpy as np
 
-from balancer.data.pretokenize.pipeline import MAX_SKIPPED_EXAMPLES, finish_output, log, new_counters, summarize
+from balancer.data.pretokenize.pipeline import MAX_SKIPPED_EXAMPLES, finish_output, new_counters
+from balancer.data.pretokenize.summary import log, summarize
 from balancer.data.shards.checks import open_folder
-from balancer.data.shards.errors import DataError
-from balancer.data.shards.manifest import STATE_NAME, atomic_write_json, sha256_file, shard_file_names
+from balancer.data.shards.errors import DataError, arg
+from balancer.data.shards.manifest import (
+    STATE_NAME,
+    atomic_write_json,
+    create_new_file,
+    remove_if_present,
+    sha256_file,
+    shard_file_names,
+)
 from balancer.data.shards.output import clear_outputs, open_output, prepare_output
+from balancer.data.shards.schema import state_header
 
 
 def _slices_by_index(parts: Sequence[str]) -> dict[int, tuple[str, dict]]:
@@ -24,7 +33,7 @@ def _slices_by_index(parts: Sequence[str]) -> dict[int, tuple[str, dict]]:
     first = mans[0][1]
     for p, m in mans:
         if m.get("slice") is None:
-            raise DataError(f"merge: {p} is not a --num-shards slice")
+            raise DataError(f"merge: {p} is not a {arg('num_shards')} slice")
         for key in ("job", "tokenizer", "options"):
             if m[key] != first[key]:
                 raise DataError(
@@ -54,10 +63,12 @@ def _link_shard(part: str, entry: dict, out: Path, index: int) -> dict:
         src = Path(part) / old_fn
         meta = entry["files"][old_fn]
         tmp = out / (new_fn + ".tmp")
+        remove_if_present(tmp)
         try:
-            os.link(src, tmp, follow_symlinks=True)
+            os.link(src, tmp, follow_symlinks=True)  # a new entry: never writes through a link at `tmp`
         except OSError:
-            shutil.copyfile(src, tmp)
+            with open(src, "rb") as fin, os.fdopen(create_new_file(tmp), "wb") as fout:
+                shutil.copyfileobj(fin, fout, 1 << 23)
         if sha256_file(tmp) != meta["sha256"]:
             os.remove(tmp)
             raise DataError(f"merge: {src}: sha256 mismatch (run `balancer verify {part}`)")
@@ -82,13 +93,13 @@ def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = Fal
     by_index = _slices_by_index(parts)
     first = by_index[0][1]
     out = Path(output)
-    with open_output(out, parts):
-        status, prev = prepare_output(out, first["job"], None, overwrite)
+    with open_output(out, parts, "parts"):
+        status, prev, owned = prepare_output(out, first["job"], None, overwrite)
         if status == "complete":
             log(f"{out}: already complete")
             return prev
-        clear_outputs(out)
-        atomic_write_json(out / STATE_NAME, {"job": first["job"], "slice": None, "shards": []})
+        clear_outputs(out, owned)
+        atomic_write_json(out / STATE_NAME, {**state_header("state"), "job": first["job"], "slice": None, "shards": []})
         manifest = _merged_manifest(first, by_index, out)
         finish_output(out, manifest, np.dtype(first["tokenizer"]["dtype"]))
     summarize(out, manifest)

@@ -33,6 +33,8 @@ from balancer.data.pretokenize.readers import (
     iter_records,
     resolve_inputs,
 )
+from balancer.data.pretokenize.resume import InputWatch, check_state_against_disk, describe_input_change
+from balancer.data.pretokenize.summary import log, summarize
 from balancer.data.pretokenize.tokenize import (
     EncoderConfig,
     Tokenizer,
@@ -41,16 +43,31 @@ from balancer.data.pretokenize.tokenize import (
     init_encoder,
     load_tokenizer,
 )
-from balancer.data.shards.errors import DataError
+from balancer.data.shards.errors import DataError, arg
+from balancer.data.shards.limits import (
+    MAX_LENGTH,
+    MAX_NUM_PROC,
+    MAX_NUM_SHARDS,
+    MAX_SHARD_TOKENS,
+    check_count,
+    optional_count,
+    usable_processes,
+)
 from balancer.data.shards.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
     STATE_NAME,
     atomic_write_json,
-    verify_shard_files,
 )
-from balancer.data.shards.output import check_output_vs_inputs, clear_outputs, open_output, prepare_output
+from balancer.data.shards.output import (
+    check_output_vs_inputs,
+    clear_outputs,
+    is_our_record,
+    open_output,
+    prepare_output,
+)
+from balancer.data.shards.schema import load_record, state_header
 from balancer.data.shards.writer import ShardWriter, shard_features, write_datasets_metadata
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # ~200 MB of uint16 ids per shard
@@ -62,6 +79,7 @@ SKIP_REASONS = (
     "missing_field",
     "not_text",
     "invalid_utf8",
+    "truncated_utf8",
     "unencodable_text",
     "empty",
     "blank_line",
@@ -81,14 +99,17 @@ class PretokenizeOptions:
     shard_tokens: int = DEFAULT_SHARD_TOKENS
 
     def check(self) -> None:
+        """DataError naming the first option out of its range (limits: `balancer.data.shards.limits`)."""
         if self.overflow not in OVERFLOW_CHOICES:
-            raise DataError(f"--overflow must be one of {OVERFLOW_CHOICES}, got {self.overflow!r}")
+            raise DataError(f"{arg('overflow')} must be one of {OVERFLOW_CHOICES}, got {self.overflow!r}")
         if self.on_error not in ("fail", "skip"):
-            raise DataError(f"--on-error must be fail or skip, got {self.on_error!r}")
-        if self.max_length is not None and self.max_length < 1:
-            raise DataError(f"--max-length must be >= 1, got {self.max_length}")
-        if self.shard_tokens < 1:
-            raise DataError(f"--shard-tokens must be >= 1, got {self.shard_tokens}")
+            raise DataError(f"{arg('on_error')} must be fail or skip, got {self.on_error!r}")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise DataError(f"{arg('text_field')} must be a non-empty string, got {self.text_field!r}")
+        if not isinstance(self.add_eos, bool):
+            raise DataError(f"{arg('add_eos')} must be True or False, got {self.add_eos!r}")
+        optional_count("max_length", self.max_length, 1, MAX_LENGTH)
+        check_count("shard_tokens", self.shard_tokens, 1, MAX_SHARD_TOKENS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -115,33 +136,6 @@ def _note_skip(counters: dict, reason: str, doc_id: int, where: str, message: st
     counters["skipped"][reason] = counters["skipped"].get(reason, 0) + 1
     if len(counters["skipped_examples"]) < MAX_SKIPPED_EXAMPLES:
         counters["skipped_examples"].append({"doc_id": doc_id, "where": where, "reason": reason, "message": message})
-
-
-def log(msg: str) -> None:
-    """A progress line on stderr."""
-    print(msg, file=sys.stderr, flush=True)
-
-
-def summarize(out: Path, manifest: dict, seconds: Optional[float] = None) -> None:
-    """Log what a finished folder holds (counts, skipped, truncated); with `seconds`, the input rate too."""
-    c = manifest["counts"]
-    rate = ""
-    if seconds is not None:
-        mb = sum(i.get("size", 0) for i in manifest["inputs"]) / 1e6
-        rate = f", {mb:.1f} MB read in {seconds:.1f} s ({mb / max(seconds, 1e-9):.1f} MB/s)"
-    log(
-        f"{out}: {len(manifest['shards'])} shard(s), {c['documents']} documents, {c['rows']} rows, "
-        f"{c['tokens']} tokens from {c['records']} records{rate}"
-    )
-    if c["skipped"]:
-        first = manifest["skipped_records"][0] if manifest["skipped_records"] else None
-        log(
-            "skipped: "
-            + ", ".join(f"{k}={v}" for k, v in sorted(c["skipped"].items()))
-            + (f" (first: {first['where']}: {first['message']})" if first else "")
-        )
-    if c["truncated_documents"]:
-        log(f"truncated: {c['truncated_documents']} documents lost {c['truncated_tokens']} tokens")
 
 
 def finish_output(out: Path, manifest: dict, dtype: np.dtype) -> None:
@@ -217,7 +211,7 @@ class _ShardRun:
             if n < 0:
                 reason, message = errors[j]
                 if reason not in ("empty", "blank_line") and self.opts.on_error == "fail":
-                    raise DataError(f"{where}: {message} (use --on-error skip to skip such records)")
+                    raise DataError(f"{where}: {message} (use {arg('on_error', 'skip')} to skip such records)")
                 _note_skip(self.counters, reason, doc_id, where, message)
             else:
                 self._take_document(flat[offs[j] : offs[j + 1]], doc_id, where)
@@ -269,10 +263,9 @@ class _ShardRun:
 
 def _check_args(opts: PretokenizeOptions, num_proc: int, num_shards: int, shard_index: int) -> None:
     opts.check()
-    if num_proc < 1:
-        raise DataError(f"--num-proc must be >= 1, got {num_proc}")
-    if num_shards < 1 or not 0 <= shard_index < num_shards:
-        raise DataError(f"--shard-index must be in [0, --num-shards), got {shard_index} of {num_shards}")
+    check_count("num_proc", num_proc, 1, MAX_NUM_PROC)
+    check_count("num_shards", num_shards, 1, MAX_NUM_SHARDS)
+    check_count("shard_index", shard_index, 0, num_shards - 1)
 
 
 def _job_key(inputs: list[dict], tok: Tokenizer, opts: PretokenizeOptions) -> str:
@@ -305,33 +298,52 @@ def _slice_of(total_records: int, num_shards: int, shard_index: int) -> tuple[in
 def _already_complete(out: Path, prev: dict) -> dict:
     from balancer.data.shards.verify import verify
 
-    if (out / STATE_NAME).exists():  # killed between writing the manifest and removing the state file
+    if is_our_record(out / STATE_NAME):  # killed between writing the manifest and removing the state file
         os.remove(out / STATE_NAME)
     problems = verify(out)
     if problems:
         raise DataError(
-            f"{out} holds this job's finished output but it fails verification: "
-            f"{problems[0]}; pass --overwrite to redo it"
+            f"{out} holds this job's finished output but it fails verification: {problems[0]}; delete the damaged "
+            f"file(s) it names and pass {arg('overwrite', True)} to redo the job"
         )
     log(f"{out}: already complete ({prev['counts']['rows']} rows, {prev['counts']['tokens']} tokens)")
     return prev
 
 
 def _resume_point(out: Path, prev: Optional[dict], cursor: Cursor) -> tuple[list[dict], dict, Cursor]:
-    """(finished shards kept, counters after them, input cursor after them) of a resumed run."""
-    shards: list[dict] = []
+    """(finished shards kept, counters after them, input cursor after them) of a resumed run; refuses a state
+    that disagrees with the shards on disk."""
     counters = new_counters()
     if prev is None:
-        return shards, counters, cursor
-    for entry in prev["shards"]:
-        if verify_shard_files(out, entry) is not None:
-            break
-        shards.append(entry)
+        return [], counters, cursor
+    prev = load_record(out / STATE_NAME, "state")  # strict: exact types, no unknown keys
+    check_state_against_disk(out, prev, cursor.record)
+    shards = list(prev["shards"])
     if shards:
         cursor = Cursor.from_json(shards[-1]["cursor"])
         counters = json.loads(json.dumps(shards[-1]["counters"]))
     log(f"{out}: resuming after {len(shards)} finished shard(s) at record {cursor.record}")
     return shards, counters, cursor
+
+
+def _check_inputs_unchanged(watch: InputWatch, sources, infos, read: int, expected: int, disable) -> None:
+    """Before the manifest calls the output complete: every record was read, and the inputs are still the bytes
+    hashed at the start (size, modification time, and a second sha256)."""
+    change = watch.changed()
+    if change is None and read != expected:
+        change = f"the inputs yielded {read} records, {expected} were counted when they were hashed"
+    if change is None:
+        again = _hash_inputs(sources, disable)
+        change = next(
+            (
+                f"input {a['path']} changed while this run read it (sha256 differs)"
+                for a, b in zip(infos, again)
+                if a["sha256"] != b["sha256"] or a["size"] != b["size"]
+            ),
+            None,
+        )
+    if change:
+        raise watch.error(change)
 
 
 def _manifest_of(
@@ -360,10 +372,10 @@ def _start_engine(engine: str, ray_address: Optional[str]) -> dict:
     """Check the engine options (attaching to the Ray cluster); returns the manifest's `engine` entry."""
     if engine == "local":
         if ray_address is not None:
-            raise DataError("--ray-address needs --engine ray")
+            raise DataError(f"{arg('ray_address')} needs {arg('engine', 'ray')}")
         return {"name": "local"}
     if engine != "ray":
-        raise DataError(f"--engine must be local or ray, got {engine!r}")
+        raise DataError(f"{arg('engine')} must be local or ray, got {engine!r}")
     from balancer.data.pretokenize import ray_engine
 
     ray_engine.connect(ray_address)  # a local cluster started here stays up for later calls in this process
@@ -444,23 +456,34 @@ def pretokenize(
     except TokenizerError as exc:
         raise DataError(str(exc)) from exc
     if opts.add_eos and tok.eos_id is None:
-        raise DataError(f"--add-eos: tokenizer {tokenizer!r} has no eos_token")
+        raise DataError(f"{arg('add_eos')}: tokenizer {tokenizer!r} has no eos_token")
+    watch = InputWatch(sources)
     infos = _hash_inputs(sources, disable)
     job = _job_key(infos, tok, opts)
     start, end, slice_ = _slice_of(sum(i["records"] for i in infos), num_shards, shard_index)
     with open_output(out, inputs):
-        status, prev = prepare_output(out, job, slice_, overwrite)
+        status, prev, owned = prepare_output(
+            out, job, slice_, overwrite, explain=lambda old: describe_input_change(old.get("inputs"), infos)
+        )
         if status == "complete":
             return _already_complete(out, prev)
         shards, counters, cursor = _resume_point(out, prev, cursor_for_record(start, infos))
-        clear_outputs(out, keep={fn for e in shards for fn in e["files"]} | {STATE_NAME})
-        state = {"job": job, "slice": slice_, "shards": shards}
+        clear_outputs(out, owned, keep={fn for e in shards for fn in e["files"]} | {STATE_NAME})
+        state = {**state_header("state"), "job": job, "slice": slice_, "inputs": infos, "shards": shards}
         atomic_write_json(out / STATE_NAME, state)
 
         run = _ShardRun(out, opts, tok, state, counters)
         cfg = EncoderConfig(tokenizer, tok.hash, opts.text_field, opts.add_eos)
-        batches = _encoded_batches(engine_info["name"], sources, infos, cursor, end, cfg, tok, num_proc)
-        _stream(run, batches, infos, cursor, end, len(sources), disable)
+        workers = num_proc if engine == "ray" else usable_processes(num_proc, end - cursor.record, log)
+        batches = _encoded_batches(engine_info["name"], sources, infos, cursor, end, cfg, tok, workers)
+        try:
+            _stream(run, batches, infos, cursor, end, len(sources), disable)
+        except DataError:  # a record cut by an input changing under us is not the input's fault: say what happened
+            change = watch.changed()
+            if change:
+                raise watch.error(change) from None
+            raise
+        _check_inputs_unchanged(watch, sources, infos, run.counters["records"], end - start, disable)
         manifest = _manifest_of(run, job, slice_, tok, tokenizer, infos, ignored, engine_info)
         finish_output(out, manifest, tok.dtype)
     summarize(out, manifest, time.perf_counter() - t0)

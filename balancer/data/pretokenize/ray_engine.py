@@ -27,7 +27,7 @@ import numpy as np
 from balancer.data.pretokenize.compression import compression_of, open_input, seek_forward
 from balancer.data.pretokenize.readers import Cursor, InputSource, _batched, iter_records
 from balancer.data.pretokenize.tokenize import _WORKER, EncoderConfig, encode_payloads, init_encoder
-from balancer.data.shards.errors import DataError
+from balancer.data.shards.errors import DataError, arg
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ def _ray():
         import ray
         import ray.data  # noqa: F401
     except ImportError:
-        raise DataError("--engine ray needs Ray Data: pip install 'seqbalancer[ray]'") from None
+        raise DataError(f"{arg('engine', 'ray')} needs Ray Data: pip install 'seqbalancer[ray]'") from None
     return ray
 
 
@@ -58,12 +58,12 @@ def _check_reachable(address: str) -> None:
     hostport = address.split("://", 1)[-1].rstrip("/")
     host, _, port = hostport.rpartition(":")
     if not host or not port.isdigit():
-        raise DataError(f"--ray-address {address!r}: expected HOST:PORT, ray://HOST:PORT or auto")
+        raise DataError(f"{arg('ray_address')} {address!r}: expected HOST:PORT, ray://HOST:PORT or auto")
     try:
         socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as exc:
         raise DataError(
-            f"--ray-address {address}: cannot reach {host}:{port} ({exc}); start the cluster there "
+            f"{arg('ray_address')} {address}: cannot reach {host}:{port} ({exc}); start the cluster there "
             f"(`ray start --head`) or fix the address"
         ) from None
 
@@ -81,7 +81,7 @@ def connect(address: Optional[str], num_cpus: Optional[int] = None) -> Callable[
         try:
             ray.init(address=address, **kwargs)
         except Exception as exc:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
-            raise DataError(f"--ray-address {address}: cannot connect ({type(exc).__name__}: {exc})") from exc
+            raise DataError(f"{arg('ray_address')} {address}: cannot connect ({type(exc).__name__}: {exc})") from exc
     else:
         logger.info("starting a local Ray cluster (%s CPUs)", num_cpus or "all")
         ray.init(num_cpus=num_cpus, **kwargs)

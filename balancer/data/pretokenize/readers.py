@@ -230,6 +230,10 @@ def _load_json_array(path: Path) -> list:
         ) from None
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: invalid UTF-8 at byte {exc.start} ({exc.reason})") from None
+    except RecursionError:
+        raise DataError(f"{path}: invalid JSON (nested too deeply); a JSON array file is parsed whole") from None
+    except ValueError as exc:  # an integer of more than 4300 digits
+        raise DataError(f"{path}: invalid JSON ({exc}); a JSON array file is parsed whole") from None
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON array or JSON lines")
     return data

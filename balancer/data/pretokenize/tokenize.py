@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -181,6 +182,14 @@ def init_encoder(cfg: EncoderConfig, tok: Optional[Tokenizer] = None) -> None:
     _WORKER["tok"] = tok
 
 
+def utf8_problem(exc: UnicodeDecodeError, data: bytes, prefix: str = "", suffix: str = "") -> tuple[str, str]:
+    """(reason, message) of bytes that do not decode: cut inside a character at the very end is a truncated input,
+    not invalid UTF-8."""
+    if exc.end >= len(data.rstrip(b"\r\n")) and "end of data" in exc.reason:
+        return "truncated_utf8", f"{prefix}ends inside a UTF-8 character at byte {exc.start}{suffix} (truncated?)"
+    return "invalid_utf8", f"{prefix}invalid UTF-8 at byte {exc.start}{suffix} ({exc.reason})"
+
+
 def _decode(kind: str, payload: Any, field: str) -> tuple[Optional[str], Optional[tuple[str, str]]]:
     """(text, None) or (None, (reason, message))."""
     if kind == "json":
@@ -189,9 +198,16 @@ def _decode(kind: str, payload: Any, field: str) -> tuple[Optional[str], Optiona
         try:
             obj = json.loads(payload)
         except json.JSONDecodeError as exc:
-            return None, ("bad_json", f"invalid JSON ({exc.msg} at column {exc.colno})")
+            return None, ("bad_json", f"invalid JSON ({exc.msg.removesuffix(' at')} at column {exc.colno})")
         except UnicodeDecodeError as exc:
-            return None, ("invalid_utf8", f"invalid UTF-8 at byte {exc.start} of the line ({exc.reason})")
+            return None, utf8_problem(exc, payload, suffix=" of the line")
+        except RecursionError:
+            return None, ("bad_json", f"invalid JSON (nested too deeply: over {sys.getrecursionlimit()} levels)")
+        except ValueError as exc:  # an integer of more than 4300 digits
+            return None, (
+                "bad_json",
+                f"invalid JSON ({'an integer of more than 4300 digits' if 'digits' in str(exc) else exc})",
+            )
         kind, payload = "obj", obj
     if kind == "obj":
         if not isinstance(payload, dict):
@@ -209,7 +225,7 @@ def _decode(kind: str, payload: Any, field: str) -> tuple[Optional[str], Optiona
             return payload.decode("utf-8"), None
         except UnicodeDecodeError as exc:
             line = payload.count(b"\n", 0, exc.start) + 1
-            return None, ("invalid_utf8", f"line {line}: invalid UTF-8 at byte {exc.start} ({exc.reason})")
+            return None, utf8_problem(exc, payload, prefix=f"line {line}: ")
     raise ValueError(f"unknown record kind {kind}")  # pragma: no cover
 
 

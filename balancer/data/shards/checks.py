@@ -112,9 +112,11 @@ def check_manifest_structure(folder: Path, m: dict) -> None:
         )
 
 
-def _check_files_inside(folder: Path, entry: dict) -> None:
+def check_files_inside(folder: Path, entry: dict, record: str = MANIFEST_NAME) -> None:
+    """Each file of the shard `entry` (of the manifest or state file `record`) is a regular file inside `folder`
+    of the recorded size."""
     for fn, meta in entry["files"].items():
-        st = check_file_name(folder, fn, str(folder / MANIFEST_NAME))
+        st = check_file_name(folder, fn, str(folder / record))
         _require(st is not None and stat.S_ISREG(st.st_mode), str(folder / fn), "missing (or not a regular file)")
         size = st.st_size
         _require(size == meta["bytes"], str(folder / fn), f"size {size} != {meta['bytes']} recorded in the manifest")
@@ -152,13 +154,17 @@ def _load_index(path: Path, meta: dict, rows: int) -> np.ndarray:
     return arr
 
 
-def _check_shard_index(folder: Path, entry: dict, prev_last_doc: int) -> tuple[np.ndarray, np.ndarray]:
+def check_shard_index(
+    folder: Path, entry: dict, prev_last_doc: int, record: str = MANIFEST_NAME
+) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, doc_ids) of the shard `entry` of the manifest or state file `record`, checked against the entry:
+    checksums, rows, tokens, longest row, first/last doc_id, input order after `prev_last_doc`, Arrow row count."""
     arrow, lfile, dfile = shard_file_names(entry["name"])
     lengths = _load_index(folder / lfile, entry["files"][lfile], entry["rows"])
     doc_ids = _load_index(folder / dfile, entry["files"][dfile], entry["rows"])
-    where = f"{folder / MANIFEST_NAME}: {entry['name']}"
+    where = f"{folder / record}: {entry['name']}"
     total = int(lengths.sum())
-    _require(total == entry["tokens"], where, f"{lfile} sums to {total} tokens, the manifest says {entry['tokens']}")
+    _require(total == entry["tokens"], where, f"{lfile} sums to {total} tokens, {record} says {entry['tokens']}")
     if len(lengths):
         _require(int(lengths.min()) >= 1, str(folder / lfile), "holds an empty row")
         longest = int(lengths.max())
@@ -172,7 +178,7 @@ def _check_shard_index(folder: Path, entry: dict, prev_last_doc: int) -> tuple[n
         arrow_rows = stream_row_count(folder / arrow)
     except ArrowHeaderError as exc:
         raise DataError(str(exc)) from None
-    _require(arrow_rows == entry["rows"], str(folder / arrow), f"{arrow_rows} rows, the manifest says {entry['rows']}")
+    _require(arrow_rows == entry["rows"], str(folder / arrow), f"{arrow_rows} rows, {record} says {entry['rows']}")
     return lengths, doc_ids
 
 
@@ -186,8 +192,8 @@ def open_folder(path: str | os.PathLike, full: bool = False) -> OpenedFolder:
     all_doc_ids: list[np.ndarray] = []
     last_doc = -1
     for entry in m["shards"]:
-        _check_files_inside(folder, entry)
-        lengths, doc_ids = _check_shard_index(folder, entry, last_doc)
+        check_files_inside(folder, entry)
+        lengths, doc_ids = check_shard_index(folder, entry, last_doc)
         if len(doc_ids):
             last_doc = int(doc_ids[-1])
         all_lengths.append(lengths)

@@ -42,17 +42,12 @@ def shard_file_names(name: str) -> tuple[str, str, str]:
 
 def load_manifest(path: str | os.PathLike) -> dict:
     """The manifest of a finished output folder; DataError when there is none (unfinished or not ours)."""
+    from balancer.data.shards.schema import load_record
+
     p = Path(path) / MANIFEST_NAME
     if not p.is_file():
         raise DataError(f"{path}: no {MANIFEST_NAME} (not a finished `balancer pretokenize` output)")
-    try:
-        with open(p, encoding="utf-8") as f:
-            m = json.load(f)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{p}: invalid JSON ({exc})") from exc
-    if not isinstance(m, dict) or m.get("format") != FORMAT_NAME:
-        raise DataError(f"{p}: not a {FORMAT_NAME} manifest")
-    return m
+    return load_record(p, "manifest")  # strict: exact types, no unknown keys, known format_version
 
 
 def load_json_file(path: Path) -> Optional[dict]:
@@ -86,32 +81,45 @@ def verify_shard_files(out: Path, entry: dict) -> Optional[str]:
 
 def fsync_file(path: Path) -> None:
     """Flush a finished file's bytes to disk (before it is renamed to its final name)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
-    """Write `obj` as JSON to `path` via a temporary file, fsync and rename: readers see old or new, never half."""
-    tmp = path.with_name(path.name + ".tmp")
+def create_new_file(path: Path) -> int:
+    """A write descriptor of a file created at `path`, which must not exist: never opened through a symlink (a
+    link or any other entry already there fails with FileExistsError naming it), so no write leaves the folder."""
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+
+
+def remove_if_present(path: Path) -> None:
+    """Remove the directory entry `path` (a link itself, never its target) when it exists."""
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """Write `obj` as JSON to `path` via a temporary file (created new, never through a symlink), fsync and
+    rename: readers see old or new, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    remove_if_present(tmp)  # a leftover of a killed run of ours (the output rules cleared anything else)
+    try:
+        with os.fdopen(create_new_file(tmp), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, sort_keys=False)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:  # disk full, interrupted: leave the old file, not half of a new one
-        try:
-            os.remove(tmp)
-        except FileNotFoundError:
-            pass
+        remove_if_present(tmp)
         raise
 
 
 def save_npy(path: Path, arr: np.ndarray) -> None:
     """An int64 index file (.npy, no pickles)."""
-    with open(path, "wb") as f:
+    with os.fdopen(create_new_file(path), "wb") as f:
         np.save(f, np.ascontiguousarray(arr, dtype=np.int64), allow_pickle=False)

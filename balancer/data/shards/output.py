@@ -1,11 +1,16 @@
-"""The output folder of `pretokenize` and `merge`: which files are provably ours, whether a folder may be written
-(fresh, resumed, already complete, or refused), and the lock that keeps two writers apart.
+"""The output folder of `pretokenize`, `merge` and `pack`: which files are provably ours, whether a folder may be
+written (fresh, resumed, already complete, or refused), the lock that keeps two writers apart, and
+`refuse_overwrite_of_inputs`, the guard every command that writes runs against its inputs.
 
-Ownership: a file is ours only when this tool's manifest or state file in the folder names it (shard files), when
-its content is what this tool writes (`state.json`, `dataset_info.json`, the lock), or when it is a temporary or
-shard file of a job whose manifest or state is in the folder (left by a killed run). `--overwrite` deletes only
-those; any other file is the user's and is never deleted (a user file with one of our names is refused). The
-rules take an `OutputKind`, the names one command writes (`PRETOKENIZE`, the default, or `pack`'s).
+Ownership (`ownership`): a file is ours only when it is a regular file (never a symlink) and
+- it is our manifest or state file (its content says so: our `format`, a `job`, the record lists);
+- its content is what this tool writes (`state.json`: only our shard names; `dataset_info.json`: our description);
+- a manifest or state of ours in the folder records it and its size and sha256 still match the record;
+- it is a leftover of the unfinished run whose state is in the folder: a temporary (`.tmp`) file of our names, or a
+  data file of an index the state has not recorded yet (the run was killed between writing and recording it).
+Any other file carrying one of our names is *disputed*: every run (plain, resume, `--overwrite`) stops naming it and
+its reason, and nothing is deleted. `--overwrite` deletes only owned files; files with other names are never touched.
+The rules take an `OutputKind`, the names one command writes (`PRETOKENIZE`, the default, or `pack`'s).
 """
 
 from __future__ import annotations
@@ -14,20 +19,25 @@ import json
 import os
 import re
 import socket
+import stat
+import sys
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from balancer.data.shards.errors import DataError
-from balancer.data.shards.manifest import FORMAT_NAME, MANIFEST_NAME, STATE_NAME, load_json_file
+from balancer.data.shards.errors import DataError, arg
+from balancer.data.shards.manifest import FORMAT_NAME, MANIFEST_NAME, STATE_NAME, load_json_file, sha256_file
 
 LOCK_NAME = ".balancer.lock"
 DATASETS_STATE = "state.json"
 DATASETS_INFO = "dataset_info.json"
 DATASETS_DESCRIPTION = "balancer pretokenize output: input_ids per row, doc_id = source record index"
 _SHARD_FILE_RE = re.compile(r"^shard-\d{5,}\.(arrow|lengths\.npy|doc_ids\.npy)$")
+# which record list a data file belongs to, and its index there (a leftover of an unrecorded index is ours)
+_SLOT_RE = re.compile(r"^\.?(shard|plan-epoch)-(\d{5,})\.")
+_SLOT_LISTS = {"shard": "shards", "plan-epoch": "plans"}
 
 
 @dataclass(frozen=True)
@@ -57,10 +67,20 @@ def is_output_name(name: str, kind: OutputKind = PRETOKENIZE) -> bool:
     return base in kind.fixed_names or bool(kind.file_re.match(base))
 
 
+def is_regular_file(path: Path) -> bool:
+    """A regular file itself (a symlink, even to a regular file, is not)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _our_job_record(path: Path, kind: OutputKind) -> Optional[dict]:
-    """The manifest or state file at `path` when this tool wrote it, else None."""
+    """The manifest or state file at `path` when this tool wrote it (a regular file), else None."""
+    if not is_regular_file(path):
+        return None
     data = load_json_file(path)
-    if not isinstance(data, dict) or "job" not in data:
+    if not isinstance(data, dict) or not isinstance(data.get("job"), str):
         return None
     if not all(isinstance(data.get(key), list) for key in kind.record_lists):
         return None
@@ -69,17 +89,37 @@ def _our_job_record(path: Path, kind: OutputKind) -> Optional[dict]:
     return data
 
 
-def _named_files(record: dict, kind: OutputKind) -> set[str]:
-    names = set()
+def is_our_record(path: Path, kind: OutputKind = PRETOKENIZE) -> bool:
+    """Whether `path` is a manifest or state file this tool wrote (a regular file with our record's shape)."""
+    return _our_job_record(path, kind) is not None
+
+
+def _recorded_files(record: dict, kind: OutputKind) -> dict[str, dict]:
+    """name -> {bytes, sha256} of every data file `record` (a manifest or state) names."""
+    named = {}
     for entry in (e for key in kind.record_lists for e in record[key]):
         files = entry.get("files") if isinstance(entry, dict) else None
         if isinstance(files, dict):
-            names.update(n for n in files if isinstance(n, str) and kind.file_re.match(n))
-    return names
+            named.update({n: m for n, m in files.items() if isinstance(n, str) and kind.file_re.match(n)})
+    return named
+
+
+def _mismatch(path: Path, meta: object) -> Optional[str]:
+    """None when `path` is a regular file of the recorded size and sha256, else what differs."""
+    if not is_regular_file(path):
+        return "is not a regular file (a symlink?)"
+    if not isinstance(meta, dict):
+        return "has no size/sha256 in the record"
+    size = os.path.getsize(path)
+    if size != meta.get("bytes"):
+        return f"is {size} bytes, the record says {meta.get('bytes')}"
+    if sha256_file(path) != meta.get("sha256"):
+        return "differs from the recorded sha256"
+    return None
 
 
 def _is_our_metadata(path: Path, kind: OutputKind) -> bool:
-    data = load_json_file(path)
+    data = load_json_file(path) if is_regular_file(path) else None
     if not isinstance(data, dict):
         return False
     if path.name == DATASETS_STATE:
@@ -90,27 +130,66 @@ def _is_our_metadata(path: Path, kind: OutputKind) -> bool:
     return data.get("description") == kind.description
 
 
+@dataclass
+class Ownership:
+    """The entries of an output folder, sorted by the rules of the module docstring."""
+
+    manifest: Optional[dict] = None
+    state: Optional[dict] = None
+    owned: set[str] = field(default_factory=set)
+    disputed: dict[str, str] = field(default_factory=dict)  # name -> why it is not provably ours
+    foreign: set[str] = field(default_factory=set)  # other names: the user's, never touched
+
+
+def _is_leftover(name: str, state: dict) -> bool:
+    if name.endswith(".tmp"):
+        return True
+    slot = _SLOT_RE.match(name)
+    if slot is None:
+        return False
+    recorded = state.get(_SLOT_LISTS[slot.group(1)])
+    return isinstance(recorded, list) and int(slot.group(2)) >= len(recorded)
+
+
+def ownership(out: Path, kind: OutputKind = PRETOKENIZE) -> Ownership:
+    """Sort the entries of `out` into owned, disputed and foreign (reads every recorded file's sha256)."""
+    entries = set(os.listdir(out)) - {LOCK_NAME}
+    own = Ownership(_our_job_record(out / MANIFEST_NAME, kind), _our_job_record(out / kind.state_name, kind))
+    for name, record in ((MANIFEST_NAME, own.manifest), (kind.state_name, own.state)):
+        if record is not None:
+            own.owned.add(name)
+    for name in (DATASETS_STATE, DATASETS_INFO):
+        if name in entries and _is_our_metadata(out / name, kind):
+            own.owned.add(name)
+    if is_regular_file(out / (kind.state_name + ".tmp")):  # a hidden name of ours: killed before the first rename
+        own.owned.add(kind.state_name + ".tmp")
+    for record, source in ((own.manifest, MANIFEST_NAME), (own.state, kind.state_name)):
+        for name, meta in (_recorded_files(record, kind) if record else {}).items():
+            if name in entries and name not in own.owned and name not in own.disputed:
+                problem = _mismatch(out / name, meta)
+                if problem is None:
+                    own.owned.add(name)
+                else:
+                    own.disputed[name] = f"recorded in {source} but {problem}"
+    for name in sorted(entries - own.owned - set(own.disputed)):
+        if not is_output_name(name, kind):
+            own.foreign.add(name)
+        elif own.state is not None and is_regular_file(out / name) and _is_leftover(name, own.state):
+            own.owned.add(name)
+        else:
+            own.disputed[name] = "has a name this tool writes, but no manifest or state of ours here records it"
+    return own
+
+
 def owned_files(out: Path, kind: OutputKind = PRETOKENIZE) -> set[str]:
     """Names in `out` this tool provably wrote (see the module docstring)."""
-    entries = set(os.listdir(out))
-    names = (MANIFEST_NAME, kind.state_name)
-    records = [r for r in (_our_job_record(out / n, kind) for n in names) if r]
-    owned = {n for n in names if n in entries and _our_job_record(out / n, kind)}
-    owned |= {n for n in (DATASETS_STATE, DATASETS_INFO) if n in entries and _is_our_metadata(out / n, kind)}
-    if kind.state_name + ".tmp" in entries:  # a hidden name of ours: a run killed before its first state rename
-        owned.add(kind.state_name + ".tmp")
-    for record in records:
-        owned |= _named_files(record, kind) & entries
-    if records:  # leftovers of a killed run of this job: data files not yet recorded, temporary files
-        owned |= {n for n in entries if is_output_name(n, kind)}
-    return owned
+    return ownership(out, kind).owned
 
 
-def clear_outputs(out: Path, keep: Iterable[str] = (), kind: OutputKind = PRETOKENIZE) -> None:
-    """Remove the files we own in `out` except `keep`; the manifest and state file last, so that a kill midway
-    leaves the proof of ownership of whatever is still there."""
-    keep = set(keep)
-    doomed = owned_files(out, kind) - keep
+def clear_outputs(out: Path, names: Iterable[str], keep: Iterable[str] = (), kind: OutputKind = PRETOKENIZE) -> None:
+    """Remove `names` (owned files, from `ownership`) except `keep`; the manifest and state file last, so that a
+    kill midway leaves the proof of ownership of whatever is still there. Links are removed, never followed."""
+    doomed = set(names) - set(keep)
     proofs = [n for n in (kind.state_name, MANIFEST_NAME) if n in doomed]
     for name in sorted(doomed - set(proofs)) + proofs:
         try:
@@ -123,55 +202,97 @@ def _inside(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def check_output_vs_inputs(out: Path, inputs: Sequence[str]) -> None:
-    """Refuse an output folder that is, contains, or is inside an input (file or folder)."""
-    real_out = os.path.realpath(out)
-    for spec in inputs:
-        if not os.path.exists(spec):
-            continue  # a hub dataset name
+def refuse_overwrite_of_inputs(
+    output_path: str | os.PathLike, input_paths: Iterable[str | os.PathLike], flag_names: Sequence[str]
+) -> None:
+    """Raise DataError when writing `output_path` (a file or a folder, existing or not) could replace or write into
+    one of `input_paths`: it is an input (the same path after symlinks, or the same file through a hard link), it
+    lies inside an input folder, or (a folder) it contains an input. Inputs that do not exist are skipped (a hub
+    dataset name). `flag_names` = (what the output is called, what the inputs are called) in the message: the CLI's
+    flags (`("-o", "LENGTHS")`) or the API's argument names."""
+    out_name, in_name = flag_names
+    real_out = os.path.realpath(output_path)
+    for spec in input_paths:
+        if not os.path.lexists(spec):
+            continue
         real_in = os.path.realpath(spec)
-        if real_in == real_out:
-            raise DataError(f"--output {out} is the input {spec}; write to another folder")
-        if _inside(real_in, real_out):
-            raise DataError(f"--output {out} contains the input {spec}; write to a folder outside it")
+        same = real_in == real_out
+        if not same and os.path.exists(output_path) and os.path.exists(spec):
+            same = os.path.samefile(output_path, spec)  # a hard link to the input
+        where = f"{out_name} {output_path}"
+        if same:
+            raise DataError(f"{where} is the input {spec} ({in_name}); write to another path")
         if _inside(real_out, real_in):
-            raise DataError(f"--output {out} is inside the input {spec}; write to a folder outside it")
+            raise DataError(f"{where} is inside the input {spec} ({in_name}); write outside it")
+        if _inside(real_in, real_out):
+            raise DataError(f"{where} contains the input {spec} ({in_name}); write to a path outside it")
+
+
+def check_output_vs_inputs(out: Path, inputs: Sequence[str], input_name: str = "inputs") -> None:
+    """Refuse an output folder that is, contains, or is inside an input (file or folder)."""
+    refuse_overwrite_of_inputs(out, inputs, (arg("output"), arg(input_name)))
+
+
+def _refuse_disputed(out: Path, own: Ownership) -> None:
+    if own.disputed:
+        name, why = sorted(own.disputed.items())[0]
+        more = f" (and {len(own.disputed) - 1} more such file(s))" if len(own.disputed) > 1 else ""
+        raise DataError(
+            f"{out / name}: {why}{more}; it is not provably this tool's, so no run replaces or deletes it: "
+            f"move it away (or delete it if it is not yours)"
+        )
+
+
+def _is_unstarted(state: dict, kind: OutputKind) -> bool:
+    """The state of a run that recorded nothing yet (it failed or was stopped before its first shard)."""
+    return all(not state[key] for key in kind.record_lists)
 
 
 def prepare_output(
-    out: Path, job: str, slice_: Optional[dict], overwrite: bool, kind: OutputKind = PRETOKENIZE
-) -> tuple[str, Optional[dict]]:
-    """('fresh'|'resume'|'complete', state or manifest). Refuses a folder holding something else; with
-    `overwrite`, deletes only our files and refuses user files that carry one of our names."""
-    owned = owned_files(out, kind)
-    foreign = sorted(set(os.listdir(out)) - owned - {LOCK_NAME})
-    if not foreign and owned <= {kind.state_name + ".tmp"}:  # empty, or killed before the first state rename
-        clear_outputs(out, kind=kind)
-        return "fresh", None
+    out: Path,
+    job: str,
+    slice_: Optional[dict],
+    overwrite: bool,
+    kind: OutputKind = PRETOKENIZE,
+    explain: Optional[Callable[[dict], Optional[str]]] = None,
+) -> tuple[str, Optional[dict], set[str]]:
+    """('fresh'|'resume'|'complete', state or manifest, owned names) for job `job` in the existing folder `out`.
+    Refuses a folder holding something else, and any disputed file whatever the flags; with `overwrite` the owned
+    files are left for the caller to clear (`clear_outputs`). A folder holding only the state of an unfinished run
+    of other options that recorded nothing is reused (one log line). `explain(record)` may say how a different
+    job differs (e.g. which input changed)."""
     manifest = _our_job_record(out / MANIFEST_NAME, kind)
-    state = _our_job_record(out / kind.state_name, kind)
-    if not overwrite:
-        if manifest is not None and manifest.get("job") == job and manifest.get("slice") == slice_:
-            return "complete", manifest
-        if manifest is None and state is not None and state.get("job") == job and state.get("slice") == slice_:
-            return "resume", state
-        if manifest is not None or state is not None:
+    if not overwrite and manifest is not None and manifest.get("job") == job and manifest.get("slice") == slice_:
+        return "complete", manifest, set()  # the caller verifies every byte
+    own = ownership(out, kind)
+    _refuse_disputed(out, own)
+    state = own.state
+    if manifest is None and state is None:
+        if own.foreign and not overwrite:
+            example = sorted(own.foreign)[0]
             raise DataError(
-                f"--output {out} holds a different job of `balancer {kind.command}` (other inputs or options); "
-                f"pass --overwrite to replace it"
+                f"{arg('output')} {out} is not empty and holds no {kind.command} job "
+                f"({len(own.foreign)} entries, e.g. {example!r}); pass {arg('overwrite', True)} to use it "
+                f"(your files stay)"
             )
-        raise DataError(
-            f"--output {out} is not empty and holds no {kind.command} job "
-            f"({len(foreign)} entries, e.g. {foreign[0]!r}); pass --overwrite to use it"
+        return "fresh", None, own.owned
+    if overwrite:
+        return "fresh", None, own.owned
+    if manifest is None and state.get("job") == job and state.get("slice") == slice_:
+        return "resume", state, own.owned
+    if manifest is None and _is_unstarted(state, kind):
+        print(
+            f"{out}: reusing the folder: it holds only the state of an unfinished `balancer {kind.command}` run "
+            f"with other inputs or options that wrote nothing",
+            file=sys.stderr,
+            flush=True,
         )
-    clashing = [n for n in foreign if is_output_name(n, kind)]
-    if clashing:
-        raise DataError(
-            f"--output {out}: {clashing[0]!r} has a name this tool writes but was not written by it "
-            f"(no manifest or state of ours names it); move it away, --overwrite never deletes your files"
-        )
-    clear_outputs(out, kind=kind)
-    return "fresh", None
+        return "fresh", None, own.owned
+    why = (explain(manifest or state) if explain else None) or "other inputs or options"
+    raise DataError(
+        f"{arg('output')} {out} holds a different job of `balancer {kind.command}` ({why}); "
+        f"pass {arg('overwrite', True)} to replace it"
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -179,8 +300,19 @@ def prepare_output(
 
 
 def _lock_owner(path: Path) -> str:
-    data = load_json_file(path) or {}
+    data = (load_json_file(path) if is_regular_file(path) else None) or {}
     return f"pid {data.get('pid', '?')} on host {data.get('host', '?')} since {data.get('started', '?')}"
+
+
+def _is_lock_content(data: bytes) -> bool:
+    """Empty (created, not yet written) or the JSON owner record this tool writes."""
+    if not data:
+        return True
+    try:
+        record = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(record, dict) and set(record) == {"pid", "host", "started"}
 
 
 class OutputLock:
@@ -197,7 +329,20 @@ class OutputLock:
         import fcntl
 
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:  # never through a symlink: the lock file is written
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            except OSError as exc:
+                raise DataError(
+                    f"{self.path}: cannot be opened as the lock file ({exc.strerror}); it must be a regular file "
+                    f"(this tool never writes through a symlink): remove it"
+                ) from None
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+                os.close(fd)
+                raise DataError(
+                    f"{self.path}: not a lock file of this tool (not a regular file, or a hard link to another file); "
+                    f"remove it"
+                )
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -207,12 +352,15 @@ class OutputLock:
                     f"it to finish, or stop it; if no such process is running, delete {self.path} and run again"
                 ) from None
             try:
-                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+                same = os.fstat(fd).st_ino == os.lstat(self.path).st_ino
             except FileNotFoundError:
                 same = False
             if same:  # else the previous holder removed the file after we opened it: take the new one
                 break
             os.close(fd)
+        if not _is_lock_content(os.pread(fd, 4096, 0)):
+            os.close(fd)
+            raise DataError(f"{self.path}: not a lock file of this tool (other content); move it away")
         owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
@@ -230,11 +378,11 @@ class OutputLock:
         self.fd = None
 
 
-def open_output(out: Path, inputs: Sequence[str]) -> OutputLock:
+def open_output(out: Path, inputs: Sequence[str], input_name: str = "inputs") -> OutputLock:
     """Create `out` (refusing a non-folder, or a folder that is, holds or lies in an input) and return its lock
     (use as a context manager)."""
-    check_output_vs_inputs(out, inputs)
+    check_output_vs_inputs(out, inputs, input_name)
     if out.exists() and not out.is_dir():
-        raise DataError(f"--output {out} exists and is not a directory")
+        raise DataError(f"{arg('output')} {out} exists and is not a directory")
     out.mkdir(parents=True, exist_ok=True)
     return OutputLock(out)

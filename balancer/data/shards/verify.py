@@ -8,7 +8,7 @@ from typing import Optional
 
 import numpy as np
 
-from balancer.data.shards.checks import check_file_name, check_manifest_structure
+from balancer.data.shards.checks import check_file_name, check_files_inside, check_manifest_structure, check_shard_index
 from balancer.data.shards.dataset import _open_arrow
 from balancer.data.shards.errors import DataError
 from balancer.data.shards.manifest import MANIFEST_NAME, load_manifest, shard_file_names, verify_shard_files
@@ -22,7 +22,32 @@ def _row_lengths(table) -> np.ndarray:
     return np.concatenate([np.diff(c.offsets.to_numpy()) for c in col.chunks])
 
 
-def _check_shard(out: Path, entry: dict, cap: Optional[int], last_doc: int) -> tuple[list[str], int, int, int]:
+def _check_token_types(out: Path, arrow: str, table, tokenizer: dict) -> list[str]:
+    """The Arrow columns' types against the manifest's tokenizer dtype, and every id below its vocabulary."""
+    problems = []
+    ids_type = table.schema.field("input_ids").type
+    value_type = str(getattr(ids_type, "value_type", ids_type))
+    if value_type != tokenizer["dtype"]:
+        problems.append(
+            f"{out / arrow}: token ids are {value_type}, the manifest's tokenizer.dtype is {tokenizer['dtype']}"
+        )
+    elif table.num_rows:
+        values = [c.values.to_numpy() for c in table.column("input_ids").chunks if len(c.values)]
+        top = max((int(v.max()) for v in values), default=-1)
+        low = min((int(v.min()) for v in values), default=0)
+        if top >= tokenizer["vocab_size"] or low < 0:
+            problems.append(
+                f"{out / arrow}: token id {top if top >= tokenizer['vocab_size'] else low} is outside the "
+                f"vocabulary [0, {tokenizer['vocab_size']}) of the manifest's tokenizer"
+            )
+    if str(table.schema.field("doc_id").type) != "int64":
+        problems.append(f"{out / arrow}: doc_id column is {table.schema.field('doc_id').type}, expected int64")
+    return problems
+
+
+def _check_shard(
+    out: Path, entry: dict, cap: Optional[int], last_doc: int, tokenizer: dict
+) -> tuple[list[str], int, int, int]:
     """(problems, rows, tokens, last doc_id) of one shard whose files match their checksums."""
     arrow, lfile, dfile = shard_file_names(entry["name"])
     try:
@@ -31,7 +56,7 @@ def _check_shard(out: Path, entry: dict, cap: Optional[int], last_doc: int) -> t
         docs = table.column("doc_id").to_numpy()
     except Exception as exc:  # noqa: BLE001
         return [f"{out / arrow}: unreadable Arrow data ({type(exc).__name__}: {exc})"], 0, 0, last_doc
-    problems: list[str] = []
+    problems: list[str] = _check_token_types(out, arrow, table, tokenizer)
     index_lengths = np.load(out / lfile, allow_pickle=False)
     index_docs = np.load(out / dfile, allow_pickle=False)
     if table.num_rows != entry["rows"]:
@@ -53,20 +78,58 @@ def _check_shard(out: Path, entry: dict, cap: Optional[int], last_doc: int) -> t
     return problems, int(table.num_rows), int(lengths.sum()), last_doc
 
 
+def _check_manifest_values(out: Path, m: dict) -> None:
+    """What the schema cannot say alone: the tokenizer's dtype fits its vocabulary, EOS inside it, the features
+    name the dtype, the counts agree with each other."""
+    where = out / MANIFEST_NAME
+    tok = m["tokenizer"]
+    dtype = "uint16" if tok["vocab_size"] <= 65536 else "int32"
+    if tok["dtype"] != dtype:
+        raise DataError(
+            f"{where}: tokenizer.dtype {tok['dtype']} but a vocabulary of {tok['vocab_size']} is stored as {dtype}"
+        )
+    if tok["eos_id"] is not None and tok["eos_id"] >= tok["vocab_size"]:
+        raise DataError(f"{where}: tokenizer.eos_id {tok['eos_id']} is outside the vocabulary ({tok['vocab_size']})")
+    if m["features"] != {"input_ids": f"list<{dtype}>", "doc_id": "int64"}:
+        raise DataError(f"{where}: features {m['features']} disagree with tokenizer.dtype {tok['dtype']}")
+    c = m["counts"]
+    if c["documents"] > c["rows"] or c["documents"] + sum(c["skipped"].values()) > c["records"]:
+        raise DataError(
+            f"{where}: counts disagree (documents {c['documents']}, rows {c['rows']}, records {c['records']})"
+        )
+
+
+def _open_checks(out: Path, m: dict) -> list[str]:
+    """The checks every reader runs on open (`open_folder`), as problems."""
+    last_doc = -1
+    for entry in m["shards"]:
+        try:
+            check_files_inside(out, entry)
+            _, doc_ids = check_shard_index(out, entry, last_doc)
+        except DataError as exc:
+            return [str(exc)]
+        if len(doc_ids):
+            last_doc = int(doc_ids[-1])
+    return []
+
+
 def verify(path: str | os.PathLike) -> list[str]:
     """Check an output folder: checksums and sizes of every file, rows and tokens per shard and in total, the
     lengths and doc_id index against the Arrow data, doc_ids in input order, no stray files. Returns the problems
     (empty = OK), each naming the file."""
     out = Path(path)
     try:
-        m = load_manifest(out)
+        m = load_manifest(out)  # strict JSON: types, keys, ranges, format_version
         check_manifest_structure(out, m)
+        _check_manifest_values(out, m)
         for entry in m["shards"]:  # never follow a name out of the folder
             for fn in entry["files"]:
                 check_file_name(out, fn, str(out / MANIFEST_NAME))
     except DataError as exc:
         return [str(exc)]
-    problems: list[str] = []
+    problems: list[str] = _open_checks(out, m)
+    if problems:  # the readers refuse this folder: say why (the byte checks below would repeat it)
+        return problems
     rows = tokens = 0
     last_doc = -1
     expected = {MANIFEST_NAME, "state.json", "dataset_info.json"}
@@ -78,7 +141,7 @@ def verify(path: str | os.PathLike) -> list[str]:
         if bad:
             problems.append(bad)
             continue
-        found, shard_rows, shard_tokens, last_doc = _check_shard(out, entry, cap, last_doc)
+        found, shard_rows, shard_tokens, last_doc = _check_shard(out, entry, cap, last_doc, m["tokenizer"])
         problems.extend(found)
         rows += shard_rows
         tokens += shard_tokens

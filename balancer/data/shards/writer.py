@@ -12,7 +12,15 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from balancer.data.shards.manifest import atomic_write_json, fsync_file, save_npy, sha256_file, shard_file_names
+from balancer.data.shards.manifest import (
+    atomic_write_json,
+    create_new_file,
+    fsync_file,
+    remove_if_present,
+    save_npy,
+    sha256_file,
+    shard_file_names,
+)
 from balancer.data.shards.output import DATASETS_DESCRIPTION, DATASETS_INFO, DATASETS_STATE
 
 FLUSH_TOKENS = 1 << 20  # record batches of other row writers (balancer pack): at most ~1M tokens ...
@@ -32,6 +40,13 @@ def shard_features(dtype: np.dtype):
     )
 
 
+def new_arrow_sink(path: Path) -> pa.NativeFile:
+    """An Arrow output stream into a file created new at `path` (a leftover of ours there is removed first; the file
+    is never opened through a symlink)."""
+    remove_if_present(path)
+    return pa.PythonFile(os.fdopen(create_new_file(path), "wb"), mode="w")
+
+
 def crc32(data: bytes) -> int:
     """The CRC-32 (zlib) of `data`, as an unsigned int."""
     return zlib.crc32(data) & 0xFFFFFFFF
@@ -47,7 +62,7 @@ class ShardWriter:
         self.dtype = dtype
         self.arrow_name, self.lengths_name, self.doc_ids_name = shard_file_names(self.name)
         self.tmp = out / (self.arrow_name + ".tmp")
-        self.sink = pa.OSFile(str(self.tmp), "wb")
+        self.sink = new_arrow_sink(self.tmp)
         self.writer = pa.ipc.new_stream(self.sink, schema)
         self.buf_ids: list[np.ndarray] = []
         self.buf_docs: list[int] = []
@@ -97,6 +112,8 @@ class ShardWriter:
         docs = np.concatenate(self.all_docs) if self.all_docs else np.zeros(0, np.int64)
         tmp_l = self.out / (self.lengths_name + ".tmp")
         tmp_d = self.out / (self.doc_ids_name + ".tmp")
+        remove_if_present(tmp_l)
+        remove_if_present(tmp_d)
         save_npy(tmp_l, lengths)
         save_npy(tmp_d, docs)
         files = {}
