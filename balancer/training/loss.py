@@ -14,12 +14,18 @@ with DDP multiply the loss by the DP x CP world size, or use a sum-reducing comm
 documents of the step with at least one loss token (`BalancedBatchSampler.step_num_sequences(step)`); a document
 split into windows counts each window as a sequence. Needs per-token document ids (`seq_ids` from PackedCollator)
 and the per-document global loss-token counts (`seq_loss_tokens`).
+
+RL and preference losses on fixed batches (`balancer.balance_batch`): `step_counts` takes the global counts of a
+step from the plan, `rl_loss` weights per-token losses for token-mean, sequence-mean and per-group (GRPO)
+normalisation, `sequence_logps` and `dpo_loss` give the DPO loss; docs/post-training.md.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -92,3 +98,128 @@ def batch_loss(
         seq_loss_tokens=batch.get("seq_loss_tokens"),
         num_sequences_global=num_sequences_global,
     )
+
+
+# ---- RL and preference losses on fixed batches (balancer.balance_batch) ---------------------------------------------
+# Every function below returns this micro-batch's share of the step's loss: summed over all micro-batches and DP x CP
+# ranks of the step (gradient accumulation, then a SUM all-reduce), it is the loss of the whole step as the unpacked
+# reference computes it, because every normaliser is a global count taken from the plan (`step_counts`).
+
+RL_REDUCTIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "group-mean-token-mean")
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """Global counts of one step of a plan: `num_tokens` loss tokens, `num_sequences` documents and `num_groups`
+    groups with at least one loss token; per document (global id) its loss tokens `doc_tokens` and group index
+    `doc_group` (0..num_groups-1, -1 outside the step or without loss tokens); per group its loss tokens."""
+
+    num_tokens: int
+    num_sequences: int
+    num_groups: int
+    doc_tokens: np.ndarray
+    doc_group: np.ndarray
+    group_tokens: np.ndarray
+
+
+def step_counts(plan, step: int, loss_tokens, groups=None) -> StepCounts:
+    """The counts of `plan`'s step `step`: `loss_tokens[d]` is document d's loss-token count (e.g. its response
+    tokens), `groups[d]` its group (a GRPO prompt, a preference pair; default: every document its own group). A
+    document counts whole in the step holding it (plan with overflow="error" so documents are never cut)."""
+    loss_tokens = np.asarray(loss_tokens, dtype=np.int64)
+    if loss_tokens.shape != (plan.num_docs,):
+        raise ValueError(f"loss_tokens must hold one count per document ({plan.num_docs}), got {loss_tokens.shape}")
+    in_step = np.zeros(plan.num_docs, dtype=bool)
+    in_step[plan.doc[plan.step_of_entry() == step]] = True
+    counted = in_step & (loss_tokens > 0)
+    group_id = np.arange(plan.num_docs) if groups is None else np.asarray(groups).reshape(-1)
+    if len(group_id) != plan.num_docs:
+        raise ValueError(f"groups must hold one group id per document ({plan.num_docs}), got {len(group_id)}")
+    present, dense = np.unique(group_id[counted], return_inverse=True)
+    doc_group = np.full(plan.num_docs, -1, dtype=np.int64)
+    doc_group[counted] = dense.reshape(-1)
+    return StepCounts(
+        num_tokens=int(loss_tokens[counted].sum()),
+        num_sequences=int(counted.sum()),
+        num_groups=len(present),
+        doc_tokens=np.where(in_step, loss_tokens, 0),
+        doc_group=doc_group,
+        group_tokens=np.bincount(dense.reshape(-1), weights=loss_tokens[counted], minlength=len(present)),
+    )
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Log-probability of each pre-shifted target (`labels`, as PackedCollator makes them), 0 where there is none;
+    float32 at least."""
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
+    lg = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    valid = labels != ignore_index
+    picked = torch.gather(lg.log_softmax(-1), -1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return torch.where(valid, picked, torch.zeros_like(picked))
+
+
+def token_doc_ids(seq_ids: torch.Tensor, docs) -> torch.Tensor:
+    """Global document id of every token of a collated micro-batch: `seq_ids` (PackedCollator) indexes the
+    micro-batch's documents `docs` (in the order the plan lists them); -1 for padding."""
+    table = torch.as_tensor(list(docs), dtype=torch.int64, device=seq_ids.device)
+    return torch.where(seq_ids >= 0, table[seq_ids.clamp(min=0)], torch.full_like(seq_ids, -1))
+
+
+def rl_loss(
+    per_token: torch.Tensor,
+    loss_mask: torch.Tensor,
+    doc_ids: torch.Tensor,
+    counts: StepCounts,
+    reduction: str = "token-mean",
+) -> torch.Tensor:
+    """This micro-batch's share of the step's RL loss from per-token losses (e.g. `-advantage * ratio`, clipped):
+    - "token-mean": `sum over the step's loss tokens / num_tokens`;
+    - "seq-mean-token-mean": every document's token-mean, averaged over the step's documents;
+    - "seq-mean-token-sum": every document's token-sum, averaged over the documents;
+    - "group-mean-token-mean": every group's token-mean (all its documents' tokens), averaged over the groups (GRPO
+      per-prompt normalisation).
+    `loss_mask` marks loss tokens, `doc_ids` the global document of each token (`token_doc_ids`)."""
+    if reduction not in RL_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {RL_REDUCTIONS}, got {reduction!r}")
+    mask = loss_mask.bool() & (doc_ids >= 0)
+    doc = doc_ids.clamp(min=0).cpu().numpy()
+    if reduction == "token-mean":
+        weight = np.full(doc.shape, 1.0 / max(counts.num_tokens, 1))
+    elif reduction == "seq-mean-token-mean":
+        weight = 1.0 / np.maximum(counts.doc_tokens[doc], 1) / max(counts.num_sequences, 1)
+    elif reduction == "seq-mean-token-sum":
+        weight = np.full(doc.shape, 1.0 / max(counts.num_sequences, 1))
+    else:
+        group = counts.doc_group[doc]
+        weight = 1.0 / np.maximum(counts.group_tokens[np.maximum(group, 0)], 1) / max(counts.num_groups, 1)
+    w = torch.as_tensor(weight, dtype=per_token.dtype, device=per_token.device)
+    return torch.where(mask, per_token * w, torch.zeros_like(per_token)).sum()
+
+
+def sequence_logps(token_logps: torch.Tensor, seq_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """[num_sequences] summed log-probabilities of every document of a micro-batch (padding dropped). With CP each
+    rank holds part of every document: all-reduce the result over the CP group with
+    `torch.distributed.nn.functional.all_reduce` (it carries the gradient)."""
+    sid = seq_ids.reshape(-1)
+    keep = sid >= 0
+    out = torch.zeros(num_sequences, dtype=token_logps.dtype, device=token_logps.device)
+    return out.index_add(0, sid[keep], token_logps.reshape(-1)[keep])
+
+
+def dpo_loss(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    num_pairs_global: int,
+) -> torch.Tensor:
+    """This micro-batch's share of the step's DPO loss: `sum over its pairs of -log sigmoid(beta * ((chosen -
+    ref_chosen) - (rejected - ref_rejected))) / num_pairs_global` (sequence log-probabilities; the step's pair
+    count from `step_counts(..., groups=pair ids).num_groups`). Keep pairs in one micro-batch
+    (`balance_batch(..., groups=pair_ids, keep="micro_batch")`)."""
+    if num_pairs_global <= 0:
+        raise ValueError(f"num_pairs_global must be > 0, got {num_pairs_global!r}")
+    margin = beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
+    return -F.logsigmoid(margin).sum() / float(num_pairs_global)
