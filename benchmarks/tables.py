@@ -433,7 +433,33 @@ def window_billion() -> str:
     )
 
 
+def post_training() -> str:
+    data = load("post_training")
+    rows = [
+        [
+            row["case"],
+            str(row["mini_batches"]),
+            row["planner"],
+            str(row["micro_batches"]),
+            fmt(row["worst_ratio"], ".4f"),
+            fmt(row["mean_ratio"], ".4f"),
+            fmt(row.get("pipeline_order_saving"), ".1%"),
+            fmt(row["plan_cpu_ms"], ".0f"),
+        ]
+        for row in sorted(data["rows"], key=lambda r: (r["case"], r["mini_batches"], r["planner"]))
+    ]
+    header = ["batch, topology", "mini-batches", "planner", "micro-batches (max)", "worst step / bound"]
+    header += ["mean step / bound", "1F1B saving of the pipeline order", "plan CPU ms"]
+    goal = data["goal"]
+    return (
+        f"{markdown(header, rows)}\n\nSeeds {', '.join(map(str, data['seeds']))} (one batch each); verl: "
+        f"{data['verl']}. Goal (balancer's worst step within 3% of the bound): "
+        f"{'met' if goal['met'] else 'missed'}. Plan times: {_machine(data)}."
+    )
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "post_training": post_training,
     "window_first_batch": window_first_batch,
     "window_quality": window_quality,
     "window_quality_scaled": lambda: window_quality("quality_scaled"),
