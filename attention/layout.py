@@ -99,11 +99,15 @@ class CPLayout:
         split_threshold: Optional[int] = None,
         max_tokens: Optional[int] = None,
         tolerance: Optional[float] = None,
+        cost=None,
+        method: Optional[str] = None,
     ) -> CPLayout:
         """Layout of packed documents ``cu_seqlens`` (ints [n_docs+1], starting at 0, non-decreasing) over
-        ``cp_size`` ranks. ``split_threshold``, ``max_tokens`` (per rank) and ``tolerance`` are hybrid options (see
-        :mod:`attention.placement`); other kinds reject them. Vectorised for zigzag/contiguous; hybrid placement
-        loops over documents (a few microseconds each)."""
+        ``cp_size`` ranks. ``split_threshold``, ``max_tokens`` (per rank), ``tolerance``, ``cost`` (a
+        ``balancer.CostModel`` or its dict: split what the prediction says is fastest) and ``method`` (the
+        prediction's, default ring) are hybrid options (see :mod:`attention.placement`); other kinds reject them.
+        Vectorised for zigzag/contiguous; hybrid placement loops over documents (a few microseconds each; with
+        ``cost``, once per candidate split set)."""
         cu = _check_cu_seqlens(cu_seqlens)
         lens = np.diff(cu)
         if not isinstance(cp_size, (int, np.integer)) or isinstance(cp_size, bool) or cp_size < 1:
@@ -116,13 +120,15 @@ class CPLayout:
         doc_rank = np.full(n, -1, dtype=np.int64)
         options: dict = {}
         if kind == "hybrid":
-            options = check_options(split_threshold, max_tokens, tolerance)
+            options = check_options(split_threshold, max_tokens, tolerance, cost, method)
             split, doc_rank = hybrid_assignment(lens, cp, options)
         else:
             for name, value in (
                 ("split_threshold", split_threshold),
                 ("max_tokens", max_tokens),
                 ("tolerance", tolerance),
+                ("cost", cost),
+                ("method", method),
             ):
                 if value is not None:
                     raise ValueError(f"{name} is an option of the hybrid layout only, not of kind {kind!r}")
@@ -155,7 +161,7 @@ class CPLayout:
         """Build from a :meth:`layout_spec` dict (as a plan records it): ``{"kind": ..., **options}``."""
         if not isinstance(spec, dict) or "kind" not in spec:
             raise ValueError(f"a layout spec must be a dict with a 'kind', got {spec!r}")
-        unknown = set(spec) - {"kind", "split_threshold", "max_tokens", "tolerance"}
+        unknown = set(spec) - {"kind", "split_threshold", "max_tokens", "tolerance", "cost", "method"}
         if unknown:
             raise ValueError(f"unknown layout option(s) {sorted(unknown)} in {spec!r}")
         return cls.build(cu_seqlens, cp_size, **spec)

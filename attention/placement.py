@@ -15,7 +15,11 @@ run most models' forward pass.
 
 Split set: documents longer than ``split_threshold`` tokens when one is given. Without one (the default), the fewest
 longest documents are split such that the relative load of every rank is at most ``1 + tolerance`` (default
-``DEFAULT_TOLERANCE``): candidates 0, 1, 2, 3, 4, 6, 9, 13, ... longest documents are tried in turn.
+``DEFAULT_TOLERANCE``): candidates 0, 1, 2, 3, 4, 6, 9, 13, ... longest documents are tried in turn. Given a
+``cost`` model (a ``balancer.CostModel`` with per-piece and communication terms, e.g. calibrated on the machine),
+every candidate, all documents included (= zigzag), is placed and the one with the least predicted time of the
+slowest rank (``balancer.planning.predict``, for ``method``) is kept: where the prediction says keeping documents
+whole loses, the layout is zigzag's.
 """
 
 from __future__ import annotations
@@ -46,8 +50,9 @@ def _check_int_option(name: str, value, lowest: int) -> Optional[int]:
     return int(value)
 
 
-def check_options(split_threshold, max_tokens, tolerance) -> dict:
-    """Validated hybrid options as a plain dict (the layout spec's options); ValueError names the bad option."""
+def check_options(split_threshold, max_tokens, tolerance, cost=None, method=None) -> dict:
+    """Validated hybrid options as a plain dict (the layout spec's options); ValueError names the bad option.
+    ``cost`` and ``method`` appear in the dict only when a cost model is given (specs without one are unchanged)."""
     split_threshold = _check_int_option("split_threshold", split_threshold, 1)
     max_tokens = _check_int_option("max_tokens", max_tokens, 1)
     if tolerance is not None:
@@ -56,7 +61,44 @@ def check_options(split_threshold, max_tokens, tolerance) -> dict:
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 <= tolerance < 1e6:
             raise ValueError(f"tolerance must be None or a number >= 0, got {tolerance!r}")
         tolerance = float(tolerance)
-    return {"split_threshold": split_threshold, "max_tokens": max_tokens, "tolerance": tolerance}
+    options = {"split_threshold": split_threshold, "max_tokens": max_tokens, "tolerance": tolerance}
+    if cost is None:
+        if method is not None:
+            raise ValueError("method applies only with cost (the prediction it is for)")
+        return options
+    if split_threshold is not None or tolerance is not None:
+        raise ValueError("cost chooses the split documents by prediction: give it without split_threshold/tolerance")
+    if method not in (None, *PREDICT_METHODS):
+        raise ValueError(f"method must be None or one of {PREDICT_METHODS}, got {method!r}")
+    return {**options, "cost": _cost_dict(cost), "method": method or "ring"}
+
+
+PREDICT_METHODS = ("ring", "allgather")
+
+
+def _cost_dict(cost) -> dict:
+    """A cost model (``balancer.CostModel`` or its ``to_dict()``) as a validated JSON-able dict."""
+    from balancer.planning.cost import CostModel  # noqa: PLC0415 - only layouts given a cost model need balancer
+
+    if isinstance(cost, CostModel):
+        return cost.to_dict()
+    if not isinstance(cost, dict):
+        raise ValueError(f"cost must be a balancer.CostModel or its to_dict(), got {type(cost).__name__}")
+    unknown = set(cost) - set(CostModel.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"cost has unknown field(s) {sorted(unknown)}")
+    return CostModel.from_dict(cost).to_dict()
+
+
+def predicted_time(lens: np.ndarray, cp: int, split: np.ndarray, doc_rank, cost: dict, method: str) -> float:
+    """The slowest rank's predicted time (``balancer.planning.predict``) of one split set and placement."""
+    from balancer.planning.cost import CostModel  # noqa: PLC0415
+    from balancer.planning.predict import assignment_terms, rank_times  # noqa: PLC0415
+
+    model = CostModel.from_dict(cost)
+    whole_rank = np.maximum(np.asarray(doc_rank, dtype=np.int64), 0)
+    terms = assignment_terms(lens, cp, split, whole_rank, model.causal, model.window)
+    return float(rank_times(model, terms, method).max())
 
 
 class _Loads:
@@ -145,6 +187,8 @@ def hybrid_assignment(lens: np.ndarray, cp: int, options: dict) -> tuple[np.ndar
     threshold, max_tokens = options["split_threshold"], options["max_tokens"]
     if threshold is not None:
         split, doc_rank, _ = _place_fitting(loads, lens > threshold, order, max_tokens)
+    elif options.get("cost") is not None and cp > 1 and n:
+        split, doc_rank = _least_predicted(loads, lens, cp, order, options)
     else:
         tol = Fraction(DEFAULT_TOLERANCE if options["tolerance"] is None else options["tolerance"])
         limit = (1 + tol) * loads.total_tokens * loads.total_pairs  # relative load <= 1 + tol, scaled by W*T
@@ -156,6 +200,20 @@ def hybrid_assignment(lens: np.ndarray, cp: int, options: dict) -> tuple[np.ndar
                 break
     _check_fits(loads, split, doc_rank, max_tokens)
     return split, np.asarray(doc_rank, dtype=np.int64)
+
+
+def _least_predicted(loads: _Loads, lens: np.ndarray, cp: int, order: list[int], options: dict):
+    """The candidate split set (0, 1, 2, 3, 4, 6, 9, ... longest documents; all of them = zigzag) whose placement
+    has the least predicted time under ``options["cost"]``; ties go to the fewer splits."""
+    best = None
+    for count in _candidate_counts(len(lens)):
+        cand = np.zeros(len(lens), dtype=bool)
+        cand[order[:count]] = True
+        split, doc_rank, _ = _place_fitting(loads, cand, order, options["max_tokens"])
+        t = predicted_time(lens, cp, split, doc_rank, options["cost"], options["method"])
+        if best is None or t < best[0]:
+            best = (t, split, doc_rank)
+    return best[1], best[2]
 
 
 def _check_fits(loads: _Loads, split: np.ndarray, doc_rank, max_tokens: Optional[int]) -> None:

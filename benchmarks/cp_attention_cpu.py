@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
-import platform
 import socket
 import sys
 import time
@@ -26,10 +24,10 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import attention  # noqa: E402
+from benchmarks._common import write_result  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 4, 2, 64
 METHODS = ("ring", "allgather", "ulysses")
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cp_attention_cpu.json")
 
 
 def draw_lengths(seed: int, lo: int = 16_384, hi: int = 32_768) -> np.ndarray:
@@ -170,11 +168,7 @@ def main() -> None:
             "max_doc": int(lens.max()),
             "lengths": lens.tolist(),
         },
-        "machine": {
-            "cpu": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(),
-            "torch": torch.__version__,
-        },
+        "torch": torch.__version__,
         "raw": res,
         "attention_fwd_gflops": fwd_flops / res["single_fwd_s"] / 1e9,
         "matmul_gflops": res["matmul_gflops"],
@@ -188,9 +182,7 @@ def main() -> None:
             summary[f"{method}_{name}_efficiency"] = res[f"single_{name}_s"] / (2 * t_rank)
             t_cpu = max(res[f"{method}_{name}_rank_cpu_s"])
             summary[f"{method}_{name}_cpu_efficiency"] = res[f"single_{name}_cpu_s"] / (2 * t_cpu)
-    os.makedirs(os.path.dirname(OUT), exist_ok=True)
-    with open(OUT, "w") as f:
-        json.dump(summary, f, indent=2)
+    write_result("cp_attention_cpu", summary, clock="wall+process_cpu")
     cols = [f"{m}_{n}" for m in METHODS for n in ("fwd", "fwd_bwd")]
     print(
         "| tokens | docs | load | "

@@ -2,21 +2,29 @@
 
 Questions: (1) on an SFT-like micro-batch (200 documents of 16-4000 tokens) and on a mixed one (a few 6-12K documents
 among short ones), how many bytes does each rank send, and how long does a forward+backward take, with the hybrid
-layout (default options) against zigzag, for ring and all-gather attention? (2) which split_threshold is best, and
-is the default (automatic: split the fewest longest documents that keep every rank within 2% of an even share of
-attention pairs and tokens) as good as the best fixed one? The sweep adds a third micro-batch with a few 2-3K
-documents among short ones, where a fixed threshold above them leaves the ranks unbalanced.
+layout (default options) against zigzag, for ring and all-gather attention? (2) does the hybrid layout given a cost
+model calibrated here (`cost=`: per-piece and communication terms, fitted on other micro-batches timed first) pick
+what is fastest, zigzag included? (3) which split_threshold is best, and is the default (automatic: split the fewest
+longest documents that keep every rank within 2% of an even share of attention pairs and tokens) as good as the
+best fixed one? The sweep adds a third micro-batch with a few 2-3K documents among short ones, where a fixed
+threshold above them leaves the ranks unbalanced.
 
-Time: slowest rank's wall time per repetition (the step waits for it), median over repetitions; configurations are
-interleaved repetition by repetition so that load from other processes hits them alike. CPU seconds (process time of
-the slowest rank, gloo threads included) are recorded too. Bytes: payload each rank hands to the other
-(attention._dist.bytes_sent), forward+backward.
+Time: per repetition, the slowest rank's wall time (the step waits for it) and process CPU time (gloo threads
+included); every configuration runs once per repetition, in reverse order on odd repetitions, so zigzag and hybrid
+alternate and load from other processes hits both alike. Speedups are ratios within one repetition (zigzag /
+hybrid), reported as median, min and max over repetitions. Bytes: payload each rank hands to the other
+(attention._dist.bytes_sent), forward+backward. The results file records the load average at start, per repetition
+and at the end, and the machine's cores.
+
+Calibration (before the timed configurations): `CALIBRATION` micro-batches of other lengths than the timed ones, each
+with zigzag and the default hybrid layout (ring), slowest rank's process CPU time (min of 2 after a warm-up), fitted
+with `CostModel.fit(fit_pieces=True, fit_comm=True)`.
 
 Layouts that happen to be identical (a threshold above every document and the default) are timed separately: their
 spread is a direct estimate of the timing noise.
 
-Run: python benchmarks/hybrid_layout.py [--reps 3] [--seed 0] [--no-sweep] [--name hybrid_layout]
-Writes benchmarks/results/hybrid_layout.json.
+Run: python benchmarks/hybrid_layout.py [--reps 5] [--seed 0] [--no-sweep] [--batches ...] [--methods ...]
+Writes benchmarks/results/hybrid_layout.json (--name to change).
 """
 
 from __future__ import annotations
@@ -36,12 +44,17 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import attention  # noqa: E402
+import attention.placement  # noqa: E402
+import balancer  # noqa: E402
+import balancer.planning.predict  # noqa: E402
 from attention import _dist  # noqa: E402
 from benchmarks._common import write_result  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 4, 2, 64
 WORLD = 2
 SWEEP = [256, 1024, 2048, 4096, 8192]  # fixed split thresholds against the automatic default
+BATCHES = ("sft", "mixed", "few_long")
+CALIBRATION = 8  # micro-batches timed for the cost fit
 
 
 def _log_uniform(rng, n: int, lo: int, hi: int) -> np.ndarray:
@@ -56,22 +69,92 @@ def micro_batches(seed: int) -> dict[str, np.ndarray]:
     return {name: rng.permutation(lens) for name, lens in (("sft", sft), ("mixed", mixed), ("few_long", few_long))}
 
 
-def configs(sweep: bool) -> list[tuple[str, str, dict]]:
+def calibration_batches(seed: int) -> list[np.ndarray]:
+    """Micro-batches for the cost fit, drawn apart from the timed ones (another seed, 8-24K tokens): short documents
+    alone, and with one to three long ones."""
+    rng = np.random.default_rng(seed + 1000)
+    out = []
+    for i in range(CALIBRATION):
+        n_long = i % 4
+        longs = rng.integers(2000, 9001, n_long)
+        budget = int(rng.integers(8000, 24001)) - int(longs.sum())
+        short = _log_uniform(rng, max(4, budget // 300), 16, int(rng.choice([600, 2000, 4000])))
+        out.append(rng.permutation(np.concatenate([longs, short[np.cumsum(short) <= max(budget, 64)]])))
+    return out
+
+
+def _calibrate(rank: int, seed: int) -> dict:
+    """Time the calibration micro-batches (zigzag and default hybrid, ring) and fit a cost model on rank 0;
+    every rank returns it (as a dict) with the samples."""
+    lengths, kinds, seconds = [], [], []
+    for lens in calibration_batches(seed):
+        full = _full_tensors(lens)
+        for kind in ("zigzag", "hybrid"):
+            case = _Case(rank, lens, full, "ring", {"kind": kind})
+            times = [max(r[1] for r in _gather(list(case.run()))) for _ in range(3)]  # CPU time, slowest rank
+            lengths.append(lens)
+            kinds.append(kind)
+            seconds.append(min(times[1:]))
+    box = [None]
+    if rank == 0:
+        model = balancer.CostModel.fit(
+            lengths, seconds, fit_fixed=True, cp=2, layout=kinds, method="ring", fit_pieces=True, fit_comm=True
+        )
+        errors = [
+            abs(balancer.planning.predict.micro_batch_time(model, lens, 2, kind) / t - 1)
+            for lens, kind, t in zip(lengths, kinds, seconds)
+        ]
+        box[0] = {
+            "cost": model.to_dict(),
+            "samples": [
+                {"docs": int(lens.size), "tokens": int(lens.sum()), "max_doc": int(lens.max()), "layout": k, "cpu_s": t}
+                for lens, k, t in zip(lengths, kinds, seconds)
+            ],
+            "fit_median_abs_error": statistics.median(errors),
+            "fit_max_abs_error": max(errors),
+        }
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def configs(sweep: bool, batches=BATCHES, methods=("ring", "allgather"), cost=None) -> list[tuple[str, str, dict]]:
     """(batch, method, layout spec) to time."""
     out = []
-    for batch in ("sft", "mixed"):
-        for method in ("ring", "allgather"):
+    for batch in batches:
+        if batch == "few_long":
+            continue
+        for method in methods:
             out.append((batch, method, {"kind": "zigzag"}))
             out.append((batch, method, {"kind": "hybrid"}))
-    if sweep:
-        for batch in ("sft", "mixed", "few_long"):
+            if cost is not None:
+                out.append((batch, method, {"kind": "hybrid", "cost": cost, "method": method}))
+    if sweep and "ring" in methods:
+        for batch in batches:
             if batch == "few_long":
                 out.append((batch, "ring", {"kind": "zigzag"}))
             for thr in SWEEP:
                 out.append((batch, "ring", {"kind": "hybrid", "split_threshold": thr}))
             if batch == "few_long":
                 out.append((batch, "ring", {"kind": "hybrid"}))
+                if cost is not None:
+                    out.append((batch, "ring", {"kind": "hybrid", "cost": cost, "method": "ring"}))
     return out
+
+
+def _same_placement(a: attention.CPLayout, b: attention.CPLayout) -> bool:
+    return np.array_equal(a.split_docs, b.split_docs) and np.array_equal(a.doc_rank, b.doc_rank)
+
+
+def _same_as(todo: list, cases: list) -> list:
+    """For each configuration given a cost model, the index of an earlier one of the same batch and method with
+    the same placement (it is not timed again: that one's timings are its own), else None."""
+    same = []
+    for i, ((batch, method, spec), case) in enumerate(zip(todo, cases)):
+        earlier = [
+            j for j in range(i) if todo[j][:2] == (batch, method) and _same_placement(cases[j].layout, case.layout)
+        ]
+        same.append(earlier[0] if earlier and "cost" in spec else None)
+    return same
 
 
 def _relative_load(layout: attention.CPLayout) -> float:
@@ -113,74 +196,124 @@ def _gather(values: list[float]) -> list[list[float]]:
     return [p.tolist() for p in parts]
 
 
-def _worker(rank: int, world: int, port: int, seed: int, reps: int, sweep: bool, queue) -> None:
+def _worker(rank: int, world: int, port: int, args, queue) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=1800),
     )  # fmt: skip
-    batches = micro_batches(seed)
-    todo = configs(sweep)
-    full = {name: _full_tensors(lens) for name, lens in batches.items()}
+    batches = micro_batches(args.seed)
+    calibration = _calibrate(rank, args.seed)
+    todo = configs(not args.no_sweep, args.batches, args.methods, calibration["cost"])
+    full = {name: _full_tensors(lens) for name, lens in batches.items() if any(t[0] == name for t in todo)}
     cases = [_Case(rank, batches[b], full[b], m, spec) for b, m, spec in todo]
     runs: list[list] = [[] for _ in todo]
-    for rep in range(reps + 1):  # repetition 0 warms up
-        for i, case in enumerate(cases):
-            res = _gather(list(case.run()))
+    same = _same_as(todo, cases)
+    loads = []
+    for rep in range(args.reps + 1):  # repetition 0 warms up
+        # odd repetitions run the configurations in reverse, so zigzag and hybrid take turns going first
+        order = range(len(cases)) if rep % 2 == 0 else reversed(range(len(cases)))
+        for i in order:
+            if same[i] is not None:
+                continue
+            res = _gather(list(cases[i].run()))
             if rep:
                 runs[i].append(res)
+        loads.append(os.getloadavg()[0])
         if rank == 0:
-            print(f"repetition {rep}/{reps} done, load {os.getloadavg()[0]:.1f}", flush=True)
+            print(f"repetition {rep}/{args.reps} done, load {loads[-1]:.1f}", flush=True)
+    runs = [runs[j] if j is not None else rr for rr, j in zip(runs, same)]
     if rank == 0:
-        rows = []
-        for (batch, method, spec), case, rr in zip(todo, cases, runs):
-            lay = case.layout
-            rows.append(
-                {
-                    "batch": batch,
-                    "method": method,
-                    "layout": spec,
-                    "fwd_bwd_s": statistics.median(max(r[0] for r in rep) for rep in rr),
-                    "fwd_bwd_cpu_s": statistics.median(max(r[1] for r in rep) for rep in rr),
-                    "fwd_bwd_best_s": min(max(r[0] for r in rep) for rep in rr),
-                    "wall_s_all": [max(r[0] for r in rep) for rep in rr],
-                    "bytes_per_rank": [int(r[2]) for r in rr[0]],
-                    "split_docs": int(lay.split_docs.sum()),
-                    "travelling_tokens": int(lay.kv_counts.sum()),
-                    "tokens_per_rank": lay.local_counts.tolist(),
-                    "pairs_per_rank": lay.work().tolist(),
-                    "relative_load": _relative_load(lay),
-                }
-            )
-        queue.put(rows)
+        rows = [
+            _row(b, m, spec, case.layout, rr, calibration["cost"]) for (b, m, spec), case, rr in zip(todo, cases, runs)
+        ]
+        for row, j in zip(rows, same):
+            if j is not None:
+                row["timed_as"] = todo[j][2]  # same placement as this configuration: its timings
+        queue.put((rows, loads, calibration))
     dist.barrier()
     dist.destroy_process_group()
 
 
+def _row(batch: str, method: str, spec: dict, lay: attention.CPLayout, rr: list, cost: dict) -> dict:
+    """One configuration's record: per repetition, every rank's (wall, CPU, bytes); the calibrated prediction."""
+    walls = [max(r[0] for r in rep) for rep in rr]  # the step waits for the slowest rank
+    cpus = [max(r[1] for r in rep) for rep in rr]
+    return {
+        "batch": batch,
+        "method": method,
+        "layout": spec,
+        "fwd_bwd_s": statistics.median(walls),
+        "fwd_bwd_cpu_s": statistics.median(cpus),
+        "wall_s_all": walls,
+        "cpu_s_all": cpus,
+        "rank_wall_s": [[r[0] for r in rep] for rep in rr],
+        "rank_cpu_s": [[r[1] for r in rep] for rep in rr],
+        "bytes_per_rank": [int(r[2]) for r in rr[0]],
+        "split_docs": int(lay.split_docs.sum()),
+        "travelling_tokens": int(lay.kv_counts.sum()),
+        "tokens_per_rank": lay.local_counts.tolist(),
+        "pairs_per_rank": lay.work().tolist(),
+        "relative_load": _relative_load(lay),
+        "predicted_s": attention.placement.predicted_time(
+            np.diff(lay.cu_seqlens), lay.cp_size, lay.split_docs, lay.doc_rank, cost, method
+        ),
+    }
+
+
+def _spread(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
+
+
 def _ratios(rows: list[dict]) -> dict:
-    """zigzag / hybrid (default options) for bytes and time, per batch and method."""
+    """zigzag / hybrid (default options) per batch and method: bytes, and time ratios paired by repetition (both
+    layouts timed in the same repetition, minutes apart at most), as median, min and max over repetitions."""
     out = {}
-    for batch in ("sft", "mixed"):
-        for method in ("ring", "allgather"):
-            sel = [r for r in rows if r["batch"] == batch and r["method"] == method and len(r["layout"]) == 1]
-            zig = next(r for r in sel if r["layout"]["kind"] == "zigzag")
-            hyb = next(r for r in sel if r["layout"]["kind"] == "hybrid")
-            zb, hb = sum(zig["bytes_per_rank"]), sum(hyb["bytes_per_rank"])
-            out[f"{batch}/{method}"] = {
-                "zigzag_bytes": zb,
-                "hybrid_bytes": hb,
-                "bytes_ratio": None if hb == 0 else zb / hb,  # None: hybrid sent nothing
-                "speedup_wall": zig["fwd_bwd_s"] / hyb["fwd_bwd_s"],
-                "speedup_cpu": zig["fwd_bwd_cpu_s"] / hyb["fwd_bwd_cpu_s"],
+    for zig in rows:
+        if zig["layout"] != {"kind": "zigzag"}:
+            continue
+        hyb = next(
+            (r for r in rows if r["batch"] == zig["batch"] and r["method"] == zig["method"]
+             and r["layout"] == {"kind": "hybrid"}),
+            None,
+        )  # fmt: skip
+        if hyb is None:
+            continue
+        zb, hb = sum(zig["bytes_per_rank"]), sum(hyb["bytes_per_rank"])
+        chosen = next(
+            (r for r in rows if r["batch"] == zig["batch"] and r["method"] == zig["method"] and "cost" in r["layout"]),
+            None,
+        )
+        out[f"{zig['batch']}/{zig['method']}"] = {
+            "zigzag_bytes": zb,
+            "hybrid_bytes": hb,
+            "bytes_ratio": None if hb == 0 else zb / hb,  # None: hybrid sent nothing
+            "hybrid_split_docs": hyb["split_docs"],
+            "speedup_wall": _spread([z / h for z, h in zip(zig["wall_s_all"], hyb["wall_s_all"])]),
+            "speedup_cpu": _spread([z / h for z, h in zip(zig["cpu_s_all"], hyb["cpu_s_all"])]),
+            "predicted_speedup": zig["predicted_s"] / hyb["predicted_s"],
+        }
+        if chosen is not None:  # the hybrid layout given the calibrated cost model
+            out[f"{zig['batch']}/{zig['method']}"]["with_cost"] = {
+                "split_docs": chosen["split_docs"],
+                "speedup_wall": _spread([z / h for z, h in zip(zig["wall_s_all"], chosen["wall_s_all"])]),
+                "speedup_cpu": _spread([z / h for z, h in zip(zig["cpu_s_all"], chosen["cpu_s_all"])]),
+                "predicted_speedup": zig["predicted_s"] / chosen["predicted_s"],
             }
     return out
+
+
+def _label(key: str, value) -> str:
+    return "cost=calibrated" if key == "cost" else f"{key}={value}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--reps", type=int, default=3, help="timed repetitions per configuration (after one warm-up)")
+    ap.add_argument("--reps", type=int, default=5, help="timed repetitions per configuration (after one warm-up)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the split_threshold sweep")
+    ap.add_argument("--batches", nargs="+", choices=BATCHES, default=list(BATCHES), help="micro-batches to time")
+    ap.add_argument("--methods", nargs="+", choices=("ring", "allgather"), default=["ring", "allgather"])
     ap.add_argument("--name", default="hybrid_layout", help="result file name (benchmarks/results/NAME.json)")
     args = ap.parse_args()
     with socket.socket() as s:
@@ -188,20 +321,15 @@ def main() -> None:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    load = [os.getloadavg()]
     t0 = time.perf_counter()
-    procs = [
-        ctx.Process(target=_worker, args=(r, WORLD, port, args.seed, args.reps, not args.no_sweep, queue))
-        for r in range(WORLD)
-    ]
+    procs = [ctx.Process(target=_worker, args=(r, WORLD, port, args, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
-    rows = queue.get()
+    rows, loads, calibration = queue.get()
     for p in procs:
         p.join()
         if p.exitcode:
             raise SystemExit(f"worker failed with exit code {p.exitcode}")
-    load.append(os.getloadavg())
     batches = micro_batches(args.seed)
     payload = {
         "config": {
@@ -218,10 +346,11 @@ def main() -> None:
             "batches": {
                 name: {"docs": int(lens.size), "tokens": int(lens.sum()), "max_doc": int(lens.max())}
                 for name, lens in batches.items()
+                if name in args.batches
             },
         },  # fmt: skip
-        "load_average_before_after": load,
-        "note": "other jobs shared the 2 cores during the run (see load averages); times are medians",
+        "load_average_1min_per_repetition": loads,
+        "calibration": calibration,
         "wall_s": time.perf_counter() - t0,
         "ratios_zigzag_over_hybrid": _ratios(rows),
         "rows": rows,
@@ -230,14 +359,16 @@ def main() -> None:
     print("| batch | method | layout | fwd+bwd s | cpu s | MB sent (both ranks) | split docs | rel. load |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        spec = ", ".join(f"{k}={v}" for k, v in r["layout"].items() if k != "kind" and v is not None)
+        spec = ", ".join(_label(k, v) for k, v in r["layout"].items() if k != "kind" and v is not None)
         name = r["layout"]["kind"] + (f" ({spec})" if spec else "")
         print(
             f"| {r['batch']} | {r['method']} | {name} | {r['fwd_bwd_s']:.2f} | {r['fwd_bwd_cpu_s']:.2f} | "
             f"{sum(r['bytes_per_rank']) / 1e6:.1f} | {r['split_docs']} | {r['relative_load']:.3f} |"
         )
     for key, v in payload["ratios_zigzag_over_hybrid"].items():
-        print(key, {k: (round(x, 3) if isinstance(x, float) else x) for k, x in v.items()})
+        wall, cpu = v["speedup_wall"], v["speedup_cpu"]
+        print(f"{key}: wall {wall['median']:.3f}x [{wall['min']:.3f}, {wall['max']:.3f}], "
+              f"cpu {cpu['median']:.3f}x [{cpu['min']:.3f}, {cpu['max']:.3f}]")  # fmt: skip
     print(f"wrote {path}")
 
 

@@ -89,6 +89,21 @@ def micro_batch_terms(
         lay = CPLayout.build(cu, cp, kind=layout, **layout_options)
         split = np.asarray(lay.split_docs, dtype=bool)
         whole_rank = np.argmax(lay.seg_len, axis=0)
+    return assignment_terms(lengths, cp, split, whole_rank, causal, window, contiguous=layout == "contiguous")
+
+
+def assignment_terms(
+    lengths: np.ndarray,
+    cp: int,
+    split: np.ndarray,
+    whole_rank: np.ndarray,
+    causal: bool = True,
+    window: int | None = None,
+    contiguous: bool = False,
+) -> MicroBatchTerms:
+    """Terms of documents `lengths` (int64, positive) on `cp` ranks when documents with `split` True are cut by the
+    zigzag (or `contiguous`) rule and every other one sits whole on `whole_rank` (the hybrid placement's answer;
+    `attention.placement` compares its candidates with this)."""
     tokens = np.zeros(cp, dtype=np.float64)
     pairs = np.zeros((cp, cp), dtype=np.float64)
     pieces = np.zeros((cp, cp), dtype=np.float64)
@@ -101,7 +116,7 @@ def micro_batch_terms(
     travel = np.zeros(cp, dtype=np.float64)
     if split.any():
         s_len = lengths[split]
-        bounds, owner = _zigzag_chunks(s_len, cp, "contiguous" if layout == "contiguous" else "zigzag")
+        bounds, owner = _zigzag_chunks(s_len, cp, "contiguous" if contiguous else "zigzag")
         lo, hi = bounds[:, :-1].astype(np.float64), bounds[:, 1:].astype(np.float64)
         np.add.at(travel, owner, (hi - lo).sum(axis=0))
         tokens += travel
