@@ -27,6 +27,10 @@ def _sampler(topo=TOPO, rank=0, lengths=LENGTHS, **kw):
     return balancer.BalancedBatchSampler(lengths, topo, COST, dp_rank=rank, seed=2, **kw)
 
 
+def _key(i, lengths):
+    return (i.doc, i.start, i.end) if isinstance(i, Span) else (int(i), 0, int(lengths[i]))
+
+
 def _tokens(items, lengths=LENGTHS):
     c = Counter()
     for i in items:
@@ -76,8 +80,13 @@ def test_elastic_resume_inside_and_at_window_boundaries(overflow):
         new = [_sampler(topo2, r, lengths, overflow=overflow, window_docs=7) for r in range(topo2.dp)]
         for s in new:
             s.load_state_dict(state)  # the epoch keeps the state's windows, whatever window_docs the sampler has
+        window_plan = new[0].plan  # the re-planned rest of the window, global ids and token ranges
+        planned = {(int(d), int(a), int(b)) for d, a, b in zip(window_plan.doc, window_plan.start, window_plan.end)}
         rest = [list(s) for s in new]
         assert len({len(r) for r in rest}) == 1 and len(rest[0]) == len(new[0])
+        n_first = window_plan.num_steps * topo2.micro_batches
+        yielded = {_key(i, lengths) for r in rest for mb in r[:n_first] for i in mb}
+        assert yielded == planned
         got = _tokens(consumed + [i for mbs in rest for mb in mbs for i in mb], lengths)
         assert got == want, f"step {k}: tokens lost or repeated"
         # and on again, from inside the re-planned window, back to the first topology

@@ -50,9 +50,10 @@ import torch
 
 from balancer.planning.cost import CostModel
 from balancer.planning.metrics import lower_bound, one_f_one_b
+from balancer.planning.plans import Plan
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES
-from balancer.planning.window import check_window_docs, default_window_docs, globalise
+from balancer.planning.window import check_window_docs, default_window_docs
 from balancer.training.indices import CPGroup, Member, Span, SpanDataset
 from balancer.training.lengths import resolve_lengths, scan_lengths
 from balancer.training.sampler_state import STATE_FORMAT, STATE_VERSION, check_state
@@ -175,7 +176,10 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         seg = self.segment
         if seg.plan is None or seg.ids is None:
             return seg.plan
-        return globalise(seg.plan, seg.ids, self.lengths)
+        groups = (seg.group_start, seg.group_size, seg.slot_ptr) if self.topology.dynamic else None
+        p = seg.plan
+        return Plan(self.lengths, seg.topology, seg.cost, seg.doc, seg.start, seg.end, seg.mb_ptr, seed=p.seed,
+                    plan_seconds=p.plan_seconds, dropped_tokens=p.dropped_tokens, groups=groups)  # fmt: skip
 
     @property
     def num_steps(self) -> int:
