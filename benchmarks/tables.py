@@ -453,7 +453,8 @@ def post_training() -> str:
     goal = data["goal"]
     return (
         f"{markdown(header, rows)}\n\nSeeds {', '.join(map(str, data['seeds']))} (one batch each); verl: "
-        f"{data['verl']}. Goal (balancer's worst step within 3% of the bound): "
+        f"{data['verl']}. Goal (balancer's worst step within 3% of the bound on "
+        f"{'; '.join(goal.get('cases', ['every case']))}): "
         f"{'met' if goal['met'] else 'missed'}. Plan times: {_machine(data)}."
     )
 

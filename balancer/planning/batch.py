@@ -12,8 +12,10 @@ dynamic CP regroups the ranks of a static plan exactly as `balancer.plan` does. 
    within `max_tokens * cp` tokens.
 3. *Packing.* Without rank rules, `pack_step` places the step's units (`keep="micro_batch"`: a group merged into one
    unit) straight into the `dp * M` micro-batches. With `keep="rank"` groups or `equal_counts`, the groups first go
-   to the DP ranks (`pack_step` on one micro-batch per rank, or with `equal_counts` a count-constrained LPT and a
-   swap search), then each rank's documents to its M micro-batches (`pack_step` on one rank).
+   to the `mini_batches * dp` (step, rank) bins in one assignment (`pack_step` on one micro-batch per bin, or with
+   `equal_counts` a count-constrained LPT; then a move/swap search from both ends, and with few groups per bin the
+   best of seeded restarts), bins of like load share a step, and each rank's documents go to its M micro-batches
+   (`pack_step` on one rank). Step 1 is then skipped (the bins are the mini-batches).
    Whatever `pack_step` leaves unplaced (it would move it to a later step; a fixed batch has none) goes where it
    raises its rank's 1F1B time least.
 4. *Pipeline order.* With `pp > 1` each rank's micro-batches are ordered small at both ends, large in the middle,
@@ -28,7 +30,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from balancer.planning.batch_pack import assign_replicas, order_for_pipeline, pack_items, pack_ranks
+from balancer.planning.batch_pack import assign_replicas, order_for_pipeline, pack_items, pack_ranks, restart_ranks
 from balancer.planning.cost import CostModel
 from balancer.planning.plans import Plan
 from balancer.planning.topology import Topology
@@ -184,6 +186,9 @@ def _pack_by_ranks(g_cost, g_tok, u_group, u_cost, u_tok, g_perm, topology: Topo
         g_bin = _assign(np.arange(len(g_cost)), g_cost, g_tok, g_count, g_perm, replace(topology, dp=dp * k), options)
         if g_bin is None:
             return None
+        heaviest = np.zeros(len(g_cost))
+        np.maximum.at(heaviest, u_group, u_cost)
+        g_bin = restart_ranks(g_bin, g_cost, g_tok, g_count, heaviest, k, topology, options)
         bin_at = _deal_bins(np.bincount(g_bin, weights=g_cost, minlength=dp * k), k, dp)
     except ValueError:
         if not options["equal_counts"] or k == 1:

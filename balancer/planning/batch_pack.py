@@ -15,6 +15,8 @@ from balancer.planning.topology import Topology
 
 POLISH_ROUNDS = 500  # most rounds of binpack's move/swap search per step (it stops when a round finds nothing)
 SWAP_ROUNDS = 400  # rank-level search: rounds of the best move or swap off the slowest rank
+RESTARTS = 128  # rank rules with at most RESTART_ITEMS groups per rank: random starts of the rank search ...
+RESTART_ITEMS = 8  # ... (coarse items balance unevenly from a single start; many small ones do not need it)
 
 
 def pack_items(units, u_cost, u_tok, u_group, topology: Topology) -> np.ndarray | None:
@@ -106,16 +108,66 @@ def assign_replicas(
     return rep
 
 
-def _equal_count_lpt(cost, tokens, count, dp: int, rank_cap: int) -> np.ndarray | None:
-    """Largest cost first, each item to the least-loaded rank that keeps every rank's count at `n // dp` or one
-    more (at most `n % dp` ranks above) and within `rank_cap` tokens."""
+def restart_ranks(rep, cost, tokens, count, heaviest, k: int, topology: Topology, options) -> np.ndarray:
+    """Rank rules with few groups per rank: the joint (step, rank) assignment `rep` (k * dp bins) against
+    RESTARTS random starts, each improved by the same move/swap search; kept is the one whose worst step, then
+    summed steps, is closest to its bound (`step_ratios`). Deterministic for `options["seed"]`."""
+    bins, m = k * topology.dp, topology.micro_batches
+    n = len(cost)
+    if n > RESTART_ITEMS * bins:
+        return rep  # many items per rank balance well from one start
+    rank_cap = m * topology.micro_batch_tokens
+    group_bound = options["has_groups"] and options["keep"] == "rank"
+    best, best_score = rep, _score(rep, cost, heaviest, k, topology, group_bound)
+    rng = np.random.default_rng([int(options["seed"]), 7])
+    for _ in range(RESTARTS):
+        noisy = cost * rng.uniform(0.6, 1.4, n)  # an LPT order shaken up: a different basin for the search
+        try:
+            start = _equal_count_lpt(cost, tokens, count, bins, rank_cap, np.argsort(-noisy), options["equal_counts"])
+        except ValueError:
+            start = None
+        if start is None:
+            continue
+        _improve(start, cost, tokens, count, bins, rank_cap, same_count=options["equal_counts"], keep_items=m)
+        if np.bincount(start, weights=count, minlength=bins).min() < m:
+            continue  # a rank must fill its M micro-batches
+        score = _score(start, cost, heaviest, k, topology, group_bound)
+        if score < best_score:
+            best, best_score = start, score
+    return best
+
+
+def _score(rep, cost, heaviest, k: int, topology: Topology, group_bound: bool) -> tuple[float, float]:
+    """(worst, summed) ratio of the steps' slowest bin to their bound when bins of like load share a step: bound
+    `max(W_s / dp, P * heaviest unit, the heaviest kept group)`, in summed cost (pp = 1 time of a rank)."""
+    dp = topology.dp
+    load = np.bincount(rep, weights=cost, minlength=k * dp)
+    steps = np.argsort(-load, kind="stable").reshape(k, dp)
+    step_of_bin = np.empty(k * dp, dtype=np.int64)
+    step_of_bin[steps.ravel()] = np.repeat(np.arange(k), dp)
+    step = step_of_bin[rep]
+    unit = np.zeros(k)
+    np.maximum.at(unit, step, heaviest)
+    bound = np.maximum(load[steps].sum(axis=1) / dp, topology.pp * unit)
+    if group_bound:
+        group = np.zeros(k)
+        np.maximum.at(group, step, cost)
+        bound = np.maximum(bound, group)
+    ratio = load[steps].max(axis=1) / bound
+    return float(ratio.max()), float(ratio.sum())
+
+
+def _equal_count_lpt(cost, tokens, count, dp: int, rank_cap: int, order=None, equal=True) -> np.ndarray | None:
+    """Largest cost first (or items in `order`), each item to the least-loaded rank that keeps every rank's count
+    at `n // dp` or one more (at most `n % dp` ranks above; no count rule with `equal=False`) and within
+    `rank_cap` tokens."""
     n = int(count.sum())
     low, extra = divmod(n, dp)
     load, cnt, tok = np.zeros(dp), np.zeros(dp, dtype=np.int64), np.zeros(dp, dtype=np.int64)
     rep = np.full(len(cost), -1, dtype=np.int64)
-    for i in np.argsort(-cost, kind="stable"):
+    for i in np.argsort(-cost, kind="stable") if order is None else order:
         new = cnt + count[i]
-        by_count = (new <= low) | ((new == low + 1) & (np.count_nonzero(cnt > low) < extra))
+        by_count = (new <= low) | ((new == low + 1) & (np.count_nonzero(cnt > low) < extra)) | (not equal)
         if not by_count.any():
             raise ValueError(
                 f"equal_counts: found no way to give each of {dp} ranks {low} or {low + 1} of {n} documents "
