@@ -144,22 +144,8 @@ def calibrate(
         for i, (k, lengths) in enumerate(grid + fresh)
     ]
     load_before, t0 = os.getloadavg(), time.perf_counter()
-    # a shuffled order, so that a change of load during the run does not line up with a CP size or a budget
-    order = np.random.default_rng([seed, 1]).permutation(len(jobs))
-    timed = time_micro_batches(
-        config,
-        [jobs[i] for i in order],
-        method=method,
-        repeats=repeats,
-        max_repeats=max_repeats,
-        settle_on="wall" if clock == "wall" else "cpu",
-        threads=threads,
-        progress=progress,
-    )
-    times = [None] * len(jobs)
-    for i, reps in zip(order, timed):
-        times[i] = reps
-    samples = [{**job, "wall": [r[0] for r in reps], "cpu": [r[1] for r in reps]} for job, reps in zip(jobs, times)]
+    timing = dict(method=method, repeats=repeats, max_repeats=max_repeats, threads=threads, progress=progress)
+    samples = _timed(config, jobs, seed, settle_on="wall" if clock == "wall" else "cpu", **timing)
     facts = quietness(samples, load_before)
     facts.update(loadavg_before=list(load_before), loadavg_after=list(os.getloadavg()))
     chosen, reason = choose_clock(clock, facts)
@@ -188,6 +174,17 @@ def calibrate(
         [f"the fit misses its targets: {'; '.join(misses)}. Remedy: {remedy(result.report)}"] if misses else []
     )
     return result
+
+
+def _timed(config: dict, jobs: list[dict], seed: int, **timing) -> list[dict]:
+    """The jobs as samples with their runs' `wall` and `cpu` seconds, timed in a seeded shuffled order (so that a
+    change of load during the run does not line up with a CP size or a budget)."""
+    order = np.random.default_rng([seed, 1]).permutation(len(jobs))
+    timed = time_micro_batches(config, [jobs[i] for i in order], **timing)
+    runs = [None] * len(jobs)
+    for i, reps in zip(order, timed):
+        runs[i] = reps
+    return [{**job, "wall": [r[0] for r in reps], "cpu": [r[1] for r in reps]} for job, reps in zip(jobs, runs)]
 
 
 def _fit_and_report(samples, grid, held_out, seeds, window, method, options) -> Calibration:
