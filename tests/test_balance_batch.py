@@ -144,6 +144,18 @@ def test_auto_micro_batches_grow_only_as_needed():
         balancer.balance_batch(lengths, small, COST)  # None = topology.micro_batches: does not fit
 
 
+def test_micro_batch_multiple_for_virtual_pipeline_stages():
+    lengths = np.full(64, 100)
+    small = balancer.Topology(dp=2, micro_batches=2, max_tokens=300)  # "auto" alone gives 11
+    plan = balancer.balance_batch(lengths, small, COST, micro_batches="auto", micro_batch_multiple=4)
+    assert plan.topology.micro_batches == 12
+    plan.validate()
+    with pytest.raises(ValueError, match="micro_batch_multiple"):
+        balancer.balance_batch(lengths, small, COST, micro_batches=6, micro_batch_multiple=4)
+    with pytest.raises(ValueError, match="micro_batch_multiple must be a positive integer"):
+        balancer.balance_batch(lengths, small, COST, micro_batches="auto", micro_batch_multiple=0)
+
+
 def test_dynamic_cp_and_predict():
     rng = np.random.default_rng(1)
     lengths = rng.integers(50, 3000, 64)
@@ -242,3 +254,15 @@ def test_bad_lengths_and_types():
     )
     split.validate()
     assert split.dropped_tokens == 0 and len(split.doc) == 6
+
+
+def test_plan_file_round_trip(tmp_path):
+    lengths = np.random.default_rng(4).integers(10, 900, 48)
+    topo = balancer.Topology(dp=2, cp=2, micro_batches=2, max_tokens=2048)
+    plan = balancer.balance_batch(lengths, topo, COST, groups=np.repeat(np.arange(24), 2), mini_batches=3)
+    for name in ("plan.json", "plan.npz"):
+        plan.save(tmp_path / name)
+        back = balancer.Plan.load(tmp_path / name)
+        assert back.topology == plan.topology and back.num_steps == 3
+        assert np.array_equal(back.doc, plan.doc) and np.array_equal(back.mb_ptr, plan.mb_ptr)
+    assert balancer.distributed.balance_batch is not None  # reachable from the top level, lazily

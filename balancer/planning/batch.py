@@ -53,6 +53,7 @@ def balance_batch(
     seed: int = 0,
     overflow: str = "error",
     pipeline_order: bool = True,
+    micro_batch_multiple: int = 1,
 ) -> Plan:
     """Plan one fixed batch: document ids are positions in `lengths`, `plan.num_steps == mini_batches`.
 
@@ -62,8 +63,9 @@ def balance_batch(
     docstring). `equal_counts=True`: every DP rank of a step gets the same number of documents (+-1; a window of a
     split document counts as one). `topology.tokens_per_step` is ignored (the plan's topology records the largest
     step's tokens). `overflow` as in `balancer.plan`. `pipeline_order=False` keeps the packing order of the
-    micro-batches with `pp > 1`. The result is a deterministic function of the inputs and `seed`. Bad input raises
-    one ValueError naming the argument.
+    micro-batches with `pp > 1`. `micro_batch_multiple`: the count is a multiple of it (virtual pipeline stages;
+    with `"auto"` the fewest such count, otherwise the count must be one). The result is a deterministic function
+    of the inputs and `seed`. Bad input raises one ValueError naming the argument.
     """
     started = time.perf_counter()
     lengths = validate_lengths(lengths)
@@ -73,6 +75,7 @@ def balance_batch(
         raise TypeError(f"cost must be a balancer.CostModel, got {type(cost).__name__}")
     group_of_doc = _check_groups(groups, len(lengths))
     _check_options(keep, micro_batches, mini_batches, equal_counts, overflow)
+    multiple = _check_multiple(micro_batch_multiple, micro_batches, topology)
     options = dict(
         has_groups=groups is not None,
         keep=keep,
@@ -82,6 +85,7 @@ def balance_batch(
         seed=seed,
         overflow=overflow,
         pipeline_order=bool(pipeline_order) and topology.pp > 1 and not topology.dynamic,
+        multiple=multiple,
     )
     if topology.dynamic:
         from balancer.planning.batch_dynamic import balance_dynamic
@@ -91,6 +95,19 @@ def balance_batch(
         plan = balance_static(lengths, topology, cost, group_of_doc, options)
     plan.plan_seconds = time.perf_counter() - started
     return plan
+
+
+def _check_multiple(multiple, micro_batches, topology: Topology) -> int:
+    """`micro_batch_multiple` as an int, checked against a fixed count."""
+    if isinstance(multiple, bool) or not isinstance(multiple, (int, np.integer)) or multiple < 1:
+        raise ValueError(f"micro_batch_multiple must be a positive integer, got {multiple!r}")
+    fixed = topology.micro_batches if micro_batches is None else micro_batches
+    if micro_batches != "auto" and fixed % multiple:
+        raise ValueError(
+            f"micro_batches={fixed} is not a multiple of micro_batch_multiple={multiple}; pass micro_batches='auto' "
+            "or a multiple"
+        )
+    return int(multiple)
 
 
 def _check_groups(groups, n: int) -> np.ndarray:
@@ -147,7 +164,8 @@ def balance_static(lengths: np.ndarray, topology: Topology, cost: CostModel, gro
         most = max(int(u_tok[units].sum()) for units in step_units)
     else:
         most = -(-int(u_tok.sum()) // k)
-    m = fixed_m if fixed_m is not None else _first_auto_m(most, g_tok, topology, options)
+    step = options.get("multiple", 1)
+    m = fixed_m if fixed_m is not None else -(-_first_auto_m(most, g_tok, topology, options) // step) * step
     while True:
         topo = replace(topology, micro_batches=m, tokens_per_step=None)
         if rank_rules:
@@ -164,7 +182,7 @@ def balance_static(lengths: np.ndarray, topology: Topology, cost: CostModel, gro
                 f"{' with its groups kept' if options['has_groups'] else ''}; pass micro_batches='auto', more "
                 "mini_batches, or raise max_tokens"
             )
-        m += 1
+        m += step
         if m > MAX_AUTO_MICRO_BATCHES or topology.dp * m * k > len(u_doc):
             raise ValueError(
                 f"micro_batches='auto' found no count that fits: {len(u_doc)} documents cannot fill "
