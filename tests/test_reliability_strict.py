@@ -183,7 +183,7 @@ def test_huge_pretokenize_counts_are_one_line_naming_the_flag(src, tmp_path, cap
     assert not (tmp_path / "o").exists() or not os.listdir(tmp_path / "o")
 
 
-@pytest.mark.parametrize("flag", ["--epochs", "--shard-tokens", "--seed"])
+@pytest.mark.parametrize("flag", ["--epochs", "--shard-tokens", "--seed", "--max-tokens", "--dp", "--micro-batches"])
 def test_huge_pack_counts_are_one_line_naming_the_flag(good, tmp_path, capsys, flag):
     code, err = cli(capsys, "pack", good, "--output", tmp_path / "o", "--dp", "2", "--max-tokens", "4096", flag, HUGE)
     assert code == 2 and len(err) == 1 and err[0].startswith(f"error: {flag} must be in ["), err
@@ -205,3 +205,30 @@ def test_num_proc_is_clipped_to_the_records(tmp_path, capsys):
     code, err = cli(capsys, "pretokenize", corpus, "--output", tmp_path / "o", "--num-proc", "16")
     used = [int(n) for line in err for n in re.findall(r"using (\d+) worker process\(es\) of the 16 asked", line)]
     assert code == 0 and used and used[0] <= min(3, os.cpu_count() or 1), err
+
+
+def test_pack_resume_reads_its_state_strictly_and_against_the_disk(packed, good, tmp_path):
+    for name, change, match in [
+        ("swapped", lambda s: s["shards"].reverse(), r"\.pack-state\.json: shards\[0\]"),
+        ("row_gap", lambda s: s["shards"][-1].update(first_row=s["shards"][-1]["first_row"] + 1), "first_row"),
+        ("string", lambda s: s["shards"][0].update(rows="3"), r'\.pack-state\.json: "shards\[0\]\.rows": expected an'),
+    ]:
+        out = copy_folder(packed, tmp_path / name)
+        m = json.loads((out / "manifest.json").read_text())
+        state = {"format": "balancer-pack-state", "format_version": 1, "job": m["job"]}
+        state.update(plans=m["plans"], shards=m["shards"][:2])
+        change(state)
+        (out / "manifest.json").unlink()
+        (out / ".pack-state.json").write_text(json.dumps(state))
+        with pytest.raises(DataError, match=match):
+            pack(good, out, TOPO, COST, epochs=2, shard_tokens=20_000)
+
+
+def test_non_utf8_tokenizer_config_is_one_line_naming_the_file(src, tmp_path, capsys):
+    folder = tmp_path / "tok_config"
+    folder.mkdir()
+    (folder / "tokenizer_config.json").write_bytes(b'{"model_max_length": 8}')
+    (folder / "tokenizer.json").write_bytes(b"\xff\xfe{")
+    code, err = cli(capsys, "pretokenize", src, "--output", tmp_path / "o", "--tokenizer", folder)
+    assert code == 2 and len(err) == 1 and f"{folder / 'tokenizer.json'}: not UTF-8 text" in err[0], err
+    assert not (tmp_path / "o").exists()

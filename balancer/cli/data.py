@@ -38,6 +38,10 @@ FLAGS = {
     "epochs": "--epochs",
     "seed": "--seed",
     "max_tokens": "--max-tokens",
+    "dp": "--dp",
+    "pp": "--pp",
+    "micro_batches": "--micro-batches",
+    "tokens_per_step": "--tokens-per-step",
     "cp": "--cp",
     "cp_sizes": "--cp-sizes",
 }

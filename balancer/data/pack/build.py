@@ -48,10 +48,10 @@ from balancer.data.pack.rows import (
     row_tokens,
     rows_per_epoch,
 )
-from balancer.data.pack.verify import is_packed, load_packed_manifest, packed_metrics, verify_packed
+from balancer.data.pack.verify import check_names, is_packed, load_packed_manifest, packed_metrics, verify_packed
 from balancer.data.pretokenize.pipeline import DEFAULT_SHARD_TOKENS
 from balancer.data.shards.errors import arg
-from balancer.data.shards.limits import MAX_EPOCHS, MAX_SEED, MAX_SHARD_TOKENS, check_count
+from balancer.data.shards.limits import MAX_EPOCHS, MAX_SEED, MAX_SHARD_TOKENS, check_count, check_pack_topology
 from balancer.data.shards.manifest import MANIFEST_NAME, atomic_write_json, fsync_file, sha256_file, verify_shard_files
 from balancer.data.shards.output import is_our_record, open_output
 from balancer.data.shards.schema import load_record, state_header
@@ -240,6 +240,7 @@ def pack(
     (DataError, its base class, for a folder that another run is writing or that is one of the inputs).
     `progress`: None = a bar only on a terminal."""
     check_static(topology)
+    check_pack_topology(topology)
     if overflow not in OVERFLOW_CHOICES:
         raise PackError(f"{arg('overflow')} must be one of {OVERFLOW_CHOICES}, got {overflow!r}")
     check_count("epochs", epochs, 1, MAX_EPOCHS)
@@ -258,6 +259,9 @@ def _resume_state(out: Path, job: str, prev: Optional[dict]) -> dict:
     if prev is None:
         return state
     prev = load_record(out / PACK_STATE_NAME, "pack_state")  # strict: exact types, no unknown keys
+    problems = check_names(out, prev, PACK_STATE_NAME)
+    if problems:
+        raise PackError(f"{problems[0]}; the state disagrees with the files on disk: pass {arg('overwrite', True)}")
     state["plans"] = prev["plans"]
     for entry in prev["shards"]:
         if verify_shard_files(out, entry) is not None:

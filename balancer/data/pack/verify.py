@@ -76,10 +76,11 @@ def _check_batch(batch: pa.RecordBatch, plan: Plan, epoch: int, first: int) -> l
     return problems
 
 
-def _check_names(out: Path, m: dict) -> list[str]:
-    """Shards and plans named in sequence (`shard-00000`, `plan-epoch-00000.json`, ...), each with exactly its
-    own file: no name in the manifest leaves the folder or points at another entry's file."""
-    where = out / MANIFEST_NAME
+def check_names(out: Path, m: dict, record: str = MANIFEST_NAME) -> list[str]:
+    """Shards and plans of the manifest or state `m` (file `record`) named in sequence (`shard-00000`,
+    `plan-epoch-00000.json`, ...), each with exactly its own file, shards' `first_row` continuous: no name leaves
+    the folder or points at another entry's file."""
+    where = out / record
     for key, name_of, files_of in (
         ("shards", lambda i: f"shard-{i:05d}", lambda n: [f"{n}.arrow"]),
         ("plans", lambda i: f"plan-epoch-{i:05d}.json", lambda n: [n]),
@@ -140,7 +141,7 @@ def verify_packed(path: str | os.PathLike) -> list[str]:
         m = load_packed_manifest(out)
     except PackError as exc:
         return [str(exc)]
-    problems = _check_names(out, m) or [
+    problems = check_names(out, m) or [
         bad for entry in m["plans"] + m["shards"] if (bad := verify_shard_files(out, entry))
     ]
     if problems:

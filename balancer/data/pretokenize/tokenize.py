@@ -63,6 +63,22 @@ class Tokenizer:
         }
 
 
+def _unreadable_json_in(folder: str) -> Optional[str]:
+    """'FILE: why' for the first JSON file of a tokenizer folder that is not UTF-8 JSON (None: all read)."""
+    from balancer.strict_json import JSONFileError, parse_json
+
+    if not os.path.isdir(folder):
+        return None
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".json"):
+            try:
+                with open(os.path.join(folder, name), "rb") as f:
+                    parse_json(f.read(), os.path.join(folder, name))
+            except (JSONFileError, OSError) as exc:
+                return f"cannot load tokenizer {folder!r}: {exc}"
+    return None
+
+
 class ByteTokenizer(Tokenizer):
     """ids = UTF-8 bytes of the text (0..255); EOS = 256; vocab_size = 257."""
 
@@ -99,8 +115,11 @@ class HFTokenizer(Tokenizer):
         try:
             self.tok = AutoTokenizer.from_pretrained(name_or_path)
         except Exception as exc:  # transformers raises OSError/ValueError/HTTP errors
+            bad = _unreadable_json_in(name_or_path)
             raise TokenizerError(
-                f"cannot load tokenizer {name_or_path!r} with transformers.AutoTokenizer: {type(exc).__name__}: {exc}"
+                bad
+                or f"cannot load tokenizer {name_or_path!r} with transformers.AutoTokenizer: "
+                f"{type(exc).__name__}: {exc}"
             ) from exc
         self.name = name_or_path
         self.vocab_size = int(len(self.tok))

@@ -14,6 +14,8 @@ MAX_NUM_PROC = 1024  # worker processes (clipped further to the CPUs and the rec
 MAX_NUM_SHARDS = 2**20  # --num-shards slices
 MAX_EPOCHS = 10_000  # pack --epochs
 MAX_SEED = 2**32 - 1  # pack --seed (epoch e plans with seed + e, below 2**63)
+MAX_RANKS = 2**20  # pack --dp, --cp, --pp, --micro-batches (one row per micro-batch and DP rank)
+MAX_STEP_TOKENS = 2**62  # pack --tokens-per-step
 
 
 def check_count(name: str, value: object, low: int, high: int) -> int:
@@ -24,6 +26,15 @@ def check_count(name: str, value: object, low: int, high: int) -> int:
         shown = str(value) if len(str(value)) <= 30 else f"{str(value)[:12]}...({len(str(value))} digits)"
         raise DataError(f"{arg(name)} must be in [{low}, {high:,}], got {shown}")
     return value
+
+
+def check_pack_topology(topology) -> None:
+    """The topology's counts in the ranges a packed folder can hold: a row is one micro-batch over the CP group, so
+    `max_tokens * cp` fits Arrow's int32 list offsets; DataError naming the field (a flag on the CLI)."""
+    for name in ("dp", "cp", "pp", "micro_batches"):
+        check_count(name, getattr(topology, name), 1, MAX_RANKS)
+    check_count("max_tokens", topology.max_tokens, 1, MAX_LENGTH // topology.cp)
+    optional_count("tokens_per_step", topology.tokens_per_step, 1, MAX_STEP_TOKENS)
 
 
 def usable_processes(num_proc: int, records: int, log) -> int:
