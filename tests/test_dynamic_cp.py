@@ -283,3 +283,27 @@ def test_communication_aware_cuts_and_prediction():
     pred, pred_static = p.predict(), static.predict()
     assert len(pred["step_times"]) == p.num_steps
     assert pred["step_time_total"] < pred_static["step_time_total"]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.integers(0, 10_000),
+    st.sampled_from([1, 2, 3, 4, 8]),
+    st.sampled_from([None, 64]),
+    st.booleans(),
+)
+def test_batched_prediction_equals_one_by_one(seed, cp, window, causal):
+    """`micro_batch_times` (what the communication-aware dynamic planner evaluates a whole plan with) gives exactly
+    `micro_batch_time` of every micro-batch: zigzag layout, ring attention, windows and bidirectional models."""
+    from balancer.planning.predict import micro_batch_time, micro_batch_times
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 3000, int(rng.integers(1, 200)))
+    cuts = np.unique(rng.integers(1, len(lengths) + 1, int(rng.integers(0, 12))))
+    ptr = np.unique(np.concatenate([[0], cuts, [len(lengths)]]))
+    cost = balancer.CostModel(
+        attn_coef=1e-4, linear_coef=1.0, piece_coef=3.0, comm_coef=0.5, comm_latency=7.0, causal=causal, window=window
+    )
+    batched = micro_batch_times(cost, lengths, ptr, cp)
+    single = [micro_batch_time(cost, lengths[a:b], cp) for a, b in zip(ptr[:-1], ptr[1:])]
+    np.testing.assert_allclose(batched, single, rtol=1e-12)

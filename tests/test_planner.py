@@ -321,3 +321,24 @@ def test_many_small_steps_use_the_batched_packing():
     m = p.metrics()
     assert m["steps"] > 300 and m["epoch_efficiency"] > 0.99
     assert len(calls) < 0.05 * m["steps"]
+
+
+def test_long_planning_is_logged_once_and_shows_progress_late(caplog, monkeypatch):
+    """A plan slower than SLOW_PLAN logs one INFO line per process (what a sampler or trainer shows at every epoch
+    start); the progress bar (`balancer plan` on a terminal) appears only after PROGRESS_AFTER seconds."""
+    import logging
+
+    import balancer.planning.planner as planner
+
+    monkeypatch.setattr(planner, "SLOW_PLAN", 0.0)
+    monkeypatch.setattr(planner, "_slow_logged", False)
+    lengths = np.random.default_rng(0).integers(100, 4000, 500)
+    topo = Topology(dp=2, micro_batches=2, max_tokens=8192)
+    with caplog.at_level(logging.INFO, logger="balancer.planning.planner"):
+        balancer.plan(lengths, topo, COST, seed=0)
+        balancer.plan(lengths, topo, COST, seed=1)
+    lines = [r.getMessage() for r in caplog.records if r.name == "balancer.planning.planner"]
+    assert len(lines) == 1 and "planning 500 documents into" in lines[0] and "dp2" in lines[0]
+    bar = planner._progress(10, True)
+    assert bar.delay == planner.PROGRESS_AFTER == 2.0
+    bar.close()

@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from balancer.planning.cost import CostModel
-from balancer.planning.metrics import one_f_one_b
+from balancer.planning.metrics import dynamic_step_times, one_f_one_b
 from balancer.planning.plans import Plan
 from balancer.planning.topology import Topology
 
 MIN_BINS = 16  # the balancing plan keeps at least this many micro-batches per step (when no document stalls)
 STALL_SHARE = 0.5  # ... and a group size on which P * cost(d) / C is at most this share of a rank's step share
+SAMPLE_STEPS = 24  # with a communication-aware cost model the balancing size is chosen on this many steps' worth
 SPLIT_SLACK = 5e-3  # cutting groups may make a step at most this much slower than the largest-group plan
 
 
@@ -90,8 +91,10 @@ def plan_dynamic(
     lengths: np.ndarray, topology: Topology, cost: CostModel, seed: int, overflow: str, progress: bool
 ) -> Plan:
     """The dynamic-CP plan of an epoch (see the module docstring). With a communication-aware cost model two
-    balancing sizes are tried (the compute rule's and the static CP size, where larger groups pay no extra K/V
-    traffic) and the plan with the smaller predicted time (`Plan.predict`) is kept."""
+    balancing sizes are candidates (the compute rule's and the static CP size, where larger groups pay no extra
+    K/V traffic): both plan a sample of the epoch (`_pick_on_sample`) and the size whose sample plan has the
+    smaller predicted time (`Plan.predict`'s `step_time_total`, assembled from the group times the cuts computed)
+    plans the epoch."""
     started = time.perf_counter()
     check_fits(lengths, topology, overflow)
     unit_tokens = np.minimum(lengths, topology.largest_group * topology.max_tokens)
@@ -99,26 +102,52 @@ def plan_dynamic(
     sizes = {base_group_size(unit_cost, unit_tokens, topology)}
     if cost.has_comm:
         sizes.add(base_group_size(unit_cost, unit_tokens, topology, communication=True))
+    if len(sizes) > 1:
+        sizes = _pick_on_sample(lengths, topology, cost, sorted(sizes), seed, overflow)
     best, best_time = None, np.inf
     for size in sorted(sizes):
-        candidate = _plan_on(lengths, topology, cost, size, seed, overflow, progress)
-        time_taken = candidate.predict(cost)["step_time_total"] if len(sizes) > 1 else 0.0
-        if time_taken < best_time:
+        candidate, time_taken = _plan_on(lengths, topology, cost, size, seed, overflow, progress)
+        if time_taken < best_time or best is None:
             best, best_time = candidate, time_taken
     best.plan_seconds = time.perf_counter() - started
     return best
 
 
+def _pick_on_sample(
+    lengths: np.ndarray, topology: Topology, cost: CostModel, sizes: list[int], seed: int, overflow: str
+) -> list[int]:
+    """The balancing size whose plan of a sample of the epoch (SAMPLE_STEPS steps' worth of documents, drawn by
+    `seed`, at most a quarter of the epoch) has the smaller predicted time; all `sizes` when that is under two
+    steps (or the sample cannot be planned). Planning both sizes in full would double the work for one comparison."""
+    steps = float(lengths.sum()) / topology.tokens_per_step
+    budget = min(SAMPLE_STEPS, steps / 4) * topology.tokens_per_step
+    if budget < 2 * topology.tokens_per_step:
+        return sizes
+    order = np.random.default_rng([seed, 3]).permutation(len(lengths))
+    sample = lengths[order[: int(np.searchsorted(np.cumsum(lengths[order]), budget)) + 1]]
+    try:
+        times = [_plan_on(sample, topology, cost, size, seed, overflow, False)[1] for size in sizes]
+    except ValueError:
+        return sizes
+    return [sizes[int(np.argmin(times))]]
+
+
 def _plan_on(
     lengths: np.ndarray, topology: Topology, cost: CostModel, size: int, seed: int, overflow: str, progress: bool
-) -> Plan:
-    """Steps 1 and 2 of the module docstring for balancing size `size`."""
+) -> tuple[Plan, float]:
+    """Steps 1 and 2 of the module docstring for balancing size `size`; returns the plan and, with a
+    communication-aware cost model, its predicted step time total (`Plan.predict`), else 0."""
     from balancer.planning.planner import plan as static_plan
 
     virtual = largest_group_topology(topology, size)
     base = static_plan(lengths, virtual, cost, seed=seed, overflow=overflow, progress=progress)
-    order, group_start, group_size, sizes, slot_ptr = _split_groups(base, virtual, topology, cost)
-    return Plan(
+    order, group_start, group_size, sizes, slot_ptr, group_times = _split_groups(base, virtual, topology, cost)
+    predicted = 0.0
+    if cost.has_comm:  # the slot model over the layout-aware group times, as Plan.predict assembles them
+        predicted = float(
+            dynamic_step_times(group_times * group_size, group_start, group_size, slot_ptr, topology).sum()
+        )
+    plan = Plan(
         base.lengths,
         topology,
         cost,
@@ -131,6 +160,7 @@ def _plan_on(
         dropped_tokens=base.dropped_tokens,
         groups=(group_start, group_size, slot_ptr),
     )
+    return plan, predicted
 
 
 @dataclass
@@ -145,6 +175,7 @@ class _Cutter:
     cost: CostModel | None = None  # a communication-aware model: group times from the layout-aware prediction
 
     finest: dict[int, int] = field(default_factory=dict)  # size -> the smallest size reached by cutting it
+    known: dict = field(default_factory=dict)  # (size, entries) -> predicted group time (each is computed once)
 
     def __post_init__(self) -> None:
         for size in self.smaller:
@@ -156,11 +187,14 @@ class _Cutter:
     def group_time(self, entries: np.ndarray, size: int) -> float:
         """Time of one group's micro-batch: `(sum cost + fixed) / size`, or with a communication-aware cost model
         the slowest rank's predicted time under the zigzag layout and ring attention (balancer.planning.predict)."""
-        if self.cost is None or size == 1:
+        if self.cost is None or size == 1:  # with one rank the prediction is exactly this (no layout, no traffic)
             return (float(self.entry_cost[entries].sum()) + self.fixed) / size
         from balancer.planning.predict import micro_batch_time
 
-        return micro_batch_time(self.cost, self.entry_tokens[entries], size)
+        key = (size, entries.tobytes())
+        if key not in self.known:
+            self.known[key] = micro_batch_time(self.cost, self.entry_tokens[entries], size)
+        return self.known[key]
 
     def split(self, entries: np.ndarray, start: int, size: int, budget: float) -> list[tuple[int, int, np.ndarray]]:
         """Groups `(start, size, entries)` covering ranks `[start, start + size)`, cut while every part stays within
@@ -208,7 +242,8 @@ class _Cutter:
 def _split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostModel):
     """Cut every micro-batch of the largest-group plan into aligned smaller groups where that costs (almost) no time.
 
-    Returns the entry order of the new plan, each group's first rank, size and entry count, and the slot pointer.
+    Returns the entry order of the new plan, each group's first rank, size and entry count, the slot pointer and
+    each group's time (per rank; layout-aware with a communication-aware cost model).
     """
     large, m = virtual.cp, topology.micro_batches
     replicas = virtual.dp
@@ -223,9 +258,13 @@ def _split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostM
     )
     if cutter.cost is None:
         slot_time = base.micro_batch_costs() / large  # fixed included
-    else:
+    else:  # every micro-batch at once; the cuts below look these up
+        from balancer.planning.predict import micro_batch_times
+
         ptr = base.mb_ptr
-        slot_time = np.array([cutter.group_time(np.arange(ptr[k], ptr[k + 1]), large) for k in range(len(ptr) - 1)])
+        slot_time = micro_batch_times(cost, base.end - base.start, ptr, large)
+        for k in range(len(ptr) - 1):
+            cutter.known[(large, np.arange(ptr[k], ptr[k + 1]).tobytes())] = float(slot_time[k])
     slot_time = slot_time.reshape(base.num_steps, replicas, m)
     order, group_start, group_size, counts, slot_ptr = [], [], [], [], [0]
     for step in range(base.num_steps):
@@ -241,7 +280,8 @@ def _split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostM
                     counts.append(len(members))
             slot_ptr.append(len(group_start))
     as_array = [np.asarray(a, dtype=np.int64) for a in (group_start, group_size, counts, slot_ptr)]
-    return (np.concatenate(order) if order else np.zeros(0, dtype=np.int64), *as_array)
+    times = np.array([cutter.group_time(members, int(z)) for members, z in zip(order, group_size)])
+    return (np.concatenate(order) if order else np.zeros(0, dtype=np.int64), *as_array, times)
 
 
 def _cut_replica(

@@ -31,14 +31,8 @@ def pack_steps(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: 
     nb, cap, m = topology.bins_per_step, topology.micro_batch_tokens, topology.micro_batches
     steps = len(ptr) - 1
     counts = np.diff(ptr)
-    step = np.repeat(np.arange(steps), counts)
-    order = np.argsort(-cost, kind="stable")  # largest first (stable: ties keep their order on every machine) ...
-    key = step[order].astype(np.int16) if steps < 2**15 else step[order]  # ... then by step (radix sort)
-    order = order[np.argsort(key, kind="stable")]
-    rank = np.arange(len(cost)) - ptr[step[order]]
-    width = int(counts.max()) if steps else 0
-    grid = np.full((steps, width), -1, dtype=np.int64)  # [step, rank] -> unit, -1 past the step's units
-    grid[step[order], rank] = order
+    grid = by_step_grid(-cost, ptr)  # [step, rank] -> unit, largest first; -1 past the step's units
+    width = grid.shape[1]
     load = np.zeros((steps, nb))
     used = np.zeros((steps, nb), dtype=np.int64)
     unit_bin = np.full(len(cost), -1, dtype=np.int64)
@@ -53,6 +47,20 @@ def pack_steps(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: 
             if len(live):
                 _greedy(chunk[live, col], live, cost, tokens, load, used, unit_bin, topology)
     return unit_bin
+
+
+def by_step_grid(key: np.ndarray, ptr: np.ndarray) -> np.ndarray:
+    """[steps, most units of a step]: each step's units (`ptr[s]:ptr[s + 1]`) in ascending order of `key`, ties in
+    their given order (a stable sort, row by row: the same on every machine), -1 past the step's units."""
+    steps, counts = len(ptr) - 1, np.diff(ptr)
+    step = np.repeat(np.arange(steps), counts)
+    column = np.arange(len(key)) - ptr[step]
+    width = int(counts.max()) if steps else 0
+    keys = np.full((steps, width), np.inf)
+    keys[step, column] = key
+    grid = np.full((steps, width), -1, dtype=np.int64)
+    grid[step, column] = np.arange(len(key))
+    return np.take_along_axis(grid, np.argsort(keys, axis=1, kind="stable"), axis=1)
 
 
 def _round(chunk, rows, cost, tokens, load, used, unit_bin, cap, m) -> None:

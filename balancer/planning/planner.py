@@ -19,6 +19,7 @@ Inside each micro-batch, documents keep their shuffled order.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from balancer.planning.binpack import pack_step, step_time
 from balancer.planning.cost import CostModel
-from balancer.planning.fastpack import pack_steps, step_quality, worth_repacking
+from balancer.planning.fastpack import by_step_grid, pack_steps, step_quality, worth_repacking
 from balancer.planning.metrics import natural_steps, step_times
 from balancer.planning.plans import Plan
 from balancer.planning.steps import (
@@ -42,6 +43,11 @@ from balancer.planning.units import OVERFLOW_POLICIES, planning_units, validate_
 ATTN_SHARE = 1 / 3  # a unit is attention-heavy when attention is at least this share of its cost
 FAST_ENOUGH = 1.01  # a step keeps its batched packing when its time is within this factor of its lower bound ...
 REPACK_SKIP = 1e-3  # ... or when re-packing all steps with the least excess over their bound could gain at most this
+PROGRESS_AFTER = 2.0  # seconds before a progress bar (progress=True) appears
+SLOW_PLAN = 10.0  # seconds: a plan that takes longer is logged (once per process)
+
+log = logging.getLogger(__name__)
+_slow_logged = False  # the slow-planning line is logged once per process
 
 __all__ = ["plan", "pack_step", "step_token_targets", "validate_lengths", "OVERFLOW_POLICIES"]
 
@@ -105,6 +111,7 @@ def plan(
         mb_id = np.repeat(np.arange(len(sizes)), sizes)
         unit = unit[np.argsort(mb_id * 2 + ~whole, kind="stable")]
     placed_tokens = np.bincount(u_doc, weights=u_end - u_start, minlength=len(lengths)).astype(np.int64)
+    _log_if_slow(time.perf_counter() - started, len(lengths), len(packed), topology)
     return Plan(
         lengths,
         topology,
@@ -140,7 +147,8 @@ def _pack_epoch(
 ) -> list:
     """Cut the shuffled units into steps and pack each; returns per step (units sorted by micro-batch, sizes).
 
-    Every step is first packed by the batched LPT of balancer.planning.fastpack (all steps at once); a step keeps
+    Every step without attention-heavy units is first packed by the batched LPT of balancer.planning.fastpack (all
+    such steps at once); a step keeps
     that packing when it placed every unit within FAST_ENOUGH of the step's lower bound (or when it is among the
     steps of least excess time that together could gain at most REPACK_SKIP of the epoch), and is re-packed by
     `pack_step` otherwise, or when units moved into it from the step before."""
@@ -148,17 +156,35 @@ def _pack_epoch(
     groups = _cut_steps(u_cost, u_tok, attn_heavy, targets, nb, rng, grouped=topology.pp > 1)
     flat = np.concatenate(groups)
     ptr = np.concatenate([[0], np.cumsum([len(g) for g in groups])])
-    fast_bin = pack_steps(u_cost[flat], u_tok[flat], ptr, topology)
+    fast_bin = _pack_light_steps(flat, ptr, u_cost, u_tok, attn_heavy, topology)
     times, bound, complete = step_quality(fast_bin, u_cost[flat], ptr, topology)
     repack = worth_repacking(times, bound, complete, FAST_ENOUGH - 1, REPACK_SKIP)
     fast = [fast_bin[ptr[s] : ptr[s + 1]] if ok else None for s, ok in enumerate(complete)]
     # the good steps' result, sorted by micro-batch in one go (the -1 of incomplete steps sorts first, unused)
+    grid = by_step_grid(fast_bin * float(len(u_cost)) + flat, ptr)  # by micro-batch, shuffled order inside
+    by_bin = flat[grid[grid >= 0]]
     step = np.repeat(np.arange(len(groups)), np.diff(ptr))
     slot = step * (nb + 1) + fast_bin + 1
-    by_bin = flat[np.argsort(slot * len(u_cost) + flat)]  # by micro-batch, shuffled order inside (unique keys)
     sizes = np.bincount(slot, minlength=len(groups) * (nb + 1)).reshape(len(groups), nb + 1)[:, 1:]
     ready = [None if bad else (by_bin[ptr[s] : ptr[s + 1]], sizes[s]) for s, bad in enumerate(repack)]
     return _settle(groups, fast, ready, u_cost, u_tok, attn_heavy, targets, topology, progress)
+
+
+def _pack_light_steps(flat, ptr, u_cost, u_tok, attn_heavy, topology: Topology) -> np.ndarray:
+    """The batched packing (`pack_steps`) of the steps without attention-heavy units (units `flat`, step s being
+    `ptr[s]:ptr[s + 1]`); -1 for the units of the other steps, which need `pack_step`'s water-filling (a heavy
+    unit costs more per token than the rest, so balancing its step takes the token room into account)."""
+    sizes = np.diff(ptr)
+    heavy = np.zeros(len(sizes), dtype=np.int64)
+    heavy[sizes > 0] = np.add.reduceat(attn_heavy[flat].astype(np.int64), ptr[:-1][sizes > 0])
+    light = np.repeat(heavy == 0, sizes)
+    out = np.full(len(flat), -1, dtype=np.int64)
+    if light.any():
+        units = flat[light]
+        out[light] = pack_steps(
+            u_cost[units], u_tok[units], np.concatenate([[0], np.cumsum(sizes[heavy == 0])]), topology
+        )
+    return out
 
 
 def _cut_steps(
@@ -461,9 +487,23 @@ def _reopen_last_step(packed: list, units: np.ndarray, u_cost: np.ndarray, nb: i
     return np.concatenate(borrowed)
 
 
+def _log_if_slow(seconds: float, documents: int, steps: int, topology: Topology) -> None:
+    """One log line (INFO, once per process) when planning took long: every rank pays it at every epoch start."""
+    global _slow_logged
+    if seconds > SLOW_PLAN and not _slow_logged:
+        _slow_logged = True
+        log.info(
+            "planning %d documents into %d steps on %s took %.1f s (every rank plans at every epoch start)",
+            documents,
+            steps,
+            topology,
+            seconds,
+        )
+
+
 def _progress(total: int, enabled: bool):
     if not enabled:
         return None
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="planning steps", unit="step")
+    return tqdm(total=total, desc="planning steps", unit="step", delay=PROGRESS_AFTER)

@@ -41,7 +41,7 @@ class MicroBatchTerms:
 
     @property
     def cp(self) -> int:
-        return int(self.tokens.shape[0])
+        return int(self.tokens.shape[-1])
 
 
 def _check_layout_kind(kind: str) -> None:
@@ -116,20 +116,66 @@ def assignment_terms(
     travel = np.zeros(cp, dtype=np.float64)
     if split.any():
         s_len = lengths[split]
-        bounds, owner = _zigzag_chunks(s_len, cp, "contiguous" if contiguous else "zigzag")
-        lo, hi = bounds[:, :-1].astype(np.float64), bounds[:, 1:].astype(np.float64)
-        np.add.at(travel, owner, (hi - lo).sum(axis=0))
+        doc_pairs, doc_pieces, doc_travel = _split_document_terms(
+            s_len, cp, "contiguous" if contiguous else "zigzag", causal, window
+        )
+        travel += doc_travel.sum(axis=0)
         tokens += travel
-        touched = np.zeros((cp, cp, len(s_len)), dtype=bool)
-        for a in range(lo.shape[1]):  # query chunk column
-            for b in range(lo.shape[1]):  # key chunk column
-                p = block_pairs(lo[:, a], hi[:, a], lo[:, b], hi[:, b], causal, window)
-                pairs[owner[a], owner[b]] += p.sum()
-                touched[owner[a], owner[b]] |= p > 0
-        pieces += touched.sum(axis=2)
+        pairs += doc_pairs.sum(axis=0)
+        pieces += doc_pieces.sum(axis=0)
     if cp == 1:
         travel[:] = 0.0
     return MicroBatchTerms(tokens, pairs, pieces, travel)
+
+
+def _split_document_terms(lengths: np.ndarray, cp: int, kind: str, causal: bool, window: int | None):
+    """Per split document (zigzag or contiguous chunks): pairs [n, cp, cp] of rank r's queries against rank s's keys,
+    pieces [n, cp, cp] (1 where there are such pairs) and tokens [n, cp] on each rank."""
+    bounds, owner = _zigzag_chunks(lengths, cp, kind)
+    lo, hi = bounds[:, :-1].astype(np.float64), bounds[:, 1:].astype(np.float64)
+    rank_of = np.eye(cp)[owner]  # [chunk, rank] one-hot
+    travel = (hi - lo) @ rank_of
+    if causal and window is None:  # chunks in document order: a query chunk sees every key of the chunks before it
+        size = hi - lo
+        spread = size[:, :, None] * rank_of  # [n, a, s]: chunk a's tokens, in its owner's column
+        before = np.cumsum(spread, axis=1) - spread  # [n, a, s]: rank s's tokens in the chunks before chunk a
+
+        def by_owner(x):  # [n, a, s] summed over the chunks a of each rank r -> [n, r, s]
+            return np.stack([x[:, owner == r].sum(axis=1) for r in range(cp)], axis=1)
+
+        pairs = by_owner(size[:, :, None] * before)
+        seen = by_owner(((size > 0)[:, :, None] & (before > 0)).astype(np.float64))
+        diagonal = np.arange(cp)
+        pairs[:, diagonal, diagonal] += (size * (size + 1) / 2) @ rank_of
+        seen[:, diagonal, diagonal] += (size > 0) @ rank_of
+        return pairs, (seen > 0).astype(np.float64), travel
+    # every (query chunk a, key chunk b) pair of every document at once: [docs, a, b]
+    p = block_pairs(lo[:, :, None], hi[:, :, None], lo[:, None, :], hi[:, None, :], causal, window)
+    pieces = (rank_of.T @ (p > 0).astype(np.float64) @ rank_of > 0).astype(np.float64)
+    return rank_of.T @ p @ rank_of, pieces, travel
+
+
+def micro_batch_times(cost: CostModel, lengths: np.ndarray, ptr: np.ndarray, cp: int, method: str = "ring"):
+    """`micro_batch_time` (zigzag layout) of many micro-batches at once: micro-batch k holds the documents
+    `lengths[ptr[k]:ptr[k + 1]]` (none empty). Vectorised over documents, in blocks that bound the memory."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ptr = np.asarray(ptr, dtype=np.int64)
+    if cp == 1:  # one rank: no layout, no traffic
+        return np.add.reduceat(cost.cost(lengths), ptr[:-1]) + cost.fixed
+    out = np.empty(len(ptr) - 1)
+    per_block = max(1, (1 << 21) // (4 * cp * cp))  # documents per block: [docs, 2cp, 2cp] stays ~16 MB
+    first = 0
+    while first < len(out):
+        last = max(first + 1, int(np.searchsorted(ptr, ptr[first] + per_block, side="right")) - 1)
+        last = min(last, len(out))
+        a, b = ptr[first], ptr[last]
+        pairs, pieces, travel = _split_document_terms(lengths[a:b], cp, "zigzag", cost.causal, cost.window)
+        starts = ptr[first:last] - a
+        pairs, pieces, travel = (np.add.reduceat(x, starts, axis=0) for x in (pairs, pieces, travel))
+        terms = MicroBatchTerms(travel, pairs, pieces, travel)
+        out[first:last] = rank_times(cost, terms, method).max(axis=-1)
+        first = last
+    return out
 
 
 def step_blocks(cp: int) -> np.ndarray:
@@ -141,26 +187,27 @@ def step_blocks(cp: int) -> np.ndarray:
 def _ring_moved(terms: MicroBatchTerms) -> np.ndarray:
     """[cp, cp] K/V tokens moved by rank r during ring step i: the larger of the block sent and the one received."""
     held = step_blocks(terms.cp)
-    return np.maximum(terms.travel[held], terms.travel[(held - 1) % terms.cp])
+    return np.maximum(terms.travel[..., held], terms.travel[..., (held - 1) % terms.cp])
 
 
 def rank_times(cost: CostModel, terms: MicroBatchTerms, method: str = "ring") -> np.ndarray:
-    """[cp] predicted time of every CP rank for one micro-batch (see the module docstring)."""
+    """[cp] predicted time of every CP rank for one micro-batch (see the module docstring); terms with leading
+    batch dimensions (`micro_batch_times`) give [..., cp]."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     cp = terms.cp
     base = cost.fixed + cost.linear_coef * terms.tokens
-    compute = cost.attn_coef * terms.pairs + cost.piece_coef * terms.pieces  # [r, s]
+    compute = cost.attn_coef * terms.pairs + cost.piece_coef * terms.pieces  # [..., r, s]
     if cp == 1:
-        return base + compute.sum(axis=1)
+        return base + compute.sum(axis=-1)
     if method == "allgather":
-        gathered = cost.comm_coef * (cp - 1) * terms.travel.max()
-        return base + compute.sum(axis=1) + gathered + cost.comm_latency
+        gathered = cost.comm_coef * (cp - 1) * terms.travel.max(axis=-1, keepdims=True)
+        return base + compute.sum(axis=-1) + gathered + cost.comm_latency
     held = step_blocks(cp)
-    per_step = np.take_along_axis(compute, held, axis=1)  # [r, i]
+    per_step = np.take_along_axis(compute, np.broadcast_to(held, compute.shape), axis=-1)  # [..., r, i]
     moved = cost.comm_coef * _ring_moved(terms)
     step = np.maximum(per_step, moved) if cost.comm_overlap else per_step + moved
-    return base + (step + cost.comm_latency).sum(axis=1)
+    return base + (step + cost.comm_latency).sum(axis=-1)
 
 
 def micro_batch_time(
