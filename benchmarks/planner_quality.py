@@ -3,12 +3,15 @@
 Issue 2's setting: max_tokens = next power of two >= longest document / cp, tokens_per_step = 0.85 x capacity,
 cost attention 2/53000 per causal pair + 1 per token; topologies dp8 (M4), dp4 x cp8 (M8), dp4 x cp2 x pp4 (M8);
 distributions: the two published traces, a near-uniform SFT mix and a generated heavy tail to 1M tokens.
-Writes benchmarks/results/planner_quality.json and prints the README table.
+With `--before FILE` (a results file of an earlier version, e.g. planner_quality_before.json: this script run on
+the planner before issue 21's batched packing) every row also carries that version's metrics and the goal
+"efficiency_within_0.003_of_before". Writes benchmarks/results/planner_quality.json and prints the README table.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 
 from _common import DEFAULT_COST, TOPOLOGIES, standard_topology, write_result
 from wlb import wlb_plan
@@ -36,7 +39,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--traces", nargs="+", default=["wlbllm", "prolong", "sft", "heavy"])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--before", help="an earlier results file whose balancer rows are compared (same traces)")
     args = ap.parse_args()
+    before = {}
+    if args.before:
+        saved = json.loads(open(args.before).read())
+        before = {(r["distribution"], r["topology"]): r["balancer"] for r in saved["rows"]}
     rows = []
     print(
         "| distribution | topology | balancer imbalance | WLB imbalance | balancer efficiency | WLB efficiency "
@@ -52,6 +60,9 @@ def main() -> None:
             wlb = wlb_plan(lengths, topo, DEFAULT_COST, seed=args.seed)
             mo, mw = ours.metrics(), wlb.metrics()
             g = goal(trace, pp, mo, mw)
+            earlier = before.get((trace, tname))
+            if earlier is not None:
+                g["efficiency_within_0.003_of_before"] = mo["epoch_efficiency"] >= earlier["epoch_efficiency"] - 0.003
             rows.append(
                 {
                     "distribution": trace,
@@ -63,6 +74,7 @@ def main() -> None:
                     "wlb": {k: mw[k] for k in KEYS},
                     "goals": g,
                 }
+                | ({"before": {k: earlier[k] for k in KEYS}} if earlier is not None else {})
             )
             status = "all met" if all(g.values()) else "missed: " + ", ".join(k for k, v in g.items() if not v)
             print(
@@ -71,7 +83,10 @@ def main() -> None:
                 f"{mw['worst_step']:.3f} | {mo['mean_delay_steps']:.2f} | {status} |",
                 flush=True,
             )
-    path = write_result("planner_quality", {"cost": DEFAULT_COST.to_dict(), "rows": rows}, clock="none")
+    payload = {"cost": DEFAULT_COST.to_dict(), "rows": rows}
+    if args.before:
+        payload["before"] = {"file": args.before, "command": saved.get("command"), "date": saved.get("date")}
+    path = write_result("planner_quality", payload, clock="wall")
     print(f"\nwrote {path}")
 
 

@@ -63,6 +63,7 @@ def planner_quality() -> str:
                 fmt(ours["worst_step"]),
                 fmt(wlb["worst_step"]),
                 fmt(ours["mean_delay_steps"], ".2f"),
+                fmt(row["before"]["epoch_efficiency"], ".4f") if "before" in row else "",
                 "all met"
                 if all(row["goals"].values())
                 else "missed: " + ", ".join(k for k, v in row["goals"].items() if not v),
@@ -78,6 +79,7 @@ def planner_quality() -> str:
         "worst step",
         "WLB worst step",
         "delay (steps)",
+        "efficiency before",
         "goals",
     ]
     return markdown(header, rows)
@@ -85,6 +87,8 @@ def planner_quality() -> str:
 
 def planner_speed() -> str:
     data = load("planner_speed")
+    clock = "process CPU" if data.get("clock") == "process_cpu" else data.get("clock", "wall")
+    load_avg = data.get("machine", {})
     rows = [
         [
             f"{r['documents']:,}",
@@ -96,10 +100,49 @@ def planner_speed() -> str:
         for r in data["rows"]
     ]
     table = markdown(["documents", "balancer", "WLB-style greedy", "speedup", "steps"], rows)
-    return (
-        f"{table}\n\nTime grows {data['growth']:.1f}x for {data['size_ratio']:.0f}x the documents; one global batch of "
-        f"2,000 documents packs in {data['global_batch_2000_ms']:.1f} ms."
-    )
+    out = f"{table}\n\nTime grows {data['growth']:.1f}x for {data['size_ratio']:.0f}x the documents."
+    many = data.get("many_small_steps")
+    if many:
+        small, large = many["dp4xcp2xM4x2048"], many["dp64xcp4xM8x32768"]
+        rows = [
+            [
+                "dp4 x cp2 x M4 x 2,048",
+                str(small["steps"]),
+                f"{small['cpu_s']:.2f} s",
+                fmt(small["epoch_efficiency"], ".4f"),
+            ],
+            [
+                "dp64 x cp4 x M8 x 32,768",
+                str(large["steps"]),
+                f"{large['cpu_s']:.2f} s",
+                fmt(large["epoch_efficiency"], ".4f"),
+            ],
+            [
+                "dp4 x cp2 x M4 x 2,048, per-document cost greedy",
+                "",
+                f"{many['greedy_cpu_s']:.2f} s",
+                fmt(many["greedy_epoch_efficiency"], ".4f"),
+            ],
+        ]
+        out += (
+            f"\n\n{many['documents']:,} SFT-like documents ({many['lengths']}), {clock} time:\n\n"
+            + markdown(["topology", "steps", "plan time", "epoch efficiency"], rows)
+            + f"\n\nMany small steps take {many['vs_greedy']:.2f}x the greedy's time (goal <= 0.1x) and "
+            f"{many['vs_few_steps']:.2f}x the few-steps topology's (goal <= 3x): {goals_cell(many['goals'])}."
+        )
+    if data.get("pack_step"):
+        rows = [
+            [r["case"], f"{r['ms']:.2f} ms", f"{r['ms_at_ref']:.2f} ms", f"{r['ratio']:.2f}x"]
+            for r in data["pack_step"]
+        ]
+        out += "\n\n`pack_step` on one step, against the same call at git revision " + data["pack_step_ref"] + ":\n\n"
+        out += markdown(["step", "pack_step now", "at " + data["pack_step_ref"], "now / then"], rows)
+    if load_avg.get("load_average_start"):
+        out += (
+            f"\n\nMachine: {load_avg.get('cpus')} cores, load average (1/5/15 min) "
+            f"{load_avg['load_average_start']} at start, {load_avg['load_average_end']} at end."
+        )
+    return out
 
 
 def compare_speedup() -> str:
