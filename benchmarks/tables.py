@@ -502,7 +502,29 @@ def post_training() -> str:
     )
 
 
+def plan_validate() -> str:
+    data = load("plan_validate")
+    rows = [
+        [
+            f"{r['documents']:,} ({r['placements']:,} placements, {r['steps']:,} steps)",
+            fmt(r["plan_s"], ".1f"),
+            fmt(r["validate_s"], ".2f"),
+            f"{fmt(r['load_npz_s'], '.2f')} ({fmt(r['load_npz_unvalidated_s'], '.2f')})",
+            f"{fmt(r['load_json_s'], '.2f')} ({fmt(r['load_json_unvalidated_s'], '.2f')})",
+        ]
+        for r in data["rows"]
+    ]
+    load_avg = data["machine"]["load_average_start"][0]
+    header = ["documents", "plan (s)", "validate (s)", "load .npz (unvalidated)", "load JSON (unvalidated)"]
+    note = (
+        f"\n\n{data['topology']}; process CPU seconds, best of the repeats, {data['machine']['cpus']} cores, load "
+        f"average {load_avg} at start ({data['date']})."
+    )
+    return markdown(header, rows) + note
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "plan_validate": plan_validate,
     "post_training": post_training,
     "window_first_batch": window_first_batch,
     "window_quality": window_quality,

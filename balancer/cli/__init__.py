@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import re
 import sys
 from dataclasses import replace
@@ -12,14 +12,27 @@ from pathlib import Path
 import numpy as np
 
 from balancer import __version__
-from balancer.cli.report import compare_table, format_stats, length_stats, plot
+from balancer.cli.flags import (
+    MAX_RANKS,
+    MAX_SEED,
+    MAX_STEP_TOKENS,
+    MAX_TOKENS,
+    OneLineParser,
+    count,
+    limits,
+    nonnegative,
+    parse_with_checks,
+)
+from balancer.cli.report import check_plot_path, compare_table, format_stats, length_stats, plot
 from balancer.data.shards.errors import describe_os_error
 from balancer.data.shards.lengths import read_lengths as read_any_lengths
+from balancer.files import check_output_file
 from balancer.planning.baseline import token_count_plan
 from balancer.planning.cost import CostModel
 from balancer.planning.planner import OVERFLOW_POLICIES, validate_lengths
 from balancer.planning.planner import plan as make_plan
 from balancer.planning.topology import Topology
+from balancer.strict_json import load_json
 
 # Llama-style configs for --model (analytic FLOPs via CostModel.from_model)
 MODELS = {
@@ -42,28 +55,56 @@ def read_lengths(source: str) -> np.ndarray:
     return validate_lengths(read_any_lengths(source), name=str(source))
 
 
+def flag_file(flag: str, path: str, read):
+    """`read(path)` for the file a flag names; a missing or unreadable file is a ValueError naming the flag."""
+    try:
+        return read(path)
+    except OSError as e:
+        raise ValueError(f"{flag} {describe_os_error(e)}") from None
+
+
 def cost_from_args(args) -> CostModel:
+    """The cost model the flags ask for (conflicting flags were refused by `flags.check_conflicts`): `--cost`, or
+    `--model` / `--model-config` (with `--fixed`, `--window`, `--non-causal` applied), or the coefficients."""
     if getattr(args, "cost", None):
-        return CostModel.load(args.cost)
+        return flag_file("--cost", args.cost, CostModel.load)
     window = getattr(args, "window", None)
-    if window is not None and window < 1:
-        raise ValueError(f"--window must be >= 1 token, got {window}")
-    for option in ("attn_coef", "linear_coef", "fixed"):
-        value = getattr(args, option, None)
-        if value is not None and value < 0:
-            raise ValueError(f"--{option.replace('_', '-')} must be >= 0, got {value}")
-    if getattr(args, "model_config", None):
-        cost = CostModel.from_config(json.loads(Path(args.model_config).read_text()))
-        return cost if window is None else replace(cost, window=window)
-    if getattr(args, "model", None):
-        return CostModel.from_model(**MODELS[args.model], window=window)
+    fixed = getattr(args, "fixed", None)
+    fixed = 0.0 if fixed is None else fixed
+    if getattr(args, "model_config", None) or getattr(args, "model", None):
+        if getattr(args, "model_config", None):
+            config = flag_file("--model-config", args.model_config, load_json)
+            cost = CostModel.from_config(config, source=args.model_config)
+        else:
+            cost = CostModel.from_model(**MODELS[args.model])
+        changes = {"fixed": fixed, "causal": not args.non_causal}
+        return replace(cost, **changes, **({} if window is None else {"window": window}))
     attn, lin = DEFAULT_COST
     return CostModel(
         attn_coef=args.attn_coef if args.attn_coef is not None else attn,
         linear_coef=args.linear_coef if args.linear_coef is not None else lin,
-        fixed=args.fixed,
+        fixed=fixed,
         causal=not args.non_causal,
         window=window,
+    )
+
+
+def cost_source(args, cost: CostModel) -> str:
+    """One line: which cost model a command uses and where it comes from."""
+    if getattr(args, "cost", None):
+        where = f"--cost {args.cost}"
+    elif getattr(args, "model_config", None):
+        where = f"--model-config {args.model_config} (analytic FLOPs)"
+    elif getattr(args, "model", None):
+        where = f"--model {args.model} (analytic FLOPs)"
+    elif args.attn_coef is not None or args.linear_coef is not None:
+        where = "--attn-coef / --linear-coef"
+    else:
+        where = "the default (attention = linear work at 53K tokens)"
+    mask = ("causal" if cost.causal else "non-causal") + (f", window {cost.window}" if cost.window else "")
+    return (
+        f"cost model: {where}: attention {cost.attn_coef:.3g}/pair ({mask}), linear {cost.linear_coef:.3g}/token, "
+        f"fixed {cost.fixed:.3g}/micro-batch"
     )
 
 
@@ -75,68 +116,104 @@ def parse_cp_sizes(text: str | None) -> tuple[int, ...] | None:
         sizes = tuple(int(x) for x in text.split(","))
     except ValueError:
         raise ValueError(f"--cp-sizes must be comma-separated group sizes such as 1,2,4,8, got {text!r}") from None
+    too_big = [size for size in sizes if size > MAX_RANKS]
+    if too_big:
+        raise ValueError(f"--cp-sizes: size {too_big[0]} is above the maximum of 2^20 ranks")
     return sizes
 
 
 def topology_from_args(args, lengths: np.ndarray) -> Topology:
-    if args.cp < 1:  # before it divides the longest document below
-        raise ValueError(f"--cp must be >= 1, got {args.cp}")
     max_tokens = args.max_tokens
     cp_sizes = parse_cp_sizes(getattr(args, "cp_sizes", None))
     if max_tokens is None:  # the next power of two that holds the longest document over the CP group
-        max_tokens = 1 << int(np.ceil(np.log2(max(1, -(-int(lengths.max()) // max(args.cp, 1))))))
-    tps = args.tokens_per_step
-    if args.fill is not None and not 0 < args.fill <= 1:  # also NaN and inf
-        raise ValueError(f"--fill must be a share of the capacity in (0, 1], got {args.fill}")
-    if tps is None and args.fill is not None:
-        tps = int(args.fill * args.dp * args.cp * args.micro_batches * max_tokens)
-    return Topology(
+        max_tokens = 1 << int(np.ceil(np.log2(max(1, -(-int(lengths.max()) // args.cp)))))
+    tps, fill = args.tokens_per_step, args.fill
+    if fill is not None and not 0 < fill <= 1:  # also NaN and inf
+        raise ValueError(f"--fill must be a share of the capacity in (0, 1], got {fill}")
+    if fill is not None:
+        capacity = args.dp * args.cp * args.micro_batches * max_tokens
+        tps = int(fill * capacity)
+        if tps < 1:
+            raise ValueError(f"--fill {fill} of a capacity of {capacity:,} tokens is less than one token per step")
+    topology = Topology(
         dp=args.dp,
         cp=args.cp,
         pp=args.pp,
         micro_batches=args.micro_batches,
         max_tokens=max_tokens,
-        tokens_per_step=tps,
+        tokens_per_step=tps,  # None: the Topology default
         cp_sizes=cp_sizes,
     )
+    if tps is not None:  # the default is never below the floor
+        _check_step_budget(topology, lengths, args, "--fill" if fill is not None else "--tokens-per-step")
+    return topology
+
+
+def _check_step_budget(topology: Topology, lengths: np.ndarray, args, flag: str) -> None:
+    """A step budget below half an average planning unit per micro-batch cannot be met (every micro-batch holds
+    at least one) and makes about one step per document: minutes of planning for nothing. Refused up front."""
+    unit = float(np.minimum(lengths, topology.max_tokens * topology.largest_group).mean())
+    floor = topology.bins_per_step * unit / 2
+    if topology.tokens_per_step < floor:
+        raise ValueError(
+            f"{flag} gives {topology.tokens_per_step:,} tokens per step, less than half an average document "
+            f"({unit:,.0f} tokens) for each of the dp*micro_batches = {topology.bins_per_step} micro-batches (at "
+            f"least {int(np.ceil(floor)):,}): every micro-batch holds at least one document"
+        )
 
 
 def add_topology_args(p: argparse.ArgumentParser, dp: int = 8, micro_batches: int = 4) -> None:
-    g = p.add_argument_group("topology")
-    g.add_argument("--dp", type=int, default=dp, help=f"data-parallel replicas (default {dp})")
-    g.add_argument("--cp", type=int, default=1, help="context-parallel ranks per replica (default 1)")
-    g.add_argument("--pp", type=int, default=1, help="pipeline stages (default 1)")
+    ranks = count(1, MAX_RANKS)
+    g = p.add_argument_group(f"topology (counts up to {MAX_RANKS:,} = 2^20)")
+    g.add_argument("--dp", type=ranks, default=dp, help=f"data-parallel replicas (default {dp})")
+    g.add_argument("--cp", type=ranks, default=1, help="context-parallel ranks per replica (default 1)")
+    g.add_argument("--pp", type=ranks, default=1, help="pipeline stages (default 1)")
     g.add_argument(
         "--micro-batches",
-        type=int,
+        type=ranks,
         default=micro_batches,
         help=f"micro-batches per replica per step (default {micro_batches})",
     )
     g.add_argument(
         "--max-tokens",
-        type=int,
+        type=count(1, MAX_TOKENS),
         default=None,
-        help="tokens per CP rank per micro-batch (default: next power of two >= longest document / cp)",
+        help=f"tokens per CP rank per micro-batch, {limits(1, MAX_TOKENS)} (default: next power of two >= longest "
+        "document / cp)",
     )
     g.add_argument(
-        "--tokens-per-step", type=int, default=None, help="global batch in tokens (default: --fill x capacity)"
+        "--tokens-per-step",
+        type=count(1, MAX_STEP_TOKENS),
+        default=None,
+        help="global batch in tokens, at least half an average document per micro-batch (default: 85%% of the "
+        "capacity)",
     )
     g.add_argument(
         "--fill",
         type=float,
-        default=0.85,
-        help="tokens_per_step as a share of capacity dp*cp*micro_batches*max_tokens (default 0.85)",
+        default=None,
+        help="tokens_per_step as a share in (0, 1] of the capacity dp*cp*micro_batches*max_tokens (default 0.85); "
+        "not with --tokens-per-step",
     )
-    c = p.add_argument_group("cost model (default: attention 2/53000 per causal pair + 1 per token)")
+    c = p.add_argument_group(
+        "cost model (default: attention 2/53000 per causal pair + 1 per token; --cost, --model and --model-config "
+        "exclude the coefficients, --cost everything else)"
+    )
     c.add_argument("--model", choices=sorted(MODELS), help="derive the cost from a built-in Llama-style config")
     c.add_argument("--model-config", help="derive the cost from a Hugging Face config.json")
-    c.add_argument("--attn-coef", type=float, help="cost per causal (query, key) pair")
-    c.add_argument("--linear-coef", type=float, help="cost per token")
-    c.add_argument("--fixed", type=float, default=0.0, help="cost per micro-batch (default 0)")
+    c.add_argument("--attn-coef", type=nonnegative, help="cost per causal (query, key) pair")
+    c.add_argument("--linear-coef", type=nonnegative, help="cost per token")
+    c.add_argument("--fixed", type=nonnegative, help="cost per micro-batch (default 0)")
     c.add_argument("--non-causal", action="store_true", help="bidirectional attention: d*d pairs per document")
-    c.add_argument("--window", type=int, help="sliding-window attention: keys per query (pairs ~ d*window)")
+    c.add_argument(
+        "--window",
+        type=count(1, MAX_TOKENS),
+        help=f"sliding-window attention: keys per query, {limits(1, MAX_TOKENS)} (pairs ~ d*window)",
+    )
     c.add_argument("--cost", metavar="JSON", help="a fitted cost model (`balancer calibrate -o cost.json`)")
-    p.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")
+    p.add_argument(
+        "--seed", type=count(0, MAX_SEED), default=0, help=f"shuffle seed, {limits(0, MAX_SEED)} (default 0)"
+    )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (there is none without a terminal)")
 
 
@@ -153,15 +230,22 @@ def default_plan_path(source: str, topo: Topology) -> Path:
     return src.parent / f"{stem}.{tag}"
 
 
-def require_plot_backend(args) -> None:
-    """`--plot` needs matplotlib: say so before any work is done."""
-    if getattr(args, "plot", None):
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise ValueError(
-                "--plot needs matplotlib: pip install 'seqbalancer[plot]' (or pip install matplotlib)"
-            ) from None
+def check_outputs(args, outputs: dict[str, str | Path | None]) -> None:
+    """Before any work: every output (`flag -> path`) may be written: not an input (LENGTHS, --cost,
+    --model-config), not inside an input folder or a balancer data folder, not the same file as another output;
+    `--plot` has matplotlib and a picture suffix."""
+    inputs = [getattr(args, name, None) for name in ("lengths", "cost", "model_config")]
+    seen: dict[str, str] = {}
+    for flag, path in outputs.items():
+        if path is None:
+            continue
+        check_output_file(path, inputs, flag)
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ValueError(f"{seen[real]} and {flag} name the same file {path}: give two files")
+        seen[real] = flag
+    if outputs.get("--plot"):
+        check_plot_path(outputs["--plot"])
 
 
 def show_progress(args) -> bool:
@@ -210,11 +294,17 @@ def _plan_or_window(lengths: np.ndarray, topo: Topology, cost: CostModel, args):
 
 
 def cmd_plan(args) -> int:
-    require_plot_backend(args)
+    check_outputs(args, {"-o": args.output, "--plot": args.plot})
     lengths = read_lengths(args.lengths)
     cost = cost_from_args(args)
     topo = topology_from_args(args, lengths)
+    out = Path(args.output) if args.output else default_plan_path(args.lengths, topo)
+    if args.window_docs is not None and not args.output:
+        out = out.with_name(f"{out.stem}_window{args.window_index}{out.suffix}")
+    if not args.output:
+        check_outputs(args, {"the plan (default path, -o to change)": out, "--plot": args.plot})
     print(f"{len(lengths):,} documents, {int(lengths.sum()):,} tokens; {topo}", file=sys.stderr)
+    print(cost_source(args, cost), file=sys.stderr)
     ours = _plan_or_window(lengths, topo, cost, args)
     plans = {"balancer (dynamic CP)" if topo.dynamic else "balancer": ours}
     if not args.no_baseline:
@@ -228,9 +318,6 @@ def cmd_plan(args) -> int:
     print(compare_table(plans))
     if args.overflow != "error" and not args.no_baseline:
         print(f"(both columns plan the same units: documents after --overflow {args.overflow})")
-    out = Path(args.output) if args.output else default_plan_path(args.lengths, topo)
-    if args.window_docs is not None and not args.output:
-        out = out.with_name(f"{out.stem}_window{args.window_index}{out.suffix}")
     ours.save(out)
     print(f"wrote {out}", file=sys.stderr)
     if args.plot:
@@ -242,7 +329,7 @@ def cmd_plan(args) -> int:
 def cmd_demo(args) -> int:
     from balancer.data.traces import load_trace
 
-    require_plot_backend(args)
+    check_outputs(args, {"--plot": args.plot})
     lengths = load_trace("wlbllm")
     cost = cost_from_args(args)
     topo = topology_from_args(args, lengths)
@@ -286,7 +373,7 @@ def rows_note(source: str) -> str | None:
 
 
 def cmd_stats(args) -> int:
-    require_plot_backend(args)
+    check_outputs(args, {"--plot": args.plot})
     lengths = read_lengths(args.lengths)
     cost = cost_from_args(args)
     note = rows_note(args.lengths)
@@ -307,7 +394,7 @@ def cmd_stats(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="balancer",
         description=(
             "Sequence-length-aware packing and DP x CP x PP scheduling: every rank gets equal work, counting "
@@ -361,9 +448,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="also write a picture of the lengths and per-step balance")
     p.add_argument("--no-baseline", action="store_true", help="skip the token-count comparison")
     w = p.add_argument_group("one planning window (docs/windows.md; default: the whole epoch)")
-    w.add_argument("--window-docs", type=int, metavar="N", help="documents per planning window")
-    w.add_argument("--window-index", type=int, metavar="I", help="which window of the epoch to plan (0-based)")
-    w.add_argument("--epoch", type=int, default=0, help="the epoch whose shuffle the windows cut (default 0)")
+    w.add_argument(
+        "--window-docs", type=count(1, MAX_STEP_TOKENS), metavar="N", help="documents per planning window (>= 1)"
+    )
+    w.add_argument(
+        "--window-index", type=count(0, MAX_STEP_TOKENS), metavar="I", help="which window of the epoch (0-based)"
+    )
+    w.add_argument(
+        "--epoch", type=count(0, MAX_SEED), default=0, help="the epoch whose shuffle the windows cut (default 0)"
+    )
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser(
@@ -398,7 +491,10 @@ def cli_message(message: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parse_with_checks(parser, argv)
+    except SystemExit as e:  # a refused flag (one line printed), --help, --version: a code, for in-process callers
+        return e.code if isinstance(e.code, int) else 2
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError, RuntimeError) as e:

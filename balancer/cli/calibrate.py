@@ -3,32 +3,35 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 from balancer.calibration.run import DEFAULTS
+from balancer.cli.flags import MAX_SEED, MAX_TOKENS, count, limits
+from balancer.files import check_output_file
 from balancer.planning.cost import CostModel
+from balancer.strict_json import load_json
+
+MAX_CP, MAX_BUDGET, MAX_THREADS, MAX_REPEATS = 32, 131072, 1024, 1000
 
 
 def _config(args) -> dict | None:
+    """The --model-config file, read strictly; the keys the cost model reads are checked here, before any timing."""
+    from balancer.cli import flag_file
+
     if args.model_config is None:
         return None
-    path = Path(args.model_config)
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"--model-config {path}: no such file") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"--model-config {path}: not JSON ({e})") from None
-    if not isinstance(config, dict) or "model_type" not in config:
-        raise ValueError(f"--model-config {path}: a transformers config.json with a 'model_type' is needed")
+    path = args.model_config
+    config = flag_file("--model-config", path, load_json)
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ValueError(f"--model-config {path}: a transformers config.json with a 'model_type' string is needed")
+    CostModel.from_config({k: v for k, v in config.items() if k != "model_type"}, source=path)
     return config
 
 
 def cmd_calibrate(args) -> int:
     from balancer.calibration import calibrate
 
+    check_output_file(args.output, [args.model_config], "-o")
     result = calibrate(
         _config(args),
         cp_sizes=tuple(args.cp),
@@ -91,24 +94,38 @@ def register(sub) -> None:
     )
     p.add_argument("-o", "--output", default="cost.json", help="where to write the fitted cost model (JSON)")
     p.add_argument("--model-config", help="a transformers config.json with model_type (random weights, no download)")
-    p.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="CP sizes to time (each a gloo world)")
+    p.add_argument(
+        "--cp", type=count(1, MAX_CP), nargs="+", default=[1, 2], help=f"CP sizes to time, each {limits(1, MAX_CP)} "
+        "(each a gloo world of that many processes)",
+    )  # fmt: skip
     p.add_argument("--layout", nargs="+", default=["zigzag", "hybrid"], help="CP layouts to time for CP > 1")
     p.add_argument("--method", choices=("ring", "allgather"), default="ring", help="CP attention method")
-    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULTS["budgets"]), help="micro-batch token budgets")
     p.add_argument(
-        "--per-cell", type=int, default=DEFAULTS["per_cell"], help="micro-batches per (kind, budget) in the grid"
+        "--tokens", type=count(16, MAX_BUDGET), nargs="+", default=list(DEFAULTS["budgets"]),
+        help=f"micro-batch token budgets, each {limits(16, MAX_BUDGET)}",
+    )  # fmt: skip
+    p.add_argument(
+        "--per-cell",
+        type=count(1, MAX_REPEATS),
+        default=DEFAULTS["per_cell"],
+        help=f"micro-batches per (kind, budget) in the grid, {limits(1, MAX_REPEATS)}",
     )
     p.add_argument(
-        "--repeats", type=int, default=DEFAULTS["repeats"], help="timed runs per micro-batch (the minimum is kept)"
+        "--repeats",
+        type=count(1, MAX_REPEATS),
+        default=DEFAULTS["repeats"],
+        help=f"timed runs per micro-batch (the minimum is kept), {limits(1, MAX_REPEATS)}",
     )
     p.add_argument(
         "--max-repeats",
-        type=int,
+        type=count(1, MAX_REPEATS),
         default=DEFAULTS["max_repeats"],
         help="re-run a micro-batch until its two fastest runs agree within 2%%, at most this many runs "
-        "(raised to --repeats when below it)",
+        f"(raised to --repeats when below it), {limits(1, MAX_REPEATS)}",
     )
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument(
+        "--threads", type=count(1, MAX_THREADS), default=1, help=f"torch threads per process, {limits(1, MAX_THREADS)}"
+    )
     p.add_argument(
         "--held-out",
         type=float,
@@ -116,21 +133,28 @@ def register(sub) -> None:
         help="share of the grid's micro-batches kept out of the fit (with all their CP sizes and layouts)",
     )
     p.add_argument(
-        "--splits", type=int, default=DEFAULTS["splits"], help="held-out splits to report (each fitted on its own)"
+        "--splits",
+        type=count(1, MAX_REPEATS),
+        default=DEFAULTS["splits"],
+        help=f"held-out splits to report (each fitted on its own), {limits(1, MAX_REPEATS)}",
     )
     p.add_argument(
         "--fresh",
-        type=int,
+        type=count(0, MAX_REPEATS),
         default=DEFAULTS["fresh_per_budget"],
-        help="fresh micro-batches (other documents, budgets between and beyond --tokens) per budget, never fitted",
+        help="fresh micro-batches (other documents, budgets between and beyond --tokens) per budget, never fitted, "
+        f"{limits(0, MAX_REPEATS)}",
     )
-    p.add_argument("--split-threshold", type=int, help="hybrid layout: split documents longer than this")
+    p.add_argument(
+        "--split-threshold", type=count(1, MAX_TOKENS),
+        help=f"hybrid layout: split documents longer than this, {limits(1, MAX_TOKENS)}",
+    )  # fmt: skip
     p.add_argument(
         "--clock",
         choices=("auto", "cpu", "wall"),
         default="auto",
         help="wall time, process CPU time, or auto: wall time when the machine was quiet while timing, else CPU time",
     )
-    p.add_argument("--seed", type=int, default=0, help="grid and held-out seed")
+    p.add_argument("--seed", type=count(0, MAX_SEED), default=0, help=f"grid and held-out seed, {limits(0, MAX_SEED)}")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_calibrate)

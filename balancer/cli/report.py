@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
+from balancer.files import atomic_write
 from balancer.planning.cost import CostModel, attention_pairs
 from balancer.planning.plans import Plan
 
@@ -82,8 +85,9 @@ def compare_table(plans: dict[str, Plan]) -> str:
     return "\n".join(lines)
 
 
-def plot(lengths: np.ndarray, cost: CostModel, path: str, plans: dict[str, Plan] | None = None) -> None:
-    """PNG: length histogram with token/attention shares by length and, given plans, their per-step balance."""
+def check_plot_path(path: str) -> str:
+    """The picture format of `path` (its suffix: png, pdf, svg, ...), checked before any work: matplotlib is
+    installed and writes that format. A ValueError naming --plot otherwise."""
     try:
         import matplotlib
     except ImportError:
@@ -91,6 +95,22 @@ def plot(lengths: np.ndarray, cost: CostModel, path: str, plans: dict[str, Plan]
             "--plot needs matplotlib: pip install 'seqbalancer[plot]' (or pip install matplotlib)"
         ) from None
     matplotlib.use("Agg")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    formats = FigureCanvasBase.get_supported_filetypes()
+    suffix = os.path.splitext(str(path))[1].lstrip(".").lower()
+    if suffix not in formats:
+        raise ValueError(
+            f"--plot {path}: the file name must end in a picture format matplotlib writes "
+            f"({', '.join('.' + f for f in sorted(formats))}), got {'.' + suffix if suffix else 'no suffix'}"
+        )
+    return suffix
+
+
+def plot(lengths: np.ndarray, cost: CostModel, path: str, plans: dict[str, Plan] | None = None) -> None:
+    """A picture (format by suffix, written atomically): length histogram with token/attention shares by length
+    and, given plans, their per-step balance."""
+    fmt = check_plot_path(path)
     import matplotlib.pyplot as plt
 
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -124,5 +144,7 @@ def plot(lengths: np.ndarray, cost: CostModel, path: str, plans: dict[str, Plan]
         axes[2].set_xlabel("step"), axes[2].set_ylabel("step time / lower bound"), axes[2].legend()
         axes[2].set_title(str(next(iter(plans.values())).topology).split(", max")[0]), axes[2].grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        atomic_write(path, lambda f: fig.savefig(f, dpi=110, format=fmt))
+    finally:
+        plt.close(fig)

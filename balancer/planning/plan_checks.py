@@ -1,6 +1,7 @@
 """The invariants of a plan (`Plan.validate`, `Plan.load(validate=True)`): micro-batches non-empty and within their
 caps, dynamic CP groups a partition of the pool in every slot, and every document's spans covering it exactly once
-(up to a truncation cut). Vectorised: a plan of a million documents checks in about a second. Errors name the
+(up to a truncation cut). Vectorised: a plan of a million documents checks in a fraction of a second
+(docs/plan-format.md). Errors name the
 step, replica (or slot and group) and micro-batch, and the document."""
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+MAX_CAPACITY = 2**53  # most tokens one step may hold (far beyond any cluster; keeps float64 token sums exact)
 DEFAULT_FILL = 0.85  # tokens_per_step when not given: this share of the capacity (the rest is planner slack)
 
 
@@ -41,6 +42,11 @@ class Topology:
             if int(value) < 1:
                 raise ValueError(f"Topology.{name} must be >= 1, got {value}")
             object.__setattr__(self, name, int(value))
+        if self.capacity > MAX_CAPACITY:  # token counts stay exact in int64 and float64 arithmetic
+            raise ValueError(
+                f"the capacity dp*cp*micro_batches*max_tokens = {self.dp}*{self.cp}*{self.micro_batches}*"
+                f"{self.max_tokens} = {self.capacity} exceeds 2^53 tokens per step: lower Topology.max_tokens"
+            )
         if self.tokens_per_step is None:
             object.__setattr__(self, "tokens_per_step", max(1, int(DEFAULT_FILL * self.capacity)))
         else:

@@ -77,10 +77,11 @@ _HINTS = {
 
 
 def describe_os_error(exc: OSError) -> str:
-    """'PATH: reason (what to do)' for an OSError (no traceback needed)."""
-    where = exc.filename if exc.filename is not None else "(no file)"
-    if exc.filename2 is not None:
-        where = f"{where} -> {exc.filename2}"
+    """'PATH: reason (what to do)' for an OSError (no traceback needed); without a file name, the message as
+    raised (which names its file) or the reason."""
     reason = exc.strerror or str(exc)
     hint = _HINTS.get(exc.errno or 0)
+    if exc.filename is None:
+        return reason + (f" ({hint})" if hint else "")
+    where = exc.filename if exc.filename2 is None else f"{exc.filename} -> {exc.filename2}"
     return f"{where}: {reason}" + (f" ({hint})" if hint else "")

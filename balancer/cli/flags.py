@@ -1,0 +1,128 @@
+"""Command-line flags: bounded numeric types, one-line argparse errors, and options that conflict.
+
+Every count flag has a maximum, checked by argparse before any work starts and shown in `--help`; every error
+is one line `balancer COMMAND: error: ...` with exit code 2. `check_conflicts(args)` refuses two options given
+together when one would silently override the other (`--cost` with `--window`), naming both; `main` runs it for
+every command, so any command that takes the shared flags (plan, stats, demo, pack) gets the same rules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+MAX_RANKS = 2**20  # --dp, --cp, --pp, --micro-batches, --cp-sizes entries
+MAX_TOKENS = 2**40  # --max-tokens, --window, --split-threshold: far beyond any context length
+MAX_STEP_TOKENS = 2**62  # --tokens-per-step
+MAX_SEED = 2**63 - 1
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with one-line errors (`balancer plan: error: argument --dp: ...`), exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _fmt(x: float) -> str:
+    for power in (62, 40, 20):
+        if x == 2**power:
+            return f"2^{power}"
+    return "2^63-1" if x == MAX_SEED else f"{x:,}" if isinstance(x, int) else str(x)
+
+
+def count(lo: int, hi: int):
+    """argparse type: an integer in [lo, hi] (also refuses 99999999999999999999 before any work)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if not lo <= value <= hi:
+            shown = text if len(text) <= 24 else text[:21] + "..."
+            raise argparse.ArgumentTypeError(f"must be an integer in [{_fmt(lo)}, {_fmt(hi)}], got {shown}")
+        return value
+
+    parse.__name__ = "integer"
+    return parse
+
+
+def nonnegative(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+nonnegative.__name__ = "number"
+
+
+def limits(lo: int, hi: int) -> str:
+    """The range text a --help line ends with."""
+    return f"{_fmt(lo)}..{_fmt(hi)}"
+
+
+# (flag, flags it conflicts with, why): both given is refused, naming both
+CONFLICTS = (
+    ("--cost", ("--model", "--model-config", "--attn-coef", "--linear-coef", "--fixed", "--non-causal", "--window"),
+     "a fitted cost model is complete"),
+    ("--model", ("--model-config", "--attn-coef", "--linear-coef"), "the model's FLOPs give the coefficients"),
+    ("--model-config", ("--attn-coef", "--linear-coef"), "the config's FLOPs give the coefficients"),
+    ("--tokens-per-step", ("--fill",), "--fill sets tokens_per_step as a share of the capacity"),
+    ("--no-plan", ("--dp", "--cp", "--pp", "--micro-batches", "--max-tokens", "--tokens-per-step", "--fill",
+                   "--overflow", "--seed"), "without a plan the topology is not used"),
+)  # fmt: skip
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The long flags given on the command line (not defaults): `argv` parsed again with every default suppressed.
+    (argparse keeps its actions in `_actions`; there is no public list.)"""
+    parsers = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            parsers += list(action.choices.values())
+    saved = [(a, a.default) for p in parsers for a in p._actions]
+    saved_defaults = [(p, p._defaults) for p in parsers]
+    try:
+        for a, _ in saved:
+            a.default = argparse.SUPPRESS
+        for p, _ in saved_defaults:
+            p._defaults = {}
+        given = set(vars(parser.parse_args(argv)))
+    finally:
+        for a, default in saved:
+            a.default = default
+        for p, defaults in saved_defaults:
+            p._defaults = defaults
+    flags = set()
+    for p in parsers:
+        for a in p._actions:
+            if a.dest in given and a.option_strings:
+                flags.add(max(a.option_strings, key=len))
+    return flags
+
+
+def check_conflicts(given: set[str]) -> None:
+    """Refuse two options that cannot both apply (ValueError naming both flags)."""
+    for flag, others, why in CONFLICTS:
+        if flag in given:
+            clash = [o for o in others if o in given]
+            if clash:
+                raise ValueError(f"{flag} and {clash[0]} cannot be used together: {why}")
+
+
+def parse_with_checks(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse `argv`, then refuse conflicting options (one line, exit code 2, before any work)."""
+    args = parser.parse_args(argv)
+    args.given_flags = given_flags(parser, argv if argv is not None else sys.argv[1:])
+    try:
+        check_conflicts(args.given_flags)
+    except ValueError as e:
+        parser.exit(2, f"balancer {getattr(args, 'command', '')}: error: {e}\n")
+    return args
