@@ -18,7 +18,7 @@ from balancer.cli.flags import (
     MAX_STEP_TOKENS,
     MAX_TOKENS,
     OneLineParser,
-    count,
+    check_counts,
     limits,
     nonnegative,
     parse_with_checks,
@@ -123,6 +123,7 @@ def parse_cp_sizes(text: str | None) -> tuple[int, ...] | None:
 
 
 def topology_from_args(args, lengths: np.ndarray) -> Topology:
+    check_counts(args)
     max_tokens = args.max_tokens
     cp_sizes = parse_cp_sizes(getattr(args, "cp_sizes", None))
     if max_tokens is None:  # the next power of two that holds the longest document over the CP group
@@ -163,7 +164,7 @@ def _check_step_budget(topology: Topology, lengths: np.ndarray, args, flag: str)
 
 
 def add_topology_args(p: argparse.ArgumentParser, dp: int = 8, micro_batches: int = 4) -> None:
-    ranks = count(1, MAX_RANKS)
+    ranks = int  # ranges: flags.check_counts, inside the command (pack reports them its own way)
     g = p.add_argument_group(f"topology (counts up to {MAX_RANKS:,} = 2^20)")
     g.add_argument("--dp", type=ranks, default=dp, help=f"data-parallel replicas (default {dp})")
     g.add_argument("--cp", type=ranks, default=1, help="context-parallel ranks per replica (default 1)")
@@ -176,17 +177,17 @@ def add_topology_args(p: argparse.ArgumentParser, dp: int = 8, micro_batches: in
     )
     g.add_argument(
         "--max-tokens",
-        type=count(1, MAX_TOKENS),
+        type=int,
         default=None,
         help=f"tokens per CP rank per micro-batch, {limits(1, MAX_TOKENS)} (default: next power of two >= longest "
         "document / cp)",
     )
     g.add_argument(
         "--tokens-per-step",
-        type=count(1, MAX_STEP_TOKENS),
+        type=int,
         default=None,
-        help="global batch in tokens, at least half an average document per micro-batch (default: 85%% of the "
-        "capacity)",
+        help=f"global batch in tokens, {limits(1, MAX_STEP_TOKENS)}, at least half an average document per "
+        "micro-batch (default: 85%% of the capacity)",
     )
     g.add_argument(
         "--fill",
@@ -207,13 +208,11 @@ def add_topology_args(p: argparse.ArgumentParser, dp: int = 8, micro_batches: in
     c.add_argument("--non-causal", action="store_true", help="bidirectional attention: d*d pairs per document")
     c.add_argument(
         "--window",
-        type=count(1, MAX_TOKENS),
+        type=int,
         help=f"sliding-window attention: keys per query, {limits(1, MAX_TOKENS)} (pairs ~ d*window)",
     )
     c.add_argument("--cost", metavar="JSON", help="a fitted cost model (`balancer calibrate -o cost.json`)")
-    p.add_argument(
-        "--seed", type=count(0, MAX_SEED), default=0, help=f"shuffle seed, {limits(0, MAX_SEED)} (default 0)"
-    )
+    p.add_argument("--seed", type=int, default=0, help=f"shuffle seed, {limits(0, MAX_SEED)} (default 0)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (there is none without a terminal)")
 
 
@@ -294,6 +293,7 @@ def _plan_or_window(lengths: np.ndarray, topo: Topology, cost: CostModel, args):
 
 
 def cmd_plan(args) -> int:
+    check_counts(args)
     check_outputs(args, {"-o": args.output, "--plot": args.plot})
     lengths = read_lengths(args.lengths)
     cost = cost_from_args(args)
@@ -329,6 +329,7 @@ def cmd_plan(args) -> int:
 def cmd_demo(args) -> int:
     from balancer.data.traces import load_trace
 
+    check_counts(args)
     check_outputs(args, {"--plot": args.plot})
     lengths = load_trace("wlbllm")
     cost = cost_from_args(args)
@@ -373,6 +374,7 @@ def rows_note(source: str) -> str | None:
 
 
 def cmd_stats(args) -> int:
+    check_counts(args)
     check_outputs(args, {"--plot": args.plot})
     lengths = read_lengths(args.lengths)
     cost = cost_from_args(args)
@@ -448,15 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="PNG", help="also write a picture of the lengths and per-step balance")
     p.add_argument("--no-baseline", action="store_true", help="skip the token-count comparison")
     w = p.add_argument_group("one planning window (docs/windows.md; default: the whole epoch)")
-    w.add_argument(
-        "--window-docs", type=count(1, MAX_STEP_TOKENS), metavar="N", help="documents per planning window (>= 1)"
-    )
-    w.add_argument(
-        "--window-index", type=count(0, MAX_STEP_TOKENS), metavar="I", help="which window of the epoch (0-based)"
-    )
-    w.add_argument(
-        "--epoch", type=count(0, MAX_SEED), default=0, help="the epoch whose shuffle the windows cut (default 0)"
-    )
+    w.add_argument("--window-docs", type=int, metavar="N", help="documents per planning window (>= 1)")
+    w.add_argument("--window-index", type=int, metavar="I", help="which window of the epoch to plan (0-based)")
+    w.add_argument("--epoch", type=int, default=0, help="the epoch whose shuffle the windows cut (default 0)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser(

@@ -32,8 +32,39 @@ def _fmt(x: float) -> str:
     return "2^63-1" if x == MAX_SEED else f"{x:,}" if isinstance(x, int) else str(x)
 
 
+# the shared planning flags: dest -> (flag, lowest, highest); checked by `check_counts` inside each command (so
+# `pack` reports them through its own error path, like its other counts)
+COUNT_LIMITS = {
+    "dp": ("--dp", 1, MAX_RANKS),
+    "cp": ("--cp", 1, MAX_RANKS),
+    "pp": ("--pp", 1, MAX_RANKS),
+    "micro_batches": ("--micro-batches", 1, MAX_RANKS),
+    "max_tokens": ("--max-tokens", 1, MAX_TOKENS),
+    "tokens_per_step": ("--tokens-per-step", 1, MAX_STEP_TOKENS),
+    "window": ("--window", 1, MAX_TOKENS),
+    "seed": ("--seed", 0, MAX_SEED),
+    "window_docs": ("--window-docs", 1, MAX_STEP_TOKENS),
+    "window_index": ("--window-index", 0, MAX_STEP_TOKENS),
+    "epoch": ("--epoch", 0, MAX_SEED),
+}
+
+
+def _shown(value: object) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
+
+
+def check_counts(args: argparse.Namespace, limits: dict = COUNT_LIMITS) -> None:
+    """Every count flag given within its range (ValueError `--dp must be in [1, 2^20], got ...`)."""
+    for dest, (flag, lo, hi) in limits.items():
+        value = getattr(args, dest, None)
+        if value is not None and not lo <= value <= hi:
+            raise ValueError(f"{flag} must be in [{_fmt(lo)}, {_fmt(hi)}], got {_shown(value)}")
+
+
 def count(lo: int, hi: int):
-    """argparse type: an integer in [lo, hi] (also refuses 99999999999999999999 before any work)."""
+    """argparse type: an integer in [lo, hi] (also refuses 99999999999999999999 before any work); for the flags
+    of one command only (the shared planning flags are checked by `check_counts`)."""
 
     def parse(text: str) -> int:
         try:
@@ -41,8 +72,7 @@ def count(lo: int, hi: int):
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if not lo <= value <= hi:
-            shown = text if len(text) <= 24 else text[:21] + "..."
-            raise argparse.ArgumentTypeError(f"must be an integer in [{_fmt(lo)}, {_fmt(hi)}], got {shown}")
+            raise argparse.ArgumentTypeError(f"must be in [{_fmt(lo)}, {_fmt(hi)}], got {_shown(text)}")
         return value
 
     parse.__name__ = "integer"
