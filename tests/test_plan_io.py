@@ -2,6 +2,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 import balancer
 from balancer import CostModel, Plan, Topology
@@ -232,8 +234,8 @@ def test_truncated_plans_still_load_and_a_cut_elsewhere_is_refused(tmp_path):
     plan = balancer.plan(lengths, Topology(dp=2, micro_batches=3, max_tokens=1024), COST, seed=0, overflow="truncate")
     path, data = _save_json(plan, tmp_path)
     assert Plan.load(path).dropped_tokens == 3000 + 5000 - 2 * 1024
-    for st in data["steps"]:
-        for rep in st["replicas"]:
+    for step in data["steps"]:
+        for rep in step["replicas"]:
             for mb in rep["micro_batches"]:
                 for span in mb.get("spans", []):
                     if span[0] == 9:
@@ -243,8 +245,8 @@ def test_truncated_plans_still_load_and_a_cut_elsewhere_is_refused(tmp_path):
     with pytest.raises(ValueError, match="document 9 has 5000 tokens but its spans end at token 1014"):
         Plan.load(path)
     data["dropped_tokens"] = 0  # a truncation the plan does not own up to
-    for st in data["steps"]:
-        for rep in st["replicas"]:
+    for step in data["steps"]:
+        for rep in step["replicas"]:
             for mb in rep["micro_batches"]:
                 for span in mb.get("spans", []):
                     span[2] = 1024
@@ -350,3 +352,37 @@ def test_npz_with_unknown_or_missing_arrays(tmp_path):
     path = _tamper_npz(tmp_path, lambda a: {"header": np.frombuffer(b'{"format": "balancer.plan"}', np.uint8)})
     with pytest.raises(ValueError, match=r"p.npz: missing key \"format_version\""):
         Plan.load(path)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**16),
+    overflow=st.sampled_from(["split", "truncate"]),
+    dp=st.integers(1, 3),
+    m=st.integers(1, 3),
+    dynamic=st.booleans(),
+    cut=st.integers(1, 50),
+    data=st.data(),
+)
+def test_any_shortened_span_is_refused(seed, overflow, dp, m, dynamic, cut, data):
+    """Planner output always validates; shortening any one placement's end (a span's or a whole document's) by
+    `cut` tokens, with dropped_tokens kept or adjusted to match, is always refused."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, 300, 12 * dp * m + 5)
+    lengths[rng.integers(0, len(lengths), 3)] = rng.integers(600, 2000, 3)  # over the cap: split or truncated
+    sizes = (1, 2) if dynamic else None
+    topo = Topology(dp=dp, cp=2 if dynamic else 1, micro_batches=m, max_tokens=256, cp_sizes=sizes)
+    plan = balancer.plan(lengths, topo, COST, seed=seed, overflow=overflow)
+    plan.validate()
+    i = data.draw(st.integers(0, len(plan.doc) - 1))
+    assume(plan.end[i] - plan.start[i] > cut)
+    end = plan.end.copy()
+    end[i] -= cut
+    groups = (plan.group_start, plan.group_size, plan.slot_ptr) if dynamic else None
+    for dropped in (plan.dropped_tokens, plan.dropped_tokens + cut):
+        broken = Plan(plan.lengths, topo, COST, plan.doc, plan.start, end, plan.mb_ptr, dropped_tokens=dropped,
+                      groups=groups)  # fmt: skip
+        with pytest.raises(
+            ValueError, match=f"document {plan.doc[i]} |gap or overlap|dropped_tokens|other documents are cut"
+        ):
+            broken.validate()

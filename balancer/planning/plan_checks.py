@@ -90,12 +90,19 @@ def _check_shortfall(plan, covered: np.ndarray, last_entry: np.ndarray) -> None:
     dropped = int((lengths - covered).sum())
     if not short.any() and dropped == plan.dropped_tokens:
         return
+    t = plan.topology
+    cuts = {t.max_tokens * size for size in (t.cp_sizes or (t.cp,))}  # what overflow="truncate" cuts at
     cut = int(covered[short].max()) if short.any() else 0
-    # a truncation cut (at most the cap): every document longer than it ends at it; the plan records the drop
-    wrong = (short & (covered != cut)) | (~short & (lengths > cut)) if plan.dropped_tokens else short
+    off = short & ~np.isin(covered, list(cuts))
+    # a truncation cut: every document longer than it ends at it; the plan records the tokens dropped
+    wrong = off | (short & (covered != cut)) | (~short & (lengths > cut)) if plan.dropped_tokens else short
     if np.any(wrong):
-        i = int(np.argmax(wrong))
-        why = "a span is missing or shortened" if not plan.dropped_tokens else f"other documents are cut at {cut}"
+        i = int(np.argmax(off)) if off.any() else int(np.argmax(wrong))
+        why = (
+            f"other documents are cut at {cut}"
+            if plan.dropped_tokens and not off.any()
+            else "a span is missing or shortened"
+        )
         raise ValueError(
             f"document {i} has {int(lengths[i])} tokens but its spans end at token {int(covered[i])} (last span in "
             f"{_entry_name(plan, int(last_entry[i]))}): {why}"
