@@ -159,7 +159,7 @@ def _pack_epoch(
     fast_bin = _pack_light_steps(flat, ptr, u_cost, u_tok, attn_heavy, topology)
     times, bound, complete = step_quality(fast_bin, u_cost[flat], ptr, topology)
     repack = worth_repacking(times, bound, complete, FAST_ENOUGH - 1, REPACK_SKIP)
-    fast = [fast_bin[ptr[s] : ptr[s + 1]] if ok else None for s, ok in enumerate(complete)]
+    fast = _LazySteps(fast_bin, ptr, complete)
     # the good steps' result, sorted by micro-batch in one go (the -1 of incomplete steps sorts first, unused)
     grid = by_step_grid(fast_bin * float(len(u_cost)) + flat, ptr)  # by micro-batch, shuffled order inside
     by_bin = flat[grid[grid >= 0]]
@@ -168,6 +168,23 @@ def _pack_epoch(
     sizes = np.bincount(slot, minlength=len(groups) * (nb + 1)).reshape(len(groups), nb + 1)[:, 1:]
     ready = [None if bad else (by_bin[ptr[s] : ptr[s + 1]], sizes[s]) for s, bad in enumerate(repack)]
     return _settle(groups, fast, ready, u_cost, u_tok, attn_heavy, targets, topology, progress)
+
+
+class _LazySteps:
+    """Step s's slice of the batched packing (None where it is incomplete), made when asked for; a step whose units
+    changed is forgotten (set to None)."""
+
+    def __init__(self, unit_bin: np.ndarray, ptr: np.ndarray, complete: np.ndarray) -> None:
+        self.unit_bin, self.ptr, self.usable = unit_bin, ptr, complete.copy()
+
+    def __len__(self) -> int:
+        return len(self.usable)
+
+    def __getitem__(self, s: int):
+        return self.unit_bin[self.ptr[s] : self.ptr[s + 1]] if self.usable[s] else None
+
+    def __setitem__(self, s: int, value: None) -> None:  # only forgetting: `fast[s] = None`
+        self.usable[s] = False
 
 
 def _pack_light_steps(flat, ptr, u_cost, u_tok, attn_heavy, topology: Topology) -> np.ndarray:
@@ -327,10 +344,9 @@ def _hold_step_tokens(
         pool, budget, room = np.flatnonzero(~attn_heavy[nxt]), target - total, len(nxt) - nb
     src = units if total > target else nxt
     chosen = []
-    for k in pool:
+    for k, t in zip(pool.tolist(), u_tok[src[pool]].tolist()):
         if budget <= tol or len(chosen) >= room:
             break
-        t = u_tok[src[k]]
         if t <= budget + tol:
             chosen.append(k)
             budget -= t
