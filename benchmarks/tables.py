@@ -100,7 +100,8 @@ def planner_speed() -> str:
         for r in data["rows"]
     ]
     table = markdown(["documents", "balancer", "WLB-style greedy", "speedup", "steps"], rows)
-    out = f"{table}\n\nTime grows {data['growth']:.1f}x for {data['size_ratio']:.0f}x the documents."
+    out = f"dp64 x cp4 x M8 x 32,768, WLB-LLM lengths, {clock} time (best of 3):\n\n{table}"
+    out += f"\n\nTime grows {data['growth']:.1f}x for {data['size_ratio']:.0f}x the documents."
     many = data.get("many_small_steps")
     if many:
         small, large = many["dp4xcp2xM4x2048"], many["dp64xcp4xM8x32768"]
@@ -280,12 +281,13 @@ def dynamic_cp_communication() -> str:
             ",".join(str(size) for size in row["cp_sizes"]),
             fmt(row["predicted_speedup"], ".3f") + "x",
             fmt(row["rank_slots_on_groups_of_1"], ".2f"),
+            fmt(row["plan_cpu_seconds"]["dynamic"] / max(row["plan_cpu_seconds"]["static"], 1e-9), ".1f") + "x",
+            goals_cell(row["goals"]) if "goals" in row else "",
         ]
         for row in data["communication_rows"]
     ]
-    return markdown(
-        ["distribution", "topology", "cp sizes", "predicted speedup", "share of rank-slots in groups of 1"], rows
-    )
+    header = ["distribution", "topology", "cp sizes", "predicted speedup", "share of rank-slots in groups of 1"]
+    return markdown(header + ["plan CPU time dyn/static", "goals"], rows)
 
 
 def hybrid_layout() -> str:
