@@ -185,6 +185,7 @@ def test_numeric_flags_are_bounded_before_work(lengths, tmp_path, capsys, argv, 
         (["--cp", "1", "4096"], "argument --cp"),
         (["--repeats", "99999999999999999999"], "argument --repeats"),
         (["--seed", "-1"], "argument --seed"),
+        (["--per-cell", "1000", "--repeats", "1000", "--cp", "1", "2", "4"], "timed runs, over the limit of 100,000"),
     ],
 )
 def test_calibrate_counts_are_bounded(tmp_path, capsys, argv, needle):

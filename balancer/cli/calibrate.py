@@ -12,6 +12,21 @@ from balancer.planning.cost import CostModel
 from balancer.strict_json import load_json
 
 MAX_CP, MAX_BUDGET, MAX_THREADS, MAX_REPEATS = 32, 131072, 1024, 1000
+MAX_TIMED_RUNS = 100_000  # micro-batches x CP sizes x layouts x runs each: hours on a CPU already
+
+
+def _check_work(args) -> None:
+    """Each count is bounded by its flag; their product too, before anything is timed."""
+    from balancer.calibration.grid import KINDS
+
+    batches = len(args.tokens) * (len(KINDS) * args.per_cell + args.fresh)
+    layouts = sum(1 if cp == 1 else len(args.layout) for cp in args.cp)
+    runs = batches * layouts * max(args.repeats, args.max_repeats)
+    if runs > MAX_TIMED_RUNS:
+        raise ValueError(
+            f"--tokens x --per-cell / --fresh x --cp x --layout x --max-repeats make up to {runs:,} timed runs, "
+            f"over the limit of {MAX_TIMED_RUNS:,}: lower one of them"
+        )
 
 
 def _config(args) -> dict | None:
@@ -32,6 +47,7 @@ def cmd_calibrate(args) -> int:
     from balancer.calibration import calibrate
 
     check_output_file(args.output, [args.model_config], "-o")
+    _check_work(args)
     result = calibrate(
         _config(args),
         cp_sizes=tuple(args.cp),
