@@ -73,7 +73,7 @@ def verl_worker() -> None:
         started = time.process_time()
         steps = plan(case)
         out.append({"steps": steps, "plan_cpu_seconds": time.process_time() - started})
-    json.dump({"verl_version": verl.__version__, "plans": out}, sys.stdout)
+    json.dump({"verl_version": verl.__version__, "torch_version": torch.__version__, "plans": out}, sys.stdout)
 
 
 if __name__ == "__main__" and "--verl-worker" in sys.argv:
@@ -284,6 +284,7 @@ def main() -> None:
         "question": "fixed post-training batches: slowest rank vs the section-3 step bound, balancer vs verl",
         "seeds": list(SEEDS),
         "verl": verl["verl_version"] if verl else "not installed (VERL_PYTHON missing)",
+        "verl_environment": {"python": VERL_PYTHON, "torch": verl["torch_version"]} if verl else None,
         "goal": {
             "worst_ratio_at_most": 1.03,
             "cases": list(GOAL_CASES),

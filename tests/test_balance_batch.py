@@ -101,6 +101,32 @@ def test_batch_properties(cfg):
                 assert np.all(np.diff(c[: peak + 1]) >= 0) and np.all(np.diff(c[peak:]) <= 0)
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 3), st.integers(1, 2), st.sampled_from(["rank", "micro_batch", None]), st.integers(0, 3))
+def test_dynamic_cp_properties(dp, k, keep, seed):
+    rng = np.random.default_rng(seed)
+    lengths = np.minimum(rng.lognormal(5, 1.2, 40).astype(int) + 1, 390)
+    groups = None if keep is None else np.repeat(np.arange(20), 2)
+    sizes = (1, 2, 4) if dp % 2 == 0 else (1, 2)
+    topo = balancer.Topology(dp=dp, cp=2, micro_batches=1, max_tokens=400, cp_sizes=sizes)  # pairs fit one rank
+    plan = balancer.balance_batch(
+        lengths, topo, COST, groups=groups, keep=keep or "rank", micro_batches="auto", mini_batches=k, seed=seed
+    )
+    plan.validate()  # every token once, groups aligned and covering the pool in every slot, caps per group size
+    assert plan.dynamic and plan.num_steps == k
+    mb = np.repeat(np.arange(len(plan.mb_ptr) - 1), np.diff(plan.mb_ptr))
+    step = plan.step_of_entry()
+    for g in range(20) if groups is not None else ():
+        where = groups[plan.doc] == g
+        assert len(set(step[where])) == 1
+        if keep == "micro_batch":
+            assert len(set(mb[where])) == 1
+    again = balancer.balance_batch(
+        lengths, topo, COST, groups=groups, keep=keep or "rank", micro_batches="auto", mini_batches=k, seed=seed
+    )
+    assert np.array_equal(again.doc, plan.doc) and np.array_equal(again.group_start, plan.group_start)
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.integers(2, 4), st.integers(0, 5), st.booleans())
 def test_mini_batches_split_the_work(k, seed, grouped):
