@@ -144,3 +144,37 @@ def worth_repacking(times: np.ndarray, bound: np.ndarray, complete: np.ndarray, 
     skipped = candidates[by_excess[np.cumsum(excess[by_excess]) <= skip * bound.sum()]]
     repack[skipped] = False
     return repack
+
+
+def pack_light_steps(flat, ptr, u_cost, u_tok, attn_heavy, topology: Topology) -> np.ndarray:
+    """The batched packing (`pack_steps`) of the steps without attention-heavy units (units `flat`, step s being
+    `ptr[s]:ptr[s + 1]`); -1 for the units of the other steps, which need `pack_step`'s water-filling (a heavy
+    unit costs more per token than the rest, so balancing its step takes the token room into account)."""
+    sizes = np.diff(ptr)
+    heavy = np.zeros(len(sizes), dtype=np.int64)
+    heavy[sizes > 0] = np.add.reduceat(attn_heavy[flat].astype(np.int64), ptr[:-1][sizes > 0])
+    light = np.repeat(heavy == 0, sizes)
+    out = np.full(len(flat), -1, dtype=np.int64)
+    if light.any():
+        units = flat[light]
+        out[light] = pack_steps(
+            u_cost[units], u_tok[units], np.concatenate([[0], np.cumsum(sizes[heavy == 0])]), topology
+        )
+    return out
+
+
+class LazySteps:
+    """Step s's slice of the batched packing (None where it is incomplete), made when asked for; a step whose units
+    changed is forgotten (set to None)."""
+
+    def __init__(self, unit_bin: np.ndarray, ptr: np.ndarray, complete: np.ndarray) -> None:
+        self.unit_bin, self.ptr, self.usable = unit_bin, ptr, complete.copy()
+
+    def __len__(self) -> int:
+        return len(self.usable)
+
+    def __getitem__(self, s: int):
+        return self.unit_bin[self.ptr[s] : self.ptr[s + 1]] if self.usable[s] else None
+
+    def __setitem__(self, s: int, value: None) -> None:  # only forgetting: `fast[s] = None`
+        self.usable[s] = False

@@ -27,7 +27,7 @@ import numpy as np
 
 from balancer.planning.binpack import pack_step, step_time
 from balancer.planning.cost import CostModel
-from balancer.planning.fastpack import by_step_grid, pack_steps, step_quality, worth_repacking
+from balancer.planning.fastpack import LazySteps, by_step_grid, pack_light_steps, step_quality, worth_repacking
 from balancer.planning.metrics import natural_steps, step_times
 from balancer.planning.plans import Plan
 from balancer.planning.steps import (
@@ -35,6 +35,7 @@ from balancer.planning.steps import (
     assign_steps,
     effective_step_tokens,
     equal_row_steps,
+    pack_equal_rows,
     step_token_targets,
 )
 from balancer.planning.topology import Topology
@@ -94,7 +95,7 @@ def plan(
     if u_tok.min() == u_tok.max():  # fixed-length rows: whole rows per step, dealt evenly
         rows = equal_row_steps(len(u_tok), int(u_tok[0]), topology)
         targets = rows * float(u_tok[0])
-        packed = _pack_equal_rows(rows, topology)
+        packed = pack_equal_rows(rows, topology)
     else:
         step_tokens = _choose_step_tokens(u_cost, u_tok, attn_heavy, topology, seed)
         # a step must hold at least one document per micro-batch: with tokens_per_step below that (tiny budgets
@@ -156,10 +157,10 @@ def _pack_epoch(
     groups = _cut_steps(u_cost, u_tok, attn_heavy, targets, nb, rng, grouped=topology.pp > 1)
     flat = np.concatenate(groups)
     ptr = np.concatenate([[0], np.cumsum([len(g) for g in groups])])
-    fast_bin = _pack_light_steps(flat, ptr, u_cost, u_tok, attn_heavy, topology)
+    fast_bin = pack_light_steps(flat, ptr, u_cost, u_tok, attn_heavy, topology)
     times, bound, complete = step_quality(fast_bin, u_cost[flat], ptr, topology)
     repack = worth_repacking(times, bound, complete, FAST_ENOUGH - 1, REPACK_SKIP)
-    fast = _LazySteps(fast_bin, ptr, complete)
+    fast = LazySteps(fast_bin, ptr, complete)
     # the good steps' result, sorted by micro-batch in one go (the -1 of incomplete steps sorts first, unused)
     grid = by_step_grid(fast_bin * float(len(u_cost)) + flat, ptr)  # by micro-batch, shuffled order inside
     by_bin = flat[grid[grid >= 0]]
@@ -168,40 +169,6 @@ def _pack_epoch(
     sizes = np.bincount(slot, minlength=len(groups) * (nb + 1)).reshape(len(groups), nb + 1)[:, 1:]
     ready = [None if bad else (by_bin[ptr[s] : ptr[s + 1]], sizes[s]) for s, bad in enumerate(repack)]
     return _settle(groups, fast, ready, u_cost, u_tok, attn_heavy, targets, topology, progress)
-
-
-class _LazySteps:
-    """Step s's slice of the batched packing (None where it is incomplete), made when asked for; a step whose units
-    changed is forgotten (set to None)."""
-
-    def __init__(self, unit_bin: np.ndarray, ptr: np.ndarray, complete: np.ndarray) -> None:
-        self.unit_bin, self.ptr, self.usable = unit_bin, ptr, complete.copy()
-
-    def __len__(self) -> int:
-        return len(self.usable)
-
-    def __getitem__(self, s: int):
-        return self.unit_bin[self.ptr[s] : self.ptr[s + 1]] if self.usable[s] else None
-
-    def __setitem__(self, s: int, value: None) -> None:  # only forgetting: `fast[s] = None`
-        self.usable[s] = False
-
-
-def _pack_light_steps(flat, ptr, u_cost, u_tok, attn_heavy, topology: Topology) -> np.ndarray:
-    """The batched packing (`pack_steps`) of the steps without attention-heavy units (units `flat`, step s being
-    `ptr[s]:ptr[s + 1]`); -1 for the units of the other steps, which need `pack_step`'s water-filling (a heavy
-    unit costs more per token than the rest, so balancing its step takes the token room into account)."""
-    sizes = np.diff(ptr)
-    heavy = np.zeros(len(sizes), dtype=np.int64)
-    heavy[sizes > 0] = np.add.reduceat(attn_heavy[flat].astype(np.int64), ptr[:-1][sizes > 0])
-    light = np.repeat(heavy == 0, sizes)
-    out = np.full(len(flat), -1, dtype=np.int64)
-    if light.any():
-        units = flat[light]
-        out[light] = pack_steps(
-            u_cost[units], u_tok[units], np.concatenate([[0], np.cumsum(sizes[heavy == 0])]), topology
-        )
-    return out
 
 
 def _cut_steps(
@@ -310,21 +277,6 @@ def _forget(fast: list, ready: list, s: int) -> None:
     """Step `s`'s units changed: its batched packing no longer applies."""
     if s < len(fast):
         fast[s] = ready[s] = None
-
-
-def _pack_equal_rows(rows: np.ndarray, topology: Topology) -> list:
-    """Packed steps (as `_pack_epoch` returns them) for equal units, `rows[s]` of them in step s in shuffled order:
-    the j-th unit of a step goes to replica `j % dp`, micro-batch `(j // dp) % M`, so replicas and micro-batches
-    differ by at most one unit."""
-    dp, m = topology.dp, topology.micro_batches
-    packed, first = [], 0
-    for count in rows.tolist():
-        j = np.arange(count)
-        bins = (j % dp) * m + (j // dp) % m
-        order = np.argsort(bins, kind="stable")
-        packed.append((first + order, np.bincount(bins, minlength=dp * m)))
-        first += count
-    return packed
 
 
 def _hold_step_tokens(

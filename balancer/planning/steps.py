@@ -215,3 +215,18 @@ def equal_row_steps(num_rows: int, row_tokens: int, topology: Topology) -> np.nd
         if rows[-1] >= low:
             return rows
     return even(int(np.clip(base, fewest, most)))
+
+
+def pack_equal_rows(rows: np.ndarray, topology: Topology) -> list:
+    """Packed steps (per step: units sorted by micro-batch, micro-batch sizes) for equal units, `rows[s]` of them in
+    step s in shuffled order: the j-th unit of a step goes to replica `j % dp`, micro-batch `(j // dp) % M`, so
+    replicas and micro-batches differ by at most one unit."""
+    dp, m = topology.dp, topology.micro_batches
+    packed, first = [], 0
+    for count in rows.tolist():
+        j = np.arange(count)
+        bins = (j % dp) * m + (j // dp) % m
+        order = np.argsort(bins, kind="stable")
+        packed.append((first + order, np.bincount(bins, minlength=dp * m)))
+        first += count
+    return packed
