@@ -96,10 +96,17 @@ def check_output_file(path: str | os.PathLike, inputs: Sequence[str | os.PathLik
         real_in = os.path.realpath(spec)
         if real_in == real_out:
             raise OutputPathError(f"{flag} {path} is the input {spec}: writing it would replace it; pick another file")
-        if _inside(real_out, real_in):
+        if os.path.isdir(real_in) and _inside(real_out, real_in):
             raise OutputPathError(f"{flag} {path} lies inside the input folder {spec}: pick a file outside it")
     if os.path.isdir(path):
         raise OutputPathError(f"{flag} {path} is a folder: give a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(folder):  # the nearest part of the path that exists must be a writable folder
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise OutputPathError(f"{flag} {path}: {folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputPathError(f"{flag} {path}: the folder {folder} is not writable (check its permissions)")
     parent = os.path.dirname(real_out)
     marker = data_folder_marker(parent)
     if marker is not None:

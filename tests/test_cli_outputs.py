@@ -51,6 +51,12 @@ def _snapshot(folder: Path) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- outputs
+def test_a_document_no_micro_batch_can_hold_is_named(tmp_path, capsys):
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps([5, 2**62, 7]))
+    one_line(*cli(capsys, "plan", path, "--dp", "1", "-o", tmp_path / "p.json"), "document 1 has", "2^40")
+
+
 def test_plan_refuses_to_overwrite_its_lengths(lengths, tmp_path, capsys):
     before = lengths.read_bytes()
     one_line(*cli(capsys, "plan", lengths, "--dp", "2", "-o", lengths), "-o", "is the input", str(lengths))
@@ -94,6 +100,8 @@ def test_plot_is_checked_before_planning(lengths, tmp_path, capsys):
     assert capsys.readouterr().out == ""  # no statistics, no planning
     one_line(*cli(capsys, "plan", lengths, "--dp", "2", "-o", out, "--plot", out), "-o and --plot name the same")
     one_line(*cli(capsys, "plan", lengths, "--dp", "2", "-o", tmp_path), "is a folder")
+    one_line(*cli(capsys, "plan", lengths, "--dp", "2", "-o", lengths / "sub" / "p.json"), "is a file, not a folder")
+    assert capsys.readouterr().out == ""  # refused before planning
     assert sorted(os.listdir(tmp_path)) == ["lengths.json"]
 
 

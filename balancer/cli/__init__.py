@@ -128,6 +128,12 @@ def topology_from_args(args, lengths: np.ndarray) -> Topology:
     cp_sizes = parse_cp_sizes(getattr(args, "cp_sizes", None))
     if max_tokens is None:  # the next power of two that holds the longest document over the CP group
         max_tokens = 1 << int(np.ceil(np.log2(max(1, -(-int(lengths.max()) // args.cp)))))
+        if max_tokens > MAX_TOKENS:
+            raise ValueError(
+                f"document {int(np.argmax(lengths))} has {int(lengths.max()):,} tokens: no micro-batch holds it "
+                f"(--max-tokens is at most 2^40 per CP rank); check the lengths, or pass --max-tokens with "
+                "--overflow split or truncate"
+            )
     tps, fill = args.tokens_per_step, args.fill
     if fill is not None and not 0 < fill <= 1:  # also NaN and inf
         raise ValueError(f"--fill must be a share of the capacity in (0, 1], got {fill}")
