@@ -3,7 +3,8 @@
 ``CPLayout`` says which tokens each CP rank holds; ``cp_attention`` computes exact attention over the sharded
 documents (ring, all-gather or Ulysses), with causal, sliding-window and softcap masks; ``varlen_attention`` is the
 single-device packed attention. Kernels: flash-attn 2/3 on CUDA, PyTorch's fused kernels on CPU/CUDA, a plain
-reference (``attention.backends``).
+reference (``attention.backends``). ``bytes_sent()`` / ``reset_bytes_sent()`` count the bytes this process sent
+through CP attention transfers.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from attention._dist import Group, consensus_check, dtype_code
+from attention._dist import Group, bytes_sent, consensus_check, dtype_code, reset_bytes_sent
 from attention.allgather import AllGatherAttention
 from attention.backends import BACKENDS, Backend, Pieces, check_inputs, get_backend
 from attention.layout import CPLayout
@@ -38,6 +39,8 @@ __all__ = [
     "METHODS",
     "BACKENDS",
     "Mask",
+    "bytes_sent",
+    "reset_bytes_sent",
 ]
 
 

@@ -18,7 +18,7 @@ longest documents are split such that the relative load of every rank is at most
 ``DEFAULT_TOLERANCE``): candidates 0, 1, 2, 3, 4, 6, 9, 13, ... longest documents are tried in turn. Given a
 ``cost`` model (a ``balancer.CostModel`` with per-piece and communication terms, e.g. calibrated on the machine),
 every candidate, all documents included (= zigzag), is placed and the one with the least predicted time of the
-slowest rank (``balancer.planning.predict``, for ``method``) is kept: where the prediction says keeping documents
+slowest rank (``balancer.planning.microbatch``, for ``method``) is kept: where the prediction says keeping documents
 whole loses, the layout is zigzag's.
 """
 
@@ -91,9 +91,9 @@ def _cost_dict(cost) -> dict:
 
 
 def predicted_time(lens: np.ndarray, cp: int, split: np.ndarray, doc_rank, cost: dict, method: str) -> float:
-    """The slowest rank's predicted time (``balancer.planning.predict``) of one split set and placement."""
+    """The slowest rank's predicted time (``balancer.planning.microbatch``) of one split set and placement."""
     from balancer.planning.cost import CostModel  # noqa: PLC0415
-    from balancer.planning.predict import assignment_terms, rank_times  # noqa: PLC0415
+    from balancer.planning.microbatch import assignment_terms, rank_times  # noqa: PLC0415
 
     model = CostModel.from_dict(cost)
     whole_rank = np.maximum(np.asarray(doc_rank, dtype=np.int64), 0)

@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE.parent))
 import peers  # noqa: E402
 
 import balancer  # noqa: E402
-from balancer.cli import MODELS  # noqa: E402
+from balancer.cli.options import MODELS  # noqa: E402
 from balancer.data.traces import load_trace  # noqa: E402
 
 DISTS = ("wlbllm", "prolong", "sft", "heavy")

@@ -13,7 +13,7 @@ Time: per repetition, the slowest rank's wall time (the step waits for it) and p
 included); every configuration runs once per repetition, in reverse order on odd repetitions, so zigzag and hybrid
 alternate and load from other processes hits both alike. Speedups are ratios within one repetition (zigzag /
 hybrid), reported as median, min and max over repetitions. Bytes: payload each rank hands to the other
-(attention._dist.bytes_sent), forward+backward. The results file records the load average at start, per repetition
+(attention.bytes_sent), forward+backward. The results file records the load average at start, per repetition
 and at the end, and the machine's cores.
 
 Calibration (before the timed configurations): `CALIBRATION` micro-batches of other lengths than the timed ones, each
@@ -47,7 +47,7 @@ import attention  # noqa: E402
 import attention.placement  # noqa: E402
 import balancer  # noqa: E402
 import balancer.planning.predict  # noqa: E402
-from attention import _dist  # noqa: E402
+from attention import bytes_sent, reset_bytes_sent  # noqa: E402
 from benchmarks._common import write_result  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 4, 2, 64
@@ -181,12 +181,12 @@ class _Case:
         q, k, v, dout = (self.layout.shard(t, self.rank) for t in self.full)
         x = [t.requires_grad_() for t in (q, k, v)]
         dist.barrier()
-        _dist.reset_bytes_sent()
+        reset_bytes_sent()
         wall, cpu = time.perf_counter(), time.process_time()
         out = attention.cp_attention(*x, self.layout, causal=True, method=self.method, backend="torch")
         out.backward(dout)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        return wall, cpu, _dist.bytes_sent()
+        return wall, cpu, bytes_sent()
 
 
 def _gather(values: list[float]) -> list[list[float]]:

@@ -30,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize  # noqa: E402
+from balancer.data.pretokenize.options import PretokenizeOptions  # noqa: E402
+from balancer.data.pretokenize.pipeline import pretokenize  # noqa: E402
 from balancer.data.shards.checks import open_folder  # noqa: E402
 from balancer.data.shards.dataset import ShardDataset
 from balancer.data.shards.manifest import load_manifest

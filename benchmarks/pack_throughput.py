@@ -58,7 +58,8 @@ def make_corpus(path: Path, documents: int, seed: int = 0) -> dict:
 CHILD = r"""
 import json, os, sys, time
 import datasets, transformers, balancer  # start-up cost, like the interpreter's: not timed
-from balancer.data.pretokenize.pipeline import pretokenize, PretokenizeOptions
+from balancer.data.pretokenize.options import PretokenizeOptions
+from balancer.data.pretokenize.pipeline import pretokenize
 from balancer.data.pack.build import pack
 a = json.loads(sys.argv[1])
 def status(key):  # KiB

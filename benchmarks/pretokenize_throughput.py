@@ -112,7 +112,8 @@ for d in (a["output"], a["output"] + ".cache"):
 RAY_CHILD = r"""
 import json, sys, time
 import datasets, transformers, ray
-from balancer.data.pretokenize.pipeline import pretokenize, PretokenizeOptions
+from balancer.data.pretokenize.options import PretokenizeOptions
+from balancer.data.pretokenize.pipeline import pretokenize
 a = json.loads(sys.argv[1])
 t0 = time.perf_counter()
 ray.init(num_cpus=a["num_proc"], include_dashboard=False, log_to_driver=False, configure_logging=False)
@@ -130,7 +131,8 @@ print(json.dumps({"seconds": seconds, "ray_startup_seconds": startup, "tokens": 
 CHILD = r"""
 import json, resource, sys, time
 import datasets, transformers  # imports are start-up cost, like the interpreter's: not timed
-from balancer.data.pretokenize.pipeline import pretokenize, PretokenizeOptions
+from balancer.data.pretokenize.options import PretokenizeOptions
+from balancer.data.pretokenize.pipeline import pretokenize
 a = json.loads(sys.argv[1])
 t0, c0 = time.perf_counter(), time.process_time()
 m = pretokenize([a["input"]], a["output"], tokenizer=a["tokenizer"], num_proc=a["num_proc"],

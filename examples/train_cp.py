@@ -234,8 +234,34 @@ def _run(args) -> None:
         dist.destroy_process_group()
 
 
+def check_data(args) -> None:
+    """Before any rank starts: a row of --data longer than a micro-batch without --overflow is one line naming the
+    flags (exit 2), not a traceback from every spawned rank."""
+    if not args.data:
+        return
+    from balancer.data.shards.lengths import read_lengths
+
+    try:
+        lengths = read_lengths(args.data)
+    except (OSError, ValueError) as e:
+        _fail(f"--data {args.data}: {e}")
+    cap = args.max_tokens * args.cp
+    if args.overflow == "error" and len(lengths) and int(lengths.max()) > cap:
+        i = int(np.argmax(lengths))
+        _fail(
+            f"--data {args.data}: row {i} holds {int(lengths[i]):,} tokens, more than --max-tokens x --cp = "
+            f"{args.max_tokens} x {args.cp} = {cap:,}; pass --overflow split (or truncate), or raise --max-tokens"
+        )
+
+
+def _fail(message: str) -> None:
+    print(f"train_cp.py: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
+    check_data(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun
         _run(args)
         return

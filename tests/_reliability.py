@@ -11,7 +11,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _data_utils import make_texts, write_jsonl  # noqa: E402
 
-from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize  # noqa: E402
+from balancer.data.pretokenize.options import PretokenizeOptions  # noqa: E402
+from balancer.data.pretokenize.pipeline import pretokenize  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

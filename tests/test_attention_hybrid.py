@@ -10,7 +10,7 @@ import torch
 from _dist_utils import run_world
 from test_attention_cp import check_case
 
-from attention import CPLayout, _dist, cp_attention
+from attention import CPLayout, bytes_sent, cp_attention, reset_bytes_sent
 
 
 def _tight(extra: int):
@@ -86,9 +86,9 @@ def _check_bytes(rank, world):
                 torch.randn(T, 2, 8, generator=g),
             )
             x = [layout.shard(t, rank).double().requires_grad_() for t in (q, k, v)]
-            _dist.reset_bytes_sent()
+            reset_bytes_sent()
             cp_attention(*x, layout, method=method).sum().backward()
-            got = _dist.bytes_sent()
+            got = bytes_sent()
             assert got == _expected_bytes(layout, rank, method, 2, 8, 8), (opts, method, got)
             if opts["split_threshold"] == 1000:
                 assert got == 0

@@ -34,7 +34,9 @@ def test_plan_npy_and_model_cost(tmp_path, capsys):
     out = tmp_path / "plan.npz"
     assert main(["plan", str(src), "--model", "llama3-8b", "--dp", "2", "-o", str(out), "--no-baseline"]) == 0
     p = balancer.Plan.load(out)
-    assert p.cost_model == balancer.CostModel.from_model(**__import__("balancer.cli").cli.MODELS["llama3-8b"])
+    assert p.cost_model == balancer.CostModel.from_model(
+        **__import__("balancer.cli.options").cli.options.MODELS["llama3-8b"]
+    )
 
 
 def test_stats_plot(tmp_path):

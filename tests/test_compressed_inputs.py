@@ -21,7 +21,8 @@ from _data_utils import dir_bytes, make_texts, write_jsonl
 
 from balancer import cli
 from balancer.data.pretokenize import compression
-from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize
+from balancer.data.pretokenize.options import PretokenizeOptions
+from balancer.data.pretokenize.pipeline import pretokenize
 from balancer.data.shards.dataset import ShardDataset
 from balancer.data.shards.errors import DataError
 from balancer.data.shards.manifest import load_manifest
@@ -178,8 +179,8 @@ def test_unsupported_compressed_types_are_refused(tmp_path):
 
 
 def test_progress_over_input_bytes_and_summary_line(packed, tmp_path, capsys):
-    """The bar counts the (uncompressed) input bytes to 100%; the summary names documents, tokens and MB/s;
-    --quiet hides the bars, not the summary."""
+    """The bar counts the (uncompressed) input bytes to 100%; the summary names documents, tokens and the byte and
+    token rates; --quiet hides the bars, not the summary."""
     m = pretokenize([str(packed)], tmp_path / "shown", progress=True)
     err = capsys.readouterr().err
     bar = [line for line in re.split(r"[\r\n]", err) if line.startswith("pretokenize:")][-1]
@@ -187,8 +188,9 @@ def test_progress_over_input_bytes_and_summary_line(packed, tmp_path, capsys):
     size = tqdm.format_sizeof(total)
     assert "100%" in bar and f"{size}/{size}" in bar, (bar, total)
     c = m["counts"]
-    counted = rf"{c['documents']} documents, {c['rows']} rows, {c['tokens']} tokens"
-    summary = counted + r" .* [kMG]?B read in .* s \(.* [kMG]?B/s\)"
+    unit = r"[\d.]+ (B|kB|MB|GB)"
+    rates = rf"{unit} read in .* s \({unit}/s, [\d,]+ tokens/s\)"
+    summary = rf"{c['documents']} documents, {c['rows']} rows, {c['tokens']} tokens .* {rates}"
     assert "(0.0 MB/s)" not in err  # a small input's rate in a unit that shows it
     assert re.search(summary, err), err
     code = cli.main(["pretokenize", str(packed), "--output", str(tmp_path / "quiet"), "--quiet"])

@@ -8,8 +8,10 @@ from hypothesis import strategies as st
 import attention
 import balancer
 from balancer import CostModel, Topology
-from balancer.planning.cost import HARDWARE, attention_pairs, block_pairs
-from balancer.planning.predict import micro_batch_terms, micro_batch_time, rank_times
+from balancer.planning.cost import HARDWARE
+from balancer.planning.microbatch import micro_batch_terms, rank_times
+from balancer.planning.pairs import attention_pairs, block_pairs
+from balancer.planning.predict import micro_batch_time
 
 
 def brute_pairs(q_lo, q_hi, k_lo, k_hi, causal, window):

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from balancer import CostModel, Topology
-from balancer.planning.cost import attention_pairs
+from balancer.planning.pairs import attention_pairs
 
 
 def test_pairs_and_cost_formula():

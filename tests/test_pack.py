@@ -27,7 +27,8 @@ from balancer.cli import main as cli_main  # noqa: E402
 from balancer.data.pack.build import pack
 from balancer.data.pack.rows import PackError  # noqa: E402
 from balancer.data.pack.verify import packed_metrics, verify_packed
-from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize
+from balancer.data.pretokenize.options import PretokenizeOptions
+from balancer.data.pretokenize.pipeline import pretokenize
 from balancer.data.shards.dataset import ShardDataset
 from balancer.data.shards.errors import DataError  # noqa: E402
 

@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _data_utils import dir_bytes, make_texts, train_hf_tokenizer, write_jsonl, write_parquet  # noqa: E402
 
 from balancer import cli  # noqa: E402
-from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize
+from balancer.data.pretokenize.options import PretokenizeOptions
+from balancer.data.pretokenize.pipeline import pretokenize
 from balancer.data.shards.dataset import ShardDataset
 from balancer.data.shards.errors import DataError
 from balancer.data.shards.lengths import read_lengths

@@ -24,7 +24,8 @@ from _data_utils import make_texts, write_jsonl, write_parquet
 
 from balancer import cli
 from balancer.data.pretokenize import ray_engine
-from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize
+from balancer.data.pretokenize.options import PretokenizeOptions
+from balancer.data.pretokenize.pipeline import pretokenize
 from balancer.data.shards.dataset import ShardDataset
 from balancer.data.shards.errors import DataError
 from balancer.data.shards.manifest import load_manifest

@@ -224,7 +224,8 @@ def test_dataloader_over_arrow_dataset():
 
 
 def test_dataloader_over_pretokenized_folder(tmp_path):
-    from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize
+    from balancer.data.pretokenize.options import PretokenizeOptions
+    from balancer.data.pretokenize.pipeline import pretokenize
     from balancer.data.shards.dataset import ShardDataset
 
     rng = np.random.default_rng(1)

@@ -31,7 +31,7 @@ def _check_work(args) -> None:
 
 def _config(args) -> dict | None:
     """The --model-config file, read strictly; the keys the cost model reads are checked here, before any timing."""
-    from balancer.cli import flag_file
+    from balancer.cli.options import flag_file
 
     if args.model_config is None:
         return None
@@ -172,5 +172,5 @@ def register(sub) -> None:
         help="wall time, process CPU time, or auto: wall time when the machine was quiet while timing, else CPU time",
     )
     p.add_argument("--seed", type=count(0, MAX_SEED), default=0, help=f"grid and held-out seed, {limits(0, MAX_SEED)}")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars (they show only on a terminal anyway)")
     p.set_defaults(func=cmd_calibrate)

@@ -8,7 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from balancer.cli.options import add_topology_args, cost_from_args, topology_from_args
+from balancer.data.pretokenize.options import ENGINES, ON_ERROR_CHOICES, OVERFLOW_CHOICES
 from balancer.data.shards.errors import describe_os_error, render_message
+from balancer.data.shards.limits import DEFAULT_SHARD_TOKENS
+from balancer.planning.units import OVERFLOW_POLICIES
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1  # verify found problems
@@ -93,7 +97,8 @@ def _reporting(call, errors: tuple, resumable: bool) -> int:
 
 
 def _run_pretokenize(args: argparse.Namespace) -> int:
-    from balancer.data.pretokenize.pipeline import PretokenizeOptions, pretokenize
+    from balancer.data.pretokenize.options import PretokenizeOptions
+    from balancer.data.pretokenize.pipeline import pretokenize
     from balancer.data.shards.errors import DataError
 
     opts = PretokenizeOptions(
@@ -162,14 +167,15 @@ def _run_merge(args: argparse.Namespace) -> int:
 
 
 def _run_pack(args: argparse.Namespace) -> int:
-    from balancer.cli import cost_from_args, topology_from_args
     from balancer.data.pack.build import pack
     from balancer.data.pack.rows import SourceTokens
     from balancer.data.shards.errors import DataError
 
+    done: dict = {}
+
     def run() -> None:
         with SourceTokens(args.tokdir) as source:
-            pack(
+            done["manifest"] = pack(
                 source,
                 args.output,
                 topology_from_args(args, source.lengths),
@@ -182,19 +188,28 @@ def _run_pack(args: argparse.Namespace) -> int:
                 progress=False if args.quiet else None,
             )
 
-    return _reporting(run, (DataError, ValueError), resumable=True)  # PackError is a DataError
+    code = _reporting(run, (DataError, ValueError), resumable=True)  # PackError is a DataError
+    if code == EXIT_OK:
+        print(pack_balance_report(done["manifest"]))
+    return code
+
+
+def pack_balance_report(manifest: dict) -> str:
+    """The balance figures of every packed epoch (the metrics its manifest.json records), as a table."""
+    from balancer.cli.report import metrics_table
+
+    epochs = {f"epoch {e['epoch']}": e["metrics"] for e in manifest["epochs"]}
+    return f"balance of the packed rows (manifest.json: epochs[].metrics)\n{metrics_table(epochs)}"
 
 
 def register(subparsers) -> None:
     """Add `pretokenize`, `verify`, `merge` and `pack` to an argparse subparsers object."""
-    from balancer.data.pretokenize.pipeline import DEFAULT_SHARD_TOKENS
-
-    _register_pretokenize(subparsers, DEFAULT_SHARD_TOKENS)
+    _register_pretokenize(subparsers)
     _register_verify_and_merge(subparsers)
-    _register_pack(subparsers, DEFAULT_SHARD_TOKENS)
+    _register_pack(subparsers)
 
 
-def _register_pretokenize(subparsers, default_shard_tokens: int) -> None:
+def _register_pretokenize(subparsers) -> None:
     p = subparsers.add_parser(
         "pretokenize",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -227,6 +242,13 @@ def _register_pretokenize(subparsers, default_shard_tokens: int) -> None:
         metavar="DIR",
         help="output folder; refused when it holds a different job or other files, unless --overwrite",
     )
+    _add_pretokenize_job_args(p)
+    _add_pretokenize_run_args(p)
+    p.set_defaults(func=_run_pretokenize)
+
+
+def _add_pretokenize_job_args(p: argparse.ArgumentParser) -> None:
+    """The options that decide the output bytes (`PretokenizeOptions`)."""
     p.add_argument(
         "--tokenizer",
         default="byte",
@@ -249,7 +271,7 @@ def _register_pretokenize(subparsers, default_shard_tokens: int) -> None:
     )
     p.add_argument(
         "--overflow",
-        choices=("split", "truncate", "drop"),
+        choices=OVERFLOW_CHOICES,
         default="split",
         help="documents over --max-length: split into consecutive windows of at most N tokens sharing "
         "the doc_id (default), truncate to the first N tokens (counted in the manifest), or drop "
@@ -261,16 +283,8 @@ def _register_pretokenize(subparsers, default_shard_tokens: int) -> None:
         help="append the tokenizer's EOS id to every document (before --max-length is applied)",
     )
     p.add_argument(
-        "--num-proc",
-        type=_positive_int,
-        default=1,
-        metavar="N",
-        help="tokenize in N worker processes (at most 1024; clipped to the CPUs and the records, with a note), with "
-        "--engine ray N tasks at a time (output identical to N=1; default 1)",
-    )
-    p.add_argument(
         "--on-error",
-        choices=("fail", "skip"),
+        choices=ON_ERROR_CHOICES,
         default="fail",
         help="malformed records (bad JSON, missing text field, invalid UTF-8): fail at the first one "
         "naming file and line (default), or skip them and count them by reason in the manifest",
@@ -278,10 +292,22 @@ def _register_pretokenize(subparsers, default_shard_tokens: int) -> None:
     p.add_argument(
         "--shard-tokens",
         type=_positive_int,
-        default=default_shard_tokens,
+        default=DEFAULT_SHARD_TOKENS,
         metavar="N",
         help=f"close a shard at the first document boundary after N tokens (at most 2**40; default "
-        f"{default_shard_tokens:,})",
+        f"{DEFAULT_SHARD_TOKENS:,})",
+    )
+
+
+def _add_pretokenize_run_args(p: argparse.ArgumentParser) -> None:
+    """How the run goes: processes, slices, engine, output replacement, progress."""
+    p.add_argument(
+        "--num-proc",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="tokenize in N worker processes (at most 1024; clipped to the CPUs and the records, with a note), with "
+        "--engine ray N tasks at a time (output identical to N=1; default 1)",
     )
     p.add_argument(
         "--num-shards",
@@ -307,7 +333,7 @@ def _register_pretokenize(subparsers, default_shard_tokens: int) -> None:
     )
     p.add_argument(
         "--engine",
-        choices=("local", "ray"),
+        choices=ENGINES,
         default="local",
         help="local (default): this machine, --num-proc processes; ray: Ray Data tasks (a local Ray cluster, "
         "or the one at --ray-address; needs the ray extra). Same output either way",
@@ -325,7 +351,6 @@ def _register_pretokenize(subparsers, default_shard_tokens: int) -> None:
         action="store_true",
         help="no progress bars (they show only on a terminal anyway); the final summary line is still printed",
     )
-    p.set_defaults(func=_run_pretokenize)
 
 
 def _register_verify_and_merge(subparsers) -> None:
@@ -358,10 +383,7 @@ def _register_verify_and_merge(subparsers) -> None:
     m.set_defaults(func=_run_merge)
 
 
-def _register_pack(subparsers, default_shard_tokens: int) -> None:
-    from balancer.cli import add_topology_args
-    from balancer.planning.planner import OVERFLOW_POLICIES
-
+def _register_pack(subparsers) -> None:
     p = subparsers.add_parser(
         "pack",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -407,9 +429,9 @@ def _register_pack(subparsers, default_shard_tokens: int) -> None:
     p.add_argument(
         "--shard-tokens",
         type=_positive_int,
-        default=default_shard_tokens,
+        default=DEFAULT_SHARD_TOKENS,
         metavar="N",
-        help=f"close a shard at the first row boundary after N tokens (<= 2**40; default {default_shard_tokens:,})",
+        help=f"close a shard at the first row boundary after N tokens (<= 2**40; default {DEFAULT_SHARD_TOKENS:,})",
     )
     p.add_argument(
         "--overwrite",

@@ -7,7 +7,8 @@ import os
 import numpy as np
 
 from balancer.files import atomic_write
-from balancer.planning.cost import CostModel, attention_pairs
+from balancer.planning.cost import CostModel
+from balancer.planning.pairs import attention_pairs
 from balancer.planning.plans import Plan
 
 THRESHOLDS = (8192, 32768, 131072)
@@ -66,9 +67,13 @@ def format_stats(stats: dict, unit: str = "documents") -> str:
 def compare_table(plans: dict[str, Plan]) -> str:
     """Markdown-ish table of the section-3 metrics, one column per plan, plus the predicted step-time ratio
     against the last column (the baseline)."""
-    metrics = {name: p.metrics() for name, p in plans.items()}
-    names = list(plans)
-    base = metrics[names[-1]]["step_time_total"]
+    return metrics_table({name: p.metrics() for name, p in plans.items()}, speedup=len(plans) > 1)
+
+
+def metrics_table(metrics: dict[str, dict], speedup: bool = False) -> str:
+    """The section-3 metrics (`Plan.metrics()` dicts, as a packed folder's manifest records them too), one column
+    per entry; with `speedup`, the predicted step-time ratio against the last column."""
+    names = list(metrics)
     width = max(14, *(len(n) + 2 for n in names))
     lines = [f"{'metric':<20}" + "".join(f"{n:>{width}}" for n in names), "-" * (20 + width * len(names))]
     for row in ROWS:
@@ -77,7 +82,8 @@ def compare_table(plans: dict[str, Plan]) -> str:
             v = metrics[n][row]
             cells.append(f"{v:>{width},}" if isinstance(v, int) else f"{v:>{width}.4f}")
         lines.append(f"{row:<20}" + "".join(cells))
-    if len(names) > 1:  # a plan against itself says nothing
+    if speedup:
+        base = metrics[names[-1]]["step_time_total"]
         lines.append(
             f"{'speedup vs ' + names[-1]:<20}"
             + "".join(f"{base / metrics[n]['step_time_total']:>{width}.3f}" for n in names)

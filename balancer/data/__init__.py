@@ -12,7 +12,7 @@ _EXPORTS = {
     "verify": "balancer.data.shards.verify",
     "DataError": "balancer.data.shards.errors",
     "pretokenize": "balancer.data.pretokenize.pipeline",
-    "PretokenizeOptions": "balancer.data.pretokenize.pipeline",
+    "PretokenizeOptions": "balancer.data.pretokenize.options",
     "merge": "balancer.data.pretokenize.merge",
     "pack": "balancer.data.pack.build",
     "verify_packed": "balancer.data.pack.verify",

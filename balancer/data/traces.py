@@ -1,8 +1,9 @@
-"""Document-length traces: the built-in one, the published ones in shared/, and generated distributions.
+"""Built-in document-length traces: every name in `NAMES` ships with the package (nothing to download or point to).
 
-- `wlbllm` (built in, `balancer/data/wlbllm_lengths.npz`): 99,519 lengths, max 124,913, from the public repository
+- `wlbllm` (`balancer/data/wlbllm_lengths.npz`): 99,519 lengths, max 124,913, from the public repository
   hao-ai-lab/distca (`distca/simulator/data/dist_wlbllm.json`), an approximation of the WLB-LLM training mix;
-- `prolong`: read from `shared/data/length_traces/prolong.json` when that folder is present;
+- `prolong` (`balancer/data/prolong_lengths.npz`): 77,932 lengths, max 340,149, from the same repository
+  (`dist_prolong.json`), an approximation of the ProLong training mix;
 - `sft`: near-uniform supervised fine-tuning mix, lengths 200..4,096;
 - `heavy`: a heavy tail, 1% of documents from 128K to 1M tokens holding about 40% of the tokens, the rest
   log-normal, median 3.8K.
@@ -10,40 +11,19 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-BUILTIN = Path(__file__).parent / "wlbllm_lengths.npz"
+RECORDED = {name: Path(__file__).parent / f"{name}_lengths.npz" for name in ("wlbllm", "prolong")}
 NAMES = ("wlbllm", "prolong", "sft", "heavy")
-
-
-def _shared_dir() -> Path | None:
-    env = os.environ.get("BALANCER_TRACES")
-    candidates = [Path(env)] if env else []
-    here = Path(__file__).resolve()
-    candidates += [p / "shared" / "data" / "length_traces" for p in here.parents]
-    for c in candidates:
-        if c.is_dir():
-            return c
-    return None
 
 
 def load_trace(name: str, n: int | None = None, seed: int = 0) -> np.ndarray:
     """Lengths of a named trace (see module docstring); `n` resamples it to n documents (generators: n docs)."""
-    if name == "wlbllm":
-        with np.load(BUILTIN) as z:
+    if name in RECORDED:
+        with np.load(RECORDED[name]) as z:
             lengths = z["lengths"].astype(np.int64)
-    elif name == "prolong":
-        d = _shared_dir()
-        if d is None or not (d / "prolong.json").exists():
-            raise FileNotFoundError(
-                "the prolong trace is read from shared/data/length_traces/prolong.json "
-                "(set BALANCER_TRACES to its folder)"
-            )
-        lengths = np.asarray(json.loads((d / "prolong.json").read_text()), dtype=np.int64)
     elif name == "sft":
         return sft_mix(n or 100_000, seed)
     elif name == "heavy":

@@ -13,9 +13,9 @@ import numpy as np
 
 from balancer.planning.cost import CostModel
 from balancer.planning.metrics import natural_steps
-from balancer.planning.planner import validate_lengths
 from balancer.planning.plans import Plan
 from balancer.planning.topology import Topology
+from balancer.planning.units import validate_lengths
 
 
 def token_count_plan(lengths, topology: Topology, cost: CostModel, seed: int = 0) -> Plan:

@@ -30,6 +30,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from balancer.planning.batch_dynamic import balance_dynamic
 from balancer.planning.batch_pack import assign_replicas, order_for_pipeline, pack_items, pack_ranks, restart_ranks
 from balancer.planning.cost import CostModel
 from balancer.planning.plans import Plan
@@ -88,9 +89,7 @@ def balance_batch(
         multiple=multiple,
     )
     if topology.dynamic:
-        from balancer.planning.batch_dynamic import balance_dynamic
-
-        plan = balance_dynamic(lengths, topology, cost, group_of_doc, options)
+        plan = balance_dynamic(lengths, topology, cost, group_of_doc, options, static=balance_static)
     else:
         plan = balance_static(lengths, topology, cost, group_of_doc, options)
     plan.plan_seconds = time.perf_counter() - started

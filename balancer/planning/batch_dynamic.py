@@ -6,6 +6,7 @@ in one micro-batch puts its micro-batch back together when a cut would have part
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import numpy as np
@@ -17,11 +18,16 @@ from balancer.planning.topology import Topology
 
 
 def balance_dynamic(
-    lengths: np.ndarray, topology: Topology, cost: CostModel, group_of_doc: np.ndarray, options
+    lengths: np.ndarray,
+    topology: Topology,
+    cost: CostModel,
+    group_of_doc: np.ndarray,
+    options,
+    static: Callable[..., Plan],
 ) -> Plan:
-    """The dynamic-CP plan of a fixed batch (module docstring); `options` as balancer.planning.batch builds them."""
-    from balancer.planning.batch import balance_static
-
+    """The dynamic-CP plan of a fixed batch (module docstring); `options` as balancer.planning.batch builds them;
+    `static` is its static balancing (`balancer.planning.batch.balance_static`, passed in: batch sits above this
+    module)."""
     check_fits(lengths, topology, options["overflow"])
     unit_tokens = np.minimum(lengths, topology.largest_group * topology.max_tokens)
     steps = options["mini_batches"]
@@ -38,7 +44,7 @@ def balance_dynamic(
         micro_batches=topology.micro_batches,
         max_tokens=topology.max_tokens,
     )
-    base = balance_static(lengths, virtual, cost, group_of_doc, options)
+    base = static(lengths, virtual, cost, group_of_doc, options)
     final = replace(topology, micro_batches=base.topology.micro_batches, tokens_per_step=base.topology.tokens_per_step)
     order, group_start, group_size, counts, slot_ptr = _split_groups(
         base, largest_group_topology(final, size), final, cost

@@ -14,60 +14,9 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from balancer.planning.fitting import fit_cost_model
+from balancer.planning.pairs import attention_pairs
 from balancer.strict_json import FORMAT_KEYS, FormatSpec, anything, boolean, integer, number, obj, string
-
-
-def _clamped_prefix(x: np.ndarray, cap: np.ndarray) -> np.ndarray:
-    """`sum_{y <= x} clamp(y, 0, cap)` over integers y (0 for x <= 0), vectorised."""
-    x = np.maximum(x, 0.0)
-    inside = np.minimum(x, cap)
-    return inside * (inside + 1.0) / 2.0 + np.maximum(x - cap, 0.0) * cap
-
-
-def _causal_block_pairs(q_lo, q_hi, k_lo, k_hi, window) -> np.ndarray:
-    """Pairs (i, j) with i in [q_lo, q_hi), j in [k_lo, k_hi) and 0 <= i - j < window (window inf: j <= i)."""
-
-    def below(a, b):  # pairs with 0 <= i < a, 0 <= j < b, 0 <= i - j < window
-        # sum_{i<a} (#{j <= i, j < b} - #{j <= i - window, j < b}) = sum_i clamp(i+1, 0, b) - clamp(i+1-window, 0, b)
-        near = _clamped_prefix(a, b)
-        if np.isinf(window).all():
-            return near
-        far = _clamped_prefix(a - window, b)
-        return near - np.where(np.isinf(window), 0.0, far)
-
-    return below(q_hi, k_hi) - below(q_lo, k_hi) - below(q_hi, k_lo) + below(q_lo, k_lo)
-
-
-def block_pairs(q_lo, q_hi, k_lo, k_hi, causal: bool = True, window: int | None = None) -> np.ndarray:
-    """(query, key) pairs attention computes between query positions [q_lo, q_hi) and key positions [k_lo, k_hi)
-    of one document (float64, vectorised over the arguments).
-
-    Causal: pairs with `0 <= i - j < window`; non-causal: `|i - j| < window`; `window=None` is unlimited.
-    """
-    args = [np.asarray(a, dtype=np.float64) for a in (q_lo, q_hi, k_lo, k_hi)]
-    q_lo, q_hi, k_lo, k_hi = np.broadcast_arrays(*args)
-    w = np.full(q_lo.shape, np.inf if window is None else float(window))
-    ahead = _causal_block_pairs(q_lo, q_hi, k_lo, k_hi, w)
-    if causal:
-        return ahead
-    behind = _causal_block_pairs(k_lo, k_hi, q_lo, q_hi, w)  # j - i >= 0 within the window
-    diagonal = np.maximum(np.minimum(q_hi, k_hi) - np.maximum(q_lo, k_lo), 0.0)
-    return ahead + behind - diagonal
-
-
-def attention_pairs(lengths: np.ndarray | Sequence[int], causal: bool = True, window: int | None = None) -> np.ndarray:
-    """Number of (query, key) pairs attention computes for documents of the given lengths (float64).
-
-    Full attention: `d*(d+1)/2` causal, `d*d` otherwise. With a sliding window of `w` keys per query (query i sees
-    keys i-w+1..i, the Hugging Face / flash-attn convention): `d*(d+1)/2` for `d <= w`, else `w*(w+1)/2 + (d-w)*w`
-    (= `d*w - w*(w-1)/2`); non-causal windowed (`|i-j| < w`): twice that minus `d`.
-    """
-    d = np.asarray(lengths, dtype=np.float64)
-    if window is None:
-        return d * (d + 1.0) / 2.0 if causal else d * d
-    w = float(window)
-    one_way = np.where(d <= w, d * (d + 1.0) / 2.0, w * (w + 1.0) / 2.0 + (d - w) * w)
-    return one_way if causal else 2.0 * one_way - d
 
 
 @dataclass(frozen=True)
@@ -315,34 +264,11 @@ class CostModel:
         `comm_latency = 3 * num_layers * (link_latency + launch)` per ring step (one forward and two backward
         transfers per layer, each with its kernel launch).
         """
-        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
-        if head_dim is None:
-            if hidden_size % num_heads:
-                raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; pass head_dim")
-            head_dim = hidden_size // num_heads
-        for name, value in dict(
-            hidden_size=hidden_size,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-        ).items():
-            if int(value) != value or value < 1:
-                raise ValueError(f"CostModel.from_model: {name} must be a positive integer, got {value!r}")
-        q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
-        mlp_mats = 3 if gated_mlp else 2
-        per_layer = (
-            hidden_size * q_dim
-            + 2 * hidden_size * kv_dim
-            + q_dim * hidden_size
-            + mlp_mats * hidden_size * intermediate_size
+        attn, linear, kv_dim = _training_flops(
+            hidden_size, num_layers, num_heads, num_kv_heads, intermediate_size, vocab_size, head_dim, gated_mlp
         )
-        matmul_params = num_layers * per_layer + hidden_size * vocab_size
-        attn = 12.0 * num_layers * num_heads * head_dim
-        linear = 6.0 * float(matmul_params)
         if hardware is None:
-            return cls(attn_coef=float(attn), linear_coef=linear, fixed=float(fixed), causal=causal, window=window)
+            return cls(attn_coef=attn, linear_coef=linear, fixed=float(fixed), causal=causal, window=window)
         hw = _hardware(hardware)
         attn_s = attn / (hw.flops * hw.attn_efficiency)
         kv_bytes = float(num_layers * 2 * kv_dim * (2 * dtype_bytes + 4))
@@ -427,8 +353,6 @@ class CostModel:
         (CPLayout kind) and `method` are one value for all samples or one per sample. See
         balancer.planning.fitting for the method (the ring step's max(compute, transfer) makes it piecewise linear).
         """
-        from balancer.planning.fitting import fit_cost_model
-
         return fit_cost_model(
             cls,
             lengths,
@@ -451,3 +375,42 @@ def _hardware(hardware: str | Hardware) -> Hardware:
     if hardware not in HARDWARE:
         raise ValueError(f"hardware must be one of {sorted(HARDWARE)} or a Hardware, got {hardware!r}")
     return HARDWARE[hardware]
+
+
+def _training_flops(
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int | None,
+    intermediate_size: int | None,
+    vocab_size: int,
+    head_dim: int | None,
+    gated_mlp: bool,
+) -> tuple[float, float, int]:
+    """(FLOPs per attention pair, FLOPs per token, K/V width) of `CostModel.from_model` (its docstring has the
+    formulas); ValueError naming a bad argument."""
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
+    if head_dim is None:
+        if hidden_size % num_heads:
+            raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; pass head_dim")
+        head_dim = hidden_size // num_heads
+    for name, value in dict(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+    ).items():
+        if int(value) != value or value < 1:
+            raise ValueError(f"CostModel.from_model: {name} must be a positive integer, got {value!r}")
+    q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
+    mlp_mats = 3 if gated_mlp else 2
+    per_layer = (
+        hidden_size * q_dim
+        + 2 * hidden_size * kv_dim
+        + q_dim * hidden_size
+        + mlp_mats * hidden_size * intermediate_size
+    )
+    matmul_params = num_layers * per_layer + hidden_size * vocab_size
+    return 12.0 * num_layers * num_heads * head_dim, 6.0 * float(matmul_params), kv_dim

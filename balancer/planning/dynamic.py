@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,13 +89,20 @@ def largest_group_topology(topology: Topology, size: int | None = None) -> Topol
 
 
 def plan_dynamic(
-    lengths: np.ndarray, topology: Topology, cost: CostModel, seed: int, overflow: str, progress: bool
+    lengths: np.ndarray,
+    topology: Topology,
+    cost: CostModel,
+    seed: int,
+    overflow: str,
+    progress: bool,
+    static_plan: Callable[..., Plan],
 ) -> Plan:
     """The dynamic-CP plan of an epoch (see the module docstring). With a communication-aware cost model two
     balancing sizes are candidates (the compute rule's and the static CP size, where larger groups pay no extra
     K/V traffic): both plan a sample of the epoch (`_pick_on_sample`) and the size whose sample plan has the
     smaller predicted time (`Plan.predict`'s `step_time_total`, assembled from the group times the cuts computed)
-    plans the epoch."""
+    plans the epoch. `static_plan` is the static planner of step 1 (`balancer.planning.planner.plan`, which calls
+    this module and passes itself in)."""
     started = time.perf_counter()
     check_fits(lengths, topology, overflow)
     unit_tokens = np.minimum(lengths, topology.largest_group * topology.max_tokens)
@@ -103,10 +111,10 @@ def plan_dynamic(
     if cost.has_comm:
         sizes.add(base_group_size(unit_cost, unit_tokens, topology, communication=True))
     if len(sizes) > 1:
-        sizes = _pick_on_sample(lengths, topology, cost, sorted(sizes), seed, overflow)
+        sizes = _pick_on_sample(lengths, topology, cost, sorted(sizes), seed, overflow, static_plan)
     best, best_time = None, np.inf
     for size in sorted(sizes):
-        candidate, time_taken = _plan_on(lengths, topology, cost, size, seed, overflow, progress)
+        candidate, time_taken = _plan_on(lengths, topology, cost, size, seed, overflow, progress, static_plan)
         if time_taken < best_time or best is None:
             best, best_time = candidate, time_taken
     best.plan_seconds = time.perf_counter() - started
@@ -114,7 +122,13 @@ def plan_dynamic(
 
 
 def _pick_on_sample(
-    lengths: np.ndarray, topology: Topology, cost: CostModel, sizes: list[int], seed: int, overflow: str
+    lengths: np.ndarray,
+    topology: Topology,
+    cost: CostModel,
+    sizes: list[int],
+    seed: int,
+    overflow: str,
+    static_plan: Callable[..., Plan],
 ) -> list[int]:
     """The balancing size whose plan of a sample of the epoch (SAMPLE_STEPS steps' worth of documents, drawn by
     `seed`, at most a quarter of the epoch) has the smaller predicted time; all `sizes` when that is under two
@@ -126,19 +140,24 @@ def _pick_on_sample(
     order = np.random.default_rng([seed, 3]).permutation(len(lengths))
     sample = lengths[order[: int(np.searchsorted(np.cumsum(lengths[order]), budget)) + 1]]
     try:
-        times = [_plan_on(sample, topology, cost, size, seed, overflow, False)[1] for size in sizes]
+        times = [_plan_on(sample, topology, cost, size, seed, overflow, False, static_plan)[1] for size in sizes]
     except ValueError:
         return sizes
     return [sizes[int(np.argmin(times))]]
 
 
 def _plan_on(
-    lengths: np.ndarray, topology: Topology, cost: CostModel, size: int, seed: int, overflow: str, progress: bool
+    lengths: np.ndarray,
+    topology: Topology,
+    cost: CostModel,
+    size: int,
+    seed: int,
+    overflow: str,
+    progress: bool,
+    static_plan: Callable[..., Plan],
 ) -> tuple[Plan, float]:
     """Steps 1 and 2 of the module docstring for balancing size `size`; returns the plan and, with a
     communication-aware cost model, its predicted step time total (`Plan.predict`), else 0."""
-    from balancer.planning.planner import plan as static_plan
-
     virtual = largest_group_topology(topology, size)
     base = static_plan(lengths, virtual, cost, seed=seed, overflow=overflow, progress=progress)
     order, group_start, group_size, sizes, slot_ptr, group_times = _split_groups(base, virtual, topology, cost)

@@ -38,7 +38,7 @@ def optimal_step(lengths, topology: Topology, cost: CostModel, time_limit: float
     """Optimal assignment of one step's documents (up to ~40) to the topology's micro-batches."""
     lengths = np.asarray(lengths, dtype=np.int64)
     t = topology
-    n, nb, m, dp, pp = len(lengths), t.bins_per_step, t.micro_batches, t.dp, t.pp
+    n, nb, m, dp = len(lengths), t.bins_per_step, t.micro_batches, t.dp
     if n < nb:
         raise ValueError(f"{n} documents cannot fill {nb} non-empty micro-batches")
     if n > 60:
@@ -49,13 +49,41 @@ def optimal_step(lengths, topology: Topology, cost: CostModel, time_limit: float
     scale = c.max()
     c = c / scale
     fixed = cost.fixed / scale
-    nx = n * nb
-    ih = nx  # h_r variables
-    it = nx + dp  # T
+    nx = n * nb  # variables: x[i, j] at i * nb + j, then h_r (dp of them), then T
     nv = nx + dp + 1
+    obj = np.zeros(nv)
+    obj[nv - 1] = 1
+    lb, ub = np.zeros(nv), np.full(nv, np.inf)
+    ub[:nx] = 1
+    heaviest = int(np.argmax(c))  # replicas are interchangeable: it sits in replica 0
+    ub[[heaviest * nb + j for j in range(m, nb)]] = 0
+    integrality = np.zeros(nv)
+    integrality[:nx] = 1
+    res = milp(
+        obj,
+        constraints=_constraints(lengths, c, fixed, t),
+        integrality=integrality,
+        bounds=Bounds(lb, ub),
+        options={"time_limit": time_limit, "disp": False},
+    )
+    if res.x is None:
+        raise RuntimeError(f"MILP found no solution: {res.message}")
+    assign = np.argmax(res.x[:nx].reshape(n, nb), axis=1)
+    per_rep = (np.bincount(assign, weights=c, minlength=nb) + fixed).reshape(dp, m)
+    step = float(one_f_one_b(per_rep.max(axis=1), per_rep.sum(axis=1), t.pp).max()) * scale / t.cp
+    bound = getattr(res, "mip_dual_bound", None)
+    bound = float(bound) * scale / t.cp if bound is not None and np.isfinite(bound) else step
+    return ExactResult(assign=assign, step_time=step, lower_bound=min(bound, step), optimal=res.status == 0)
+
+
+def _constraints(lengths: np.ndarray, c: np.ndarray, fixed: float, t: Topology) -> LinearConstraint:
+    """The rows of the module docstring's model over the variables of `optimal_step` (costs scaled to max 1)."""
+    n, nb, m, dp = len(lengths), t.bins_per_step, t.micro_batches, t.dp
+    nx = n * nb
+    ih, it = nx, nx + dp  # h_r, T
     xi = lambda i, j: i * nb + j  # noqa: E731
     lo, hi = [], []
-    a = lil_matrix((n + 3 * nb + dp + nb, nv))
+    a = lil_matrix((n + 3 * nb + dp + nb, nx + dp + 1))
     r = 0
     for i in range(n):  # exactly once
         for j in range(nb):
@@ -70,17 +98,16 @@ def optimal_step(lengths, topology: Topology, cost: CostModel, time_limit: float
         hi += [np.inf, t.micro_batch_tokens]
         r += 2
     for j in range(nb):  # load_j <= h_r
-        rep = j // m
         for i in range(n):
             a[r, xi(i, j)] = c[i]
-        a[r, ih + rep] = -1
+        a[r, ih + j // m] = -1
         lo.append(-np.inf), hi.append(-fixed)
         r += 1
     for rep in range(dp):  # (P-1) h_r + sum loads <= T
         for j in range(rep * m, (rep + 1) * m):
             for i in range(n):
                 a[r, xi(i, j)] = c[i]
-        a[r, ih + rep] = pp - 1
+        a[r, ih + rep] = t.pp - 1
         a[r, it] = -1
         lo.append(-np.inf), hi.append(-m * fixed)
         r += 1
@@ -92,29 +119,4 @@ def optimal_step(lengths, topology: Topology, cost: CostModel, time_limit: float
             a[r, xi(i, j + 1)] = -c[i]
         lo.append(0), hi.append(np.inf)
         r += 1
-    a = a[:r].tocsr()
-    obj = np.zeros(nv)
-    obj[it] = 1
-    lb, ub = np.zeros(nv), np.full(nv, np.inf)
-    ub[:nx] = 1
-    heaviest = int(np.argmax(c))  # replicas are interchangeable: it sits in replica 0
-    ub[[xi(heaviest, j) for j in range(m, nb)]] = 0
-    integrality = np.zeros(nv)
-    integrality[:nx] = 1
-    res = milp(
-        obj,
-        constraints=LinearConstraint(a, lo, hi),
-        integrality=integrality,
-        bounds=Bounds(lb, ub),
-        options={"time_limit": time_limit, "disp": False},
-    )
-    if res.x is None:
-        raise RuntimeError(f"MILP found no solution: {res.message}")
-    x = res.x[:nx].reshape(n, nb)
-    assign = np.argmax(x, axis=1)
-    loads = np.bincount(assign, weights=c, minlength=nb) + fixed
-    per_rep = loads.reshape(dp, m)
-    step = float(one_f_one_b(per_rep.max(axis=1), per_rep.sum(axis=1), pp).max()) * scale / t.cp
-    bound = getattr(res, "mip_dual_bound", None)
-    bound = float(bound) * scale / t.cp if bound is not None and np.isfinite(bound) else step
-    return ExactResult(assign=assign, step_time=step, lower_bound=min(bound, step), optimal=res.status == 0)
+    return LinearConstraint(a[:r].tocsr(), lo, hi)

@@ -1,7 +1,7 @@
 """Fitting a CostModel to measured micro-batch times (`CostModel.fit`).
 
 Every sample is a micro-batch (document lengths in packing order) timed on `cp` ranks with a CP layout and method.
-The predicted time (balancer.planning.predict) is linear in the coefficients once two choices are fixed: which CP
+The predicted time (balancer.planning.microbatch) is linear in the coefficients once two choices are fixed: which CP
 rank is the slowest, and, in every ring step, whether compute or transfer is the larger side of
 `max(compute, transfer)`. The fit alternates: fix the choices under the current coefficients, solve a non-negative
 least-squares problem on relative errors (every row divided by its measured time, so a 10 ms and a 10 s sample
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from balancer.planning.predict import METHODS, fit_features, micro_batch_terms
+from balancer.planning.microbatch import METHODS, fit_features, micro_batch_terms
 
 TERMS = ("attn_coef", "linear_coef", "fixed", "piece_coef", "comm_coef", "comm_latency")
 COMM_STARTS = (0.25, 1.0, 4.0)

@@ -27,6 +27,7 @@ import numpy as np
 
 from balancer.planning.binpack import pack_step, step_time
 from balancer.planning.cost import CostModel
+from balancer.planning.dynamic import plan_dynamic
 from balancer.planning.fastpack import LazySteps, by_step_grid, pack_light_steps, step_quality, worth_repacking
 from balancer.planning.metrics import natural_steps, step_times
 from balancer.planning.plans import Plan
@@ -76,9 +77,7 @@ def plan(
     if not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a balancer.CostModel, got {type(cost).__name__}")
     if topology.dynamic:
-        from balancer.planning.dynamic import plan_dynamic
-
-        return plan_dynamic(lengths, topology, cost, seed, overflow, progress)
+        return plan_dynamic(lengths, topology, cost, seed, overflow, progress, static_plan=plan)
     nb = topology.bins_per_step
     u_doc, u_start, u_end = planning_units(lengths, topology.micro_batch_tokens, overflow, topology)
     if len(u_doc) < nb:

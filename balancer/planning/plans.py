@@ -25,9 +25,10 @@ import numpy as np
 
 from balancer.planning import metrics as _metrics
 from balancer.planning.cost import CostModel
+from balancer.planning.plan_checks import check_placements
+from balancer.planning.plan_io import load_plan, plan_to_dict, save_plan
+from balancer.planning.predict import micro_batch_time, predict_plan
 from balancer.planning.topology import Topology
-
-FORMAT = "balancer.plan"  # the "format" of plan files; "format_version" and history: plan_io.PLAN_FORMAT
 
 
 @dataclass(frozen=True)
@@ -322,8 +323,6 @@ class Plan:
         """Layout- and communication-aware time report (balancer.planning.predict.predict_plan; docs/cost-model.md);
         `metrics()` keeps the compute-only definitions. Dynamic plans: every group's micro-batch is timed on its own
         group size and the steps assembled with the slot model (`micro_batch_times` is then flat, one per group)."""
-        from balancer.planning.predict import micro_batch_time, predict_plan
-
         if not self.dynamic:
             return predict_plan(self, cost, layout, method, **layout_options)
         cost = self.cost_model if cost is None else cost
@@ -359,20 +358,14 @@ class Plan:
         sizes in `cp_sizes`, and cover the pool exactly. Errors name the step, replica / slot, micro-batch and
         document (balancer.planning.plan_checks).
         """
-        from balancer.planning.plan_checks import check_placements
-
         check_placements(self)
 
     # ---- I/O ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        from balancer.planning.plan_io import plan_to_dict
-
         return plan_to_dict(self)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: `.npz` (compact flat arrays) or anything else as JSON (docs/plan-format.md)."""
-        from balancer.planning.plan_io import save_plan
-
         save_plan(self, path)
 
     @classmethod
@@ -382,6 +375,4 @@ class Plan:
         (default), the plan's invariants too (`Plan.validate`): a bad file raises one ValueError naming the file
         and the field. `validate=False` skips only the invariant check (linear in the plan's size), for speed on
         files you wrote yourself."""
-        from balancer.planning.plan_io import load_plan
-
         return load_plan(cls, path, lengths, validate)

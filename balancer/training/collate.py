@@ -88,7 +88,11 @@ class PackedCollator:
                 what = f"keys {sorted(item)}" if isinstance(item, dict) else f"type {type(item).__name__}"
                 raise ValueError(f"item {i} of the micro-batch has no '{key}' ({what})")
             return None
-        t = torch.as_tensor(np.asarray(x) if not isinstance(x, torch.Tensor) else x)
+        if not isinstance(x, torch.Tensor):
+            x = np.asarray(x)
+            if not x.flags.writeable:  # rows of a `datasets` batch are read-only views of its Arrow buffers
+                x = x.copy()  # torch cannot share read-only memory (it warns); the ids are copied to int64 anyway
+        t = torch.as_tensor(x)
         if t.dim() != 1:
             raise ValueError(f"item {i}: '{key}' must be 1-D, got shape {tuple(t.shape)}")
         if t.numel() == 0:

@@ -37,11 +37,13 @@ except ImportError as exc:  # pragma: no cover - exercised without transformers 
     raise ImportError("balancer.hf needs transformers and accelerate: pip install 'seqbalancer[trainer]'") from exc
 
 from balancer.planning.cost import CostModel
-from balancer.planning.planner import OVERFLOW_POLICIES
 from balancer.planning.topology import Topology
+from balancer.planning.units import OVERFLOW_POLICIES
 from balancer.training.collate import PackedCollator
+from balancer.training.indices import SpanDataset
+from balancer.training.lengths import resolve_lengths
 from balancer.training.loss import token_loss
-from balancer.training.sampler import BalancedBatchSampler, SpanDataset, resolve_lengths
+from balancer.training.sampler import BalancedBatchSampler
 
 logger = logging.getLogger(__name__)
 

@@ -49,9 +49,15 @@ from balancer.data.pack.rows import (
     rows_per_epoch,
 )
 from balancer.data.pack.verify import check_names, is_packed, load_packed_manifest, packed_metrics, verify_packed
-from balancer.data.pretokenize.pipeline import DEFAULT_SHARD_TOKENS
 from balancer.data.shards.errors import arg
-from balancer.data.shards.limits import MAX_EPOCHS, MAX_SEED, MAX_SHARD_TOKENS, check_count, check_pack_topology
+from balancer.data.shards.limits import (
+    DEFAULT_SHARD_TOKENS,
+    MAX_EPOCHS,
+    MAX_SEED,
+    MAX_SHARD_TOKENS,
+    check_count,
+    check_pack_topology,
+)
 from balancer.data.shards.manifest import MANIFEST_NAME, atomic_write_json, fsync_file, sha256_file, verify_shard_files
 from balancer.data.shards.output import is_our_record, open_output
 from balancer.data.shards.schema import load_record, state_header

@@ -9,7 +9,7 @@ from balancer._lazy import lazy_exports
 
 _EXPORTS = {
     "pretokenize": "balancer.data.pretokenize.pipeline",
-    "PretokenizeOptions": "balancer.data.pretokenize.pipeline",
+    "PretokenizeOptions": "balancer.data.pretokenize.options",
     "merge": "balancer.data.pretokenize.merge",
 }
 __all__ = list(_EXPORTS)

@@ -17,13 +17,13 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
 from tqdm import tqdm
 
+from balancer.data.pretokenize.options import PretokenizeOptions
 from balancer.data.pretokenize.readers import (
     Cursor,
     _batched,
@@ -34,7 +34,7 @@ from balancer.data.pretokenize.readers import (
     resolve_inputs,
 )
 from balancer.data.pretokenize.resume import InputWatch, check_state_against_disk, describe_input_change
-from balancer.data.pretokenize.summary import log, summarize
+from balancer.data.pretokenize.summary import ProgressLines, log, summarize
 from balancer.data.pretokenize.tokenize import (
     EncoderConfig,
     Tokenizer,
@@ -45,12 +45,9 @@ from balancer.data.pretokenize.tokenize import (
 )
 from balancer.data.shards.errors import DataError, arg
 from balancer.data.shards.limits import (
-    MAX_LENGTH,
     MAX_NUM_PROC,
     MAX_NUM_SHARDS,
-    MAX_SHARD_TOKENS,
     check_count,
-    optional_count,
     usable_processes,
 )
 from balancer.data.shards.manifest import (
@@ -70,9 +67,7 @@ from balancer.data.shards.output import (
 from balancer.data.shards.schema import load_record, state_header
 from balancer.data.shards.writer import ShardWriter, shard_features, write_datasets_metadata
 
-DEFAULT_SHARD_TOKENS = 100_000_000  # ~200 MB of uint16 ids per shard
 MAX_SKIPPED_EXAMPLES = 100  # skipped records listed in the manifest (counts are always exact)
-OVERFLOW_CHOICES = ("split", "truncate", "drop")
 SKIP_REASONS = (
     "bad_json",
     "not_object",
@@ -85,31 +80,6 @@ SKIP_REASONS = (
     "blank_line",
     "too_long",
 )
-
-
-@dataclass
-class PretokenizeOptions:
-    """Options that decide the output bytes (all part of the job identity)."""
-
-    text_field: str = "text"
-    max_length: Optional[int] = None
-    overflow: str = "split"
-    add_eos: bool = False
-    on_error: str = "fail"
-    shard_tokens: int = DEFAULT_SHARD_TOKENS
-
-    def check(self) -> None:
-        """DataError naming the first option out of its range (limits: `balancer.data.shards.limits`)."""
-        if self.overflow not in OVERFLOW_CHOICES:
-            raise DataError(f"{arg('overflow')} must be one of {OVERFLOW_CHOICES}, got {self.overflow!r}")
-        if self.on_error not in ("fail", "skip"):
-            raise DataError(f"{arg('on_error')} must be fail or skip, got {self.on_error!r}")
-        if not isinstance(self.text_field, str) or not self.text_field:
-            raise DataError(f"{arg('text_field')} must be a non-empty string, got {self.text_field!r}")
-        if not isinstance(self.add_eos, bool):
-            raise DataError(f"{arg('add_eos')} must be True or False, got {self.add_eos!r}")
-        optional_count("max_length", self.max_length, 1, MAX_LENGTH)
-        check_count("shard_tokens", self.shard_tokens, 1, MAX_SHARD_TOKENS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -368,7 +338,7 @@ def _manifest_of(
     }
 
 
-def _start_engine(engine: str, ray_address: Optional[str]) -> dict:
+def _start_engine(engine: str, ray_address: Optional[str], announce: bool = True) -> dict:
     """Check the engine options (attaching to the Ray cluster); returns the manifest's `engine` entry."""
     if engine == "local":
         if ray_address is not None:
@@ -378,7 +348,12 @@ def _start_engine(engine: str, ray_address: Optional[str]) -> dict:
         raise DataError(f"{arg('engine')} must be local or ray, got {engine!r}")
     from balancer.data.pretokenize import ray_engine
 
+    started = time.perf_counter()
+    if announce and ray_address is None:  # starting a local cluster takes seconds to a minute: say so first
+        log("pretokenize: starting a local Ray cluster ...")
     ray_engine.connect(ray_address)  # a local cluster started here stays up for later calls in this process
+    if announce:
+        log(f"pretokenize: Ray ready after {time.perf_counter() - started:.1f} s")
     return ray_engine.describe(ray_address)
 
 
@@ -394,10 +369,13 @@ def _encoded_batches(engine: str, sources: list, infos: list, cursor: Cursor, en
 
 
 def _stream(run: _ShardRun, batches: Iterator, infos: list, cursor: Cursor, end: int, n_inputs: int, disable):
-    """Feed the encoded batches into `run` (a progress bar over the input bytes); closes the last shard."""
+    """Feed the encoded batches into `run` (a progress bar over the input bytes, or progress lines without a
+    terminal); closes the last shard."""
+    total, initial = input_bytes_read(Cursor(end, n_inputs, 0, None), infos), input_bytes_read(cursor, infos)
+    lines = ProgressLines(total, initial, enabled=disable is None and not sys.stderr.isatty())
     bar = tqdm(
-        total=input_bytes_read(Cursor(end, n_inputs, 0, None), infos),
-        initial=input_bytes_read(cursor, infos),
+        total=total,
+        initial=initial,
         unit="B",
         unit_scale=True,
         desc="pretokenize",
@@ -408,7 +386,9 @@ def _stream(run: _ShardRun, batches: Iterator, infos: list, cursor: Cursor, end:
     try:
         for meta, (lengths, flat, errors) in batches:
             run.take_batch(meta, lengths, flat, errors)
-            bar.update(input_bytes_read(meta[-1][2], infos) - bar.n)
+            done = input_bytes_read(meta[-1][2], infos)
+            bar.update(done - bar.n)
+            lines.done, lines.documents = done, run.counters["documents"]
         if run.writer is not None:
             run.close_shard(Cursor(end, n_inputs, 0, None))
     except OSError as exc:  # Arrow's write errors carry the errno but no file name: name the shard
@@ -421,6 +401,7 @@ def _stream(run: _ShardRun, batches: Iterator, infos: list, cursor: Cursor, end:
         run.abort()
         raise
     finally:
+        lines.close()
         bar.close()
 
 
@@ -445,7 +426,8 @@ def pretokenize(
     output, resume and checks as the local engine (only the manifest's `engine` entry differs)."""
     opts = options or PretokenizeOptions()
     _check_args(opts, num_proc, num_shards, shard_index)
-    engine_info = _start_engine(engine, ray_address)  # before hashing: a wrong address fails fast
+    # before hashing: a wrong address fails fast
+    engine_info = _start_engine(engine, ray_address, announce=progress is not False)
     t0 = time.perf_counter()
     out = Path(output)
     disable = None if progress is None else not progress

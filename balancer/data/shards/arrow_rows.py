@@ -1,4 +1,5 @@
-"""Row count of an Arrow IPC stream file from its message headers alone (a few bytes per record batch).
+"""Shard Arrow files: `stream_row_count` (the row count from the message headers alone, a few bytes per record
+batch, no pyarrow) and `open_arrow` (the memory-mapped table, zero-copy).
 
 Reading a stream with pyarrow touches every record batch's pages (memory map faults read ahead, file reads read
 the bodies); the open-time checks want the row count without reading token data, so this walks the encapsulated
@@ -83,3 +84,10 @@ def stream_row_count(path: str | os.PathLike) -> int:
             rows += batch_rows
     finally:
         os.close(fd)
+
+
+def open_arrow(path: str | os.PathLike):
+    """Memory-mapped `pyarrow.Table` of a shard's Arrow IPC stream (zero-copy)."""
+    import pyarrow as pa
+
+    return pa.ipc.open_stream(pa.memory_map(str(path), "r")).read_all()

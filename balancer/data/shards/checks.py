@@ -11,7 +11,7 @@ never returns wrong data silently.
   the CRC was recorded), and against the manifest and each
   other (rows, tokens, longest row, first/last doc_id, doc_ids in input order, no empty rows);
 - each Arrow file's row count, read from its message headers (the token data is not read).
-`open_folder(path, full=True)` also runs `verify` (every byte of every file). DataError names the file.
+DataError names the file. The full check of every byte is `verify` (balancer.data.shards.verify).
 """
 
 from __future__ import annotations
@@ -182,9 +182,9 @@ def check_shard_index(
     return lengths, doc_ids
 
 
-def open_folder(path: str | os.PathLike, full: bool = False) -> OpenedFolder:
-    """The checked manifest and index of a finished folder (see the module docstring); `full=True` also reads and
-    checks every byte (`verify`). DataError naming the file and what is wrong otherwise."""
+def open_folder(path: str | os.PathLike) -> OpenedFolder:
+    """The checked manifest and index of a finished folder (see the module docstring); DataError naming the file
+    and what is wrong otherwise."""
     folder = Path(path)
     m = load_manifest(folder)
     check_manifest_structure(folder, m)
@@ -198,11 +198,4 @@ def open_folder(path: str | os.PathLike, full: bool = False) -> OpenedFolder:
             last_doc = int(doc_ids[-1])
         all_lengths.append(lengths)
         all_doc_ids.append(doc_ids)
-    if full:
-        from balancer.data.shards.verify import verify
-
-        problems = verify(folder)
-        if problems:
-            more = f" (and {len(problems) - 1} more; run `balancer verify {folder}`)" if len(problems) > 1 else ""
-            raise DataError(problems[0] + more)
     return OpenedFolder(folder, m, all_lengths, all_doc_ids)

@@ -1,6 +1,5 @@
 """Reading a finished `balancer pretokenize` folder (layout: see `balancer.data.shards`): `ShardDataset`
-(memory-mapped rows, checked on open); `read_lengths` and `load_manifest` are re-exported from their modules.
-"""
+(memory-mapped rows, checked on open)."""
 
 from __future__ import annotations
 
@@ -8,17 +7,11 @@ import os
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import torch
 
+from balancer.data.shards.arrow_rows import open_arrow
 from balancer.data.shards.checks import open_folder
-from balancer.data.shards.lengths import read_lengths  # noqa: F401  (one reader of lengths; re-exported here)
-from balancer.data.shards.manifest import FORMAT_NAME, FORMAT_VERSION, MANIFEST_NAME, load_manifest, shard_file_names  # noqa: F401
-
-
-def _open_arrow(path: Path) -> pa.Table:
-    """Memory-mapped table of a shard (zero-copy)."""
-    return pa.ipc.open_stream(pa.memory_map(str(path), "r")).read_all()
+from balancer.data.shards.verify import require_verified
 
 
 class ShardDataset(torch.utils.data.Dataset):
@@ -33,7 +26,9 @@ class ShardDataset(torch.utils.data.Dataset):
         if check not in ("index", "full"):
             raise ValueError(f"check must be 'index' or 'full', got {check!r}")
         self.path = Path(path)
-        opened = open_folder(self.path, full=check == "full")
+        opened = open_folder(self.path)
+        if check == "full":
+            require_verified(self.path)
         self.manifest = opened.manifest
         self._names = [e["name"] for e in self.manifest["shards"]]
         self.lengths: np.ndarray = opened.lengths()
@@ -52,7 +47,7 @@ class ShardDataset(torch.utils.data.Dataset):
     def _shard(self, s: int) -> tuple[np.ndarray, list]:
         got = self._open.get(s)
         if got is None:
-            table = _open_arrow(self.path / f"{self._names[s]}.arrow")
+            table = open_arrow(self.path / f"{self._names[s]}.arrow")
             chunks = table.column("input_ids").chunks
             starts = np.cumsum([0] + [len(c) for c in chunks]).astype(np.int64)
             got = (starts, [(c.offsets.to_numpy(), c.values.to_numpy()) for c in chunks])

@@ -10,6 +10,7 @@ from balancer.data.shards.errors import DataError, arg
 
 MAX_LENGTH = 2**31 - 1  # tokens in one row: Arrow list offsets are int32
 MAX_SHARD_TOKENS = 2**40  # tokens per shard (~2 TB of uint16 ids)
+DEFAULT_SHARD_TOKENS = 100_000_000  # a shard closes after this many tokens (~200 MB of uint16 ids)
 MAX_NUM_PROC = 1024  # worker processes (clipped further to the CPUs and the records)
 MAX_NUM_SHARDS = 2**20  # --num-shards slices
 MAX_EPOCHS = 10_000  # pack --epochs

@@ -8,8 +8,8 @@ from typing import Optional
 
 import numpy as np
 
+from balancer.data.shards.arrow_rows import open_arrow
 from balancer.data.shards.checks import check_file_name, check_files_inside, check_manifest_structure, check_shard_index
-from balancer.data.shards.dataset import _open_arrow
 from balancer.data.shards.errors import DataError
 from balancer.data.shards.manifest import MANIFEST_NAME, load_manifest, shard_file_names, verify_shard_files
 from balancer.data.shards.output import is_output_name
@@ -51,7 +51,7 @@ def _check_shard(
     """(problems, rows, tokens, last doc_id) of one shard whose files match their checksums."""
     arrow, lfile, dfile = shard_file_names(entry["name"])
     try:
-        table = _open_arrow(out / arrow)
+        table = open_arrow(out / arrow)
         lengths = _row_lengths(table)
         docs = table.column("doc_id").to_numpy()
     except Exception as exc:  # noqa: BLE001
@@ -153,3 +153,11 @@ def verify(path: str | os.PathLike) -> list[str]:
     stray = sorted(n for n in os.listdir(out) if is_output_name(n) and n not in expected)
     problems.extend(f"{out / n}: unexpected file (not in the manifest)" for n in stray)
     return problems
+
+
+def require_verified(path: str | os.PathLike) -> None:
+    """`verify`, raising DataError with the first problem (and how many more) instead of returning the list."""
+    problems = verify(path)
+    if problems:
+        more = f" (and {len(problems) - 1} more; run `balancer verify {path}`)" if len(problems) > 1 else ""
+        raise DataError(problems[0] + more)

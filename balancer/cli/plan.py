@@ -1,0 +1,259 @@
+"""`balancer demo`, `balancer plan` and `balancer stats`: plan lengths for a topology and print the balance report
+beside token-count packing."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from balancer.cli.flags import check_counts
+from balancer.cli.options import (
+    add_topology_args,
+    check_outputs,
+    cost_from_args,
+    cost_source,
+    read_lengths,
+    show_progress,
+    topology_from_args,
+)
+from balancer.cli.report import compare_table, format_stats, length_stats, plot
+from balancer.planning.baseline import token_count_plan
+from balancer.planning.cost import CostModel
+from balancer.planning.planner import plan as make_plan
+from balancer.planning.topology import Topology
+from balancer.planning.units import OVERFLOW_POLICIES
+
+
+def default_plan_path(source: str, topo: Topology) -> Path:
+    """Where `balancer plan` writes without -o: beside the input (for a folder: next to it, not inside), named after
+    the input and the topology; for a built-in trace name: in the current folder."""
+    src = Path(source)
+    sizes = f"_cps{'-'.join(map(str, topo.cp_sizes))}" if topo.dynamic else ""
+    tag = f"plan_dp{topo.dp}_cp{topo.cp}{sizes}_pp{topo.pp}_m{topo.micro_batches}.json"
+    if not src.exists():
+        return Path(f"{source}.{tag}")
+    src = src.resolve()
+    stem = src.name if src.is_dir() else src.stem
+    return src.parent / f"{stem}.{tag}"
+
+
+def baseline_plan(ours, topo: Topology, cost: CostModel, seed: int):
+    """Token-count packing of the same planning units as `ours` (with --overflow split/truncate: the same windows /
+    truncated documents), so the two columns compare the same tokens."""
+    return token_count_plan(ours.end - ours.start, topo, cost, seed=seed)
+
+
+def _static_plan(lengths: np.ndarray, topo: Topology, cost: CostModel, args):
+    """The static-CP plan a dynamic one is compared with, or None (with a note) when the documents do not fit."""
+
+    try:
+        return make_plan(
+            lengths, dataclasses.replace(topo, cp_sizes=None), cost, seed=args.seed, overflow=args.overflow
+        )
+    except ValueError as e:
+        print(f"(no static-CP comparison: {e})", file=sys.stderr)
+        return None
+
+
+def _plan_or_window(lengths: np.ndarray, topo: Topology, cost: CostModel, args):
+    """The whole-epoch plan, or with --window-docs one window of epoch --epoch (balancer.plan_window)."""
+    if (args.window_docs is None) != (args.window_index is None):
+        raise ValueError("--window-docs and --window-index go together (one window of the epoch)")
+    if args.window_docs is None:
+        return make_plan(lengths, topo, cost, seed=args.seed, overflow=args.overflow, progress=show_progress(args))
+    from balancer.planning.window import num_windows, plan_window
+
+    if args.window_docs < 1 or args.window_index < 0 or args.epoch < 0:
+        raise ValueError("--window-docs must be >= 1, --window-index and --epoch >= 0")
+    k = num_windows(len(lengths), min(args.window_docs, len(lengths)))
+    if args.window_index >= k:
+        raise ValueError(f"--window-index {args.window_index}: {len(lengths):,} documents in windows of "
+                         f"--window-docs {args.window_docs} make {k} (0..{k - 1})")  # fmt: skip
+    print(f"window {args.window_index} of {k} (epoch {args.epoch}, seed {args.seed})", file=sys.stderr)
+    try:
+        return plan_window(lengths, topo, cost, seed=args.seed, epoch=args.epoch, index=args.window_index,
+                           window_docs=args.window_docs, overflow=args.overflow)  # fmt: skip
+    except ValueError as e:
+        raise ValueError(str(e).replace("window_docs", "--window-docs")) from None
+
+
+def cmd_plan(args) -> int:
+    check_counts(args)
+    check_outputs(args, {"-o": args.output, "--plot": args.plot})
+    lengths = read_lengths(args.lengths)
+    cost = cost_from_args(args)
+    topo = topology_from_args(args, lengths)
+    out = Path(args.output) if args.output else default_plan_path(args.lengths, topo)
+    if args.window_docs is not None and not args.output:
+        out = out.with_name(f"{out.stem}_window{args.window_index}{out.suffix}")
+    if not args.output:
+        check_outputs(args, {"the plan (default path, -o to change)": out, "--plot": args.plot})
+    print(f"{len(lengths):,} documents, {int(lengths.sum()):,} tokens; {topo}", file=sys.stderr)
+    print(cost_source(args, cost), file=sys.stderr)
+    ours = _plan_or_window(lengths, topo, cost, args)
+    plans = {"balancer (dynamic CP)" if topo.dynamic else "balancer": ours}
+    if not args.no_baseline:
+        static = ours
+        if topo.dynamic:  # compare with fixed CP groups of size cp, when the documents fit them
+            static = _static_plan(lengths, topo, cost, args)
+            if static is not None:
+                plans["balancer (static CP)"] = static
+        if static is not None:
+            plans["token-count"] = baseline_plan(static, static.topology, cost, args.seed)
+    print(compare_table(plans))
+    if args.overflow != "error" and not args.no_baseline:
+        print(f"(both columns plan the same units: documents after --overflow {args.overflow})")
+    ours.save(out)
+    print(f"wrote {out}", file=sys.stderr)
+    if args.plot:
+        plot(lengths, cost, args.plot, plans)
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from balancer.data.traces import load_trace
+
+    check_counts(args)
+    check_outputs(args, {"--plot": args.plot})
+    lengths = load_trace("wlbllm")
+    cost = cost_from_args(args)
+    topo = topology_from_args(args, lengths)
+    print(
+        "balancer demo: the built-in WLB-LLM length trace (hao-ai-lab/distca) planned for "
+        f"{topo}\ncost: attention {cost.attn_coef:.3g} per causal pair + {cost.linear_coef:.3g} per token\n"
+    )
+    print(format_stats(length_stats(lengths, cost)) + "\n")
+    plans = {
+        "balancer": make_plan(lengths, topo, cost, seed=args.seed, progress=show_progress(args)),
+        "token-count": token_count_plan(lengths, topo, cost, seed=args.seed),
+    }
+    print(compare_table(plans))
+    m = {k: p.metrics() for k, p in plans.items()}
+    print(
+        f"\npredicted step time: {m['token-count']['step_time_total'] / m['balancer']['step_time_total']:.2f}x "
+        "faster than token-count packing (if the cost model holds)"
+    )
+    if args.plot:
+        plot(lengths, cost, args.plot, plans)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def rows_note(source: str) -> str | None:
+    """For a pretokenized folder whose rows are not one per document (split or truncated documents), what the rows
+    are; None otherwise."""
+    if not Path(source).is_dir():
+        return None
+    from balancer.data.shards.manifest import load_manifest
+
+    counts = load_manifest(source).get("counts", {})
+    rows, docs = counts.get("rows"), counts.get("documents")
+    if rows is None or docs is None or (rows == docs and not counts.get("truncated_documents")):
+        return None
+    return (
+        f"rows are what the planner sees: {rows:,} rows from {docs:,} documents "
+        f"({counts.get('split_documents', 0):,} split into windows, {counts.get('truncated_documents', 0):,} "
+        "truncated)"
+    )
+
+
+def cmd_stats(args) -> int:
+    check_counts(args)
+    check_outputs(args, {"--plot": args.plot})
+    lengths = read_lengths(args.lengths)
+    cost = cost_from_args(args)
+    note = rows_note(args.lengths)
+    print(format_stats(length_stats(lengths, cost), unit="rows" if note else "documents"))
+    if note:
+        print(note)
+    plans = None
+    if not args.no_plan:
+        topo = topology_from_args(args, lengths)
+        print(f"\nbalance report for {topo}")
+        ours = make_plan(lengths, topo, cost, seed=args.seed, overflow=args.overflow, progress=show_progress(args))
+        plans = {"balancer": ours, "token-count": baseline_plan(ours, topo, cost, args.seed)}
+        print(compare_table(plans))
+    if args.plot:
+        plot(lengths, cost, args.plot, plans)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def register(sub) -> None:
+    """Add `demo`, `plan` and `stats` to an argparse subparsers object."""
+    _register_demo(sub)
+    _register_plan(sub)
+    _register_stats(sub)
+
+
+def _register_demo(sub) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="plan the built-in trace and compare with token-count packing",
+        description="Plan the built-in WLB-LLM length trace for a topology (default dp8, 4 "
+        "micro-batches) and print the balance report beside token-count packing.",
+    )
+    add_topology_args(p)
+    p.add_argument("--plot", metavar="PNG", help="also write a picture of the lengths and per-step balance")
+    p.set_defaults(func=cmd_demo)
+
+
+def _register_plan(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="plan an epoch for a topology and write the plan",
+        description="Plan every step, replica and micro-batch of an epoch; print the metrics "
+        "beside token-count packing; write the plan (JSON, or .npz by suffix).",
+    )
+    p.add_argument(
+        "lengths",
+        metavar="LENGTHS",
+        help="JSON list / .npy / text file of lengths, a pretokenized folder, or a built-in trace name "
+        "(wlbllm, prolong, sft, heavy: all ship with the package)",
+    )
+    add_topology_args(p)
+    p.add_argument(
+        "--cp-sizes",
+        metavar="SIZES",
+        help="dynamic CP: comma-separated CP group sizes, e.g. 1,2,4,8 (each dividing dp*cp); every micro-batch "
+        "slot regroups the dp*cp ranks, giant documents on large groups, short ones on one rank; the plan is "
+        "compared with the static one (default: fixed groups of --cp ranks)",
+    )
+    p.add_argument(
+        "--overflow",
+        choices=OVERFLOW_POLICIES,
+        default="error",
+        help="documents longer than max_tokens*cp: error (default), split into windows, or truncate",
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        help="plan file (.json or .npz); default: beside LENGTHS (for a folder: next to it, not inside), named "
+        "LENGTHS.plan_dpD_cpC_ppP_mM.json; the path is printed",
+    )
+    p.add_argument("--plot", metavar="PNG", help="also write a picture of the lengths and per-step balance")
+    p.add_argument("--no-baseline", action="store_true", help="skip the token-count comparison")
+    w = p.add_argument_group("one planning window (docs/windows.md; default: the whole epoch)")
+    w.add_argument("--window-docs", type=int, metavar="N", help="documents per planning window (>= 1)")
+    w.add_argument("--window-index", type=int, metavar="I", help="which window of the epoch to plan (0-based)")
+    w.add_argument("--epoch", type=int, default=0, help="the epoch whose shuffle the windows cut (default 0)")
+    p.set_defaults(func=cmd_plan)
+
+
+def _register_stats(sub) -> None:
+    p = sub.add_parser(
+        "stats",
+        help="length statistics and a balance report",
+        description="Length histogram, the share of tokens and of attention work above "
+        "8K/32K/128K, and the balance report for a topology, as text and PNG.",
+    )
+    p.add_argument("lengths", metavar="LENGTHS", help="as for `plan`")
+    add_topology_args(p)
+    p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default="error", help="as for `plan`")
+    p.add_argument("--no-plan", action="store_true", help="statistics only, no balance report")
+    p.add_argument("--plot", metavar="PNG", help="write the picture here")
+    p.set_defaults(func=cmd_stats)
