@@ -230,3 +230,10 @@ def test_on_error_skip_after_a_failed_run_reuses_the_folder(tmp_path, capsys):
     with pytest.raises(DataError, match=r"on_error='skip'"):  # the API names its argument
         tokenize([corpus], tmp_path / "api")
     assert dir_bytes(out)  # (the CLI run's folder is intact)
+
+
+def test_a_state_written_before_format_version_still_resumes(unfinished, ref, src, tmp_path):
+    out = copy_folder(unfinished, tmp_path / "out")
+    _edit_state(out, lambda s: [s.pop(k) for k in ("format", "format_version", "inputs")])
+    tokenize([src], out)
+    assert dir_bytes(out) == dir_bytes(ref) and verify(out) == []
