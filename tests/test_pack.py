@@ -235,6 +235,7 @@ def test_verify_catches_corruption_and_rerun_is_idempotent(packed, tmp_path, cap
         pack(manifest["source"]["path"], out, TOPO, COST, epochs=1, overflow="split")
 
 
+@pytest.mark.slow
 def test_kill9_and_resume_byte_identical(tmp_path):
     """SIGKILL a real `balancer pack` process at random moments, rerun the same command each time: the final folder
     equals an uninterrupted run's byte for byte."""

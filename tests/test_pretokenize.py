@@ -370,6 +370,7 @@ def test_help_explains_every_option():
         assert opt in res.stdout
 
 
+@pytest.mark.slow
 def test_kill9_and_resume_byte_identical(tmp_path):
     """SIGKILL a real `pretokenize` process at random moments, rerun the same command each time: the final folder
     equals an uninterrupted run's byte for byte."""

@@ -108,6 +108,7 @@ def _pretokenize_cli(src: Path, out: Path, shard_tokens: int = 4000):
     return lambda: main(["pretokenize", str(src), "--output", str(out), "--shard-tokens", str(shard_tokens)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "target",
     [
@@ -161,6 +162,7 @@ def test_stale_lock_file_of_a_dead_process_is_taken_over(src, ref, tmp_path):
     assert dir_bytes(out) == dir_bytes(ref)
 
 
+@pytest.mark.slow
 def test_two_concurrent_writers(tmp_path):
     """Two processes started at the same instant into one folder: one writes, the other fails with one line naming
     the lock; the result verifies and holds no stray temporary file."""

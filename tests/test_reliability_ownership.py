@@ -237,3 +237,20 @@ def test_a_state_written_before_format_version_still_resumes(unfinished, ref, sr
     _edit_state(out, lambda s: [s.pop(k) for k in ("format", "format_version", "inputs")])
     tokenize([src], out)
     assert dir_bytes(out) == dir_bytes(ref) and verify(out) == []
+
+
+def test_an_unrecorded_next_shard_name_is_ours_only_when_pending_with_its_checksum(unfinished, src, ref, tmp_path):
+    out = copy_folder(unfinished, tmp_path / "out")
+    state = json.loads((out / STATE).read_text())
+    nxt = f"shard-{len(state['shards']):05d}.arrow"
+    (out / nxt).write_text("my own file")  # the name the next shard would get, not recorded anywhere
+    with pytest.raises(DataError, match=rf"{nxt}: has a name this tool writes"):
+        tokenize([src], out)
+    assert (out / nxt).read_text() == "my own file"
+    # the same name recorded as pending with its checksum (a run killed between a rename and its record) is ours
+    import hashlib
+
+    meta = {"bytes": (out / nxt).stat().st_size, "sha256": hashlib.sha256(b"my own file").hexdigest()}
+    _edit_state(out, lambda s: s.update(pending=[{"name": nxt[:-6], "files": {nxt: meta}}]))
+    tokenize([src], out)
+    assert dir_bytes(out) == dir_bytes(ref)

@@ -135,8 +135,9 @@ def test_state_is_read_strictly_on_resume(good, src, tmp_path):
         "cursor_of_everything": 5,  # unknown key
     }
     (out / ".pretokenize-state.json").write_text(json.dumps(state))
-    for name in ("state.json", "dataset_info.json"):
-        (out / name).unlink()
+    for name in os.listdir(out):  # only the state stays
+        if name != ".pretokenize-state.json":
+            (out / name).unlink()
     with pytest.raises(DataError, match=r"pretokenize-state.json: \"cursor_of_everything\": unknown key"):
         tokenize([src], out, max_length=700)
 
@@ -216,7 +217,7 @@ def test_pack_resume_reads_its_state_strictly_and_against_the_disk(packed, good,
         out = copy_folder(packed, tmp_path / name)
         m = json.loads((out / "manifest.json").read_text())
         state = {"format": "balancer-pack-state", "format_version": 1, "job": m["job"]}
-        state.update(plans=m["plans"], shards=m["shards"][:2])
+        state.update(plans=m["plans"], shards=m["shards"])
         change(state)
         (out / "manifest.json").unlink()
         (out / ".pack-state.json").write_text(json.dumps(state))

@@ -88,10 +88,13 @@ def plan_file_name(epoch: int) -> str:
 # writing
 
 
-def _finish_file(tmp: Path, final: Path) -> dict:
-    """fsync `tmp`, record its size and checksum, rename it to `final`."""
+def _finish_file(tmp: Path, final: Path, out: Path, state: dict) -> dict:
+    """fsync `tmp`, record its size and checksum as pending in the state (so that the file is provably ours once
+    renamed), rename it to `final`."""
     fsync_file(tmp)
     meta = {"bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
+    state["pending"] = [{"name": final.name, "files": {final.name: meta}}]
+    atomic_write_json(out / PACK_STATE_NAME, state)
     os.replace(tmp, final)
     return meta
 
@@ -111,10 +114,10 @@ class RowShardWriter:
         self.rows += batch.num_rows
         self.tokens += tokens
 
-    def close(self) -> dict:
+    def close(self, state: dict) -> dict:
         self.writer.close()
         self.sink.close()
-        meta = _finish_file(self.tmp, self.out / f"{self.name}.arrow")
+        meta = _finish_file(self.tmp, self.out / f"{self.name}.arrow", self.out, state)
         return {
             "name": self.name,
             "first_row": self.first_row,
@@ -155,8 +158,9 @@ def _write_rows(
 
     def close_shard() -> None:
         nonlocal writer
-        shards.append(writer.close())
+        shards.append(writer.close(state))
         writer = None
+        state.pop("pending", None)
         atomic_write_json(out / PACK_STATE_NAME, state)
 
     total = sum(rows_per_epoch(p) for p in plans)
@@ -215,9 +219,10 @@ def _plans(out: Path, source: SourceTokens, topology, cost, epochs, seed, overfl
             plans.append(Plan.load(out / name))
             continue
         plan = plan_epoch(source, topology, cost, seed, overflow, epoch)
-        plan.save(out / name)
-        meta = {"bytes": os.path.getsize(out / name), "sha256": sha256_file(out / name)}
+        plan.save(out / (name + ".tmp"))
+        meta = _finish_file(out / (name + ".tmp"), out / name, out, state)
         state["plans"] = [p for p in state["plans"] if p["name"] != name] + [{"name": name, "files": {name: meta}}]
+        state.pop("pending", None)
         atomic_write_json(out / PACK_STATE_NAME, state)
         plans.append(plan)
     return plans

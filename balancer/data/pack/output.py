@@ -14,8 +14,8 @@ PACK_FORMAT = "balancer-packed"
 PACK_FORMAT_VERSION = 1
 PACK_STATE_NAME = ".pack-state.json"
 PACK_DESCRIPTION = "balancer pack output: one packed micro-batch per row, ordered (epoch, step, micro-batch, DP rank)"
-# shards, plans, and the temporary files Plan.save writes beside a plan (`.plan-epoch-00000.json.<random>.tmp`)
-_PACK_FILE_RE = re.compile(r"^(shard-\d{5,}\.arrow|plan-epoch-\d{5,}\.json|\.plan-epoch-\d{5,}\.json\.\w+)$")
+# shards, plans, and the temporary files Plan.save writes beside a plan (`.plan-epoch-00000.json.tmp.<random>.tmp`)
+_PACK_FILE_RE = re.compile(r"^(shard-\d{5,}\.arrow|plan-epoch-\d{5,}\.json|\.plan-epoch-\d{5,}\.json(\.tmp)?\.\w+)$")
 PACK = OutputKind("pack", PACK_FORMAT, PACK_STATE_NAME, _PACK_FILE_RE, PACK_DESCRIPTION, ("plans", "shards"))
 
 

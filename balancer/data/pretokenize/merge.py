@@ -54,8 +54,9 @@ def _slices_by_index(parts: Sequence[str]) -> dict[int, tuple[str, dict]]:
     return by_index
 
 
-def _link_shard(part: str, entry: dict, out: Path, index: int) -> dict:
-    """Hard-link (or copy) one shard of `part` into `out` as shard `index`, checked against its checksums."""
+def _link_shard(part: str, entry: dict, out: Path, index: int, state: dict) -> dict:
+    """Hard-link (or copy) one shard of `part` into `out` as shard `index`, checked against its checksums, then
+    recorded as pending in the state (so the files are provably ours once renamed) and renamed."""
     new = dict(entry)
     new["name"] = f"shard-{index:05d}"
     new["files"] = {}
@@ -72,8 +73,11 @@ def _link_shard(part: str, entry: dict, out: Path, index: int) -> dict:
         if sha256_file(tmp) != meta["sha256"]:
             os.remove(tmp)
             raise DataError(f"merge: {src}: sha256 mismatch (run `balancer verify {part}`)")
-        os.replace(tmp, out / new_fn)
         new["files"][new_fn] = meta
+    state["pending"].append({"name": new["name"], "files": new["files"]})
+    atomic_write_json(out / STATE_NAME, state)
+    for new_fn in new["files"]:
+        os.replace(out / (new_fn + ".tmp"), out / new_fn)
     return new
 
 
@@ -99,14 +103,15 @@ def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = Fal
             log(f"{out}: already complete")
             return prev
         clear_outputs(out, owned)
-        atomic_write_json(out / STATE_NAME, {**state_header("state"), "job": first["job"], "slice": None, "shards": []})
-        manifest = _merged_manifest(first, by_index, out)
+        state = {**state_header("state"), "job": first["job"], "slice": None, "shards": [], "pending": []}
+        atomic_write_json(out / STATE_NAME, state)
+        manifest = _merged_manifest(first, by_index, out, state)
         finish_output(out, manifest, np.dtype(first["tokenizer"]["dtype"]))
     summarize(out, manifest)
     return manifest
 
 
-def _merged_manifest(first: dict, by_index: dict[int, tuple[str, dict]], out: Path) -> dict:
+def _merged_manifest(first: dict, by_index: dict[int, tuple[str, dict]], out: Path, state: dict) -> dict:
     """Link every part's shards into `out` (renumbered) and build the merged manifest."""
     k = len(by_index)
     counts = new_counters()
@@ -118,7 +123,7 @@ def _merged_manifest(first: dict, by_index: dict[int, tuple[str, dict]], out: Pa
         _add_counts(counts, m["counts"])
         skipped.extend(m["skipped_records"][: MAX_SKIPPED_EXAMPLES - len(skipped)])
         for entry in m["shards"]:
-            shards.append(_link_shard(p, entry, out, len(shards)))
+            shards.append(_link_shard(p, entry, out, len(shards), state))
     manifest = {k_: v for k_, v in first.items() if k_ not in ("slice", "counts", "skipped_records", "shards")}
     manifest.update(
         {

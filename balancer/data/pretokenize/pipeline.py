@@ -210,14 +210,21 @@ class _ShardRun:
     def close_shard(self, cursor: Cursor) -> None:
         """Finish the open shard and record it (with the input cursor after it) in the state file."""
         assert self.writer is not None
-        entry = self.writer.close()
+        entry = self.writer.close(before_rename=self._record_pending)
         self.writer = None
+        self.state.pop("pending", None)
         self.counters["rows"] += entry["rows"]
         self.counters["tokens"] += entry["tokens"]
         self.counters["documents"] += entry["documents"]
         entry["cursor"] = cursor.to_json()
         entry["counters"] = json.loads(json.dumps(self.counters))
         self.shards.append(entry)
+        atomic_write_json(self.out / STATE_NAME, self.state)
+
+    def _record_pending(self, entry: dict) -> None:
+        """The shard's files, checksummed, before they get their final names: what makes them provably ours
+        should the run die between the renames and their record."""
+        self.state["pending"] = [{"name": entry["name"], "files": entry["files"]}]
         atomic_write_json(self.out / STATE_NAME, self.state)
 
     def abort(self) -> None:

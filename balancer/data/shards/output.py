@@ -7,7 +7,8 @@ Ownership (`ownership`): a file is ours only when it is a regular file (never a 
 - its content is what this tool writes (`state.json`: only our shard names; `dataset_info.json`: our description);
 - a manifest or state of ours in the folder records it and its size and sha256 still match the record;
 - it is a leftover of the unfinished run whose state is in the folder: a temporary (`.tmp`) file of our names, or a
-  data file of an index the state has not recorded yet (the run was killed between writing and recording it).
+  data file the state records as `pending` (checksummed before its rename; the run was killed before recording it
+  as finished) whose size and sha256 match.
 Any other file carrying one of our names is *disputed*: every run (plain, resume, `--overwrite`) stops naming it and
 its reason, and nothing is deleted. `--overwrite` deletes only owned files; files with other names are never touched.
 The rules take an `OutputKind`, the names one command writes (`PRETOKENIZE`, the default, or `pack`'s).
@@ -35,9 +36,6 @@ DATASETS_STATE = "state.json"
 DATASETS_INFO = "dataset_info.json"
 DATASETS_DESCRIPTION = "balancer pretokenize output: input_ids per row, doc_id = source record index"
 _SHARD_FILE_RE = re.compile(r"^shard-\d{5,}\.(arrow|lengths\.npy|doc_ids\.npy)$")
-# which record list a data file belongs to, and its index there (a leftover of an unrecorded index is ours)
-_SLOT_RE = re.compile(r"^\.?(shard|plan-epoch)-(\d{5,})\.")
-_SLOT_LISTS = {"shard": "shards", "plan-epoch": "plans"}
 
 
 @dataclass(frozen=True)
@@ -141,14 +139,17 @@ class Ownership:
     foreign: set[str] = field(default_factory=set)  # other names: the user's, never touched
 
 
-def _is_leftover(name: str, state: dict) -> bool:
+def _is_leftover(out: Path, name: str, state: dict) -> bool:
+    """A temporary file of ours, or a data file the state records as pending (written and checksummed, then killed
+    between its rename and its record) whose size and sha256 match."""
     if name.endswith(".tmp"):
         return True
-    slot = _SLOT_RE.match(name)
-    if slot is None:
-        return False
-    recorded = state.get(_SLOT_LISTS[slot.group(1)])
-    return isinstance(recorded, list) and int(slot.group(2)) >= len(recorded)
+    pending = state.get("pending")
+    for entry in pending if isinstance(pending, list) else []:
+        files = entry.get("files") if isinstance(entry, dict) else None
+        if isinstance(files, dict) and name in files:
+            return _mismatch(out / name, files[name]) is None
+    return False
 
 
 def ownership(out: Path, kind: OutputKind = PRETOKENIZE) -> Ownership:
@@ -174,7 +175,7 @@ def ownership(out: Path, kind: OutputKind = PRETOKENIZE) -> Ownership:
     for name in sorted(entries - own.owned - set(own.disputed)):
         if not is_output_name(name, kind):
             own.foreign.add(name)
-        elif own.state is not None and is_regular_file(out / name) and _is_leftover(name, own.state):
+        elif own.state is not None and is_regular_file(out / name) and _is_leftover(out, name, own.state):
             own.owned.add(name)
         else:
             own.disputed[name] = "has a name this tool writes, but no manifest or state of ours here records it"

@@ -43,9 +43,9 @@ FILES = obj()  # name -> file meta, names checked by the readers; values below
 _FILE_META = _file_meta()
 
 PRETOKENIZED = FormatSpec("balancer-pretokenized", 1)
-PRETOKENIZE_STATE = FormatSpec("balancer-pretokenize-state", 1)
+PRETOKENIZE_STATE = FormatSpec("balancer-pretokenize-state", 2)  # 2: `pending`
 PACKED = FormatSpec("balancer-packed", 1)
-PACK_STATE = FormatSpec("balancer-pack-state", 1)
+PACK_STATE = FormatSpec("balancer-pack-state", 2)  # 2: `pending`
 FORMAT_KEYS = {"format": string(), "format_version": integer(min=1)}
 STATE_FORMAT_KEYS = {"format": string(required=False), "format_version": integer(min=1, required=False)}
 
@@ -139,12 +139,14 @@ STATE_SHARD = obj(
         "counters": obj({**_COUNTS_KEYS, "skipped_examples": array(SKIPPED_RECORD)}),
     }
 )
+PENDING = array(obj({"name": string(), "files": FILES}), required=False, since=2)
 STATE_KEYS = {
     **STATE_FORMAT_KEYS,
     "job": SHA256,
     "slice": SLICE,
     "inputs": array(INPUT, required=False),
     "shards": array(STATE_SHARD),
+    "pending": PENDING,
 }
 
 PLAN_ENTRY = obj({"name": string(), "files": FILES})
@@ -183,7 +185,13 @@ PACK_MANIFEST_KEYS = {
     "plans": array(PLAN_ENTRY),
     "shards": array(PACK_SHARD),
 }
-PACK_STATE_KEYS = {**STATE_FORMAT_KEYS, "job": SHA256, "plans": array(PLAN_ENTRY), "shards": array(PACK_SHARD)}
+PACK_STATE_KEYS = {
+    **STATE_FORMAT_KEYS,
+    "job": SHA256,
+    "plans": array(PLAN_ENTRY),
+    "shards": array(PACK_SHARD),
+    "pending": PENDING,
+}
 
 KINDS = {
     "manifest": (PRETOKENIZED, MANIFEST_KEYS, True),
@@ -207,7 +215,7 @@ def check_record(data: Any, file: str, kind: str) -> dict:
     try:
         version = check_format(data, file, spec, required=format_required)
         check(data, obj(keys), file, version=version)
-        _check_file_maps(data, file, ("plans", "shards"))
+        _check_file_maps(data, file, ("plans", "shards", "pending"))
         for name, value in (data.get("counts") or {}).get("skipped", {}).items():
             check(value, COUNT, file, f"counts.skipped.{name}")
     except JSONFileError as exc:

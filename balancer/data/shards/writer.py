@@ -7,7 +7,9 @@ import dataclasses
 import hashlib
 import os
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import pyarrow as pa
@@ -103,8 +105,10 @@ class ShardWriter:
         self.all_docs.append(docs)
         self.buf_ids, self.buf_docs, self.buf_tokens = [], [], 0
 
-    def close(self) -> dict:
-        """Finish the files, fsync, rename to final names; returns the shard's manifest entry."""
+    def close(self, before_rename: Optional[Callable[[dict], None]] = None) -> dict:
+        """Finish the files, fsync, checksum, call `before_rename(entry)` (the caller records the files as pending,
+        so that they are provably ours once renamed), rename them to their final names; returns the shard's
+        manifest entry."""
         self._flush()
         self.writer.close()
         self.sink.close()
@@ -117,15 +121,15 @@ class ShardWriter:
         save_npy(tmp_l, lengths)
         save_npy(tmp_d, docs)
         files = {}
-        for tmp, final in ((self.tmp, self.arrow_name), (tmp_l, self.lengths_name), (tmp_d, self.doc_ids_name)):
+        renames = ((self.tmp, self.arrow_name), (tmp_l, self.lengths_name), (tmp_d, self.doc_ids_name))
+        for tmp, final in renames:
             fsync_file(tmp)
             if final == self.arrow_name:
                 files[final] = {"bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
             else:  # index files also get a CRC-32, checked on every open (several times faster than sha256)
                 data = tmp.read_bytes()
                 files[final] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "crc32": crc32(data)}
-            os.replace(tmp, self.out / final)
-        return {
+        entry = {
             "name": self.name,
             "rows": self.rows,
             "tokens": self.tokens,
@@ -135,6 +139,11 @@ class ShardWriter:
             "max_length": int(lengths.max()) if len(lengths) else 0,
             "files": files,
         }
+        if before_rename is not None:
+            before_rename(entry)
+        for tmp, final in renames:
+            os.replace(tmp, self.out / final)
+        return entry
 
     def abort(self) -> None:
         """After a failure: close and remove this shard's temporary files (nothing half-written stays)."""
