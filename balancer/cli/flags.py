@@ -1,9 +1,11 @@
 """Command-line flags: bounded numeric types, one-line argparse errors, and options that conflict.
 
-Every count flag has a maximum, checked by argparse before any work starts and shown in `--help`; every error
-is one line `balancer COMMAND: error: ...` with exit code 2. `check_conflicts(args)` refuses two options given
-together when one would silently override the other (`--cost` with `--window`), naming both; `main` runs it for
-every command, so any command that takes the shared flags (plan, stats, demo, pack) gets the same rules.
+Every count flag has a maximum, checked before any work starts and shown in `--help`: a command's own counts by
+argparse types (`count`), the shared planning flags by `check_counts` inside each command (so `pack` reports them
+through its own error path). Every error is one line `balancer COMMAND: error: ...` with exit code 2.
+`check_conflicts` refuses two options given together when one would silently override the other (`--cost` with
+`--window`), naming both; `main` runs it for every command, so every command that takes the shared flags (plan,
+stats, demo, pack) gets the same rules.
 """
 
 from __future__ import annotations
