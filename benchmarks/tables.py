@@ -335,30 +335,46 @@ def hybrid_layout_runs() -> str:
     return markdown(header, rows)
 
 
-def measured_speedup() -> str:
-    data = load("measured_speedup")
+def _replay_table(run: dict, clock: str) -> str:
     rows = []
-    for name, row in data["rows"].items():
+    for name, row in run["rows"].items():
         error = row.get("micro_batch_error") or {}
         rows.append(
             [
                 name,
                 row["layout"],
-                fmt(row.get("measured_epoch_seconds"), ".1f"),
-                fmt(row.get("predicted_epoch_seconds_sampled"), ".1f"),
-                fmt(row.get("measured_speedup_vs_trl"), ".2f") + "x",
-                fmt(row.get("predicted_speedup_vs_trl"), ".2f") + "x",
+                str(row["num_steps"]),
+                fmt(row["mean_tokens_per_step"], ",.0f"),
+                fmt(row["epoch_seconds"], ".1f"),
+                fmt(row["compute_seconds"], ".1f"),
+                fmt(row["all_reduce_seconds"] + row["optimizer_seconds"], ".2f"),
+                fmt(row["measured_speedup"], ".3f") + "x",
+                fmt(row["predicted_speedup"], ".3f") + "x",
                 fmt(error.get("median_abs_error"), ".1%"),
-                fmt(row.get("kv_tokens_moved"), ",.0f"),
+                fmt(row["wall_over_cpu"], ".2f"),
             ]
         )
-    header = ["plan", "layout", "measured s (sampled steps)", "predicted s", "measured speedup vs TRL"]
-    header += ["predicted speedup", "median micro-batch error", "K/V tokens moved"]
+    header = ["plan", "layout", "steps", "tokens/step", f"epoch s ({clock})", "compute s", "all-reduce + optimizer s"]
+    header += [f"measured speedup vs {run['baseline']}", "predicted speedup", "median micro-batch error", "wall/CPU"]
+    topo = run["topology"]
     ranking = (
-        f"Measured ranking: {', '.join(data['ranking_measured'])}; predicted: {', '.join(data['ranking_predicted'])} "
-        f"({'the same' if data['ranking_correct'] else 'different'})."
+        f"dp {topo['dp']} x cp {topo['cp']}, M = {topo['micro_batches']}, {run['processes']} processes at once on "
+        f"{run.get('cores', '?')} cores; "
+        f"load average {run['load_before'][0]} before, {run['load_after'][0]} after; {run['seconds']:.0f} s wall. "
+        f"Measured ranking: {', '.join(run['ranking_measured'])}; predicted: {', '.join(run['ranking_predicted'])} "
+        f"(ranking_correct: {str(run['ranking_correct']).lower()})."
     )
     return markdown(header, rows) + "\n\n" + ranking
+
+
+def replay() -> str:
+    data = load("replay")
+    return _replay_table(data["runs"]["dp2"], data["clock_of_figures"])
+
+
+def replay_layout() -> str:
+    data = load("replay")
+    return _replay_table(data["runs"]["layout"], data["clock_of_figures"])
 
 
 def calibration() -> str:
@@ -386,8 +402,9 @@ def calibration() -> str:
         f"(median over splits; worst split {pct['worst_median_abs_error']}), p90 {pct['median_p90_abs_error']} "
         f"(median; worst split {pct['worst_p90_abs_error']}). Targets (median <= 5%, p90 <= 10%) "
         f"{'met' if report.get('meets_targets') else 'missed'}. Clock: {report.get('clock')}, "
-        f"{machine.get('cores')} cores, load average {machine.get('loadavg_before', ['?'])[0]} before and "
-        f"{machine.get('loadavg_after', ['?'])[0]} after timing, {fmt(report.get('timing_seconds'), '.0f')} s."
+        f"{machine.get('cores')} cores, load average {fmt(machine['loadavg_before'][0], '.1f')} before and "
+        f"{fmt(machine['loadavg_after'][0], '.1f')} after timing, {fmt(report.get('timing_seconds'), '.0f')} s of "
+        f"timing, {fmt(report.get('runs_per_micro_batch'), '.1f')} runs per micro-batch on average."
     )
 
 
@@ -536,7 +553,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "dynamic_cp_communication": dynamic_cp_communication,
     "hybrid_layout": hybrid_layout,
     "hybrid_layout_runs": hybrid_layout_runs,
-    "measured_speedup": measured_speedup,
+    "replay": replay,
+    "replay_layout": replay_layout,
     "calibration": calibration,
     "open_checks": open_checks,
     "pack_throughput": pack_throughput,

@@ -1,0 +1,224 @@
+"""Do the planner's predicted gains hold when plans really train? A like-for-like replay of whole epochs.
+
+The same documents (`--documents` drawn from the wlbllm trace, lengths // 16, at least 1; the same for every plan)
+are planned several ways and every step of every plan trains a tiny Llama (balancer.calibration.TINY_LLAMA) on real
+processes: each DP replica is a process (a CP group: `cp` processes), all running at once in one gloo world with no
+more processes than the machine has cores; a step is every micro-batch of every replica (forward + backward, the
+plan's CP layout), the all-reduce of the gradients over all ranks and the AdamW step (benchmarks/_replay_worker.py).
+Plans are interleaved step by step so that load changes reach all of them alike.
+
+Two runs, each with its own question:
+- `dp2`: dp 2 x cp 1, M = 4, 8192 tokens per micro-batch. This planner, TRL's BFD packing (benchmarks/peers.py:
+  rows of 8192 tokens, dp * M rows per step) and token-count packing (balancer.planning.baseline), all on the same
+  documents. TRL's global batch is fixed in rows (its steps hold ~98% of the capacity), the planner's in tokens
+  (85% by default, within +-10%): the step counts differ, so plans are compared on the epoch's time, i.e. per-token
+  throughput over the same documents, with every step's all-reduce and optimizer step paid. CP 1: no layout.
+- `layout`: dp 1 x cp 2, M = 4, 4096 tokens per CP rank: the planner's plan run with the zigzag and with the hybrid
+  CP layout (the same micro-batches): the layout gain alone.
+
+Predictions: `Plan.predict(cost, layout=...)` with the calibrated model (benchmarks/calibration.py writes it), on
+the model's clock; they cover the micro-batches' compute, not the all-reduce or the optimizer step (the report
+lists those measured). `ranking_correct` compares the measured epoch ranking with the predicted one.
+
+    python benchmarks/replay.py [--documents 6000] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not an installed copy
+
+from _common import RESULTS, write_result
+from _replay_worker import worker
+from peers import trl_plan
+
+import balancer
+from balancer.calibration import TINY_LLAMA, error_summary
+from balancer.calibration.timing import _free_port
+from balancer.data.traces import load_trace
+from balancer.planning.baseline import token_count_plan
+
+COST_FILE = RESULTS / "cost_tiny_llama_cpu.json"
+SCALE = 16
+PLANNERS = {"balancer": balancer.plan, "trl-bfd": trl_plan, "token-count": token_count_plan}
+RUNS = {  # name: (dp, cp, max_tokens per CP rank, [(label, planner, layout)])
+    "dp2": (
+        2,
+        1,
+        8192,
+        [
+            ("balancer", "balancer", "zigzag"),
+            ("trl-bfd", "trl-bfd", "zigzag"),
+            ("token-count", "token-count", "zigzag"),
+        ],
+    ),
+    "layout": (1, 2, 4096, [("balancer+zigzag", "balancer", "zigzag"), ("balancer+hybrid", "balancer", "hybrid")]),
+}
+
+
+def documents(count: int, seed: int) -> np.ndarray:
+    """`count` documents of the wlbllm trace scaled down 16x, drawn without replacement (seeded)."""
+    lengths = np.maximum(1, load_trace("wlbllm") // SCALE)
+    return lengths[np.random.default_rng(seed).permutation(len(lengths))[:count]]
+
+
+def step_payload(plan: balancer.Plan, layout: str) -> dict:
+    """The plan as the worker runs it: per step, per replica, the micro-batches' document lengths."""
+    t = plan.topology
+    sizes = plan.end - plan.start
+    steps, tokens = [], []
+    for s in range(plan.num_steps):
+        base = s * t.bins_per_step
+        mbs = [sizes[plan.mb_ptr[k] : plan.mb_ptr[k + 1]].tolist() for k in range(base, base + t.bins_per_step)]
+        steps.append([mbs[r * t.micro_batches : (r + 1) * t.micro_batches] for r in range(t.dp)])
+        tokens.append(int(sum(sum(mb) - len(mb) for mb in mbs)))  # label tokens: a document's last predicts nothing
+    return {"layout": layout, "steps": steps, "tokens": tokens}
+
+
+def train(plans: dict, dp: int, cp: int, threads: int) -> dict:
+    """Run the worker world; returns {name: [rank][step] results}."""
+    import torch.multiprocessing as mp
+
+    world = dp * cp
+    if world > (os.cpu_count() or 1):
+        raise SystemExit(f"dp * cp = {world} processes > {os.cpu_count()} cores: pick a smaller topology")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    payload = {"config": TINY_LLAMA, "dp": dp, "cp": cp, "threads": threads, "plans": plans}
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "replay")
+        mp.spawn(worker, args=(world, _free_port(), payload, out), nprocs=world, join=True)
+        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
+    return {name: [rank[name] for rank in ranks] for name in plans}
+
+
+def measured_times(per_rank: list[list[dict]], dp: int, cp: int, clock: int) -> dict:
+    """Per step (clock 0 wall, 1 CPU): the step (max over ranks), compute (slowest replica's micro-batches, each the
+    slowest CP rank's), all-reduce and optimizer (max over ranks); micro-batch times [steps, dp, M]."""
+    steps = len(per_rank[0])
+    step = np.array([[r[k]["step"][clock] for r in per_rank] for k in range(steps)]).max(axis=1)
+    mb = np.array([[[m[clock] for m in r[k]["micro_batches"]] for r in per_rank] for k in range(steps)])
+    mb = mb.reshape(steps, dp, cp, -1).max(axis=2)  # [steps, dp, M]
+    reduce = np.array([[r[k]["all_reduce"][clock] for r in per_rank] for k in range(steps)]).max(axis=1)
+    opt = np.array([[r[k]["optimizer"][clock] for r in per_rank] for k in range(steps)]).max(axis=1)
+    return {"step": step, "compute": mb.sum(axis=2).max(axis=1), "micro_batch": mb, "all_reduce": reduce, "opt": opt}
+
+
+def summarize(plan: balancer.Plan, layout: str, per_rank, cost, clock: str) -> dict:
+    t = plan.topology
+    wall, cpu = (measured_times(per_rank, t.dp, t.cp, c) for c in (0, 1))
+    main = cpu if clock == "cpu" else wall
+    prediction = plan.predict(cost, layout=layout)
+    tokens = int((plan.end - plan.start).sum())
+    step_tokens = plan.micro_batch_tokens().sum(axis=(1, 2))
+    return {
+        "layout": layout if t.cp > 1 else "none (cp 1)",
+        "num_steps": plan.num_steps,
+        "tokens": tokens,
+        "mean_tokens_per_step": float(step_tokens[:-1].mean() if len(step_tokens) > 1 else step_tokens[0]),
+        "epoch_wall_seconds": float(wall["step"].sum()),
+        "epoch_cpu_seconds": float(cpu["step"].sum()),
+        "tokens_per_second_wall": tokens / float(wall["step"].sum()),
+        "tokens_per_second_cpu": tokens / float(cpu["step"].sum()),
+        "epoch_seconds": float(main["step"].sum()),
+        "compute_seconds": float(main["compute"].sum()),
+        "all_reduce_seconds": float(main["all_reduce"].sum()),
+        "optimizer_seconds": float(main["opt"].sum()),
+        "wall_over_cpu": float(wall["step"].sum() / cpu["step"].sum()),
+        "predicted_compute_seconds": float(prediction["step_time_total"]),
+        "micro_batch_error": error_summary(prediction["micro_batch_times"].ravel(), main["micro_batch"].ravel()),
+        "step_compute_error": error_summary(prediction["step_times"], main["compute"]),
+        "kv_tokens_moved": prediction["kv_tokens_moved"],
+        "measured_step_seconds": main["step"].tolist(),
+        "measured_compute_seconds": main["compute"].tolist(),
+        "predicted_step_seconds": prediction["step_times"].tolist(),
+    }
+
+
+def compare(rows: dict, base: str) -> dict:
+    """Speedups over `base` (measured: epoch time; predicted: compute) and both rankings."""
+    for row in rows.values():
+        row["measured_speedup"] = rows[base]["epoch_seconds"] / row["epoch_seconds"]
+        row["measured_compute_speedup"] = rows[base]["compute_seconds"] / row["compute_seconds"]
+        row["predicted_speedup"] = rows[base]["predicted_compute_seconds"] / row["predicted_compute_seconds"]
+    measured = sorted(rows, key=lambda k: rows[k]["epoch_seconds"])
+    predicted = sorted(rows, key=lambda k: rows[k]["predicted_compute_seconds"])
+    return {
+        "baseline": base,
+        "rows": rows,
+        "ranking_measured": measured,
+        "ranking_predicted": predicted,
+        "ranking_correct": measured == predicted,
+    }
+
+
+def run(name: str, lengths: np.ndarray, cost, clock: str, args) -> dict:
+    dp, cp, max_tokens, configs = RUNS[name]
+    topo = balancer.Topology(dp=dp, cp=cp, micro_batches=args.micro_batches, max_tokens=max_tokens)
+    plans = {p: PLANNERS[p](lengths, topo, cost, seed=args.seed) for p in {c[1] for c in configs}}
+    payload = {label: step_payload(plans[p], layout) for label, p, layout in configs}
+    load_before, t0 = [round(x, 2) for x in os.getloadavg()], time.perf_counter()
+    results = train(payload, dp, cp, args.threads)
+    info = {"seconds": time.perf_counter() - t0, "load_before": load_before}
+    info["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    rows = {label: summarize(plans[p], layout, results[label], cost, clock) for label, p, layout in configs}
+    out = compare(rows, configs[0][0] if name == "layout" else "trl-bfd")
+    return {"topology": topo.to_dict(), "processes": dp * cp, "cores": os.cpu_count(), **info, **out}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--documents", type=int, default=6_000, help="documents drawn from the trace (all plans)")
+    ap.add_argument("--micro-batches", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    ap.add_argument("--quick", action="store_true", help="300 documents (a test run; results not written)")
+    args = ap.parse_args()
+    if not COST_FILE.exists():
+        sys.exit(f"{COST_FILE} is missing: run benchmarks/calibration.py first")
+    cost = balancer.CostModel.load(COST_FILE)
+    calibration = json.loads(COST_FILE.read_text()).get("report", {})
+    clock = calibration.get("clock", "cpu")
+    lengths = documents(300 if args.quick else args.documents, args.seed)
+    runs = {name: run(name, lengths, cost, clock, args) for name in args.runs}
+    payload = {
+        "documents": len(lengths),
+        "tokens": int(lengths.sum()),
+        "scale": SCALE,
+        "clock_of_figures": clock,
+        "clock_reason": f"the calibrated model's clock ({calibration.get('clock_reason', 'no reason recorded')})",
+        "cost_model": cost.to_dict(),
+        "runs": runs,
+    }
+    for name, result in runs.items():
+        print_table(name, result)
+    if not args.quick:
+        print(f"wrote {write_result('replay', payload, clock='wall+process_cpu', model=TINY_LLAMA)}")
+
+
+def print_table(name: str, result: dict) -> None:
+    print(f"{name}: {result['processes']} processes, load {result['load_before']} -> {result['load_after']}")
+    print(
+        f"{'plan':>16} {'steps':>5} {'tok/step':>8} {'epoch s':>8} {'compute':>8} {'speedup':>7} {'pred':>6} {'w/c':>5}"
+    )
+    for label, r in result["rows"].items():
+        print(
+            f"{label:>16} {r['num_steps']:5d} {r['mean_tokens_per_step']:8.0f} {r['epoch_seconds']:8.2f} "
+            f"{r['compute_seconds']:8.2f} {r['measured_speedup']:7.3f} {r['predicted_speedup']:6.3f} "
+            f"{r['wall_over_cpu']:5.2f}"
+        )
+    print(f"ranking measured {result['ranking_measured']}, predicted {result['ranking_predicted']}")
+
+
+if __name__ == "__main__":
+    main()
