@@ -238,9 +238,11 @@ def _register_plan(sub) -> None:
     p.add_argument("--plot", metavar="PNG", help="also write a picture of the lengths and per-step balance")
     p.add_argument("--no-baseline", action="store_true", help="skip the token-count comparison")
     w = p.add_argument_group("one planning window (docs/windows.md; default: the whole epoch)")
-    w.add_argument("--window-docs", type=int, metavar="N", help="documents per planning window (>= 1)")
-    w.add_argument("--window-index", type=int, metavar="I", help="which window of the epoch to plan (0-based)")
-    w.add_argument("--epoch", type=int, default=0, help="the epoch whose shuffle the windows cut (default 0)")
+    w.add_argument("--window-docs", type=int, metavar="N", help="documents per planning window, 1..2^62")
+    w.add_argument("--window-index", type=int, metavar="I", help="which window of the epoch to plan, 0..2^62")
+    w.add_argument(
+        "--epoch", type=int, default=0, help="the epoch whose shuffle the windows cut, 0..2^63-1 (default 0)"
+    )
     p.set_defaults(func=cmd_plan)
 
 
