@@ -155,12 +155,14 @@ def balance_static(lengths: np.ndarray, topology: Topology, cost: CostModel, gro
     g_perm = rng.permutation(n_groups)  # the seed breaks ties: every later order starts from this one
     k = options["mini_batches"]
     rank_rules = options["equal_counts"] or (options["has_groups"] and options["keep"] == "rank")
-    step_units = None
-    if not rank_rules:  # mini-batches first, then each step packed on its own
-        step_cap = None if fixed_m is None else topology.dp * fixed_m * cap
-        step_of_group = split_mini_batches(g_cost, g_tok, k, g_perm, step_cap)
-        step_units = [_seeded(np.flatnonzero(step_of_group[u_group] == s), u_group, g_perm) for s in range(k)]
-        most = max(int(u_tok[units].sum()) for units in step_units)
+    step_cap = None if fixed_m is None else topology.dp * fixed_m * cap
+
+    def steps_for(m: int) -> list[np.ndarray]:  # mini-batches first, each with a group per micro-batch at least
+        step_of_group = split_mini_batches(g_cost, g_tok, k, g_perm, step_cap, need=topology.dp * m)
+        return [_seeded(np.flatnonzero(step_of_group[u_group] == s), u_group, g_perm) for s in range(k)]
+
+    if not rank_rules:
+        most = max(int(u_tok[units].sum()) for units in steps_for(fixed_m or topology.micro_batches))
     else:
         most = -(-int(u_tok.sum()) // k)
     step = options.get("multiple", 1)
@@ -170,6 +172,7 @@ def balance_static(lengths: np.ndarray, topology: Topology, cost: CostModel, gro
         if rank_rules:
             attempt = _pack_by_ranks(g_cost, g_tok, u_group, u_cost, u_tok, g_perm, topo, options)
         else:
+            step_units = steps_for(m)
             packed = [pack_items(units, u_cost, u_tok, u_group, topo) for units in step_units]
             attempt = None if any(p is None for p in packed) else (step_units, packed)
         if attempt is not None:
@@ -205,7 +208,7 @@ def _pack_by_ranks(g_cost, g_tok, u_group, u_cost, u_tok, g_perm, topology: Topo
             return None
         heaviest = np.zeros(len(g_cost))
         np.maximum.at(heaviest, u_group, u_cost)
-        g_bin = restart_ranks(g_bin, g_cost, g_tok, g_count, heaviest, k, topology, options)
+        g_bin = restart_ranks(g_bin, g_cost, g_tok, g_count, _fill(g_count, options), heaviest, k, topology, options)
         bin_at = _deal_bins(np.bincount(g_bin, weights=g_cost, minlength=dp * k), k, dp)
     except ValueError:
         if not options["equal_counts"] or k == 1:
@@ -236,12 +239,18 @@ def _assign(members, g_cost, g_tok, g_count, g_perm, ranks: Topology, options) -
     position = np.empty_like(g_perm)
     position[g_perm] = np.arange(len(g_perm))
     offered = members[np.argsort(position[members], kind="stable")]
-    rank = assign_replicas(g_cost[offered], g_tok[offered], g_count[offered], ranks, options["equal_counts"])
+    fill = _fill(g_count, options)[offered]
+    rank = assign_replicas(g_cost[offered], g_tok[offered], g_count[offered], ranks, options["equal_counts"], fill)
     if rank is None:
         return None
     out = np.empty(len(members), dtype=np.int64)
     out[np.searchsorted(members, offered)] = rank
     return out
+
+
+def _fill(g_count: np.ndarray, options) -> np.ndarray:
+    """What of a group fills a rank's micro-batches: its documents (`keep="rank"`: they may spread) or 1."""
+    return g_count if options["keep"] == "rank" or not options["has_groups"] else np.ones_like(g_count)
 
 
 def _deal_bins(load: np.ndarray, k: int, dp: int) -> np.ndarray:
@@ -283,10 +292,11 @@ def _check_group_sizes(g_tok, u_group, u_doc, topology: Topology, options, fixed
 
 
 def split_mini_batches(
-    g_cost: np.ndarray, g_tok: np.ndarray, k: int, g_perm: np.ndarray, step_cap: int | None
+    g_cost: np.ndarray, g_tok: np.ndarray, k: int, g_perm: np.ndarray, step_cap: int | None, need: int = 0
 ) -> np.ndarray:
     """The step of every group: largest cost first (ties in the seeded order `g_perm`), each to the step with the
-    least work so far among those with token room (`step_cap`, None: unlimited)."""
+    least work so far among those with token room (`step_cap`, None: unlimited); once the groups left are just
+    enough to give every step `need` groups, only steps short of `need` take them."""
     out = np.zeros(len(g_cost), dtype=np.int64)
     if k == 1:
         if step_cap is not None and g_tok.sum() > step_cap:
@@ -295,9 +305,11 @@ def split_mini_batches(
                 f" = {step_cap}); pass micro_batches='auto' or more mini_batches"
             )
         return out
-    work, tokens = np.zeros(k), np.zeros(k, dtype=np.int64)
-    for g in g_perm[np.argsort(-g_cost[g_perm], kind="stable")]:
+    work, tokens, held = np.zeros(k), np.zeros(k, dtype=np.int64), np.zeros(k, dtype=np.int64)
+    for left, g in enumerate(g_perm[np.argsort(-g_cost[g_perm], kind="stable")]):
         room = np.ones(k, dtype=bool) if step_cap is None else tokens + g_tok[g] <= step_cap
+        if len(g_cost) - left <= np.maximum(need - held, 0).sum():
+            room &= held < need
         if not room.any():
             raise ValueError(
                 f"mini_batches={k}: the batch's {int(g_tok.sum())} tokens do not fit {k} steps of "
@@ -307,6 +319,7 @@ def split_mini_batches(
         out[g] = s
         work[s] += g_cost[g]
         tokens[s] += g_tok[g]
+        held[s] += 1
     return out
 
 

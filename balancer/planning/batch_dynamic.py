@@ -46,9 +46,10 @@ def balance_dynamic(
     )
     base = static(lengths, virtual, cost, group_of_doc, options)
     final = replace(topology, micro_batches=base.topology.micro_batches, tokens_per_step=base.topology.tokens_per_step)
+    # (order, group start, group size, entry counts, slot pointer; later fields, such as group times, unused)
     order, group_start, group_size, counts, slot_ptr = _split_groups(
         base, largest_group_topology(final, size), final, cost
-    )
+    )[:5]
     if options["has_groups"] and options["keep"] == "micro_batch":
         order, group_start, group_size, counts, slot_ptr = _rejoin(
             order, group_start, group_size, counts, slot_ptr, group_of_doc[base.doc], size

@@ -90,11 +90,13 @@ def _place_rest(bins: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology
 
 
 def assign_replicas(
-    cost: np.ndarray, tokens: np.ndarray, count: np.ndarray, topology: Topology, equal_counts: bool
+    cost: np.ndarray, tokens: np.ndarray, count: np.ndarray, topology: Topology, equal_counts: bool, fill=None
 ) -> np.ndarray | None:
     """DP rank of every item (a group, or a unit without groups) so that the ranks' work is even, each rank within
-    `M * max_tokens * cp` tokens and holding at least M items; with `equal_counts`, every rank's document count
-    (`count` per item) within one of every other's. None when the items do not fit by tokens."""
+    `M * max_tokens * cp` tokens and holding at least M of what fills micro-batches (`fill` per item: its documents
+    when they may spread over micro-batches, 1 when it stays whole; default `count`); with `equal_counts`, every
+    rank's document count (`count` per item) within one of every other's. None when the items do not fit."""
+    fill = count if fill is None else fill
     dp, m = topology.dp, topology.micro_batches
     rank_cap = m * topology.micro_batch_tokens
     if equal_counts:
@@ -102,13 +104,30 @@ def assign_replicas(
     else:
         per_rank = Topology(dp=dp, micro_batches=1, max_tokens=rank_cap)
         rep = pack_complete(cost, tokens, per_rank)
-    if rep is None:
+    if rep is None or not _fill_ranks(rep, cost, tokens, fill, dp, m, rank_cap):
         return None
-    _improve(rep, cost, tokens, count, dp, rank_cap, same_count=equal_counts, keep_items=m)
+    _improve(rep, cost, tokens, count, fill, dp, rank_cap, same_count=equal_counts, keep_items=m)
     return rep
 
 
-def restart_ranks(rep, cost, tokens, count, heaviest, k: int, topology: Topology, options) -> np.ndarray:
+def _fill_ranks(rep, cost, tokens, fill, dp: int, m: int, rank_cap: int) -> bool:
+    """Give every rank at least `m` of `fill` (in place): the cheapest item that a rank above `m` can spare moves to
+    the rank short of it (token room permitting). False when no move is left."""
+    while True:
+        have = np.bincount(rep, weights=fill, minlength=dp)
+        short = np.flatnonzero(have < m)
+        if not len(short):
+            return True
+        r = int(short[0])
+        room = rank_cap - np.bincount(rep, weights=tokens, minlength=dp)[r]
+        spare = (have[rep] - fill >= m) & (rep != r) & (tokens <= room)
+        if not spare.any():
+            return False
+        i = int(np.flatnonzero(spare)[np.argmin(cost[spare])])
+        rep[i] = r
+
+
+def restart_ranks(rep, cost, tokens, count, fill, heaviest, k: int, topology: Topology, options) -> np.ndarray:
     """Rank rules with few groups per rank: the joint (step, rank) assignment `rep` (k * dp bins) against
     RESTARTS random starts, each improved by the same move/swap search; kept is the one whose worst step, then
     summed steps, is closest to its bound (`step_ratios`). Deterministic for `options["seed"]`."""
@@ -126,11 +145,9 @@ def restart_ranks(rep, cost, tokens, count, heaviest, k: int, topology: Topology
             start = _equal_count_lpt(cost, tokens, count, bins, rank_cap, np.argsort(-noisy), options["equal_counts"])
         except ValueError:
             start = None
-        if start is None:
-            continue
-        _improve(start, cost, tokens, count, bins, rank_cap, same_count=options["equal_counts"], keep_items=m)
-        if np.bincount(start, weights=count, minlength=bins).min() < m:
+        if start is None or not _fill_ranks(start, cost, tokens, fill, bins, m, rank_cap):
             continue  # a rank must fill its M micro-batches
+        _improve(start, cost, tokens, count, fill, bins, rank_cap, same_count=options["equal_counts"], keep_items=m)
         score = _score(start, cost, heaviest, k, topology, group_bound)
         if score < best_score:
             best, best_score = start, score
@@ -185,20 +202,22 @@ def _equal_count_lpt(cost, tokens, count, dp: int, rank_cap: int, order=None, eq
     return rep
 
 
-def _improve(rep, cost, tokens, count, dp: int, rank_cap: int, same_count: bool, keep_items: int) -> None:
+def _improve(rep, cost, tokens, count, fill, dp: int, rank_cap: int, same_count: bool, keep_items: int) -> None:
     """Local search on the ranks' summed cost (in place), from both ends: lower the slowest rank (moves and swaps),
     then raise the fastest (swaps: the same search on negated costs), while either finds something. Both ends
     matter: steps take ranks of like load, so a light rank is what sets a light step's gap to its bound."""
     for _ in range(4):
-        lowered = _search(rep, cost, tokens, count, dp, rank_cap, same_count, keep_items, moves=not same_count)
-        raised = _search(rep, -cost, tokens, count, dp, rank_cap, same_count, keep_items, moves=False)
+        lowered = _search(rep, cost, tokens, count, fill, dp, rank_cap, same_count, keep_items, moves=not same_count)
+        raised = _search(rep, -cost, tokens, count, fill, dp, rank_cap, same_count, keep_items, moves=False)
         if not (lowered or raised):
             return
 
 
-def _search(rep, cost, tokens, count, dp: int, rank_cap: int, same_count: bool, keep_items: int, moves: bool) -> int:
+def _search(
+    rep, cost, tokens, count, fill, dp: int, rank_cap: int, same_count: bool, keep_items: int, moves: bool
+) -> int:
     """The best move (with `moves`) or swap of an item of the rank of largest summed `cost` with another rank,
-    repeated while it lowers the larger of the two ranks' sums; ranks keep at least `keep_items` items and stay
+    repeated while it lowers the larger of the two ranks' sums; ranks keep at least `keep_items` of `fill` and stay
     within `rank_cap` tokens. Returns the number of changes (in place on `rep`)."""
     load = np.bincount(rep, weights=cost, minlength=dp)
     rtok = np.bincount(rep, weights=tokens, minlength=dp)
@@ -211,14 +230,18 @@ def _search(rep, cost, tokens, count, dp: int, rank_cap: int, same_count: bool, 
         delta = cost[mine][:, None] - cost[others][None, :]  # swap i (of r) with j (of q)
         dtok = tokens[mine][:, None] - tokens[others][None, :]
         ok = (delta > 0) & (rtok[r] - dtok <= rank_cap) & (rtok[q][None, :] + dtok <= rank_cap)
+        have = np.bincount(rep, weights=fill, minlength=dp)
+        dfill = fill[mine][:, None] - fill[others][None, :]
+        ok &= (have[r] - dfill >= keep_items) & (have[q][None, :] + dfill >= keep_items)
         if same_count:
             ok &= count[mine][:, None] == count[others][None, :]
         gain = np.where(ok, load[r] - np.maximum(load[r] - delta, load[q][None, :] + delta), -np.inf)
         best = np.unravel_index(int(np.argmax(gain)), gain.shape)
         best_gain, move = float(gain[best]), None
-        if moves and len(mine) > keep_items:
+        if moves:
             rank_tok = np.bincount(rep, weights=tokens, minlength=dp)
             move_ok = rank_tok[None, :] + tokens[mine][:, None] <= rank_cap
+            move_ok &= (have[r] - fill[mine] >= keep_items)[:, None]
             move_ok[:, r] = False
             move_gain = np.where(
                 move_ok, load[r] - np.maximum(load[r] - cost[mine][:, None], load + cost[mine][:, None]), -np.inf
