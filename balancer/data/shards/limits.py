@@ -14,7 +14,7 @@ DEFAULT_SHARD_TOKENS = 100_000_000  # a shard closes after this many tokens (~20
 MAX_NUM_PROC = 1024  # worker processes (clipped further to the CPUs and the records)
 MAX_NUM_SHARDS = 2**20  # --num-shards slices
 MAX_EPOCHS = 10_000  # pack --epochs
-MAX_SEED = 2**32 - 1  # pack --seed (epoch e plans with seed + e, below 2**63)
+MAX_SEED = 2**63 - 1 - 10_000  # pack --seed: epoch e < MAX_EPOCHS plans with seed + e, an int64
 MAX_RANKS = 2**20  # pack --dp, --cp, --pp, --micro-batches (one row per micro-batch and DP rank)
 MAX_STEP_TOKENS = 2**62  # pack --tokens-per-step
 

@@ -154,7 +154,7 @@ PACK_SHARD = obj({"name": string(), "first_row": COUNT, "rows": COUNT, "tokens":
 PACK_EPOCH = obj(
     {
         "epoch": integer(min=0, max=MAX_EPOCHS),
-        "seed": integer(min=0, max=MAX_SEED + MAX_EPOCHS),
+        "seed": integer(min=0),
         "plan": string(),
         "steps": COUNT,
         "rows": COUNT,
