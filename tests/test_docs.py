@@ -3,6 +3,7 @@ benchmark tables generated from the results, and a quick start that runs as writ
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ def test_readme_is_short_and_starts_with_the_two_commands():
     first_block = text.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
     assert first_block[0].startswith("tools/setup.sh && .venv/bin/balancer demo")
     assert first_block[1].startswith("tools/test.sh")
+    assert first_block[2].startswith("tools/test.sh --quick")  # the quick subset, right beside the full command
     assert "bash tools/test.sh" in (REPO / ".ci" / "run").read_text()
 
 
@@ -52,9 +54,13 @@ def test_benchmark_tables_are_generated_from_results():
     assert run.returncode == 0, run.stderr
 
 
-def test_readme_quick_start_runs():
+def test_readme_quick_start_runs(tmp_path):
+    """As written, in a scratch folder (it saves plan.json where it runs, never in the repository)."""
     text = (REPO / "README.md").read_text()
     code = text.split("## Quick start (Python)", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
-    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr
     assert "epoch_efficiency" in run.stdout

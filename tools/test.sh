@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# Set up .venv with the test extras (tools/setup.sh), lint (ruff check + format check), run the whole test suite.
-# Extra args go to pytest.
+# Set up .venv with the test extras (tools/setup.sh), lint (ruff check + format check), run the whole test suite
+# (progress per file). --quick (first argument): only the tests not marked slow (-m "not slow"). Extra args go to
+# pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tools/setup.sh test
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-exec .venv/bin/python -m pytest -q "$@"
+quick=()
+if [[ "${1:-}" == "--quick" ]]; then
+    shift
+    quick=(-m "not slow")
+fi
+exec .venv/bin/python -m pytest ${quick[@]+"${quick[@]}"} "$@"
