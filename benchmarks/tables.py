@@ -542,7 +542,32 @@ def plan_validate() -> str:
     return markdown(header, rows) + note
 
 
+def import_time() -> str:
+    data = load("import_time")
+    machine = data["machine"]
+    rows = [
+        [f"`{name}`", fmt(r["cpu_median"], ".3f"), fmt(r["wall_median"], ".3f"), fmt(r["cpu_vs_import_torch"], ".2f")]
+        for name, r in data["results"].items()
+    ]
+    goal = data["goal"]
+    rows.append(
+        [
+            f"goal: `balancer --help` <= {goal['balancer --help cpu / import torch cpu']}x",
+            "",
+            "",
+            f"{goal['ratio']:.2f} ({'met' if goal['met'] else 'missed'})",
+        ]
+    )
+    header = ["command (median of {} rounds)".format(data["rounds"]), "CPU s", "wall s", "CPU / import torch"]
+    note = (
+        f"\n\n{data['date']}, {machine['cpus']} cores, load average {machine['load_average_start'][0]} at start, "
+        f"{machine['load_average_end'][0]} at end; CPU = user + system time of the child process."
+    )
+    return markdown(header, rows) + note
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "import_time": import_time,
     "plan_validate": plan_validate,
     "post_training": post_training,
     "window_first_batch": window_first_batch,
