@@ -213,6 +213,7 @@ def test_pack_resume_reads_its_state_strictly_and_against_the_disk(packed, good,
         ("swapped", lambda s: s["shards"].reverse(), r"\.pack-state\.json: shards\[0\]"),
         ("row_gap", lambda s: s["shards"][-1].update(first_row=s["shards"][-1]["first_row"] + 1), "first_row"),
         ("string", lambda s: s["shards"][0].update(rows="3"), r'\.pack-state\.json: "shards\[0\]\.rows": expected an'),
+        ("rows", lambda s: s["shards"][-1].update(rows=s["shards"][-1]["rows"] - 1), r"records \d+ rows, .* holds"),
     ]:
         out = copy_folder(packed, tmp_path / name)
         m = json.loads((out / "manifest.json").read_text())

@@ -49,6 +49,7 @@ from balancer.data.pack.rows import (
     rows_per_epoch,
 )
 from balancer.data.pack.verify import check_names, is_packed, load_packed_manifest, packed_metrics, verify_packed
+from balancer.data.shards.arrow_rows import ArrowHeaderError, stream_row_count
 from balancer.data.shards.errors import arg
 from balancer.data.shards.limits import (
     DEFAULT_SHARD_TOKENS,
@@ -264,8 +265,8 @@ def pack(
 
 
 def _resume_state(out: Path, job: str, prev: Optional[dict]) -> dict:
-    """The state to continue from: the recorded plans, and the recorded shards up to the first that fails its
-    checksum (None: a fresh start)."""
+    """The state to continue from: the recorded plans and shards, refused (naming the state file) when they
+    disagree with the files on disk (None: a fresh start)."""
     state = {**state_header("pack_state"), "job": job, "plans": [], "shards": []}
     if prev is None:
         return state
@@ -273,11 +274,24 @@ def _resume_state(out: Path, job: str, prev: Optional[dict]) -> dict:
     problems = check_names(out, prev, PACK_STATE_NAME)
     if problems:
         raise PackError(f"{problems[0]}; the state disagrees with the files on disk: pass {arg('overwrite', True)}")
-    state["plans"] = prev["plans"]
-    for entry in prev["shards"]:
-        if verify_shard_files(out, entry) is not None:
-            break
-        state["shards"].append(entry)
+    for entry in prev["plans"] + prev["shards"]:  # sizes and sha256 were checked by the ownership rules
+        for name in entry["files"]:
+            if not (out / name).is_file():
+                raise PackError(
+                    f"{out / PACK_STATE_NAME}: records {name}, which is missing; pass {arg('overwrite', True)}"
+                )
+    for entry in prev["shards"]:  # the resume position is the sum of the recorded rows: they must be the file's
+        arrow = out / f"{entry['name']}.arrow"
+        try:
+            found = stream_row_count(arrow)
+        except ArrowHeaderError as exc:
+            raise PackError(f"{exc}; pass {arg('overwrite', True)}") from None
+        if found != entry["rows"]:
+            raise PackError(
+                f"{out / PACK_STATE_NAME}: {entry['name']} records {entry['rows']} rows, {arrow} holds {found}; "
+                f"pass {arg('overwrite', True)}"
+            )
+    state["plans"], state["shards"] = prev["plans"], prev["shards"]
     rows = sum(e["rows"] for e in state["shards"])
     _say(f"{out}: resuming after {len(state['shards'])} finished shard(s) at row {rows}")
     return state
