@@ -3,13 +3,14 @@
 1. First micro-batch: a fresh child process memory-maps 30M document lengths (the wlbllm trace resampled, saved as
    int64 .npy), builds a rank's BalancedBatchSampler (dp64 x cp4 x M8 x 32,768) and takes one micro-batch; it reports
    its process CPU time and its peak RSS (VmHWM) above what it held before touching the lengths, less the lengths
-   array itself (its mapped pages count in RSS). Run for windows of 8..128 steps' documents and the default; with
+   array itself (its mapped pages count in RSS). Run for windows of 16..128 steps' documents and the default; with
    `--whole-epoch`, also for one window (the plan of the whole epoch, what the sampler did before windows).
 2. Quality: every row of the planner-quality benchmark (benchmarks/planner_quality.py: 4 traces x 3 topologies),
    planned whole and window by window (the window plans of an epoch concatenated into one plan); epoch efficiency
    of each against the whole-epoch plan, for the same window sizes (in steps' documents) and the default. The rows
-   hold 78K-100K documents (17-1,927 steps), so large windows often hold the whole epoch: the same rows with every
-   trace resampled to `--scale` (4) times its documents are planned too, and draw the curve.
+   hold 78K-100K documents (17-1,927 steps), so large windows often hold the whole epoch: the same rows with each
+   trace resampled to 256 steps' documents (at most 8x; sft has 1,927 steps already and is left out) are planned
+   too, and draw the curve.
 Writes benchmarks/results/window_planning.json and window_planning.png (loss vs memory).
 """
 
@@ -32,7 +33,8 @@ import balancer
 from balancer.data.traces import load_trace
 from balancer.planning.window import DEFAULT_WINDOW_STEPS, default_window_docs, num_windows, plan_window
 
-STEPS = (8, 16, 32, 64, 128)
+STEPS = (16, 32, 64, 128)
+SCALED_STEPS = 256  # the scaled rows: each trace resampled to at least this many steps' documents (at most 8x)
 BIG = dict(dp=64, cp=4, pp=1, micro_batches=8, max_tokens=32768)
 
 
@@ -110,13 +112,18 @@ def windowed_efficiency(lengths, topo, window_docs: int, seed: int) -> tuple[flo
     return float(whole.metrics()["epoch_efficiency"]), k
 
 
-def quality(traces: list[str], seed: int, scale: int = 1) -> list[dict]:
-    """The planner-quality rows (scale > 1: each trace resampled to `scale` times its documents, so that windows of
-    up to 128 steps cut every epoch into several)."""
+def quality(traces: list[str], seed: int, scaled: bool = False) -> list[dict]:
+    """The planner-quality rows; `scaled`: each trace resampled to SCALED_STEPS steps' documents (at most 8x its
+    documents) for its first topology, so that windows of up to 128 steps cut its epochs into several (traces that
+    have that many steps already are left out)."""
     rows = []
     for trace in traces:
         lengths = load_trace(trace, seed=seed)
-        if scale > 1:
+        if scaled:
+            steps = lengths.sum() / standard_topology(lengths, *next(iter(TOPOLOGIES.values()))).tokens_per_step
+            if steps >= SCALED_STEPS:
+                continue
+            scale = min(8, int(np.ceil(SCALED_STEPS / steps)))
             lengths = np.random.default_rng(seed).choice(lengths, scale * len(lengths))
         for tname, (dp, cp, pp, m) in TOPOLOGIES.items():
             topo = standard_topology(lengths, dp, cp, pp, m)
@@ -154,9 +161,9 @@ def plot(result: dict, path: Path) -> None:
     for x, y, s in zip(mem, loss, steps):
         ax.annotate(f"{s} steps", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.axhline(0.005, color="grey", lw=0.8, ls=":")
-    ax.set_xlabel("peak RSS above the lengths before the first micro-batch (MiB, 30M docs, dp64xcp4xM8)")
+    ax.set_xlabel("peak RSS above the lengths to the first micro-batch, MiB (30M docs)")
     ax.set_ylabel("epoch efficiency lost to windows")
-    ax.set_title(f"window size: quality ({result['quality_scale']}x planner-quality rows) vs memory", fontsize=9)
+    ax.set_title("window size: quality (resampled planner-quality rows) vs memory", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -167,9 +174,9 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=30_000_000)
     ap.add_argument("--traces", nargs="+", default=["wlbllm", "prolong", "sft", "heavy"])
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--scale", type=int, default=4, help="documents of the scaled quality rows (x the trace's)")
     ap.add_argument("--whole-epoch", action="store_true", help="also time the whole-epoch plan (minutes)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--replot", action="store_true", help="redraw the PNG from the last results JSON, measure nothing")
     ap.add_argument("--child-scan", help=argparse.SUPPRESS)
     ap.add_argument("--window-docs", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -178,6 +185,9 @@ def main() -> None:
         return
     if args.child_scan:
         print(json.dumps(child_scan(args.child_scan)))
+        return
+    if args.replot:
+        plot(json.loads((RESULTS / "window_planning.json").read_text()), RESULTS / "window_planning.png")
         return
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "lengths.npy")
@@ -198,8 +208,7 @@ def main() -> None:
             first["whole_epoch"] = run_child(path, args.docs)
             print("first micro-batch, whole epoch:", first["whole_epoch"], flush=True)
     result = {"first_micro_batch": first, "quality": quality(args.traces, args.seed)}
-    result["quality_scale"] = args.scale
-    result["quality_scaled"] = quality(args.traces, args.seed, args.scale)
+    result["quality_scaled"] = quality(args.traces, args.seed, scaled=True)
     result["default_window_steps"] = DEFAULT_WINDOW_STEPS
     result["goals"] = {
         "first_micro_batch_cpu<=3s": first["default"]["cpu_seconds"] <= 3.0,
