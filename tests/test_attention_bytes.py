@@ -17,6 +17,8 @@ from _dist_utils import run_world
 from attention import CPLayout, _dist, cp_attention
 from attention.ulysses import kv_replication
 
+pytestmark = pytest.mark.slow  # multi-process gloo
+
 
 def _nbytes(t: torch.Tensor, rows: int | None = None) -> int:
     per_row = math.prod(t.shape[1:]) if t.dim() else 1

@@ -14,6 +14,8 @@ from _dist_utils import run_world
 
 from attention import CPLayout, cp_attention, varlen_attention
 
+pytestmark = pytest.mark.slow  # multi-process gloo
+
 TOL = {
     torch.float64: 1e-9,
     torch.float32: 2e-5,

@@ -13,6 +13,8 @@ from test_attention_cp import TOL, TOL_GRAD, rel
 from attention import CPLayout, cp_attention
 from attention.ulysses import kv_replication
 
+pytestmark = pytest.mark.slow  # multi-process gloo
+
 
 def check(rank, world, lens, heads, kv_heads, dtype, method, causal=True, window=(-1, -1), softcap=0.0,
           kind="zigzag", seed=0, layout_opts=None):  # fmt: skip

@@ -8,6 +8,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # torchrun-style scripts in CPU mode
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 

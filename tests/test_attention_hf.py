@@ -86,6 +86,7 @@ def _worker(rank, world, method):
         assert (g - pr.grad).abs().max() <= 1e-9 * max(float(pr.grad.abs().max()), 1e-12), name
 
 
+@pytest.mark.slow  # multi-process gloo
 @pytest.mark.parametrize("world,method", [(2, "ring"), (3, "allgather")])
 def test_llama_packed_cp_equals_per_document(world, method):
     run_world(world, _worker, method)

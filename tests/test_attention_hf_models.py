@@ -10,6 +10,8 @@ import pytest
 import torch
 from _dist_utils import run_world
 
+pytestmark = pytest.mark.slow  # multi-process gloo, real transformers models
+
 transformers = pytest.importorskip("transformers")
 
 SMALL = dict(vocab_size=61, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,

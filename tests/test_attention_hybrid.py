@@ -12,6 +12,8 @@ from test_attention_cp import check_case
 
 from attention import CPLayout, bytes_sent, cp_attention, reset_bytes_sent
 
+pytestmark = pytest.mark.slow  # multi-process gloo
+
 
 def _tight(extra: int):
     """max_tokens = the even share of the batch plus ``extra`` tokens (forces splits of what does not fit)."""

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow  # the example's spawned ranks
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -143,6 +143,7 @@ def unpack(example: dict) -> list[dict]:
     return [{"input_ids": ids} for ids in np.split(np.asarray(example["input_ids"]), cuts)]
 
 
+@pytest.mark.slow  # ~16 s
 def test_flattening_collator_and_varlen_on_rows(packed):
     from transformers import DataCollatorWithFlattening, LlamaConfig, LlamaForCausalLM
 

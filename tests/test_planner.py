@@ -82,6 +82,7 @@ def test_different_seeds_differ():
     assert not np.array_equal(a.doc, b.doc)
 
 
+@pytest.mark.slow  # 60 hypothesis epochs of 20K documents: ~50 s
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10_000), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]))
 def test_steps_hold_tokens_per_step_within_10_percent(seed, dp, pp):

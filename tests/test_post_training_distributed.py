@@ -17,6 +17,8 @@ from _dist_utils import run_world  # noqa: E402
 
 import balancer  # noqa: E402
 
+pytestmark = pytest.mark.slow  # multi-process gloo
+
 COST = balancer.CostModel(attn_coef=1 / 1000, linear_coef=1.0)
 
 

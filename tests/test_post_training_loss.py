@@ -24,6 +24,8 @@ from _trainer_utils import VOCAB, tiny_llama  # noqa: E402
 
 pytest.importorskip("transformers")
 
+pytestmark = pytest.mark.slow  # multi-process gloo training
+
 TOL = 1e-9
 BETA = 0.3
 REDUCTIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "group-mean-token-mean")

@@ -105,6 +105,7 @@ def test_byte_round_trip_windows_and_readers(corpus, tmp_path):
     assert verify(out) == []
 
 
+@pytest.mark.slow  # worker processes: ~16 s
 def test_hf_tokenizer_matches_own_encoding_and_num_proc(corpus, hf_tok, tmp_path):
     from transformers import AutoTokenizer
 

@@ -31,6 +31,8 @@ from balancer.data.shards.errors import DataError
 from balancer.data.shards.manifest import load_manifest
 from balancer.data.shards.verify import verify
 
+pytestmark = pytest.mark.slow  # a local Ray cluster: minutes
+
 REPO = Path(__file__).resolve().parents[1]
 OPTS = dict(max_length=64, shard_tokens=12_000, on_error="skip", add_eos=True)
 

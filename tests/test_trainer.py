@@ -21,6 +21,8 @@ from _trainer_utils import (  # noqa: E402
 )
 
 pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow  # transformers Trainer on gloo
 datasets = pytest.importorskip("datasets")
 
 TOL = 3e-4  # fp32; a padded stock Trainer batch measures ~4e-5 against the same reference

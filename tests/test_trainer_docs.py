@@ -16,6 +16,8 @@ from _data_utils import make_texts, train_hf_tokenizer  # noqa: E402
 
 pytest.importorskip("trl")
 pytest.importorskip("torchdata")
+
+pytestmark = pytest.mark.slow  # the training docs' Trainer snippets
 REPO = Path(__file__).resolve().parents[1]
 
 RUNNER = """

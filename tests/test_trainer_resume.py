@@ -14,6 +14,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from _trainer_utils import tiny_llama, token_rows, training_args  # noqa: E402
 
+pytestmark = pytest.mark.slow  # transformers Trainer runs
+
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 

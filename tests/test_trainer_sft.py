@@ -14,6 +14,8 @@ from _data_utils import make_texts, train_hf_tokenizer  # noqa: E402
 from _trainer_utils import PLAIN_SGD, relative_error, tiny_llama, unpacked_sgd_delta  # noqa: E402
 
 pytest.importorskip("trl")
+
+pytestmark = pytest.mark.slow  # trl SFTTrainer runs
 datasets = pytest.importorskip("datasets")
 
 

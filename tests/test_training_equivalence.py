@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _dist_utils import run_world  # noqa: E402
 from _trainer_utils import tiny_llama  # noqa: E402
 
+pytestmark = pytest.mark.slow  # multi-process gloo training
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 64
