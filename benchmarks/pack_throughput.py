@@ -6,7 +6,7 @@ least 2/3 as fast as pretokenize), and does pack's memory stay flat as the token
 Method (one run, one machine, both sides interleaved so a busy spell of a shared machine hits both alike): a
 synthetic JSON-lines corpus whose documents have the lengths of a seeded random sample of the built-in WLB-LLM
 trace (ASCII text, so the byte tokenizer gives exactly those token counts), at two sizes (the larger has twice the
-documents). "pretokenize" = `balancer.data.shards.pretokenize` (byte tokenizer, one process) of the corpus;
+documents). "pretokenize" = `balancer.data.pretokenize.pretokenize` (byte tokenizer, one process) of the corpus;
 "pack" = `balancer.data.pack.pack` of that output for dp8 x cp2, 4 micro-batches, max_tokens 65536, 1 epoch
 (planning included). Each runs in a fresh child process, timed around the call (interpreter start and imports
 excluded); bytes = every file the call leaves in its output folder; peak RSS = the child's VmHWM (MiB), beside its

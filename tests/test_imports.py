@@ -297,6 +297,37 @@ def test_every_export_lives_where_its_package_says():
             assert name in _defined_names(MODULES[home]), f"{package}: {name} is not defined in {home}"
 
 
+def test_no_export_shadows_a_submodule():
+    """`balancer.data.pack` cannot be both the subpackage and the function: once the subpackage is imported Python
+    sets the attribute to it. An export named like a submodule of its package must be that submodule."""
+    clashes = []
+    for package, path in MODULES.items():
+        if path.name != "__init__.py":
+            continue
+        for name, home in _exports(package).items():
+            child = f"{package}.{name}"
+            if child in MODULES and home != child:
+                clashes.append(f"{package} exports {name} from {home}, but {child} is a module")
+    assert not clashes, clashes
+
+
+def test_design_doc_lists_every_export():
+    """docs/design.md's export table names every export of every package (`balancer...` lazy exports and
+    `attention.__all__`) in its package's row."""
+    rows = {}
+    for line in (ROOT / "docs" / "design.md").read_text().splitlines():
+        match = re.match(r"\| `([\w.]+)` \| (.*) \|$", line)
+        if match:
+            rows[match.group(1)] = match.group(2)
+    missing = []
+    for package, path in MODULES.items():
+        if path.name != "__init__.py" or package.startswith(("balancer.cli", "attention.")):
+            continue
+        names = list(_exports(package)) or list(_literal(package, "__all__") or [])
+        missing += [f"{package}.{name}" for name in names if f"`{name}`" not in rows.get(package, "")]
+    assert not missing, missing
+
+
 # ---- short functions ---------------------------------------------------------------------------------------------
 
 

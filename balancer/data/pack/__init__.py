@@ -9,6 +9,7 @@ from balancer._lazy import lazy_exports
 _EXPORTS = {
     "pack": "balancer.data.pack.build",
     "verify_packed": "balancer.data.pack.verify",
+    "packed_metrics": "balancer.data.pack.verify",
     "is_packed": "balancer.data.pack.verify",
     "load_packed_manifest": "balancer.data.pack.verify",
     "SourceTokens": "balancer.data.pack.rows",

@@ -26,7 +26,6 @@ _EXPORTS = {
     "ShardDataset": "balancer.data.shards.dataset",
     "read_lengths": "balancer.data.shards.lengths",
     "load_manifest": "balancer.data.shards.manifest",
-    "verify": "balancer.data.shards.verify",
     "open_folder": "balancer.data.shards.checks",
 }
 __all__ = list(_EXPORTS)
