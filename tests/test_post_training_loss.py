@@ -1,11 +1,13 @@
 """RL and preference losses on a fixed batch: packed, balanced training on 2 gloo ranks equals the unpacked reference.
 
 A stock transformers LlamaForCausalLM (tiny config, float64). The batch: 6 prompts x 4 responses (GRPO: advantages
-normalised per prompt) and 12 preference pairs (DPO). `balance_batch` plans it over dp=2 ranks, 2 mini-batches, with
-prompts kept on a rank (RL) or pairs kept in a micro-batch (DPO). Each rank runs its micro-batches through
-PackedCollator and the project's attention, weighs the loss with `rl_loss` / `dpo_loss` and the plan's counts
-(`step_counts`), and the gradients are summed over the ranks. The reference computes every mini-batch's loss one
-document at a time, with the plain definition of each reduction. Gradients agree to 1e-9 relative, every step.
+normalised per prompt) and 12 preference pairs (DPO). `balance_batch` plans it over dp=2 ranks (every reduction and
+DPO) or over one CP group of 2 ranks (per-group RL and DPO, sequence sums all-reduced over the CP group), 2
+mini-batches, with prompts kept on a rank (RL) or pairs kept in a micro-batch (DPO). Each rank runs its
+micro-batches through PackedCollator and the project's attention, weighs the loss with `rl_loss` / `dpo_loss` and
+the plan's counts (`step_counts`), and the gradients are summed over the ranks. The reference computes every
+mini-batch's loss one document at a time, with the plain definition of each reduction. Gradients agree to 1e-9
+relative, every step.
 """
 
 from __future__ import annotations
@@ -49,11 +51,11 @@ def _batch(seed: int = 0):
     return lengths, ids, labels, groups, advantage, ref_logps, loss_tokens
 
 
-def _plans():
+def _plans(cp: int = 1):
     import balancer
 
     lengths, *_ = _batch()
-    topo = balancer.Topology(dp=2, micro_batches=2, max_tokens=128)
+    topo = balancer.Topology(dp=2 // cp, cp=cp, micro_batches=2, max_tokens=128 // cp)
     cost = balancer.CostModel(attn_coef=1.0, linear_coef=10.0)
     groups = np.repeat(np.arange(6), 4)
     pairs = np.repeat(np.arange(12), 2)
@@ -62,27 +64,28 @@ def _plans():
     return rl, dpo
 
 
-def _micro_loss(case, model, batch, docs, counts, data):
+def _micro_loss(case, model, batch, docs, counts, data, cp_group=None):
     import attention.hf as ahf
     from balancer.training.loss import dpo_loss, rl_loss, sequence_logps, token_doc_ids, token_logprobs
 
     _, _, _, _, advantage, ref_logps, _ = data
-    with ahf.cp_context(batch["layout"], group=None, method="ring", model=model):
+    with ahf.cp_context(batch["layout"], group=cp_group, method="ring", model=model):
         logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
     logps = token_logprobs(logits, batch["labels"])
     if case == "dpo":
-        seq = sequence_logps(logps, batch["seq_ids"], len(docs))
+        seq = sequence_logps(logps, batch["seq_ids"], len(docs), cp_group=cp_group)
         where = {d: i for i, d in enumerate(docs)}
         chosen = [d for d in docs if d % 2 == 0]
         c, r = [where[d] for d in chosen], [where[d + 1] for d in chosen]
-        return dpo_loss(seq[c], seq[r], ref_logps[chosen], ref_logps[[d + 1 for d in chosen]], BETA, counts.num_groups)
+        ref_c, ref_r = ref_logps[chosen], ref_logps[[d + 1 for d in chosen]]
+        return dpo_loss(seq[c], seq[r], ref_c, ref_r, BETA, counts.num_groups, cp_size=batch["cp_size"])
     doc_ids = token_doc_ids(batch["seq_ids"], docs)
     ratio = torch.exp(logps - logps.detach())  # PPO's ratio at the sampling policy: gradient of log-prob
     per_token = -advantage[doc_ids.clamp(min=0)] * ratio
     return rl_loss(per_token, batch["labels"] != -100, doc_ids, counts, case)
 
 
-def _worker(rank, world, out_path):
+def _worker(rank, world, cp, cases, out_path):
     import attention.hf as ahf
     from balancer.training.collate import PackedCollator
     from balancer.training.loss import step_counts
@@ -91,20 +94,22 @@ def _worker(rank, world, out_path):
     lengths, ids, labels, groups, _, _, loss_tokens = data
     ahf.register()
     model = tiny_llama(ahf.NAME).double()
-    collate = PackedCollator()
-    rl, dpo = _plans()
+    dp_rank, cp_rank = divmod(rank, cp)
+    collate = PackedCollator(cp_rank=cp_rank, cp_size=cp, dp_rank=dp_rank)
+    cp_group = dist.group.WORLD if cp > 1 else None  # 2 processes: dp2 x cp1, or one CP group of 2
+    rl, dpo = _plans(cp)
     results = {}
-    for case in (*REDUCTIONS, "dpo"):
+    for case in cases:
         plan = dpo if case == "dpo" else rl
         kept = np.repeat(np.arange(12), 2) if case == "dpo" else groups
-        for step, micro_batches in enumerate(plan.rank_view(rank)):
+        for step, micro_batches in enumerate(plan.rank_view(dp_rank)):
             counts = step_counts(plan, step, loss_tokens, kept)
             model.zero_grad(set_to_none=False)
             for docs in micro_batches:
                 batch = collate([{"input_ids": ids[d], "labels": labels[d]} for d in docs])
-                _micro_loss(case, model, batch, docs, counts, data).backward()
+                _micro_loss(case, model, batch, docs, counts, data, cp_group).backward()
             grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
-            dist.all_reduce(grads)  # SUM over the DP ranks: every normaliser is already global
+            dist.all_reduce(grads)  # SUM over the DP x CP ranks: every normaliser is already global
             results[(case, step)] = grads
     if rank == 0:
         torch.save(results, out_path)
@@ -139,16 +144,25 @@ def _reference(case, docs, data, model):
     return sum(-torch.nn.functional.logsigmoid(m) for m in margins) / len(chosen)
 
 
-def test_rl_and_preference_losses_equal_unpacked(tmp_path):
+CONFIGS = {  # 2 gloo processes: two DP ranks, or one replica of CP size 2 (documents split over the ranks)
+    "dp2": (1, (*REDUCTIONS, "dpo")),
+    "cp2": (2, ("group-mean-token-mean", "dpo")),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_rl_and_preference_losses_equal_unpacked(name, tmp_path):
+    cp, cases = CONFIGS[name]
     data = _batch()
-    rl, dpo = _plans()
+    rl, dpo = _plans(cp)
     assert rl.num_steps == dpo.num_steps == 2
-    assert (rl.micro_batch_tokens().sum(axis=2)[:, 0] != rl.micro_batch_tokens().sum(axis=2)[:, 1]).any()
+    if cp == 1:
+        assert (rl.micro_batch_tokens().sum(axis=2)[:, 0] != rl.micro_batch_tokens().sum(axis=2)[:, 1]).any()
     out = tmp_path / "grads.pt"
-    run_world(2, _worker, str(out))
+    run_world(2, _worker, cp, cases, str(out))
     got = torch.load(out)
     model = tiny_llama("sdpa").double()
-    for case in (*REDUCTIONS, "dpo"):
+    for case in cases:
         plan = dpo if case == "dpo" else rl
         for step in range(plan.num_steps):
             docs = sorted(int(d) for d in plan.doc[plan.step_of_entry() == step])

@@ -197,14 +197,20 @@ def rl_loss(
     return torch.where(mask, per_token * w, torch.zeros_like(per_token)).sum()
 
 
-def sequence_logps(token_logps: torch.Tensor, seq_ids: torch.Tensor, num_sequences: int) -> torch.Tensor:
+def sequence_logps(token_logps: torch.Tensor, seq_ids: torch.Tensor, num_sequences: int, cp_group=None) -> torch.Tensor:
     """[num_sequences] summed log-probabilities of every document of a micro-batch (padding dropped). With CP each
-    rank holds part of every document: all-reduce the result over the CP group with
-    `torch.distributed.nn.functional.all_reduce` (it carries the gradient)."""
+    rank holds part of every document: pass `cp_group` and the sums are all-reduced over it with
+    `torch.distributed.nn.functional.all_reduce` (which carries the gradient back to every rank's tokens); every CP
+    rank then holds the same sequence values, so give `dpo_loss` the CP size."""
     sid = seq_ids.reshape(-1)
     keep = sid >= 0
     out = torch.zeros(num_sequences, dtype=token_logps.dtype, device=token_logps.device)
-    return out.index_add(0, sid[keep], token_logps.reshape(-1)[keep])
+    out = out.index_add(0, sid[keep], token_logps.reshape(-1)[keep])
+    if cp_group is not None:
+        from torch.distributed.nn.functional import all_reduce
+
+        out = all_reduce(out, group=cp_group)
+    return out
 
 
 def dpo_loss(
@@ -214,12 +220,15 @@ def dpo_loss(
     ref_rejected: torch.Tensor,
     beta: float,
     num_pairs_global: int,
+    cp_size: int = 1,
 ) -> torch.Tensor:
     """This micro-batch's share of the step's DPO loss: `sum over its pairs of -log sigmoid(beta * ((chosen -
     ref_chosen) - (rejected - ref_rejected))) / num_pairs_global` (sequence log-probabilities; the step's pair
     count from `step_counts(..., groups=pair ids).num_groups`). Keep pairs in one micro-batch
-    (`balance_batch(..., groups=pair_ids, keep="micro_batch")`)."""
+    (`balance_batch(..., groups=pair_ids, keep="micro_batch")`). With CP (sequence sums all-reduced by
+    `sequence_logps(..., cp_group=...)`) every CP rank computes the same loss and the all-reduce's backward adds
+    their gradients: `cp_size` divides each rank's copy so the summed gradient is the step's."""
     if num_pairs_global <= 0:
         raise ValueError(f"num_pairs_global must be > 0, got {num_pairs_global!r}")
     margin = beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
-    return -F.logsigmoid(margin).sum() / float(num_pairs_global)
+    return -F.logsigmoid(margin).sum() / float(num_pairs_global * cp_size)
