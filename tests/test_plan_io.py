@@ -283,7 +283,8 @@ def test_dynamic_plan_slots_per_step_must_match(tmp_path):
 @pytest.mark.parametrize(
     "edit, needle",
     [
-        (lambda d: d.__setitem__("format_version", 3), '"format_version": 3 is newer than this balancer reads'),
+        (lambda d: d.__setitem__("format_version", 4), '"format_version": 4 is newer than this balancer reads'),
+        (lambda d: d.__setitem__("format_version", 2), '"window": not part of format_version 2 (added in 3)'),
         (lambda d: d.__setitem__("format", "balancer.pln"), '"format": not a balancer.plan file'),
         (lambda d: d.__setitem__("seeed", 1), '"seeed": unknown key (did you mean "seed"?)'),
         (lambda d: d["cost_model"].__setitem__("causal", "false"), '"cost_model.causal": expected true or false'),
@@ -302,10 +303,14 @@ def test_load_reads_the_header_strictly(tmp_path, edit, needle):
 
 
 def test_version_1_plans_still_load(tmp_path):
-    """A plan as version 1 wrote it: "format": "balancer.plan/1", no format_version, NaN plan_seconds."""
+    """Plans as versions 2 and 1 wrote them (version 1: "format": "balancer.plan/1", no format_version, NaN
+    plan_seconds) still load."""
     plan = _small_plan()
     path, data = _save_json(plan, tmp_path)
-    assert data["format"] == "balancer.plan" and data["format_version"] == 2
+    assert data["format"] == "balancer.plan" and data["format_version"] == 3
+    del data["window"]  # version 3's key
+    path.write_text(json.dumps({**data, "format_version": 2}))
+    assert np.array_equal(Plan.load(path).doc, plan.doc)  # version 2 still loads
     del data["format_version"]
     data["format"] = "balancer.plan/1"
     data["plan_seconds"] = None

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import balancer
-from balancer.planning.window import EpochShuffle, num_windows, window_ids, window_range
+from balancer.planning.shuffle import EpochShuffle, num_windows, window_ids, window_range
 from balancer.training.indices import Span
 
 COST = balancer.CostModel(attn_coef=1.0, linear_coef=50.0)
@@ -191,7 +191,8 @@ def test_cli_writes_one_window(tmp_path):
                          capture_output=True, text=True)  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "window 1 of 4 (epoch 2, seed 3)" in run.stderr
-    got = balancer.Plan.load(out, validate=False)
+    got = balancer.Plan.load(out)  # validated: exactly its window's documents, each covered whole
+    assert got.window == balancer.plan_window(LENGTHS, TOPO, COST, seed=3, epoch=2, index=1, window_docs=150).window
     cli_cost = balancer.CostModel(attn_coef=2 / 53000, linear_coef=1.0)  # the CLI default
     want = balancer.plan_window(LENGTHS, TOPO, cli_cost, seed=3, epoch=2, index=1, window_docs=150)
     assert np.array_equal(got.doc, want.doc) and np.array_equal(got.mb_ptr, want.mb_ptr)
@@ -223,3 +224,43 @@ def test_dynamic_cp_windows_cover_every_token_once():
     with pytest.raises(ValueError, match=f"document {len(lengths) - 1} has 900 tokens"):
         big = balancer.Topology(dp=2, cp=2, micro_batches=2, max_tokens=200, cp_sizes=(1, 2, 4))
         balancer.BalancedBatchSampler(lengths, big, COST, rank=0)
+
+
+def test_window_plan_files_validate_their_window(tmp_path):
+    """A saved window plan records its window and loads validated; a plan file that drops one of the window's
+    documents, places one outside it, or names a window the epoch does not have is refused naming what is wrong."""
+    import json
+
+    want = balancer.plan_window(LENGTHS, TOPO, COST, seed=3, epoch=2, index=1, window_docs=150)
+    want.validate()
+    for suffix in (".json", ".npz"):
+        path = tmp_path / f"w{suffix}"
+        want.save(path)
+        got = balancer.Plan.load(path)
+        assert got.window == want.window and np.array_equal(got.window_ids, want.window_ids)
+        assert np.array_equal(got.doc, want.doc)
+    data = json.loads((tmp_path / "w.json").read_text())
+    outside = int(np.setdiff1d(np.arange(len(LENGTHS)), want.window_ids)[0])
+    # a micro-batch of two or more documents, so that one can go without leaving it empty
+    s_, r_, m_ = next(
+        (s_, r_, m_)
+        for s_, step in enumerate(data["steps"])
+        for r_, rep in enumerate(step["replicas"])
+        for m_, mb in enumerate(rep["micro_batches"])
+        if len(mb["docs"]) > 1
+    )
+
+    def docs(d):
+        return d["steps"][s_]["replicas"][r_]["micro_batches"][m_]["docs"]
+
+    cases = {
+        "documents are not in the plan": lambda d: docs(d).pop(),
+        "is not in the plan's window": lambda d: docs(d).append(outside),
+        "make window 1 of 4": lambda d: d["window"].update(stop=d["window"]["stop"] + 1),
+    }
+    for message, tamper in cases.items():
+        bad = json.loads(json.dumps(data))
+        tamper(bad)
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=message):
+            balancer.Plan.load(tmp_path / "bad.json")

@@ -64,7 +64,8 @@ def _plan_or_window(lengths: np.ndarray, topo: Topology, cost: CostModel, args):
         raise ValueError("--window-docs and --window-index go together (one window of the epoch)")
     if args.window_docs is None:
         return make_plan(lengths, topo, cost, seed=args.seed, overflow=args.overflow, progress=show_progress(args))
-    from balancer.planning.window import num_windows, plan_window
+    from balancer.planning.shuffle import num_windows
+    from balancer.planning.window import plan_window
 
     if args.window_docs < 1 or args.window_index < 0 or args.epoch < 0:
         raise ValueError("--window-docs must be >= 1, --window-index and --epoch >= 0")

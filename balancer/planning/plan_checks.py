@@ -48,9 +48,10 @@ def check_placements(plan) -> None:
 
 
 def check_coverage(plan) -> None:
-    """Every document placed, its spans starting at token 0, consecutive (no gap, no overlap) and ending at its
-    length, or, for a plan with dropped tokens (overflow='truncate'), at one truncation cut shared by every
-    document longer than it; the tokens short of the lengths add up to `dropped_tokens`. Vectorised: one sort."""
+    """Every document placed (a window plan: exactly its window's documents), its spans starting at token 0,
+    consecutive (no gap, no overlap) and ending at its length, or, for a plan with dropped tokens
+    (overflow='truncate'), at one truncation cut shared by every document longer than it; the tokens short of the
+    lengths add up to `dropped_tokens`. Vectorised: one sort."""
     doc, start, end, lengths = plan.doc, plan.start, plan.end, plan.lengths
     outside = (doc < 0) | (doc >= plan.num_docs)
     if np.any(outside):
@@ -69,9 +70,17 @@ def check_coverage(plan) -> None:
     first[1:] = d[1:] != d[:-1]
     present = np.zeros(plan.num_docs, dtype=bool)
     present[d[first]] = True
-    if not present.all():
-        missing = np.flatnonzero(~present)
+    if plan.window_ids is None:
+        expected = np.ones(plan.num_docs, dtype=bool)
+    else:
+        expected = np.zeros(plan.num_docs, dtype=bool)
+        expected[plan.window_ids] = True
+    if np.any(expected & ~present):
+        missing = np.flatnonzero(expected & ~present)
         raise ValueError(f"{len(missing)} documents are not in the plan (first: document {int(missing[0])})")
+    if np.any(present & ~expected):
+        extra = int(np.argmax(present & ~expected))
+        raise ValueError(f"document {extra} is placed but is not in the plan's window ({plan.window})")
     broken = (first & (s != 0)) | (~first & (s != np.roll(e, 1)))
     if np.any(broken):
         j = int(np.argmax(broken))
@@ -80,12 +89,12 @@ def check_coverage(plan) -> None:
             f"{_entry_name(plan, int(order[j]))}: document {int(d[j])}: its span [{int(s[j])}, {int(e[j])}) {what}"
         )
     last = np.append(first[1:], True)
-    covered = e[last]  # per document 0..n-1, the end of its last span
-    _check_shortfall(plan, covered, order[last])
+    # per placed document (every document, or a window's), the end of its last span
+    _check_shortfall(plan, d[last], e[last], order[last])
 
 
-def _check_shortfall(plan, covered: np.ndarray, last_entry: np.ndarray) -> None:
-    lengths = plan.lengths
+def _check_shortfall(plan, docs: np.ndarray, covered: np.ndarray, last_entry: np.ndarray) -> None:
+    lengths = plan.lengths[docs]
     short = covered < lengths
     dropped = int((lengths - covered).sum())
     if not short.any() and dropped == plan.dropped_tokens:
@@ -104,8 +113,8 @@ def _check_shortfall(plan, covered: np.ndarray, last_entry: np.ndarray) -> None:
             else "a span is missing or shortened"
         )
         raise ValueError(
-            f"document {i} has {int(lengths[i])} tokens but its spans end at token {int(covered[i])} (last span in "
-            f"{_entry_name(plan, int(last_entry[i]))}): {why}"
+            f"document {int(docs[i])} has {int(lengths[i])} tokens but its spans end at token {int(covered[i])} "
+            f"(last span in {_entry_name(plan, int(last_entry[i]))}): {why}"
         )
     if dropped != plan.dropped_tokens:
         raise ValueError(

@@ -7,6 +7,7 @@ silently wrong plan; with `validate=True` the invariants too (balancer.planning.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import zipfile
@@ -18,6 +19,7 @@ import numpy as np
 from balancer.files import atomic_write
 from balancer.planning.cost import COST_FIELDS, CostModel
 from balancer.planning.plan_checks import check_placements
+from balancer.planning.shuffle import WindowInfo, num_windows, window_range
 from balancer.planning.topology import Topology
 from balancer.strict_json import (
     FORMAT_KEYS,
@@ -33,8 +35,23 @@ from balancer.strict_json import (
 )
 
 # Version history (docs/plan-format.md): 1 = "format": "balancer.plan/1"; 2 = "format": "balancer.plan" with
-# "format_version", plan_seconds null instead of NaN, keys checked strictly (nothing else changed).
-PLAN_FORMAT = FormatSpec("balancer.plan", 2, {"balancer.plan/1": 1})
+# "format_version", plan_seconds null instead of NaN, keys checked strictly (nothing else changed); 3 = "window" (a
+# window plan of balancer.plan_window records which window of which shuffle it places).
+PLAN_FORMAT = FormatSpec("balancer.plan", 3, {"balancer.plan/1": 1})
+WINDOW_RECORD = obj(
+    {
+        "seed": integer(min=0),
+        "epoch": integer(min=0),
+        "index": integer(min=0),
+        "num_windows": integer(min=1),
+        "window_docs": integer(min=1),
+        "first": integer(min=0),
+        "stop": integer(min=0),
+    },
+    nullable=True,
+    required=False,
+    since=3,
+)
 TOPOLOGY_RECORD = obj(
     {
         **{k: integer(min=1) for k in ("dp", "cp", "pp", "micro_batches", "max_tokens")},
@@ -51,6 +68,7 @@ HEADER_KEYS = {
     "plan_seconds": number(min=0, nullable=True, required=False),
     "dropped_tokens": integer(min=0, nullable=True, required=False),
     "layout": obj(required=False),  # {"kind": ..., options}: the CP layout the plan is sharded with
+    "window": WINDOW_RECORD,
 }
 JSON_PLAN = obj(
     {**HEADER_KEYS, "lengths": array(required=False), "steps": array(), "natural_step": array(required=False)}
@@ -89,12 +107,13 @@ def header(plan) -> dict:
         "seed": plan.seed,
         "plan_seconds": None if seconds is None or not math.isfinite(seconds) else seconds,
         "dropped_tokens": plan.dropped_tokens,
+        "window": None if plan.window is None else dataclasses.asdict(plan.window),
     }
 
 
 def plan_to_dict(plan) -> dict:
     head = header(plan)
-    data = {k: head[k] for k in ("format", "format_version", "topology", "cost_model", "num_docs", "seed")}
+    data = {k: head[k] for k in ("format", "format_version", "topology", "cost_model", "num_docs", "seed", "window")}
     data["lengths"] = plan.lengths.tolist()
     data["steps"] = [_step_record(st) for st in plan.steps]
     return data
@@ -361,12 +380,34 @@ def _build(cls, path, head, lengths, topology, cost, flat, groups, natural):
     if natural is not None and len(natural) != len(lengths):
         raise PlanFileError(f"{path}: field 'natural_step' has {len(natural)} entries for {len(lengths)} documents")
     seed, dropped = head.get("seed"), head.get("dropped_tokens")  # types and ranges checked with the header
+    window = _window(path, head.get("window"), len(lengths))
     plan_seconds = head.get("plan_seconds")
     plan_seconds = float("nan") if plan_seconds is None else plan_seconds
     try:
         return cls(
             lengths, topology, cost, doc, start, end, mb_ptr, seed=seed, natural_step=natural,
-            plan_seconds=float(plan_seconds), dropped_tokens=dropped, groups=groups,
+            plan_seconds=float(plan_seconds), dropped_tokens=dropped, groups=groups, window=window,
         )  # fmt: skip
     except ValueError as e:
         raise PlanFileError(f"{path}: {e}") from None
+
+
+def _window(path, record: dict | None, num_docs: int) -> WindowInfo | None:
+    """The window a window plan places (its record's counts must agree with the epoch it names)."""
+    if record is None:
+        return None
+    window = WindowInfo(**record)
+    try:
+        expected = (
+            num_windows(num_docs, window.window_docs),
+            *window_range(num_docs, window.window_docs, window.index),
+        )
+    except ValueError as e:
+        raise PlanFileError(f"{path}: field 'window': {e}") from None
+    if (window.num_windows, window.first, window.stop) != expected:
+        raise PlanFileError(
+            f"{path}: field 'window' says window {window.index} of {window.num_windows} holds shuffle positions "
+            f"[{window.first}, {window.stop}), but {num_docs} documents in windows of {window.window_docs} make "
+            f"window {window.index} of {expected[0]} at [{expected[1]}, {expected[2]})"
+        )
+    return window

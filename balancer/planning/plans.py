@@ -28,6 +28,7 @@ from balancer.planning.cost import CostModel
 from balancer.planning.plan_checks import check_placements
 from balancer.planning.plan_io import load_plan, plan_to_dict, save_plan
 from balancer.planning.predict import micro_batch_time, predict_plan
+from balancer.planning.shuffle import WindowInfo
 from balancer.planning.topology import Topology
 
 
@@ -112,6 +113,7 @@ class Plan:
         plan_seconds: float = float("nan"),
         dropped_tokens: int | None = None,
         groups: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+        window: WindowInfo | None = None,
     ) -> None:
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.topology = topology
@@ -139,6 +141,8 @@ class Plan:
         if dropped_tokens is None:
             dropped_tokens = int(self.lengths.sum() - (self.end - self.start).sum())
         self.dropped_tokens = dropped_tokens
+        self.window = window  # a window plan (balancer.plan_window) places only its window's documents
+        self._window_ids: np.ndarray | None = None
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -176,6 +180,13 @@ class Plan:
     @property
     def num_docs(self) -> int:
         return len(self.lengths)
+
+    @property
+    def window_ids(self) -> np.ndarray | None:
+        """The sorted ids of the documents a window plan places (None: a whole-epoch plan places every document)."""
+        if self.window is not None and self._window_ids is None:
+            self._window_ids = self.window.ids(self.num_docs)
+        return self._window_ids
 
     @property
     def num_steps(self) -> int:

@@ -9,9 +9,9 @@ still loads: it is a whole-epoch plan, one window. Exact types (a bool is not an
 from __future__ import annotations
 
 from balancer.planning.cost import CostModel
+from balancer.planning.shuffle import num_windows
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES
-from balancer.planning.window import num_windows
 from balancer.strict_json import FORMAT_KEYS, FormatSpec, anything, array, check, check_format, integer, obj, string
 
 SPEC = FormatSpec("balancer.sampler", 2, legacy={"balancer.sampler/1": 1})

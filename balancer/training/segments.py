@@ -17,8 +17,9 @@ import numpy as np
 
 from balancer.planning.cost import CostModel
 from balancer.planning.planner import plan as make_plan
+from balancer.planning.shuffle import num_windows, window_ids
 from balancer.planning.topology import Topology
-from balancer.planning.window import num_windows, window_ids, window_seed
+from balancer.planning.window import window_seed
 from balancer.training.indices import CPGroup
 
 KEEP_WINDOWS = 2  # planned windows kept in memory: the current one and the next
