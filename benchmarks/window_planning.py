@@ -31,7 +31,8 @@ from _common import DEFAULT_COST, RESULTS, TOPOLOGIES, standard_topology, write_
 
 import balancer
 from balancer.data.traces import load_trace
-from balancer.planning.window import DEFAULT_WINDOW_STEPS, default_window_docs, num_windows, plan_window
+from balancer.planning.shuffle import num_windows
+from balancer.planning.window import DEFAULT_WINDOW_STEPS, default_window_docs, plan_window
 
 STEPS = (16, 32, 64, 128)
 SCALED_STEPS = 256  # the scaled rows: each trace resampled to at least this many steps' documents (at most 8x)
