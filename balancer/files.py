@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from balancer.paths import input_clash
+
 __all__ = ["OutputPathError", "atomic_write", "check_output_file", "data_folder_marker"]
 
 
@@ -60,10 +62,6 @@ def _remove(path: str) -> None:
         pass
 
 
-def _inside(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
 def data_folder_marker(folder: str | os.PathLike) -> str | None:
     """The name of the file that makes `folder` a balancer data folder (a pretokenized or packed folder's
     manifest, a run's progress state or lock), or None."""
@@ -87,18 +85,14 @@ def data_folder_marker(folder: str | os.PathLike) -> str | None:
 
 
 def check_output_file(path: str | os.PathLike, inputs: Sequence[str | os.PathLike], flag: str) -> None:
-    """Refuse (OutputPathError naming `flag`) an output file `path` that is an input, lies inside an input folder
-    or inside a balancer data folder, or is a folder. Inputs that do not exist (built-in trace names) are skipped."""
-    real_out = os.path.realpath(path)
-    for spec in inputs:
-        if spec is None or not os.path.exists(spec):
-            continue
-        real_in = os.path.realpath(spec)
-        if real_in == real_out:
-            raise OutputPathError(f"{flag} {path} is the input {spec}: writing it would replace it; pick another file")
-        if os.path.isdir(real_in) and _inside(real_out, real_in):
-            raise OutputPathError(f"{flag} {path} lies inside the input folder {spec}: pick a file outside it")
-    if os.path.isdir(path):
+    """Refuse (OutputPathError naming `flag`) an output file `path` that is an input (also through a symbolic or a
+    hard link), lies inside an input folder or inside a balancer data folder, or is a folder (`input_clash`)."""
+    clash = input_clash(path, inputs)
+    if clash is not None and clash[0] == "is":
+        raise OutputPathError(f"{flag} {path} is the input {clash[1]}: writing it would replace it; pick another file")
+    if clash is not None and clash[0] == "inside":
+        raise OutputPathError(f"{flag} {path} lies inside the input folder {clash[1]}: pick a file outside it")
+    if os.path.isdir(path):  # (also where it holds an input)
         raise OutputPathError(f"{flag} {path} is a folder: give a file name")
     folder = os.path.dirname(os.path.abspath(path))
     while not os.path.lexists(folder):  # the nearest part of the path that exists must be a writable folder
@@ -107,7 +101,7 @@ def check_output_file(path: str | os.PathLike, inputs: Sequence[str | os.PathLik
         raise OutputPathError(f"{flag} {path}: {folder} is a file, not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputPathError(f"{flag} {path}: the folder {folder} is not writable (check its permissions)")
-    parent = os.path.dirname(real_out)
+    parent = os.path.dirname(os.path.realpath(path))
     marker = data_folder_marker(parent)
     if marker is not None:
         raise OutputPathError(

@@ -4,6 +4,7 @@ written."""
 
 from __future__ import annotations
 
+import argparse
 import errno
 import json
 import os
@@ -249,3 +250,23 @@ def test_missing_input_files_name_the_flag(lengths, tmp_path, capsys):
 def test_os_errors_without_a_file_name_do_not_say_no_file():
     assert describe_os_error(OSError(errno.ENOSPC, "No space left on device")).startswith("No space left on device")
     assert "(no file)" not in describe_os_error(OSError("p.json: cannot write"))
+
+
+def test_count_limits_have_one_owner():
+    """The CLI's flags and the data commands read their ranges from balancer.limits, and word them alike."""
+    import inspect
+    import re
+
+    import balancer.cli.flags as flags
+    import balancer.data.shards.limits as data_limits
+    from balancer.data.shards.errors import DataError, render_message
+    from balancer.limits import MAX_RANKS
+
+    for module in (flags, data_limits):
+        assert not re.search(r"^(MAX|DEFAULT)_\w+ =", inspect.getsource(module), re.M), module.__name__
+    assert "balancer.cli" not in inspect.getsource(data_limits)
+    with pytest.raises(ValueError) as cli_error:
+        flags.check_counts(argparse.Namespace(dp=0))
+    with pytest.raises(DataError) as api_error:
+        data_limits.check_count("dp", 0, 1, MAX_RANKS)
+    assert str(cli_error.value) == render_message(str(api_error.value.raw_message), {"dp": "--dp"})

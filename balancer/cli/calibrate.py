@@ -6,8 +6,9 @@ import argparse
 import sys
 
 from balancer.calibration.run import DEFAULTS
-from balancer.cli.flags import MAX_SEED, MAX_TOKENS, count, limits
+from balancer.cli.flags import count, limits
 from balancer.files import check_output_file
+from balancer.limits import MAX_SEED, MAX_TOKENS
 from balancer.planning.cost import CostModel
 from balancer.strict_json import load_json
 

@@ -8,15 +8,18 @@ from __future__ import annotations
 import argparse
 import sys
 
+from balancer.cli.flags import count, limits
 from balancer.cli.options import add_topology_args, cost_from_args, topology_from_args
 from balancer.data.pretokenize.options import ENGINES, ON_ERROR_CHOICES, OVERFLOW_CHOICES
 from balancer.data.shards.errors import describe_os_error, render_message
-from balancer.data.shards.limits import DEFAULT_SHARD_TOKENS
+from balancer.limits import DEFAULT_SHARD_TOKENS, MAX_EPOCHS, MAX_LENGTH, MAX_NUM_PROC, MAX_NUM_SHARDS, MAX_SHARD_TOKENS
 from balancer.planning.units import OVERFLOW_POLICIES
 
 EXIT_OK = 0
 EXIT_PROBLEM = 1  # verify found problems
 EXIT_ERROR = 2  # bad input, refused output folder, bad options
+# argparse checks the lowest value; the commands check the highest (their API names the argument, the CLI the flag)
+POSITIVE, NONNEGATIVE = count(1, None), count(0, None)
 
 
 # Python argument names of pretokenize/merge/pack (and the topology they plan for) -> the flags of these commands:
@@ -55,26 +58,6 @@ def cli_message(exc: BaseException) -> str:
     """The message of a data error with the CLI's flags where it names an option."""
     raw = getattr(exc, "raw_message", None)
     return render_message(raw, FLAGS) if raw is not None else str(exc)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text.replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {v}")
-    return v
-
-
-def _nonneg_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
 
 
 def _reporting(call, errors: tuple, resumable: bool) -> int:
@@ -264,10 +247,11 @@ def _add_pretokenize_job_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--max-length",
-        type=_positive_int,
+        type=POSITIVE,
         default=None,
         metavar="N",
-        help="longest row in tokens, 1..2,147,483,647; longer documents are handled by --overflow (default: no limit)",
+        help=f"longest row in tokens, {limits(1, MAX_LENGTH)}; longer documents are handled by --overflow "
+        "(default: no limit)",
     )
     p.add_argument(
         "--overflow",
@@ -291,10 +275,10 @@ def _add_pretokenize_job_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--shard-tokens",
-        type=_positive_int,
+        type=POSITIVE,
         default=DEFAULT_SHARD_TOKENS,
         metavar="N",
-        help=f"close a shard at the first document boundary after N tokens (at most 2**40; default "
+        help=f"close a shard at the first document boundary after N tokens ({limits(1, MAX_SHARD_TOKENS)}; default "
         f"{DEFAULT_SHARD_TOKENS:,})",
     )
 
@@ -303,23 +287,24 @@ def _add_pretokenize_run_args(p: argparse.ArgumentParser) -> None:
     """How the run goes: processes, slices, engine, output replacement, progress."""
     p.add_argument(
         "--num-proc",
-        type=_positive_int,
+        type=POSITIVE,
         default=1,
         metavar="N",
-        help="tokenize in N worker processes (at most 1024; clipped to the CPUs and the records, with a note), with "
+        help=f"tokenize in N worker processes ({limits(1, MAX_NUM_PROC)}; clipped to the CPUs and the records, with a "
+        "note), with "
         "--engine ray N tasks at a time (output identical to N=1; default 1)",
     )
     p.add_argument(
         "--num-shards",
-        type=_positive_int,
+        type=POSITIVE,
         default=None,
         metavar="K",
-        help="process only slice --shard-index of K (at most 1,048,576) equal record ranges of the inputs; "
+        help=f"process only slice --shard-index of K ({limits(1, MAX_NUM_SHARDS)}) equal record ranges of the inputs; "
         "join the K outputs with `balancer merge`",
     )
     p.add_argument(
         "--shard-index",
-        type=_nonneg_int,
+        type=NONNEGATIVE,
         default=None,
         metavar="I",
         help="which slice (0..K-1) of --num-shards to process",
@@ -424,14 +409,19 @@ def _register_pack(subparsers) -> None:
         "micro-batches, or truncate (the rest is counted as dropped in the manifest)",
     )
     p.add_argument(
-        "--epochs", type=_positive_int, default=1, metavar="E", help="epochs to plan and write, <= 10,000 (default 1)"
+        "--epochs",
+        type=POSITIVE,
+        default=1,
+        metavar="E",
+        help=f"epochs to plan and write, {limits(1, MAX_EPOCHS)} (default 1)",
     )
     p.add_argument(
         "--shard-tokens",
-        type=_positive_int,
+        type=POSITIVE,
         default=DEFAULT_SHARD_TOKENS,
         metavar="N",
-        help=f"close a shard at the first row boundary after N tokens (<= 2**40; default {DEFAULT_SHARD_TOKENS:,})",
+        help=f"close a shard at the first row boundary after N tokens ({limits(1, MAX_SHARD_TOKENS)}; default "
+        f"{DEFAULT_SHARD_TOKENS:,})",
     )
     p.add_argument(
         "--overwrite",

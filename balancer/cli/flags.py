@@ -13,11 +13,18 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from typing import Optional
 
-MAX_RANKS = 2**20  # --dp, --cp, --pp, --micro-batches, --cp-sizes entries
-MAX_TOKENS = 2**40  # --max-tokens, --window, --split-threshold: far beyond any context length
-MAX_STEP_TOKENS = 2**62  # --tokens-per-step
-MAX_SEED = 2**63 - 1
+from balancer.limits import (
+    MAX_RANKS,
+    MAX_SEED,
+    MAX_STEP_TOKENS,
+    MAX_TOKENS,
+    bound_text,
+    out_of_range,
+    range_error,
+    shown,
+)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -25,13 +32,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def _fmt(x: float) -> str:
-    for power in (62, 40, 20):
-        if x == 2**power:
-            return f"2^{power}"
-    return "2^63-1" if x == MAX_SEED else f"{x:,}" if isinstance(x, int) else str(x)
 
 
 # the shared planning flags: dest -> (flag, lowest, highest); checked by `check_counts` inside each command (so
@@ -51,30 +51,28 @@ COUNT_LIMITS = {
 }
 
 
-def _shown(value: object) -> str:
-    text = str(value)
-    return text if len(text) <= 24 else f"{text[:12]}...({len(text)} digits)"
-
-
 def check_counts(args: argparse.Namespace, limits: dict = COUNT_LIMITS) -> None:
     """Every count flag given within its range (ValueError `--dp must be in [1, 2^20], got ...`)."""
     for dest, (flag, lo, hi) in limits.items():
         value = getattr(args, dest, None)
         if value is not None and not lo <= value <= hi:
-            raise ValueError(f"{flag} must be in [{_fmt(lo)}, {_fmt(hi)}], got {_shown(value)}")
+            raise ValueError(range_error(flag, value, lo, hi))
 
 
-def count(lo: int, hi: int):
+def count(lo: int, hi: Optional[int]):
     """argparse type: an integer in [lo, hi] (also refuses 99999999999999999999 before any work); for the flags
-    of one command only (the shared planning flags are checked by `check_counts`)."""
+    of one command only (the shared planning flags are checked by `check_counts`). `hi` None: only `lo` here, the
+    command checks the maximum itself (the data commands, whose API names the argument)."""
 
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"must be in [{_fmt(lo)}, {_fmt(hi)}], got {_shown(text)}")
+        if hi is None and value < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {shown(text)}")
+        if hi is not None and not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(out_of_range(text, lo, hi))
         return value
 
     parse.__name__ = "integer"
@@ -97,7 +95,7 @@ nonnegative.__name__ = "number"
 
 def limits(lo: int, hi: int) -> str:
     """The range text a --help line ends with."""
-    return f"{_fmt(lo)}..{_fmt(hi)}"
+    return f"{bound_text(lo)}..{bound_text(hi)}"
 
 
 # (flag, flags it conflicts with, why): both given is refused, naming both

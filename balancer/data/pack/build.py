@@ -51,18 +51,12 @@ from balancer.data.pack.rows import (
 from balancer.data.pack.verify import check_names, is_packed, load_packed_manifest, packed_metrics, verify_packed
 from balancer.data.shards.arrow_rows import ArrowHeaderError, stream_row_count
 from balancer.data.shards.errors import arg
-from balancer.data.shards.limits import (
-    DEFAULT_SHARD_TOKENS,
-    MAX_EPOCHS,
-    MAX_SEED,
-    MAX_SHARD_TOKENS,
-    check_count,
-    check_pack_topology,
-)
+from balancer.data.shards.limits import check_count, check_pack_topology
 from balancer.data.shards.manifest import MANIFEST_NAME, atomic_write_json, fsync_file, sha256_file, verify_shard_files
 from balancer.data.shards.output import is_our_record, open_output
 from balancer.data.shards.schema import load_record, state_header
 from balancer.data.shards.writer import FLUSH_ROWS, FLUSH_TOKENS, new_arrow_sink, write_datasets_metadata
+from balancer.limits import DEFAULT_SHARD_TOKENS, MAX_EPOCHS, MAX_PACK_SEED, MAX_SHARD_TOKENS
 from balancer.planning.cost import CostModel
 from balancer.planning.plans import Plan
 from balancer.planning.topology import Topology
@@ -256,7 +250,7 @@ def pack(
     if overflow not in OVERFLOW_CHOICES:
         raise PackError(f"{arg('overflow')} must be one of {OVERFLOW_CHOICES}, got {overflow!r}")
     check_count("epochs", epochs, 1, MAX_EPOCHS)
-    check_count("seed", seed, 0, MAX_SEED)
+    check_count("seed", seed, 0, MAX_PACK_SEED)
     check_count("shard_tokens", shard_tokens, 1, MAX_SHARD_TOKENS)
     if isinstance(source, SourceTokens):
         return _pack(source, Path(output), topology, cost, epochs, seed, overflow, shard_tokens, overwrite, progress)

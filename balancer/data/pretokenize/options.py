@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from balancer.data.shards.errors import DataError, arg
-from balancer.data.shards.limits import DEFAULT_SHARD_TOKENS, MAX_LENGTH, MAX_SHARD_TOKENS, check_count, optional_count
+from balancer.data.shards.limits import check_count, optional_count
+from balancer.limits import DEFAULT_SHARD_TOKENS, MAX_LENGTH, MAX_SHARD_TOKENS
 
 OVERFLOW_CHOICES = ("split", "truncate", "drop")
 ON_ERROR_CHOICES = ("fail", "skip")

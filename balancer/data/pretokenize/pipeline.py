@@ -44,12 +44,7 @@ from balancer.data.pretokenize.tokenize import (
     load_tokenizer,
 )
 from balancer.data.shards.errors import DataError, arg
-from balancer.data.shards.limits import (
-    MAX_NUM_PROC,
-    MAX_NUM_SHARDS,
-    check_count,
-    usable_processes,
-)
+from balancer.data.shards.limits import check_count, usable_processes
 from balancer.data.shards.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
@@ -66,6 +61,7 @@ from balancer.data.shards.output import (
 )
 from balancer.data.shards.schema import load_record, state_header
 from balancer.data.shards.writer import ShardWriter, shard_features, write_datasets_metadata
+from balancer.limits import MAX_NUM_PROC, MAX_NUM_SHARDS
 
 MAX_SKIPPED_EXAMPLES = 100  # skipped records listed in the manifest (counts are always exact)
 SKIP_REASONS = (

@@ -1,5 +1,6 @@
-"""The documented range of every count option of `pretokenize`, `merge` and `pack`, checked before any work starts
-(`check_count`: a DataError naming the option, as an argument name on the API and as a flag on the CLI)."""
+"""The count arguments of `pretokenize`, `merge` and `pack` checked against their documented ranges (the numbers:
+`balancer.limits`) before any work starts: `check_count` raises a DataError naming the option, as an argument name
+on the API and as a flag on the CLI."""
 
 from __future__ import annotations
 
@@ -7,16 +8,7 @@ import os
 from typing import Optional
 
 from balancer.data.shards.errors import DataError, arg
-
-MAX_LENGTH = 2**31 - 1  # tokens in one row: Arrow list offsets are int32
-MAX_SHARD_TOKENS = 2**40  # tokens per shard (~2 TB of uint16 ids)
-DEFAULT_SHARD_TOKENS = 100_000_000  # a shard closes after this many tokens (~200 MB of uint16 ids)
-MAX_NUM_PROC = 1024  # worker processes (clipped further to the CPUs and the records)
-MAX_NUM_SHARDS = 2**20  # --num-shards slices
-MAX_EPOCHS = 10_000  # pack --epochs
-MAX_SEED = 2**63 - 1 - 10_000  # pack --seed: epoch e < MAX_EPOCHS plans with seed + e, an int64
-MAX_RANKS = 2**20  # pack --dp, --cp, --pp, --micro-batches (one row per micro-batch and DP rank)
-MAX_STEP_TOKENS = 2**62  # pack --tokens-per-step
+from balancer.limits import MAX_LENGTH, MAX_RANKS, MAX_STEP_TOKENS, range_error
 
 
 def check_count(name: str, value: object, low: int, high: int) -> int:
@@ -24,8 +16,7 @@ def check_count(name: str, value: object, low: int, high: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise DataError(f"{arg(name)} must be an integer, got {value!r}")
     if not low <= value <= high:
-        shown = str(value) if len(str(value)) <= 30 else f"{str(value)[:12]}...({len(str(value))} digits)"
-        raise DataError(f"{arg(name)} must be in [{low}, {high:,}], got {shown}")
+        raise DataError(range_error(arg(name), value, low, high))
     return value
 
 

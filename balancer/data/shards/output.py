@@ -30,6 +30,7 @@ from typing import Optional
 
 from balancer.data.shards.errors import DataError, arg
 from balancer.data.shards.manifest import FORMAT_NAME, MANIFEST_NAME, STATE_NAME, load_json_file, sha256_file
+from balancer.paths import input_clash
 
 LOCK_NAME = ".balancer.lock"
 DATASETS_STATE = "state.json"
@@ -199,10 +200,6 @@ def clear_outputs(out: Path, names: Iterable[str], keep: Iterable[str] = (), kin
             pass
 
 
-def _inside(path: str, folder: str) -> bool:
-    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
-
-
 def refuse_overwrite_of_inputs(
     output_path: str | os.PathLike, input_paths: Iterable[str | os.PathLike], flag_names: Sequence[str]
 ) -> None:
@@ -212,21 +209,12 @@ def refuse_overwrite_of_inputs(
     dataset name). `flag_names` = (what the output is called, what the inputs are called) in the message: the CLI's
     flags (`("-o", "LENGTHS")`) or the API's argument names."""
     out_name, in_name = flag_names
-    real_out = os.path.realpath(output_path)
-    for spec in input_paths:
-        if not os.path.lexists(spec):
-            continue
-        real_in = os.path.realpath(spec)
-        same = real_in == real_out
-        if not same and os.path.exists(output_path) and os.path.exists(spec):
-            same = os.path.samefile(output_path, spec)  # a hard link to the input
-        where = f"{out_name} {output_path}"
-        if same:
-            raise DataError(f"{where} is the input {spec} ({in_name}); write to another path")
-        if _inside(real_out, real_in):
-            raise DataError(f"{where} is inside the input {spec} ({in_name}); write outside it")
-        if _inside(real_in, real_out):
-            raise DataError(f"{where} contains the input {spec} ({in_name}); write to a path outside it")
+    clash = input_clash(output_path, input_paths)
+    if clash is not None:
+        how, spec = clash
+        advice = {"is": "write to another path", "inside": "write outside it", "contains": "write to a path outside it"}
+        where = f"{out_name} {output_path} {'is inside' if how == 'inside' else how} the input {spec}"
+        raise DataError(f"{where} ({in_name}); {advice[how]}")
 
 
 def check_output_vs_inputs(out: Path, inputs: Sequence[str], input_name: str = "inputs") -> None:

@@ -14,7 +14,8 @@ import os
 from typing import Any
 
 from balancer.data.shards.errors import DataError
-from balancer.data.shards.limits import MAX_EPOCHS, MAX_LENGTH, MAX_NUM_SHARDS, MAX_SEED, MAX_SHARD_TOKENS
+from balancer.limits import MAX_EPOCHS, MAX_LENGTH, MAX_NUM_SHARDS, MAX_PACK_SEED, MAX_SHARD_TOKENS
+from balancer.strict_json import FORMAT_KEYS as OPTIONAL_FORMAT_KEYS
 from balancer.strict_json import (
     FormatSpec,
     JSONFileError,
@@ -46,8 +47,8 @@ PRETOKENIZED = FormatSpec("balancer-pretokenized", 1)
 PRETOKENIZE_STATE = FormatSpec("balancer-pretokenize-state", 2)  # 2: `pending`
 PACKED = FormatSpec("balancer-packed", 1)
 PACK_STATE = FormatSpec("balancer-pack-state", 2)  # 2: `pending`
-FORMAT_KEYS = {"format": string(), "format_version": integer(min=1)}
-STATE_FORMAT_KEYS = {"format": string(required=False), "format_version": integer(min=1, required=False)}
+FORMAT_KEYS = {"format": string(), "format_version": integer(min=1)}  # manifests: both required
+# states: both optional (a state written before format_version still loads)
 
 TOKENIZER = obj(
     {
@@ -141,7 +142,7 @@ STATE_SHARD = obj(
 )
 PENDING = array(obj({"name": string(), "files": FILES}), required=False, since=2)
 STATE_KEYS = {
-    **STATE_FORMAT_KEYS,
+    **OPTIONAL_FORMAT_KEYS,
     "job": SHA256,
     "slice": SLICE,
     "inputs": array(INPUT, required=False),
@@ -174,7 +175,7 @@ PACK_MANIFEST_KEYS = {
     "options": obj(
         {
             "epochs": integer(min=1, max=MAX_EPOCHS),
-            "seed": integer(min=0, max=MAX_SEED),
+            "seed": integer(min=0, max=MAX_PACK_SEED),
             "overflow": string(choices=("error", "split", "truncate")),
             "shard_tokens": integer(min=1, max=MAX_SHARD_TOKENS),
         }
@@ -186,7 +187,7 @@ PACK_MANIFEST_KEYS = {
     "shards": array(PACK_SHARD),
 }
 PACK_STATE_KEYS = {
-    **STATE_FORMAT_KEYS,
+    **OPTIONAL_FORMAT_KEYS,
     "job": SHA256,
     "plans": array(PLAN_ENTRY),
     "shards": array(PACK_SHARD),
