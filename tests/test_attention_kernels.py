@@ -37,7 +37,7 @@ CASES = [([5, 1, 17, 64, 3, 33], 4, 2), ([16, 16, 16, 7, 7], 4, 4), ([1, 1, 1], 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("backend", ["torch", "reference"])
 @pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("chunk_size", [None, 13])
+@pytest.mark.parametrize("chunk_size", [None, pytest.param(13, marks=pytest.mark.slow)])  # chunked: ~5-13 s each
 def test_varlen_attention(dtype, backend, causal, chunk_size):
     for lens, heads, kv_heads in CASES:
         cu, q, k, v, dout = problem(lens, heads, kv_heads, 8, dtype)

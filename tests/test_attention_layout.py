@@ -51,6 +51,7 @@ def test_every_token_once_and_round_trip(lens, cp, kind):
         assert (np.diff(li)[np.diff(doc) == 0] > 0).all()
 
 
+@pytest.mark.slow  # ~4 s
 @settings(max_examples=200, deadline=None)
 @given(lengths, cps)
 def test_zigzag_balance(lens, cp):
@@ -162,6 +163,7 @@ def test_errors():
         lay.unshard([torch.zeros(3), torch.zeros(3)])
 
 
+@pytest.mark.slow  # 100K documents: ~45 s
 def test_build_handles_100k_documents():
     """A large batch builds (vectorised construction; its speed is a benchmark's business, not a test's) and every
     token lands on exactly one rank."""

@@ -23,6 +23,7 @@ MASKS = [  # (causal, window, softcap)
 ]
 
 
+@pytest.mark.slow  # ~7-11 s per case
 @pytest.mark.parametrize(
     "dtype,backend,chunk_size",
     [(torch.float64, "torch", None), (torch.float64, "reference", 7), (torch.float32, "torch", 7)],

@@ -53,6 +53,7 @@ batches = st.fixed_dictionaries(
 )
 
 
+@pytest.mark.slow  # hypothesis: ~35 s
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batches)
 def test_batch_properties(cfg):
@@ -101,6 +102,7 @@ def test_batch_properties(cfg):
                 assert np.all(np.diff(c[: peak + 1]) >= 0) and np.all(np.diff(c[peak:]) <= 0)
 
 
+@pytest.mark.slow  # hypothesis: ~6 s
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(1, 3), st.integers(1, 2), st.sampled_from(["rank", "micro_batch", None]), st.integers(0, 3))
 def test_dynamic_cp_properties(dp, k, keep, seed):
@@ -127,6 +129,7 @@ def test_dynamic_cp_properties(dp, k, keep, seed):
     assert np.array_equal(again.doc, plan.doc) and np.array_equal(again.group_start, plan.group_start)
 
 
+@pytest.mark.slow  # ~10 s
 @settings(max_examples=30, deadline=None)
 @given(st.integers(2, 4), st.integers(0, 5), st.booleans())
 def test_mini_batches_split_the_work(k, seed, grouped):

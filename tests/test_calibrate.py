@@ -51,6 +51,7 @@ def test_calibrate_rejects_bad_options(tmp_path, capsys, argv, match):
     assert not (tmp_path / "c.json").exists()
 
 
+@pytest.mark.slow  # times a model over gloo: ~50 s
 def test_calibrate_cli_writes_a_model_plan_reads(tmp_path, capsys):
     """Budgets of 1K and 4K tokens: the linear and attention work is tens of milliseconds there, well above the
     scheduling noise of a loaded machine (at 256-512 tokens a fit could put everything on the fixed and per-piece

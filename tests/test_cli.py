@@ -39,6 +39,7 @@ def test_plan_npy_and_model_cost(tmp_path, capsys):
     )
 
 
+@pytest.mark.slow  # matplotlib: ~6 s
 def test_stats_plot(tmp_path):
     src = tmp_path / "l.txt"
     src.write_text("\n".join(str(x) for x in np.random.default_rng(2).integers(1, 70000, 1500)))

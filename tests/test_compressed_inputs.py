@@ -131,6 +131,7 @@ def test_corrupt_and_truncated_streams_name_file_line_and_offset(fmt, tmp_path, 
             assert offset > len(data) // 3
 
 
+@pytest.mark.slow  # ~5 s
 def test_compressed_input_resumes_byte_identical(tmp_path, monkeypatch):
     """A run interrupted while reading a compressed input resumes at its cursor (inside the stream) and ends byte
     identical to an uninterrupted run."""

@@ -19,6 +19,7 @@ def heuristic_step_time(lengths, topo):
     return float(metrics.step_times(mb.reshape(1, topo.dp, topo.micro_batches), topo)[0])
 
 
+@pytest.mark.slow  # MILP solves: up to ~20 s
 @pytest.mark.parametrize("dp, pp, m", [(2, 1, 2), (3, 1, 2), (2, 2, 2), (2, 4, 3)])
 def test_gap_to_optimum_small_instances(dp, pp, m):
     rng = np.random.default_rng(dp * 100 + pp * 10 + m)

@@ -4,6 +4,7 @@ per public name, and functions stay short. All checks read the source (ast) or r
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import json
 import os
@@ -216,6 +217,7 @@ def test_light_commands_import_no_heavy_module(argv, lengths_files, tmp_path):
 # ---- one path per name ---------------------------------------------------------------------------------------------
 
 
+@functools.cache
 def _defined_names(path: Path) -> set[str]:
     """Names a module defines at its top level (def, class, assignment), not the ones it imports."""
     names = set()

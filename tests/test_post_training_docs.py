@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow  # the docs' training loop: ~10 s
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -137,6 +137,7 @@ def test_stateful_iterator_protocol():
     assert list(it2) == full[3:]
 
 
+@pytest.mark.slow  # ~4 s per case
 @pytest.mark.parametrize(
     "overflow,lengths", [("error", LENGTHS), ("split", np.concatenate([LENGTHS, [900, 1500, 700]]))]
 )

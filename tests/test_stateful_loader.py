@@ -63,6 +63,7 @@ def test_mid_epoch_state_resumes_identical_remainder(workers):
     _cut_and_resume(workers, len(full) // 2 + 1)  # mid-step: not a multiple of micro_batches
 
 
+@pytest.mark.slow  # DataLoader worker processes
 @pytest.mark.parametrize("workers", [0, 2])
 def test_windowed_resume_at_and_across_window_boundaries(workers):
     sampler = BalancedBatchSampler(LENGTHS, TOPO, COST, dp_rank=1, seed=3, window_docs=20)

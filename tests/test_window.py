@@ -82,6 +82,7 @@ def test_one_window_is_the_whole_epoch_plan():
         assert list(s) == want
 
 
+@pytest.mark.slow  # hypothesis: ~4 s
 @settings(max_examples=25, deadline=None)
 @given(
     st.integers(0, 10_000),
@@ -110,6 +111,7 @@ def test_window_plans_place_every_token_once(seed, shape, window_docs, overflow)
     assert set(got.values()) == {1} and len(got) == int(lengths.sum())
 
 
+@pytest.mark.slow  # ~9 s
 @settings(max_examples=15, deadline=None)
 @given(st.integers(0, 1000), st.integers(40, 300), st.sampled_from([(4, 2, 2), (2, 1, 3)]))
 def test_every_rank_sees_its_view_of_the_same_window_plans(seed, window_docs, shape):
