@@ -23,7 +23,8 @@ with `CostModel.fit(fit_pieces=True, fit_comm=True)`.
 Layouts that happen to be identical (a threshold above every document and the default) are timed separately: their
 spread is a direct estimate of the timing noise.
 
-Run: python benchmarks/hybrid_layout.py [--reps 5] [--seed 0] [--no-sweep] [--batches ...] [--methods ...]
+Run: python benchmarks/hybrid_layout.py [--reps 5] [--seed 0] [--no-sweep | --sweep-batches ...] [--batches ...]
+[--methods ...]
 Writes benchmarks/results/hybrid_layout.json (--name to change).
 """
 
@@ -117,8 +118,8 @@ def _calibrate(rank: int, seed: int) -> dict:
     return box[0]
 
 
-def configs(sweep: bool, batches=BATCHES, methods=("ring", "allgather"), cost=None) -> list[tuple[str, str, dict]]:
-    """(batch, method, layout spec) to time."""
+def configs(sweep=BATCHES, batches=BATCHES, methods=("ring", "allgather"), cost=None) -> list[tuple[str, str, dict]]:
+    """(batch, method, layout spec) to time; the split_threshold sweep on the batches in `sweep`."""
     out = []
     for batch in batches:
         if batch == "few_long":
@@ -129,7 +130,7 @@ def configs(sweep: bool, batches=BATCHES, methods=("ring", "allgather"), cost=No
             if cost is not None:
                 out.append((batch, method, {"kind": "hybrid", "cost": cost, "method": method}))
     if sweep and "ring" in methods:
-        for batch in batches:
+        for batch in [b for b in batches if b in sweep]:
             if batch == "few_long":
                 out.append((batch, "ring", {"kind": "zigzag"}))
             for thr in SWEEP:
@@ -204,7 +205,7 @@ def _worker(rank: int, world: int, port: int, args, queue) -> None:
     )  # fmt: skip
     batches = micro_batches(args.seed)
     calibration = _calibrate(rank, args.seed)
-    todo = configs(not args.no_sweep, args.batches, args.methods, calibration["cost"])
+    todo = configs(() if args.no_sweep else args.sweep_batches, args.batches, args.methods, calibration["cost"])
     full = {name: _full_tensors(lens) for name, lens in batches.items() if any(t[0] == name for t in todo)}
     cases = [_Case(rank, batches[b], full[b], m, spec) for b, m, spec in todo]
     runs: list[list] = [[] for _ in todo]
@@ -312,6 +313,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions per configuration (after one warm-up)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the split_threshold sweep")
+    ap.add_argument("--sweep-batches", nargs="+", choices=BATCHES, default=list(BATCHES), help="micro-batches to sweep")
     ap.add_argument("--batches", nargs="+", choices=BATCHES, default=list(BATCHES), help="micro-batches to time")
     ap.add_argument("--methods", nargs="+", choices=("ring", "allgather"), default=["ring", "allgather"])
     ap.add_argument("--name", default="hybrid_layout", help="result file name (benchmarks/results/NAME.json)")

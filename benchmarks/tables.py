@@ -203,7 +203,7 @@ def cp_attention_cpu() -> str:
     note = (
         f"{cfg['world']} gloo ranks x {cfg['threads_per_rank']} thread, {cfg['num_docs']} documents / "
         f"{cfg['tokens']:,} tokens (longest {cfg['max_doc']:,}), {cfg['heads']} heads ({cfg['kv_heads']} KV) x "
-        f"{cfg['head_dim']}, {cfg['dtype']}, {cfg['layout']} layout."
+        f"{cfg['head_dim']}, {cfg['dtype']}, {cfg['layout']} layout. " + _measured_on(data)
     )
     return note + "\n\n" + markdown(["schedule", "parallel efficiency"], rows)
 
@@ -290,26 +290,46 @@ def dynamic_cp_communication() -> str:
     return markdown(header + ["plan CPU time dyn/static", "goals"], rows)
 
 
+def _measured_on(data: dict) -> str:
+    """One line: how a result was measured (clock, repetitions, machine cores and load) from its record."""
+    m = data["machine"]
+    start, end = m["load_average_start"][0], m["load_average_end"][0]
+    reps = data["config"].get("reps")
+    return (
+        f"Measured {data['date']} UTC on {m['cpus']} cores ({m['processor']}), 1-minute load average {start:.1f} at "
+        f"start, {end:.1f} at end; clock: {data['clock']}" + (f"; {reps} repetitions." if reps else ".")
+    )
+
+
+def _spread(ratio: dict) -> str:
+    return f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
+
+
 def hybrid_layout() -> str:
     data = load("hybrid_layout")
     rows = []
     for name, ratio in data["ratios_zigzag_over_hybrid"].items():
         batch, method = name.split("/")
-        fewer = "all (hybrid sends 0)" if not ratio["hybrid_bytes"] else fmt(ratio["bytes_ratio"], ".1f") + "x"
+        chosen = ratio.get("with_cost") or {}
         rows.append(
             [
                 batch,
                 method,
                 f"{ratio['zigzag_bytes'] / 2**20:,.0f}",
                 f"{ratio['hybrid_bytes'] / 2**20:,.0f}",
-                fewer,
-                fmt(ratio["speedup_wall"], ".2f") + "x",
-                fmt(ratio["speedup_cpu"], ".2f") + "x",
+                str(ratio["hybrid_split_docs"]),
+                _spread(ratio["speedup_cpu"]),
+                _spread(ratio["speedup_wall"]),
+                fmt(ratio["predicted_speedup"], ".2f") + "x",
+                str(chosen["split_docs"]) if chosen else "-",
+                _spread(chosen["speedup_cpu"]) if chosen else "-",
+                fmt(chosen.get("predicted_speedup"), ".2f") + ("x" if chosen else ""),
             ]
         )
-    header = ["micro-batch", "method", "zigzag MiB sent", "hybrid MiB sent", "fewer bytes", "speedup (wall)"]
-    header.append("speedup (CPU time)")
-    return markdown(header, rows)
+    header = ["micro-batch", "method", "zigzag MiB sent", "hybrid MiB sent", "hybrid split docs"]
+    header += ["speedup (CPU time)", "speedup (wall)", "predicted speedup", "with cost: split docs"]
+    header += ["with cost: speedup (CPU time)", "with cost: predicted"]
+    return _measured_on(data) + "\n\n" + markdown(header, rows)
 
 
 def hybrid_layout_runs() -> str:
@@ -317,22 +337,30 @@ def hybrid_layout_runs() -> str:
     rows = []
     for run in data["rows"]:
         options = {k: v for k, v in run["layout"].items() if k != "kind"}
-        label = run["layout"]["kind"] + (f" ({', '.join(f'{k}={v}' for k, v in options.items())})" if options else "")
+        labels = [("cost=calibrated" if k == "cost" else f"{k}={v}") for k, v in options.items() if v is not None]
+        label = run["layout"]["kind"] + (f" ({', '.join(labels)})" if labels else "")
         rows.append(
             [
                 run["batch"],
                 run["method"],
                 label,
-                fmt(run["fwd_bwd_s"], ".2f"),
                 fmt(run["fwd_bwd_cpu_s"], ".2f"),
+                fmt(run["fwd_bwd_s"], ".2f"),
+                fmt(run["predicted_s"], ".2f"),
                 fmt(sum(run["bytes_per_rank"]) / 1e6, ".1f"),
                 str(run["split_docs"]),
                 fmt(run["relative_load"]),
             ]
         )
-    header = ["micro-batch", "method", "layout", "fwd+bwd wall s", "fwd+bwd CPU s", "MB sent (all ranks)"]
-    header += ["split docs", "max relative load"]
-    return markdown(header, rows)
+    header = ["micro-batch", "method", "layout", "fwd+bwd CPU s", "fwd+bwd wall s", "predicted s"]
+    header += ["MB sent (all ranks)", "split docs", "max relative load"]
+    cal = data["calibration"]
+    fit = (
+        f"Cost model fitted on {len(cal['samples'])} timings (zigzag and hybrid) of other micro-batches, taken "
+        f"first: median |error| "
+        f"{cal['fit_median_abs_error']:.1%}, max {cal['fit_max_abs_error']:.1%} on its own samples."
+    )
+    return _measured_on(data) + " " + fit + "\n\n" + markdown(header, rows)
 
 
 def _replay_table(run: dict, clock: str) -> str:
