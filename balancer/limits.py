@@ -6,13 +6,16 @@ read it without loading anything else.
 
 from __future__ import annotations
 
-INT64_MAX = 2**63 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # the planning topology and its flags (plan, stats, demo, pack, calibrate)
 MAX_RANKS = 2**20  # dp, cp, pp, micro_batches, each --cp-sizes entry (pack: one row per micro-batch and DP rank)
 MAX_TOKENS = 2**40  # max_tokens, window, split_threshold: far beyond any context length
 MAX_STEP_TOKENS = 2**62  # tokens_per_step, window_docs, window_index
 MAX_SEED = INT64_MAX  # seeds and epochs of the shuffle
+# a cost coefficient (--attn-coef, --linear-coef, --fixed, a cost file's): far above any FLOP count per pair or
+# token, and low enough that an epoch's costs (up to ~2^120 pairs per micro-batch, summed over steps) stay finite
+MAX_COEFFICIENT = 1e100
 
 # the data commands (pretokenize, merge, pack)
 MAX_LENGTH = 2**31 - 1  # tokens in one row: Arrow list offsets are int32

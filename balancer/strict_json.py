@@ -21,7 +21,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+from balancer.limits import INT64_MAX, INT64_MIN, MAX_COEFFICIENT
+
+# bounds that only keep numbers representable: named in an error only when the value broke them
+_SAFETY_BOUNDS = (INT64_MIN, INT64_MAX, MAX_COEFFICIENT)
 
 __all__ = [
     "INT64_MAX",
@@ -169,8 +172,8 @@ def _expected(field: Field, value: Any = None) -> str:
         return "one of " + ", ".join(_show(c) for c in field.choices) + (" or null" if field.nullable else "")
     words = _KIND_WORDS.get(field.kind, "a value")
     if field.kind in ("int", "number"):
-        lo = field.min if field.min is not None and field.min != INT64_MIN else None
-        hi = field.max if field.max is not None and field.max != INT64_MAX else None
+        lo = field.min if field.min is not None and field.min not in _SAFETY_BOUNDS else None
+        hi = field.max if field.max is not None and field.max not in _SAFETY_BOUNDS else None
         if isinstance(value, (int, float)) and not isinstance(value, bool):  # name the int64 bound it broke
             lo = field.min if field.min is not None and value < field.min else lo
             hi = field.max if field.max is not None and value > field.max else hi

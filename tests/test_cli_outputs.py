@@ -66,6 +66,21 @@ def test_plan_refuses_to_overwrite_its_lengths(lengths, tmp_path, capsys):
     assert lengths.read_bytes() == before and (tmp_path / "link.json").is_symlink()
 
 
+def test_plan_refuses_its_inputs_by_any_path(lengths, tok, tmp_path, monkeypatch, capsys):
+    """A hard link, a path through `..`, a symlinked folder: the same file or folder, refused."""
+    before, tok_before = lengths.read_bytes(), _snapshot(tok)
+    os.link(lengths, tmp_path / "hard.json")
+    one_line(*cli(capsys, "plan", lengths, "--dp", "2", "-o", tmp_path / "hard.json"), "is the input")
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    relative = Path("..") / "sub" / ".." / lengths.name
+    one_line(*cli(capsys, "plan", relative, "--dp", "2", "-o", Path("..") / lengths.name), "is the input")
+    (tmp_path / "toklink").symlink_to(tok)
+    one_line(*cli(capsys, "plan", tmp_path / "toklink", "--dp", "1", "-o", tok / "manifest.json"), "inside the input")
+    one_line(*cli(capsys, "plan", tok, "--dp", "1", "-o", tmp_path / "toklink" / "manifest.json"), "inside the input")
+    assert lengths.read_bytes() == before and _snapshot(tok) == tok_before
+
+
 def test_plan_refuses_a_file_inside_the_folder_it_reads(tok, capsys):
     before = _snapshot(tok)
     one_line(*cli(capsys, "plan", tok, "--dp", "1", "-o", tok / "manifest.json"), "inside the input folder")
@@ -172,6 +187,8 @@ def test_model_flags_keep_fixed_window_and_mask(lengths, tmp_path, capsys):
         (["--seed", "-1"], "--seed must be in [0, 2^63-1], got -1"),
         (["--window", "0"], "--window must be in [1, 2^40], got 0"),
         (["--fixed", "nan"], "argument --fixed: must be a finite number >= 0"),
+        (["--fixed", "1e308"], "argument --fixed: must be a finite number >= 0 and <= 1e+100"),
+        (["--attn-coef", "1e200"], "argument --attn-coef: must be a finite number >= 0 and <= 1e+100"),
         (["--attn-coef", "-1"], "argument --attn-coef"),
         (["--cp-sizes", "1,99999999999999999999"], "--cp-sizes: size 99999999999999999999 is above"),
         (["--fill", "0.00001"], "--fill 1e-05 of a capacity"),

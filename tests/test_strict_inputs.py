@@ -234,3 +234,16 @@ def test_model_configs_keep_reading_what_they_read():
     assert CostModel.from_config(qwen).window is None
     assert CostModel.from_config({**LLAMA, "sliding_window": 32}).window == 32
     assert CostModel.from_config({**LLAMA, "sliding_window": None}).window is None
+
+
+def test_cost_coefficients_are_bounded(tmp_path):
+    """A coefficient of 1e308 made every cost inf or nan: planning then failed with a message about step sizes,
+    or wrote a plan of nan metrics. Refused where it is read, naming the file and key (or the argument)."""
+    path = tmp_path / "cost.json"
+    from balancer.planning.cost import CostModel
+
+    path.write_text(json.dumps({"attn_coef": 1e-5, "linear_coef": 1e308}))
+    with pytest.raises(ValueError, match=r'cost.json: "linear_coef": expected a number in \[0, 1e\+100\], got 1e\+308'):
+        CostModel.load(path)
+    with pytest.raises(ValueError, match=r"CostModel.fixed must be a finite number in \[0, 1e\+100\]"):
+        CostModel(attn_coef=1.0, linear_coef=1.0, fixed=1e308)

@@ -16,6 +16,7 @@ import sys
 from typing import Optional
 
 from balancer.limits import (
+    MAX_COEFFICIENT,
     MAX_RANKS,
     MAX_SEED,
     MAX_STEP_TOKENS,
@@ -80,13 +81,13 @@ def count(lo: int, hi: Optional[int]):
 
 
 def nonnegative(text: str) -> float:
-    """argparse type: a finite number >= 0."""
+    """argparse type: a cost coefficient, a finite number in [0, MAX_COEFFICIENT]."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    if not math.isfinite(value) or not 0 <= value <= MAX_COEFFICIENT:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 and <= {MAX_COEFFICIENT:g}, got {shown(text)}")
     return value
 
 

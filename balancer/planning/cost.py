@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from balancer.limits import MAX_COEFFICIENT
 from balancer.planning.fitting import fit_cost_model
 from balancer.planning.pairs import attention_pairs
 from balancer.strict_json import FORMAT_KEYS, FormatSpec, anything, boolean, integer, number, obj, string
@@ -105,7 +106,10 @@ _COEFFICIENTS = ("attn_coef", "linear_coef", "fixed", "piece_coef", "comm_coef",
 COST_FORMAT = FormatSpec("balancer.cost", 2, {"balancer.cost/1": 1})  # 2: format_version written (fields as in 1)
 FORMAT = COST_FORMAT.name
 COST_FIELDS = {  # the model's own keys, as `to_dict` writes them (also the `cost_model` record of a plan)
-    **{name: number(min=0, required=name in ("attn_coef", "linear_coef")) for name in _COEFFICIENTS},
+    **{
+        name: number(min=0, max=MAX_COEFFICIENT, required=name in ("attn_coef", "linear_coef"))
+        for name in _COEFFICIENTS
+    },
     "causal": boolean(required=False),
     "window": integer(min=1, nullable=True, required=False),
     "comm_overlap": boolean(required=False),
@@ -153,8 +157,8 @@ class CostModel:
     def __post_init__(self) -> None:
         for name in _COEFFICIENTS:
             value = getattr(self, name)
-            if not isinstance(value, (int, float, np.floating, np.integer)) or not np.isfinite(value) or value < 0:
-                raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {value!r}")
+            if not isinstance(value, (int, float, np.floating, np.integer)) or not 0 <= value <= MAX_COEFFICIENT:
+                raise ValueError(f"CostModel.{name} must be a finite number in [0, {MAX_COEFFICIENT:g}], got {value!r}")
         if self.attn_coef == 0 and self.linear_coef == 0:
             raise ValueError("CostModel needs attn_coef > 0 or linear_coef > 0 (both are 0)")
         if not isinstance(self.causal, (bool, np.bool_)):
