@@ -343,3 +343,22 @@ def test_long_planning_is_logged_once_and_shows_progress_late(caplog, monkeypatc
     bar = planner._progress(10, True)
     assert bar.delay == planner.PROGRESS_AFTER == 2.0
     bar.close()
+
+
+def test_a_step_of_many_tiny_documents_is_not_padded_into_every_step():
+    """The batched packing pads every step to the largest; a step with far more units than the others (a run of
+    tiny documents) is left to pack_step, so memory stays within a few times the units."""
+    from balancer.planning.fastpack import pack_light_steps
+
+    topo = Topology(dp=2, micro_batches=2, max_tokens=4096)
+    sizes = np.array([20] * 50 + [5000] + [20] * 50)
+    ptr = np.concatenate([[0], np.cumsum(sizes)])
+    tokens = np.full(ptr[-1], 300)
+    tokens[ptr[50] : ptr[51]] = 1
+    flat = np.arange(ptr[-1])
+    out = pack_light_steps(flat, ptr, COST.cost(tokens), tokens, np.zeros(len(flat), dtype=bool), topo)
+    assert np.all(out[ptr[50] : ptr[51]] == -1)  # the big step: pack_step
+    assert np.all(out[: ptr[50]] >= 0) and np.all(out[ptr[51] :] >= 0)
+    lengths = np.concatenate([np.full(3000, 300), np.ones(20_000, dtype=np.int64), np.full(3000, 300)])
+    p = balancer.plan(lengths, topo, COST, seed=0)
+    p.validate()

@@ -51,16 +51,16 @@ def pack_steps(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: 
 
 def by_step_grid(key: np.ndarray, ptr: np.ndarray) -> np.ndarray:
     """[steps, most units of a step]: each step's units (`ptr[s]:ptr[s + 1]`) in ascending order of `key`, ties in
-    their given order (a stable sort, row by row: the same on every machine), -1 past the step's units."""
+    their given order (a stable sort, row by row: the same on every machine), -1 past the step's units. The grid is
+    padded to the largest step: callers keep the steps' sizes comparable (`pack_light_steps`)."""
     steps, counts = len(ptr) - 1, np.diff(ptr)
-    step = np.repeat(np.arange(steps), counts)
-    column = np.arange(len(key)) - ptr[step]
     width = int(counts.max()) if steps else 0
-    keys = np.full((steps, width), np.inf)
-    keys[step, column] = key
-    grid = np.full((steps, width), -1, dtype=np.int64)
-    grid[step, column] = np.arange(len(key))
-    return np.take_along_axis(grid, np.argsort(keys, axis=1, kind="stable"), axis=1)
+    at = np.arange(len(key)) + np.repeat(np.arange(steps) * width - ptr[:-1], counts)  # each unit's cell
+    keys = np.full(steps * width, np.inf)
+    keys[at] = key
+    grid = np.argsort(keys.reshape(steps, width), axis=1, kind="stable") + ptr[:-1, None]
+    grid[np.arange(width)[None, :] >= counts[:, None]] = -1
+    return grid
 
 
 def _round(chunk, rows, cost, tokens, load, used, unit_bin, cap, m) -> None:
@@ -149,17 +149,19 @@ def worth_repacking(times: np.ndarray, bound: np.ndarray, complete: np.ndarray, 
 def pack_light_steps(flat, ptr, u_cost, u_tok, attn_heavy, topology: Topology) -> np.ndarray:
     """The batched packing (`pack_steps`) of the steps without attention-heavy units (units `flat`, step s being
     `ptr[s]:ptr[s + 1]`); -1 for the units of the other steps, which need `pack_step`'s water-filling (a heavy
-    unit costs more per token than the rest, so balancing its step takes the token room into account)."""
+    unit costs more per token than the rest, so balancing its step takes the token room into account), and of
+    steps with over 4x the median number of units (the padded arrays stay within 4x the units)."""
     sizes = np.diff(ptr)
     heavy = np.zeros(len(sizes), dtype=np.int64)
     heavy[sizes > 0] = np.add.reduceat(attn_heavy[flat].astype(np.int64), ptr[:-1][sizes > 0])
-    light = np.repeat(heavy == 0, sizes)
+    batched = heavy == 0
+    if batched.any():  # padded arrays: a step far larger than the others (tiny documents) goes to pack_step
+        batched &= sizes <= max(4 * topology.bins_per_step, 4 * int(np.median(sizes[batched])))
+    light = np.repeat(batched, sizes)
     out = np.full(len(flat), -1, dtype=np.int64)
     if light.any():
         units = flat[light]
-        out[light] = pack_steps(
-            u_cost[units], u_tok[units], np.concatenate([[0], np.cumsum(sizes[heavy == 0])]), topology
-        )
+        out[light] = pack_steps(u_cost[units], u_tok[units], np.concatenate([[0], np.cumsum(sizes[batched])]), topology)
     return out
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from balancer.planning.binpack import pack_step, step_time
 from balancer.planning.cost import CostModel
 from balancer.planning.dynamic import plan_dynamic
-from balancer.planning.fastpack import LazySteps, by_step_grid, pack_light_steps, step_quality, worth_repacking
+from balancer.planning.fastpack import LazySteps, pack_light_steps, step_quality, worth_repacking
 from balancer.planning.metrics import natural_steps, step_times
 from balancer.planning.plans import Plan
 from balancer.planning.steps import (
@@ -161,10 +161,12 @@ def _pack_epoch(
     repack = worth_repacking(times, bound, complete, FAST_ENOUGH - 1, REPACK_SKIP)
     fast = LazySteps(fast_bin, ptr, complete)
     # the good steps' result, sorted by micro-batch in one go (the -1 of incomplete steps sorts first, unused)
-    grid = by_step_grid(fast_bin * float(len(u_cost)) + flat, ptr)  # by micro-batch, shuffled order inside
-    by_bin = flat[grid[grid >= 0]]
     step = np.repeat(np.arange(len(groups)), np.diff(ptr))
     slot = step * (nb + 1) + fast_bin + 1
+    if len(groups) * (nb + 1) < 2**62 // max(len(u_cost), 1):  # by micro-batch, shuffled order inside (unique keys)
+        by_bin = flat[np.argsort(slot * len(u_cost) + flat)]
+    else:
+        by_bin = flat[np.lexsort((flat, slot))]
     sizes = np.bincount(slot, minlength=len(groups) * (nb + 1)).reshape(len(groups), nb + 1)[:, 1:]
     ready = [None if bad else (by_bin[ptr[s] : ptr[s + 1]], sizes[s]) for s, bad in enumerate(repack)]
     return _settle(groups, fast, ready, u_cost, u_tok, attn_heavy, targets, topology, progress)
