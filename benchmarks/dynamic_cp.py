@@ -257,7 +257,9 @@ def main() -> None:
         help="traces also planned and timed with the communication-aware model (every row by default)",
     )
     ap.add_argument(
-        "--comm-only", action="store_true", help="recompute only the communication rows of the saved results"
+        "--comm-only",
+        action="store_true",
+        help="recompute only the communication rows of --comm-traces in the saved results (other rows kept)",
     )
     ap.add_argument(
         "--comm-max-pool",
@@ -274,16 +276,22 @@ def main() -> None:
 
         data = json.loads((RESULTS / "dynamic_cp.json").read_text())
         data.pop("benchmark", None), data.pop("date", None), data.pop("machine", None)
+        kept = [r for r in data.get("communication_rows", []) if r["distribution"] not in args.comm_traces]
         data["communication_rows"] = []
         for trace in args.comm_traces:
             lengths = load_trace(trace, seed=args.seed)
-            for name, (dp, cp, pp, m) in TOPOLOGIES.items():
-                if dp * cp > args.comm_max_pool:
+            cases = [(name, standard_topology(lengths, *spec)) for name, spec in TOPOLOGIES.items()]
+            cases += [(TIGHT[1], tight_topology(lengths))] if trace == TIGHT[0] else []
+            for name, topo in cases:
+                if topo.dp * topo.cp > args.comm_max_pool:
                     continue
-                c = comm_row(trace, name, lengths, standard_topology(lengths, dp, cp, pp, m), args.seed)
+                c = comm_row(trace, name, lengths, topo, args.seed)
                 data["communication_rows"].append(c)
                 data["load_average"].append(os.getloadavg())
                 print(f"comm model | {trace} | {name} | dynamic vs static: {c['predicted_speedup']:.3f}x", flush=True)
+        data["communication_rows"] = sorted(
+            kept + data["communication_rows"], key=lambda r: args_order(r["distribution"])
+        )  # stable: each trace's rows keep their topology order
         print(f"wrote {write_result('dynamic_cp', data, clock='wall+process_cpu')}")
         return
     if args.table:

@@ -131,12 +131,11 @@ def _pick_on_sample(
     static_plan: Callable[..., Plan],
 ) -> list[int]:
     """The balancing size whose plan of a sample of the epoch (SAMPLE_STEPS steps' worth of documents, drawn by
-    `seed`, at most a quarter of the epoch) has the smaller predicted time; all `sizes` when that is under two
-    steps (or the sample cannot be planned). Planning both sizes in full would double the work for one comparison."""
-    steps = float(lengths.sum()) / topology.tokens_per_step
-    budget = min(SAMPLE_STEPS, steps / 4) * topology.tokens_per_step
-    if budget < 2 * topology.tokens_per_step:
+    `seed`) has the smaller predicted time; all `sizes` when the epoch is shorter than four samples (or the sample
+    cannot be planned). Planning both sizes in full would double the work for one comparison."""
+    if lengths.sum() < 4 * SAMPLE_STEPS * topology.tokens_per_step:  # a short epoch: a sample would not tell
         return sizes
+    budget = SAMPLE_STEPS * topology.tokens_per_step
     order = np.random.default_rng([seed, 3]).permutation(len(lengths))
     sample = lengths[order[: int(np.searchsorted(np.cumsum(lengths[order]), budget)) + 1]]
     try:

@@ -126,7 +126,8 @@ def step_quality(
     times = step_times(mb.reshape(steps, topology.dp, topology.micro_batches), topology)
     work = np.bincount(step, weights=cost, minlength=steps)
     heaviest = np.zeros(steps)
-    np.maximum.at(heaviest, step, cost)
+    filled_steps = np.diff(ptr) > 0
+    heaviest[filled_steps] = np.maximum.reduceat(cost, ptr[:-1][filled_steps]) if len(cost) else 0.0
     bound = lower_bound(work, heaviest, topology)
     filled = np.bincount(slot, minlength=steps * nb).reshape(steps, nb) > 0
     complete = (np.bincount(step[~placed], minlength=steps) == 0) & filled.all(axis=1)

@@ -106,11 +106,13 @@ def plan(
 
     sizes = np.concatenate([mb_sizes for _, mb_sizes in packed])
     unit = shuffled[np.concatenate([units for units, _ in packed])]
-    whole = (u_start[unit] == 0) & (u_end[unit] == lengths[u_doc[unit]])
-    if not whole.all():  # inside a micro-batch: whole documents first, then spans (the Plan layout)
+    one_each = len(u_doc) == len(lengths) and np.array_equal(u_end, lengths)  # no document cut or truncated
+    whole = one_each or (u_start[unit] == 0) & (u_end[unit] == lengths[u_doc[unit]])
+    if not np.all(whole):  # inside a micro-batch: whole documents first, then spans (the Plan layout)
         mb_id = np.repeat(np.arange(len(sizes)), sizes)
         unit = unit[np.argsort(mb_id * 2 + ~whole, kind="stable")]
-    placed_tokens = np.bincount(u_doc, weights=u_end - u_start, minlength=len(lengths)).astype(np.int64)
+    placed_tokens = lengths if one_each else np.bincount(u_doc, weights=u_end - u_start, minlength=len(lengths))
+    placed_tokens = placed_tokens.astype(np.int64)
     _log_if_slow(time.perf_counter() - started, len(lengths), len(packed), topology)
     return Plan(
         lengths,
