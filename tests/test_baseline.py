@@ -3,6 +3,7 @@ replaced, in time linear in the documents (not in the steps times the documents)
 skip (a document longer than tokens_per_step) instead of an IndexError."""
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -83,6 +84,7 @@ def test_a_document_longer_than_a_step_no_longer_fails():
     assert plan.num_steps == 20
 
 
+@pytest.mark.slow  # ~2-4 s
 def test_one_document_steps_of_a_large_epoch():
     """99,519 steps of one document each took 42 s (every step scanned every document); now one pass."""
     lengths = np.ones(99_519, dtype=np.int64)

@@ -57,6 +57,7 @@ def test_document_too_large_for_every_group_is_named():
 
 
 # ---- the partition invariants --------------------------------------------------------------------------------------
+@pytest.mark.slow  # hypothesis: ~3 s
 @settings(max_examples=25, deadline=None)
 @given(
     dp=st.sampled_from([1, 2, 4]),

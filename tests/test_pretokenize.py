@@ -122,6 +122,7 @@ def test_hf_tokenizer_matches_own_encoding_and_num_proc(corpus, hf_tok, tmp_path
     assert dir_bytes(tmp_path / "p1") == dir_bytes(tmp_path / "p2")
 
 
+@pytest.mark.slow  # worker processes
 def test_deterministic_and_num_proc_byte_tokenizer(corpus, tmp_path):
     d, _ = corpus
     args = ([d / "a.jsonl", d / "docs"],)
@@ -316,6 +317,7 @@ def test_json_array_and_json_lines_files_and_ignored_files(tmp_path):
         run([data / "c.json"], tmp_path / "out3")
 
 
+@pytest.mark.slow  # DataLoader worker processes
 def test_shard_dataset_with_dataloader(corpus, tmp_path):
     d, texts = corpus
     out = tmp_path / "out"

@@ -41,6 +41,7 @@ def _tokens(items, lengths=LENGTHS):
     return c
 
 
+@pytest.mark.slow  # ~2 s
 def test_resume_at_every_micro_batch_across_windows():
     s = _sampler(rank=3)
     s.set_epoch(1)
@@ -62,6 +63,7 @@ def test_resume_at_every_micro_batch_across_windows():
         assert list(b) == full  # the next pass is the whole epoch again
 
 
+@pytest.mark.slow  # ~2 s per case
 @pytest.mark.parametrize("overflow", ["error", "split"])
 def test_elastic_resume_inside_and_at_window_boundaries(overflow):
     lengths = LENGTHS if overflow == "error" else np.concatenate([LENGTHS, [900, 1500]])
