@@ -179,3 +179,16 @@ def test_corrupt_parquet_input_names_the_file(tmp_path, capsys):
     bad = tmp_path / "c.parquet"
     bad.write_bytes(b"PAR1 not really parquet")
     one_line(*cli(capsys, "pretokenize", bad, "--output", tmp_path / "out"), "c.parquet", "not a readable parquet")
+
+
+def test_pack_planning_error_names_flags_and_leaves_no_folder(ref, tmp_path, capsys):
+    """The planner's words (`lower dp or micro_batches`) become flags on the CLI, and a run that fails before
+    writing anything removes the output folder it created (a folder that was there stays)."""
+    out = tmp_path / "packed"
+    code, err = cli(capsys, "pack", ref, "--output", out, "--dp", "1000", "--max-tokens", "4096")
+    one_line(code, err, "lower --dp or --micro-batches")
+    assert not out.exists()
+    out.mkdir()
+    code, err = cli(capsys, "pack", ref, "--output", out, "--dp", "1000", "--max-tokens", "4096")
+    one_line(code, err, "lower --dp or --micro-batches")
+    assert out.is_dir() and os.listdir(out) == []

@@ -10,14 +10,13 @@ transformers (`balancer --help` starts light).
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 
 from balancer import __version__
 from balancer.cli import calibrate as cli_calibrate
 from balancer.cli import data as cli_data
 from balancer.cli import plan as cli_plan
-from balancer.cli.flags import OneLineParser, parse_with_checks
+from balancer.cli.flags import OneLineParser, parse_with_checks, python_to_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,15 +36,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cli_message(message: str) -> str:
-    """Library errors speak Python (`overflow='split'`, `Topology.max_tokens`); on the command line, name the flags."""
-    message = re.sub(r"\boverflow='(\w+)'( \([^)]*\))? or '(\w+)'", r"--overflow \1\2 or --overflow \3", message)
-    message = re.sub(r"\boverflow='(\w+)'", r"--overflow \1", message)
-    message = re.sub(r"\bTopology\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), message)
-    message = re.sub(r"\braise max_tokens or cp\b", "raise --max-tokens or --cp", message)
-    return re.sub(r"\blower dp or micro_batches\b", "lower --dp or --micro-batches", message)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -55,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError, RuntimeError) as e:
-        print(f"balancer {args.command}: error: {cli_message(str(e))}", file=sys.stderr)
+        print(f"balancer {args.command}: error: {python_to_flags(str(e))}", file=sys.stderr)
         return 2
     except OSError as e:
         from balancer.data.shards.errors import describe_os_error

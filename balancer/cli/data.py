@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from balancer.cli.flags import count, limits
+from balancer.cli.flags import count, limits, python_to_flags
 from balancer.cli.options import add_topology_args, cost_from_args, topology_from_args
 from balancer.data.pretokenize.options import ENGINES, ON_ERROR_CHOICES, OVERFLOW_CHOICES
 from balancer.data.shards.errors import describe_os_error, render_message
@@ -57,7 +57,7 @@ FLAGS = {
 def cli_message(exc: BaseException) -> str:
     """The message of a data error with the CLI's flags where it names an option."""
     raw = getattr(exc, "raw_message", None)
-    return render_message(raw, FLAGS) if raw is not None else str(exc)
+    return python_to_flags(render_message(raw, FLAGS) if raw is not None else str(exc))
 
 
 def _reporting(call, errors: tuple, resumable: bool) -> int:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from typing import Optional
 
@@ -157,3 +158,13 @@ def parse_with_checks(parser: argparse.ArgumentParser, argv: list[str] | None) -
     except ValueError as e:
         parser.exit(2, f"balancer {getattr(args, 'command', '')}: error: {e}\n")
     return args
+
+
+def python_to_flags(message: str) -> str:
+    """Library errors speak Python (`overflow='split'`, `Topology.max_tokens`); on the command line, name the flags
+    (every command: the planning commands and the data commands alike)."""
+    message = re.sub(r"\boverflow='(\w+)'( \([^)]*\))? or '(\w+)'", r"--overflow \1\2 or --overflow \3", message)
+    message = re.sub(r"\boverflow='(\w+)'", r"--overflow \1", message)
+    message = re.sub(r"\bTopology\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), message)
+    message = re.sub(r"\braise max_tokens or cp\b", "raise --max-tokens or --cp", message)
+    return re.sub(r"\blower dp or micro_batches\b", "lower --dp or --micro-batches", message)

@@ -308,11 +308,13 @@ class OutputLock:
     """An exclusive lock on an output folder, held while a run writes it: `DIR/.balancer.lock` names the owner
     (pid, host, start time) and carries an advisory `flock`, which the kernel drops when the owner dies (also on
     kill -9). A lock file left by a dead run is therefore taken over silently; one held by a live run makes the
-    second run fail naming the file and its owner."""
+    second run fail naming the file and its owner. `created`: this run made the folder, so a run that fails before
+    writing anything into it removes it again (an empty folder only; `rmdir` never removes content)."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, created: bool = False) -> None:
         self.path = out / LOCK_NAME
         self.fd: Optional[int] = None
+        self.created = created
 
     def __enter__(self) -> OutputLock:
         import fcntl
@@ -365,13 +367,19 @@ class OutputLock:
             pass
         os.close(self.fd)
         self.fd = None
+        if self.created:
+            try:
+                os.rmdir(self.path.parent)
+            except OSError:  # not empty: the run wrote something (or another process did)
+                pass
 
 
 def open_output(out: Path, inputs: Sequence[str], input_name: str = "inputs") -> OutputLock:
     """Create `out` (refusing a non-folder, or a folder that is, holds or lies in an input) and return its lock
-    (use as a context manager)."""
+    (use as a context manager; a folder it created and the run left empty is removed on exit)."""
     check_output_vs_inputs(out, inputs, input_name)
     if out.exists() and not out.is_dir():
         raise DataError(f"{arg('output')} {out} exists and is not a directory")
+    created = not os.path.lexists(out)
     out.mkdir(parents=True, exist_ok=True)
-    return OutputLock(out)
+    return OutputLock(out, created)
