@@ -11,6 +11,7 @@ written through.
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -86,7 +87,8 @@ def data_folder_marker(folder: str | os.PathLike) -> str | None:
 
 def check_output_file(path: str | os.PathLike, inputs: Sequence[str | os.PathLike], flag: str) -> None:
     """Refuse (OutputPathError naming `flag`) an output file `path` that is an input (also through a symbolic or a
-    hard link), lies inside an input folder or inside a balancer data folder, or is a folder (`input_clash`)."""
+    hard link), lies inside an input folder or inside a balancer data folder (`input_clash`), is a folder, or is a
+    device, pipe or socket (`/dev/null`: the rename would replace it)."""
     clash = input_clash(path, inputs)
     if clash is not None and clash[0] == "is":
         raise OutputPathError(f"{flag} {path} is the input {clash[1]}: writing it would replace it; pick another file")
@@ -94,6 +96,12 @@ def check_output_file(path: str | os.PathLike, inputs: Sequence[str | os.PathLik
         raise OutputPathError(f"{flag} {path} lies inside the input folder {clash[1]}: pick a file outside it")
     if os.path.isdir(path):  # (also where it holds an input)
         raise OutputPathError(f"{flag} {path} is a folder: give a file name")
+    if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode) and not os.path.islink(path):
+        # the file is written beside it and renamed over it: a device (/dev/null) or pipe would be replaced
+        raise OutputPathError(
+            f"{flag} {path} is not a regular file (a device, pipe or socket): writing would replace it; "
+            "give a file name"
+        )
     folder = os.path.dirname(os.path.abspath(path))
     while not os.path.lexists(folder):  # the nearest part of the path that exists must be a writable folder
         folder = os.path.dirname(folder)

@@ -66,6 +66,17 @@ def test_plan_refuses_to_overwrite_its_lengths(lengths, tmp_path, capsys):
     assert lengths.read_bytes() == before and (tmp_path / "link.json").is_symlink()
 
 
+def test_a_pipe_or_device_output_is_refused_not_replaced(lengths, tmp_path, capsys):
+    """The file is written beside the output and renamed over it: `-o /dev/null` run as root replaced the device."""
+    import stat
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    one_line(*cli(capsys, "plan", lengths, "--dp", "2", "-o", fifo), "-o", "not a regular file")
+    one_line(*cli(capsys, "stats", lengths, "--plot", fifo), "--plot", "not a regular file")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
 def test_plan_refuses_its_inputs_by_any_path(lengths, tok, tmp_path, monkeypatch, capsys):
     """A hard link, a path through `..`, a symlinked folder: the same file or folder, refused."""
     before, tok_before = lengths.read_bytes(), _snapshot(tok)
