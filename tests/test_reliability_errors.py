@@ -192,3 +192,14 @@ def test_pack_planning_error_names_flags_and_leaves_no_folder(ref, tmp_path, cap
     code, err = cli(capsys, "pack", ref, "--output", out, "--dp", "1000", "--max-tokens", "4096")
     one_line(code, err, "lower --dp or --micro-batches")
     assert out.is_dir() and os.listdir(out) == []
+
+
+def test_an_input_that_is_neither_file_nor_folder_is_not_a_hub_name(tmp_path, capsys):
+    """A pipe or a broken link was taken for a Hugging Face dataset name: 27 s of network retries, then a message
+    about the Hub."""
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "broken").symlink_to(tmp_path / "nowhere")
+    for name in ("pipe", "broken"):
+        code, err = cli(capsys, "pretokenize", tmp_path / name, "--output", tmp_path / "out")
+        one_line(code, err, str(tmp_path / name), "not a regular file or a folder")
+        assert not (tmp_path / "out").exists()

@@ -112,6 +112,8 @@ def resolve_inputs(specs: Sequence[str], exclude: Optional[Path] = None) -> tupl
                     f"each optionally .gz or .zst compressed, .parquet, a directory or a dataset name)"
                 )
             sources.append(src)
+        elif os.path.lexists(p):  # there, but neither a file nor a folder: never a hub dataset name
+            raise DataError(f"{spec}: not a regular file or a folder (a pipe, device, socket or broken link)")
         elif uncompressed_suffix(p) in INPUT_SUFFIXES or spec.startswith((".", "/", "~")) or os.sep + os.sep in spec:
             raise DataError(f"{spec}: no such file or directory")
         else:
