@@ -226,3 +226,28 @@ def test_merge_never_links_a_file_from_outside_a_part(slices, tmp_path):
     os.remove(secret)
     merged = merge([str(p) for p in slices], tmp_path / "merged3")
     assert verify(tmp_path / "merged3") == [] and merged["counts"]["rows"] == len(ShardDataset(tmp_path / "merged3"))
+
+
+@pytest.mark.parametrize(
+    "name, content, needle",
+    [
+        ("a.txt", "100\n\n20\n", "a.txt:2: an empty line"),  # would shift every later document id
+        ("a.txt", "1_000\n20\n", "a.txt:1: not an integer length: '1_000'"),
+        ("a.txt", "\uff11\uff10\n20\n", "a.txt:1: not an integer length"),  # fullwidth digits
+        ("a.txt", "+5\n20\n", "a.txt:1: not an integer length: '+5'"),
+        ("a.json", '{"lengths": [1, 2], "lengths": [3]}', 'a.json: invalid JSON: key "lengths" appears twice'),
+        ("a.json", "[1, NaN]", "a.json: invalid JSON: NaN is not a JSON number"),
+    ],
+)
+def test_lengths_files_are_read_strictly(tmp_path, name, content, needle):
+    path = tmp_path / name
+    path.write_text(content, encoding="utf-8")
+    with pytest.raises(ValueError) as err:
+        read_lengths(path)
+    assert str(err.value).startswith(str(tmp_path / needle)), str(err.value)
+
+
+def test_lengths_text_may_end_in_blank_lines_and_start_with_a_byte_order_mark(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("\ufeff7\r\n 8 \n\n\n", encoding="utf-8")
+    assert read_lengths(path).tolist() == [7, 8]

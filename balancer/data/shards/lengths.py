@@ -9,8 +9,8 @@ planner's rule (`validate_lengths`), not the reader's.
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -71,25 +71,36 @@ def _read_npz(path: Path) -> np.ndarray:
 
 
 def _read_json(path: Path, text: str) -> np.ndarray:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: invalid JSON ({exc})") from None
-    if isinstance(data, dict) and "lengths" in data:
+    from balancer.strict_json import parse_json
+
+    data = parse_json(text, str(path))  # strict: duplicate keys, NaN, nesting and giant integers refused
+    if isinstance(data, dict) and "lengths" in data:  # other keys are left alone (a plan file carries its lengths)
         data = data["lengths"]
     if not isinstance(data, list):
         raise ValueError(f'{path}: expected a JSON list of integer lengths (or {{"lengths": [...]}})')
     return _from_python_ints(data, str(path))
 
 
+_LENGTH_LINE = re.compile(r"[ \t]*([0-9]+)[ \t]*")
+
+
 def _read_text(path: Path, text: str) -> np.ndarray:
+    """One length per line in ASCII digits (document i is line i + 1, so a blank line is refused, except at the
+    end); `int`'s leniency (`1_000`, `+5`, other scripts' digits) is not accepted."""
+    lines = text.removeprefix("\ufeff").splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
     values = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                values.append(int(line))
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: not an integer length: {line.strip()!r}") from None
+    for lineno, line in enumerate(lines, 1):
+        match = _LENGTH_LINE.fullmatch(line)
+        if match is None:
+            what = (
+                "an empty line (one length per line: document ids are line numbers)"
+                if not line.strip()
+                else (f"not an integer length: {line.strip()!r}")
+            )
+            raise ValueError(f"{path}:{lineno}: {what}")
+        values.append(int(match.group(1)))
     return _from_python_ints(values, str(path))
 
 
