@@ -38,7 +38,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
     ordinary file; an OSError without a file name gets `path` as its file name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    # the temporary name stays short: a target name near the 255-byte limit must still be writable
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:40]}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as f:
@@ -85,10 +86,27 @@ def data_folder_marker(folder: str | os.PathLike) -> str | None:
     return None
 
 
+def _check_name_lengths(path: str | os.PathLike, folder: str, flag: str) -> None:
+    """Every part of `path` still to be created fits the file system's name limit (checked before any work, so a
+    long name is refused before planning, not after it)."""
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return
+    for part in Path(os.path.abspath(path)).parts:
+        if len(os.fsencode(part)) > limit:
+            raise OutputPathError(
+                f"{flag} {path}: the name {part[:20]}... is {len(os.fsencode(part))} bytes, over the file system's "
+                f"limit of {limit}; give a shorter name"
+            )
+
+
 def check_output_file(path: str | os.PathLike, inputs: Sequence[str | os.PathLike], flag: str) -> None:
     """Refuse (OutputPathError naming `flag`) an output file `path` that is an input (also through a symbolic or a
     hard link), lies inside an input folder or inside a balancer data folder (`input_clash`), is a folder, or is a
     device, pipe or socket (`/dev/null`: the rename would replace it)."""
+    if not os.fspath(path):
+        raise OutputPathError(f"{flag}: an empty path; give a file name")
     clash = input_clash(path, inputs)
     if clash is not None and clash[0] == "is":
         raise OutputPathError(f"{flag} {path} is the input {clash[1]}: writing it would replace it; pick another file")
@@ -109,6 +127,7 @@ def check_output_file(path: str | os.PathLike, inputs: Sequence[str | os.PathLik
         raise OutputPathError(f"{flag} {path}: {folder} is a file, not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise OutputPathError(f"{flag} {path}: the folder {folder} is not writable (check its permissions)")
+    _check_name_lengths(path, folder, flag)
     parent = os.path.dirname(os.path.realpath(path))
     marker = data_folder_marker(parent)
     if marker is not None:

@@ -77,6 +77,19 @@ def test_a_pipe_or_device_output_is_refused_not_replaced(lengths, tmp_path, caps
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
+def test_output_names_long_or_empty(lengths, tmp_path, capsys):
+    """A 255-byte name is written (its temporary name was longer, so it failed after planning); a longer one, or an
+    empty -o (it fell back to the default path), is refused before any work."""
+    longest = tmp_path / ("a" * 250 + ".json")
+    assert cli(capsys, "plan", lengths, "--dp", "2", "-o", longest)[0] == 0 and longest.is_file()
+    too_long = tmp_path / ("a" * 300 + ".json")
+    one_line(*cli(capsys, "plan", lengths, "--dp", "2", "-o", too_long), "-o", "over the file system's limit")
+    one_line(*cli(capsys, "plan", lengths, "--dp", "2", "-o", ""), "-o: an empty path")
+    assert capsys.readouterr().out == "" and sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [longest.name, lengths.name]
+    )
+
+
 def test_plan_refuses_its_inputs_by_any_path(lengths, tok, tmp_path, monkeypatch, capsys):
     """A hard link, a path through `..`, a symlinked folder: the same file or folder, refused."""
     before, tok_before = lengths.read_bytes(), _snapshot(tok)
