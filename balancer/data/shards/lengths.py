@@ -81,7 +81,7 @@ def _read_json(path: Path, text: str) -> np.ndarray:
     return _from_python_ints(data, str(path))
 
 
-_LENGTH_LINE = re.compile(r"[ \t]*([0-9]+)[ \t]*")
+_LENGTH_LINE = re.compile(r"[ \t]*(-?[0-9]+)[ \t]*")  # a sign: a negative length is named out of range
 
 
 def _read_text(path: Path, text: str) -> np.ndarray:
