@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 import balancer
@@ -85,6 +85,7 @@ def test_different_seeds_differ():
 @pytest.mark.slow  # 60 hypothesis epochs of 20K documents: ~50 s
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10_000), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]))
+@example(seed=498, dp=1, pp=2)  # a step of three 30K heavy documents and two large light ones ended 10.3% over
 def test_steps_hold_tokens_per_step_within_10_percent(seed, dp, pp):
     rng = np.random.default_rng(seed)
     lengths = np.minimum((rng.pareto(1.3, 20000) + 1) * 300, 30000).astype(np.int64)

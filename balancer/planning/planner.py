@@ -287,7 +287,8 @@ def _hold_step_tokens(
 ) -> np.ndarray:
     """Keep step `s` within 2% of its token target by trading light units with the next step (in place on
     `groups[s + 1]`): trailing light units move on when the step is too big, leading light units of the next step
-    come forward when it is too small. Units larger than what is left to trade are skipped."""
+    come forward when it is too small. Units larger than what is left to trade are skipped; when
+    the step is still off then, one unit that overshoots the target but lands closer to it is traded."""
     total = float(u_tok[units].sum())
     tol = 0.01 * target
     if abs(total - target) <= 2 * tol:
@@ -305,6 +306,15 @@ def _hold_step_tokens(
         if t <= budget + tol:
             chosen.append(k)
             budget -= t
+    if budget > 2 * tol and len(chosen) < room:
+        # every unit left is larger than the gap (e.g. a step of heavy documents and a few large light ones): trade
+        # the one that brings the step closest to its target, overshooting it, when that is closer than now
+        rest = np.setdiff1d(pool, chosen, assume_unique=True)
+        if len(rest):
+            miss = np.abs(u_tok[src[rest]] - budget)
+            best = int(np.argmin(miss))
+            if miss[best] < budget:
+                chosen.append(int(rest[best]))
     if not chosen:
         return units
     mask = np.zeros(len(src), dtype=bool)
