@@ -305,8 +305,8 @@ def _spread(ratio: dict) -> str:
     return f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
 
 
-def hybrid_layout() -> str:
-    data = load("hybrid_layout")
+def hybrid_layout(name: str = "hybrid_layout") -> str:
+    data = load(name)
     rows = []
     for name, ratio in data["ratios_zigzag_over_hybrid"].items():
         batch, method = name.split("/")
@@ -606,6 +606,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "dynamic_cp_communication": dynamic_cp_communication,
     "hybrid_layout": hybrid_layout,
     "hybrid_layout_runs": hybrid_layout_runs,
+    "hybrid_layout_mixed": lambda: hybrid_layout("hybrid_layout_mixed"),
     "replay": replay,
     "replay_layout": replay_layout,
     "calibration": calibration,
