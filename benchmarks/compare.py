@@ -11,15 +11,15 @@ cost model holds. max_tokens is the next power of two >= longest document / cp, 
 
 Corpus size: TRL's packing materialises every token (Arrow int32), so each distribution is a seeded random subset
 (without replacement) of its trace holding at most `--tokens` tokens (200M; `--quick` 20M); every peer plans the
-same subset. Writes benchmarks/results/compare.json and compare.png and prints markdown tables.
+same subset. Writes benchmarks/results/compare.json and compare.png (`--name` renames both) through
+`_common.write_result` (wall clock: plan_seconds are perf_counter seconds; machine cores and load at start and end;
+the command) and prints markdown tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import signal
 import sys
 import time
@@ -32,6 +32,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import peers  # noqa: E402
+from _common import RESULTS, write_result  # noqa: E402 - measures the load at start on import
 
 import balancer  # noqa: E402
 from balancer.cli.options import MODELS  # noqa: E402
@@ -285,12 +286,10 @@ def main(argv=None) -> int:
     ap.add_argument("--dists", default=",".join(DISTS), help="comma-separated distributions")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", type=float, default=300.0, help="seconds one peer may take on one input")
-    ap.add_argument("--out", default=str(HERE / "results" / "compare.json"))
-    ap.add_argument("--png", default=None, help="plot path (default: next to --out, .png)")
+    ap.add_argument("--name", default="compare", help="result name: benchmarks/results/NAME.json and NAME.png")
     args = ap.parse_args(argv)
     budget_tokens = int(args.tokens if args.tokens else (20e6 if args.quick else 200e6))
-    out = Path(args.out)
-    png = Path(args.png) if args.png else out.with_suffix(".png")
+    png = RESULTS / f"{args.name}.png"
     t_start = time.perf_counter()
     rows: list[dict] = []
     corpora = {}
@@ -401,13 +400,11 @@ def main(argv=None) -> int:
             "than dp*M, they and the step before are dealt over two steps)",
             corpora=corpora,
         ),
-        machine=dict(cpu=platform.machine(), cores=os.cpu_count(), python=platform.python_version()),
         runtime_seconds=runtime,
         goal=goal,
         rows=rows,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out = write_result(args.name, result, clock="wall")  # plan_seconds and runtime: perf_counter
     plot(
         rows,
         png,

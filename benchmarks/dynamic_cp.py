@@ -349,7 +349,6 @@ def main() -> None:
         "communication_rows": comm_rows,
         "evaluation": "independent: each plan written as JSON and re-evaluated by this script's reader",
         "load_average": loads,
-        "note": "2-core machine shared with other jobs: planning times are CPU seconds, compared within the run",
         "rows": rows,
     }
     print(f"\nwrote {write_result('dynamic_cp', payload, clock='wall+process_cpu')}")

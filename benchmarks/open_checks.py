@@ -14,7 +14,13 @@ tokens (SFT-like), the expensive case for the checks, whose cost grows with rows
     python benchmarks/open_checks.py --gb 1 --short-gb 0.2 --repeat 2
 
 Writes benchmarks/results/open_checks.json. Cold figures need root (`echo 3 > /proc/sys/vm/drop_caches`); without
-it they are recorded as null with the reason. Times are the minimum over --repeat runs (the machine may be shared).
+it they are recorded as null with the reason. Times are the minimum over --repeat runs (the machine may be shared);
+the record holds both clocks (wall and process CPU), the cores and the load at start and end.
+
+Extrapolation: the open checks read the index files (16 bytes per row, CRC-32) and one message header per Arrow
+record batch (<= 64K rows or 16M tokens); a full read reads every byte. Both grow linearly with the corpus at a fixed
+mean row length, so the share measured holds for a larger corpus of the same rows; it grows as rows get shorter
+(index bytes / token bytes = 8 / mean row tokens for uint16 ids).
 """
 
 from __future__ import annotations
@@ -184,7 +190,7 @@ def main() -> None:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     df = subprocess.run(["df", "-h", str(work)], capture_output=True, text=True).stdout
-    result: dict = {"loadavg_before": os.getloadavg(), "df": df, "cold_unavailable": drop_caches(), "corpora": {}}
+    result: dict = {"repeat": args.repeat, "df": df, "cold_unavailable": drop_caches(), "corpora": {}}
     try:
         for kind, gb, with_verify in (("long", args.gb, True), ("short", args.short_gb, False)):
             folder, build_s = build(work, kind, gb, seed=1)
@@ -205,13 +211,6 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    result["loadavg_after"] = os.getloadavg()
-    result["extrapolation"] = (
-        "The open checks read the index files (16 bytes per row, CRC-32) and one message header per Arrow record "
-        "batch (<= 64K rows or 16M tokens); a full read reads every byte. Both grow linearly with the corpus at a "
-        "fixed mean row length, so the share measured here holds for a 10 GB (or 1 TB) corpus of the same rows; it "
-        "grows as rows get shorter (index bytes / token bytes = 8 / mean row tokens for uint16 ids)."
-    )
     print(write_result("open_checks", result, clock="wall+process_cpu"))
 
 

@@ -149,7 +149,6 @@ def main() -> None:
         "topology": TOPOLOGY,
         "shard_tokens": SHARD_TOKENS,
         "repeat": args.repeat,
-        "note": "2-core machine shared with other jobs; see loadavg per size",
         "sizes": sizes,
         "memory": {
             "tokens": [small["tokens"], large["tokens"]],

@@ -41,6 +41,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from _common import write_result  # noqa: E402 - imported first: it measures the load at start
 
 WORDS = (
     "the quick brown fox jumps over a lazy dog while héllo wörld ✓ naïve café 東京 long context balancing "
@@ -248,15 +251,7 @@ def main() -> None:
     tok_dir = train_hf_tokenizer(work / "bpe8k", sample, vocab_size=8000)
 
     rows = []
-    results = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-            "load_avg_at_start": os.getloadavg(),
-        },
-        "runs": [],
-    }
+    results: dict = {"quick": args.quick, "repeat": args.repeat, "platform": platform.platform(), "runs": []}
     on, off = {"TOKENIZERS_PARALLELISM": "true"}, {"TOKENIZERS_PARALLELISM": "false"}
     cases = (
         ("byte", "byte", mb_byte, on),
@@ -317,12 +312,10 @@ def main() -> None:
             }
         )
     results["memory_vs_corpus_size"] = mem
-    results["machine"]["load_avg_at_end"] = os.getloadavg()
     shutil.rmtree(work / "out", ignore_errors=True)
 
-    out = REPO / "benchmarks" / "results" / "pretokenize_throughput.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    # seconds are wall (perf_counter around the call), cpu_seconds process CPU of the child and its workers
+    out = write_result("pretokenize_throughput", results, clock="wall+process_cpu")
     print(
         "| tokenizer | corpus MB | direct encode MB/s / tok/s | pretokenize np=1 MB/s / tok/s | overhead np=1 "
         "(wall) | overhead np=1 (CPU) | pretokenize np=2 MB/s / tok/s | peak RSS np=1 MiB |"
