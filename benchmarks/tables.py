@@ -225,7 +225,8 @@ def pretokenize_throughput() -> str:
                     fmt(result.get("peak_rss_mib"), ".0f"),
                 ]
             )
-    return markdown(["tokenizer", "run", "MB/s", "CPU s", "wall overhead", "peak RSS MiB"], rows)
+    header = ["tokenizer", "run", "MB/s", "CPU s", "wall overhead", "peak RSS MiB"]
+    return markdown(header, rows) + _record_line(data)
 
 
 def pack_throughput() -> str:
@@ -461,6 +462,11 @@ def _machine(data: dict) -> str:
     m = data["machine"]
     load_start, load_end = m["load_average_start"][0], m["load_average_end"][0]
     return f"{data['clock']} clock, {m['cpus']} cores, 1-minute load {load_start} at start and {load_end} at end"
+
+
+def _record_line(data: dict) -> str:
+    """How a record was measured, from the record: date, clock, cores, load at start and end, command."""
+    return f"\n\nMeasured {data['date']} UTC: {_machine(data)}; `{data['command']}`."
 
 
 def window_first_batch() -> str:
