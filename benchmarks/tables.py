@@ -247,7 +247,7 @@ def pack_throughput() -> str:
         )
     header = ["tokens", "pretokenize MB/s", "pack MB/s", "pack/pretokenize per repeat", "per CPU s"]
     header += ["pack peak MiB above imports", "load avg (1 min)"]
-    return markdown(header, rows)
+    return markdown(header, rows) + _record_line(data)
 
 
 def dynamic_cp() -> str:
