@@ -85,6 +85,7 @@ def test_different_seeds_differ():
 @pytest.mark.slow  # 60 hypothesis epochs of 20K documents: ~50 s
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 10_000), st.sampled_from([1, 2, 4]), st.sampled_from([1, 2, 4]))
+@example(seed=126, dp=1, pp=2)  # a 3-document heavy step was merged into its neighbour: 17% over
 @example(seed=498, dp=1, pp=2)  # a step of three 30K heavy documents and two large light ones ended 10.3% over
 def test_steps_hold_tokens_per_step_within_10_percent(seed, dp, pp):
     rng = np.random.default_rng(seed)

@@ -414,8 +414,10 @@ def _choose_step_tokens(
 def _borrow_for_small_tail(groups: list[np.ndarray], u_cost: np.ndarray, nb: int) -> None:
     """Make every step hold at least `nb` units (in place).
 
-    A too-small last step borrows the cheapest units of the step before when that one can spare them; any other
-    too-small step (documents large against the step size) is merged into its neighbour.
+    A too-small last step borrows the cheapest units of the step before when that one can spare them. Any other
+    too-small step (e.g. a group of heavy documents whose light share is smaller than one light document) borrows
+    the cheapest units of a neighbour that can spare them (merging would give the step a second heavy group), and
+    is merged into its neighbour only when neither can.
     """
     if len(groups) > 1 and len(groups[-1]) < nb and len(groups[-2]) - (nb - len(groups[-1])) >= nb:
         prev = groups[-2]
@@ -427,6 +429,16 @@ def _borrow_for_small_tail(groups: list[np.ndarray], u_cost: np.ndarray, nb: int
     s = 0
     while s < len(groups) and len(groups) > 1:
         if len(groups[s]) >= nb:
+            s += 1
+            continue
+        need = nb - len(groups[s])
+        lender = next((o for o in (s + 1, s - 1) if 0 <= o < len(groups) and len(groups[o]) - need >= nb), None)
+        if lender is not None:  # borrow the lender's cheapest units; merging would double the step's heavy load
+            take = np.argsort(u_cost[groups[lender]], kind="stable")[:need]
+            keep = np.ones(len(groups[lender]), dtype=bool)
+            keep[take] = False
+            groups[s] = np.sort(np.concatenate([groups[s], groups[lender][take]]))
+            groups[lender] = groups[lender][keep]
             s += 1
             continue
         other = s + 1 if s + 1 < len(groups) else s - 1
