@@ -159,7 +159,7 @@ def compare_speedup() -> str:
         first = f"{fmt(row.get('balancer_first_imbalance'))} / {fmt(row.get('balancer_first_efficiency'))}"
         rows.append([row["distribution"], row["topology"], *cells, f"{fmt(row.get('speedup_bound'), '.2f')}x", first])
     header = ["distribution", "topology", *[f"{p} speedup" for p in peers], "bound", "balancer first (imb / eff)"]
-    return markdown(header, rows)
+    return markdown(header, rows) + _record_line(data)
 
 
 def compare_all() -> str:
