@@ -447,15 +447,19 @@ def open_checks() -> str:
                 continue
             rows.append(
                 [
-                    f"{name} ({corpus['bytes'] / 1e9:.2f} GB, mean {corpus['mean_row_tokens']:.0f} tokens/row)",
+                    f"{name} ({corpus['bytes'] / 1e9:.2f} GB, {corpus['rows']:,} rows, "
+                    f"mean {corpus['mean_row_tokens']:.0f} tokens/row)",
                     cache,
                     fmt(result["wall"]["open_checks_share_of_full_read"], ".1%"),
                     fmt(result["cpu"]["open_checks_share_of_full_read"], ".1%"),
+                    fmt(result["wall"]["checks_added_share_of_full_read"], ".1%"),
                     fmt(result["wall"].get("open_checks_share_of_verify"), ".2%"),
                 ]
             )
-    header = ["corpus", "page cache", "open / full read (wall)", "open / full read (CPU)", "open / verify (wall)"]
-    return markdown(header, rows)
+    header = ["corpus", "page cache", "open / full read (wall)", "open / full read (CPU)"]
+    header += ["checks alone / full read (wall)", "open / verify (wall)"]
+    cold = f"\n\nCold runs: {data['cold_unavailable']}." if data.get("cold_unavailable") else ""
+    return markdown(header, rows) + cold + _record_line(data)
 
 
 def _machine(data: dict) -> str:
