@@ -11,7 +11,14 @@ cost model holds. max_tokens is the next power of two >= longest document / cp, 
 
 Corpus size: TRL's packing materialises every token (Arrow int32), so each distribution is a seeded random subset
 (without replacement) of its trace holding at most `--tokens` tokens (200M; `--quick` 20M); every peer plans the
-same subset. Writes benchmarks/results/compare.json and compare.png (`--name` renames both) through
+same subset.
+
+TRL: trl.pack_dataset(strategy='bfd', seq_length=max_tokens*cp), datasets.map default batches of 1000; packed once
+per seq_length per distribution, its measured time counted in every row's plan_seconds; rows shuffled by a seeded
+RandomSampler, row i of a step -> rank i % dp; the last partial step's rows are split into dp*M micro-batches (with
+fewer documents than dp*M, they and the step before are dealt over two steps).
+
+Writes benchmarks/results/compare.json and compare.png (`--name` renames both) through
 `_common.write_result` (wall clock: plan_seconds are perf_counter seconds; machine cores and load at start and end;
 the command) and prints markdown tables.
 """
@@ -392,12 +399,6 @@ def main(argv=None) -> int:
             goal_speedup=GOAL_SPEEDUP,
             default_cost=dict(attn_coef=DEFAULT_COST[1], linear_coef=DEFAULT_COST[2]),
             models={k: MODELS[k] for k in ("llama2-7b", "llama3-70b")},
-            rule="max_tokens = next power of two >= longest document / cp; tokens_per_step = 0.85 x capacity",
-            trl="trl.pack_dataset(strategy='bfd', seq_length=max_tokens*cp), datasets.map default batches "
-            "of 1000; packed once per seq_length per distribution, its measured time counted in every "
-            "row's plan_seconds; rows shuffled by a seeded RandomSampler, row i of a step -> rank "
-            "i % dp; the last partial step's rows are split into dp*M micro-batches (with fewer documents "
-            "than dp*M, they and the step before are dealt over two steps)",
             corpora=corpora,
         ),
         runtime_seconds=runtime,

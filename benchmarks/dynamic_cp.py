@@ -347,7 +347,6 @@ def main() -> None:
         "cost": cost.to_dict(),
         "communication_model": comm_cost().to_dict(),
         "communication_rows": comm_rows,
-        "evaluation": "independent: each plan written as JSON and re-evaluated by this script's reader",
         "load_average": loads,
         "rows": rows,
     }

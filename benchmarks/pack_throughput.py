@@ -145,7 +145,6 @@ def main() -> None:
     sizes = [measure_size(work, n, args.repeat) for n in (base, 2 * base)]
     small, large = sizes
     payload = {
-        "question": "pack bytes/s vs pretokenize bytes/s on the same corpus; pack peak RSS as the corpus doubles",
         "topology": TOPOLOGY,
         "shard_tokens": SHARD_TOKENS,
         "repeat": args.repeat,
