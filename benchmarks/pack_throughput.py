@@ -143,6 +143,8 @@ def main() -> None:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="pack_bench_"))
     work.mkdir(parents=True, exist_ok=True)
     sizes = [measure_size(work, n, args.repeat) for n in (base, 2 * base)]
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
     small, large = sizes
     payload = {
         "topology": TOPOLOGY,
