@@ -34,6 +34,7 @@ from balancer.planning.plans import Plan
 from balancer.planning.steps import (
     STEP_BAND,
     assign_steps,
+    borrow_for_small_steps,
     effective_step_tokens,
     equal_row_steps,
     pack_equal_rows,
@@ -190,7 +191,7 @@ def _cut_steps(
     by_step = np.argsort(key, kind="stable")  # shuffled order kept inside a step
     bounds = np.searchsorted(step_of[by_step], np.arange(len(targets) + 1))
     groups = [by_step[bounds[s] : bounds[s + 1]] for s in range(len(targets))]
-    _borrow_for_small_tail(groups, u_cost, nb)
+    borrow_for_small_steps(groups, u_cost, nb)
     sizes = np.array([len(g) for g in groups])
     totals = np.zeros(len(groups))
     totals[sizes > 0] = np.add.reduceat(u_tok[np.concatenate(groups)], (np.cumsum(sizes) - sizes)[sizes > 0])
@@ -409,42 +410,6 @@ def _choose_step_tokens(
         if et < best_time * (1 - 1e-3):
             best, best_time = x, et
     return best
-
-
-def _borrow_for_small_tail(groups: list[np.ndarray], u_cost: np.ndarray, nb: int) -> None:
-    """Make every step hold at least `nb` units (in place).
-
-    A too-small last step borrows the cheapest units of the step before when that one can spare them. Any other
-    too-small step (e.g. a group of heavy documents whose light share is smaller than one light document) borrows
-    the cheapest units of a neighbour that can spare them (merging would give the step a second heavy group), and
-    is merged into its neighbour only when neither can.
-    """
-    if len(groups) > 1 and len(groups[-1]) < nb and len(groups[-2]) - (nb - len(groups[-1])) >= nb:
-        prev = groups[-2]
-        take = np.argsort(u_cost[prev], kind="stable")[: nb - len(groups[-1])]
-        keep = np.ones(len(prev), dtype=bool)
-        keep[take] = False
-        groups[-1] = np.sort(np.concatenate([prev[take], groups[-1]]))
-        groups[-2] = prev[keep]
-    s = 0
-    while s < len(groups) and len(groups) > 1:
-        if len(groups[s]) >= nb:
-            s += 1
-            continue
-        need = nb - len(groups[s])
-        lender = next((o for o in (s + 1, s - 1) if 0 <= o < len(groups) and len(groups[o]) - need >= nb), None)
-        if lender is not None:  # borrow the lender's cheapest units; merging would double the step's heavy load
-            take = np.argsort(u_cost[groups[lender]], kind="stable")[:need]
-            keep = np.ones(len(groups[lender]), dtype=bool)
-            keep[take] = False
-            groups[s] = np.sort(np.concatenate([groups[s], groups[lender][take]]))
-            groups[lender] = groups[lender][keep]
-            s += 1
-            continue
-        other = s + 1 if s + 1 < len(groups) else s - 1
-        groups[min(s, other)] = np.sort(np.concatenate([groups[s], groups[other]]))
-        del groups[max(s, other)]
-        s = min(s, other)
 
 
 def _reopen_last_step(packed: list, units: np.ndarray, u_cost: np.ndarray, nb: int) -> np.ndarray:

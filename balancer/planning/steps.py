@@ -230,3 +230,39 @@ def pack_equal_rows(rows: np.ndarray, topology: Topology) -> list:
         packed.append((first + order, np.bincount(bins, minlength=dp * m)))
         first += count
     return packed
+
+
+def borrow_for_small_steps(groups: list[np.ndarray], u_cost: np.ndarray, nb: int) -> None:
+    """Make every step (an array of unit indices) hold at least `nb` units, in place.
+
+    A too-small last step borrows the cheapest units of the step before when that one can spare them. Any other
+    too-small step (e.g. a group of heavy documents whose light share is smaller than one light document) borrows
+    the cheapest units of a neighbour that can spare them (merging would give the step a second heavy group), and
+    is merged into its neighbour only when neither can.
+    """
+    if len(groups) > 1 and len(groups[-1]) < nb and len(groups[-2]) - (nb - len(groups[-1])) >= nb:
+        _lend(groups, len(groups) - 2, len(groups) - 1, nb - len(groups[-1]), u_cost)
+    s = 0
+    while s < len(groups) and len(groups) > 1:
+        if len(groups[s]) >= nb:
+            s += 1
+            continue
+        need = nb - len(groups[s])
+        lender = next((o for o in (s + 1, s - 1) if 0 <= o < len(groups) and len(groups[o]) - need >= nb), None)
+        if lender is not None:
+            _lend(groups, lender, s, need, u_cost)
+            s += 1
+            continue
+        other = s + 1 if s + 1 < len(groups) else s - 1
+        groups[min(s, other)] = np.sort(np.concatenate([groups[s], groups[other]]))
+        del groups[max(s, other)]
+        s = min(s, other)
+
+
+def _lend(groups: list[np.ndarray], lender: int, borrower: int, count: int, u_cost: np.ndarray) -> None:
+    """Move the `count` cheapest units of step `lender` to step `borrower` (kept sorted)."""
+    take = np.argsort(u_cost[groups[lender]], kind="stable")[:count]
+    keep = np.ones(len(groups[lender]), dtype=bool)
+    keep[take] = False
+    groups[borrower] = np.sort(np.concatenate([groups[borrower], groups[lender][take]]))
+    groups[lender] = groups[lender][keep]
