@@ -6,12 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import datasets
@@ -20,7 +17,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _data_utils import dir_bytes, make_texts, write_jsonl  # noqa: E402
+from _data_utils import dir_bytes, kill_at_progress, make_texts, write_jsonl  # noqa: E402
 
 import balancer  # noqa: E402
 from balancer.cli import main as cli_main  # noqa: E402
@@ -250,36 +247,7 @@ def test_kill9_and_resume_byte_identical(tmp_path):
     assert n_shards >= 20
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "balancer", *args, str(out)]
-    rng = random.Random(1234)
-
-    def shards_done() -> int:  # finished shards recorded in the state file so far
-        try:
-            return len(json.loads((out / ".pack-state.json").read_text())["shards"])
-        except (OSError, ValueError, KeyError):
-            return 0
-
-    # kill moments keyed to recorded progress, not to the clock: one during start-up, then three at random points
-    # of the writing phase (each later than the last), so the test kills mid-run on a fast machine as on a slow one
-    quarter = max(n_shards // 4, 1)
-    targets = [
-        rng.randint(1, quarter),
-        rng.randint(quarter + 1, 2 * quarter),
-        rng.randint(2 * quarter + 1, 3 * quarter),
-    ]
-    logs, kills = [], 0
-    for attempt in range(4):
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        if attempt == 0:
-            time.sleep(rng.uniform(0.05, 0.5))  # inside the interpreter's start-up and imports
-        else:
-            t0 = time.time()
-            while shards_done() < targets[attempt - 1] and proc.poll() is None and time.time() - t0 < 120:
-                time.sleep(0.01)  # a tight loop would take CPU from the run it watches
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            kills += 1
-        logs.append(proc.communicate()[1].decode())
-    assert kills >= 3
+    logs = kill_at_progress(cmd, out, ".pack-state.json", ref, stretches=3, seed=1234)
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     logs.append(done.stderr)

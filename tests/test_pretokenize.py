@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
-import shutil
-import signal
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -20,7 +16,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _data_utils import dir_bytes, make_texts, train_hf_tokenizer, write_jsonl, write_parquet  # noqa: E402
+from _data_utils import dir_bytes, kill_at_progress, make_texts, train_hf_tokenizer, write_jsonl, write_parquet  # noqa: E402
 
 from balancer import cli  # noqa: E402
 from balancer.data.pretokenize.options import PretokenizeOptions
@@ -401,52 +397,7 @@ def test_kill9_and_resume_byte_identical(tmp_path):
     n_shards = len(load_manifest(ref)["shards"])
     assert n_shards >= 10
     out = tmp_path / "out"
-    rng = random.Random(1234)
-
-    def finished_shards() -> int:  # progress as the run records it (the state file is replaced atomically)
-        try:
-            return len(json.loads((out / ".pretokenize-state.json").read_text())["shards"])
-        except (FileNotFoundError, json.JSONDecodeError):
-            return 0
-
-    def kill_after_shard(proc, target: int) -> None:
-        """Wait until `target` shards are recorded, then a random moment within about one more shard's time."""
-        seen, changes = finished_shards(), [time.time()]
-        while seen < target and proc.poll() is None:
-            time.sleep(0.002)
-            now = finished_shards()
-            if now != seen:
-                seen, changes = now, [*changes[-1:], time.time()]
-        interval = changes[-1] - changes[0] if len(changes) == 2 else 0.02
-        time.sleep(rng.uniform(0.0, interval))
-
-    # kill timing keyed to progress, not to the clock: one kill during start-up (imports, hashing, the first state
-    # write), then one inside each of four disjoint stretches of the writing phase, however fast the machine is. A
-    # run that outpaces the watcher and finishes is checked against the reference and the folder starts over.
-    logs: list[str] = []
-    outcomes: list[str] = []
-    stretch = 0
-    while stretch < 5 and len(outcomes) < 15:
-        proc = subprocess.Popen(cmd(out), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        if stretch == 0:
-            time.sleep(rng.uniform(0.05, 1.0))
-        else:
-            kill_after_shard(proc, rng.randrange(stretch * n_shards // 6, (stretch + 1) * n_shards // 6))
-        killed = proc.poll() is None
-        if killed:
-            proc.send_signal(signal.SIGKILL)
-        logs.append(proc.communicate()[1].decode())
-        # a run that ended by itself must have succeeded: a refusal after a kill is a crash-safety bug
-        assert proc.returncode in (0, -signal.SIGKILL), (len(outcomes), proc.returncode, logs[-1])
-        if proc.returncode == 0:
-            outcomes.append("finished")
-            assert dir_bytes(out) == dir_bytes(ref)
-            shutil.rmtree(out)
-            stretch = 0
-        else:
-            outcomes.append(f"killed in stretch {stretch}")
-            stretch += 1
-    assert stretch == 5, outcomes
+    logs = kill_at_progress(cmd(out), out, ".pretokenize-state.json", ref, stretches=4, seed=1234)
     done = subprocess.run(cmd(out), cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     logs.append(done.stderr)
