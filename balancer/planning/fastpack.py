@@ -19,10 +19,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from balancer.planning.binpack import POLISH_ABOVE, POLISH_MAX_UNITS, pack_step, step_time
 from balancer.planning.metrics import lower_bound, one_f_one_b, step_times
+from balancer.planning.polish import polish_steps
+from balancer.planning.rowops import argmin_last, last_axis
 from balancer.planning.topology import Topology
 
 TAIL_ROUNDS = 2  # a step's last this-many rounds of units go one unit at a time (rounds leave the last ones uneven)
+FAST_ENOUGH = 1.01  # a step keeps its batched packing when its time is within this factor of its lower bound ...
+FEW_UNITS = 2  # ... or, with at most this many units per micro-batch, ...
+FEW_FAST_ENOUGH = 1.002  # ... within this factor
+REPACK_SKIP = 1e-3  # re-packing steps that could gain at most this share of the epoch's time is not worth it
+REPACK_SAMPLE = 32  # steps on which pack_step is tried before re-packing many steps
 
 
 def pack_steps(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: Topology) -> np.ndarray:
@@ -90,27 +98,39 @@ def _greedy(units, rows, cost, tokens, load, used, unit_bin, topology: Topology)
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
     every = len(rows) == len(load)  # all steps take part: views, no copies
     step_load = load if every else load[rows]
-    room = (used if every else used[rows]) + tokens[units][:, None] <= cap
+    step_used = used if every else used[rows]
     per_replica = step_load.reshape(len(rows), dp, m)
-    c = cost[units][:, None, None]
-    new_time = per_replica.sum(axis=2, keepdims=True) + c  # with one stage the replica time is its sum ...
-    if topology.pp > 1:  # ... with more, (P-1) times its largest micro-batch on top
+    if topology.pp == 1:  # the replica time is its sum: the least-loaded replica with room, its cheapest bin
+        need = (cap - tokens[units])[:, None]
+        per_used = step_used.reshape(len(rows), dp, m)
+        total = last_axis(np.add, per_replica)
+        total[last_axis(np.minimum, per_used) > need] = np.inf
+        replica = argmin_last(total)
+        at = np.arange(len(rows))
+        inside = per_replica[at, replica]
+        inside[per_used[at, replica] > need] = np.inf
+        choice, ok = replica * m + argmin_last(inside), np.isfinite(total[at, replica])
+    else:  # with more stages, (P-1) times its largest micro-batch on top
+        room = step_used <= (cap - tokens[units])[:, None]
+        c = cost[units][:, None, None]
         new_time = one_f_one_b(
-            np.maximum(per_replica.max(axis=2, keepdims=True), per_replica + c), new_time, topology.pp
+            np.maximum(per_replica.max(axis=2, keepdims=True), per_replica + c),
+            per_replica.sum(axis=2, keepdims=True) + c,
+            topology.pp,
         )
-    new_time = np.where(room.reshape(len(rows), dp, m), np.broadcast_to(new_time, per_replica.shape), np.inf)
-    new_time = new_time.reshape(len(rows), dp * m)
-    best = new_time.min(axis=1, keepdims=True)
-    choice = np.argmin(np.where(new_time <= best * (1 + 1e-12), step_load, np.inf), axis=1)
-    ok = np.isfinite(best[:, 0])
+        new_time = np.where(room.reshape(len(rows), dp, m), new_time, np.inf).reshape(len(rows), dp * m)
+        best = new_time.min(axis=1, keepdims=True)
+        choice = np.argmin(np.where(new_time <= best * (1 + 1e-12), step_load, np.inf), axis=1)
+        ok = np.isfinite(best[:, 0])
     _place(units[ok], rows[ok], choice[ok], cost, tokens, load, used, unit_bin)
 
 
 def _place(units, rows, bins, cost, tokens, load, used, unit_bin) -> None:
     """Units to (step row, micro-batch) pairs, each pair at most once per call (in place)."""
     unit_bin[units] = bins
-    load[rows, bins] += cost[units]
-    used[rows, bins] += tokens[units]
+    cell = rows * load.shape[1] + bins  # flat indices: twice as fast as (rows, bins) pairs
+    load.reshape(-1)[cell] += cost[units]
+    used.reshape(-1)[cell] += tokens[units]
 
 
 def step_quality(
@@ -134,17 +154,44 @@ def step_quality(
     return times, bound, complete
 
 
-def worth_repacking(times: np.ndarray, bound: np.ndarray, complete: np.ndarray, slack: float, skip: float):
-    """Steps to re-pack: the incomplete ones, and those more than `slack` above their bound, except the least
-    excess ones whose summed excess `time - bound` stays within `skip` of the epoch's summed bound (re-packing
-    them could gain at most that share of the epoch's time)."""
-    repack = ~complete | (times > (1 + slack) * bound)
+def steps_to_repack(
+    unit_bin: np.ndarray, cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: Topology
+) -> tuple[np.ndarray, np.ndarray]:
+    """(steps of the batched packing that go to `pack_step`, steps that are complete: every unit placed, no
+    micro-batch empty), after the batched local search (in place on `unit_bin`, the micro-batch of each unit; step
+    s is `ptr[s]:ptr[s + 1]`).
+
+    Small steps off their bound are polished as `pack_step` polishes them. A step is re-packed when incomplete, or
+    when it stays above FAST_ENOUGH of its bound (FEW_FAST_ENOUGH with at most FEW_UNITS units per micro-batch,
+    where `pack_step`'s water-filling and spill to the next step get closer than LPT), except the least excess
+    steps that together could gain at most REPACK_SKIP of the epoch; and except all of them when `pack_step`, tried
+    on a sample of them, would gain less than that (a pipeline's bubble, say, keeps every packing off the bound).
+    """
+    times, bound, complete = step_quality(unit_bin, cost, ptr, topology)
+    sizes = np.diff(ptr)
+    few = sizes <= FEW_UNITS * topology.bins_per_step
+    polish = complete & (sizes <= POLISH_MAX_UNITS) & (times > np.where(few, POLISH_ABOVE, FAST_ENOUGH) * bound)
+    if polish.any():
+        polish_steps(unit_bin, cost, tokens, ptr, np.flatnonzero(polish), topology)
+        times, bound, complete = step_quality(unit_bin, cost, ptr, topology)
+    repack = ~complete | (times > np.where(few, FEW_FAST_ENOUGH, FAST_ENOUGH) * bound)
     candidates = np.flatnonzero(repack & complete)
     excess = times[candidates] - bound[candidates]
     by_excess = np.argsort(excess, kind="stable")
-    skipped = candidates[by_excess[np.cumsum(excess[by_excess]) <= skip * bound.sum()]]
-    repack[skipped] = False
-    return repack
+    repack[candidates[by_excess[np.cumsum(excess[by_excess]) <= REPACK_SKIP * bound.sum()]]] = False
+    candidates = np.flatnonzero(repack & complete)
+    if len(candidates) >= 4 * REPACK_SAMPLE:
+        sample = candidates[np.linspace(0, len(candidates) - 1, REPACK_SAMPLE).astype(np.int64)]
+        gain = sum(max(0.0, times[s] - _pack_step_time(s, cost, tokens, ptr, topology)) for s in sample)
+        if gain * len(candidates) / len(sample) <= REPACK_SKIP * bound.sum():
+            repack[candidates] = False
+    return repack, complete
+
+
+def _pack_step_time(s: int, cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: Topology) -> float:
+    """Step s's time when `pack_step` packs it (a unit it leaves for the next step counts its cost)."""
+    units = slice(ptr[s], ptr[s + 1])
+    return step_time(pack_step(cost[units], tokens[units], topology), cost[units], topology)
 
 
 def pack_light_steps(flat, ptr, u_cost, u_tok, attn_heavy, topology: Topology) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from balancer.planning.cost import CostModel
+from balancer.planning.rowops import last_axis
 from balancer.planning.topology import Topology
 
 
@@ -30,7 +31,7 @@ def one_f_one_b(largest, total, stages: int, *added):
 def replica_times(mb_cost: np.ndarray, topology: Topology) -> np.ndarray:
     """[steps, dp, M] micro-batch costs (fixed included) -> [steps, dp] per-CP-rank replica times."""
     t = np.asarray(mb_cost, dtype=np.float64) / topology.cp
-    return one_f_one_b(t.max(axis=-1), t.sum(axis=-1), topology.pp)
+    return one_f_one_b(last_axis(np.maximum, t), last_axis(np.add, t), topology.pp)
 
 
 def step_times(mb_cost: np.ndarray, topology: Topology) -> np.ndarray:

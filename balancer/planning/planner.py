@@ -22,13 +22,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from balancer.planning.binpack import pack_step, step_time
 from balancer.planning.cost import CostModel
 from balancer.planning.dynamic import plan_dynamic
-from balancer.planning.fastpack import LazySteps, pack_light_steps, step_quality, worth_repacking
+from balancer.planning.fastpack import LazySteps, pack_light_steps, steps_to_repack
 from balancer.planning.metrics import natural_steps, step_times
 from balancer.planning.plans import Plan
 from balancer.planning.steps import (
@@ -44,8 +45,6 @@ from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, planning_units, validate_lengths
 
 ATTN_SHARE = 1 / 3  # a unit is attention-heavy when attention is at least this share of its cost
-FAST_ENOUGH = 1.01  # a step keeps its batched packing when its time is within this factor of its lower bound ...
-REPACK_SKIP = 1e-3  # ... or when re-packing all steps with the least excess over their bound could gain at most this
 PROGRESS_AFTER = 2.0  # seconds before a progress bar (progress=True) appears
 SLOW_PLAN = 10.0  # seconds: a plan that takes longer is logged (once per process)
 
@@ -105,7 +104,7 @@ def plan(
         rng = np.random.default_rng([seed, 1])
         packed = _pack_epoch(u_cost, u_tok, attn_heavy, targets, topology, rng, progress)
 
-    sizes = np.concatenate([mb_sizes for _, mb_sizes in packed])
+    sizes = np.concatenate([mb_sizes for _, mb_sizes in packed]).ravel()
     unit = shuffled[np.concatenate([units for units, _ in packed])]
     one_each = len(u_doc) == len(lengths) and np.array_equal(u_end, lengths)  # no document cut or truncated
     whole = one_each or (u_start[unit] == 0) & (u_end[unit] == lengths[u_doc[unit]])
@@ -114,7 +113,7 @@ def plan(
         unit = unit[np.argsort(mb_id * 2 + ~whole, kind="stable")]
     placed_tokens = lengths if one_each else np.bincount(u_doc, weights=u_end - u_start, minlength=len(lengths))
     placed_tokens = placed_tokens.astype(np.int64)
-    _log_if_slow(time.perf_counter() - started, len(lengths), len(packed), topology)
+    _log_if_slow(time.perf_counter() - started, len(lengths), len(sizes) // nb, topology)
     return Plan(
         lengths,
         topology,
@@ -148,20 +147,18 @@ def _pack_epoch(
     rng: np.random.Generator,
     progress: bool = False,
 ) -> list:
-    """Cut the shuffled units into steps and pack each; returns per step (units sorted by micro-batch, sizes).
+    """Cut the shuffled units into steps and pack each; returns the packed epoch as pieces of consecutive steps
+    (units sorted by step and micro-batch, [steps, micro-batches] sizes).
 
     Every step without attention-heavy units is first packed by the batched LPT of balancer.planning.fastpack (all
-    such steps at once); a step keeps
-    that packing when it placed every unit within FAST_ENOUGH of the step's lower bound (or when it is among the
-    steps of least excess time that together could gain at most REPACK_SKIP of the epoch), and is re-packed by
-    `pack_step` otherwise, or when units moved into it from the step before."""
+    such steps at once) and polished by the batched local search; a step keeps that packing unless
+    `fastpack.steps_to_repack` sends it to `pack_step`, or units moved into it from the step before."""
     nb = topology.bins_per_step
     groups = _cut_steps(u_cost, u_tok, attn_heavy, targets, nb, rng, grouped=topology.pp > 1)
     flat = np.concatenate(groups)
     ptr = np.concatenate([[0], np.cumsum([len(g) for g in groups])])
     fast_bin = pack_light_steps(flat, ptr, u_cost, u_tok, attn_heavy, topology)
-    times, bound, complete = step_quality(fast_bin, u_cost[flat], ptr, topology)
-    repack = worth_repacking(times, bound, complete, FAST_ENOUGH - 1, REPACK_SKIP)
+    repack, complete = steps_to_repack(fast_bin, u_cost[flat], u_tok[flat], ptr, topology)
     fast = LazySteps(fast_bin, ptr, complete)
     # the good steps' result, sorted by micro-batch in one go (the -1 of incomplete steps sorts first, unused)
     step = np.repeat(np.arange(len(groups)), np.diff(ptr))
@@ -171,8 +168,8 @@ def _pack_epoch(
     else:
         by_bin = flat[np.lexsort((flat, slot))]
     sizes = np.bincount(slot, minlength=len(groups) * (nb + 1)).reshape(len(groups), nb + 1)[:, 1:]
-    ready = [None if bad else (by_bin[ptr[s] : ptr[s + 1]], sizes[s]) for s, bad in enumerate(repack)]
-    return _settle(groups, fast, ready, u_cost, u_tok, attn_heavy, targets, topology, progress)
+    batched = _Batched(by_bin, ptr, sizes, ready=~repack, fast=fast)
+    return _settle(groups, batched, u_cost, u_tok, attn_heavy, targets, topology, progress)
 
 
 def _cut_steps(
@@ -206,10 +203,34 @@ def _cut_steps(
     return groups
 
 
+@dataclass
+class _Batched:
+    """The batched packing of an epoch's steps: units sorted by step and micro-batch (`by_bin[ptr[s]:ptr[s + 1]]`),
+    [steps, micro-batches] sizes, which steps can be taken as they are (`ready`), and each complete step's
+    micro-batches (`fast`, for comparing with `pack_step`). A step whose units change is forgotten in both."""
+
+    by_bin: np.ndarray
+    ptr: np.ndarray
+    sizes: np.ndarray
+    ready: np.ndarray
+    fast: LazySteps
+
+    def __post_init__(self) -> None:
+        not_ready = np.append(np.flatnonzero(~self.ready), len(self.ready))
+        self.next_unready = not_ready[np.searchsorted(not_ready, np.arange(len(self.ready)))]
+
+    def take(self, s: int) -> bool:
+        return s < len(self.ready) and bool(self.ready[s])
+
+    def forget(self, s: int) -> None:
+        if s < len(self.ready):
+            self.ready[s] = False
+            self.fast[s] = None
+
+
 def _settle(
     groups: list,
-    fast: list,
-    ready: list,
+    batched: _Batched,
     u_cost: np.ndarray,
     u_tok: np.ndarray,
     attn_heavy: np.ndarray,
@@ -217,22 +238,28 @@ def _settle(
     topology: Topology,
     progress: bool,
 ) -> list:
-    """Step by step: take `ready[s]` (the batched packing, good enough and sorted by micro-batch) where there is one
-    and the step's units did not change; else pack with `pack_step` (keeping the batched packing `fast[s]` when
-    that is faster), move what fits nowhere on to the next step (which then is re-packed too) and backfill; a
-    too-small overflow step borrows from earlier ones. Returns per step (units sorted by micro-batch, sizes)."""
-    packed: list[tuple[np.ndarray, np.ndarray]] = []  # per step: units sorted by micro-batch, micro-batch sizes
+    """Step by step: take the batched packing (good enough, sorted by micro-batch) where the step is ready and its
+    units did not change, a run of ready steps at once; else pack with `pack_step` (keeping the batched packing
+    when that is faster), move what fits nowhere on to the next step (which then is re-packed too) and backfill;
+    a too-small overflow step borrows from earlier ones. Returns pieces (units by step and micro-batch,
+    [steps, micro-batches] sizes) of consecutive steps."""
+    packed: list[tuple[np.ndarray, np.ndarray]] = []
     carry = np.zeros(0, dtype=np.int64)
     s = 0
     bar = _progress(len(groups), progress)
     while s < len(groups) or len(carry):
-        if not len(carry) and s < len(ready) and ready[s] is not None and s + 1 < len(groups):
-            packed.append(ready[s])  # the common case: nothing moved in, the batched packing is good
+        if not len(carry) and s + 1 < len(groups) and batched.take(s):
+            # the common case: nothing moved in, the batched packing is good (forgetting only ever reaches the
+            # step after the one being settled, so the run ends where the first unready step was at the start)
+            end = min(int(batched.next_unready[s]), len(groups) - 1)  # the last step may overflow: settled
+            packed.append((batched.by_bin[batched.ptr[s] : batched.ptr[end]], batched.sizes[s:end]))
+            done = end - s
         else:
-            carry = _settle_step(s, carry, groups, fast, ready, packed, u_cost, u_tok, attn_heavy, targets, topology)
-        s += 1
+            carry = _settle_step(s, carry, groups, batched, packed, u_cost, u_tok, attn_heavy, targets, topology)
+            done = 1
+        s += done
         if bar:
-            bar.update(1)
+            bar.update(done)
         if s > 4 * len(groups) + 10:
             raise RuntimeError("planner failed to place all documents (units fit no micro-batch)")
     if bar:
@@ -240,22 +267,24 @@ def _settle(
     return packed
 
 
-def _settle_step(s, carry, groups, fast, ready, packed, u_cost, u_tok, attn_heavy, targets, topology) -> np.ndarray:
+def _settle_step(s, carry, groups, batched, packed, u_cost, u_tok, attn_heavy, targets, topology) -> np.ndarray:
     """Pack step `s` (with the units `carry` moved in from the step before) onto `packed`; returns the units that
     move on to the next step."""
     nb = topology.bins_per_step
     units = groups[s] if s < len(groups) else np.zeros(0, dtype=np.int64)
-    unit_bin = fast[s] if s < len(fast) and not len(carry) else None
+    unit_bin = batched.fast[s] if s < len(batched.fast) and not len(carry) else None
     units = np.concatenate([carry, units])
     if s == len(groups) - 1 and u_tok[units].sum() > 1.1 * targets.max() and len(units) > 2 * nb:
         groups.append(np.zeros(0, dtype=np.int64))  # the last step overflows: open one more
     if unit_bin is None and s + 1 < len(groups):
         target = float(targets[s]) if s < len(targets) else float(targets.max())
+        before = groups[s + 1]
         units = _hold_step_tokens(units, groups, s, target, u_tok, attn_heavy, nb)
-        _forget(fast, ready, s + 1)  # the next step's units may have changed
+        if groups[s + 1] is not before:  # units moved to or from the next step: its batched packing is stale
+            batched.forget(s + 1)
     if len(units) < nb and packed:
         units, unit_bin = _reopen_last_step(packed, units, u_cost, nb), None
-    if unit_bin is None or s >= len(ready) or ready[s] is None:
+    if unit_bin is None or not batched.take(s):
         unit_bin = _faster(unit_bin, pack_step(u_cost[units], u_tok[units], topology), u_cost[units], topology)
     carry = units[unit_bin < 0]
     placed = units[unit_bin >= 0]
@@ -264,9 +293,9 @@ def _settle_step(s, carry, groups, fast, ready, packed, u_cost, u_tok, attn_heav
         placed, bins = _backfill(
             placed, bins, float(u_tok[carry].sum()), groups, s, u_tok, u_cost, attn_heavy, topology
         )
-        _forget(fast, ready, s + 1)
+        batched.forget(s + 1)
     by_bin = np.argsort(bins * len(u_cost) + placed)  # by micro-batch, shuffled order inside (unique keys)
-    packed.append((placed[by_bin], np.bincount(bins, minlength=nb)))
+    packed.append((placed[by_bin], np.bincount(bins, minlength=nb)[None, :]))
     return carry
 
 
@@ -275,12 +304,6 @@ def _faster(fast: np.ndarray | None, packed: np.ndarray, cost: np.ndarray, topol
     if fast is None or step_time(packed, cost, topology) < step_time(fast, cost, topology):
         return packed
     return fast
-
-
-def _forget(fast: list, ready: list, s: int) -> None:
-    """Step `s`'s units changed: its batched packing no longer applies."""
-    if s < len(fast):
-        fast[s] = ready[s] = None
 
 
 def _hold_step_tokens(
@@ -370,12 +393,10 @@ def _backfill(
 
 def _epoch_time(packed: list, u_cost: np.ndarray, topology: Topology) -> float:
     """Sum of step times of a packed epoch (per-CP-rank cost units)."""
-    total = 0.0
-    for units, sizes in packed:
-        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        per_mb = np.where(sizes > 0, np.add.reduceat(np.append(u_cost[units], 0.0), starts), 0.0)
-        total += float(step_times(per_mb.reshape(1, topology.dp, topology.micro_batches), topology)[0])
-    return total
+    units = np.concatenate([units for units, _ in packed])
+    sizes = np.concatenate([sizes for _, sizes in packed]).ravel()
+    per_mb = np.bincount(np.repeat(np.arange(len(sizes)), sizes), weights=u_cost[units], minlength=len(sizes))
+    return float(step_times(per_mb.reshape(-1, topology.dp, topology.micro_batches), topology).sum())
 
 
 def _choose_step_tokens(
@@ -417,12 +438,12 @@ def _reopen_last_step(packed: list, units: np.ndarray, u_cost: np.ndarray, nb: i
     first), never emptying one of their micro-batches (in place on `packed`)."""
     borrowed = [units]
     need = nb - len(units)
-    for back in range(len(packed) - 1, -1, -1):
-        if need <= 0:
-            break
+    back = len(packed) - 1
+    while need > 0 and back >= 0:
+        back = _last_step_alone(packed, back)
         flat, sizes = packed[back]
-        mb_of = np.repeat(np.arange(nb), sizes)
-        left = sizes.copy()
+        mb_of = np.repeat(np.arange(nb), sizes[0])
+        left = sizes[0].copy()
         take = []
         for k in np.argsort(u_cost[flat], kind="stable"):
             if len(take) == need:
@@ -432,9 +453,10 @@ def _reopen_last_step(packed: list, units: np.ndarray, u_cost: np.ndarray, nb: i
                 take.append(k)
         keep = np.ones(len(flat), dtype=bool)
         keep[take] = False
-        packed[back] = (flat[keep], left)
+        packed[back] = (flat[keep], left[None, :])
         borrowed.append(np.sort(flat[take]))
         need -= len(take)
+        back -= 1
     if need > 0:
         raise ValueError(
             f"cannot give every one of the {nb} micro-batches of the last step a document: the documents are too "
@@ -443,6 +465,16 @@ def _reopen_last_step(packed: list, units: np.ndarray, u_cost: np.ndarray, nb: i
             "or Topology.micro_batches"
         )
     return np.concatenate(borrowed)
+
+
+def _last_step_alone(packed: list, index: int) -> int:
+    """Split piece `index` of `packed` so that its last step is a piece of its own; returns that piece's index."""
+    units, sizes = packed[index]
+    if len(sizes) == 1:
+        return index
+    cut = len(units) - int(sizes[-1].sum())
+    packed[index : index + 1] = [(units[:cut], sizes[:-1]), (units[cut:], sizes[-1:])]
+    return index + 1
 
 
 def _log_if_slow(seconds: float, documents: int, steps: int, topology: Topology) -> None:

@@ -45,15 +45,17 @@ def effective_step_tokens(unit_cost: np.ndarray, unit_tokens: np.ndarray, topolo
     replicas that hold heavy documents.
     """
     tps, capacity, nb = topology.tokens_per_step, topology.capacity, topology.bins_per_step
-    total = float(unit_tokens.sum())
+    total, total_cost = float(unit_tokens.sum()), float(unit_cost.sum())
     target = float(tps)
     for _ in range(3):
         steps = max(1.0, total / target)
-        heavy = unit_cost > HEAVY_PACK * unit_cost.sum() / (steps * nb)
-        if not heavy.any() or heavy.all():
+        heavy = unit_cost > HEAVY_PACK * total_cost / (steps * nb)
+        count = int(np.count_nonzero(heavy))
+        if count == 0 or count == len(heavy):
             return tps
-        light_cost_per_token = unit_cost[~heavy].sum() / unit_tokens[~heavy].sum()
-        excess = float(np.sum(unit_cost[heavy] / light_cost_per_token - unit_tokens[heavy])) / steps
+        heavy_cost, heavy_tokens = float(unit_cost.sum(where=heavy)), float(unit_tokens.sum(where=heavy))
+        light_cost_per_token = (total_cost - heavy_cost) / (total - heavy_tokens)
+        excess = (heavy_cost / light_cost_per_token - heavy_tokens) / steps
         target = float(np.clip(0.98 * capacity - excess, STEP_BAND[0] * tps, tps))
     return max(1, int(round(target)))
 
@@ -86,8 +88,8 @@ def assign_steps(
     heavy_tokens = np.bincount(step[heavy], weights=unit_tokens[heavy], minlength=num_steps)
     budget = np.maximum(targets - heavy_tokens, 0.0)
     light_tokens = unit_tokens[~heavy].astype(np.float64)
-    before = np.cumsum(light_tokens) - light_tokens
-    step[~heavy] = np.minimum(np.searchsorted(np.cumsum(budget), before, side="right"), num_steps - 1)
+    middle = np.cumsum(light_tokens) - light_tokens / 2  # a unit goes to the step that holds most of it
+    step[~heavy] = np.minimum(np.searchsorted(np.cumsum(budget), middle, side="right"), num_steps - 1)
     return step
 
 
@@ -218,7 +220,8 @@ def equal_row_steps(num_rows: int, row_tokens: int, topology: Topology) -> np.nd
 
 
 def pack_equal_rows(rows: np.ndarray, topology: Topology) -> list:
-    """Packed steps (per step: units sorted by micro-batch, micro-batch sizes) for equal units, `rows[s]` of them in
+    """Packed steps (one piece per step: units sorted by micro-batch, [1, micro-batches] sizes) for equal units,
+    `rows[s]` of them in
     step s in shuffled order: the j-th unit of a step goes to replica `j % dp`, micro-batch `(j // dp) % M`, so
     replicas and micro-batches differ by at most one unit."""
     dp, m = topology.dp, topology.micro_batches
@@ -227,7 +230,7 @@ def pack_equal_rows(rows: np.ndarray, topology: Topology) -> list:
         j = np.arange(count)
         bins = (j % dp) * m + (j // dp) % m
         order = np.argsort(bins, kind="stable")
-        packed.append((first + order, np.bincount(bins, minlength=dp * m)))
+        packed.append((first + order, np.bincount(bins, minlength=dp * m)[None, :]))
         first += count
     return packed
 
