@@ -171,9 +171,12 @@ def steps_to_repack(
     sizes = np.diff(ptr)
     few = sizes <= FEW_UNITS * topology.bins_per_step
     polish = complete & (sizes <= POLISH_MAX_UNITS) & (times > np.where(few, POLISH_ABOVE, FAST_ENOUGH) * bound)
-    if polish.any():
-        polish_steps(unit_bin, cost, tokens, ptr, np.flatnonzero(polish), topology)
-        times, bound, complete = step_quality(unit_bin, cost, ptr, topology)
+    if polish.any():  # a polished step keeps its units, so its bound, and every micro-batch filled
+        polished = np.flatnonzero(polish)
+        polish_steps(unit_bin, cost, tokens, ptr, polished, topology)
+        counts = sizes[polished]
+        cells = np.repeat(ptr[polished] - np.cumsum(counts) + counts, counts) + np.arange(int(counts.sum()))
+        times[polished] = step_quality(unit_bin[cells], cost[cells], np.append(0, np.cumsum(counts)), topology)[0]
     repack = ~complete | (times > np.where(few, FEW_FAST_ENOUGH, FAST_ENOUGH) * bound)
     candidates = np.flatnonzero(repack & complete)
     excess = times[candidates] - bound[candidates]

@@ -112,15 +112,19 @@ def plan(
         mb_id = np.repeat(np.arange(len(sizes)), sizes)
         unit = unit[np.argsort(mb_id * 2 + ~whole, kind="stable")]
     placed_tokens = lengths if one_each else np.bincount(u_doc, weights=u_end - u_start, minlength=len(lengths))
-    placed_tokens = placed_tokens.astype(np.int64)
+    placed_tokens = placed_tokens.astype(np.int64, copy=False)
     _log_if_slow(time.perf_counter() - started, len(lengths), len(sizes) // nb, topology)
+    if one_each:  # units are the documents: ids are positions, every span starts at 0
+        doc, start, end = unit, np.zeros(len(unit), dtype=u_start.dtype), lengths[unit]
+    else:
+        doc, start, end = u_doc[unit], u_start[unit], u_end[unit]
     return Plan(
         lengths,
         topology,
         cost,
-        u_doc[unit],
-        u_start[unit],
-        u_end[unit],
+        doc,
+        start,
+        end,
         np.concatenate([[0], np.cumsum(sizes)]),
         seed=seed,
         natural_step=natural_steps(doc_order, placed_tokens, int(round(float(np.mean(targets))))),
@@ -192,14 +196,17 @@ def _cut_steps(
     sizes = np.array([len(g) for g in groups])
     totals = np.zeros(len(groups))
     totals[sizes > 0] = np.add.reduceat(u_tok[np.concatenate(groups)], (np.cumsum(sizes) - sizes)[sizes > 0])
-    touched = False  # the step before traded units with this one: its total is stale
-    for s in range(len(groups) - 1):
-        target = float(targets[min(s, len(targets) - 1)])
-        if not touched and abs(totals[s] - target) <= 0.02 * target:
-            continue
+    step_target = targets[np.minimum(np.arange(len(groups)), len(targets) - 1)]
+    off = np.flatnonzero(np.abs(totals - step_target) > 0.02 * step_target)
+    s = int(off[0]) if len(off) else len(groups)
+    while s < len(groups) - 1:  # the steps off their target, and each step the one before traded units with
         before = groups[s + 1]
-        groups[s] = _hold_step_tokens(groups[s], groups, s, target, u_tok, attn_heavy, nb)
-        touched = groups[s + 1] is not before
+        groups[s] = _hold_step_tokens(groups[s], groups, s, float(step_target[s]), u_tok, attn_heavy, nb)
+        if groups[s + 1] is not before:
+            s += 1
+        else:
+            k = int(np.searchsorted(off, s + 1))
+            s = int(off[k]) if k < len(off) else len(groups)
     return groups
 
 
