@@ -306,20 +306,19 @@ def test_batched_packing_respects_caps_and_matches_itself(inst, steps):
         assert np.array_equal(alone, b)
 
 
-def test_many_small_steps_use_the_batched_packing():
+def test_many_small_steps_use_the_batched_packing(monkeypatch):
     """SFT-like documents on a small topology (hundreds of steps): the plan is valid and close to its bound while
     `pack_step` runs on only a few steps."""
-    import balancer.planning.planner as planner
+    import balancer.planning.fastpack as fastpack
+    import balancer.planning.settle as settle
 
     lengths = np.clip(np.random.default_rng(0).lognormal(np.log(700), 0.8, 20_000), 32, 4096).astype(np.int64)
     topo = Topology(dp=4, cp=2, micro_batches=4, max_tokens=2048)
     calls = []
-    original = planner.pack_step
-    planner.pack_step = lambda *a: calls.append(1) or original(*a)
-    try:
-        p = balancer.plan(lengths, topo, COST, seed=0)
-    finally:
-        planner.pack_step = original
+    original = settle.pack_step
+    for module in (settle, fastpack):  # settling steps, and the sample that decides whether re-packing pays
+        monkeypatch.setattr(module, "pack_step", lambda *a: calls.append(1) or original(*a))
+    p = balancer.plan(lengths, topo, COST, seed=0)
     p.validate()
     m = p.metrics()
     assert m["steps"] > 300 and m["epoch_efficiency"] > 0.99
@@ -342,8 +341,10 @@ def test_long_planning_is_logged_once_and_shows_progress_late(caplog, monkeypatc
         balancer.plan(lengths, topo, COST, seed=1)
     lines = [r.getMessage() for r in caplog.records if r.name == "balancer.planning.planner"]
     assert len(lines) == 1 and "planning 500 documents into" in lines[0] and "dp2" in lines[0]
-    bar = planner._progress(10, True)
-    assert bar.delay == planner.PROGRESS_AFTER == 2.0
+    from balancer.planning import settle
+
+    bar = settle._progress(10, True)
+    assert bar.delay == settle.PROGRESS_AFTER == 2.0
     bar.close()
 
 
