@@ -102,12 +102,19 @@ def test_pack_prints_the_balance_it_records(tok, tmp_path, capsys):
 
 def test_progress_lines_without_a_terminal_also_while_nothing_arrives(monkeypatch, capsys):
     monkeypatch.setattr(progress, "PROGRESS_LINE_S", 0.05)
+    err: list[str] = []
+
+    def wait_for(prefix: str) -> None:  # the timer thread reports on its own; a busy machine may delay it
+        deadline = time.monotonic() + 30
+        while not any(line.startswith(prefix) for line in err) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            err.extend(capsys.readouterr().err.splitlines())
+
     lines = progress.ProgressLines(total=2_000_000, initial=0, enabled=True)
-    time.sleep(0.3)  # no batch arrives: the timer still reports
+    wait_for("pretokenize: 0 B of 2 MB read (0%), 0 documents")  # no batch arrives: the timer still reports
     lines.done, lines.documents = 1_000_000, 42
-    time.sleep(0.3)
+    wait_for("pretokenize: 1 MB of 2 MB read (50%), 42 documents")
     lines.close()
-    err = capsys.readouterr().err.splitlines()
     assert any(line.startswith("pretokenize: 0 B of 2 MB read (0%), 0 documents") for line in err)
     assert any(line.startswith("pretokenize: 1 MB of 2 MB read (50%), 42 documents") for line in err)
     silent = progress.ProgressLines(total=10, initial=0, enabled=False)
