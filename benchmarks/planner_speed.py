@@ -10,6 +10,11 @@ shared, so the load average is recorded at start and end):
    (b) a per-document cost greedy (each document, in shuffled order, to the least-loaded micro-batch with room;
    steps cut every tokens_per_step tokens). Goals: <= 0.1x the greedy, <= 3x the few-steps topology.
 
+3. *The built-in SFT trace* (100K documents, about 2,150 tokens each) on dp4 x cp2 (M4) and dp4 x cp2 x pp4 (M8),
+   2,048 tokens per rank, the llama3-8b FLOPs cost model: what `balancer plan sft --dp 4 --cp 2 --model
+   llama3-8b` plans (about 1.6 documents per micro-batch, where the batched packing needs its local search and
+   pipelines still need `pack_step` on most steps).
+
 Also `pack_step` on one step's documents (~58 SFT-like documents, dp4 x cp2 x M4, what a sampler or a
 fixed-batch trainer calls) and on one global batch of 2,000 WLB-LLM documents (dp8, M4), each against the
 `pack_step` of git revision `--ref` loaded from history in the same run (it is the "today" of issue 21).
@@ -122,6 +127,24 @@ def many_small_steps(n: int, repeat: int) -> dict:
     return out
 
 
+def trace_rows(repeat: int) -> list[dict]:
+    from balancer.cli.options import MODELS
+
+    lengths = load_trace("sft")
+    cost = balancer.CostModel.from_model(**MODELS["llama3-8b"])
+    rows = []
+    for name, topo in (
+        ("dp4 x cp2 x M4 x 2,048", balancer.Topology(dp=4, cp=2, micro_batches=4, max_tokens=2048)),
+        ("dp4 x cp2 x pp4 x M8 x 2,048", balancer.Topology(dp=4, cp=2, pp=4, micro_batches=8, max_tokens=2048)),
+    ):
+        seconds = cpu_time(lambda: balancer.plan(lengths, topo, cost, seed=0), repeat)
+        m = balancer.plan(lengths, topo, cost, seed=0).metrics()
+        rows.append({"topology": name, "documents": len(lengths), "cpu_s": seconds, "steps": m["steps"]})
+        rows[-1] |= {k: m[k] for k in ("imbalance", "epoch_efficiency")}
+        print(f"sft trace, {name}: {seconds:.2f} s, {m['steps']} steps, efficiency {m['epoch_efficiency']:.4f}")
+    return rows
+
+
 def pack_step_rows(ref: str) -> list[dict]:
     cases = []
     docs = sft_like(58, seed=3)
@@ -164,6 +187,7 @@ def main() -> None:
     size_ratio = rows[-1]["documents"] / rows[0]["documents"] if len(rows) > 1 else None
     many = many_small_steps(args.sft_documents, args.repeat)
     print({k: v for k, v in many.items() if not isinstance(v, dict)})
+    traces = trace_rows(args.repeat)
     steps = pack_step_rows(args.ref)
     path = write_result(
         "planner_speed",
@@ -173,6 +197,7 @@ def main() -> None:
             "growth": growth,
             "size_ratio": size_ratio,
             "many_small_steps": many,
+            "sft_trace": traces,
             "pack_step": steps,
             "pack_step_ref": args.ref,
         },

@@ -131,6 +131,15 @@ def planner_speed() -> str:
             + f"\n\nMany small steps take {many['vs_greedy']:.2f}x the greedy's time (goal <= 0.1x) and "
             f"{many['vs_few_steps']:.2f}x the few-steps topology's (goal <= 3x): {goals_cell(many['goals'])}."
         )
+    if data.get("sft_trace"):
+        rows = [
+            [r["topology"], str(r["steps"]), f"{r['cpu_s']:.2f} s", fmt(r["epoch_efficiency"], ".4f")]
+            for r in data["sft_trace"]
+        ]
+        out += (
+            f"\n\nThe built-in `sft` trace ({data['sft_trace'][0]['documents']:,} documents), llama3-8b cost, "
+            f"{clock} time:\n\n" + markdown(["topology", "steps", "plan time", "epoch efficiency"], rows)
+        )
     if data.get("pack_step"):
         rows = [
             [r["case"], f"{r['ms']:.2f} ms", f"{r['ms_at_ref']:.2f} ms", f"{r['ratio']:.2f}x"]

@@ -21,7 +21,10 @@ from hypothesis import settings
 REPO = Path(__file__).resolve().parents[1]
 CACHES = ("__pycache__/", ".pytest_cache/", ".hypothesis/", ".venv/", ".egg-info/", ".ruff_cache/")
 
-settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+# no per-example deadline: a busy 2-core machine can make any example slow, and a timing failure is not a defect
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True, deadline=None)
+settings.register_profile("dev", deadline=None)
+settings.load_profile("dev")
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
