@@ -308,3 +308,45 @@ def test_batched_prediction_equals_one_by_one(seed, cp, window, causal):
     batched = micro_batch_times(cost, lengths, ptr, cp)
     single = [micro_batch_time(cost, lengths[a:b], cp) for a, b in zip(ptr[:-1], ptr[1:])]
     np.testing.assert_allclose(batched, single, rtol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_zigzag_sums_equal_the_layout_prediction(causal):
+    """The closed-form group times (balancer.planning.zigzag_sums) equal predict.micro_batch_time exactly."""
+    from balancer.planning.predict import micro_batch_time
+    from balancer.planning.zigzag_sums import zigzag_sums
+
+    cost = CostModel(
+        attn_coef=3e-9, linear_coef=7e-5, piece_coef=2e-5, comm_coef=1e-5, comm_latency=2e-3, causal=causal
+    )
+    rng = np.random.default_rng(5)
+    for cp in (2, 4, 8):
+        lengths = np.concatenate([rng.integers(1, 4 * cp, 40), rng.integers(1, 300_000, 40)])
+        group = np.sort(rng.integers(0, 12, len(lengths)))
+        ptr = np.searchsorted(group, np.arange(13))
+        assert np.all(np.diff(ptr) > 0)
+        times = zigzag_sums(cost, cp)(lengths, group, 12)
+        expected = [micro_batch_time(cost, lengths[ptr[g] : ptr[g + 1]], cp) for g in range(12)]
+        assert times.tolist() == expected
+    assert zigzag_sums(CostModel(attn_coef=1e-9, linear_coef=1e-5, comm_coef=1e-5, window=64), 4) is None
+
+
+def test_batched_deal_is_largest_first():
+    """cuts.deal gives every node the LPT deal (largest first, stable, to the least-loaded part, ties to the lowest)."""
+    import heapq
+
+    from balancer.planning.cuts import deal
+
+    rng = np.random.default_rng(2)
+    counts = rng.integers(1, 30, 25)
+    ptr = np.concatenate([[0], np.cumsum(counts)])
+    costs = rng.integers(1, 6, ptr[-1]).astype(float)  # many ties
+    got = deal(costs, ptr, 3)
+    for i in range(len(counts)):
+        values = costs[ptr[i] : ptr[i + 1]].tolist()
+        heap, want = [(0.0, p) for p in range(3)], [0] * len(values)
+        for j in sorted(range(len(values)), key=values.__getitem__, reverse=True):
+            load, p = heapq.heappop(heap)
+            want[j] = p
+            heapq.heappush(heap, (load + values[j], p))
+        assert got[ptr[i] : ptr[i + 1]].tolist() == want

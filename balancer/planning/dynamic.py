@@ -19,17 +19,18 @@ is a deterministic function of (lengths, topology, cost, seed).
 
 from __future__ import annotations
 
-import heapq
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from balancer.planning.cost import CostModel
+from balancer.planning.cuts import Cuts, cut_epoch
 from balancer.planning.metrics import dynamic_step_times, one_f_one_b
 from balancer.planning.plans import Plan
+from balancer.planning.predict import micro_batch_times
 from balancer.planning.topology import Topology
+from balancer.planning.zigzag_sums import zigzag_sums
 
 MIN_BINS = 16  # the balancing plan keeps at least this many micro-batches per step (when no document stalls)
 STALL_SHARE = 0.5  # ... and a group size on which P * cost(d) / C is at most this share of a rank's step share
@@ -181,156 +182,50 @@ def _plan_on(
     return plan, predicted
 
 
-@dataclass
-class _Cutter:
-    """What the recursive cut needs: per-entry cost and tokens, the cut sizes, the token cap and fixed cost."""
-
-    entry_cost: np.ndarray
-    entry_tokens: np.ndarray
-    smaller: dict[int, int]  # size -> the largest smaller size in cp_sizes dividing it
-    max_tokens: int
-    fixed: float
-    cost: CostModel | None = None  # a communication-aware model: group times from the layout-aware prediction
-
-    finest: dict[int, int] = field(default_factory=dict)  # size -> the smallest size reached by cutting it
-    known: dict = field(default_factory=dict)  # (size, entries) -> predicted group time (each is computed once)
-
-    def __post_init__(self) -> None:
-        for size in self.smaller:
-            finest = size
-            while finest in self.smaller:
-                finest = self.smaller[finest]
-            self.finest[size] = finest
-
-    def group_time(self, entries: np.ndarray, size: int) -> float:
-        """Time of one group's micro-batch: `(sum cost + fixed) / size`, or with a communication-aware cost model
-        the slowest rank's predicted time under the zigzag layout and ring attention (balancer.planning.predict)."""
-        if self.cost is None or size == 1:  # with one rank the prediction is exactly this (no layout, no traffic)
-            return (float(self.entry_cost[entries].sum()) + self.fixed) / size
-        from balancer.planning.predict import micro_batch_time
-
-        key = (size, entries.tobytes())
-        if key not in self.known:
-            self.known[key] = micro_batch_time(self.cost, self.entry_tokens[entries], size)
-        return self.known[key]
-
-    def split(self, entries: np.ndarray, start: int, size: int, budget: float) -> list[tuple[int, int, np.ndarray]]:
-        """Groups `(start, size, entries)` covering ranks `[start, start + size)`, cut while every part stays within
-        `budget` time: first straight into the smallest size (one deal, the common case of short documents), else
-        into the next smaller size, recursively (module docstring)."""
-        whole = [(start, size, entries)]
-        part_size = self.smaller.get(size)
-        if part_size is None:
-            return whole
-        finest = self.finest[size]
-        if finest < part_size:
-            parts = self._deal(entries, size // finest, finest, budget)
-            if parts is not None:
-                return [(start + p * finest, finest, members) for p, members in enumerate(parts)]
-        parts = self._deal(entries, size // part_size, part_size, budget)
-        if parts is None:
-            return whole
-        out = []
-        for p, members in enumerate(parts):
-            out += self.split(members, start + p * part_size, part_size, budget)
-        return out
-
-    def _deal(self, entries: np.ndarray, parts: int, part_size: int, budget: float) -> list[np.ndarray] | None:
-        """`entries` dealt into `parts` parts of `part_size` ranks (each keeping the micro-batch's order: whole
-        documents, then spans), or None when a part would be empty, over its token cap or slower than `budget`."""
-        if len(entries) < parts:
-            return None
-        costs = self.entry_cost[entries]
-        compute_only = self.cost is None
-        if compute_only and (costs.max() + self.fixed) / part_size > budget:  # the largest document alone is too slow
-            return None
-        if compute_only and (costs.sum() / parts + self.fixed) / part_size > budget:  # even a perfect deal is
-            return None
-        part_of = _deal_largest_first(costs, parts)
-        tokens = np.bincount(part_of, weights=self.entry_tokens[entries], minlength=parts)
-        used = np.bincount(part_of, minlength=parts)
-        if used.min() == 0 or tokens.max() > part_size * self.max_tokens:
-            return None
-        members = [entries[part_of == p] for p in range(parts)]
-        if any(self.group_time(part, part_size) > budget for part in members):
-            return None
-        return members
-
-
 def _split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostModel):
     """Cut every micro-batch of the largest-group plan into aligned smaller groups where that costs (almost) no time.
 
     Returns the entry order of the new plan, each group's first rank, size and entry count, the slot pointer and
     each group's time (per rank; layout-aware with a communication-aware cost model).
+
+    After a cut, a slot takes its slowest part's time (the other parts' ranks wait for their next partners), so a
+    large group's ranks finish by at most `(P-1) * max_k x_k + sum_k x_k` with x_k the slots' slowest parts: a slot
+    may be cut into parts as slow as the budget that keeps this bound within the step's time plus SPLIT_SLACK (a
+    replica below the step's time has room to spare; the slowest one only SPLIT_SLACK). balancer.planning.cuts
+    deals and decides every micro-batch of the epoch at once.
     """
-    large, m = virtual.cp, topology.micro_batches
-    replicas = virtual.dp
-    entry_cost = cost.cost(base.end - base.start)
-    cutter = _Cutter(
-        entry_cost,
-        base.end - base.start,
-        _smaller_sizes(topology.cp_sizes),
-        topology.max_tokens,
-        cost.fixed,
-        cost if cost.has_comm else None,
-    )
-    if cutter.cost is None:
-        slot_time = base.micro_batch_costs() / large  # fixed included
-    else:  # every micro-batch at once; the cuts below look these up
-        from balancer.planning.predict import micro_batch_times
-
-        ptr = base.mb_ptr
-        slot_time = micro_batch_times(cost, base.end - base.start, ptr, large)
-        for k in range(len(ptr) - 1):
-            cutter.known[(large, np.arange(ptr[k], ptr[k + 1]).tobytes())] = float(slot_time[k])
-    slot_time = slot_time.reshape(base.num_steps, replicas, m)
-    order, group_start, group_size, counts, slot_ptr = [], [], [], [], [0]
-    for step in range(base.num_steps):
-        replica_time = one_f_one_b(slot_time[step].max(axis=1), slot_time[step].sum(axis=1), topology.pp)
-        limit = float(replica_time.max()) * (1 + SPLIT_SLACK)
-        cuts = [_cut_replica(cutter, base, step, r, slot_time[step, r], limit, virtual) for r in range(replicas)]
-        for slot in range(m):
-            for replica in range(replicas):
-                for start, size, members in cuts[replica][slot]:
-                    order.append(members)
-                    group_start.append(start)
-                    group_size.append(size)
-                    counts.append(len(members))
-            slot_ptr.append(len(group_start))
-    as_array = [np.asarray(a, dtype=np.int64) for a in (group_start, group_size, counts, slot_ptr)]
-    times = np.array([cutter.group_time(members, int(z)) for members, z in zip(order, group_size)])
-    return (np.concatenate(order) if order else np.zeros(0, dtype=np.int64), *as_array, times)
+    large, m, replicas = virtual.cp, topology.micro_batches, virtual.dp
+    tokens = base.end - base.start
+    entry_cost = cost.cost(tokens)
+    group_times = _group_times(cost, entry_cost, tokens)
+    if not cost.has_comm:
+        slot_time = base.micro_batch_costs().ravel() / large  # fixed included
+    else:  # every micro-batch at once
+        n_mb = len(base.mb_ptr) - 1
+        slot_time = group_times(np.arange(len(tokens)), np.repeat(np.arange(n_mb), np.diff(base.mb_ptr)), n_mb, large)
+    shape = (base.num_steps, replicas, m)
+    per = slot_time.reshape(shape)
+    limit = one_f_one_b(per.max(axis=2), per.sum(axis=2), topology.pp).max(axis=1) * (1 + SPLIT_SLACK)
+    cutter = Cuts(entry_cost, tokens, _smaller_sizes(topology.cp_sizes), topology.max_tokens, group_times)
+    return cut_epoch(cutter, base.mb_ptr, slot_time, limit, large, shape, topology.pp)
 
 
-def _cut_replica(
-    cutter: _Cutter, base: Plan, step: int, replica: int, times: np.ndarray, limit: float, topology: Topology
-) -> list:
-    """The cuts of one large group's micro-batches of `step`, slot by slot, such that the group's ranks still
-    finish within `limit`.
+def _group_times(cost: CostModel, entry_cost: np.ndarray, entry_tokens: np.ndarray):
+    """`times(entries, group, n_groups, size)`: every group's time on `size` ranks, `(sum cost + fixed) / size`, or
+    with a communication-aware cost model the slowest rank's predicted time under the zigzag layout and ring
+    attention (balancer.planning.predict; on one rank the prediction is exactly the former)."""
 
-    After a cut, a slot takes its slowest part's time (the other parts' ranks wait for their next partners), so
-    the group's ranks finish by at most `(P-1) * max_k x_k + sum_k x_k` with x_k the slots' slowest parts: a slot
-    may be cut into parts as slow as `budget` while that bound stays within `limit` (a replica below the step's
-    time has room to spare; the slowest one only SPLIT_SLACK).
-    """
-    large, m, pp, replicas = topology.cp, topology.micro_batches, topology.pp, topology.dp
-    slowest, total = float(times.max()), float(times.sum())
-    out = []
-    for slot in range(m):
-        k = (step * replicas + replica) * m + slot
-        entries = np.arange(base.mb_ptr[k], base.mb_ptr[k + 1])
-        rest = total - times[slot]
-        # the largest x with (P-1) * max(slowest, x) + rest + x <= limit (the 1F1B bound above, inverted)
-        budget = limit - (pp - 1) * slowest - rest
-        if budget > slowest:
-            budget = (limit - rest) / pp
-        groups = cutter.split(entries, replica * large, large, max(budget, float(times[slot])))
-        taken = float(times[slot]) if len(groups) == 1 else max(cutter.group_time(g, z) for _, z, g in groups)
-        if one_f_one_b(max(slowest, taken), rest + taken, pp) > limit and len(groups) > 1:
-            groups, taken = [(replica * large, large, entries)], float(times[slot])  # rounding: keep it whole
-        total, slowest = rest + taken, max(slowest, taken)
-        out.append(groups)
-    return out
+    def times(entries: np.ndarray, group: np.ndarray, n_groups: int, size: int) -> np.ndarray:
+        if not cost.has_comm or size == 1:
+            return (np.bincount(group, weights=entry_cost[entries], minlength=n_groups) + cost.fixed) / size
+        fast = zigzag_sums(cost, size)
+        if fast is not None:
+            return fast(entry_tokens[entries], group, n_groups)
+        order = np.argsort(group, kind="stable")
+        ptr = np.searchsorted(group[order], np.arange(n_groups + 1))
+        return micro_batch_times(cost, entry_tokens[entries[order]], ptr, size)
+
+    return times
 
 
 def _smaller_sizes(sizes: tuple[int, ...]) -> dict[int, int]:
@@ -341,27 +236,3 @@ def _smaller_sizes(sizes: tuple[int, ...]) -> dict[int, int]:
         if divisors:
             out[size] = max(divisors)
     return out
-
-
-def _deal_largest_first(costs: np.ndarray, parts: int, exact: int = 32) -> np.ndarray:
-    """Items to `parts` parts of near-equal cost: the `exact * parts` largest by LPT (largest first, each to the
-    least-loaded part, ties to the lowest), the rest, in their order, cut into runs that fill each part's remaining
-    room (error at most one small item per part; keeps the loop short for micro-batches of many documents)."""
-    values = costs.tolist()
-    order = sorted(range(len(values)), key=values.__getitem__, reverse=True)  # stable (ties keep their order)
-    part_of = [0] * len(values)
-    heap = [(0.0, p) for p in range(parts)]
-    for i in order[: exact * parts]:
-        load, p = heapq.heappop(heap)
-        part_of[i] = p
-        heapq.heappush(heap, (load + values[i], p))
-    part_of = np.asarray(part_of, dtype=np.int64)
-    rest = np.sort(np.asarray(order[exact * parts :], dtype=np.int64))
-    if len(rest):
-        load = np.zeros(parts)
-        for value, p in heap:
-            load[p] = value
-        room = np.maximum((load.sum() + costs[rest].sum()) / parts - load, 0.0)
-        before = np.cumsum(costs[rest]) - costs[rest] / 2  # an item goes where its midpoint falls
-        part_of[rest] = np.minimum(np.searchsorted(np.cumsum(room), before, side="right"), parts - 1)
-    return part_of
