@@ -17,6 +17,7 @@ SPILL_SLACK = 1e-3  # once targets are met, leftovers may raise the step's time 
 SPILL_MOVE = 0.1  # ... to the next step, up to this share of the step's tokens
 POLISH_MAX_UNITS = 64  # steps this small also get a move/swap local search (exact-gap territory) ...
 POLISH_ABOVE = 1.005  # ... when their time is this far above the step's lower bound
+FEW_BINS = 16  # steps of at most this many micro-batches deal their light units on Python floats
 
 
 @dataclass
@@ -162,12 +163,24 @@ def _place_light(light: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: 
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
     deficit = _water_fill(bins.cost.reshape(dp, m), float(cost[light].sum()), topology.pp).ravel()
     may_move = SPILL_MOVE * float(tokens.sum())  # tokens of this step that may move on to the next one
+
+    def spill(units: np.ndarray) -> None:
+        nonlocal may_move
+        may_move = _spill(units, cost, tokens, bins, topology, may_move)
+
+    rounds = _rounds_few_bins if len(deficit) <= FEW_BINS else _rounds
+    done = rounds(light, cost, tokens, bins, deficit, cap, spill)
+    if done < len(light):  # every target met: the rest may only fill in below the step's time
+        spill(light[done:])
+
+
+def _rounds(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spill) -> int:
+    """Deal `light` in rounds while some micro-batch is below target (in place); returns how many were dealt."""
     done = 0
     while done < len(light):
         # one round: the next-largest units go to the micro-batches furthest below target, largest to neediest
         positive = int(np.count_nonzero(deficit > 0))
-        if positive == 0:  # every target met: the rest may only fill in below the step's time
-            _spill(light[done:], cost, tokens, bins, topology, may_move)
+        if positive == 0:
             break
         k = min(len(light) - done, positive)
         chunk = light[done : done + k]
@@ -183,13 +196,52 @@ def _place_light(light: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: 
         bins.cost[ok_bins] += cost[ok_units]
         bins.tokens[ok_bins] += tokens[ok_units]
         for i in chunk[~fits]:  # the matched micro-batch is full; take the neediest one that fits
-            room = np.where((bins.tokens + tokens[i] <= cap) & (deficit > 0), deficit, -np.inf)
-            j = int(np.argmax(room))
-            if np.isfinite(room[j]):
-                deficit[j] -= cost[i]
-                bins.place(i, j, cost[i], tokens[i])
+            _misfit(i, cost, tokens, bins, deficit, cap, spill)
+    return done
+
+
+def _rounds_few_bins(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spill) -> int:
+    """`_rounds` on Python floats, for steps of few micro-batches (many rounds of a few units each, where NumPy's
+    per-call cost dominates); the same arithmetic and tie-breaks, so the same placement."""
+    need_of, cost_of, room_of = deficit.tolist(), bins.cost.tolist(), (cap - bins.tokens).tolist()
+    unit_cost, unit_tokens = cost[light].tolist(), tokens[light].tolist()
+    order = range(len(need_of))
+    done, misfits = 0, []
+    while done < len(light):
+        positive = sum(d > 0 for d in need_of)
+        if positive == 0:
+            break
+        k = min(len(light) - done, positive)
+        need = [d / max(r, 1) if d > 0 else d for d, r in zip(need_of, room_of)]
+        targets = sorted(order, key=lambda j: -need[j])[:k]  # stable, as np.argsort(kind="stable")
+        for i, j in zip(range(done, done + k), targets):
+            if unit_tokens[i] <= room_of[j]:
+                bins.unit_bin[light[i]] = j
+                need_of[j] -= unit_cost[i]
+                cost_of[j] += unit_cost[i]
+                room_of[j] -= unit_tokens[i]
             else:
-                may_move = _spill(np.array([i]), cost, tokens, bins, topology, may_move)
+                misfits.append(i)
+        done += k
+        if misfits:  # rare: back to the arrays for the neediest micro-batch that fits
+            deficit[:], bins.cost[:], bins.tokens[:] = need_of, cost_of, [cap - r for r in room_of]
+            for i in misfits:
+                _misfit(light[i], cost, tokens, bins, deficit, cap, spill)
+            need_of, cost_of, room_of = deficit.tolist(), bins.cost.tolist(), (cap - bins.tokens).tolist()
+            misfits = []
+    deficit[:], bins.cost[:], bins.tokens[:] = need_of, cost_of, [cap - r for r in room_of]
+    return done
+
+
+def _misfit(i: int, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spill) -> None:
+    """Unit `i`'s matched micro-batch is full: the neediest one that fits takes it, else it spills."""
+    room = np.where((bins.tokens + tokens[i] <= cap) & (deficit > 0), deficit, -np.inf)
+    j = int(np.argmax(room))
+    if np.isfinite(room[j]):
+        deficit[j] -= cost[i]
+        bins.place(i, j, cost[i], tokens[i])
+    else:
+        spill(np.array([i]))
 
 
 def _place_heavy_pipelined(

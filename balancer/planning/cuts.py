@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from balancer.planning.metrics import one_f_one_b
+from balancer.planning.rowops import argmin_last
 
 EXACT = 32  # per part, this many of a micro-batch's largest documents are dealt one by one (the rest in runs)
 
@@ -83,7 +84,7 @@ def deal(costs: np.ndarray, ptr: np.ndarray, parts: int) -> np.ndarray:
     rows = np.arange(n_nodes)
     for r, c in enumerate(active.tolist()):
         pos = order[first[:c] + r]
-        p = loads[:c].argmin(axis=1)
+        p = argmin_last(loads[:c])
         part_of[pos] = p
         loads[rows[:c], p] += costs[pos]
     for i in np.flatnonzero(dealt_sorted < counts[by_dealt]).tolist():  # nodes with more items than dealt one by one

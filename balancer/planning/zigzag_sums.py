@@ -19,6 +19,7 @@ import numpy as np
 
 from balancer.planning.cost import CostModel
 from balancer.planning.microbatch import MicroBatchTerms, rank_times, split_document_terms
+from balancer.planning.rowops import product
 
 BLOCK = 1 << 22  # groups per block: [groups, cp, cp] float64 arrays stay ~32 MB
 
@@ -84,8 +85,8 @@ def _block_times(cost: CostModel, cp: int, lengths: np.ndarray, group: np.ndarra
     sum_b2 = np.bincount(index, weights=(b * b).astype(np.float64), minlength=size).reshape(groups, n)
     short = b == 0
     short_count = np.bincount(index[short], minlength=size).reshape(groups, n).astype(np.float64)
-    pairs = sum_b2 @ quad + sum_b @ lin + count @ const
-    travel = sum_b @ slope + count @ t_const
-    pieces = short_count @ short_pieces + (count.sum(axis=1) - short_count.sum(axis=1))[:, None]
+    pairs = product(sum_b2, quad) + product(sum_b, lin) + product(count, const)
+    travel = product(sum_b, slope) + product(count, t_const)
+    pieces = product(short_count, short_pieces) + (count.sum(axis=1) - short_count.sum(axis=1))[:, None]
     terms = MicroBatchTerms(travel, pairs.reshape(groups, cp, cp), pieces.reshape(groups, cp, cp), travel)
     return rank_times(cost, terms, "ring").max(axis=-1)
