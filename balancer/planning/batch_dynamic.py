@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 
 from balancer.planning.cost import CostModel
-from balancer.planning.dynamic import _split_groups, base_group_size, check_fits, largest_group_topology
+from balancer.planning.dynamic import split_groups, base_group_size, check_fits, largest_group_topology
 from balancer.planning.plans import Plan
 from balancer.planning.topology import Topology
 
@@ -47,7 +47,7 @@ def balance_dynamic(
     base = static(lengths, virtual, cost, group_of_doc, options)
     final = replace(topology, micro_batches=base.topology.micro_batches, tokens_per_step=base.topology.tokens_per_step)
     # (order, group start, group size, entry counts, slot pointer; later fields, such as group times, unused)
-    order, group_start, group_size, counts, slot_ptr = _split_groups(
+    order, group_start, group_size, counts, slot_ptr = split_groups(
         base, largest_group_topology(final, size), final, cost
     )[:5]
     if options["has_groups"] and options["keep"] == "micro_batch":

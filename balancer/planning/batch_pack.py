@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from balancer.planning.binpack import _fill_empty, pack_step
+from balancer.planning.binpack import fill_empty, pack_step
 from balancer.planning.metrics import one_f_one_b
 from balancer.planning.polish import polish
 from balancer.planning.topology import Topology
@@ -58,7 +58,7 @@ def pack_complete(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> n
     bins = pack_step(cost, tokens, topology)
     if np.any(bins < 0) and not _place_rest(bins, cost, tokens, topology):
         return None
-    _fill_empty(bins, cost, nb)
+    fill_empty(bins, cost, nb)
     if np.bincount(bins, minlength=nb).min() == 0:
         return None
     # pack_step polishes only small steps (the planner's steps are many and large); a fixed batch is one or a

@@ -131,7 +131,7 @@ def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy:
         _place_heavy_pipelined(order[:n_heavy], cost, tokens, bins, topology, float(cost.sum()))
     _place_heavy_marginal(order[:n_heavy], cost, tokens, bins, topology)
     _place_light(order[n_heavy:], cost, tokens, bins, topology)
-    _fill_empty(bins.unit_bin, cost, topology.bins_per_step)
+    fill_empty(bins.unit_bin, cost, topology.bins_per_step)
     return bins.unit_bin
 
 
@@ -308,7 +308,7 @@ def _spill(
     return may_move
 
 
-def _fill_empty(unit_bin: np.ndarray, cost: np.ndarray, nb: int) -> None:
+def fill_empty(unit_bin: np.ndarray, cost: np.ndarray, nb: int) -> None:
     """Give every empty micro-batch the cheapest unit of the micro-batch with the most units (in place)."""
     placed = unit_bin >= 0
     counts = np.bincount(unit_bin[placed], minlength=nb)

@@ -199,7 +199,7 @@ def _not_root(picks, k: int) -> np.ndarray:
 def cut_epoch(cuts: Cuts, mb_ptr: np.ndarray, slot_time: np.ndarray, limit: np.ndarray, large: int, shape, pp: int):
     """Cut every micro-batch (`mb_ptr`, time `slot_time` on its `large` group; `shape` = (steps, replicas, M)) such
     that each large group's ranks finish within its step's `limit` (1F1B over `pp` stages: see
-    dynamic._split_groups). Returns the entry order, each group's first rank, size and entry count, the slot pointer
+    dynamic.split_groups). Returns the entry order, each group's first rank, size and entry count, the slot pointer
     and each group's time."""
     steps, replicas, m = shape
     mb = np.arange(len(mb_ptr) - 1)

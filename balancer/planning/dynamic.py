@@ -160,7 +160,7 @@ def _plan_on(
     communication-aware cost model, its predicted step time total (`Plan.predict`), else 0."""
     virtual = largest_group_topology(topology, size)
     base = static_plan(lengths, virtual, cost, seed=seed, overflow=overflow, progress=progress)
-    order, group_start, group_size, sizes, slot_ptr, group_times = _split_groups(base, virtual, topology, cost)
+    order, group_start, group_size, sizes, slot_ptr, group_times = split_groups(base, virtual, topology, cost)
     predicted = 0.0
     if cost.has_comm:  # the slot model over the layout-aware group times, as Plan.predict assembles them
         predicted = float(
@@ -182,7 +182,7 @@ def _plan_on(
     return plan, predicted
 
 
-def _split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostModel):
+def split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostModel):
     """Cut every micro-batch of the largest-group plan into aligned smaller groups where that costs (almost) no time.
 
     Returns the entry order of the new plan, each group's first rank, size and entry count, the slot pointer and
