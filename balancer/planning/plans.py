@@ -95,6 +95,18 @@ def _static_view_error(name: str) -> str:
     )
 
 
+def _int64_lengths(lengths):
+    """`lengths` as int64: in place when they are an int64 array already (a memory map included) or a read-only
+    int64 array that gathers without a whole copy (a pretokenized folder's `ShardedArray`: it has `chunks`)."""
+    if (
+        not isinstance(lengths, np.ndarray)
+        and hasattr(lengths, "chunks")
+        and getattr(lengths, "dtype", None) == np.int64
+    ):
+        return lengths
+    return np.asarray(lengths, dtype=np.int64)
+
+
 class Plan:
     """A whole epoch's assignment for one topology; see the module docstring for the layout."""
 
@@ -115,7 +127,7 @@ class Plan:
         groups: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
         window: WindowInfo | None = None,
     ) -> None:
-        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.lengths = _int64_lengths(lengths)
         self.topology = topology
         self.cost_model = cost_model
         self.doc = np.asarray(doc, dtype=np.int64)

@@ -19,11 +19,13 @@ from balancer.planning.cost import CostModel
 from balancer.planning.planner import plan
 from balancer.planning.plans import Plan
 from balancer.planning.shuffle import WindowInfo, num_windows, window_ids, window_range
+from balancer.planning.steps import STEP_BAND, effective_step_tokens, equal_row_steps, step_token_targets
 from balancer.planning.topology import Topology
-from balancer.planning.units import OVERFLOW_POLICIES
+from balancer.planning.units import OVERFLOW_POLICIES, planning_units, validate_lengths
 
 __all__ = [
     "plan_window",
+    "plan_steps_bound",
     "window_seed",
     "default_window_docs",
     "check_window_docs",
@@ -108,6 +110,46 @@ def plan_window(
     ids = window_ids(n, seed, epoch, index, window_docs)
     local = plan(np.asarray(lengths[ids]), topology, cost, seed=window_seed(seed, epoch, index, k), overflow=overflow)
     return globalise(local, ids, lengths, info)
+
+
+def plan_steps_bound(lengths, topology: Topology, cost: CostModel, overflow: str = "error") -> int:
+    """An upper bound on the steps of `plan(lengths, topology, cost, overflow=overflow)`, without packing (O(n)).
+
+    The planner cuts an epoch into `len(step_token_targets(...))` steps (`equal_row_steps` when every unit has the
+    same length: exact) for a step size it picks among the candidates below, and settling may open one overflow
+    step at the end: the bound is the most steps any candidate gives, plus one. The candidates mirror the planner's
+    `_choose_step_tokens`: `effective_step_tokens` (one token either side too, so float rounding cannot move a
+    boundary) and, when a document may stall its step, also `tokens_per_step` and the top of STEP_BAND (the planner
+    then picks one by packing a sample: the bound takes the most steps, up to ~7% over). With dynamic CP: the most
+    over every balancing size of `cp_sizes`."""
+    lengths = validate_lengths(lengths)
+    if topology.dynamic:
+        from balancer.planning.dynamic import largest_group_topology
+
+        bounds = []
+        for size in topology.cp_sizes:
+            try:
+                bounds.append(plan_steps_bound(lengths, largest_group_topology(topology, size), cost, overflow))
+            except ValueError:  # a document this size cannot hold: the planner does not pick it
+                continue
+        if not bounds:
+            raise ValueError(f"no CP size of {topology.cp_sizes} holds every document; overflow={overflow!r}")
+        return max(bounds)
+    _, u_start, u_end = planning_units(lengths, topology.micro_batch_tokens, overflow, topology)
+    u_tok = u_end - u_start
+    if u_tok.min() == u_tok.max():  # fixed-length rows: dealt into exactly these steps, no settling
+        return len(equal_row_steps(len(u_tok), int(u_tok[0]), topology))
+    t, total = topology, int(u_tok.sum())
+    tps, cap = t.tokens_per_step, t.capacity
+    u_cost = cost.cost(u_tok)
+    shrunk = effective_step_tokens(u_cost, u_tok, t)
+    candidates = {shrunk - 1, shrunk, shrunk + 1}
+    steps = max(1.0, total / tps)
+    share = u_cost.sum() / steps / (t.dp * t.cp) * (1 + (t.pp - 1) / t.micro_batches)
+    if shrunk < tps and steps >= 2 and t.pp * u_cost.max() / t.cp > 0.8 * share * (1 - 1e-9):
+        candidates |= {tps, min(int(STEP_BAND[1] * tps), int(0.97 * cap))}  # a stall: the planner tries these too
+    floor = int(1.25 * t.bins_per_step * u_tok.mean())
+    return 1 + max(len(step_token_targets(total, max(1, x), cap, tps, floor)) for x in candidates)
 
 
 def globalise(local: Plan, ids: np.ndarray, lengths, window: WindowInfo | None = None) -> Plan:

@@ -1,19 +1,19 @@
 """Sampler inputs: document lengths from arrays, pretokenized folders, `ShardDataset`s or `datasets.Dataset`
 columns, and the lengths fingerprint a resume state is checked against.
 
-An integer array (a memory-mapped `.npy` included) is used as it is, never copied whole: it is checked, summed and
-fingerprinted in chunks of `CHUNK` documents (`scan_lengths`)."""
+An integer array (a memory-mapped `.npy` or a pretokenized folder's `ShardedArray` included) is used as it is,
+never copied whole: it is checked, summed and fingerprinted in chunks of `CHUNK` documents (`scan_lengths`)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import numpy as np
 
+from balancer.data.shards.sharded import ShardedArray
 from balancer.planning.units import validate_lengths
 
 
@@ -26,14 +26,12 @@ def resolve_lengths(lengths, dataset=None) -> tuple[np.ndarray, Optional[int]]:
             arr = np.asarray(_hf_column(dataset, src))
             if arr.dtype == object or arr.ndim != 1:  # a list column (e.g. input_ids): lengths of its rows
                 arr = np.asarray(_hf_list_lengths(dataset, src))
-        elif Path(src).suffix == ".npy" and Path(src).is_file():  # memory-mapped, never read whole
-            arr = _map_npy(Path(src))
-        else:
-            from balancer.data.shards.lengths import read_lengths
+        else:  # a folder or a .npy file: mapped, never read whole
+            from balancer.data.shards.lengths import map_lengths
 
-            arr = read_lengths(src)
+            arr = map_lengths(src)
     elif hasattr(src, "lengths") and not isinstance(src, np.ndarray):  # ShardDataset and alike
-        arr = np.asarray(src.lengths)
+        arr = src.lengths if _array_like(src.lengths) else np.asarray(src.lengths)
         if dataset is None:
             dataset = src
     elif _is_hf_dataset(src):
@@ -46,7 +44,7 @@ def resolve_lengths(lengths, dataset=None) -> tuple[np.ndarray, Optional[int]]:
         if dataset is None:
             dataset = src
     else:
-        arr = src if isinstance(src, np.ndarray) else np.asarray(src)
+        arr = src if _array_like(src) else np.asarray(src)
     arr = arr if _plain_ints(arr) else validate_lengths(arr)
     n_ds = None
     if dataset is not None:
@@ -93,11 +91,10 @@ class LengthsSummary:
     fingerprint: str
 
 
-def _map_npy(path: Path) -> np.ndarray:
-    try:
-        return np.load(path, mmap_mode="r", allow_pickle=False)
-    except Exception as exc:  # noqa: BLE001 - any unreadable file is one error naming it
-        raise ValueError(f"{path}: not a readable .npy array ({type(exc).__name__}: {exc})") from None
+def _array_like(x) -> bool:
+    """An array used in place: an ndarray or a pretokenized folder's `ShardedArray` (gathers and slices read only
+    what they ask for)."""
+    return isinstance(x, (np.ndarray, ShardedArray))
 
 
 def _plain_ints(arr: np.ndarray) -> bool:

@@ -35,10 +35,12 @@ returned by `iter(sampler)` has `state_dict`/`load_state_dict` too):
     use the sampler's own;
   - a state from another seed, data set (lengths) or overflow policy is refused with a ValueError.
 
-After a resume, positions count from the start of the resumed window's (re-planned) plan: `position` and
-`len(sampler)` cover the rest of the epoch from there. `len(sampler)` is the number of micro-batches this rank
-yields (the same on every DP rank); with several windows, computing it plans every window once (one at a time: the
-time of planning the epoch, the memory of one window) - iteration itself never needs it.
+After a resume, positions count from the start of the resumed window's (re-planned) plan: `position`,
+`len(sampler)` and `num_steps` cover the rest of the epoch from there.
+
+`len(sampler)` is known before iterating, the same on every rank and cheap: exact with one window; with several an
+upper bound (`plan_steps_bound` per window: no packing; usually one step per window over), so a DataLoader's
+iteration may end before `len(loader)` (docs/windows.md). `num_steps` is exact but plans every window once.
 """
 
 from __future__ import annotations
@@ -183,10 +185,12 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
 
     @property
     def num_steps(self) -> int:
+        """Exact optimizer steps from the origin to the end of the epoch: plans every window not planned yet."""
         return self.windows.total_steps()
 
     def __len__(self) -> int:
-        return self.num_steps * self.topology.micro_batches
+        """Micro-batches this rank yields: exact with one window, an upper bound with several (module docstring)."""
+        return self.windows.total_bound() * self.topology.micro_batches
 
     def epoch_num_steps(self, epoch: int) -> int:
         """Optimizer steps of a fresh pass over `epoch` (this sampler's topology and window size); plans every window

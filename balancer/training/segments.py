@@ -3,7 +3,8 @@ the first one possibly the re-planned remainder of a window after an elastic res
 
 `EpochWindows` plans a window when it is first needed, keeps at most the two most recent ones (the one a rank is in
 and the next, which it plans ahead on a background thread) and remembers every window's step count (one int per
-window), so nothing per document is held beyond the current windows.
+window), so nothing per document is held beyond the current windows. `bound(w)` bounds a window's steps without
+planning it (what `len(sampler)` adds up).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from balancer.planning.cost import CostModel
 from balancer.planning.planner import plan as make_plan
 from balancer.planning.shuffle import num_windows, window_ids
 from balancer.planning.topology import Topology
-from balancer.planning.window import window_seed
+from balancer.planning.window import plan_steps_bound, window_seed
 from balancer.training.indices import CPGroup
 
 KEEP_WINDOWS = 2  # planned windows kept in memory: the current one and the next
@@ -118,6 +119,7 @@ class EpochWindows:
         self.origin, self.history = int(origin), list(history)
         self._segments: dict[int, Segment] = {}
         self._steps: dict[int, int] = {}
+        self._bounds: dict[int, int] = {}
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._executor: Optional[ThreadPoolExecutor] = None
@@ -189,6 +191,22 @@ class EpochWindows:
     def total_steps(self) -> int:
         """Steps of windows origin.. (plans every window not planned yet, one at a time)."""
         return sum(self.steps(w) for w in range(self.origin, self.count))
+
+    def bound(self, w: int) -> int:
+        """An upper bound on window `w`'s steps, the same on every rank and fixed for the epoch: `plan_steps_bound`
+        of its documents (O(window), no packing); exact (planned) for a lone window and for a re-planned origin
+        window (both are planned before their first micro-batch anyway)."""
+        if self.count == 1 or (w == self.origin and self.history):
+            return self.steps(w)
+        if w not in self._bounds:
+            ids = window_ids(self.num_docs, self.seed, self.epoch, w, self.window_docs)
+            lengths = np.asarray(self.lengths[ids], dtype=np.int64)
+            self._bounds[w] = plan_steps_bound(lengths, self.topology, self.cost, self.overflow)
+        return self._bounds[w]
+
+    def total_bound(self) -> int:
+        """Upper bound on the steps of windows origin.. (`bound`; plans at most the origin window)."""
+        return sum(self.bound(w) for w in range(self.origin, self.count))
 
     def locate(self, step: int) -> tuple[int, int]:
         """(window, step inside it) of the `step`-th step from the origin; (count, 0) past the end."""

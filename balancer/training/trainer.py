@@ -213,9 +213,9 @@ class BalancedTrainingMixin:
                 "written by this trainer at the end of an optimizer step"
             )
         if self.args.max_steps <= 0:  # what is left of this epoch (re-planned after a topology change) and the rest
-            left = (len(sampler) - sampler.position) // self.topology.micro_batches
+            left = sampler.num_steps - sampler.position // self.topology.micro_batches
             self.state.max_steps = self.state.global_step + left + self._planned_steps(sampler.epoch + 1)
-        if sampler.position >= len(sampler):  # saved at the end of an epoch: the next one starts fresh
+        if sampler.position >= sampler.num_steps * self.topology.micro_batches:  # saved at the end: next epoch
             return sampler.epoch + 1, 0
         self._resume_epoch = sampler.epoch
         return sampler.epoch, 0
@@ -227,8 +227,8 @@ class BalancedTrainingMixin:
         sampler.set_epoch(epoch)  # keeps a loaded resume position when it is this epoch's
         start = sampler.position if epoch == self._resume_epoch else 0
         self._resume_epoch = None
-        remaining = len(sampler) - start
         m = self.topology.micro_batches
+        remaining = sampler.num_steps * m - start  # exact (len(sampler) bounds it with several windows)
         self._epoch_start = (start, self.state.global_step)
         kwargs.update(
             steps_in_epoch=remaining,
@@ -241,7 +241,8 @@ class BalancedTrainingMixin:
         """The sampler's resume state at the last finished optimizer step (what a checkpoint saves)."""
         start, step0 = self._epoch_start
         position = start + (self.state.global_step - step0) * self.topology.micro_batches
-        return self.balanced_sampler.state_dict(position=min(position, len(self.balanced_sampler)))
+        end = self.balanced_sampler.num_steps * self.topology.micro_batches
+        return self.balanced_sampler.state_dict(position=min(position, end))
 
     def _save_checkpoint(self, model, trial) -> None:
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")

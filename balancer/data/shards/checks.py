@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import mmap
 import os
 import re
 import stat
@@ -31,13 +32,16 @@ import numpy as np
 from balancer.data.shards.arrow_rows import ArrowHeaderError, stream_row_count
 from balancer.data.shards.errors import DataError
 from balancer.data.shards.manifest import MANIFEST_NAME, load_manifest, shard_file_names
+from balancer.data.shards.sharded import ShardedArray
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
 @dataclass
 class OpenedFolder:
-    """A checked folder: its manifest and, per shard, the lengths and doc_id index (int64)."""
+    """A checked folder: its manifest and, per shard, the lengths and doc_id index (int64, read-only, memory-mapped).
+    `lengths_view()` / `doc_ids_view()` read them as one array without a copy (`ShardedArray`); `lengths()` /
+    `doc_ids()` concatenate them (a whole copy)."""
 
     path: Path
     manifest: dict
@@ -49,6 +53,20 @@ class OpenedFolder:
 
     def doc_ids(self) -> np.ndarray:
         return np.concatenate(self.shard_doc_ids) if self.shard_doc_ids else np.zeros(0, np.int64)
+
+    def lengths_view(self) -> ShardedArray:
+        return self._view(self.shard_lengths, 1)
+
+    def doc_ids_view(self) -> ShardedArray:
+        return self._view(self.shard_doc_ids, 2)
+
+    def _view(self, parts: list[np.ndarray], which: int) -> ShardedArray:
+        files = []
+        for entry, part in zip(self.manifest["shards"], parts):
+            name = shard_file_names(entry["name"])[which]
+            size = entry["files"][name]["bytes"]  # checked: the file's size; the data ends the .npy
+            files.append((str(self.path / name), size - 8 * len(part), len(part)))
+        return ShardedArray(parts, files)
 
 
 def _is_int(v) -> bool:
@@ -122,9 +140,12 @@ def check_files_inside(folder: Path, entry: dict, record: str = MANIFEST_NAME) -
         _require(size == meta["bytes"], str(folder / fn), f"size {size} != {meta['bytes']} recorded in the manifest")
 
 
-def _npy_view(data: bytes) -> np.ndarray:
-    """The array in .npy bytes, without copying them (np.load would)."""
-    stream = io.BytesIO(data)
+_NPY_HEAD = (1 << 16) + 16  # a version 1.0 .npy header is at most this long (2.0 ones written here are too)
+
+
+def _npy_view(data) -> np.ndarray:
+    """The array in .npy bytes (or a memory map of them), without copying them (np.load would)."""
+    stream = io.BytesIO(data[:_NPY_HEAD])
     version = np.lib.format.read_magic(stream)
     if version not in ((1, 0), (2, 0)):
         return np.load(io.BytesIO(data), allow_pickle=False)
@@ -135,8 +156,21 @@ def _npy_view(data: bytes) -> np.ndarray:
     return arr.reshape(shape, order="F" if fortran else "C")
 
 
+def _map_bytes(path: Path):
+    """The file's bytes, memory-mapped read-only (b"" for an empty file, which cannot be mapped)."""
+    with open(path, "rb") as f:
+        try:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:
+            return b""
+
+
 def _load_index(path: Path, meta: dict, rows: int) -> np.ndarray:
-    data = path.read_bytes()
+    """The checked index file as a read-only array over its memory map: nothing of it is copied into memory."""
+    try:
+        data = _map_bytes(path)
+    except OSError as exc:
+        raise DataError(f"{path}: cannot be read ({exc.strerror})") from None
     if "crc32" in meta:  # written since the CRC was added: the cheap check
         ok, kind = (zlib.crc32(data) & 0xFFFFFFFF) == meta["crc32"], "crc32"
     else:

@@ -11,13 +11,15 @@ import torch
 
 from balancer.data.shards.arrow_rows import open_arrow
 from balancer.data.shards.checks import open_folder
+from balancer.data.shards.sharded import ShardedArray
 from balancer.data.shards.verify import require_verified
 
 
 class ShardDataset(torch.utils.data.Dataset):
     """Map-style dataset over a finished pretokenize folder: `len(ds)` rows, `ds[i]` ->
-    {"input_ids": LongTensor, "doc_id": int}. `.lengths` / `.doc_ids` (int64 numpy) come from the lengths index
-    without touching the token data. Shards are memory-mapped lazily, per process (safe with DataLoader workers).
+    {"input_ids": LongTensor, "doc_id": int}. `.lengths` / `.doc_ids` (read-only int64 `ShardedArray`s) are the
+    memory-mapped index files, read as one array without a copy and without touching the token data. Shards are
+    memory-mapped lazily, per process (safe with DataLoader workers).
 
     Opening checks the manifest, the index files (sha256) and the Arrow row counts (`balancer.data.shards.checks`);
     `check="full"` also reads and checks every byte (`verify`). DataError names the file otherwise."""
@@ -31,8 +33,8 @@ class ShardDataset(torch.utils.data.Dataset):
             require_verified(self.path)
         self.manifest = opened.manifest
         self._names = [e["name"] for e in self.manifest["shards"]]
-        self.lengths: np.ndarray = opened.lengths()
-        self.doc_ids: np.ndarray = opened.doc_ids()
+        self.lengths: ShardedArray = opened.lengths_view()
+        self.doc_ids: ShardedArray = opened.doc_ids_view()
         self._row_starts = np.concatenate([[0], np.cumsum([len(x) for x in opened.shard_lengths])]).astype(np.int64)
         self._open: dict[int, tuple[np.ndarray, list]] = {}
 

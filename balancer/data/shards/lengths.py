@@ -5,6 +5,10 @@ archive holding `lengths`, a `.json` list (or an object with a "lengths" list), 
 or a built-in trace name. It returns int64 lengths >= 0 and raises ValueError naming the file and the entry for
 anything else (not integers, negative, beyond int64, not 1-D). Whether zero-length documents may be planned is the
 planner's rule (`validate_lengths`), not the reader's.
+
+`map_lengths(source)` reads the same sources without a whole copy where the source allows: a folder's lengths as a
+`ShardedArray` over its memory-mapped shard index files, a `.npy` array memory-mapped as it is stored (its values are
+checked by whoever scans them: the sampler's `scan_lengths`); anything else as `read_lengths` does.
 """
 
 from __future__ import annotations
@@ -104,18 +108,36 @@ def _read_text(path: Path, text: str) -> np.ndarray:
     return _from_python_ints(values, str(path))
 
 
+def map_lengths(source: str | os.PathLike):
+    """Lengths from the sources of `read_lengths`, without a whole copy for a pretokenized folder (a `ShardedArray`,
+    checked on open) or a `.npy` file (memory-mapped, values unchecked); other sources as `read_lengths`."""
+    path = Path(source)
+    if path.is_dir():
+        return _open_folder(path).lengths_view()
+    if path.suffix == ".npy" and path.is_file():
+        try:
+            return np.load(path, mmap_mode="r", allow_pickle=False)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file is one error naming it
+            raise ValueError(f"{path}: not a readable .npy array ({type(exc).__name__}: {exc})") from None
+    return read_lengths(source)
+
+
+def _open_folder(path: Path):
+    from balancer.data.shards.checks import open_folder
+    from balancer.data.shards.errors import DataError
+
+    try:
+        return open_folder(path)
+    except DataError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def read_lengths(source: str | os.PathLike) -> np.ndarray:
     """Per-document token lengths (int64, 1-D, >= 0) from a pretokenized folder, a .npy / .npz / .json / text
     file, or a built-in trace name; ValueError naming the file (and entry or line) for anything else."""
     path = Path(source)
     if path.is_dir():
-        from balancer.data.shards.checks import open_folder
-        from balancer.data.shards.errors import DataError
-
-        try:
-            return open_folder(path).lengths()
-        except DataError as exc:
-            raise ValueError(str(exc)) from None
+        return _open_folder(path).lengths()
     if not path.exists():
         from balancer.data.traces import NAMES, load_trace
 
