@@ -82,6 +82,7 @@ def test_folder_lengths_plan_like_lengths_in_memory(folder):
         got = list(mapped)
         assert got == list(in_memory) and len(got) > 2000  # the whole epoch, window by window
 
+
 def test_folder_lengths_are_never_materialised(folder, monkeypatch):
     path, _ = folder
     # the sampler's one pass over the lengths reads chunks of CHUNK (2**20) documents, more than this folder holds:

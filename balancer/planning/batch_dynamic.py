@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 
 from balancer.planning.cost import CostModel
-from balancer.planning.dynamic import split_groups, base_group_size, check_fits, largest_group_topology
+from balancer.planning.dynamic import base_group_size, check_fits, largest_group_topology, split_groups
 from balancer.planning.plans import Plan
 from balancer.planning.topology import Topology
 
