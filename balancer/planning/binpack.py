@@ -205,18 +205,20 @@ def _rounds_few_bins(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap:
     per-call cost dominates); the same arithmetic and tie-breaks, so the same placement."""
     need_of, cost_of, room_of = deficit.tolist(), bins.cost.tolist(), (cap - bins.tokens).tolist()
     unit_cost, unit_tokens = cost[light].tolist(), tokens[light].tolist()
+    bin_of = [-1] * len(light)  # written to bins.unit_bin at the end (a misfit is placed by _misfit itself)
     order = range(len(need_of))
     done, misfits = 0, []
     while done < len(light):
-        positive = sum(d > 0 for d in need_of)
+        need = [d / (r if r > 1 else 1) if d > 0 else d for d, r in zip(need_of, room_of)]
+        positive = sum(1 for d in need_of if d > 0)
         if positive == 0:
             break
         k = min(len(light) - done, positive)
-        need = [d / max(r, 1) if d > 0 else d for d, r in zip(need_of, room_of)]
-        targets = sorted(order, key=lambda j: -need[j])[:k]  # stable, as np.argsort(kind="stable")
+        # most needy first, ties in index order: np.argsort(-need, kind="stable") (reverse keeps sorted stable)
+        targets = sorted(order, key=need.__getitem__, reverse=True)[:k]
         for i, j in zip(range(done, done + k), targets):
             if unit_tokens[i] <= room_of[j]:
-                bins.unit_bin[light[i]] = j
+                bin_of[i] = j
                 need_of[j] -= unit_cost[i]
                 cost_of[j] += unit_cost[i]
                 room_of[j] -= unit_tokens[i]
@@ -230,6 +232,8 @@ def _rounds_few_bins(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap:
             need_of, cost_of, room_of = deficit.tolist(), bins.cost.tolist(), (cap - bins.tokens).tolist()
             misfits = []
     deficit[:], bins.cost[:], bins.tokens[:] = need_of, cost_of, [cap - r for r in room_of]
+    placed = np.array(bin_of, dtype=np.int64)
+    bins.unit_bin[light[placed >= 0]] = placed[placed >= 0]
     return done
 
 
