@@ -3,7 +3,8 @@ of a unit of the slowest replica, applied while it lowers the step time.
 
 A round considers, for each unit on the step's slowest replica, moving it to any micro-batch of another replica
 with token room (with pipeline stages also to another micro-batch of its own replica, which lowers the replica's
-largest micro-batch) and swapping it with any unit of another replica (both micro-batches keep their token room).
+largest micro-batch) and swapping it with any lighter unit of another replica (both micro-batches keep their token
+room; only a lighter partner can lower the slowest replica).
 A move never empties a micro-batch. Each round is a fixed number of NumPy calls over all steps together, so the
 search costs no Python work per step; `polish` is the one-step form that `pack_step` calls.
 """
