@@ -74,4 +74,7 @@ class ProgressLines:
             )
 
     def close(self) -> None:
+        """Stop the timer and wait for a line it may be printing, so no line comes after the run's summary."""
         self.stopped.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout=5)
