@@ -114,7 +114,9 @@ def test_progress_lines_without_a_terminal_also_while_nothing_arrives(monkeypatc
     wait_for("pretokenize: 0 B of 2 MB read (0%), 0 documents")  # no batch arrives: the timer still reports
     lines.done, lines.documents = 1_000_000, 42
     wait_for("pretokenize: 1 MB of 2 MB read (50%), 42 documents")
-    lines.close()
+    lines.close()  # waits for a line the timer may be printing: after it, the timer prints nothing more
+    assert not lines.thread.is_alive()
+    err.extend(capsys.readouterr().err.splitlines())
     assert any(line.startswith("pretokenize: 0 B of 2 MB read (0%), 0 documents") for line in err)
     assert any(line.startswith("pretokenize: 1 MB of 2 MB read (50%), 42 documents") for line in err)
     silent = progress.ProgressLines(total=10, initial=0, enabled=False)
