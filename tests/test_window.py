@@ -152,6 +152,10 @@ def test_step_information_follows_the_windows():
     p = s.plan  # the window this rank is in (window 0 before iterating), global ids
     want = balancer.plan_window(LENGTHS, TOPO, COST, seed=1, epoch=0, index=0, window_docs=150)
     assert np.array_equal(p.doc, want.doc) and np.array_equal(p.mb_ptr, want.mb_ptr)
+    for _ in s:  # the whole epoch: the rank ends in the last window, whose plan `plan` then gives
+        pass
+    last = balancer.plan_window(LENGTHS, TOPO, COST, seed=1, epoch=0, index=3, window_docs=150)
+    assert np.array_equal(s.plan.doc, last.doc) and np.array_equal(s.plan.mb_ptr, last.mb_ptr)
 
 
 @pytest.mark.parametrize(

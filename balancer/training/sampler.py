@@ -173,9 +173,10 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
 
     @property
     def plan(self):
-        """The `balancer.Plan` of the window this rank is in (document ids global; None if nothing is left). With
-        several windows it places only that window's documents (see `balancer.plan_window`)."""
-        seg = self.segment
+        """The `balancer.Plan` of the window this rank is in (document ids global; None if nothing is left); once
+        the epoch is done, of its last window. With several windows it places only that window's documents (see
+        `balancer.plan_window`)."""
+        seg = self.windows.segment(min(self._cursor[0], self.windows.count - 1))
         if seg.plan is None or seg.ids is None:
             return seg.plan
         groups = (seg.group_start, seg.group_size, seg.slot_ptr) if self.topology.dynamic else None
