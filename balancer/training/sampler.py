@@ -173,9 +173,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
 
     @property
     def plan(self):
-        """The `balancer.Plan` of the window this rank is in (document ids global; None if nothing is left); once
-        the epoch is done, of its last window. With several windows it places only that window's documents (see
-        `balancer.plan_window`)."""
+        """The `balancer.Plan` of the window this rank is in (the last one once the epoch is done; None if nothing is
+        left), document ids global. With several windows it places only that window's documents (`plan_window`)."""
         seg = self.windows.segment(min(self._cursor[0], self.windows.count - 1))
         if seg.plan is None or seg.ids is None:
             return seg.plan
