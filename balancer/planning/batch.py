@@ -35,7 +35,7 @@ from balancer.planning.batch_pack import assign_replicas, order_for_pipeline, pa
 from balancer.planning.cost import CostModel
 from balancer.planning.plans import Plan
 from balancer.planning.topology import Topology
-from balancer.planning.units import OVERFLOW_POLICIES, planning_units, validate_lengths
+from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost, planning_units, validate_lengths
 
 KEEP = ("rank", "micro_batch")
 MAX_AUTO_MICRO_BATCHES = 4096  # "auto" gives up beyond this count (each try packs the whole batch)
@@ -70,10 +70,7 @@ def balance_batch(
     """
     started = time.perf_counter()
     lengths = validate_lengths(lengths)
-    if not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a balancer.Topology, got {type(topology).__name__}")
-    if not isinstance(cost, CostModel):
-        raise TypeError(f"cost must be a balancer.CostModel, got {type(cost).__name__}")
+    check_topology_and_cost(topology, cost)
     group_of_doc = _check_groups(groups, len(lengths))
     _check_options(keep, micro_batches, mini_batches, equal_counts, overflow)
     multiple = _check_multiple(micro_batch_multiple, micro_batches, topology)

@@ -41,7 +41,7 @@ from balancer.planning.steps import (
     step_token_targets,
 )
 from balancer.planning.topology import Topology
-from balancer.planning.units import planning_units, validate_lengths
+from balancer.planning.units import check_topology_and_cost, planning_units, validate_lengths
 
 ATTN_SHARE = 1 / 3  # a unit is attention-heavy when attention is at least this share of its cost
 SLOW_PLAN = 10.0  # seconds: a plan that takes longer is logged (once per process)
@@ -70,10 +70,7 @@ def plan(
     """
     started = time.perf_counter()
     lengths = validate_lengths(lengths)
-    if not isinstance(topology, Topology):
-        raise TypeError(f"topology must be a balancer.Topology, got {type(topology).__name__}")
-    if not isinstance(cost, CostModel):
-        raise TypeError(f"cost must be a balancer.CostModel, got {type(cost).__name__}")
+    check_topology_and_cost(topology, cost)
     if topology.dynamic:
         return plan_dynamic(lengths, topology, cost, seed, overflow, progress, static_plan=plan)
     nb = topology.bins_per_step

@@ -7,6 +7,7 @@ import logging
 
 import numpy as np
 
+from balancer.planning.cost import CostModel
 from balancer.planning.topology import Topology
 
 OVERFLOW_POLICIES = ("error", "split", "truncate")
@@ -19,6 +20,14 @@ def _log_once(key: tuple, level: int, message: str, *args) -> None:
     if key not in _logged:
         _logged.add(key)
         log.log(level, message, *args)
+
+
+def check_topology_and_cost(topology, cost) -> None:
+    """A TypeError naming the argument unless `topology` is a `balancer.Topology` and `cost` a `balancer.CostModel`."""
+    if not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a balancer.Topology, got {type(topology).__name__}")
+    if not isinstance(cost, CostModel):
+        raise TypeError(f"cost must be a balancer.CostModel, got {type(cost).__name__}")
 
 
 def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:

@@ -54,7 +54,7 @@ from balancer.planning.cost import CostModel
 from balancer.planning.metrics import lower_bound, one_f_one_b
 from balancer.planning.plans import Plan
 from balancer.planning.topology import Topology
-from balancer.planning.units import OVERFLOW_POLICIES
+from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
 from balancer.planning.window import check_window_docs, default_window_docs
 from balancer.training.indices import CPGroup, Member, Span, SpanDataset
 from balancer.training.lengths import resolve_lengths, scan_lengths
@@ -103,10 +103,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         rank: Optional[int] = None,
         window_docs: Optional[int] = None,
     ) -> None:
-        if not isinstance(topology, Topology):
-            raise TypeError(f"topology must be a balancer.Topology, got {type(topology).__name__}")
-        if not isinstance(cost, CostModel):
-            raise TypeError(f"cost must be a balancer.CostModel, got {type(cost).__name__}")
+        check_topology_and_cost(topology, cost)
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
         if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
