@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+from _coverage import covered_tokens
 
 from attention.layout import CPLayout  # noqa: E402
 from balancer.planning.cost import CostModel  # noqa: E402
@@ -44,17 +45,6 @@ def _samplers(topo=TOPO, lengths=LENGTHS, seed=0, **kw):
 
 def _key(i):
     return (i.doc, i.start, i.end) if isinstance(i, Span) else (int(i), 0, None)
-
-
-def _tokens(items, lengths):
-    """Multiset of (doc, token) covered by the yielded indices."""
-    c = Counter()
-    for i in items:
-        if isinstance(i, Span):
-            c.update((i.doc, t) for t in range(i.start, i.end))
-        else:
-            c.update((int(i), t) for t in range(int(lengths[i])))
-    return c
 
 
 # ---------------------------------------------------------------------------------------------------- epochs
@@ -151,7 +141,7 @@ def test_elastic_resume_4_to_2_to_3_ranks(overflow, lengths):
     for s in old:
         s.set_epoch(1)
     full = [list(s) for s in old]
-    want = _tokens([i for mbs in full for mb in mbs for i in mb], lengths)
+    want = covered_tokens([i for mbs in full for mb in mbs for i in mb], lengths)
     assert set(want.values()) == {1}
     M = topo4.micro_batches
     n_steps = old[0].num_steps
@@ -166,7 +156,7 @@ def test_elastic_resume_4_to_2_to_3_ranks(overflow, lengths):
             s.load_state_dict(state)
         rest = [list(s) for s in new]
         assert len({len(r) for r in rest}) == 1
-        got = _tokens(consumed + [i for mbs in rest for mb in mbs for i in mb], lengths)
+        got = covered_tokens(consumed + [i for mbs in rest for mb in mbs for i in mb], lengths)
         assert got == want, f"step {k}: tokens lost or repeated"
         if k == n_steps // 2 and len(rest[0]) >= topo2.micro_batches:
             # chain: after one step on dp=2, move on to dp=3 / cp=1
@@ -178,7 +168,7 @@ def test_elastic_resume_4_to_2_to_3_ranks(overflow, lengths):
                 s.load_state_dict(new[0].state_dict())
             rest3 = [list(s) for s in newer]
             assert len({len(r) for r in rest3}) == 1
-            assert _tokens(consumed2 + [i for mbs in rest3 for mb in mbs for i in mb], lengths) == want
+            assert covered_tokens(consumed2 + [i for mbs in rest3 for mb in mbs for i in mb], lengths) == want
     # mid-step onto another topology is refused
     old[0].load_state_dict({**old[0].state_dict(), "position": 1})
     with pytest.raises(ValueError, match="mid-step"):

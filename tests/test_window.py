@@ -8,12 +8,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from _coverage import covered_tokens
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import balancer
 from balancer.planning.shuffle import EpochShuffle, num_windows, window_ids, window_range
-from balancer.training.indices import Span
 
 COST = balancer.CostModel(attn_coef=1.0, linear_coef=50.0)
 TOPO = balancer.Topology(dp=4, cp=2, micro_batches=2, max_tokens=256, tokens_per_step=2800)
@@ -27,16 +27,6 @@ def _lengths(n=600, seed=0):
 
 
 LENGTHS = _lengths()
-
-
-def _tokens(items, lengths):
-    c = Counter()
-    for i in items:
-        if isinstance(i, Span):
-            c.update((i.doc, t) for t in range(i.start, i.end))
-        else:
-            c.update((int(i), t) for t in range(int(lengths[i])))
-    return c
 
 
 @settings(max_examples=60, deadline=None)
@@ -226,7 +216,7 @@ def test_dynamic_cp_windows_cover_every_token_once():
             group = mb[0].group
             assert all(i.group == group for i in mb) and group.start <= r < group.start + group.size
             if group.rank == 0:  # a micro-batch is counted once, by its group's first rank
-                seen += _tokens(mb, lengths)
+                seen += covered_tokens(mb, lengths)
     assert set(seen.values()) == {1} and len(seen) == int(lengths.sum())
     with pytest.raises(ValueError, match=f"document {len(lengths) - 1} has 900 tokens"):
         big = balancer.Topology(dp=2, cp=2, micro_batches=2, max_tokens=200, cp_sizes=(1, 2, 4))

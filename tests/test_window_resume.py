@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import tracemalloc
-from collections import Counter
 
 import numpy as np
 import pytest
+from _coverage import covered_tokens
 
 import balancer
 from balancer.training.indices import Span
@@ -29,16 +29,6 @@ def _sampler(topo=TOPO, rank=0, lengths=LENGTHS, **kw):
 
 def _key(i, lengths):
     return (i.doc, i.start, i.end) if isinstance(i, Span) else (int(i), 0, int(lengths[i]))
-
-
-def _tokens(items, lengths=LENGTHS):
-    c = Counter()
-    for i in items:
-        if isinstance(i, Span):
-            c.update((i.doc, t) for t in range(i.start, i.end))
-        else:
-            c.update((int(i), t) for t in range(int(lengths[i])))
-    return c
 
 
 @pytest.mark.slow  # ~2 s
@@ -72,7 +62,7 @@ def test_elastic_resume_inside_and_at_window_boundaries(overflow):
     for s in old:
         s.set_epoch(1)
     full = [list(s) for s in old]
-    want = _tokens([i for mbs in full for mb in mbs for i in mb], lengths)
+    want = covered_tokens([i for mbs in full for mb in mbs for i in mb], lengths)
     assert set(want.values()) == {1}
     m = TOPO.micro_batches
     first = old[0].windows.steps(0)
@@ -90,7 +80,7 @@ def test_elastic_resume_inside_and_at_window_boundaries(overflow):
         n_first = window_plan.num_steps * topo2.micro_batches
         yielded = {_key(i, lengths) for r in rest for mb in r[:n_first] for i in mb}
         assert yielded == planned
-        got = _tokens(consumed + [i for mbs in rest for mb in mbs for i in mb], lengths)
+        got = covered_tokens(consumed + [i for mbs in rest for mb in mbs for i in mb], lengths)
         assert got == want, f"step {k}: tokens lost or repeated"
         # and on again, from inside the re-planned window, back to the first topology
         if len(rest[0]) >= topo2.micro_batches:
@@ -100,7 +90,7 @@ def test_elastic_resume_inside_and_at_window_boundaries(overflow):
             for s in back:
                 s.load_state_dict(state2)
             rest3 = [list(s) for s in back]
-            assert _tokens(consumed2 + [i for mbs in rest3 for mb in mbs for i in mb], lengths) == want
+            assert covered_tokens(consumed2 + [i for mbs in rest3 for mb in mbs for i in mb], lengths) == want
 
 
 def test_state_parsing_is_strict():
