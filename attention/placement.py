@@ -18,7 +18,7 @@ longest documents are split such that the relative load of every rank is at most
 ``DEFAULT_TOLERANCE``): candidates 0, 1, 2, 3, 4, 6, 9, 13, ... longest documents are tried in turn. Given a
 ``cost`` model (a ``balancer.CostModel`` with per-piece and communication terms, e.g. calibrated on the machine),
 every candidate, all documents included (= zigzag), is placed and the one with the least predicted time of the
-slowest rank (``balancer.planning.microbatch``, for ``method``) is kept: where the prediction says keeping documents
+slowest rank (``planning.cost.microbatch``, for ``method``) is kept: where the prediction says keeping documents
 whole loses, the layout is zigzag's.
 """
 
@@ -78,7 +78,7 @@ PREDICT_METHODS = ("ring", "allgather")
 
 def _cost_dict(cost) -> dict:
     """A cost model (``balancer.CostModel`` or its ``to_dict()``) as a validated JSON-able dict."""
-    from balancer.planning.cost import CostModel  # noqa: PLC0415 - only layouts given a cost model need balancer
+    from balancer.planning.cost.model import CostModel  # noqa: PLC0415 - only layouts given a cost model need balancer
 
     if isinstance(cost, CostModel):
         return cost.to_dict()
@@ -91,9 +91,9 @@ def _cost_dict(cost) -> dict:
 
 
 def predicted_time(lens: np.ndarray, cp: int, split: np.ndarray, doc_rank, cost: dict, method: str) -> float:
-    """The slowest rank's predicted time (``balancer.planning.microbatch``) of one split set and placement."""
-    from balancer.planning.cost import CostModel  # noqa: PLC0415
-    from balancer.planning.microbatch import assignment_terms, rank_times  # noqa: PLC0415
+    """The slowest rank's predicted time (``balancer.planning.cost.microbatch``) of one split set and placement."""
+    from balancer.planning.cost.microbatch import assignment_terms, rank_times  # noqa: PLC0415
+    from balancer.planning.cost.model import CostModel  # noqa: PLC0415
 
     model = CostModel.from_dict(cost)
     whole_rank = np.maximum(np.asarray(doc_rank, dtype=np.int64), 0)

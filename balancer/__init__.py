@@ -12,13 +12,13 @@ from balancer._lazy import lazy_exports
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "CostModel": "balancer.planning.cost",
+    "CostModel": "balancer.planning.cost.model",
     "Topology": "balancer.planning.topology",
-    "Plan": "balancer.planning.plans",
+    "Plan": "balancer.planning.plans.plan",
     "plan": "balancer.planning.planner",
     "plan_window": "balancer.planning.window",
-    "pack_step": "balancer.planning.binpack",
-    "balance_batch": "balancer.planning.batch",
+    "pack_step": "balancer.planning.packing.step",
+    "balance_batch": "balancer.planning.batch.balance",
     "distributed": "balancer.distributed",
     "BalancedBatchSampler": "balancer.training.sampler",
     "PackedCollator": "balancer.training.collate",

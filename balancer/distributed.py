@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from balancer.planning.cost import CostModel
-from balancer.planning.plans import Plan
+from balancer.planning.cost.model import CostModel
+from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
 
 METHODS = ("auto", "all_to_all", "p2p")
@@ -36,7 +36,7 @@ def balance_batch(
     of the documents this rank receives from process `src` (both ascending). Collective over `group`."""
     import torch.distributed as dist
 
-    from balancer.planning.batch import balance_batch as plan_batch
+    from balancer.planning.batch.balance import balance_batch as plan_batch
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local = np.asarray(local_lengths, dtype=np.int64).reshape(-1)

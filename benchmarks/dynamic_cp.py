@@ -150,7 +150,7 @@ def comm_cost() -> balancer.CostModel:
 def comm_total(plan: balancer.Plan, cost: balancer.CostModel) -> float:
     """Sum of step times with every micro-batch timed by the layout-aware prediction (zigzag, ring) on its group,
     assembled by this script's own 1F1B / slot model."""
-    from balancer.planning.predict import micro_batch_time
+    from balancer.planning.cost.predict import micro_batch_time
 
     t, sizes, total = plan.topology, plan.end - plan.start, 0.0
     group_size = plan.group_size if plan.dynamic else np.full(len(plan.mb_ptr) - 1, t.cp)

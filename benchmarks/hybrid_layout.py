@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import attention  # noqa: E402
 import attention.placement  # noqa: E402
 import balancer  # noqa: E402
-import balancer.planning.predict  # noqa: E402
+import balancer.planning.cost.predict  # noqa: E402
 from attention import bytes_sent, reset_bytes_sent  # noqa: E402
 from benchmarks._common import write_result  # noqa: E402
 
@@ -102,7 +102,7 @@ def _calibrate(rank: int, seed: int) -> dict:
             lengths, seconds, fit_fixed=True, cp=2, layout=kinds, method="ring", fit_pieces=True, fit_comm=True
         )
         errors = [
-            abs(balancer.planning.predict.micro_batch_time(model, lens, 2, kind) / t - 1)
+            abs(balancer.planning.cost.predict.micro_batch_time(model, lens, 2, kind) / t - 1)
             for lens, kind, t in zip(lengths, kinds, seconds)
         ]
         box[0] = {

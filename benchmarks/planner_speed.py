@@ -81,10 +81,14 @@ def cost_greedy(lengths: np.ndarray, topo: balancer.Topology, cost: balancer.Cos
 def pack_step_at(ref: str):
     """`pack_step` as it was at git revision `ref` (its module loaded from history; helpers from today's tree)."""
     source = subprocess.run(
-        ["git", "show", f"{ref}:balancer/planning/binpack.py"], cwd=REPO, capture_output=True, text=True, check=True
+        ["git", "show", f"{ref}:balancer/planning/packing/step.py"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     module = types.ModuleType(f"binpack_{ref}")
-    exec(compile(source, f"{ref}:balancer/planning/binpack.py", "exec"), module.__dict__)
+    exec(compile(source, f"{ref}:balancer/planning/packing/step.py", "exec"), module.__dict__)
     return module.pack_step
 
 

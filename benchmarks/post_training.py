@@ -92,7 +92,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write_result  # noqa: E402
 
 import balancer  # noqa: E402
-from balancer.planning.batch_pack import pipeline_times, simulate_1f1b  # noqa: E402
+from balancer.planning.batch.pack import pipeline_times, simulate_1f1b  # noqa: E402
 from balancer.planning.metrics import lower_bound, step_times  # noqa: E402
 
 VERL_PYTHON = os.environ.get("VERL_PYTHON", "/work/wt/verl-env/bin/python")

@@ -240,7 +240,7 @@ def main() -> None:
     mb_hf, mb_byte = (4, 16) if args.quick else (24, 128)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="pretok_bench_"))
     work.mkdir(parents=True, exist_ok=True)
-    from _data_utils import train_hf_tokenizer
+    from support.data_files import train_hf_tokenizer
 
     corpora = {}
     for mb in sorted({mb_hf, mb_byte, 2 * mb_byte}):

@@ -82,7 +82,7 @@ def worker(args) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import attention.hf as ahf
-    from balancer.planning.cost import CostModel
+    from balancer.planning.cost.model import CostModel
     from balancer.planning.topology import Topology
     from balancer.training.collate import PackedCollator
     from balancer.training.indices import SpanDataset

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from balancer.calibration.split import split_by_micro_batch
-from balancer.planning.cost import CostModel
+from balancer.planning.cost.model import CostModel
 
 TARGETS = {"median_abs_error": 0.05, "p90_abs_error": 0.10}
 
@@ -45,7 +45,7 @@ def fit_samples(train: list[dict], window: int | None, method: str, options: dic
 
 
 def predict_samples(cost: CostModel, samples: list[dict], method: str) -> list[float]:
-    from balancer.planning.predict import micro_batch_time
+    from balancer.planning.cost.predict import micro_batch_time
 
     return [micro_batch_time(cost, s["lengths"], s["cp"], s["layout"], method, **s["options"]) for s in samples]
 

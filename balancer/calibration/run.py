@@ -33,7 +33,7 @@ from balancer.calibration.report import (
 )
 from balancer.calibration.split import split_by_micro_batch
 from balancer.calibration.timing import TINY_LLAMA, time_micro_batches
-from balancer.planning.cost import CostModel
+from balancer.planning.cost.model import CostModel
 
 log = logging.getLogger(__name__)
 __all__ = ["CLOCKS", "Calibration", "calibrate", "error_summary"]

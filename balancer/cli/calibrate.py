@@ -9,7 +9,7 @@ from balancer.calibration.run import DEFAULTS
 from balancer.cli.flags import count, limits
 from balancer.files import check_output_file
 from balancer.limits import MAX_SEED, MAX_TOKENS
-from balancer.planning.cost import CostModel
+from balancer.planning.cost.model import CostModel
 from balancer.strict_json import load_json
 
 MAX_CP, MAX_BUDGET, MAX_THREADS, MAX_REPEATS = 32, 131072, 1024, 1000

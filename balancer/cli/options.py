@@ -18,7 +18,7 @@ from balancer.data.shards.errors import describe_os_error
 from balancer.data.shards.lengths import read_lengths as read_any_lengths
 from balancer.files import check_output_file
 from balancer.limits import MAX_RANKS, MAX_SEED, MAX_STEP_TOKENS, MAX_TOKENS
-from balancer.planning.cost import CostModel
+from balancer.planning.cost.model import CostModel
 from balancer.planning.topology import Topology
 from balancer.planning.units import validate_lengths
 from balancer.strict_json import load_json

@@ -21,7 +21,7 @@ from balancer.cli.options import (
 )
 from balancer.cli.report import compare_table, format_stats, length_stats, plot
 from balancer.planning.baseline import token_count_plan
-from balancer.planning.cost import CostModel
+from balancer.planning.cost.model import CostModel
 from balancer.planning.planner import plan as make_plan
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES

@@ -7,9 +7,9 @@ import os
 import numpy as np
 
 from balancer.files import atomic_write
-from balancer.planning.cost import CostModel
-from balancer.planning.pairs import attention_pairs
-from balancer.planning.plans import Plan
+from balancer.planning.cost.model import CostModel
+from balancer.planning.cost.pairs import attention_pairs
+from balancer.planning.plans.plan import Plan
 
 THRESHOLDS = (8192, 32768, 131072)
 ROWS = (

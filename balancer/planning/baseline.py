@@ -16,9 +16,9 @@ import time
 
 import numpy as np
 
-from balancer.planning.cost import CostModel
+from balancer.planning.cost.model import CostModel
 from balancer.planning.metrics import natural_steps
-from balancer.planning.plans import Plan
+from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
 from balancer.planning.units import validate_lengths
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from balancer.planning.cost import CostModel
-from balancer.planning.rowops import last_axis
+from balancer.planning.cost.model import CostModel
+from balancer.planning.packing.rowops import last_axis
 from balancer.planning.topology import Topology
 
 

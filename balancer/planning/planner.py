@@ -25,12 +25,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from balancer.planning.cost import CostModel
-from balancer.planning.dynamic import plan_dynamic
-from balancer.planning.fastpack import LazySteps, pack_light_steps, steps_to_repack
+from balancer.planning.cost.model import CostModel
+from balancer.planning.dynamic.plan import plan_dynamic
 from balancer.planning.metrics import natural_steps, step_times
-from balancer.planning.plans import Plan
-from balancer.planning.settle import Batched, hold_step_tokens, settle
+from balancer.planning.packing.epoch import LazySteps, pack_light_steps, steps_to_repack
+from balancer.planning.packing.settle import Batched, hold_step_tokens, settle
+from balancer.planning.plans.plan import Plan
 from balancer.planning.steps import (
     STEP_BAND,
     assign_steps,
@@ -62,7 +62,7 @@ def plan(
 ) -> Plan:
     """Plan a whole epoch: every document exactly once, `micro_batches` non-empty micro-batches per replica per step
     (with `topology.cp_sizes`: per slot, a partition of the pool into CP groups, each with a non-empty micro-batch;
-    see balancer.planning.dynamic).
+    see balancer.planning.dynamic.plan).
 
     `overflow` decides what happens to a document longer than `max_tokens * cp`: "error" (default) raises,
     "split" cuts it into consecutive windows (recorded as spans), "truncate" keeps its first `max_tokens * cp`
@@ -149,7 +149,7 @@ def _pack_epoch(
     """Cut the shuffled units into steps and pack each; returns the packed epoch as pieces of consecutive steps
     (units sorted by step and micro-batch, [steps, micro-batches] sizes).
 
-    Every step without attention-heavy units is first packed by the batched LPT of balancer.planning.fastpack (all
+    Every step without attention-heavy units is first packed by the batched LPT of balancer.planning.packing.epoch (all
     such steps at once) and polished by the batched local search; a step keeps that packing unless
     `fastpack.steps_to_repack` sends it to `pack_step`, or units moved into it from the step before."""
     nb = topology.bins_per_step

@@ -7,7 +7,7 @@ import logging
 
 import numpy as np
 
-from balancer.planning.cost import CostModel
+from balancer.planning.cost.model import CostModel
 from balancer.planning.topology import Topology
 
 OVERFLOW_POLICIES = ("error", "split", "truncate")

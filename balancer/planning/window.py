@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from balancer.planning.cost import CostModel
+from balancer.planning.cost.model import CostModel
 from balancer.planning.planner import plan
-from balancer.planning.plans import Plan
+from balancer.planning.plans.plan import Plan
 from balancer.planning.shuffle import WindowInfo, num_windows, window_ids, window_range
 from balancer.planning.steps import STEP_BAND, effective_step_tokens, equal_row_steps, step_token_targets
 from balancer.planning.topology import Topology
@@ -124,7 +124,7 @@ def plan_steps_bound(lengths, topology: Topology, cost: CostModel, overflow: str
     over every balancing size of `cp_sizes`."""
     lengths = validate_lengths(lengths)
     if topology.dynamic:
-        from balancer.planning.dynamic import largest_group_topology
+        from balancer.planning.dynamic.plan import largest_group_topology
 
         bounds = []
         for size in topology.cp_sizes:

@@ -50,9 +50,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from balancer.planning.cost import CostModel
+from balancer.planning.cost.model import CostModel
 from balancer.planning.metrics import lower_bound, one_f_one_b
-from balancer.planning.plans import Plan
+from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
 from balancer.planning.window import check_window_docs, default_window_docs
@@ -134,7 +134,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
 
     def _check_fits(self, summary, topology: Topology, overflow: str) -> None:
         if topology.dynamic:
-            from balancer.planning.dynamic import check_fits
+            from balancer.planning.dynamic.plan import check_fits
 
             try:  # checked on the longest document alone: the lengths are not read again
                 check_fits(np.array([summary.longest]), topology, overflow)

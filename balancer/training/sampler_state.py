@@ -8,7 +8,7 @@ still loads: it is a whole-epoch plan, one window. Exact types (a bool is not an
 
 from __future__ import annotations
 
-from balancer.planning.cost import CostModel
+from balancer.planning.cost.model import CostModel
 from balancer.planning.shuffle import num_windows
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES

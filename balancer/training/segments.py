@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from balancer.planning.cost import CostModel
+from balancer.planning.cost.model import CostModel
 from balancer.planning.planner import plan as make_plan
 from balancer.planning.shuffle import num_windows, window_ids
 from balancer.planning.topology import Topology

@@ -11,7 +11,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised without trl only
     raise ImportError("balancer.hf.BalancedSFTTrainer needs TRL: pip install 'seqbalancer[trainer]'") from exc
 
-from balancer.planning.cost import CostModel
+from balancer.planning.cost.model import CostModel
 from balancer.planning.topology import Topology
 from balancer.training.trainer import BalancedTrainingMixin, _dataset_for_packing, balanced_args, check_topology
 

@@ -36,7 +36,7 @@ try:
 except ImportError as exc:  # pragma: no cover - exercised without transformers only
     raise ImportError("balancer.hf needs transformers and accelerate: pip install 'seqbalancer[trainer]'") from exc
 
-from balancer.planning.cost import CostModel
+from balancer.planning.cost.model import CostModel
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES
 from balancer.training.collate import PackedCollator

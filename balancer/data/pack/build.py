@@ -57,8 +57,8 @@ from balancer.data.shards.output import is_our_record, open_output
 from balancer.data.shards.schema import load_record, state_header
 from balancer.data.shards.writer import FLUSH_ROWS, FLUSH_TOKENS, new_arrow_sink, write_datasets_metadata
 from balancer.limits import DEFAULT_SHARD_TOKENS, MAX_EPOCHS, MAX_PACK_SEED, MAX_SHARD_TOKENS
-from balancer.planning.cost import CostModel
-from balancer.planning.plans import Plan
+from balancer.planning.cost.model import CostModel
+from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
 
 OVERFLOW_CHOICES = ("error", "split", "truncate")

@@ -22,10 +22,10 @@ import pyarrow as pa
 from balancer.data.shards.checks import open_folder
 from balancer.data.shards.errors import DataError, arg
 from balancer.data.shards.manifest import MANIFEST_NAME, shard_file_names
-from balancer.planning.cost import CostModel
+from balancer.planning.cost.model import CostModel
 from balancer.planning.metrics import step_times, summarize
 from balancer.planning.planner import plan as make_plan
-from balancer.planning.plans import Plan
+from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
 
 SCALAR_COLUMNS = ("epoch", "step", "micro_batch", "dp_rank")

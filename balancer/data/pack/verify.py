@@ -15,8 +15,8 @@ from balancer.data.pack.rows import SCALAR_COLUMNS, PackError, piece_positions, 
 from balancer.data.shards.errors import DataError
 from balancer.data.shards.manifest import MANIFEST_NAME, load_json_file, verify_shard_files
 from balancer.data.shards.schema import load_record
-from balancer.planning.cost import CostModel
-from balancer.planning.plans import Plan
+from balancer.planning.cost.model import CostModel
+from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
 
 

@@ -1,0 +1,137 @@
+"""Fitting a CostModel to measured micro-batch times (`CostModel.fit`).
+
+Every sample is a micro-batch (document lengths in packing order) timed on `cp` ranks with a CP layout and method.
+The predicted time (cost/microbatch.py) is linear in the coefficients once two choices are fixed: which CP
+rank is the slowest, and, in every ring step, whether compute or transfer is the larger side of
+`max(compute, transfer)`. The fit alternates: fix the choices under the current coefficients, solve a non-negative
+least-squares problem on relative errors (every row divided by its measured time, so a 10 ms and a 10 s sample
+count alike), repeat until the choices stop changing. With `fit_comm` it fits both kinds of ring step, transfers
+added to compute (`comm_overlap=False`, one linear solve) and transfers overlapped with it (started from transfer
+costing 1/4, 1 and 4 times the compute it overlaps), and keeps the best fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from balancer.planning.cost.microbatch import METHODS, fit_features, micro_batch_terms
+
+TERMS = ("attn_coef", "linear_coef", "fixed", "piece_coef", "comm_coef", "comm_latency")
+COMM_STARTS = (0.25, 1.0, 4.0)
+MAX_ROUNDS = 20
+
+
+def _per_sample(value, n: int, name: str) -> list:
+    if isinstance(value, (str, int, np.integer)):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"CostModel.fit: {name} has {len(value)} entries for {n} samples")
+    return value
+
+
+def _solve(features: np.ndarray, seconds: np.ndarray, active: np.ndarray) -> np.ndarray:
+    from scipy.optimize import nnls
+
+    a = features[:, active] / seconds[:, None]
+    scale = np.abs(a).max(axis=0)
+    scale[scale == 0] = 1.0
+    coef, _ = nnls(a / scale, np.ones(len(seconds)))
+    out = np.zeros(len(TERMS))
+    out[active] = coef / scale
+    return out
+
+
+def _model(cls, coef: np.ndarray, causal: bool, window, overlap: bool = True):
+    values = dict(zip(TERMS, (float(c) for c in coef)))
+    if values["attn_coef"] == 0 and values["linear_coef"] == 0:
+        raise ValueError("CostModel.fit: the timings fit no positive attention or linear coefficient")
+    return cls(**values, causal=causal, window=window, comm_overlap=overlap)
+
+
+def fit_cost_model(
+    cls,
+    lengths,
+    seconds,
+    *,
+    causal: bool,
+    window: int | None,
+    fit_fixed: bool,
+    fit_pieces: bool,
+    fit_comm: bool,
+    cp: int | Sequence[int],
+    layout: str | Sequence[str],
+    method: str | Sequence[str],
+    layout_options: dict,
+):
+    """See `CostModel.fit`."""
+    seconds = np.asarray(seconds, dtype=np.float64)
+    if seconds.ndim != 1 or len(seconds) != len(lengths):
+        raise ValueError(f"CostModel.fit: got {len(lengths)} samples of lengths but {seconds.shape} seconds")
+    if not np.all(np.isfinite(seconds)) or np.any(seconds <= 0):
+        raise ValueError("CostModel.fit: seconds must be finite and > 0")
+    n = len(seconds)
+    cps, kinds, methods = _per_sample(cp, n, "cp"), _per_sample(layout, n, "layout"), _per_sample(method, n, "method")
+    active = np.array([True, True, fit_fixed, fit_pieces, fit_comm, fit_comm])
+    if fit_comm and not any(int(c) > 1 for c in cps):
+        raise ValueError("CostModel.fit: fit_comm needs samples timed with cp > 1")
+    if n < int(active.sum()) + 1:
+        raise ValueError(
+            f"CostModel.fit needs at least {int(active.sum()) + 1} timed samples to fit {int(active.sum())} terms "
+            f"({', '.join(t for t, a in zip(TERMS, active) if a)}); got {n}"
+        )
+    terms = []
+    for i, item in enumerate(lengths):
+        d = np.atleast_1d(np.asarray(item))
+        if d.size == 0 or np.any(d < 1):
+            raise ValueError(f"CostModel.fit: sample {i} has an empty or non-positive length")
+        if methods[i] not in METHODS:
+            raise ValueError(f"CostModel.fit: sample {i} has method {methods[i]!r}, not one of {METHODS}")
+        terms.append(micro_batch_terms(d, int(cps[i]), kinds[i], causal, window, **layout_options))
+
+    def features(model):
+        return np.array([fit_features(t, m, model) for t, m in zip(terms, methods)])
+
+    coef = _solve(features(None), seconds, active)
+    starts = [(coef, not fit_comm)]
+    if fit_comm:  # transfers that add to compute (above) or overlap it, from several starting speeds
+        compute_per_token = _compute_per_moved_token(terms, coef)
+        for ratio in COMM_STARTS:
+            start = coef.copy()
+            start[TERMS.index("comm_coef")] = ratio * compute_per_token
+            starts.append((start, True))
+    best, failure = None, None
+    for start, overlap in starts:
+        try:
+            candidate = _iterate(cls, start, features, seconds, active, causal, window, overlap=overlap)
+        except ValueError as e:  # this start ran into a degenerate solve; the others may not
+            failure = e
+            continue
+        if best is None or candidate[1] < best[1]:
+            best = candidate
+    if best is None:
+        raise failure
+    return best[0]
+
+
+def _iterate(cls, coef, features, seconds, active, causal, window, overlap: bool):
+    """Alternate choices and NNLS from `coef`; returns (model, sum of squared relative errors)."""
+    model = _model(cls, coef, causal, window, overlap)
+    previous = None
+    for _ in range(MAX_ROUNDS):
+        feats = features(model)
+        if previous is not None and np.array_equal(feats, previous):
+            break
+        previous = feats
+        model = _model(cls, _solve(feats, seconds, active), causal, window, overlap)
+    predicted = features(model) @ np.array([getattr(model, t) for t in TERMS])
+    return model, float(np.sum((predicted / seconds - 1.0) ** 2))
+
+
+def _compute_per_moved_token(terms, coef) -> float:
+    """Attention compute per K/V token moved, averaged over the CP samples (a scale for the starting comm_coef)."""
+    compute = sum(coef[0] * t.pairs.sum() + coef[3] * t.pieces.sum() for t in terms if t.cp > 1)
+    moved = sum(t.travel.sum() * t.cp for t in terms if t.cp > 1)
+    return float(compute / moved) if moved else 0.0

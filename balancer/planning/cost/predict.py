@@ -1,0 +1,96 @@
+"""Layout- and communication-aware time prediction of micro-batches and whole plans: `micro_batch_time` (the slowest
+CP rank of one micro-batch, from balancer.planning.cost.microbatch's per-rank terms) and `predict_plan` (every
+micro-batch of a plan, assembled into steps with the 1F1B formula of balancer.planning.metrics). The model and its
+derivation: balancer.planning.cost.microbatch and docs/cost-model.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from balancer.planning import metrics
+from balancer.planning.cost.microbatch import (
+    MicroBatchTerms,
+    micro_batch_terms,
+    rank_times,
+    ring_moved,
+    split_document_terms,
+)
+from balancer.planning.cost.model import CostModel
+
+
+def micro_batch_time(
+    cost: CostModel, lengths, cp: int, layout: str = "zigzag", method: str = "ring", **layout_options
+) -> float:
+    """Predicted time of one micro-batch: the slowest CP rank's `rank_times`."""
+    terms = micro_batch_terms(lengths, cp, layout, cost.causal, cost.window, **layout_options)
+    return float(rank_times(cost, terms, method).max())
+
+
+def micro_batch_times(cost: CostModel, lengths: np.ndarray, ptr: np.ndarray, cp: int, method: str = "ring"):
+    """`micro_batch_time` (zigzag layout) of many micro-batches at once: micro-batch k holds the documents
+    `lengths[ptr[k]:ptr[k + 1]]` (none empty). Vectorised over documents, in blocks that bound the memory."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    ptr = np.asarray(ptr, dtype=np.int64)
+    if cp == 1:  # one rank: no layout, no traffic
+        return np.add.reduceat(cost.cost(lengths), ptr[:-1]) + cost.fixed
+    out = np.empty(len(ptr) - 1)
+    per_block = max(1, (1 << 21) // (4 * cp * cp))  # documents per block: [docs, 2cp, 2cp] stays ~16 MB
+    first = 0
+    while first < len(out):
+        last = max(first + 1, int(np.searchsorted(ptr, ptr[first] + per_block, side="right")) - 1)
+        last = min(last, len(out))
+        a, b = ptr[first], ptr[last]
+        pairs, pieces, travel = split_document_terms(lengths[a:b], cp, "zigzag", cost.causal, cost.window)
+        starts = ptr[first:last] - a
+        pairs, pieces, travel = (np.add.reduceat(x, starts, axis=0) for x in (pairs, pieces, travel))
+        terms = MicroBatchTerms(travel, pairs, pieces, travel)
+        out[first:last] = rank_times(cost, terms, method).max(axis=-1)
+        first = last
+    return out
+
+
+def predict_plan(
+    plan, cost: CostModel | None = None, layout: str | dict = "zigzag", method: str = "ring", **layout_options
+):
+    """Layout- and communication-aware report of a Plan (its own cost model unless `cost` is given).
+
+    Returns a dict: `layout` ({"kind", options}), `method`, `micro_batch_times` [steps, dp, M] (slowest CP rank),
+    `step_times` [steps] (1F1B over each replica, slowest replica), `step_time_total`, `compute_only_total` (the
+    section-3 step time total under the same cost model, for comparison), `kv_tokens_moved` and `kv_bytes_moved`
+    (K/V token-hops summed over CP ranks and ring steps; bytes when the model knows `kv_bytes_per_token`),
+    `attention_pieces` (document pieces summed over ranks and steps).
+    """
+    if isinstance(layout, dict):  # a plan's recorded layout: {"kind": ..., options}
+        layout_options = {**{k: v for k, v in layout.items() if k != "kind"}, **layout_options}
+        layout = layout.get("kind", "zigzag")
+    cost = plan.cost_model if cost is None else cost
+    topo = plan.topology
+    n_mb = len(plan.mb_ptr) - 1
+    times = np.zeros(n_mb)
+    moved = pieces = 0.0
+    sizes = plan.end - plan.start
+    for k in range(n_mb):
+        lengths = sizes[plan.mb_ptr[k] : plan.mb_ptr[k + 1]]
+        terms = micro_batch_terms(lengths, topo.cp, layout, cost.causal, cost.window, **layout_options)
+        times[k] = rank_times(cost, terms, method).max()
+        pieces += terms.pieces.sum()
+        if topo.cp > 1:
+            moved += ring_moved(terms).sum() if method == "ring" else (topo.cp - 1) * terms.travel.max() * topo.cp
+    mb_times = times.reshape(plan.num_steps, topo.dp, topo.micro_batches)
+    # replica_times takes per-micro-batch costs before the division by cp; these are already per rank
+    step = metrics.step_times(mb_times * topo.cp, topo)
+    entry = cost.cost(sizes)
+    mb_cost = np.add.reduceat(np.append(entry, 0.0), plan.mb_ptr[:-1]) + cost.fixed
+    section3 = float(metrics.step_times(mb_cost.reshape(mb_times.shape), topo).sum())
+    return {
+        "layout": {"kind": layout, **layout_options},
+        "method": method,
+        "micro_batch_times": mb_times,
+        "step_times": step,
+        "step_time_total": float(step.sum()),
+        "compute_only_total": section3,
+        "kv_tokens_moved": float(moved),
+        "kv_bytes_moved": float(moved * cost.kv_bytes_per_token) if cost.kv_bytes_per_token else None,
+        "attention_pieces": float(pieces),
+    }

@@ -1,0 +1,257 @@
+"""Settling an epoch's steps in order: where the batched packing is good and nothing moved in, a run of steps is
+taken as it is; otherwise the step is packed by `pack_step` (the faster of the two is kept), units that fit nowhere
+move on to the next step (which then is re-packed too), the step's leftover room is backfilled from the next step,
+steps are held near their token targets by trading light units with the next step, and a too-small overflow step
+borrows units from earlier ones."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from balancer.planning.packing.epoch import LazySteps
+from balancer.planning.packing.step import pack_step, step_time
+from balancer.planning.topology import Topology
+
+PROGRESS_AFTER = 2.0  # seconds before a progress bar (progress=True) appears
+
+
+@dataclass
+class Batched:
+    """The batched packing of an epoch's steps: units sorted by step and micro-batch (`by_bin[ptr[s]:ptr[s + 1]]`),
+    [steps, micro-batches] sizes, which steps can be taken as they are (`ready`), and each complete step's
+    micro-batches (`fast`, for comparing with `pack_step`). A step whose units change is forgotten in both."""
+
+    by_bin: np.ndarray
+    ptr: np.ndarray
+    sizes: np.ndarray
+    ready: np.ndarray
+    fast: LazySteps
+
+    def __post_init__(self) -> None:
+        not_ready = np.append(np.flatnonzero(~self.ready), len(self.ready))
+        self.next_unready = not_ready[np.searchsorted(not_ready, np.arange(len(self.ready)))]
+
+    def take(self, s: int) -> bool:
+        return s < len(self.ready) and bool(self.ready[s])
+
+    def forget(self, s: int) -> None:
+        if s < len(self.ready):
+            self.ready[s] = False
+            self.fast[s] = None
+
+
+def settle(
+    groups: list,
+    batched: Batched,
+    u_cost: np.ndarray,
+    u_tok: np.ndarray,
+    attn_heavy: np.ndarray,
+    targets: np.ndarray,
+    topology: Topology,
+    progress: bool,
+) -> list:
+    """Step by step: take the batched packing (good enough, sorted by micro-batch) where the step is ready and its
+    units did not change, a run of ready steps at once; else pack with `pack_step` (keeping the batched packing
+    when that is faster), move what fits nowhere on to the next step (which then is re-packed too) and backfill;
+    a too-small overflow step borrows from earlier ones. Returns pieces (units by step and micro-batch,
+    [steps, micro-batches] sizes) of consecutive steps."""
+    packed: list[tuple[np.ndarray, np.ndarray]] = []
+    carry = np.zeros(0, dtype=np.int64)
+    s = 0
+    bar = _progress(len(groups), progress)
+    while s < len(groups) or len(carry):
+        if not len(carry) and s + 1 < len(groups) and batched.take(s):
+            # the common case: nothing moved in, the batched packing is good (forgetting only ever reaches the
+            # step after the one being settled, so the run ends where the first unready step was at the start)
+            end = min(int(batched.next_unready[s]), len(groups) - 1)  # the last step may overflow: settled
+            packed.append((batched.by_bin[batched.ptr[s] : batched.ptr[end]], batched.sizes[s:end]))
+            done = end - s
+        else:
+            carry = _settle_step(s, carry, groups, batched, packed, u_cost, u_tok, attn_heavy, targets, topology)
+            done = 1
+        s += done
+        if bar:
+            bar.update(done)
+        if s > 4 * len(groups) + 10:
+            raise RuntimeError("planner failed to place all documents (units fit no micro-batch)")
+    if bar:
+        bar.close()
+    return packed
+
+
+def _settle_step(s, carry, groups, batched, packed, u_cost, u_tok, attn_heavy, targets, topology) -> np.ndarray:
+    """Pack step `s` (with the units `carry` moved in from the step before) onto `packed`; returns the units that
+    move on to the next step."""
+    nb = topology.bins_per_step
+    units = groups[s] if s < len(groups) else np.zeros(0, dtype=np.int64)
+    unit_bin = batched.fast[s] if s < len(batched.fast) and not len(carry) else None
+    units = np.concatenate([carry, units])
+    if s == len(groups) - 1 and u_tok[units].sum() > 1.1 * targets.max() and len(units) > 2 * nb:
+        groups.append(np.zeros(0, dtype=np.int64))  # the last step overflows: open one more
+    if unit_bin is None and s + 1 < len(groups):
+        target = float(targets[s]) if s < len(targets) else float(targets.max())
+        before = groups[s + 1]
+        units = hold_step_tokens(units, groups, s, target, u_tok, attn_heavy, nb)
+        if groups[s + 1] is not before:  # units moved to or from the next step: its batched packing is stale
+            batched.forget(s + 1)
+    if len(units) < nb and packed:
+        units, unit_bin = _reopen_last_step(packed, units, u_cost, nb), None
+    if unit_bin is None or not batched.take(s):
+        unit_bin = _faster(unit_bin, pack_step(u_cost[units], u_tok[units], topology), u_cost[units], topology)
+    carry = units[unit_bin < 0]
+    placed = units[unit_bin >= 0]
+    bins = unit_bin[unit_bin >= 0]
+    if len(carry) and s + 1 < len(groups):
+        placed, bins = _backfill(
+            placed, bins, float(u_tok[carry].sum()), groups, s, u_tok, u_cost, attn_heavy, topology
+        )
+        batched.forget(s + 1)
+    by_bin = np.argsort(bins * len(u_cost) + placed)  # by micro-batch, shuffled order inside (unique keys)
+    packed.append((placed[by_bin], np.bincount(bins, minlength=nb)[None, :]))
+    return carry
+
+
+def _faster(fast: np.ndarray | None, packed: np.ndarray, cost: np.ndarray, topology: Topology) -> np.ndarray:
+    """The faster of a step's batched packing (None: none) and `pack_step`'s (which may leave units unplaced)."""
+    if fast is None or step_time(packed, cost, topology) < step_time(fast, cost, topology):
+        return packed
+    return fast
+
+
+def hold_step_tokens(
+    units: np.ndarray, groups: list, s: int, target: float, u_tok: np.ndarray, attn_heavy: np.ndarray, nb: int
+) -> np.ndarray:
+    """Keep step `s` within 2% of its token target by trading light units with the next step (in place on
+    `groups[s + 1]`): trailing light units move on when the step is too big, leading light units of the next step
+    come forward when it is too small. Units larger than what is left to trade are skipped; when
+    the step is still off then, one unit that overshoots the target but lands closer to it is traded."""
+    total = float(u_tok[units].sum())
+    tol = 0.01 * target
+    if abs(total - target) <= 2 * tol:
+        return units
+    nxt = groups[s + 1]
+    if total > target:
+        pool, budget, room = np.flatnonzero(~attn_heavy[units])[::-1], total - target, len(units) - nb
+    else:
+        pool, budget, room = np.flatnonzero(~attn_heavy[nxt]), target - total, len(nxt) - nb
+    src = units if total > target else nxt
+    chosen = []
+    for k, t in zip(pool.tolist(), u_tok[src[pool]].tolist()):
+        if budget <= tol or len(chosen) >= room:
+            break
+        if t <= budget + tol:
+            chosen.append(k)
+            budget -= t
+    if budget > 2 * tol and len(chosen) < room:
+        # every unit left is larger than the gap (e.g. a step of heavy documents and a few large light ones): trade
+        # the one that brings the step closest to its target, overshooting it, when that is closer than now
+        rest = np.setdiff1d(pool, chosen, assume_unique=True)
+        if len(rest):
+            miss = np.abs(u_tok[src[rest]] - budget)
+            best = int(np.argmin(miss))
+            if miss[best] < budget:
+                chosen.append(int(rest[best]))
+    if not chosen:
+        return units
+    mask = np.zeros(len(src), dtype=bool)
+    mask[chosen] = True
+    if total > target:
+        groups[s + 1] = np.concatenate([units[mask], nxt])
+        return units[~mask]
+    groups[s + 1] = nxt[~mask]
+    return np.concatenate([units, nxt[mask]])
+
+
+def _backfill(
+    placed: np.ndarray,
+    bins: np.ndarray,
+    gap: float,
+    groups: list,
+    s: int,
+    u_tok: np.ndarray,
+    u_cost: np.ndarray,
+    attn_heavy: np.ndarray,
+    topology: Topology,
+):
+    """Units that fit nowhere move to the next step; pull up to as many tokens of small light units of the next
+    step into the leftover room (neediest micro-batch first), so the step keeps its size (in place on groups)."""
+    nb, cap = topology.bins_per_step, topology.micro_batch_tokens
+    tok = np.bincount(bins, weights=u_tok[placed], minlength=nb)
+    load = np.bincount(bins, weights=u_cost[placed], minlength=nb)
+    nxt = groups[s + 1]
+    cand = np.flatnonzero(~attn_heavy[nxt])
+    cand = cand[np.argsort(u_tok[nxt[cand]], kind="stable")]
+    taken, new_bins, moved = [], [], 0.0
+    for k in cand:
+        if moved >= gap or len(nxt) - len(taken) <= nb:
+            break
+        u = nxt[k]
+        room = np.where(tok + u_tok[u] <= cap, -load, -np.inf)
+        j = int(np.argmax(room))
+        if not np.isfinite(room[j]):
+            break  # smallest remaining unit fits nowhere
+        taken.append(k)
+        new_bins.append(j)
+        tok[j] += u_tok[u]
+        load[j] += u_cost[u]
+        moved += u_tok[u]
+    if not taken:
+        return placed, bins
+    keep = np.ones(len(nxt), dtype=bool)
+    keep[taken] = False
+    groups[s + 1] = nxt[keep]
+    return np.concatenate([placed, nxt[taken]]), np.concatenate([bins, np.array(new_bins, dtype=np.int64)])
+
+
+def _reopen_last_step(packed: list, units: np.ndarray, u_cost: np.ndarray, nb: int) -> np.ndarray:
+    """An overflow step too small to fill every micro-batch borrows the cheapest units of earlier steps (latest
+    first), never emptying one of their micro-batches (in place on `packed`)."""
+    borrowed = [units]
+    need = nb - len(units)
+    back = len(packed) - 1
+    while need > 0 and back >= 0:
+        back = _last_step_alone(packed, back)
+        flat, sizes = packed[back]
+        mb_of = np.repeat(np.arange(nb), sizes[0])
+        left = sizes[0].copy()
+        take = []
+        for k in np.argsort(u_cost[flat], kind="stable"):
+            if len(take) == need:
+                break
+            if left[mb_of[k]] > 1:
+                left[mb_of[k]] -= 1
+                take.append(k)
+        keep = np.ones(len(flat), dtype=bool)
+        keep[take] = False
+        packed[back] = (flat[keep], left[None, :])
+        borrowed.append(np.sort(flat[take]))
+        need -= len(take)
+        back -= 1
+    if need > 0:
+        raise ValueError(
+            f"cannot give every one of the {nb} micro-batches of the last step a document: the documents are too "
+            f"large for the step size ({len(units)} left for the last step, and every micro-batch of the steps before "
+            "holds one); raise Topology.max_tokens so that a micro-batch holds two documents, or lower Topology.dp "
+            "or Topology.micro_batches"
+        )
+    return np.concatenate(borrowed)
+
+
+def _last_step_alone(packed: list, index: int) -> int:
+    """Split piece `index` of `packed` so that its last step is a piece of its own; returns that piece's index."""
+    units, sizes = packed[index]
+    if len(sizes) == 1:
+        return index
+    cut = len(units) - int(sizes[-1].sum())
+    packed[index : index + 1] = [(units[:cut], sizes[:-1]), (units[cut:], sizes[-1:])]
+    return index + 1
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="planning steps", unit="step", delay=PROGRESS_AFTER)

@@ -1,0 +1,327 @@
+"""Packing one step: documents to the `dp * micro_batches` micro-batches so that the replicas' 1F1B times
+`(P-1) * max_m t_m + sum_m t_m` come out equal (heavy units one by one, a water-filling target for the rest,
+batched LPT rounds of light units, and a spill rule for what fits nowhere)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from balancer.planning.metrics import lower_bound, one_f_one_b, step_times
+from balancer.planning.packing.search import polish
+from balancer.planning.steps import HEAVY_PACK
+from balancer.planning.topology import Topology
+
+SPILL_SLACK = 1e-3  # once targets are met, leftovers may raise the step's time by this much, else move on ...
+SPILL_MOVE = 0.1  # ... to the next step, up to this share of the step's tokens
+POLISH_MAX_UNITS = 64  # steps this small also get a move/swap local search (exact-gap territory) ...
+POLISH_ABOVE = 1.005  # ... when their time is this far above the step's lower bound
+FEW_BINS = 16  # steps of at most this many micro-batches deal their light units on Python floats
+
+
+@dataclass
+class _Bins:
+    """Placement state of one step: per-micro-batch cost and tokens, and each unit's micro-batch (-1: unplaced)."""
+
+    cost: np.ndarray  # [dp * M] summed unit cost per micro-batch
+    tokens: np.ndarray  # [dp * M] summed unit tokens per micro-batch
+    unit_bin: np.ndarray  # [units] micro-batch index (replica * M + m), -1 while unplaced
+    replica_of_bin: np.ndarray  # [dp * M]
+
+    @classmethod
+    def empty(cls, units: int, topology: Topology) -> _Bins:
+        nb = topology.bins_per_step
+        return cls(
+            np.zeros(nb),
+            np.zeros(nb, dtype=np.int64),
+            np.full(units, -1, dtype=np.int64),
+            np.arange(nb) // topology.micro_batches,
+        )
+
+    def place(self, unit: int, bin_index: int, cost: float, tokens: int) -> None:
+        self.unit_bin[unit] = bin_index
+        self.cost[bin_index] += cost
+        self.tokens[bin_index] += tokens
+
+
+def _water_fill(loads: np.ndarray, work: float, pp: int) -> np.ndarray:
+    """Deficits [dp, M] so that adding `work` in those amounts leaves every replica at the same 1F1B time.
+
+    A replica whose micro-batches cost b_1..b_M (largest h) takes light work up to a level l on every
+    micro-batch below l; its time is (P-1)*max(h, l) + sum_j max(b_j, l). We solve for the common time T by
+    bisection, with each replica's level inverted exactly from its piecewise-linear time curve.
+    """
+    dp, m = loads.shape
+    if work <= 0:
+        return np.zeros_like(loads)
+    ascending = np.sort(loads, axis=1)
+    largest = ascending[:, -1]
+    rank = np.arange(1, m + 1, dtype=np.float64)
+    above = ascending.sum(axis=1, keepdims=True) - np.cumsum(ascending, axis=1)  # sum of the bins above the k-th
+    curve = one_f_one_b(largest[:, None], rank * ascending, pp, above)  # time when level = k-th smallest
+    rows = np.arange(dp)
+
+    def levels(time: float) -> np.ndarray:
+        below = (curve <= time).sum(axis=1)
+        idx = np.maximum(below - 1, 0)
+        level = (time - (pp - 1) * largest - above[rows, idx]) / np.maximum(below, 1)
+        level = np.where(below == m, time / (pp - 1 + m), level)
+        return np.where(below == 0, -np.inf, level)
+
+    def room(time: float) -> float:
+        return float(np.maximum(levels(time)[:, None] - loads, 0.0).sum())
+
+    lo, hi = float(curve[:, 0].min()), float(curve[:, -1].max() + work * (pp - 1 + m) / m + work)
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if room(mid) < work:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    return np.maximum(levels(hi)[:, None] - loads, 0.0)
+
+
+def pack_step(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray:
+    """Assign one step's units to its `dp * micro_batches` micro-batches.
+
+    `cost[i]`, `tokens[i]`: unit i's cost and token count. Returns the micro-batch index (replica * M + m) of each
+    unit, or -1 for units that fit in no micro-batch of this step (the caller moves them to the next step).
+    With pipeline stages (P > 1) two placements of the heavy units are tried (spread by marginal bubble, or
+    shared to minimise the sum of the replicas' largest micro-batches) and the faster step is kept.
+    """
+    cost = np.asarray(cost, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if topology.pp == 1:
+        best = _pack(cost, tokens, topology, share_heavy=False)
+    else:
+        best, best_time = None, np.inf
+        for share in (False, True):
+            unit_bin = _pack(cost, tokens, topology, share_heavy=share)
+            time = step_time(unit_bin, cost, topology)
+            if time < best_time:
+                best, best_time = unit_bin, time
+    if len(cost) <= POLISH_MAX_UNITS and np.all(best >= 0):
+        if step_time(best, cost, topology) > POLISH_ABOVE * float(lower_bound(cost.sum(), cost.max(), topology)):
+            polish(best, cost, tokens, topology)
+    return best
+
+
+def step_time(unit_bin: np.ndarray, cost: np.ndarray, topology: Topology) -> float:
+    """The step's time (section-3 model) for units placed in micro-batches `unit_bin`; every unplaced unit adds
+    its cost as a penalty (it will slow a later step)."""
+    placed = unit_bin >= 0
+    mb = np.bincount(unit_bin[placed], weights=cost[placed], minlength=topology.bins_per_step)
+    mb = mb.reshape(1, topology.dp, topology.micro_batches)
+    return float(step_times(mb, topology)[0] + cost[~placed].sum())
+
+
+def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy: bool) -> np.ndarray:
+    """One packing of a step: heavy units (over HEAVY_PACK of a micro-batch's average) first, then the rest."""
+    bins = _Bins.empty(len(cost), topology)
+    if len(cost) == 0:
+        return bins.unit_bin
+    # largest first; a stable sort, so ties come out in the same order on every machine (unstable SIMD sorts
+    # may order float ties differently on another CPU, and every rank must compute the same plan)
+    order = np.argsort(-cost, kind="stable")
+    n_heavy = int(np.sum(cost > HEAVY_PACK * (cost.sum() / topology.bins_per_step)))
+    if share_heavy:
+        _place_heavy_pipelined(order[:n_heavy], cost, tokens, bins, topology, float(cost.sum()))
+    _place_heavy_marginal(order[:n_heavy], cost, tokens, bins, topology)
+    _place_light(order[n_heavy:], cost, tokens, bins, topology)
+    fill_empty(bins.unit_bin, cost, topology.bins_per_step)
+    return bins.unit_bin
+
+
+def _place_heavy_marginal(
+    heavy: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: _Bins, topology: Topology
+) -> None:
+    """Each heavy unit not yet placed goes to the micro-batch that least raises its replica's 1F1B time (ties:
+    the cheaper micro-batch)."""
+    dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
+    rep = bins.replica_of_bin
+    for i in heavy:
+        if bins.unit_bin[i] >= 0:
+            continue
+        per_replica = bins.cost.reshape(dp, m)
+        new_time = one_f_one_b(
+            np.maximum(per_replica.max(axis=1)[rep], bins.cost + cost[i]),
+            per_replica.sum(axis=1)[rep],
+            topology.pp,
+            cost[i],
+        )
+        new_time[bins.tokens + tokens[i] > cap] = np.inf
+        j = int(np.lexsort((bins.cost, new_time))[0])
+        if np.isfinite(new_time[j]):
+            bins.place(i, j, cost[i], tokens[i])
+
+
+def _place_light(light: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: _Bins, topology: Topology) -> None:
+    """Light units, largest first, in rounds to the micro-batches furthest below their water-filling target."""
+    dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
+    deficit = _water_fill(bins.cost.reshape(dp, m), float(cost[light].sum()), topology.pp).ravel()
+    may_move = SPILL_MOVE * float(tokens.sum())  # tokens of this step that may move on to the next one
+
+    def spill(units: np.ndarray) -> None:
+        nonlocal may_move
+        may_move = _spill(units, cost, tokens, bins, topology, may_move)
+
+    rounds = _rounds_few_bins if len(deficit) <= FEW_BINS else _rounds
+    done = rounds(light, cost, tokens, bins, deficit, cap, spill)
+    if done < len(light):  # every target met: the rest may only fill in below the step's time
+        spill(light[done:])
+
+
+def _rounds(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spill) -> int:
+    """Deal `light` in rounds while some micro-batch is below target (in place); returns how many were dealt."""
+    done = 0
+    while done < len(light):
+        # one round: the next-largest units go to the micro-batches furthest below target, largest to neediest
+        positive = int(np.count_nonzero(deficit > 0))
+        if positive == 0:
+            break
+        k = min(len(light) - done, positive)
+        chunk = light[done : done + k]
+        done += k
+        # largest units are also the densest (cost per token grows with length): send them to the micro-batches
+        # that must gain the most cost per token of room left, so token-full micro-batches still reach target
+        need = np.where(deficit > 0, deficit / np.maximum(cap - bins.tokens, 1), deficit)
+        targets = np.argsort(-need, kind="stable")[:k]
+        fits = bins.tokens[targets] + tokens[chunk] <= cap
+        ok_units, ok_bins = chunk[fits], targets[fits]
+        bins.unit_bin[ok_units] = ok_bins  # micro-batches are distinct within a round
+        deficit[ok_bins] -= cost[ok_units]
+        bins.cost[ok_bins] += cost[ok_units]
+        bins.tokens[ok_bins] += tokens[ok_units]
+        for i in chunk[~fits]:  # the matched micro-batch is full; take the neediest one that fits
+            _misfit(i, cost, tokens, bins, deficit, cap, spill)
+    return done
+
+
+def _rounds_few_bins(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spill) -> int:
+    """`_rounds` on Python floats, for steps of few micro-batches (many rounds of a few units each, where NumPy's
+    per-call cost dominates); the same arithmetic and tie-breaks, so the same placement."""
+    need_of, cost_of, room_of = deficit.tolist(), bins.cost.tolist(), (cap - bins.tokens).tolist()
+    unit_cost, unit_tokens = cost[light].tolist(), tokens[light].tolist()
+    bin_of = [-1] * len(light)  # written to bins.unit_bin at the end (a misfit is placed by _misfit itself)
+    order = range(len(need_of))
+    done, misfits = 0, []
+    while done < len(light):
+        need = [d / (r if r > 1 else 1) if d > 0 else d for d, r in zip(need_of, room_of)]
+        positive = sum(1 for d in need_of if d > 0)
+        if positive == 0:
+            break
+        k = min(len(light) - done, positive)
+        # most needy first, ties in index order: np.argsort(-need, kind="stable") (reverse keeps sorted stable)
+        targets = sorted(order, key=need.__getitem__, reverse=True)[:k]
+        for i, j in zip(range(done, done + k), targets):
+            if unit_tokens[i] <= room_of[j]:
+                bin_of[i] = j
+                need_of[j] -= unit_cost[i]
+                cost_of[j] += unit_cost[i]
+                room_of[j] -= unit_tokens[i]
+            else:
+                misfits.append(i)
+        done += k
+        if misfits:  # rare: back to the arrays for the neediest micro-batch that fits
+            deficit[:], bins.cost[:], bins.tokens[:] = need_of, cost_of, [cap - r for r in room_of]
+            for i in misfits:
+                _misfit(light[i], cost, tokens, bins, deficit, cap, spill)
+            need_of, cost_of, room_of = deficit.tolist(), bins.cost.tolist(), (cap - bins.tokens).tolist()
+            misfits = []
+    deficit[:], bins.cost[:], bins.tokens[:] = need_of, cost_of, [cap - r for r in room_of]
+    placed = np.array(bin_of, dtype=np.int64)
+    bins.unit_bin[light[placed >= 0]] = placed[placed >= 0]
+    return done
+
+
+def _misfit(i: int, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spill) -> None:
+    """Unit `i`'s matched micro-batch is full: the neediest one that fits takes it, else it spills."""
+    room = np.where((bins.tokens + tokens[i] <= cap) & (deficit > 0), deficit, -np.inf)
+    j = int(np.argmax(room))
+    if np.isfinite(room[j]):
+        deficit[j] -= cost[i]
+        bins.place(i, j, cost[i], tokens[i])
+    else:
+        spill(np.array([i]))
+
+
+def _place_heavy_pipelined(
+    heavy: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: _Bins, topology: Topology, work: float
+) -> None:
+    """Heavy units with P > 1 stages: share replicas where that costs no extra pipeline bubble (in place).
+
+    When all replicas finish together at time T, replica r runs `T - (P-1) h_r` of work (h_r its largest
+    micro-batch), so `T = (W + (P-1) * sum_r h_r) / dp`: the plan is best when the sum of the replicas' largest
+    micro-batches is smallest. Units come largest first; a unit joins a replica that already holds a larger one
+    (in a micro-batch that stays <= h_r) while that replica still has room under T, and opens a new replica only
+    when none has. Units left unplaced go to the marginal greedy.
+    """
+    dp, m, pp, cap = topology.dp, topology.micro_batches, topology.pp, topology.micro_batch_tokens
+    largest = np.zeros(dp)  # h_r: the largest heavy micro-batch of each opened replica
+    heavy_work = np.zeros(dp)  # heavy cost placed on each replica
+    largest_sum, opened = 0.0, 0
+    for i in heavy:
+        c = cost[i]
+        level = (work + (pp - 1) * largest_sum) / (dp - (pp - 1) * (dp - opened) / (pp - 1 + m))
+        bin_cost, bin_tokens = bins.cost.reshape(dp, m), bins.tokens.reshape(dp, m)
+        ok_bin = (bin_cost + c <= largest[:, None] * (1 + 1e-12)) & (bin_tokens + tokens[i] <= cap)
+        ok_bin &= largest[:, None] > 0
+        slack = level - (pp - 1) * largest - heavy_work
+        ok_rep = ok_bin.any(axis=1) & (slack >= c)
+        if ok_rep.any():
+            r = int(np.argmax(np.where(ok_rep, slack, -np.inf)))
+            j = r * m + int(np.argmin(np.where(ok_bin[r], bin_cost[r], np.inf)))
+        elif opened < dp:
+            r = int(np.argmin(largest))
+            j = r * m
+            largest[r] = c
+            largest_sum += c
+            opened += 1
+        else:
+            return
+        bins.place(i, j, c, tokens[i])
+        heavy_work[r] += c
+
+
+def _spill(
+    units: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: _Bins, topology: Topology, may_move: float
+) -> float:
+    """Place units once every micro-batch has met its target: each goes where it raises its replica's time least,
+    but only while the step's time stays within SPILL_SLACK of what it is; the others stay unplaced (the caller
+    moves them to the next step, which keeps token-full steps from piling their overflow on one replica), as long
+    as `may_move` tokens allow. Returns the tokens that may still move."""
+    dp, m, pp, cap = topology.dp, topology.micro_batches, topology.pp, topology.micro_batch_tokens
+    rep = bins.replica_of_bin
+    per_replica = bins.cost.reshape(dp, m)
+    largest, total = per_replica.max(axis=1), per_replica.sum(axis=1)
+    limit = float(one_f_one_b(largest, total, pp).max()) * (1 + SPILL_SLACK)
+    for i in units:
+        new_time = one_f_one_b(np.maximum(largest[rep], bins.cost + cost[i]), total[rep], pp, cost[i])
+        new_time[bins.tokens + tokens[i] > cap] = np.inf
+        j = int(np.argmin(new_time))
+        if new_time[j] <= limit or (np.isfinite(new_time[j]) and tokens[i] > may_move):
+            bins.place(i, j, cost[i], tokens[i])
+            r = j // m
+            largest[r], total[r] = max(largest[r], bins.cost[j]), total[r] + cost[i]
+            limit = max(limit, float(new_time[j]))
+        else:
+            may_move -= tokens[i]
+    return may_move
+
+
+def fill_empty(unit_bin: np.ndarray, cost: np.ndarray, nb: int) -> None:
+    """Give every empty micro-batch the cheapest unit of the micro-batch with the most units (in place)."""
+    placed = unit_bin >= 0
+    counts = np.bincount(unit_bin[placed], minlength=nb)
+    for j in np.flatnonzero(counts == 0):
+        donor = int(np.argmax(counts))
+        if counts[donor] < 2:
+            return  # not enough units: the caller sees the empty micro-batch
+        members = np.flatnonzero(unit_bin == donor)
+        i = members[np.argmin(cost[members])]
+        unit_bin[i] = j
+        counts[donor] -= 1
+        counts[j] += 1

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests (imported as `support.<module>`; `pythonpath` in pyproject.toml)."""
