@@ -15,10 +15,11 @@ empty; a rank may hold no token of a document, or of the whole batch.
 Contiguous: every document is cut into ``cp`` contiguous chunks (the first ``d % cp`` one token longer), rank ``r``
 holds chunk ``r``. Simple, but causal work grows with the rank.
 
-Hybrid: documents chosen by :mod:`attention.placement` (the long ones, or those no rank can take whole within
-``max_tokens``) are split as in zigzag; every other document stays whole on one rank (stored as all its tokens in
-that rank's front chunk, so the zigzag chunk-to-rank map holds for every document). Only split documents' K/V ever
-leave their rank: ``kv_counts`` / ``kv_rows`` describe the travelling part of each rank's K/V.
+Hybrid: documents chosen by :mod:`attention.placement` (the long ones, those no rank can take whole within
+``max_tokens``, or an explicit ``split`` set such as the planner's cost-driven choice) are split as in zigzag; every
+other document stays whole on one rank (stored as all its tokens in that rank's front chunk, so the zigzag
+chunk-to-rank map holds for every document). Only split documents' K/V ever leave their rank: ``kv_counts`` /
+``kv_rows`` describe the travelling part of each rank's K/V. The chunk rules themselves: :mod:`attention.geometry`.
 
 On each rank, local tokens are ordered document by document, and within a document by chunk index (for zigzag: chunk
 ``r`` then chunk ``2cp-1-r``), so the local tokens of a document form one contiguous segment that is, as a sequence,
@@ -35,9 +36,10 @@ import numpy as np
 import torch
 
 from attention.backends import Pieces
-from attention.placement import check_options, hybrid_assignment, zigzag_sizes
+from attention.geometry import KINDS, chunk_bounds, chunk_pairs, chunk_sizes
+from attention.placement import check_options, hybrid_assignment
 
-KINDS = ("zigzag", "contiguous", "hybrid")
+__all__ = ["CPLayout", "KINDS"]
 
 
 def _ranges_to_index(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -62,6 +64,16 @@ def _check_cu_seqlens(cu_seqlens) -> np.ndarray:
     if (np.diff(cu) < 0).any():
         raise ValueError("cu_seqlens must be non-decreasing")
     return cu
+
+
+def _refuse_removed(options: dict) -> None:
+    """The cost-driven hybrid choice moved to the planner: name its new home instead of a TypeError."""
+    if options:
+        raise ValueError(
+            f"CPLayout.build does not take {sorted(options)}: the cost-driven choice of a hybrid split is "
+            "balancer.planning.cost.hybrid_split(lengths, cp, cost, method=...), whose answer goes in split=...; "
+            "a layout spec with a cost resolves with balancer.planning.cost.explicit_layout(lengths, cp, spec)"
+        )
 
 
 @dataclass(eq=False)
@@ -99,15 +111,15 @@ class CPLayout:
         split_threshold: Optional[int] = None,
         max_tokens: Optional[int] = None,
         tolerance: Optional[float] = None,
-        cost=None,
-        method: Optional[str] = None,
+        split=None,
+        **removed,
     ) -> CPLayout:
         """Layout of packed documents ``cu_seqlens`` (ints [n_docs+1], starting at 0, non-decreasing) over
-        ``cp_size`` ranks. ``split_threshold``, ``max_tokens`` (per rank), ``tolerance``, ``cost`` (a
-        ``balancer.CostModel`` or its dict: split what the prediction says is fastest) and ``method`` (the
-        prediction's, default ring) are hybrid options (see :mod:`attention.placement`); other kinds reject them.
-        Vectorised for zigzag/contiguous; hybrid placement loops over documents (a few microseconds each; with
-        ``cost``, once per candidate split set)."""
+        ``cp_size`` ranks. ``split_threshold``, ``max_tokens`` (per rank), ``tolerance`` and ``split`` (the indices
+        of the documents to split, e.g. ``balancer.planning.cost.hybrid_split``'s cost-driven choice) are hybrid
+        options (see :mod:`attention.placement`); other kinds reject them. Vectorised for zigzag/contiguous; hybrid
+        placement loops over documents (a few microseconds each)."""
+        _refuse_removed(removed)
         cu = _check_cu_seqlens(cu_seqlens)
         lens = np.diff(cu)
         if not isinstance(cp_size, (int, np.integer)) or isinstance(cp_size, bool) or cp_size < 1:
@@ -116,35 +128,24 @@ class CPLayout:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         n = lens.shape[0]
-        split = np.ones(n, dtype=bool)
+        chosen, split = split, np.ones(n, dtype=bool)
         doc_rank = np.full(n, -1, dtype=np.int64)
         options: dict = {}
         if kind == "hybrid":
-            options = check_options(split_threshold, max_tokens, tolerance, cost, method)
+            options = check_options(split_threshold, max_tokens, tolerance, chosen)
             split, doc_rank = hybrid_assignment(lens, cp, options)
         else:
             for name, value in (
                 ("split_threshold", split_threshold),
                 ("max_tokens", max_tokens),
                 ("tolerance", tolerance),
-                ("cost", cost),
-                ("method", method),
+                ("split", chosen),
             ):
                 if value is not None:
                     raise ValueError(f"{name} is an option of the hybrid layout only, not of kind {kind!r}")
-        if kind == "contiguous":
-            nch = cp
-            sizes = (lens // nch)[:, None] + (np.arange(nch)[None, :] < (lens % nch)[:, None]).astype(np.int64)
-            owner = np.arange(nch)
-        else:
-            nch = 2 * cp
-            sizes = zigzag_sizes(lens, cp)
-            owner = np.minimum(np.arange(nch), nch - 1 - np.arange(nch))
-            whole = np.nonzero(~split)[0]
-            sizes[whole] = 0
-            sizes[whole, doc_rank[whole]] = lens[whole]  # chunk r is rank r's front chunk
-        bounds = np.zeros((n, nch + 1), dtype=np.int64)
-        np.cumsum(sizes, axis=1, out=bounds[:, 1:])
+        sizes, owner = chunk_sizes(lens, cp, kind, split, doc_rank)
+        nch = owner.shape[0]
+        bounds = chunk_bounds(sizes)
         seg_len = np.zeros((cp, n), dtype=np.int64)
         first_len = np.zeros((cp, n), dtype=np.int64)
         for c in range(nch):  # loop over chunks, not documents
@@ -161,7 +162,8 @@ class CPLayout:
         """Build from a :meth:`layout_spec` dict (as a plan records it): ``{"kind": ..., **options}``."""
         if not isinstance(spec, dict) or "kind" not in spec:
             raise ValueError(f"a layout spec must be a dict with a 'kind', got {spec!r}")
-        unknown = set(spec) - {"kind", "split_threshold", "max_tokens", "tolerance", "cost", "method"}
+        _refuse_removed({k: spec[k] for k in ("cost", "method") if k in spec})
+        unknown = set(spec) - {"kind", "split_threshold", "max_tokens", "tolerance", "split"}
         if unknown:
             raise ValueError(f"unknown layout option(s) {sorted(unknown)} in {spec!r}")
         return cls.build(cu_seqlens, cp_size, **spec)
@@ -225,9 +227,7 @@ class CPLayout:
         same document) or, non-causal, local tokens x document length."""
         if not causal:
             return (self.seg_len * np.diff(self.cu_seqlens)[None, :]).sum(axis=1)
-        s, e = self.bounds[:, :-1], self.bounds[:, 1:]
-        per_chunk = (e * (e + 1) - s * (s + 1)) // 2  # [n, nch]
-        per_chunk = per_chunk.sum(axis=0)
+        per_chunk = chunk_pairs(self.bounds[:, :-1], self.bounds[:, 1:]).sum(axis=0)
         out = np.zeros(self.cp_size, dtype=np.int64)
         np.add.at(out, self.owner, per_chunk)
         return out

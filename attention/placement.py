@@ -13,13 +13,12 @@ document that fits on no rank is split instead, and placement restarts with the 
 whole document (of 2 tokens or more) while some rank would hold no token at all: a rank with an empty shard cannot
 run most models' forward pass.
 
-Split set: documents longer than ``split_threshold`` tokens when one is given. Without one (the default), the fewest
-longest documents are split such that the relative load of every rank is at most ``1 + tolerance`` (default
-``DEFAULT_TOLERANCE``): candidates 0, 1, 2, 3, 4, 6, 9, 13, ... longest documents are tried in turn. Given a
-``cost`` model (a ``balancer.CostModel`` with per-piece and communication terms, e.g. calibrated on the machine),
-every candidate, all documents included (= zigzag), is placed and the one with the least predicted time of the
-slowest rank (``planning.cost.microbatch``, for ``method``) is kept: where the prediction says keeping documents
-whole loses, the layout is zigzag's.
+Split set: an explicit one (``split``: the document indices to split, as a plan records it), or documents longer
+than ``split_threshold`` tokens when one is given. Without either (the default), the fewest longest documents are
+split such that the relative load of every rank is at most ``1 + tolerance`` (default ``DEFAULT_TOLERANCE``):
+candidates 0, 1, 2, 3, 4, 6, 9, 13, ... longest documents are tried in turn (:func:`candidate_counts`). Choosing the
+split set by a cost model's prediction is the planner's job (``balancer.planning.cost.hybrid``), which hands the
+layout its answer as an explicit ``split``; the placement of whole documents is the same either way.
 """
 
 from __future__ import annotations
@@ -29,17 +28,9 @@ from typing import Optional
 
 import numpy as np
 
+from attention.geometry import causal_pairs, chunk_bounds, chunk_owner, chunk_pairs, zigzag_sizes
+
 DEFAULT_TOLERANCE = 0.02
-
-
-def zigzag_sizes(lens: np.ndarray, cp: int) -> np.ndarray:
-    """int64 [n_docs, 2*cp]: zigzag chunk sizes (chunk j belongs to rank min(j, 2cp-1-j)); remainder tokens go to
-    the first ``rem`` chunks when ``rem <= cp``, else to the last ``rem`` chunks."""
-    nch = 2 * cp
-    base, rem = lens // nch, lens % nch
-    j = np.arange(nch)[None, :]
-    extra = np.where((rem <= cp)[:, None], j < rem[:, None], j >= (nch - rem)[:, None])
-    return base[:, None] + extra.astype(np.int64)
 
 
 def _check_int_option(name: str, value, lowest: int) -> Optional[int]:
@@ -50,9 +41,10 @@ def _check_int_option(name: str, value, lowest: int) -> Optional[int]:
     return int(value)
 
 
-def check_options(split_threshold, max_tokens, tolerance, cost=None, method=None) -> dict:
+def check_options(split_threshold, max_tokens, tolerance, split=None) -> dict:
     """Validated hybrid options as a plain dict (the layout spec's options); ValueError names the bad option.
-    ``cost`` and ``method`` appear in the dict only when a cost model is given (specs without one are unchanged)."""
+    ``split`` (document indices, increasing) appears in the dict only when given (specs without one are
+    unchanged)."""
     split_threshold = _check_int_option("split_threshold", split_threshold, 1)
     max_tokens = _check_int_option("max_tokens", max_tokens, 1)
     if tolerance is not None:
@@ -62,51 +54,30 @@ def check_options(split_threshold, max_tokens, tolerance, cost=None, method=None
             raise ValueError(f"tolerance must be None or a number >= 0, got {tolerance!r}")
         tolerance = float(tolerance)
     options = {"split_threshold": split_threshold, "max_tokens": max_tokens, "tolerance": tolerance}
-    if cost is None:
-        if method is not None:
-            raise ValueError("method applies only with cost (the prediction it is for)")
+    if split is None:
         return options
     if split_threshold is not None or tolerance is not None:
-        raise ValueError("cost chooses the split documents by prediction: give it without split_threshold/tolerance")
-    if method not in (None, *PREDICT_METHODS):
-        raise ValueError(f"method must be None or one of {PREDICT_METHODS}, got {method!r}")
-    return {**options, "cost": _cost_dict(cost), "method": method or "ring"}
+        raise ValueError("split names the split documents: give it without split_threshold/tolerance")
+    return {**options, "split": _check_split(split)}
 
 
-PREDICT_METHODS = ("ring", "allgather")
+def _check_split(split) -> list[int]:
+    """An explicit split set as increasing document indices (a bool mask is turned into its indices)."""
+    values = np.asarray(split)
+    if values.ndim != 1 or (values.size and values.dtype != bool and not np.issubdtype(values.dtype, np.integer)):
+        raise ValueError(f"split must be a 1-D list of document indices or a bool mask, got {split!r}")
+    idx = np.nonzero(values)[0] if values.dtype == bool else values.astype(np.int64)
+    if idx.size and (idx.min() < 0 or np.any(np.diff(idx) <= 0)):
+        raise ValueError("split must list distinct non-negative document indices in increasing order")
+    return [int(i) for i in idx]
 
 
-def _cost_dict(cost) -> dict:
-    """A cost model (``balancer.CostModel`` or its ``to_dict()``) as a validated JSON-able dict."""
-    from balancer.planning.cost.model import CostModel  # noqa: PLC0415 - only layouts given a cost model need balancer
-
-    if isinstance(cost, CostModel):
-        return cost.to_dict()
-    if not isinstance(cost, dict):
-        raise ValueError(f"cost must be a balancer.CostModel or its to_dict(), got {type(cost).__name__}")
-    unknown = set(cost) - set(CostModel.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"cost has unknown field(s) {sorted(unknown)}")
-    return CostModel.from_dict(cost).to_dict()
-
-
-def predicted_time(lens: np.ndarray, cp: int, split: np.ndarray, doc_rank, cost: dict, method: str) -> float:
-    """The slowest rank's predicted time (``balancer.planning.cost.microbatch``) of one split set and placement."""
-    from balancer.planning.cost.microbatch import assignment_terms, rank_times  # noqa: PLC0415
-    from balancer.planning.cost.model import CostModel  # noqa: PLC0415
-
-    model = CostModel.from_dict(cost)
-    whole_rank = np.maximum(np.asarray(doc_rank, dtype=np.int64), 0)
-    terms = assignment_terms(lens, cp, split, whole_rank, model.causal, model.window)
-    return float(rank_times(model, terms, method).max())
-
-
-class _Loads:
+class Loads:
     """Per-rank tokens and pairs, and the exact comparison key of relative load (scaled by W*T)."""
 
     def __init__(self, lens: np.ndarray, cp: int) -> None:
         self.lens = [int(d) for d in lens]
-        self.pairs = [d * (d + 1) // 2 for d in self.lens]
+        self.pairs = [int(p) for p in causal_pairs(self.lens)]
         self.total_tokens, self.total_pairs = max(sum(self.lens), 1), max(sum(self.pairs), 1)
         self.cp = cp
 
@@ -120,17 +91,15 @@ class _Loads:
         if idx.size == 0:
             return tokens, pairs
         sizes = zigzag_sizes(np.asarray(self.lens, dtype=np.int64)[idx], self.cp)
-        bounds = np.concatenate([np.zeros((idx.size, 1), np.int64), np.cumsum(sizes, axis=1)], axis=1)
-        start, end = bounds[:, :-1], bounds[:, 1:]
-        chunk_pairs = (end * (end + 1) - start * (start + 1)) // 2
-        for j in range(2 * self.cp):
-            rank = min(j, 2 * self.cp - 1 - j)
+        bounds = chunk_bounds(sizes)
+        per_chunk = chunk_pairs(bounds[:, :-1], bounds[:, 1:])
+        for j, rank in enumerate(chunk_owner(self.cp, "zigzag")):
             tokens[rank] += int(sizes[:, j].sum())
-            pairs[rank] += int(chunk_pairs[:, j].sum())
+            pairs[rank] += int(per_chunk[:, j].sum())
         return tokens, pairs
 
 
-def _place_whole(loads: _Loads, split: np.ndarray, order: list[int], max_tokens: Optional[int]):
+def _place_whole(loads: Loads, split: np.ndarray, order: list[int], max_tokens: Optional[int]):
     """Greedy placement of the whole documents (in ``order``). Returns (doc_rank list, rank keys) or the index of
     the first document that fits on no rank."""
     tokens, pairs = loads.split_shares(split)
@@ -154,7 +123,7 @@ def _place_whole(loads: _Loads, split: np.ndarray, order: list[int], max_tokens:
     return doc_rank, [loads.key(t, p) for t, p in zip(tokens, pairs)], tokens
 
 
-def _place_fitting(loads: _Loads, split: np.ndarray, order: list[int], max_tokens: Optional[int]):
+def place_fitting(loads: Loads, split: np.ndarray, order: list[int], max_tokens: Optional[int]):
     """Place whole documents, splitting each one that fits nowhere, and the longest whole one while a rank would
     be left without a token (then starting over). Returns (split, doc_rank, rank keys)."""
     split = split.copy()
@@ -170,7 +139,8 @@ def _place_fitting(loads: _Loads, split: np.ndarray, order: list[int], max_token
         split[spare[0]] = True
 
 
-def _candidate_counts(n: int):
+def candidate_counts(n: int):
+    """The candidate split-set sizes: 0, 1, 2, 3, 4, 6, 9, 13, ... up to ``n`` (all documents)."""
     j = 0
     while j < n:
         yield j
@@ -182,41 +152,45 @@ def hybrid_assignment(lens: np.ndarray, cp: int, options: dict) -> tuple[np.ndar
     """(split bool [n_docs], doc_rank int64 [n_docs], -1 for split documents) for the hybrid layout."""
     lens = np.asarray(lens, dtype=np.int64)
     n = lens.shape[0]
-    loads = _Loads(lens, cp)
+    loads = Loads(lens, cp)
     order = [int(i) for i in np.argsort(-lens, kind="stable")]
     threshold, max_tokens = options["split_threshold"], options["max_tokens"]
-    if threshold is not None:
-        split, doc_rank, _ = _place_fitting(loads, lens > threshold, order, max_tokens)
-    elif options.get("cost") is not None and cp > 1 and n:
-        split, doc_rank = _least_predicted(loads, lens, cp, order, options)
+    if options.get("split") is not None:
+        split, doc_rank = _explicit(loads, options["split"], order, max_tokens)
+    elif threshold is not None:
+        split, doc_rank, _ = place_fitting(loads, lens > threshold, order, max_tokens)
     else:
         tol = Fraction(DEFAULT_TOLERANCE if options["tolerance"] is None else options["tolerance"])
         limit = (1 + tol) * loads.total_tokens * loads.total_pairs  # relative load <= 1 + tol, scaled by W*T
-        for count in _candidate_counts(n):
+        for count in candidate_counts(n):
             cand = np.zeros(n, dtype=bool)
             cand[order[:count]] = True
-            split, doc_rank, keys = _place_fitting(loads, cand, order, max_tokens)
+            split, doc_rank, keys = place_fitting(loads, cand, order, max_tokens)
             if max(keys) * cp <= limit:
                 break
     _check_fits(loads, split, doc_rank, max_tokens)
     return split, np.asarray(doc_rank, dtype=np.int64)
 
 
-def _least_predicted(loads: _Loads, lens: np.ndarray, cp: int, order: list[int], options: dict):
-    """The candidate split set (0, 1, 2, 3, 4, 6, 9, ... longest documents; all of them = zigzag) whose placement
-    has the least predicted time under ``options["cost"]``; ties go to the fewer splits."""
-    best = None
-    for count in _candidate_counts(len(lens)):
-        cand = np.zeros(len(lens), dtype=bool)
-        cand[order[:count]] = True
-        split, doc_rank, _ = _place_fitting(loads, cand, order, options["max_tokens"])
-        t = predicted_time(lens, cp, split, doc_rank, options["cost"], options["method"])
-        if best is None or t < best[0]:
-            best = (t, split, doc_rank)
-    return best[1], best[2]
+def _explicit(loads: Loads, split_ids: list[int], order: list[int], max_tokens: Optional[int]):
+    """Placement of whole documents around a given split set, which must be final: every whole document fits and
+    no rank is left without a token (the split set a plan records, computed by the same rule)."""
+    n = len(loads.lens)
+    if split_ids and split_ids[-1] >= n:
+        raise ValueError(f"split names document {split_ids[-1]} but the batch has {n} documents")
+    split = np.zeros(n, dtype=bool)
+    split[split_ids] = True
+    placed, doc_rank, _ = place_fitting(loads, split, order, max_tokens)
+    if not np.array_equal(placed, split):
+        extra = sorted(set(np.nonzero(placed)[0].tolist()) - set(split_ids))
+        raise ValueError(
+            f"split {split_ids} is not a final split set for this batch: documents {extra} fit on no rank whole or "
+            "a rank would hold no token (list them in split too)"
+        )
+    return split, doc_rank
 
 
-def _check_fits(loads: _Loads, split: np.ndarray, doc_rank, max_tokens: Optional[int]) -> None:
+def _check_fits(loads: Loads, split: np.ndarray, doc_rank, max_tokens: Optional[int]) -> None:
     if max_tokens is None:
         return
     tokens, _ = loads.split_shares(split)

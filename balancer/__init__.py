@@ -7,7 +7,7 @@ names users start from are re-exported here and imported on first use (``import 
 scipy, pyarrow or datasets). Where every public name lives: docs/design.md.
 """
 
-from balancer._lazy import lazy_exports
+from attention._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -17,19 +17,22 @@ _EXPORTS = {
     "Plan": "balancer.planning.plans.plan",
     "plan": "balancer.planning.planner",
     "plan_window": "balancer.planning.window",
-    "pack_step": "balancer.planning.packing.step",
     "balance_batch": "balancer.planning.batch.balance",
     "distributed": "balancer.distributed",
     "BalancedBatchSampler": "balancer.training.sampler",
     "PackedCollator": "balancer.training.collate",
-    "Span": "balancer.training.indices",
     "SpanDataset": "balancer.training.indices",
-    "Member": "balancer.training.indices",
-    "CPGroup": "balancer.training.indices",
     "cp_groups": "balancer.training.groups",
     "loss": "balancer.training.loss",
     "ShardDataset": "balancer.data.shards.dataset",
     "read_lengths": "balancer.data.shards.lengths",
 }
 __all__ = [*_EXPORTS, "__version__"]
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+# internals that were exported here before the surface was narrowed: the error names their package
+_MOVED = {
+    "pack_step": "balancer.planning.packing",
+    "Span": "balancer.training",
+    "Member": "balancer.training",
+    "CPGroup": "balancer.training",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, _MOVED)

@@ -45,10 +45,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import attention  # noqa: E402
-import attention.placement  # noqa: E402
 import balancer  # noqa: E402
 import balancer.planning.cost.predict  # noqa: E402
 from attention import bytes_sent, reset_bytes_sent  # noqa: E402
+from balancer.planning.cost.hybrid import explicit_layout  # noqa: E402
+from balancer.planning.cost.microbatch import assignment_terms, rank_times  # noqa: E402
 from benchmarks._common import write_result  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 4, 2, 64
@@ -175,7 +176,8 @@ class _Case:
     """One (batch, method, layout) on this rank and a timed forward+backward (inputs sharded before the clock)."""
 
     def __init__(self, rank: int, lens: np.ndarray, full: list[torch.Tensor], method: str, spec: dict) -> None:
-        self.layout = attention.CPLayout.from_spec(np.concatenate([[0], np.cumsum(lens)]), WORLD, spec)
+        explicit = explicit_layout(np.asarray(lens), WORLD, spec)  # a cost-driven spec: the planner's split
+        self.layout = attention.CPLayout.from_spec(np.concatenate([[0], np.cumsum(lens)]), WORLD, explicit)
         self.rank, self.full, self.method = rank, full, method
 
     def run(self) -> tuple[float, float, int]:
@@ -256,10 +258,16 @@ def _row(batch: str, method: str, spec: dict, lay: attention.CPLayout, rr: list,
         "tokens_per_rank": lay.local_counts.tolist(),
         "pairs_per_rank": lay.work().tolist(),
         "relative_load": _relative_load(lay),
-        "predicted_s": attention.placement.predicted_time(
-            np.diff(lay.cu_seqlens), lay.cp_size, lay.split_docs, lay.doc_rank, cost, method
-        ),
+        "predicted_s": _predicted(lay, cost, method),
     }
+
+
+def _predicted(lay: attention.CPLayout, cost: dict, method: str) -> float:
+    """The slowest rank's predicted time of this layout's split set and placement under `cost`."""
+    model = balancer.CostModel.from_dict(cost)
+    lens = np.diff(lay.cu_seqlens)
+    terms = assignment_terms(lens, lay.cp_size, lay.split_docs, np.maximum(lay.doc_rank, 0), model.causal, model.window)
+    return float(rank_times(model, terms, method).max())
 
 
 def _spread(values: list[float]) -> dict:

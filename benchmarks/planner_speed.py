@@ -36,6 +36,7 @@ from wlb import wlb_plan
 
 import balancer
 from balancer.data.traces import load_trace
+from balancer.planning.packing import pack_step
 
 REPO = Path(__file__).resolve().parents[1]
 FEW_STEPS = balancer.Topology(dp=64, cp=4, micro_batches=8, max_tokens=32768)  # tokens_per_step: 0.85 x capacity
@@ -172,7 +173,7 @@ def pack_step_rows(ref: str) -> list[dict]:
     for name, lengths, topo in cases:
         c = DEFAULT_COST.cost(lengths)
         number = 20
-        now = cpu_time(lambda: [balancer.pack_step(c, lengths, topo) for _ in range(number)], 5) / number
+        now = cpu_time(lambda: [pack_step(c, lengths, topo) for _ in range(number)], 5) / number
         before = cpu_time(lambda: [old(c, lengths, topo) for _ in range(number)], 5) / number
         rows.append({"case": name, "ms": now * 1e3, "ms_at_ref": before * 1e3, "ratio": now / before})
         print(f"pack_step, {name}: {now * 1e3:.2f} ms (at {ref}: {before * 1e3:.2f} ms)")

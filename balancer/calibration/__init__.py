@@ -9,7 +9,7 @@ by micro-batch), report.py (fits, held-out and fresh errors, targets), clock.py 
 a real model on gloo CP groups). See docs/cost-model.md.
 """
 
-from balancer._lazy import lazy_exports
+from attention._lazy import lazy_exports
 
 _EXPORTS = {
     "calibrate": "balancer.calibration.run",

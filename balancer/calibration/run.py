@@ -55,7 +55,7 @@ class Calibration:
 
 
 def _layouts(layouts) -> list[str]:
-    from attention.layout import KINDS as LAYOUT_KINDS
+    from attention.geometry import KINDS as LAYOUT_KINDS
 
     for kind in layouts:
         if kind not in LAYOUT_KINDS:

@@ -6,9 +6,9 @@ import os
 
 import numpy as np
 
+from attention.geometry import attention_pairs
 from balancer.files import atomic_write
 from balancer.planning.cost.model import CostModel
-from balancer.planning.cost.pairs import attention_pairs
 from balancer.planning.plans.plan import Plan
 
 THRESHOLDS = (8192, 32768, 131072)

@@ -6,7 +6,7 @@ subpackages (`from balancer.data.pretokenize import pretokenize`, `from balancer
 `balancer.data.pretokenize` and `balancer.data.pack` are the subpackages.
 """
 
-from balancer._lazy import lazy_exports
+from attention._lazy import lazy_exports
 
 _EXPORTS = {
     "ShardDataset": "balancer.data.shards.dataset",

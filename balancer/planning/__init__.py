@@ -9,7 +9,7 @@ cost/ (`CostModel`, its fit and the layout-aware prediction), plans/ (`Plan`, it
 packing). The map with a picture: docs/design.md.
 """
 
-from balancer._lazy import lazy_exports
+from attention._lazy import lazy_exports
 
 _EXPORTS = {
     "CostModel": "balancer.planning.cost.model",
@@ -17,12 +17,11 @@ _EXPORTS = {
     "Plan": "balancer.planning.plans.plan",
     "plan": "balancer.planning.planner",
     "plan_window": "balancer.planning.window",
-    "pack_step": "balancer.planning.packing.step",
     "predict_plan": "balancer.planning.cost.predict",
     "micro_batch_time": "balancer.planning.cost.predict",
     "micro_batch_times": "balancer.planning.cost.predict",
-    "attention_pairs": "balancer.planning.cost.pairs",
-    "block_pairs": "balancer.planning.cost.pairs",
+    "attention_pairs": "attention.geometry",
+    "block_pairs": "attention.geometry",
     "lower_bound": "balancer.planning.metrics",
     "one_f_one_b": "balancer.planning.metrics",
     "step_times": "balancer.planning.metrics",
@@ -33,4 +32,4 @@ _EXPORTS = {
     "pipeline_times": "balancer.planning.batch.pack",
 }
 __all__ = list(_EXPORTS)
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, {"pack_step": "balancer.planning.packing"})

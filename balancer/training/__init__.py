@@ -6,7 +6,7 @@ length sources in lengths.py), indices.py (`Span`, `Member`, `CPGroup`, `SpanDat
 loss.py, and the Hugging Face trainers (trainer.py, sft.py; imported through `balancer.hf`).
 """
 
-from balancer._lazy import lazy_exports
+from attention._lazy import lazy_exports
 
 _EXPORTS = {
     "BalancedBatchSampler": "balancer.training.sampler",

@@ -22,6 +22,18 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from balancer.planning.cost.hybrid import check_cost_spec, explicit_layout
+
+
+def _checked_spec(spec: dict, cp_size: int) -> dict:
+    """The layout spec, validated (a bad option fails here, naming it). A cost-driven hybrid spec (`cost`,
+    `method`) stays as given: every micro-batch resolves it into an explicit split (`explicit_layout`)."""
+    from attention.layout import CPLayout
+
+    if spec.get("cost") is not None:
+        return check_cost_spec(spec)
+    return CPLayout.from_spec([0], cp_size, spec).layout_spec()
+
 
 class PackedCollator:
     """`collate_fn` for `DataLoader(dataset, batch_sampler=BalancedBatchSampler(...), collate_fn=...)`.
@@ -56,7 +68,7 @@ class PackedCollator:
         pad_token_id: int = 0,
         dp_rank: int = 0,
     ) -> None:
-        from attention.layout import KINDS, CPLayout
+        from attention.geometry import KINDS
 
         if isinstance(cp_size, bool) or int(cp_size) != cp_size or cp_size < 1:
             raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
@@ -65,7 +77,7 @@ class PackedCollator:
         spec = dict(layout) if isinstance(layout, dict) else {"kind": layout}
         if spec.get("kind") not in KINDS:
             raise ValueError(f"layout must be one of {KINDS} or a layout spec dict, got {layout!r}")
-        spec = CPLayout.from_spec([0], int(cp_size), spec).layout_spec()  # a bad option fails here, naming it
+        spec = _checked_spec(spec, int(cp_size))
         if pad_to_multiple_of is not None and (int(pad_to_multiple_of) != pad_to_multiple_of or pad_to_multiple_of < 1):
             raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of!r}")
         if isinstance(dp_rank, bool) or int(dp_rank) != dp_rank or dp_rank < 0:
@@ -153,7 +165,8 @@ class PackedCollator:
 
         r, size, key = self._group(items)
         full = self.pack(items)
-        layout = CPLayout.from_spec(full["cu_seqlens"], size, self.layout_spec)
+        spec = explicit_layout(np.diff(full["cu_seqlens"]), size, self.layout_spec)
+        layout = CPLayout.from_spec(full["cu_seqlens"], size, spec)
         out = {k: layout.shard(full[k], r)[None] for k in ("input_ids", "labels", "seq_ids")}
         out["position_ids"] = torch.from_numpy(layout.position_ids(r))[None]
         out.update(

@@ -299,68 +299,22 @@ def test_hybrid_handles_a_large_batch():
     assert np.array_equal(held, np.arange(lens.sum()))
 
 
-METHODS = ("ring", "allgather")
-costs = st.builds(
-    dict,
-    attn_coef=st.floats(1e-9, 1e-7),
-    linear_coef=st.floats(0, 1e-5),
-    piece_coef=st.floats(0, 1e-3),
-    comm_coef=st.floats(0, 1e-5),
-    comm_latency=st.floats(0, 1e-3),
-    comm_overlap=st.booleans(),
-)
-
-
-def _predicted(lay: CPLayout, cost: dict, method: str = "ring") -> float:
-    from attention.placement import predicted_time
-
-    return predicted_time(np.diff(lay.cu_seqlens), lay.cp_size, lay.split_docs, lay.doc_rank, cost, method)
-
-
-@settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(2, 300), min_size=1, max_size=12), st.integers(2, 4), costs, st.sampled_from(METHODS))
-def test_hybrid_with_cost_is_never_predicted_slower_than_zigzag_or_the_default(lens, cp, cost, method):
-    """Given a cost model, the hybrid layout's predicted time (cost/predict.py) is at most zigzag's and the
-    default hybrid's; where keeping documents whole is predicted to lose, it is zigzag's split; the spec it records
-    rebuilds the same layout."""
-    cu = _cu(lens)
-    lay = CPLayout.build(cu, cp, kind="hybrid", cost=cost, method=method)
-    mine = _predicted(lay, cost, method)
-    all_split = CPLayout.build(cu, cp, kind="hybrid", split_threshold=1)  # every document split: zigzag
-    for other in (CPLayout.build(cu, cp, kind="hybrid"), all_split):
-        assert mine <= _predicted(other, cost, method) * (1 + 1e-12)
-    spec = json.loads(json.dumps(lay.layout_spec()))
-    assert CPLayout.from_spec(cu, cp, spec).fingerprint() == lay.fingerprint()
-    assert spec["method"] == method and spec["cost"]["piece_coef"] == cost["piece_coef"]
-
-
-def test_hybrid_with_cost_chooses_zigzag_where_whole_documents_lose():
-    """Three near-equal documents on 2 ranks: whole, one rank gets two of them; with free, overlapped transfers and
-    no per-piece cost the prediction says split everything, and the layout is zigzag's. With costly transfers and
-    pieces, the many short documents of an SFT batch stay whole (nothing travels)."""
-    cu = _cu([1000, 999, 998])
-    free_comm = {"attn_coef": 1e-8, "linear_coef": 1e-6}
-    lay = CPLayout.build(cu, 2, kind="hybrid", cost=free_comm)
-    zig = CPLayout.build(cu, 2)
-    assert lay.split_docs.all() and all(np.array_equal(lay.local_indices(r), zig.local_indices(r)) for r in (0, 1))
-    assert _predicted(lay, free_comm) < _predicted(CPLayout.build(cu, 2, kind="hybrid"), free_comm)
-    sft = _cu(np.random.default_rng(0).integers(16, 2000, 60))
-    costly = {"attn_coef": 1e-8, "linear_coef": 1e-6, "piece_coef": 1e-4, "comm_coef": 1e-5, "comm_overlap": False}
-    assert not CPLayout.build(sft, 4, kind="hybrid", cost=costly).split_docs.any()
+def test_build_names_the_new_home_of_the_cost_option():
+    """The cost-driven choice moved to the planner: passing `cost=` names where it went instead of a TypeError."""
+    with pytest.raises(ValueError, match="hybrid_split"):
+        CPLayout.build(_cu([5, 9, 3]), 2, kind="hybrid", cost={"attn_coef": 1e-8, "linear_coef": 0})
 
 
 @pytest.mark.parametrize(
-    "kind,opts,match",
-    [
-        ("hybrid", {"cost": {"attn_coef": 1e-8, "linear_coef": 0}, "split_threshold": 5}, "without split_threshold"),
-        ("hybrid", {"cost": {"attn_coef": 1e-8, "linear_coef": 0}, "tolerance": 0.1}, "without split_threshold"),
-        ("hybrid", {"method": "ring"}, "method applies only with cost"),
-        ("hybrid", {"cost": {"attn_coef": 1e-8, "linear_coef": 0}, "method": "ulysses"}, "method must be"),
-        ("hybrid", {"cost": {"attn_coef": 1e-8, "bogus": 1}}, "unknown field"),
-        ("hybrid", {"cost": "fast"}, "cost must be"),
-        ("zigzag", {"cost": {"attn_coef": 1e-8, "linear_coef": 0}}, "option of the hybrid layout only"),
-    ],
+    "split,match",
+    [([2, 0], "increasing"), ([-1], "non-negative"), ([7], "batch has 3 documents"), ([[0]], "1-D")],
 )
-def test_cost_option_bad_values(kind, opts, match):
+def test_explicit_split_bad_values(split, match):
     with pytest.raises(ValueError, match=match):
-        CPLayout.build(_cu([5, 9, 3]), 2, kind=kind, **opts)
+        CPLayout.build(_cu([5, 9, 3]), 2, kind="hybrid", split=split)
+
+
+def test_explicit_split_must_be_final():
+    """A split set under which a whole document fits on no rank is refused, naming the documents to add."""
+    with pytest.raises(ValueError, match="not a final split set"):
+        CPLayout.build(_cu([50, 9, 3]), 2, kind="hybrid", split=[], max_tokens=30)

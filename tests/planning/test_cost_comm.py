@@ -7,10 +7,10 @@ from hypothesis import strategies as st
 
 import attention
 import balancer
+from attention.geometry import attention_pairs, block_pairs
 from balancer import CostModel, Topology
 from balancer.planning.cost.microbatch import micro_batch_terms, rank_times
 from balancer.planning.cost.model import HARDWARE
-from balancer.planning.cost.pairs import attention_pairs, block_pairs
 from balancer.planning.cost.predict import micro_batch_time
 
 
@@ -194,7 +194,6 @@ def test_plan_predict_reduces_to_metrics_without_new_terms():
     assert plan.metrics()["step_time_total"] == pytest.approx(report["compute_only_total"])
 
 
-@pytest.mark.skipif("hybrid" not in attention.layout.KINDS, reason="the hybrid CP layout is not in this build")
 def test_hybrid_terms_move_only_split_documents():
     lengths = np.array([30] * 40 + [5000])
     cu = np.concatenate([[0], np.cumsum(lengths)])

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
+from attention.geometry import attention_pairs
 from balancer import CostModel, Topology
-from balancer.planning.cost.pairs import attention_pairs
 
 
 def test_pairs_and_cost_formula():

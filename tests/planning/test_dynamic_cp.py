@@ -215,8 +215,10 @@ def test_sampler_resumes_mid_epoch():
 
 
 def test_indices_pickle_and_need_a_rank():
-    g = balancer.CPGroup(2, 2, 1)
-    for idx in (balancer.Member(5, g), balancer.Span(5, 0, 3, g)):
+    from balancer.training import CPGroup, Member, Span
+
+    g = CPGroup(2, 2, 1)
+    for idx in (Member(5, g), Span(5, 0, 3, g)):
         back = pickle.loads(pickle.dumps(idx))
         assert back == idx and back.group == g
     with pytest.raises(ValueError, match="rank="):

@@ -3,17 +3,17 @@
 import numpy as np
 import pytest
 
-import balancer
 from balancer import CostModel, Topology
 from balancer.planning import metrics
 from balancer.planning.exact import optimal_step
+from balancer.planning.packing import pack_step
 
 COST = CostModel(attn_coef=2 / 53000, linear_coef=1.0)
 
 
 def heuristic_step_time(lengths, topo):
     c = COST.cost(lengths)
-    assign = balancer.pack_step(c, lengths, topo)
+    assign = pack_step(c, lengths, topo)
     assert np.all(assign >= 0)
     mb = np.bincount(assign, weights=c, minlength=topo.bins_per_step)
     return float(metrics.step_times(mb.reshape(1, topo.dp, topo.micro_batches), topo)[0])

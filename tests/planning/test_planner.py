@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 import balancer
 from balancer import CostModel, Topology
 from balancer.planning.baseline import token_count_plan
+from balancer.planning.packing import pack_step
 
 COST = CostModel(attn_coef=2 / 53000, linear_coef=1.0)
 
@@ -164,7 +165,7 @@ def test_pack_step_one_global_batch():
 
     lengths = load_trace("wlbllm", n=2000, seed=1)
     topo = Topology(dp=8, micro_batches=4, max_tokens=int(lengths.sum() / 0.8 / 32) + 1)
-    assign = balancer.pack_step(COST.cost(lengths), lengths, topo)
+    assign = pack_step(COST.cost(lengths), lengths, topo)
     assert np.all(assign >= 0) and np.all(np.bincount(assign, minlength=32) > 0)
     tok = np.bincount(assign, weights=lengths, minlength=32)
     assert tok.max() <= topo.micro_batch_tokens

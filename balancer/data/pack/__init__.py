@@ -4,7 +4,7 @@ Modules: build.py (`pack`: the run, resumable), rows.py (planning the epochs and
 (`verify_packed`: every row against its plan), output.py (the folder's names for the ownership rules).
 """
 
-from balancer._lazy import lazy_exports
+from attention._lazy import lazy_exports
 
 _EXPORTS = {
     "pack": "balancer.data.pack.build",

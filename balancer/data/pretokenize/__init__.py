@@ -5,7 +5,7 @@ Hugging Face tokenizers), pipeline.py (the local engine: `pretokenize`), ray_eng
 merge.py (`merge`: join slices pretokenized on several machines).
 """
 
-from balancer._lazy import lazy_exports
+from attention._lazy import lazy_exports
 
 _EXPORTS = {
     "pretokenize": "balancer.data.pretokenize.pipeline",

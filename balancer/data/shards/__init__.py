@@ -18,7 +18,7 @@ manifest.py (names, manifest, crash-safe file helpers), arrow_rows.py, checks.py
 output.py (which files are provably ours, the folder lock).
 """
 
-from balancer._lazy import lazy_exports
+from attention._lazy import lazy_exports
 
 _EXPORTS = {
     "DataError": "balancer.data.shards.errors",

@@ -4,7 +4,7 @@ balance.py (`balance_batch`), pack.py (one step of a fixed batch, with rank rule
 dynamic.py (fixed batches on dynamic CP).
 """
 
-from balancer._lazy import lazy_exports
+from attention._lazy import lazy_exports
 
 _EXPORTS = {
     "balance_batch": "balancer.planning.batch.balance",

@@ -1,8 +1,9 @@
 """One micro-batch on a CP group: what each rank holds and computes under a real CP layout, and its time.
 
 Section-3 metrics (`Plan.metrics`) charge every CP rank `sum cost(d) / cp`. This module instead places the documents
-with `attention.CPLayout` (zigzag: every document in `2*cp` chunks; hybrid: short documents whole on one rank,
-long ones zigzag-split) and charges each rank r (docs/cost-model.md has the full derivation):
+by the chunk geometry `attention.CPLayout` shards by (`attention.geometry`; zigzag: every document in `2*cp`
+chunks; hybrid: short documents whole on one rank, long ones zigzag-split) and charges each rank r
+(docs/cost-model.md has the full derivation):
 
     t_r = fixed + linear_coef * tokens_r + sum over ring steps i of
           [ max(attn_coef * pairs[r, s_i] + piece_coef * pieces[r, s_i], comm_coef * moved_{r,i}) + comm_latency ]
@@ -24,7 +25,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from balancer.planning.cost.pairs import block_pairs
+from attention.geometry import KINDS, block_pairs, chunk_bounds, chunk_sizes
+from attention.placement import check_options, hybrid_assignment
 
 if TYPE_CHECKING:  # annotations only: the cost model is built above this module (CostModel.fit uses it)
     from balancer.planning.cost.model import CostModel
@@ -49,19 +51,35 @@ class MicroBatchTerms:
 
 
 def _check_layout_kind(kind: str) -> None:
-    from attention.layout import KINDS
-
     if kind not in KINDS:
         raise ValueError(f"layout must be one of {KINDS}, got {kind!r}")
 
 
 def _zigzag_chunks(lengths: np.ndarray, cp: int, kind: str = "zigzag"):
     """Chunk boundaries [n, k+1] and owner rank [k] of documents split by the zigzag (or contiguous) rule."""
-    from attention import CPLayout
+    sizes, owner = chunk_sizes(lengths, cp, kind)
+    return chunk_bounds(sizes), owner
 
-    cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    lay = CPLayout.build(cu, cp, kind=kind)
-    return lay.bounds, lay.owner
+
+def hybrid_placement(lengths: np.ndarray, cp: int, **layout_options) -> tuple[np.ndarray, np.ndarray]:
+    """(split bool [n], whole_rank int64 [n]) of the hybrid layout with these options, as `attention.CPLayout`
+    places them. A cost-driven spec (`cost=`, `method=`) is resolved into an explicit `split` first
+    (`balancer.planning.cost.hybrid.explicit_layout`; `predict.py` does it per micro-batch)."""
+    layout_options = dict(layout_options)
+    if "cost" in layout_options:
+        raise ValueError(
+            "a cost-driven hybrid layout needs resolving per micro-batch: explicit_layout(lengths, cp, spec)"
+        )
+    options = check_options(
+        layout_options.pop("split_threshold", None),
+        layout_options.pop("max_tokens", None),
+        layout_options.pop("tolerance", None),
+        layout_options.pop("split", None),
+    )
+    if layout_options:
+        raise ValueError(f"unknown hybrid layout option(s) {sorted(layout_options)}")
+    split, doc_rank = hybrid_assignment(lengths, cp, options)
+    return split, np.maximum(doc_rank, 0)
 
 
 def micro_batch_terms(
@@ -87,12 +105,9 @@ def micro_batch_terms(
     split = np.ones(n, dtype=bool)
     whole_rank = np.zeros(n, dtype=np.int64)
     if layout not in ("zigzag", "contiguous") and cp > 1:
-        from attention import CPLayout
-
-        cu = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-        lay = CPLayout.build(cu, cp, kind=layout, **layout_options)
-        split = np.asarray(lay.split_docs, dtype=bool)
-        whole_rank = np.argmax(lay.seg_len, axis=0)
+        split, whole_rank = hybrid_placement(lengths, cp, **layout_options)
+    elif layout_options and layout != "hybrid":
+        raise ValueError(f"{sorted(layout_options)} are options of the hybrid layout only, not of {layout!r}")
     return assignment_terms(lengths, cp, split, whole_rank, causal, window, contiguous=layout == "contiguous")
 
 

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from attention.geometry import attention_pairs
 from balancer.limits import MAX_COEFFICIENT
 from balancer.planning.cost.fit import fit_cost_model
-from balancer.planning.cost.pairs import attention_pairs
 from balancer.strict_json import FORMAT_KEYS, FormatSpec, anything, boolean, integer, number, obj, string
 
 

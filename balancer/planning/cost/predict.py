@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from balancer.planning import metrics
+from balancer.planning.cost.hybrid import explicit_layout
 from balancer.planning.cost.microbatch import (
     MicroBatchTerms,
     micro_batch_terms,
@@ -19,11 +20,21 @@ from balancer.planning.cost.microbatch import (
 from balancer.planning.cost.model import CostModel
 
 
+def _terms(lengths, cp: int, layout: str, cost: CostModel, layout_options: dict) -> MicroBatchTerms:
+    """`micro_batch_terms` with a cost-driven hybrid choice (`cost=` among the options) made for these documents."""
+    if layout == "hybrid" and "cost" in layout_options and cp > 1:
+        layout_options = explicit_layout(lengths, cp, {"kind": "hybrid", **layout_options})
+        layout_options.pop("kind")
+    elif "cost" in layout_options:
+        layout_options = {k: v for k, v in layout_options.items() if k not in ("cost", "method")}
+    return micro_batch_terms(lengths, cp, layout, cost.causal, cost.window, **layout_options)
+
+
 def micro_batch_time(
     cost: CostModel, lengths, cp: int, layout: str = "zigzag", method: str = "ring", **layout_options
 ) -> float:
     """Predicted time of one micro-batch: the slowest CP rank's `rank_times`."""
-    terms = micro_batch_terms(lengths, cp, layout, cost.causal, cost.window, **layout_options)
+    terms = _terms(lengths, cp, layout, cost, layout_options)
     return float(rank_times(cost, terms, method).max())
 
 
@@ -72,7 +83,7 @@ def predict_plan(
     sizes = plan.end - plan.start
     for k in range(n_mb):
         lengths = sizes[plan.mb_ptr[k] : plan.mb_ptr[k + 1]]
-        terms = micro_batch_terms(lengths, topo.cp, layout, cost.causal, cost.window, **layout_options)
+        terms = _terms(lengths, topo.cp, layout, cost, layout_options)
         times[k] = rank_times(cost, terms, method).max()
         pieces += terms.pieces.sum()
         if topo.cp > 1:

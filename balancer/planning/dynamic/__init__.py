@@ -5,7 +5,7 @@ plan.py (`plan_dynamic`: balance on large groups, then cut), cuts.py (the group 
 group_times.py (layout-aware times of many document groups from per-group sums).
 """
 
-from balancer._lazy import lazy_exports
+from attention._lazy import lazy_exports
 
 _EXPORTS = {"plan_dynamic": "balancer.planning.dynamic.plan"}
 __all__ = list(_EXPORTS)

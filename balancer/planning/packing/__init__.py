@@ -6,7 +6,7 @@ replica), settle.py (the epoch in order: keep the batched packing where it is go
 where not), rowops.py (array helpers of the hot loops).
 """
 
-from balancer._lazy import lazy_exports
+from attention._lazy import lazy_exports
 
 _EXPORTS = {"pack_step": "balancer.planning.packing.step"}
 __all__ = list(_EXPORTS)

@@ -4,7 +4,7 @@ plan.py (`Plan`: the flat placement arrays, steps, metrics), files.py (JSON / `.
 on load; the format is docs/plan-format.md), checks.py (the invariants `Plan.validate` enforces).
 """
 
-from balancer._lazy import lazy_exports
+from attention._lazy import lazy_exports
 
 _EXPORTS = {"Plan": "balancer.planning.plans.plan"}
 __all__ = list(_EXPORTS)

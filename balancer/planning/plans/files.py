@@ -108,12 +108,14 @@ def header(plan) -> dict:
         "plan_seconds": None if seconds is None or not math.isfinite(seconds) else seconds,
         "dropped_tokens": plan.dropped_tokens,
         "window": None if plan.window is None else dataclasses.asdict(plan.window),
+        **({} if plan.layout is None else {"layout": plan.layout}),
     }
 
 
 def plan_to_dict(plan) -> dict:
     head = header(plan)
-    data = {k: head[k] for k in ("format", "format_version", "topology", "cost_model", "num_docs", "seed", "window")}
+    keys = ("format", "format_version", "topology", "cost_model", "num_docs", "seed", "window", "layout")
+    data = {k: head[k] for k in keys if k in head}
     data["lengths"] = plan.lengths.tolist()
     data["steps"] = [_step_record(st) for st in plan.steps]
     return data
@@ -387,6 +389,7 @@ def _build(cls, path, head, lengths, topology, cost, flat, groups, natural):
         return cls(
             lengths, topology, cost, doc, start, end, mb_ptr, seed=seed, natural_step=natural,
             plan_seconds=float(plan_seconds), dropped_tokens=dropped, groups=groups, window=window,
+            layout=head.get("layout"),
         )  # fmt: skip
     except ValueError as e:
         raise PlanFileError(f"{path}: {e}") from None

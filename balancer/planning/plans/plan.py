@@ -16,6 +16,7 @@ The file formats are in docs/plan-format.md (reading and writing: balancer.plann
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ import numpy as np
 from balancer.planning import metrics as _metrics
 from balancer.planning.cost.model import CostModel
 from balancer.planning.cost.predict import micro_batch_time, predict_plan
+from balancer.planning.plans import layout as layout_record
 from balancer.planning.plans.checks import check_placements
 from balancer.planning.plans.files import load_plan, plan_to_dict, save_plan
 from balancer.planning.shuffle import WindowInfo
@@ -126,6 +128,7 @@ class Plan:
         dropped_tokens: int | None = None,
         groups: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
         window: WindowInfo | None = None,
+        layout: dict | None = None,
     ) -> None:
         self.lengths = _int64_lengths(lengths)
         self.topology = topology
@@ -155,6 +158,7 @@ class Plan:
         self.dropped_tokens = dropped_tokens
         self.window = window  # a window plan (balancer.plan_window) places only its window's documents
         self._window_ids: np.ndarray | None = None
+        self.layout = layout_record.check_record(self, layout)  # the CP layout record (plans/layout.py)
 
     # ---- construction -------------------------------------------------------------------------------------
     @classmethod
@@ -341,6 +345,18 @@ class Plan:
             delay_steps=delay,
             plan_seconds=self.plan_seconds,
         )
+
+    def with_layout(self, spec: dict) -> Plan:
+        """This plan with a CP layout record (`{"kind": ..., options}`); a cost-driven hybrid spec (`cost`,
+        `method`) is recorded as the explicit split set of every micro-batch. The placements are shared."""
+        plan = copy.copy(self)
+        plan.layout = layout_record.with_explicit_splits(self, spec)
+        return plan
+
+    def micro_batch_layout(self, k: int) -> dict:
+        """The explicit layout spec of flat micro-batch `k` (`attention.CPLayout.from_spec(cu_seqlens, cp, spec)`
+        with the micro-batch's placements in order re-derives every rank's share)."""
+        return layout_record.micro_batch_layout(self, k)
 
     def predict(self, cost: CostModel | None = None, layout="zigzag", method: str = "ring", **layout_options) -> dict:
         """Layout- and communication-aware time report (`predict_plan`; docs/cost-model.md);
