@@ -28,7 +28,7 @@ from typing import Optional
 
 import numpy as np
 
-from attention.geometry import causal_pairs, chunk_bounds, chunk_owner, chunk_pairs, zigzag_sizes
+from attention.geometry import causal_pairs, chunk_owner, rank_shares, zigzag_sizes
 
 DEFAULT_TOLERANCE = 0.02
 
@@ -91,12 +91,8 @@ class Loads:
         if idx.size == 0:
             return tokens, pairs
         sizes = zigzag_sizes(np.asarray(self.lens, dtype=np.int64)[idx], self.cp)
-        bounds = chunk_bounds(sizes)
-        per_chunk = chunk_pairs(bounds[:, :-1], bounds[:, 1:])
-        for j, rank in enumerate(chunk_owner(self.cp, "zigzag")):
-            tokens[rank] += int(sizes[:, j].sum())
-            pairs[rank] += int(per_chunk[:, j].sum())
-        return tokens, pairs
+        tokens, pairs = rank_shares(sizes, chunk_owner(self.cp, "zigzag"), self.cp)
+        return [int(x) for x in tokens], [int(x) for x in pairs]
 
 
 def _place_whole(loads: Loads, split: np.ndarray, order: list[int], max_tokens: Optional[int]):

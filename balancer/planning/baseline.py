@@ -33,15 +33,8 @@ def token_count_plan(lengths, topology: Topology, cost: CostModel, seed: int = 0
         raise ValueError(f"document {i} has {lengths[i]} tokens > max_tokens*cp = {cap}")
     order = np.random.default_rng(seed).permutation(len(lengths))
     mbs = _deal_steps(_step_groups(order, lengths, topology.tokens_per_step, nb), lengths.tolist(), cap, topology)
-    steps = [
-        [
-            mbs[(k * topology.dp + r) * topology.micro_batches : (k * topology.dp + r + 1) * topology.micro_batches]
-            for r in range(topology.dp)
-        ]
-        for k in range(len(mbs) // nb)
-    ]
-    return Plan.from_micro_batches(
-        steps,
+    return Plan.from_flat_micro_batches(
+        mbs,
         lengths,
         topology,
         cost,

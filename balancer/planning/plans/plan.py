@@ -188,6 +188,21 @@ class Plan:
         doc = np.asarray(flat, dtype=np.int64)
         return cls(lengths, topology, cost_model, doc, np.zeros_like(doc), lengths[doc], np.asarray(ptr), **kwargs)
 
+    @classmethod
+    def from_flat_micro_batches(
+        cls, micro_batches: Sequence[Iterable[int]], lengths, topology: Topology, cost_model: CostModel, **kwargs
+    ) -> Plan:
+        """Build from micro-batches in plan order (step-major, then replica, then micro-batch: `dp * micro_batches`
+        per step), whole documents only; the form token-count packers produce."""
+        per, dp, m = topology.bins_per_step, topology.dp, topology.micro_batches
+        if len(micro_batches) % per:
+            raise ValueError(f"{len(micro_batches)} micro-batches is not a multiple of dp*micro_batches = {per}")
+        steps = [
+            [micro_batches[(k * dp + r) * m : (k * dp + r + 1) * m] for r in range(dp)]
+            for k in range(len(micro_batches) // per)
+        ]
+        return cls.from_micro_batches(steps, lengths, topology, cost_model, **kwargs)
+
     # ---- shape ----------------------------------------------------------------------------------------------
     @property
     def dynamic(self) -> bool:
