@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import shlex
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,10 +55,31 @@ def machine_record() -> dict:
     }
 
 
+def git_commit() -> dict:
+    """The commit the benchmark ran on and whether the working tree had changes (None outside a git checkout)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": None, "dirty": None}
+    if head.returncode != 0:
+        return {"commit": None, "dirty": None}
+    return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+
+
+def table(columns: list[str], rows: list[list]) -> dict:
+    """A results table as the benchmark itself states it (benchmarks/tables.py renders any `tables` entry)."""
+    if any(len(row) != len(columns) for row in rows):
+        raise ValueError(f"every row needs {len(columns)} cells ({columns})")
+    return {"columns": list(columns), "rows": [list(row) for row in rows]}
+
+
 def write_result(name: str, payload: dict, *, clock: str, model: dict | None = None) -> Path:
     """Write benchmarks/results/NAME.json: the payload plus how it was measured (the clock of its timings, the
-    machine with its load measured at start and end, the model where one ran, the command line). Nothing in the
-    record is a fixed note: every field comes from this run."""
+    machine with its load measured at start and end, the model where one ran, the command line, the git commit).
+    Nothing in the record is a fixed note: every field comes from this run. A payload may carry `tables`: {title:
+    `table(columns, rows)`}, which benchmarks/tables.py renders without knowing the benchmark."""
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -72,6 +94,7 @@ def write_result(name: str, payload: dict, *, clock: str, model: dict | None = N
         "command": shlex.join(["python", str(script), *sys.argv[1:]]),
         "clock": clock,
         "machine": machine_record(),
+        "git": git_commit(),
     }
     if model is not None:
         record["model"] = model

@@ -1,7 +1,10 @@
 """Generate the benchmark tables of docs/*.md from benchmarks/results/*.json.
 
-Every figure table in docs/ sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` and is written by the
-function registered under NAME here, from the result JSON alone (a table may appear on several pages).
+Every figure table in docs/ sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` and is written from
+the result JSON alone (a table may appear on several pages): NAME ``RESULT.KEY`` is the table a benchmark stated
+itself (``tables[KEY]`` of ``results/RESULT.json``, written with ``_common.table(columns, rows)``, followed by the
+record's measuring line); any other NAME is a function registered here for the records written before benchmarks
+stated their tables.
 ``python benchmarks/tables.py`` rewrites the pages; ``--check`` exits 1 if one is out of date (the test suite runs
 it), so no figure is pasted by hand.
 """
@@ -638,7 +641,24 @@ TABLES: dict[str, Callable[[], str]] = {
     "cp_attention_cpu": cp_attention_cpu,
     "pretokenize_throughput": pretokenize_throughput,
 }
-MARKER = re.compile(r"(<!-- table:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
+MARKER = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
+
+
+def stated_table(name: str) -> str | None:
+    """The table `RESULT.KEY` a benchmark wrote into its own record, with the record's measuring line; None when
+    the record states no such table."""
+    result, _, key = name.partition(".")
+    path = RESULTS / f"{result}.json"
+    if not key or not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    spec = data.get("tables", {}).get(key)
+    if spec is None:
+        return None
+    rows = [[fmt(cell) if not isinstance(cell, str) else cell for cell in row] for row in spec["rows"]]
+    commit = (data.get("git") or {}).get("commit")
+    line = _record_line(data)[:-1] + (f"; commit {commit[:10]}." if commit else ".")
+    return markdown(spec["columns"], rows) + line
 
 
 def render(page: str, path: Path) -> str:
@@ -646,9 +666,10 @@ def render(page: str, path: Path) -> str:
 
     def replace(match: re.Match) -> str:
         name = match.group("name")
-        if name not in TABLES:
-            raise SystemExit(f"{path}: unknown table {name!r}; known: {', '.join(sorted(TABLES))}")
-        return match.group(1) + TABLES[name]() + "\n" + match.group(4)
+        body = TABLES[name]() if name in TABLES else stated_table(name)
+        if body is None:
+            raise SystemExit(f"{path}: unknown table {name!r}; known: {', '.join(sorted(TABLES))} or RESULT.KEY")
+        return match.group(1) + body + "\n" + match.group(4)
 
     return MARKER.sub(replace, page)
 
