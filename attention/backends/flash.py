@@ -1,150 +1,112 @@
 """flash-attn packages: flash-attn 2.x (``flash_attn.flash_attn_interface``) and flash-attn 3 (the Hopper
 interface ``flash_attn_interface``), through their private varlen forward/backward functions.
 
-Those functions drifted across releases (2.5: ``window_size`` tuple, no softcap, 8 return values; 2.6: + softcap;
-2.7/2.8: ``window_size_left/right``, 4 return values; flash-attn 3: one ``_flash_attn_forward`` taking
-``cu_seqlens_*``, ``is_causal`` in its backward). Arguments are matched by name from ``inspect.signature`` through
-an alias table, results by tuple length, never by version string; a signature is accepted only if every argument that
-carries meaning (queries, lengths, scale, the causal flag, the window when one is asked, deterministic) has a
-parameter to go to and every parameter without a default gets a value, so nothing is silently dropped.
+Those functions drifted across releases: flash-attn 2.5 (``window_size`` tuple, no softcap, 8 results), 2.6
+(+ ``softcap``), 2.7 / 2.8 (``window_size_left/right``, 4 results, ``torch.library`` ops); flash-attn 3 beta (2024:
+``_flash_attn_varlen_forward/_backward``), flash-attn 3 of 2025 (one ``_flash_attn_forward`` taking
+``cu_seqlens_*`` with about 25 parameters without defaults and a ``window_size`` tuple), flash-attn 3 custom ops
+(late 2025: defaults everywhere, ``window_size_left/right``, ``out_``, ``is_causal`` in the backward). Arguments are
+matched by name from ``inspect.signature`` through an alias table, results by tuple length, never by version string.
+A signature is accepted only if every argument that carries meaning (queries, lengths, scale, the causal flag,
+deterministic) has a parameter to go to and every parameter without a default gets a value (ours or a neutral one
+from :data:`NEUTRAL`): otherwise the backend refuses when it is built, naming the parameter, so ``auto`` moves on
+before the first forward.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import logging
 from typing import Optional
 
 import torch
 
+from attention.backends.binding import ArgAdapter, signature_params
 from attention.backends.varlen_cuda import VarlenCUDABackend, deterministic
 
 log = logging.getLogger(__name__)
 
-# our value name -> parameter names that take it, in the kernels' spellings
-ALIASES = {
-    "causal": ("causal", "is_causal"),
-    "dout": ("dout",),
-    "softmax_lse": ("softmax_lse",),
-    "seqused_q": ("seqused_q", "sequed_q"),
-    "seqused_k": ("seqused_k", "sequed_k"),
-}
-REQUIRED_FWD = (
-    "q",
-    "k",
-    "v",
-    "cu_seqlens_q",
-    "cu_seqlens_k",
-    "max_seqlen_q",
-    "max_seqlen_k",
-    "softmax_scale",
-    "causal",
-)
+REQUIRED_FWD = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
+                "causal")  # fmt: skip
 REQUIRED_BWD = REQUIRED_FWD + ("dout", "out", "softmax_lse", "dq", "dk", "dv", "deterministic")
 
-
-def signature_params(fn) -> dict:
-    """Parameters of ``fn`` (or of the Python function a ``torch.library`` custom op wraps); {} if unknown."""
-    for cand in (getattr(fn, "_init_fn", None), fn):
-        if cand is None:
-            continue
-        try:
-            params = inspect.signature(cand).parameters
-        except (TypeError, ValueError):
-            continue
-        if any(p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
-            return dict(params)
-    return {}
-
-
-class ArgAdapter:
-    """Builds keyword arguments for one kernel function from our values. ``error`` is "" when the signature is
-    usable, else why not; ``has_window`` / ``has_softcap`` say which masks it can take."""
-
-    def __init__(self, params: dict, required: tuple[str, ...]) -> None:
-        self.params = {n: p for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-        names = set(self.params)
-        self.window_style = (
-            "pair" if {"window_size_left", "window_size_right"} <= names else "tuple" if "window_size" in names else ""
-        )
-        self.has_window = bool(self.window_style)
-        self.has_softcap = "softcap" in names
-        missing = [r for r in required if not (set(ALIASES.get(r, (r,))) & names)]
-        self.error = f"no parameter for {missing}" if missing else ""
-        if not self.params:
-            self.error = "signature unreadable"
-
-    def kwargs(self, values: dict) -> dict:
-        """Keyword arguments for the kernel; raises RuntimeError if a parameter without default has no value or a
-        mask the kernel cannot take was asked for."""
-        window = values.pop("window", (-1, -1))
-        softcap = values.pop("softcap", 0.0)
-        if tuple(window) != (-1, -1) and not self.has_window:
-            raise RuntimeError("this flash-attn version takes no sliding window")
-        if softcap and not self.has_softcap:
-            raise RuntimeError("this flash-attn version takes no softcap")
-        values = dict(values, softcap=softcap, window_size=tuple(window))
-        values.update(window_size_left=window[0], window_size_right=window[1])
-        by_param = {}
-        for ours, val in values.items():
-            for name in ALIASES.get(ours, (ours,)):
-                by_param.setdefault(name, val)
-        kw = {}
-        for name, p in self.params.items():
-            if name in by_param:
-                kw[name] = by_param[name]
-            elif p.default is inspect.Parameter.empty:
-                raise RuntimeError(f"flash-attn parameter {name!r} has no value (signature {list(self.params)})")
-        return kw
-
-
-_NEUTRAL = dict(
+# values that switch off what the project does not use (dropout, ALiBi, paged / appended KV, rotary, FP8 descaling,
+# attention chunks, split-KV scheduling, returned probabilities), for parameters without a default
+NEUTRAL = dict(
     dropout_p=0.0, return_softmax=False, alibi_slopes=None, block_table=None, leftpad_k=None, seqused_k=None,
-    seqused_q=None, zero_tensors=False, rng_state=None,
+    seqused_q=None, zero_tensors=False, rng_state=None, k_new=None, v_new=None, qv=None, out_=None,
+    cu_seqlens_k_new=None, page_table=None, kv_batch_idx=None, rotary_cos=None, rotary_sin=None, seqlens_rotary=None,
+    q_descale=None, k_descale=None, v_descale=None, attention_chunk=0, rotary_interleaved=True,
+    scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0, sink_token_length=0, gen=None,
 )  # fmt: skip
+NEUTRAL_FWD = dict(NEUTRAL, out=None)  # the forward's ``out`` is a preallocated output buffer (flash-attn 3, 2025)
 
 
-def _installed(mod_name: str) -> bool:
-    """Whether the top-level package of ``mod_name`` is installed (found on the path), without importing it."""
-    try:
-        return importlib.util.find_spec(mod_name.split(".")[0]) is not None
-    except (ImportError, ValueError):  # a broken parent package or an odd sys.modules entry
-        return True
+_OUR_FWD = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale", "causal",
+            "deterministic")  # fmt: skip
+_OUR_BWD = _OUR_FWD + ("dout", "out", "softmax_lse", "dq", "dk", "dv")
+
+
+def _missing_module(e: BaseException, mod_name: str) -> bool:
+    """The import failed only because ``mod_name`` (or a parent of it) does not exist."""
+    name = getattr(e, "name", None)
+    return isinstance(e, ModuleNotFoundError) and name is not None and (mod_name == name or
+                                                                         mod_name.startswith(name + "."))  # fmt: skip
 
 
 def _load(modules: tuple[str, ...], fwd_names: tuple[str, ...], bwd_names: tuple[str, ...]) -> tuple[list, list]:
     """(every (module, forward fn, backward fn) found, in preference order; why each installed module failed).
 
-    A package that is not installed is skipped quietly (debug log). One that is installed but whose import raises
-    (a broken CUDA extension, a torch/ABI mismatch, a missing dependency) is logged as a warning with the exception
-    and reported in the failures, so the backend's refusal says why instead of silently falling back."""
+    A module that is not installed is skipped (debug log). One that exists but whose import raises (a broken CUDA
+    extension, a torch/ABI mismatch, a missing dependency), or that lacks the functions, is reported in the
+    failures; the caller decides whether that is worth a warning (not when another module works)."""
     found, failures = [], []
     for mod_name in modules:
-        if not _installed(mod_name):
+        try:
+            spec = importlib.util.find_spec(mod_name.split(".")[0])
+        except (ImportError, ValueError):  # a broken parent package or an odd sys.modules entry
+            spec = True
+        if spec is None:
             log.debug("%s is not installed", mod_name)
             continue
         try:
             mod = importlib.import_module(mod_name)
         except Exception as e:  # noqa: BLE001 - any import-time error of an installed kernel package is reported
+            if _missing_module(e, mod_name):
+                log.debug("%s is not installed (%s)", mod_name, e)
+                continue
             failures.append(f"{mod_name} is installed but its import failed: {type(e).__name__}: {e}")
-            log.warning("%s is installed but its import failed; its kernels are unavailable", mod_name, exc_info=e)
+            log.debug("import of %s failed", mod_name, exc_info=e)
             continue
-        for fn_name, bn_name in zip(fwd_names, bwd_names):
-            fwd, bwd = getattr(mod, fn_name, None), getattr(mod, bn_name, None)
-            if fwd is not None and bwd is not None:
-                found.append((mod_name, fwd, bwd))
+        pairs = [(f, b) for f, b in zip(fwd_names, bwd_names) if hasattr(mod, f) and hasattr(mod, b)]
+        if not pairs:
+            failures.append(f"{mod_name} is installed but has none of {list(zip(fwd_names, bwd_names))}")
+        found += [(f"{mod_name}.{f}", getattr(mod, f), getattr(mod, b)) for f, b in pairs]
     return found, failures
+
+
+def package_version(dist_names: tuple[str, ...]) -> str:
+    """The installed version of the first distribution found, or ""."""
+    from importlib import metadata
+
+    for name in dist_names:
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return ""
 
 
 class _FlashPackageBackend(VarlenCUDABackend):
     """A flash-attn package bound through :class:`ArgAdapter`s; ``functions`` (forward, backward) may be given
-    (tests pass stand-ins with recorded signatures), else they are imported."""
+    (tests pass stand-ins with recorded signatures), else they are imported. ``installed`` tells a package that is
+    absent from one that is present but rejected (``problem`` says why; logged once as a WARNING)."""
 
     modules: tuple[str, ...] = ()
     fwd_names: tuple[str, ...] = ()
     bwd_names: tuple[str, ...] = ()
+    dists: tuple[str, ...] = ()
     min_capability = (8, 0)
 
     def __init__(self, functions: Optional[tuple] = None) -> None:
@@ -153,24 +115,35 @@ class _FlashPackageBackend(VarlenCUDABackend):
         self.source = ""
         failures: list = []
         if functions is not None:
-            candidates = [("given", *functions)]
+            candidates = [("given", functions[0], functions[1])]
         else:
             candidates, failures = _load(self.modules, self.fwd_names, self.bwd_names)
+        self.installed = bool(candidates or failures)
+        self.version = package_version(self.dists) if functions is None else "given"
         if not candidates:
             self.problem = "; ".join(failures) if failures else f"{self.name} is not installed"
+            self._warn_rejected()
             return
-        for self.source, *functions in candidates:
-            self.fwd_adapter = ArgAdapter(signature_params(functions[0]), REQUIRED_FWD)
-            self.bwd_adapter = ArgAdapter(signature_params(functions[1]), REQUIRED_BWD)
+        rejected = []
+        for source, fwd, bwd in candidates:
+            self.fwd_adapter = ArgAdapter(signature_params(fwd), REQUIRED_FWD, _OUR_FWD + tuple(NEUTRAL_FWD))
+            self.bwd_adapter = ArgAdapter(signature_params(bwd), REQUIRED_BWD, _OUR_BWD + tuple(NEUTRAL))
             bad = self.fwd_adapter.error or self.bwd_adapter.error
             if not bad:
+                self.source, self._fwd_fn, self._bwd_fn = source, fwd, bwd
                 break
-        if bad:
-            self.problem = f"{self.name}: unsupported kernel signature in {self.source} ({bad})"
+            rejected.append(f"{source}: {bad}")
+        if self._fwd_fn is None:
+            self.problem = f"{self.name}: unsupported kernel signature ({'; '.join(rejected)})"
+            self._warn_rejected()
             return
         self.has_window = self.fwd_adapter.has_window and self.bwd_adapter.has_window
         self.has_softcap = self.fwd_adapter.has_softcap and self.bwd_adapter.has_softcap
-        self._fwd_fn, self._bwd_fn = functions
+        log.debug("%s bound to %s (%s)", self.name, self.source, self.version or "version unknown")
+
+    def _warn_rejected(self) -> None:
+        if self.installed:
+            log.warning("attention backend %s is installed but unusable: %s", self.name, self.problem)
 
     def available(self) -> bool:
         return self._fwd_fn is not None
@@ -178,28 +151,33 @@ class _FlashPackageBackend(VarlenCUDABackend):
     def why_not(self, q, k, window: bool = False, softcap: bool = False) -> str:
         if self.problem:
             return self.problem
-        if q.is_cuda and torch.cuda.get_device_capability(q.device) < self.min_capability:
-            return f"{self.name} needs compute capability {self.min_capability}"
         return super().why_not(q, k, window, softcap)
 
+    def device_problem(self, q) -> str:
+        if q.is_cuda and torch.cuda.get_device_capability(q.device) < self.min_capability:
+            cap = torch.cuda.get_device_capability(q.device)
+            return f"{self.name} needs compute capability {self.min_capability}, {q.device} has {cap}"
+        return super().device_problem(q)
+
     @staticmethod
-    def values(pk, causal, window, softcap, scale) -> dict:
+    def values(pk, causal, window, softcap, scale, neutral) -> dict:
         return dict(
-            _NEUTRAL, cu_seqlens_q=pk.cu_q, cu_seqlens_k=pk.cu_k, max_seqlen_q=pk.max_q, max_seqlen_k=pk.max_k,
+            neutral, cu_seqlens_q=pk.cu_q, cu_seqlens_k=pk.cu_k, max_seqlen_q=pk.max_q, max_seqlen_k=pk.max_k,
             softmax_scale=scale, causal=causal, window=window, softcap=softcap, deterministic=deterministic(),
         )  # fmt: skip
 
     def fwd_kwargs(self, q, k, v, pk, causal, window, softcap, scale) -> dict:
-        return self.fwd_adapter.kwargs(dict(self.values(pk, causal, window, softcap, scale), q=q, k=k, v=v))
+        vals = self.values(pk, causal, window, softcap, scale, NEUTRAL_FWD)
+        return self.fwd_adapter.kwargs(dict(vals, q=q, k=k, v=v))
 
     def bwd_kwargs(self, do, q, k, v, o, lse, dq, dk, dv, pk, causal, window, softcap, scale) -> dict:
-        vals = dict(self.values(pk, causal, window, softcap, scale), q=q, k=k, v=v, dq=dq, dk=dk, dv=dv)
+        vals = dict(self.values(pk, causal, window, softcap, scale, NEUTRAL), q=q, k=k, v=v, dq=dq, dk=dk, dv=dv)
         return self.bwd_adapter.kwargs(dict(vals, dout=do, out=o, softmax_lse=lse))
 
     @staticmethod
     def unpack_forward(res):
-        """(out, softmax_lse) from a forward's results: 4 values (2.7+, flash-attn 3: out, lse, ...) or 8
-        (2.5/2.6: out, q, k, v, out_padded, lse, S_dmask, rng_state)."""
+        """(out, softmax_lse) from a forward's results: 4 values (2.7+, flash-attn 3: out, lse, ...), 6 (flash-attn
+        3 beta: out, q, k, v, out_padded, lse) or 8 (2.5/2.6: out, q, k, v, out_padded, lse, S_dmask, rng_state)."""
         return (res[0], res[1]) if len(res) <= 4 else (res[0], res[5])
 
     def _kfwd(self, q, k, v, pk, causal, window, softcap, scale):
@@ -218,15 +196,17 @@ class FlashAttnBackend(_FlashPackageBackend):
     modules = ("flash_attn.flash_attn_interface",)
     fwd_names = ("_flash_attn_varlen_forward",)
     bwd_names = ("_flash_attn_varlen_backward",)
+    dists = ("flash-attn", "flash_attn")
     swaps_gqa = True
 
 
 class FlashAttn3Backend(_FlashPackageBackend):
-    """flash-attn 3 (Hopper): ``_flash_attn_forward/_backward`` with ``cu_seqlens_*`` (or the older
+    """flash-attn 3 (Hopper): ``_flash_attn_forward/_backward`` with ``cu_seqlens_*`` (or the 2024 beta's
     ``_flash_attn_varlen_forward/_backward``) from ``flash_attn_interface``; needs compute capability 9.0."""
 
     name = "flash_attn3"
     modules = ("flash_attn_interface", "flash_attn_3.flash_attn_interface")
     fwd_names = ("_flash_attn_forward", "_flash_attn_varlen_forward")
     bwd_names = ("_flash_attn_backward", "_flash_attn_varlen_backward")
+    dists = ("flash_attn_3", "flash-attn-3", "flashattn-hopper")
     min_capability = (9, 0)

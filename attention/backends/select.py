@@ -2,8 +2,11 @@
 
 ``"auto"`` takes the first of flash-attn 3, flash-attn 2, PyTorch's fused kernel whose ``supports`` holds (device,
 dtype, head_dim, compute capability, how PyTorch was built, masks asked for), and the reference backend otherwise;
-the log line of the choice names every preferred kernel that refused and why (a flash-attn package that is
-installed but fails to import is also logged, with its exception, when it is first tried).
+the log line of the choice names every preferred
+kernel that refused and why. A kernel package that is installed but unusable (its import fails, it lacks the
+functions, its signature cannot be filled) is one WARNING line when it is first built, one that is usable but cannot
+run on this device (compute capability, a PyTorch built without flash kernels) one WARNING line when it first
+refuses; "not installed" is only a DEBUG line.
 On CUDA the reference backend materialises ``[heads, L, L]`` scores per document: it is taken only for documents up
 to :data:`REFERENCE_CUDA_MAX_LEN` tokens; longer ones raise a ValueError naming why every fused kernel refused.
 """
@@ -19,7 +22,7 @@ from attention.backends.base import Backend
 from attention.backends.flash import FlashAttn3Backend, FlashAttnBackend
 from attention.backends.reference import ReferenceBackend
 from attention.backends.torch_cpu import TorchCPUBackend
-from attention.backends.varlen_cuda import TorchCUDABackend
+from attention.backends.torch_cuda import TorchCUDABackend
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +33,7 @@ _REFERENCE = ReferenceBackend()
 _TORCH_CPU = TorchCPUBackend()
 _LAZY: dict = {}
 _LOGGED: set = set()
+_WARNED_BACKENDS: set = set()
 
 
 def _backend(name: str, cuda: bool) -> Backend:
@@ -49,6 +53,28 @@ def log_once(level: int, msg: str) -> None:
     if msg not in _LOGGED:
         _LOGGED.add(msg)
         log.log(level, msg)
+
+
+def candidates(cuda: bool) -> tuple[str, ...]:
+    """The fused kernels ``auto`` tries, in preference order."""
+    return ("flash_attn3", "flash_attn", "torch") if cuda else ("torch",)
+
+
+def choose(q: torch.Tensor, k: torch.Tensor, window: bool = False, softcap: bool = False):
+    """(the first fused backend that runs these tensors and masks, or None; [(name, why it refused)] for the
+    preferred ones before it). A backend that is installed but refuses is logged once as a WARNING."""
+    refused: list = []
+    for cand in candidates(q.is_cuda):
+        b = _backend(cand, q.is_cuda)
+        if b.supports(q, k, window, softcap):
+            return b, refused
+        why = b.why_not(q, k, window, softcap)
+        refused.append((cand, why))
+        device_problem = getattr(b, "device_problem", None)
+        if device_problem is not None and device_problem(q) and cand not in _WARNED_BACKENDS:
+            _WARNED_BACKENDS.add(cand)  # detection problems were logged when the backend was built
+            log.warning("attention backend %s is installed but cannot run on %s: %s", cand, q.device, why)
+    return None, refused
 
 
 def get_backend(
@@ -73,19 +99,14 @@ def get_backend(
         if reason:
             raise ValueError(f"backend {name!r} cannot run here: {reason}")
         return b
-    order = ("flash_attn3", "flash_attn", "torch") if q.is_cuda else ("torch",)
-    refused = []
-    for cand in order:
-        b = _backend(cand, q.is_cuda)
-        if b.supports(q, k, window, softcap):
-            why = f" (not {'; not '.join(refused)})" if refused else ""  # the preferred kernels and why they refused
-            log_once(
-                logging.INFO,
-                f"attention backend: {b.name} for {q.dtype} on {q.device.type}" + _masks(window, softcap) + why,
-            )
-            return b
-        refused.append(f"{cand}: {b.why_not(q, k, window, softcap)}")
-    why = "; ".join(refused)
+    b, refused = choose(q, k, window, softcap)
+    notes = [f"{n}: {why}" for n, why in refused]
+    if b is not None:
+        why = f" (not {'; not '.join(notes)})" if notes else ""  # the preferred kernels and why they refused
+        log_once(logging.INFO, f"attention backend: {b.name} for {q.dtype} on {q.device.type}"
+                 + _masks(window, softcap) + why)  # fmt: skip
+        return b
+    why = "; ".join(notes)
     if q.is_cuda and max_len is not None and max_len > REFERENCE_CUDA_MAX_LEN:
         raise ValueError(
             f"no fused attention kernel runs these inputs ({why}), and the reference backend would materialise "

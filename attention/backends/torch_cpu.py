@@ -1,8 +1,11 @@
 """PyTorch's CPU flash-attention kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward):
 one batched call per group of same-shape pieces. The kernel knows full and causal masks only; banded pieces (sliding
-windows) go to the reference backend piece by piece, and a softcap sends the whole call there."""
+windows) go to the reference backend piece by piece, and a softcap sends the whole call there. Either routing is
+logged once per process as a WARNING (``attention.backends.torch_cpu``): never a silent fallback."""
 
 from __future__ import annotations
+
+import logging
 
 import numpy as np
 import torch
@@ -11,6 +14,24 @@ from attention.backends.base import Backend, Pieces
 from attention.backends.reference import ReferenceBackend
 
 _REFERENCE = ReferenceBackend()
+_ROUTED: set = set()
+log = logging.getLogger(__name__)
+
+
+_WHAT = {"window": ("sliding-window blocks", "sliding window"), "softcap": ("soft-capped calls", "softcap")}
+
+
+def _routed(cause: str) -> None:
+    """Log once per cause that blocks go to the reference kernel instead of the fused one."""
+    if cause not in _ROUTED:
+        _ROUTED.add(cause)
+        what, mask = _WHAT[cause]
+        log.warning(
+            "torch (CPU) attention: %s run on the reference kernel (plain masked softmax, [heads, q, k] scores per "
+            "block) because PyTorch's CPU flash kernel has no %s",
+            what,
+            mask,
+        )
 
 
 def _row_index(starts: np.ndarray, length: int, device) -> torch.Tensor:
@@ -73,10 +94,12 @@ class TorchCPUBackend(Backend):
     def _split(pieces: Pieces):
         """(pieces for the fused kernel, pieces for the reference): banded or soft-capped ones go to the reference."""
         if pieces.softcap > 0:
+            _routed("softcap")
             return Pieces.empty(), pieces
         band = pieces.banded
         if not band.any():
             return pieces, Pieces.empty()
+        _routed("window")
         return pieces.select(~band), pieces.select(band)
 
     def forward(self, q, k, v, pieces, scale):

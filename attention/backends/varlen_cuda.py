@@ -1,4 +1,5 @@
 """The driver shared by the CUDA varlen kernels (PyTorch's built-in flash kernel, flash-attn 2, flash-attn 3).
+Blocks the kernels' window mapping would misread are split first (:func:`split_tall`).
 
 Pieces are grouped by kernel mask: (causal, window_left, window_right) in the kernel's bottom-right-aligned window
 convention, computed from each trimmed piece's band; each group is packed as consecutive varlen segments (slices
@@ -10,23 +11,12 @@ host. The kernel's ``softmax_lse`` comes back unpadded ``[H, total_q]`` (newer k
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import numpy as np
 import torch
 
 from attention.backends.base import Backend, Pieces
-from attention.backends.reference import ReferenceBackend
-
-_REFERENCE = ReferenceBackend()
-_WARNED: set = set()
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _WARNED:
-        _WARNED.add(msg)
-        logging.getLogger(__name__).warning(msg)
 
 
 def ranges_index(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -48,6 +38,48 @@ def kernel_windows(p: Pieces) -> np.ndarray:
     causal = p.causal & (p.q_len > 1)
     left, right = np.where(causal, -1, left), np.where(causal, -1, right)
     return np.stack([causal.astype(np.int64), left, right], axis=1)
+
+
+def _chunks(ql: int, kl: int, lo: int, hi: int) -> list[tuple[int, int]]:
+    """Row ranges [a, b) of one trimmed banded piece, each with at most (its keys + 1) rows: the rows that see
+    every key, the rows above them (right side cut) and below them (left side cut); rows cut on both sides are
+    taken greedily, each range as long as its keys allow."""
+    r1, r2 = max(0, kl - 1 + lo), min(ql, hi + 1)  # rows [r1, r2) see every key
+    if r1 < r2:
+        bounds = sorted({0, r1, r2, ql})
+        ranges = [(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    else:
+        ranges = [(0, ql)]
+    out = []
+    for a, b in ranges:
+        while a < b:  # rows [a, a+m) see keys max(0, a-hi) .. ; m <= their key count + 1
+            m = min(b - a, kl - max(0, a - hi) + 1)
+            out.append((a, a + m))
+            a += m
+    return out
+
+
+def split_tall(p: Pieces) -> Pieces:
+    """``p`` with every banded piece of more than ``k_len + 1`` query rows split by rows into pieces of at most
+    ``k_len + 1`` rows (:func:`_chunks`), the same pairs in total.
+
+    Why: flash-attn 2 (2.5-2.8, ``csrc/flash_attn/flash_api.cpp``), PyTorch's copy of it and the flash-attn 3
+    beta map a right window of -1 (or one >= ``max_seqlen_k``) to ``max_seqlen_k`` when the left one is bounded.
+    With the mask aligned bottom-right, row ``i`` of a segment then sees keys only up to
+    ``i + k_len - q_len + max_seqlen_k``: the first ``q_len - max_seqlen_k - 1`` rows of a taller block lose keys.
+    With ``q_len <= k_len + 1 <= max_seqlen_k + 1`` every such bound covers the whole row, so any window value the
+    kernels' C++ derives is exact (flash-attn 3 from 2025 on maps -1 to ``max_seqlen_q - 1`` and needs no split)."""
+    tall = np.nonzero(p.banded & (p.q_len > p.k_len + 1))[0]
+    if tall.shape[0] == 0:
+        return p
+    parts = [np.stack([p.q_start, p.q_len, p.k_start, p.k_len, p.lo, p.hi], 1)[np.setdiff1d(np.arange(len(p)), tall)]]
+    for t in tall:
+        qs, ql, ks, kl, lo, hi = (int(a[t]) for a in (p.q_start, p.q_len, p.k_start, p.k_len, p.lo, p.hi))
+        rows = [(qs + a, b - a, ks, kl, lo - a, hi - a) for a, b in _chunks(ql, kl, lo, hi)]
+        parts.append(np.array(rows, dtype=np.int64).reshape(-1, 6))
+    a = np.concatenate(parts)
+    a = a[np.argsort(a[:, 0], kind="stable")]
+    return Pieces(a[:, 0], a[:, 1], a[:, 2], a[:, 3], False, a[:, 4], a[:, 5], p.softcap)
 
 
 class Packed:
@@ -143,42 +175,37 @@ class VarlenCUDABackend(Backend):
     def why_not(self, q, k, window: bool = False, softcap: bool = False) -> str:
         if not self.available():
             return f"{self.name} is not available"
+        if window and not self.has_window:
+            return f"{self.name} (this version) takes no sliding window"
+        if softcap and not self.has_softcap:
+            return f"{self.name} (this version) takes no softcap"
         if not q.is_cuda:
             return f"{self.name} runs CUDA tensors only"
         if q.dtype not in (torch.float16, torch.bfloat16):
             return f"{self.name} runs float16/bfloat16 only, got {q.dtype}"
         if q.shape[2] % 8 or q.shape[2] > self.max_head_dim:
             return f"{self.name} needs head_dim a multiple of 8 and <= {self.max_head_dim}, got {q.shape[2]}"
-        if not cuda_capability_ok(q):
+        return self.device_problem(q)
+
+    def device_problem(self, q) -> str:
+        """Why this kernel cannot run on ``q``'s CUDA device whatever the inputs ("" if it can, or on CPU)."""
+        if q.is_cuda and not cuda_capability_ok(q):
             cap = torch.cuda.get_device_capability(q.device)
             return f"{self.name} needs compute capability 8.0+, {q.device} has {cap}"
-        if window and not self.has_window:
-            return f"{self.name} (this version) takes no sliding window"
-        if softcap and not self.has_softcap:
-            return f"{self.name} (this version) takes no softcap"
         return ""
 
     def _calls(self, pieces: Pieces, device):
-        """(kernel calls [(packed, causal, window)], pieces for the reference backend or None), cached per device.
-        flash-attn treats a right window >= max_seqlen_k as unbounded; a tall banded piece whose right window
-        reaches its own key count (a two-sided window on a block with more queries than keys) would be widened, so
-        it runs on the reference backend instead (exact, logged)."""
+        """Kernel calls [(packed, causal, window)] grouped by kernel mask, cached per device. Windowed blocks with
+        more query rows than keys + 1 are split first (:func:`split_tall`), so no kernel's window mapping can change
+        what a row sees."""
 
         def build():
-            wins = kernel_windows(pieces)
-            if not self.has_window:
-                wins[:, 1:] = -1
-            wide = wins[:, 2] >= pieces.k_len
-            if wide.any():
-                _warn_once(f"{self.name}: {int(wide.sum())} tall two-sided-window blocks run on the reference backend")
-            keys, inv = np.unique(wins[~wide], axis=0, return_inverse=True)
+            p = split_tall(pieces) if self.has_window else pieces
+            wins = kernel_windows(p)
+            keys, inv = np.unique(wins, axis=0, return_inverse=True)
             inv = inv.reshape(-1)
-            fused = pieces.select(~wide)
-            calls = [
-                (Packed(fused.select(inv == g), device), bool(key[0]), (int(key[1]), int(key[2])))
-                for g, key in enumerate(keys)
-            ]
-            return calls, (pieces.select(wide) if wide.any() else None)
+            return [(Packed(p.select(inv == g), device), bool(key[0]), (int(key[1]), int(key[2])))
+                    for g, key in enumerate(keys)]  # fmt: skip
 
         if pieces.banded.any() and not self.has_window:
             raise ValueError(f"{self.name} takes no sliding window; choose another backend")
@@ -189,12 +216,7 @@ class VarlenCUDABackend(Backend):
 
     def forward(self, q, k, v, pieces, scale):
         out, lse = self._empty_fwd(q, v)
-        calls, rest = self._calls(pieces, q.device)
-        if rest is not None:
-            o2, l2 = _REFERENCE.forward(q, k, v, rest, scale)
-            rows = torch.isfinite(l2[:, 0])  # trimmed pieces: every covered row has a finite lse
-            out[rows], lse[rows] = o2[rows].to(out.dtype), l2[rows]
-        for pk, causal, window in calls:
+        for pk, causal, window in self._calls(pieces, q.device):
             qq = Packed.take(pk.q, q).contiguous()
             kk, vv = Packed.take(pk.k, k).contiguous(), Packed.take(pk.k, v).contiguous()
             o, piece_lse = self._kfwd(qq, kk, vv, pk, causal, window, pieces.softcap, scale)
@@ -208,10 +230,7 @@ class VarlenCUDABackend(Backend):
         dq, dk, dv = self._zero_grads(q, k, v)
         if self._lse_padded is None and len(pieces):  # learn the kernel's lse layout once
             self.forward(q, k, v, pieces.select(np.arange(1)), scale)
-        calls, rest = self._calls(pieces, q.device)
-        if rest is not None:
-            dq, dk, dv = _REFERENCE.backward(dout, q, k, v, out, lse, rest, scale)
-        for pk, causal, window in calls:
+        for pk, causal, window in self._calls(pieces, q.device):
             qq = Packed.take(pk.q, q).contiguous()
             kk, vv = Packed.take(pk.k, k).contiguous(), Packed.take(pk.k, v).contiguous()
             do = Packed.take(pk.q, dout).to(q.dtype).contiguous()
@@ -222,52 +241,3 @@ class VarlenCUDABackend(Backend):
             Packed.add(pk.k, dk, gk)
             Packed.add(pk.k, dv, gv)
         return dq, dk, dv
-
-
-def _aten_arg_names(op) -> set:
-    try:
-        return {a.name for a in op.default._schema.arguments}
-    except Exception:  # pragma: no cover - very old torch
-        return set()
-
-
-class TorchCUDABackend(VarlenCUDABackend):
-    """PyTorch's built-in flash-attention 2 varlen kernel (``aten._flash_attention_forward/backward``); windows
-    where this PyTorch's schema has ``window_size_left/right``; no softcap."""
-
-    name = "torch"
-    swaps_gqa = True
-
-    def __init__(self) -> None:
-        names = _aten_arg_names(torch.ops.aten._flash_attention_forward)
-        self.has_window = {"window_size_left", "window_size_right"} <= names and {
-            "window_size_left",
-            "window_size_right",
-        } <= _aten_arg_names(torch.ops.aten._flash_attention_backward)
-
-    def available(self) -> bool:
-        return torch.backends.cuda.is_flash_attention_available()
-
-    def why_not(self, q, k, window: bool = False, softcap: bool = False) -> str:
-        if q.is_cuda and not self.available():
-            return "this PyTorch was built without its flash-attention kernels"
-        return super().why_not(q, k, window, softcap)
-
-    def _win(self, window) -> dict:
-        return dict(window_size_left=window[0], window_size_right=window[1]) if self.has_window else {}
-
-    def _kfwd(self, q, k, v, pk, causal, window, softcap, scale):
-        res = torch.ops.aten._flash_attention_forward(
-            q, k, v, pk.cu_q, pk.cu_k, pk.max_q, pk.max_k, 0.0, causal, False, scale=scale, **self._win(window)
-        )
-        return res[0], res[1]
-
-    def _kbwd(self, do, q, k, v, o, lse, pk, causal, window, softcap, scale):
-        # dropout_p == 0: the philox seed/offset are not read; pass placeholders of the expected dtype
-        seed = torch.zeros(2, dtype=torch.int64, device=q.device)
-        off = torch.zeros((), dtype=torch.int64, device=q.device)
-        res = torch.ops.aten._flash_attention_backward(
-            do, q, k, v, o, lse, pk.cu_q, pk.cu_k, pk.max_q, pk.max_k, 0.0, causal, seed, off, scale=scale,
-            **self._win(window),
-        )  # fmt: skip
-        return res[0], res[1], res[2]

@@ -1,8 +1,13 @@
-"""Stand-ins for the flash-attn varlen kernels with the exact Python signatures of flash-attn 2.5.0, 2.6.3, 2.7.4,
-2.8.3 and flash-attn 3 (Hopper interface), computing on CPU in float64 with the kernels' conventions: cu_seqlens
-segments, a causal/window mask aligned at the bottom-right corner (-1 = unbounded), softcap on the scaled scores,
-the lse returned unpadded ``[H, total_q]`` or padded ``[B, H, max_q]``, flash-attn 2's ``max_q == 1`` GQA head swap
-of the unpadded lse, and the backward writing into ``dq, dk, dv``. Each call is recorded in ``CALLS``."""
+"""Stand-ins for the flash kernels' Python entry points, one per signature generation, with the exact parameter
+lists of the releases named (read from Dao-AILab/flash-attention at those tags and from this PyTorch's op schemas),
+computing on CPU through the C++ rules of :mod:`support.flash_kernels` (window mapping, causal, GQA swap, empty
+rows), in float64. Results come back as the releases return them: result tuple lengths, lse unpadded
+``[H, total_q]`` or padded ``[B, H, max_q]``, the backward writing into ``dq, dk, dv``. Every call is recorded in
+``CALLS`` (with the rows the kernel's window mapping changed against the band asked for).
+
+``VERSIONS``: name -> (forward, backward, kernel family) for the flash-attn packages; ``TORCH_OPS``: name ->
+(forward op, backward op) with PyTorch's ``_flash_attention_forward/backward`` schemas.
+"""
 
 from __future__ import annotations
 
@@ -11,80 +16,15 @@ from typing import Optional
 
 import torch
 
+from support.flash_kernels import FA2, FA3, FA3_2024, attend, grads, rules
+
 CALLS: list = []
-STATE = {"padded": False}  # lse layout the stand-ins return
+STATE = {"padded": False}  # lse layout the FA2-family / PyTorch stand-ins return (FA3 is always unpadded)
 
 
-def _segment_mask(sq, sk, causal, left, right):
-    i = torch.arange(sq)[:, None]
-    j = torch.arange(sk)[None, :]
-    d = i - j + (sk - sq)
-    if causal:
-        right = 0
-    ok = torch.ones(sq, sk, dtype=torch.bool)
-    if right >= 0:
-        ok &= d >= -right
-    if left >= 0:
-        ok &= d <= left
-    return ok
-
-
-def _attend(q, k, v, cu_q, cu_k, scale, causal, left, right, softcap):
-    """(out [Tq, H, D] float64, lse [H, Tq] float64), differentiable. Window sizes >= max_seqlen_k count as
-    unbounded, as in the kernels."""
-    h, hk = q.shape[1], k.shape[1]
-    max_k = int((cu_k[1:] - cu_k[:-1]).max())
-    left, right = (-1 if w >= max_k else w for w in (left, right))
-    outs, lses = [], []
-    for b in range(cu_q.shape[0] - 1):
-        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
-        qq, kk, vv = (x.double() for x in (q[qs:qe], k[ks:ke].repeat_interleave(h // hk, 1), v[ks:ke]))
-        s = torch.einsum("qhd,khd->hqk", qq, kk) * scale
-        if softcap > 0:
-            s = softcap * torch.tanh(s / softcap)
-        s = s.masked_fill(~_segment_mask(qe - qs, ke - ks, causal, left, right), -math.inf)
-        lse = torch.logsumexp(s, -1)
-        p = torch.exp(s - lse[..., None])
-        outs.append(torch.einsum("hqk,khd->qhd", p, vv.repeat_interleave(h // hk, 1)))
-        lses.append(lse)
-    return torch.cat(outs), torch.cat(lses, 1)
-
-
-def _grads(dout, q, k, v, o, lse, cu_q, cu_k, scale, causal, left, right, softcap):
-    """Analytic gradients (custom ops run their body with autograd off): dS = P * (dP - rowsum(dO * O))."""
-    h, hk = q.shape[1], k.shape[1]
-    max_k = int((cu_k[1:] - cu_k[:-1]).max())
-    left, right = (-1 if w >= max_k else w for w in (left, right))
-    dq, dk, dv = (torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v))
-    for b in range(cu_q.shape[0] - 1):
-        qs, qe, ks, ke = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
-        qq = q[qs:qe].double()
-        kk, vv = (x[ks:ke].double().repeat_interleave(h // hk, 1) for x in (k, v))
-        s = torch.einsum("qhd,khd->hqk", qq, kk) * scale
-        th = torch.tanh(s / softcap) if softcap > 0 else None
-        if th is not None:
-            s = softcap * th
-        s = s.masked_fill(~_segment_mask(qe - qs, ke - ks, causal, left, right), -math.inf)
-        p = torch.exp(s - lse[:, qs:qe, None])
-        do = dout[qs:qe]
-        dvr = torch.einsum("hqk,qhd->khd", p, do)
-        ds = p * (torch.einsum("qhd,khd->hqk", do, vv) - (do * o[qs:qe]).sum(-1).t()[..., None])
-        if th is not None:
-            ds = ds * (1 - th * th)
-        dq[qs:qe] = torch.einsum("hqk,khd->qhd", ds, kk) * scale
-        dkr = torch.einsum("hqk,qhd->khd", ds, qq) * scale
-        dk[ks:ke] = dkr.reshape(ke - ks, hk, h // hk, -1).sum(2)
-        dv[ks:ke] = dvr.reshape(ke - ks, hk, h // hk, -1).sum(2)
-    return dq, dk, dv
-
-
-def _swapped(q, k, max_q, left, right):
-    return max_q == 1 and q.shape[1] > k.shape[1] and left < 0 and right < 0
-
-
-def _lse_out(lse, cu_q, max_q, swapped, kv_heads):
+def _lse_out(lse, cu_q, max_q, swapped, kv_heads, padded):
     h, total = lse.shape
-    if STATE["padded"]:
+    if padded:
         out = torch.full((cu_q.shape[0] - 1, h, max_q), math.inf, dtype=torch.float32)
         for b in range(cu_q.shape[0] - 1):
             out[b, :, : int(cu_q[b + 1] - cu_q[b])] = lse[:, int(cu_q[b]) : int(cu_q[b + 1])]
@@ -96,63 +36,84 @@ def _lse_out(lse, cu_q, max_q, swapped, kv_heads):
     return lse.contiguous()
 
 
-def _fwd(q, k, v, cu_q, cu_k, max_q, scale, causal, left, right, softcap, version):
-    CALLS.append(dict(version=version, kind="fwd", causal=causal, window=(left, right), softcap=softcap))
-    if max_q == 1:
-        causal = False  # as the kernels do: one query row, causal = full
-    swapped = _swapped(q, k, max_q, left, right) and not causal
-    out, lse = _attend(q, k, v, cu_q, cu_k, scale, causal, left, right, softcap)
-    return out.to(q.dtype), _lse_out(lse.detach(), cu_q, max_q, swapped, k.shape[1])
+def _fwd(family, version, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap=0.0):
+    r = rules(family, "fwd", int(max_q), int(max_k), bool(causal), left, right, q.shape[1], k.shape[1])
+    CALLS.append(dict(version=version, kind="fwd", causal=bool(causal), window=(int(left), int(right)),
+                      softcap=float(softcap), max_q=int(max_q), max_k=int(max_k), rules=r))  # fmt: skip
+    out, lse = attend(q, k, v, cu_q, cu_k, float(scale), r, float(softcap), -math.inf if family == FA3 else math.inf)
+    padded = STATE["padded"] and family == FA2
+    return out.to(q.dtype), _lse_out(lse, cu_q, int(max_q), r.swapped, k.shape[1], padded)
 
 
-def _bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, scale, causal, left, right, softcap, det, version):
-    CALLS.append(dict(version=version, kind="bwd", causal=causal, window=(left, right), deterministic=det))
-    o, ref_lse = _attend(q, k, v, cu_q, cu_k, scale, causal, left, right, softcap)
-    g = _grads(dout.double(), q, k, v, o, ref_lse, cu_q, cu_k, scale, causal, left, right, softcap)
+def _unpad_lse(lse, cu_q):
+    if lse.dim() == 2:
+        return lse
+    rows = [lse[b, :, : int(cu_q[b + 1] - cu_q[b])] for b in range(cu_q.shape[0] - 1)]
+    return torch.cat(rows, 1)
+
+
+def _bwd(family, version, dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, scale, causal, left,
+         right, softcap, det):  # fmt: skip
+    r = rules(family, "bwd", int(max_q), int(max_k), bool(causal), left, right, q.shape[1], k.shape[1])
+    CALLS.append(dict(version=version, kind="bwd", causal=bool(causal), window=(int(left), int(right)),
+                      deterministic=bool(det), max_q=int(max_q), max_k=int(max_k), rules=r))  # fmt: skip
+    g = grads(dout, q, k, v, out, _unpad_lse(lse, cu_q), cu_q, cu_k, float(scale), r, float(softcap))
     for dst, src in zip((dq, dk, dv), g):
         dst.copy_(src)
-    return torch.empty(0)
 
 
-# ------------------------------------------------------------------ flash-attn 2.5.0
+# ------------------------------------------------------------------ flash-attn 2.5.0 (window_size tuple, 8 results)
 def fwd_2_5_0(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-              window_size, alibi_slopes, return_softmax, block_table):  # fmt: skip
-    out, lse = _fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, *window_size, 0.0, "2.5.0"
-    )
+              window_size, alibi_slopes, return_softmax):  # fmt: skip
+    out, lse = _fwd(FA2, "2.5.0", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    causal, *window_size)  # fmt: skip
     return out, q, k, v, out, lse, None, None
 
 
 def bwd_2_5_0(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, rng_state=None):  # fmt: skip
-    return _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
-                *window_size, 0.0, deterministic, "2.5.0")  # fmt: skip
+    _bwd(FA2, "2.5.0", dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+         max_seqlen_k, softmax_scale, causal, *window_size, 0.0, deterministic)  # fmt: skip
+    return dq, dk, dv, None
 
 
-# ------------------------------------------------------------------ flash-attn 2.6.3
+# ------------------------------------------------------------------ flash-attn 2.5.9 (+ block_table)
+def fwd_2_5_9(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+              window_size, alibi_slopes, return_softmax, block_table):  # fmt: skip
+    out, lse = _fwd(FA2, "2.5.9", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    causal, *window_size)  # fmt: skip
+    return out, q, k, v, out, lse, None, None
+
+
+bwd_2_5_9 = bwd_2_5_0
+
+
+# ------------------------------------------------------------------ flash-attn 2.6.3 (+ softcap)
 def fwd_2_6_3(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-              window_size, softcap, alibi_slopes, return_softmax, block_table, leftpad_k=None, seqused_k=None):  # fmt: skip  # noqa: E501
-    out, lse = _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, *window_size, softcap,
-                    "2.6.3")  # fmt: skip
+              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, return_softmax=False, block_table=None,
+              leftpad_k=None, seqused_k=None):  # fmt: skip
+    out, lse = _fwd(FA2, "2.6.3", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    causal, *window_size, softcap)  # fmt: skip
     return out, q, k, v, out, lse, None, None
 
 
 def bwd_2_6_3(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
               rng_state=None):  # fmt: skip
-    return _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
-                *window_size, softcap, deterministic, "2.6.3")  # fmt: skip
+    _bwd(FA2, "2.6.3", dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+         max_seqlen_k, softmax_scale, causal, *window_size, softcap, deterministic)  # fmt: skip
+    return dq, dk, dv, None
 
 
-# ------------------------------------------------------------------ flash-attn 2.7.4 (plain functions)
+# ------------------------------------------------------------------ flash-attn 2.7.4 (plain functions: torch < 2.4)
 def fwd_2_7_4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
               cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
               softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
               softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
               block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
-              seqused_k: Optional[torch.Tensor] = None):  # fmt: skip
-    out, lse = _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, window_size_left,
-                    window_size_right, softcap, "2.7.4")  # fmt: skip
+              seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False):  # fmt: skip
+    out, lse = _fwd(FA2, "2.7.4", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    causal, window_size_left, window_size_right, softcap)  # fmt: skip
     return out, lse, torch.empty(0), torch.empty(2)
 
 
@@ -161,9 +122,10 @@ def bwd_2_7_4(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
               max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
               window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool,
-              rng_state: Optional[torch.Tensor] = None):  # fmt: skip
-    return _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
-                window_size_left, window_size_right, softcap, deterministic, "2.7.4")  # fmt: skip
+              rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False):  # fmt: skip
+    _bwd(FA2, "2.7.4", dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+         max_seqlen_k, softmax_scale, causal, window_size_left, window_size_right, softcap, deterministic)  # fmt: skip
+    return torch.empty(0)
 
 
 # ------------------------------------------------------------------ flash-attn 2.8.3 (torch.library custom ops)
@@ -173,10 +135,10 @@ def fwd_2_8_3(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: t
               softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
               softcap: float = 0.0, alibi_slopes: Optional[torch.Tensor] = None, return_softmax: bool = False,
               block_table: Optional[torch.Tensor] = None, leftpad_k: Optional[torch.Tensor] = None,
-              seqused_k: Optional[torch.Tensor] = None,
+              seqused_k: Optional[torch.Tensor] = None, zero_tensors: bool = False,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    out, lse = _fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, softmax_scale, causal, window_size_left,
-                    window_size_right, softcap, "2.8.3")  # fmt: skip
+    out, lse = _fwd(FA2, "2.8.3", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                    causal, window_size_left, window_size_right, softcap)  # fmt: skip
     return out, lse, torch.empty(0), torch.empty(2)
 
 
@@ -186,47 +148,150 @@ def bwd_2_8_3(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
               dv: Optional[torch.Tensor], cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
               max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int,
               window_size_right: int, softcap: float, alibi_slopes: Optional[torch.Tensor], deterministic: bool,
-              rng_state: Optional[torch.Tensor] = None) -> torch.Tensor:  # fmt: skip
-    return _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
-                window_size_left, window_size_right, softcap, deterministic, "2.8.3")  # fmt: skip
+              rng_state: Optional[torch.Tensor] = None, zero_tensors: bool = False) -> torch.Tensor:  # fmt: skip
+    _bwd(FA2, "2.8.3", dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+         max_seqlen_k, softmax_scale, causal, window_size_left, window_size_right, softcap, deterministic)  # fmt: skip
+    return torch.empty(0)
 
 
-# ------------------------------------------------------------------ flash-attn 3 (hopper/flash_attn_interface.py)
-def fwd_fa3(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None, cu_seqlens_k=None,
-            cu_seqlens_k_new=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
-            page_table=None, kv_batch_idx=None, leftpad_k=None, rotary_cos=None, rotary_sin=None,
-            seqlens_rotary=None, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
-            window_size_left=-1, window_size_right=-1, attention_chunk=0, softcap=0.0, rotary_interleaved=True,
-            scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0):  # fmt: skip
-    assert not STATE["padded"]
-    out, lse = _fwd(
-        q,
-        k,
-        v,
-        cu_seqlens_q,
-        cu_seqlens_k,
-        2,
-        softmax_scale,
-        causal,
-        window_size_left,
-        window_size_right,
-        softcap,
-        "fa3",
-    )  # fmt: skip  (flash-attn 3 never swaps heads)
-    return out, lse, torch.empty(0), torch.empty(0)
+# ------------------------------------------------------------------ flash-attn 3 beta (hopper, v2.7.0 - v2.7.2)
+def fwd_fa3_2024(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                 block_table=None, window_size=(-1, -1), seqused_q=None, seqused_k=None):  # fmt: skip
+    out, lse = _fwd(FA3_2024, "fa3-2024", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    softmax_scale, causal, *window_size)  # fmt: skip
+    return out, q, k, v, out, lse
 
 
-def bwd_fa3(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=None, sequed_q=None, sequed_k=None,
-            max_seqlen_q=None, max_seqlen_k=None, dq=None, dk=None, dv=None, softmax_scale=None, is_causal=False,
-            window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0):  # fmt: skip
-    return _bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, softmax_scale, is_causal,
-                window_size_left, window_size_right, softcap, deterministic, "fa3")  # fmt: skip
+def bwd_fa3_2024(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                 max_seqlen_k, softmax_scale, causal, window_size, deterministic=False, seqused_q=None,
+                 seqused_k=None):  # fmt: skip
+    _bwd(FA3_2024, "fa3-2024", dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+         max_seqlen_q, max_seqlen_k, softmax_scale, causal, *window_size, 0.0, deterministic)  # fmt: skip
+    return dq, dk, dv, None
+
+
+# ------------------------------------------------------------------ flash-attn 3 before the custom ops (v2.8.3 hopper)
+def fwd_fa3_2025(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new, seqused_q, seqused_k,
+                 max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
+                 seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale, causal, window_size=(-1, -1),
+                 attention_chunk=0, softcap=0.0, rotary_interleaved=True, scheduler_metadata=None, num_splits=1,
+                 pack_gqa=None, sm_margin=0):  # fmt: skip
+    unused = (k_new, v_new, qv, out, cu_seqlens_k_new, seqused_q, seqused_k, page_table, kv_batch_idx, leftpad_k,
+              rotary_cos, rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale, scheduler_metadata)  # fmt: skip
+    assert all(x is None for x in unused) and attention_chunk == 0 and num_splits == 1
+    o, lse = _fwd(FA3, "fa3-2025", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                  causal, *window_size, softcap)  # fmt: skip
+    return o, lse, None, None
+
+
+def bwd_fa3_2025(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, sequed_q, sequed_k, max_seqlen_q,
+                 max_seqlen_k, dq, dk, dv, softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
+                 deterministic=False, sm_margin=0):  # fmt: skip
+    _bwd(FA3, "fa3-2025", dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+         max_seqlen_k, softmax_scale, causal, *window_size, softcap, deterministic)  # fmt: skip
+    return dq, dk, dv, torch.empty(0)
+
+
+# ------------------------------------------------------------------ flash-attn 3 custom ops (hopper, after Nov 2025)
+def fwd_fa3_op(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None, cu_seqlens_k=None,
+               cu_seqlens_k_new=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
+               page_table=None, kv_batch_idx=None, leftpad_k=None, rotary_cos=None, rotary_sin=None,
+               seqlens_rotary=None, q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+               window_size_left=-1, window_size_right=-1, attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+               scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0):  # fmt: skip
+    assert out_ is None and k_new is None and attention_chunk == 0 and num_splits == 1
+    o, lse = _fwd(FA3, "fa3-op", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                  causal, window_size_left, window_size_right, softcap)  # fmt: skip
+    return o, lse, torch.empty(0), torch.empty(0)
+
+
+def bwd_fa3_op(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=None, sequed_q=None, sequed_k=None,
+               max_seqlen_q=None, max_seqlen_k=None, dq=None, dk=None, dv=None, softmax_scale=None, is_causal=False,
+               window_size_left=-1, window_size_right=-1, softcap=0.0, deterministic=False, sm_margin=0):  # fmt: skip
+    _bwd(FA3, "fa3-op", dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+         max_seqlen_k, softmax_scale, is_causal, window_size_left, window_size_right, softcap,
+         deterministic)  # fmt: skip
+    return torch.empty(0)
 
 
 VERSIONS = {
-    "2.5.0": (fwd_2_5_0, bwd_2_5_0),
-    "2.6.3": (fwd_2_6_3, bwd_2_6_3),
-    "2.7.4": (fwd_2_7_4, bwd_2_7_4),
-    "2.8.3": (fwd_2_8_3, bwd_2_8_3),
-    "fa3": (fwd_fa3, bwd_fa3),
+    "2.5.0": (fwd_2_5_0, bwd_2_5_0, FA2),
+    "2.5.9": (fwd_2_5_9, bwd_2_5_9, FA2),
+    "2.6.3": (fwd_2_6_3, bwd_2_6_3, FA2),
+    "2.7.4": (fwd_2_7_4, bwd_2_7_4, FA2),
+    "2.8.3": (fwd_2_8_3, bwd_2_8_3, FA2),
+    "fa3-2024": (fwd_fa3_2024, bwd_fa3_2024, FA3_2024),
+    "fa3-2025": (fwd_fa3_2025, bwd_fa3_2025, FA3),
+    "fa3-op": (fwd_fa3_op, bwd_fa3_op, FA3),
+}
+FA3_VERSIONS = ("fa3-2024", "fa3-2025", "fa3-op")
+
+
+# ------------------------------------------------------------------ PyTorch's flash ops (aten schemas)
+def _torch_fwd(version, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale, left, right):
+    left, right = (-1 if w is None else w for w in (left, right))
+    out, lse = _fwd(FA2, version, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, scale, is_causal, left,
+                    right)  # fmt: skip
+    return out, lse, torch.zeros(2, dtype=torch.int64), torch.zeros((), dtype=torch.int64), torch.empty(0)
+
+
+def _torch_bwd(version, grad_out, query, key, value, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
+               left, right):  # fmt: skip
+    left, right = (-1 if w is None else w for w in (left, right))
+    dq, dk, dv = (torch.empty(x.shape, dtype=torch.float64) for x in (query, key, value))
+    _bwd(FA2, version, grad_out, query, key, value, out, lse, dq, dk, dv, cum_seq_q, cum_seq_k, max_q, max_k, scale,
+         is_causal, left, right, 0.0, False)  # fmt: skip
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+
+_LIB = torch.library.Library("seqbal_test", "FRAGMENT")
+_RET_FWD = "(Tensor output, Tensor softmax_logsumexp, Tensor rng_state, Tensor unused, Tensor debug_attn_mask)"
+_HEAD_FWD = ("(Tensor query, Tensor key, Tensor value, Tensor? cum_seq_q, Tensor? cum_seq_k, SymInt max_q, "
+             "SymInt max_k, float dropout_p, bool is_causal, bool return_debug_mask")  # fmt: skip
+_HEAD_BWD = ("(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor logsumexp, "
+             "Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal")  # fmt: skip
+# torch 2.13.0: torch.ops.aten._flash_attention_forward/backward.default._schema, verbatim
+_SCHEMAS = {
+    "t213_fwd": _HEAD_FWD + ", *, float? scale=None, SymInt? window_size_left=None, SymInt? window_size_right=None, "
+    "Tensor? seqused_k=None, Tensor? alibi_slopes=None, Tensor? block_table=None, int? num_splits=None) -> " + _RET_FWD,
+    "t213_bwd": _HEAD_BWD + ", Tensor rng_state, Tensor unused, *, float? scale=None, SymInt? window_size_left=None, "
+    "SymInt? window_size_right=None) -> (Tensor, Tensor, Tensor)",
+    # without window arguments, the philox arguments spelled philox_seed/philox_offset (older releases)
+    "tnw_fwd": _HEAD_FWD + ", *, float? scale=None) -> " + _RET_FWD,
+    "tnw_bwd": _HEAD_BWD + ", Tensor philox_seed, Tensor philox_offset, *, float? scale=None) -> (Tensor, Tensor, "
+    "Tensor)",
+    # an argument without default the project cannot fill: the binding must refuse it when it is built
+    "tbad_fwd": _HEAD_FWD + ", float sink_scale, *, float? scale=None) -> " + _RET_FWD,
+}
+
+
+def _t_fwd(version):
+    def fwd(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *rest,
+            scale=None, window_size_left=None, window_size_right=None, **unused):  # fmt: skip
+        assert not rest, "a refused binding must never be called"
+        return _torch_fwd(version, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
+                          window_size_left, window_size_right)  # fmt: skip
+
+    return fwd
+
+
+def _t_bwd(version):
+    def bwd(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+            seed, offset, scale=None, window_size_left=None, window_size_right=None):  # fmt: skip
+        return _torch_bwd(version, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+                          is_causal, scale, window_size_left, window_size_right)  # fmt: skip
+
+    return bwd
+
+
+for _name, _schema in _SCHEMAS.items():
+    _LIB.define(_name + _schema)
+    _version = {"t213": "torch-2.13", "tnw_": "torch-nowindow", "tbad": "torch-unfillable"}[_name[:4]]
+    _LIB.impl(_name, (_t_fwd if _name.endswith("fwd") else _t_bwd)(_version), "CPU")
+
+_OPS = torch.ops.seqbal_test
+TORCH_OPS = {
+    "torch-2.13": (_OPS.t213_fwd, _OPS.t213_bwd),
+    "torch-nowindow": (_OPS.tnw_fwd, _OPS.tnw_bwd),
+    "torch-unfillable": (_OPS.tbad_fwd, _OPS.t213_bwd),
 }
