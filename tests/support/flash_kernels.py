@@ -157,14 +157,17 @@ def grads(dout, q, k, v, o, lse, cu_q, cu_k, scale, r: Rules, softcap: float):
     return dq, dk, dv
 
 
-def lost_rows(family: str, cu_q, cu_k, max_q: int, max_k: int, causal: bool, left: int, right: int) -> int:
-    """Query rows of a call whose visible keys differ from what the window asks for, measured against the
-    unclamped bottom-right band (the intent): the count of rows the kernel's preprocessing changes."""
-    r = rules(family, "fwd", max_q, max_k, causal, left, right, 1, 1)
-    intent = Rules(causal and left < 0, not (causal and left < 0) and (left >= 0 or right >= 0 or causal),
-                   left if left >= 0 else 1 << 40, 0 if causal else (right if right >= 0 else 1 << 40))  # fmt: skip
+def changed_rows(cu_q, cu_k, r: Rules, causal: bool, left: int, right: int) -> int:
+    """Query rows of a call whose keys under the kernel's mask ``r`` differ from the band the caller asked for
+    (bottom-right aligned, -1 = unbounded, causal = right 0): rows the kernel's C++ preprocessing misreads."""
     bad = 0
     for qs, qe, ks, ke in _segments(cu_q, cu_k):
-        a, b = segment_mask(qe - qs, ke - ks, r), segment_mask(qe - qs, ke - ks, intent)
-        bad += int((a != b).any(1).sum())
+        sq, sk = qe - qs, ke - ks
+        i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+        want = torch.ones(sq, sk, dtype=torch.bool)
+        if causal or right >= 0:
+            want &= j <= i + sk - sq + (0 if causal else right)
+        if left >= 0:
+            want &= j >= i + sk - sq - left
+        bad += int((segment_mask(sq, sk, r) != want).any(1).sum())
     return bad

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from support.flash_kernels import FA2, FA3, FA3_2024, attend, grads, rules
+from support.flash_kernels import FA2, FA3, FA3_2024, attend, changed_rows, grads, rules
 
 CALLS: list = []
 STATE = {"padded": False}  # lse layout the FA2-family / PyTorch stand-ins return (FA3 is always unpadded)
@@ -39,7 +39,8 @@ def _lse_out(lse, cu_q, max_q, swapped, kv_heads, padded):
 def _fwd(family, version, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap=0.0):
     r = rules(family, "fwd", int(max_q), int(max_k), bool(causal), left, right, q.shape[1], k.shape[1])
     CALLS.append(dict(version=version, kind="fwd", causal=bool(causal), window=(int(left), int(right)),
-                      softcap=float(softcap), max_q=int(max_q), max_k=int(max_k), rules=r))  # fmt: skip
+                      softcap=float(softcap), max_q=int(max_q), max_k=int(max_k), rules=r,
+                      changed_rows=changed_rows(cu_q, cu_k, r, bool(causal), int(left), int(right))))  # fmt: skip
     out, lse = attend(q, k, v, cu_q, cu_k, float(scale), r, float(softcap), -math.inf if family == FA3 else math.inf)
     padded = STATE["padded"] and family == FA2
     return out.to(q.dtype), _lse_out(lse, cu_q, int(max_q), r.swapped, k.shape[1], padded)
@@ -85,7 +86,11 @@ def fwd_2_5_9(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, d
     return out, q, k, v, out, lse, None, None
 
 
-bwd_2_5_9 = bwd_2_5_0
+def bwd_2_5_9(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              dropout_p, softmax_scale, causal, window_size, alibi_slopes, deterministic, rng_state=None):  # fmt: skip
+    _bwd(FA2, "2.5.9", dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+         max_seqlen_k, softmax_scale, causal, *window_size, 0.0, deterministic)  # fmt: skip
+    return dq, dk, dv, None
 
 
 # ------------------------------------------------------------------ flash-attn 2.6.3 (+ softcap)
@@ -249,7 +254,8 @@ _RET_FWD = "(Tensor output, Tensor softmax_logsumexp, Tensor rng_state, Tensor u
 _HEAD_FWD = ("(Tensor query, Tensor key, Tensor value, Tensor? cum_seq_q, Tensor? cum_seq_k, SymInt max_q, "
              "SymInt max_k, float dropout_p, bool is_causal, bool return_debug_mask")  # fmt: skip
 _HEAD_BWD = ("(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor logsumexp, "
-             "Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, bool is_causal")  # fmt: skip
+             "Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, float dropout_p, "
+             "bool is_causal")  # fmt: skip
 # torch 2.13.0: torch.ops.aten._flash_attention_forward/backward.default._schema, verbatim
 _SCHEMAS = {
     "t213_fwd": _HEAD_FWD + ", *, float? scale=None, SymInt? window_size_left=None, SymInt? window_size_right=None, "
