@@ -1,5 +1,8 @@
 """CUDA paths (skipped without a GPU): the torch backend (PyTorch's varlen flash kernel) and, when installed, the
-flash_attn backend, against the float64 reference on CPU; cp_attention with CUDA tensors over gloo (host-staged)."""
+flash_attn / flash_attn3 backends, against the float64 reference on CPU: bf16/fp16, causal and full, sliding windows
+(left only, left + right), softcap where the kernel takes it, GQA, blocks taller than their keys (the case the
+kernels' window mapping misreads unless split), every CP schedule (ring, all-gather, Ulysses; zigzag, contiguous,
+hybrid; W = 2, 3, 4) simulated on the device; cp_attention with CUDA tensors over gloo (host-staged)."""
 
 from __future__ import annotations
 
@@ -66,23 +69,73 @@ def test_flash_packages_masks(name):
         _check(name, torch.bfloat16, causal, chunk_size=48, window=window, softcap=softcap)
 
 
+def _fused_backends() -> list[str]:
+    q = torch.zeros(1, 2, 64, device="cuda", dtype=torch.bfloat16)
+    names = []
+    for name in ("torch", "flash_attn", "flash_attn3"):
+        try:
+            get_backend(name, q, q[:, :1], window=True)
+            names.append(name)
+        except ValueError:
+            continue
+    return names
+
+
 @pytest.mark.parametrize("method", ["ring", "allgather", "ulysses"])
 def test_simulated_schedules_bf16(method):
-    """Every method's kernel sequence (all CP ranks in this process) on the GPU equals single-device attention."""
+    """Every method's kernel sequence (all CP ranks in this process) on the GPU equals the float64 reference, with
+    windows on every layout kind: zigzag gives rank W-1 blocks twice as tall as their keys, the shape flash-attn 2's
+    and PyTorch's window mapping misreads (right -1 -> max_seqlen_k) unless the block is split."""
+    from support.attn_ref import reference as ref_fn
+
     from attention.simulate import simulate
 
     lens = (1, 7, 130, 64, 3, 257, 600)
     cu = np.concatenate([[0], np.cumsum(lens)])
     gen = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(int(cu[-1]), h, 64, generator=gen).cuda().bfloat16() for h in (8, 2, 2, 8))
-    x = [t.detach().requires_grad_() for t in (q, k, v)]
-    ref = varlen_attention(*x, cu, backend="torch")
-    ref_g = torch.autograd.grad(ref, x, dout)
-    for world in (2, 4):
-        out, grads = simulate(q, k, v, cu, world, method, backend="torch", dout=dout)
-        assert float((out.double() - ref.double()).abs().max()) <= 1e-2 * float(ref.double().abs().max())
-        for g, rg in zip(grads, ref_g):
-            assert float((g.double() - rg.double()).abs().max()) <= 2e-2 * float(rg.double().abs().max())
+    t = int(cu[-1])
+    q64, k64, v64, d64 = (torch.randn(t, h, 64, generator=gen, dtype=torch.float64) for h in (8, 2, 2, 8))
+    q, k, v, dout = (x.to(torch.bfloat16) for x in (q64, k64, v64, d64))
+    cases = [(True, (-1, -1), "zigzag"), (True, (100, -1), "zigzag"), (False, (70, 30), "contiguous"),
+             (True, (300, -1), "hybrid")]  # fmt: skip
+    for name in _fused_backends():
+        for causal, window, kind in cases:
+            x = [a.double().requires_grad_() for a in (q, k, v)]
+            ref = ref_fn(*x, cu, causal, 0.125, window)
+            ref_g = torch.autograd.grad(ref, x, dout.double())
+            for world in (2, 3, 4):
+                if method == "ulysses" and 8 % world:
+                    continue
+                out, grads = simulate(q.cuda(), k.cuda(), v.cuda(), cu, world, method, kind, causal, 0.125, window,
+                                      backend=name, dout=dout.cuda())  # fmt: skip
+                where = f"{name} {kind} W={world} window={window}"
+                scale = float(ref.abs().max())
+                assert float((out.double().cpu() - ref.detach()).abs().max()) <= 1e-2 * scale, where
+                gs = float(ref_g[2].abs().max())
+                for g, rg in zip(grads, ref_g):
+                    err = float((g.double().cpu() - rg).abs().max())
+                    assert err <= 2e-2 * max(float(rg.abs().max()), gs), where
+
+
+def test_tall_windowed_blocks_on_the_kernels():
+    """Blocks with more queries than keys + 1 under a left window and no right bound, and under a two-sided
+    window, straight through each fused backend's driver, against the reference backend in float64."""
+    from attention import Pieces
+    from attention.backends import UNBOUNDED, ReferenceBackend
+
+    p = Pieces([0, 300, 700], [256, 300, 200], [0, 100, 400], [64, 40, 30], False, [-63, -39, -10],
+               [UNBOUNDED, 200, 190])  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(900, 8, 64, generator=gen, dtype=torch.float64).bfloat16().double()  # the kernels' inputs
+    k, v = (torch.randn(500, 2, 64, generator=gen, dtype=torch.float64).bfloat16().double() for _ in range(2))
+    ref_out, ref_lse = ReferenceBackend().forward(q, k, v, p, 0.125)
+    for name in _fused_backends():
+        qc, kc, vc = (x.to("cuda", torch.bfloat16) for x in (q, k, v))
+        out, lse = get_backend(name, qc, kc, window=True).forward(qc, kc, vc, p, 0.125)
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse.cpu()), fin), name
+        assert float((out.double().cpu() - ref_out).abs().max()) <= 2e-2 * float(ref_out.abs().max()), name
+        assert float((lse.double().cpu()[fin] - ref_lse[fin]).abs().max()) <= 1e-2, name
 
 
 def test_reference_refused_for_long_documents_on_cuda():
