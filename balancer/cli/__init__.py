@@ -1,7 +1,8 @@
 """The `balancer` command: the top-level parser and `main`.
 
 Every command lives in a module that registers its parser (`register(subparsers)`) and imports what it runs only
-when it runs: cli/plan.py (demo, plan, stats), cli/data.py (pretokenize, verify, merge, pack), cli/calibrate.py.
+when it runs: cli/plan.py (demo, plan, stats), cli/data.py (pretokenize, verify, merge, pack), cli/calibrate.py,
+cli/backends.py.
 Options shared by the planning commands are in cli/options.py, flag ranges and one-line parse errors in cli/flags.py,
 the printed reports in cli/report.py. Building the parser imports none of torch, scipy, pyarrow, datasets or
 transformers (`balancer --help` starts light).
@@ -13,6 +14,7 @@ import argparse
 import sys
 
 from balancer import __version__
+from balancer.cli import backends as cli_backends
 from balancer.cli import calibrate as cli_calibrate
 from balancer.cli import data as cli_data
 from balancer.cli import plan as cli_plan
@@ -33,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_plan.register(sub)
     cli_data.register(sub)
     cli_calibrate.register(sub)
+    cli_backends.register(sub)
     return parser
 
 

@@ -389,3 +389,14 @@ def test_cpu_backend_names_its_reference_routing_once(caplog):
         varlen_attention(q, q, q, [0, 5, 12], backend="torch")  # plain causal: fused, nothing logged
     msgs = [r.getMessage() for r in caplog.records if r.name == "attention.backends.torch_cpu"]
     assert len(msgs) == 2 and "sliding-window" in msgs[0] and "soft-capped" in msgs[1]
+
+
+def test_cli_prints_the_report(capsys, monkeypatch):
+    from balancer.cli import main
+
+    monkeypatch.setattr(sel, "_LAZY", {})
+    assert main(["backends", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "auto on cpu" in out and "flash_attn: not installed" in out
+    assert main(["backends", "--device", "bogus"]) == 2
+    assert "--device must be" in capsys.readouterr().err
