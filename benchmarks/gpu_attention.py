@@ -118,8 +118,9 @@ def provenance(device: torch.device, argv) -> dict:
     )  # fmt: skip
 
 
-def run_all(q, k, v, cu, dout, be, clock, args, heads: int):
-    """Every (window, W, method) run: a dict per run and the list of failures."""
+def run_all(q, k, v, cu, dout, be, clock, args, heads: int, save=None):
+    """Every (window, W, method) run: a dict per run and the list of failures; ``save(runs)`` after each run (a
+    time limit that stops the script keeps what was measured)."""
     runs, failures = [], []
     for left in (int(w) for w in args.windows.split(",")):
         window = (left, -1)
@@ -137,6 +138,8 @@ def run_all(q, k, v, cu, dout, be, clock, args, heads: int):
                                  efficiency={"fwd": t_fwd / s_fwd, "bwd": t_bwd / s_bwd}, rel_err=errs,
                                  exact=ok))  # fmt: skip
                 failures += [] if ok else [f"{method} W={world} window={window}: errors {errs}"]
+                if save is not None:
+                    save(runs)
                 print(f"| {method} | W={world} | window {left} | {be.name} | fwd eff {t_fwd / s_fwd:.3f} | bwd eff "
                       f"{t_bwd / s_bwd:.3f} | calls {calls} | max rel err {max(errs):.2e} | {'ok' if ok else 'FAIL'} |",
                       flush=True)  # fmt: skip
@@ -168,14 +171,18 @@ def main(argv=None) -> dict:
     )
     windowed = any(int(w) >= 0 for w in args.windows.split(","))
     be = get_backend(args.backend, q, k, window=windowed, max_len=int(lens.max()))
-    runs, failures = run_all(q, k, v, cu, dout, be, Clock(device), args, heads)
     res = dict(backend=be.name, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                torch=torch.__version__, tokens=int(cu[-1]), num_docs=int(lens.size), longest=int(lens.max()),
-               heads=heads, kv_heads=kv_heads, head_dim=dim, dtype="bfloat16", runs=runs,
-               **provenance(device, sys.argv[1:] if argv is None else argv))  # fmt: skip
+               heads=heads, kv_heads=kv_heads, head_dim=dim, dtype="bfloat16", runs=[])  # fmt: skip
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=2)
+
+    def save(runs):
+        res.update(runs=runs, **provenance(device, sys.argv[1:] if argv is None else argv))
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2)
+
+    runs, failures = run_all(q, k, v, cu, dout, be, Clock(device), args, heads, save)
+    save(runs)
     if failures:
         raise SystemExit("not exact: " + "; ".join(failures))
     return res

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check for attention/ (never run by CI), one call on one GPU, under 8 minutes on an H200:
+# GPU check for attention/ (never run by CI), one call on one GPU, under 8 minutes (the step limits sum to 460 s):
 #   1. the interpreter: the first of $PY, .venv/bin/python, python3, python whose torch is a CUDA build that sees a GPU
 #      (a CPU-only virtualenv is never picked); device, torch, flash-attn versions and `python -m attention.backends`;
 #   2. the CUDA tests (tests/attention/test_attention_gpu.py): PyTorch's flash kernel in bf16/fp16 with windows, GQA,
@@ -43,7 +43,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, record pass/fai
 PYBIN="$(pick_python)" || { echo "no Python with a CUDA build of torch and a visible GPU; set PY=..."; exit 2; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 echo "interpreter: $PYBIN"
-step "environment" 60 "$PYBIN" - <<'PYEOF'
+step "environment" 30 "$PYBIN" - <<'PYEOF'
 import importlib.metadata as md
 import torch
 print("device:", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability(),
@@ -55,11 +55,11 @@ for dist in ("flash-attn", "flash_attn_3"):
     except md.PackageNotFoundError:
         print(dist, "not installed")
 PYEOF
-step "backends report" 60 "$PYBIN" -m attention.backends
-step "CUDA tests" 240 "$PYBIN" -m pytest -q -rs -p no:cacheprovider tests/attention/test_attention_gpu.py
-step "stand-in tests" 150 "$PYBIN" -m pytest -q -p no:cacheprovider -m "not slow" \
+step "backends report" 30 "$PYBIN" -m attention.backends
+step "CUDA tests" 170 "$PYBIN" -m pytest -q -rs -p no:cacheprovider tests/attention/test_attention_gpu.py
+step "stand-in tests" 90 "$PYBIN" -m pytest -q -p no:cacheprovider -m "not slow" \
   tests/attention/test_attention_backends.py tests/attention/test_attention_flash_schedules.py
-step "benchmark" 150 "$PYBIN" benchmarks/gpu_attention.py --backend auto
+step "benchmark" 140 "$PYBIN" benchmarks/gpu_attention.py --backend auto --reps 2
 NGPU="$("$PYBIN" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)"
 if [ "$NGPU" -ge 2 ]; then
   step "NCCL torchrun" 120 "$PYBIN" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" tools/nccl_check.py
