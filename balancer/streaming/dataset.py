@@ -1,0 +1,460 @@
+"""BalancedStream: this rank's balanced micro-batches from a stream of tokenized documents (docs/streaming.md).
+
+    stream = BalancedStream(hf_streaming_dataset, topo, cost, window_docs=8192, seed=0)
+    loader = DataLoader(stream, batch_size=None, collate_fn=PackedCollator(cp_rank=c, cp_size=topo.cp))
+
+Every rank reads its own streams of the source (balancer.streaming.sources), and per window (windows.py) the
+ranks gather the lengths and loss-token counts of what they read (one all-gather), plan the window with the
+sampler's planner, and send every document to the processes that train it (two all-to-alls). All of it runs on one
+background thread that owns a gloo process group of its own, created when the stream is built (so the stream's
+collectives never interleave with the training loop's on the default group); the next window is read, gathered,
+planned and exchanged while the current one trains (it starts half-way through the current window, at the same
+micro-batch on every rank). The main thread never communicates: `state_dict()` is built from what the gathers
+already shared, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Optional
+
+import numpy as np
+import torch
+
+from balancer.planning.cost.model import CostModel
+from balancer.planning.topology import Topology
+from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
+from balancer.planning.window import check_window_docs
+from balancer.streaming import state as state_mod
+from balancer.streaming.sources import StreamSpec, initial_streams, open_source
+from balancer.streaming.windows import Cursor, Meter, Pipeline, Window, lengths_digest, resplit_cursor
+from balancer.training.indices import CPGroup
+
+log = logging.getLogger(__name__)
+
+WORKERS_REFUSED = (
+    "BalancedStream runs in the training process: use DataLoader(..., num_workers=0) (its reading, planning and "
+    "document exchange already run on a background thread there)"
+)
+
+
+class _Worker:
+    """One daemon thread running submitted calls in order: the only thread that uses the stream's process group."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="balancer-stream", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            fut, fn, args = self._jobs.get()
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to the main thread by fut.result()
+                fut.set_exception(e)
+
+
+class BalancedStream(torch.utils.data.IterableDataset):
+    """This rank's balanced micro-batches (lists of rows) of a stream of documents (module docstring).
+
+    Args:
+        source: a Hugging Face streaming `datasets.IterableDataset`, a pretokenized folder (path), or any
+            re-iterable iterable of rows (dicts with `input_ids`; other columns are carried through untouched) or
+            token-id sequences (yielded as `{"input_ids": ...}`).
+        topology, cost: the `Topology` and `CostModel` the windows are planned for.
+        window_docs: documents per window (at least dp * micro_batches); more balances better and buffers more.
+        dp_rank, rank: this rank's DP index / pool rank `dp_rank * cp + cp_rank` (checked against the process group:
+            the group's processes are the replicas in order, `world // dp` consecutive ones each; with dynamic CP the
+            pool ranks in order, `world // (dp * cp)` consecutive ones each).
+        group: the process group whose processes share the stream (default: the whole world); the stream creates
+            a gloo group over the same processes for its thread (collective over the default group: build the
+            stream on every process, in the same order). Without torch.distributed: one process, `dp*cp == 1`.
+        seed: windows are planned with seeds drawn from (seed, epoch, window).
+        overflow: the planner's policy for documents over `max_tokens * cp` ("error", "split", "truncate").
+    """
+
+    def __init__(
+        self,
+        source,
+        topology: Topology,
+        cost: CostModel,
+        *,
+        window_docs: int,
+        dp_rank: Optional[int] = None,
+        rank: Optional[int] = None,
+        group=None,
+        seed: int = 0,
+        overflow: str = "error",
+    ) -> None:
+        super().__init__()
+        check_topology_and_cost(topology, cost)
+        self.window_docs = check_window_docs(window_docs, topology)
+        if overflow not in OVERFLOW_POLICIES:
+            raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        self.source = open_source(source)
+        self.topology, self.cost, self.seed, self.overflow = topology, cost, int(seed), overflow
+        self.group, self.world, self.grank = _stream_group(group)
+        self.pool_rank = _pool_rank(topology, self.world, self.grank, dp_rank, rank)
+        self.dp_rank = self.pool_rank // topology.cp
+        self.epoch = 0
+        self.meter = Meter()
+        self.bytes_sent = 0
+        self.windows_done = 0
+        self._models: list[tuple[int, CostModel, Optional[tuple]]] = []
+        self._submitted = -1  # the highest window handed to the thread
+        self._setup: Optional[dict] = None  # a loaded state waiting for the next iter()
+        self._iter: Optional[_StreamIter] = None
+        self._worker: Optional[_Worker] = None
+
+    def __getstate__(self) -> dict:  # a DataLoader worker gets a copy that refuses to iterate
+        state = dict(self.__dict__)
+        state.update(group=None, _worker=None, _iter=None, meter=None)
+        return state
+
+    # ---- models ---------------------------------------------------------------------------------------------
+    def update_model(self, cost: CostModel, rank_speeds=None, first_window: int = 0) -> None:
+        """Plan windows `first_window`.. with `cost` (and `rank_speeds`, one positive float per DP replica, where
+        the Topology supports them). Call it on every rank at the same micro-batch; `first_window` must not have
+        been handed to the planning thread yet (`next_unplanned_window`). The windows' step counts do not depend
+        on it (the planner's contract)."""
+        check_topology_and_cost(self.topology, cost)
+        if isinstance(first_window, bool) or not isinstance(first_window, (int, np.integer)) or first_window < 0:
+            raise ValueError(f"first_window must be a non-negative integer, got {first_window!r}")
+        if first_window < self.next_unplanned_window:
+            raise ValueError(
+                f"first_window={first_window}: windows up to {self.next_unplanned_window - 1} are already planned "
+                f"or being planned; the first a new model can reach is {self.next_unplanned_window}"
+            )
+        if self._models and first_window < self._models[-1][0]:
+            raise ValueError(f"first_window={first_window} is before an earlier update's ({self._models[-1][0]})")
+        speeds = None if rank_speeds is None else tuple(float(s) for s in rank_speeds)
+        self._topology_with(speeds)  # refuses speeds this Topology cannot take
+        self._models.append((int(first_window), cost, speeds))
+
+    @property
+    def next_unplanned_window(self) -> int:
+        return self._submitted + 1
+
+    def _topology_with(self, speeds) -> Topology:
+        if speeds is None:
+            return self.topology
+        if "rank_speeds" not in {f.name for f in dataclasses.fields(Topology)}:
+            raise ValueError("rank_speeds given, but this version's Topology has no rank_speeds")
+        return dataclasses.replace(self.topology, rank_speeds=speeds)
+
+    def model_for(self, window: int) -> tuple[Topology, CostModel]:
+        """(topology, cost model) window `window` is planned with."""
+        topology, cost = self.topology, self.cost
+        for first, c, speeds in self._models:
+            if first <= window:
+                topology, cost = self._topology_with(speeds), c
+        return topology, cost
+
+    # ---- iteration ------------------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch: the next `iter()` replays the source from its start (windows planned with seeds of
+        (seed, epoch)), unless a state of this epoch was loaded. Forwarded to the source where it has
+        `set_epoch` (a seeded `datasets` shuffle buffer reshuffles per epoch)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        if int(epoch) != self.epoch:
+            self._setup = None
+        self.epoch = int(epoch)
+        self.source.set_epoch(self.epoch)
+
+    def _fresh_setup(self) -> dict:
+        specs = initial_streams(self.source.num_parts, self.world)
+        cursor = Cursor(specs, [0] * len(specs), [False] * len(specs))
+        return {"window": 0, "cursor": cursor, "forced": None, "history": [], "position": 0, "resplit": None}
+
+    def __iter__(self) -> _StreamIter:
+        if torch.utils.data.get_worker_info() is not None or self.meter is None:
+            raise RuntimeError(WORKERS_REFUSED)
+        setup, self._setup = self._setup or self._fresh_setup(), None
+        self._iter = _StreamIter(self, setup)
+        return self._iter
+
+    def _submit(self, pipeline: Pipeline, index: int) -> Future:
+        if self._worker is None:
+            self._worker = _Worker()
+        self._submitted = max(self._submitted, index)
+        return self._worker.submit(pipeline.prepare, index)
+
+    def stats(self) -> dict:
+        """This process's figures so far: bytes it sent to other processes, its peak of buffered tokens (read ahead,
+        waiting to be sent, received and not yet yielded), and the windows it finished."""
+        return {"bytes_sent": self.bytes_sent, "peak_buffered_tokens": self.meter.peak, "windows": self.windows_done}
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The resume state after the micro-batches yielded so far (module docstring of balancer.streaming.state);
+        no communication, the same on every rank."""
+        if self._setup is not None or self._iter is None:
+            return self._setup_state(self._setup or self._fresh_setup())
+        return self._iter.state_dict()
+
+    def _setup_state(self, setup: dict) -> dict:
+        cur, forced = setup["cursor"], setup["forced"]
+        topology, cost = self.model_for(setup["window"])
+        segments = [*setup["history"], {"topology": topology, "cost": cost, "steps": None}]
+        return self._state(setup["window"], cur, forced, setup["position"], segments)
+
+    def _state(self, window: int, cur: Cursor, forced, position: int, segments: list) -> dict:
+        taken, ended_after, digest = (None, None, None) if forced is None else forced
+        return {
+            **state_mod.header(),
+            "epoch": self.epoch,
+            "seed": self.seed,
+            "overflow": self.overflow,
+            "window_docs": self.window_docs,
+            "source": self.source.fingerprint,
+            "window": int(window),
+            "streams": [[s.part, s.stride, s.offset, int(p), int(e)] for s, p, e in zip(cur.specs, cur.pos, cur.ended)],
+            "taken": None if taken is None else [int(x) for x in taken],
+            "ended_after": None if ended_after is None else [int(bool(x)) for x in ended_after],
+            "digest": digest,
+            "position": int(position),
+            "segments": [
+                {"topology": h["topology"].to_dict(), "cost": h["cost"].to_dict(), "steps": h["steps"]}
+                for h in segments
+            ],
+            "models": [
+                {"first_window": f, "cost": c.to_dict(), "rank_speeds": None if s is None else list(s)}
+                for f, c, s in self._models
+            ],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()` output, also on another DP size or topology (at a step boundary then): the
+        next `iter()` yields the rest of the saved epoch, every remaining document exactly once. A state of another
+        seed, overflow policy, window size or source is refused naming what differs."""
+        st = state_mod.check_state(state)
+        state_mod.check_match(st, self)
+        self._models = self._restore_models(st["models"])
+        specs = [StreamSpec(p, s, o) for p, s, o, _, _ in st["streams"]]
+        cursor = Cursor(specs, [r[3] for r in st["streams"]], [bool(r[4]) for r in st["streams"]])
+        window, position = st["window"], st["position"]
+        segs = st["segments"]
+        history = [dict(h) for h in segs[:-1]]
+        last = segs[-1]
+        topology, cost = self.model_for(window)
+        if not (last["topology"] == topology and last["cost"] == cost):
+            m = last["topology"].micro_batches
+            if position % m:
+                raise ValueError(
+                    f"the state is mid-step (micro-batch {position % m} of step {position // m}) of window {window} "
+                    f"planned for {last['topology']}; it resumes only onto the same topology and cost model. Save at "
+                    f"a step boundary to change the topology (now {topology})"
+                )
+            history.append({"topology": last["topology"], "cost": last["cost"], "steps": position // m})
+            position = 0
+        forced = None if st["taken"] is None else (st["taken"], st["ended_after"], st["digest"])
+        resplit = self.world if len(specs) < self.world else None
+        if forced is None and resplit is not None:
+            cursor, resplit = resplit_cursor(cursor, resplit), None
+        self.epoch = st["epoch"]
+        self.source.set_epoch(self.epoch)
+        self._setup = {
+            "window": window, "cursor": cursor, "forced": forced, "history": history, "position": position,
+            "resplit": resplit,
+        }  # fmt: skip
+        self._submitted = window - 1
+
+    def _restore_models(self, models) -> list:
+        out = []
+        for first, cost, speeds in models:
+            speeds = None if speeds is None else tuple(speeds)
+            if speeds is not None and len(speeds) != self.topology.dp:
+                log.warning(
+                    "the state's rank speeds from window %d are for %d replicas, this run has dp=%d: planning "
+                    "without them", first, len(speeds), self.topology.dp,
+                )  # fmt: skip
+                speeds = None
+            out.append((first, cost, speeds))
+        return out
+
+
+class _StreamIter:
+    """One pass over the stream (from a resume point); Stateful (torchdata) through its stream."""
+
+    def __init__(self, stream: BalancedStream, setup: dict) -> None:
+        self.stream = stream
+        self.setup = setup
+        self.pipeline = Pipeline(stream, setup["cursor"], setup["forced"], setup["history"], setup["resplit"])
+        self.index = setup["window"]
+        self.win: Optional[Window] = None
+        self.future: Optional[Future] = None
+        self.done = False
+        self.skip = setup["position"]
+
+    def __iter__(self) -> _StreamIter:
+        return self
+
+    def __next__(self) -> list:
+        s = self.stream
+        while True:
+            if self.win is None:
+                if self.done:
+                    raise StopIteration
+                if self.future is None:
+                    self.future = s._submit(self.pipeline, self.index)
+                win, self.future = self.future.result(), None
+                if win is None:
+                    self.done = True
+                    raise StopIteration
+                self._enter(win)
+            if self.local < len(self.ks):
+                break
+            self._leave()
+        if 2 * self.local >= len(self.ks) and self.future is None:
+            self.future = s._submit(self.pipeline, self.index + 1)
+        items = self._items(self.local)
+        for d in self.release.get(self.local, ()):
+            row = self.win.rows.pop(d)
+            s.meter.add(-len(row["input_ids"]))
+        self.local += 1
+        return items
+
+    def _enter(self, win: Window) -> None:
+        s, t = self.stream, win.segment.topology
+        r = s.pool_rank if t.dynamic else s.dp_rank
+        seg = win.segment
+        self.ks = [seg.mb_index(step, r, m) for step in range(seg.num_steps) for m in range(t.micro_batches)]
+        last: dict[int, int] = {}
+        for j, k in enumerate(self.ks):
+            for d in seg.placements(k)[0].tolist():
+                last[d] = j
+        self.release: dict[int, list] = {}
+        for d, j in last.items():
+            self.release.setdefault(j, []).append(d)
+        self.win, self.local, self.skip = win, self.skip, 0
+        if self.local > len(self.ks):
+            raise ValueError(
+                f"the state's position {self.local} is past window {win.index}'s {len(self.ks)} micro-batches"
+            )
+        for j in range(self.local):  # a resumed window: what was consumed before is dropped
+            for d in self.release.get(j, ()):
+                s.meter.add(-len(win.rows.pop(d)["input_ids"]))
+        s.bytes_sent += win.bytes_sent
+
+    def _leave(self) -> None:
+        s = self.stream
+        for row in self.win.rows.values():  # documents of other ranks' micro-batches never stay (none expected)
+            s.meter.add(-len(row["input_ids"]))
+        s.windows_done += 1
+        self.win, self.index = None, self.index + 1
+
+    def _items(self, j: int) -> list:
+        win = self.win
+        seg = win.segment
+        k = self.ks[j]
+        doc, start, end = seg.placements(k)
+        group = None
+        if seg.topology.dynamic:
+            group = seg.group(k, self.stream.pool_rank)
+        out = []
+        for d, a, b in zip(doc.tolist(), start.tolist(), end.tolist()):
+            row = win.rows[d]
+            if a == 0 and b == int(win.lengths[d]) and group is None:
+                out.append(row)
+                continue
+            item = dict(row)
+            if not (a == 0 and b == int(win.lengths[d])):
+                for key in ("input_ids", "labels"):
+                    if item.get(key) is not None:
+                        item[key] = item[key][a:b]
+            if group is not None:
+                item["cp_group"] = CPGroup(*group)
+            out.append(item)
+        return out
+
+    def step_loss_tokens(self) -> int:
+        """Global loss tokens of the step of the micro-batch yielded last (all replicas): the gathered per-document
+        counts (a part of a split document: its tokens less one, exact when the document has no masked labels)."""
+        if self.win is None or self.local == 0:
+            raise ValueError("no micro-batch of this pass has been yielded yet")
+        seg, win = self.win.segment, self.win
+        step = (self.local - 1) // seg.topology.micro_batches
+        sl = seg.step_slice(step)
+        total = 0
+        for d, a, b in zip(seg.doc[sl].tolist(), seg.start[sl].tolist(), seg.end[sl].tolist()):
+            n = int(win.lengths[d])
+            if a == 0 and b == n:
+                total += int(win.losses[d])
+            elif int(win.losses[d]) == n - 1:
+                total += b - a - 1
+            else:
+                raise ValueError(
+                    "the step holds part of a document with masked labels: its loss tokens are not known from the "
+                    "gathered counts; all-reduce the collator's num_loss_tokens over the step instead"
+                )
+        return total
+
+    def state_dict(self) -> dict:
+        s = self.stream
+        if self.win is None:
+            if not self.done:  # not started
+                return s._setup_state(self.setup)
+            topology, cost = s.model_for(self.index)
+            segments = [{"topology": topology, "cost": cost, "steps": None}]
+            return s._state(self.index, self.pipeline.cursor, None, 0, segments)
+        win = self.win
+        if self.local >= len(self.ks):  # the window is done: the state of the next one, not read yet
+            topology, cost = s.model_for(win.index + 1)
+            return s._state(win.index + 1, win.after, None, 0, [{"topology": topology, "cost": cost, "steps": None}])
+        forced = (win.taken, win.ended_after, lengths_digest(win.lengths))
+        segments = [*win.history, {"topology": win.segment.topology, "cost": win.segment.cost, "steps": None}]
+        return s._state(win.index, win.start, forced, self.local, segments)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
+        fresh = self.stream.__iter__()
+        self.__dict__.update(fresh.__dict__)
+        self.stream._iter = self
+
+
+def _stream_group(group) -> tuple:
+    """(the stream's own gloo group, its size, this process's rank in it); (None, 1, 0) without torch.distributed.
+    Creating the group is collective over the default group (torch.distributed.new_group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("group given but torch.distributed is not initialised")
+        return None, 1, 0
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    own = dist.new_group(ranks=ranks, backend="gloo")
+    if group is not None and dist.get_rank(group) < 0:
+        return own, len(ranks), -1
+    return own, dist.get_world_size(own), dist.get_rank(own)
+
+
+def _pool_rank(topology: Topology, world: int, grank: int, dp_rank, rank) -> int:
+    """This process's pool rank from its place in the group (module docstring of BalancedStream), checked against
+    `dp_rank` / `rank` when given."""
+    if grank < 0:
+        raise ValueError("this process is not in the stream's group")
+    pool = topology.pool_size
+    if world % pool:
+        raise ValueError(
+            f"the stream's group has {world} processes, not a multiple of dp*cp = {pool} (one block of processes per "
+            "pool rank)"
+        )
+    mine = grank // (world // pool)
+    if rank is not None and (isinstance(rank, bool) or rank != mine):
+        raise ValueError(f"rank={rank!r}, but process {grank} of {world} is pool rank {mine} (dp_rank*cp + cp_rank)")
+    if dp_rank is not None and (isinstance(dp_rank, bool) or dp_rank != mine // topology.cp):
+        raise ValueError(f"dp_rank={dp_rank!r}, but process {grank} of {world} is DP rank {mine // topology.cp}")
+    return mine

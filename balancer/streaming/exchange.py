@@ -1,0 +1,100 @@
+"""The two collectives of a stream window, both on the stream's own gloo group (run by its background thread).
+
+`gather_window`: ONE `all_gather` of a fixed-size int64 record per rank: a status word (0 = read fine, 1 = the
+source failed), the rank's per-stream counts and end-of-stream flags, the lengths and loss-token counts of the
+documents it read, and on failure the error text (UTF-8, cut to MESSAGE_BYTES). Every rank knows every record's size
+in advance (the quotas are derived from what earlier windows shared), so no size exchange is needed, and a rank
+whose source failed still joins the gather: every rank then raises the same error instead of waiting for it.
+
+`exchange_rows`: the documents to the processes that train them, pickled per destination, with two
+`all_to_all_single` calls (the byte counts, then the bytes); a process's own documents are not serialised.
+The bytes sent to other processes are counted and returned.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+
+MESSAGE_BYTES = 1024
+_HEADER = 1  # the status word
+
+
+class StreamSourceError(RuntimeError):
+    """A rank's source failed while a window was read; raised on every rank."""
+
+
+def record_size(streams: int, docs: int) -> int:
+    """int64 words of a record for a rank reading `streams` streams and at most `docs` documents."""
+    return _HEADER + 2 * streams + 2 * docs + MESSAGE_BYTES // 8
+
+
+def encode_record(size: int, counts, ended, lengths, losses, error: str | None) -> np.ndarray:
+    """One rank's record (module docstring), zero-padded to `size` words."""
+    out = np.zeros(size, dtype=np.int64)
+    k, n = len(counts), len(lengths)
+    out[0] = 0 if error is None else 1
+    out[1 : 1 + k] = counts
+    out[1 + k : 1 + 2 * k] = ended
+    out[1 + 2 * k : 1 + 2 * k + n] = lengths
+    out[1 + 2 * k + n : 1 + 2 * k + 2 * n] = losses
+    if error is not None:
+        text = np.zeros(MESSAGE_BYTES, dtype=np.uint8)
+        raw = error.encode("utf-8", "replace")[:MESSAGE_BYTES]
+        text[: len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        out[size - MESSAGE_BYTES // 8 :] = text.view(np.int64)
+    return out
+
+
+def decode_record(rec: np.ndarray, streams: int):
+    """(error text or None, counts, ended, lengths, losses) of a record for `streams` streams."""
+    if rec[0]:
+        raw = rec[len(rec) - MESSAGE_BYTES // 8 :].view(np.uint8).tobytes().rstrip(b"\0")
+        return raw.decode("utf-8", "replace"), None, None, None, None
+    k = streams
+    counts = rec[1 : 1 + k].copy()
+    ended = rec[1 + k : 1 + 2 * k].astype(bool)
+    n = int(counts.sum())
+    lengths = rec[1 + 2 * k : 1 + 2 * k + n].copy()
+    losses = rec[1 + 2 * k + n : 1 + 2 * k + 2 * n].copy()
+    return None, counts, ended, lengths, losses
+
+
+def all_gather_records(record: np.ndarray, group, world: int) -> list[np.ndarray]:
+    """Every rank's record (same size on every rank) in rank order: one all_gather."""
+    import torch
+    import torch.distributed as dist
+
+    if world == 1:
+        return [record]
+    mine = torch.from_numpy(record)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine, group=group)
+    return [t.numpy() for t in out]
+
+
+def exchange_rows(outgoing: list[list], group, world: int, rank: int) -> tuple[list, int]:
+    """`outgoing[dest]`: the (key, row) pairs for process `dest`. Returns (the pairs this process receives, from
+    every source rank in rank order, and the bytes it sent to other processes)."""
+    if world == 1:
+        return list(outgoing[0]), 0
+    import torch
+    import torch.distributed as dist
+
+    blobs = [b"" if dest == rank or not outgoing[dest] else pickle.dumps(outgoing[dest], 5) for dest in range(world)]
+    send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+    recv_sizes = torch.empty(world, dtype=torch.int64)
+    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    send = torch.from_numpy(np.frombuffer(b"".join(blobs), dtype=np.uint8).copy())
+    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
+    dist.all_to_all_single(recv, send, recv_sizes.tolist(), send_sizes.tolist(), group=group)
+    got, at = [], 0
+    raw = recv.numpy()
+    for src, size in enumerate(recv_sizes.tolist()):
+        if src == rank:
+            got.extend(outgoing[rank])
+        elif size:
+            got.extend(pickle.loads(raw[at : at + size].tobytes()))
+        at += size
+    return got, int(send_sizes.sum())

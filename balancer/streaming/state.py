@@ -1,0 +1,133 @@
+"""`BalancedStream` resume states: what one holds, its strict check, and the one-line refusals of a mismatch.
+
+A state is the same on every rank that saves it after the same micro-batch, and saving it needs no communication:
+everything in it was shared by the window gathers. It holds
+
+- `epoch`, `seed`, `overflow`, `window_docs`, `source` (the source's kind and parts): must match the stream;
+- `window` (its index) and `streams`: every stream `[part, stride, offset, pos, ended]` as it stood before that
+  window (`pos` items of it in earlier windows); `taken` (items of each stream in the window) and `ended_after`,
+  or null when the window was not read yet; `digest`, a digest of the window's lengths (a resumed window must
+  re-read the same documents: anything else means the source changed);
+- `position`: micro-batches of the window's current plan segment consumed; `segments`: the chain of (topology,
+  cost model, steps consumed) the window was planned with, as in the sampler's state (the last one in use, its
+  `steps` null), so that a resume on another topology re-plans what is left of the window;
+- `models`: the cost models and rank speeds `update_model` scheduled, each from its `first_window` on.
+
+Resuming re-reads the window from the streams' positions (a stream that cannot seek reads its first `pos` items
+again and skips them) and re-plans it, so the continuation equals the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from balancer.planning.cost.model import CostModel
+from balancer.planning.topology import Topology
+from balancer.planning.units import OVERFLOW_POLICIES
+from balancer.strict_json import (
+    FORMAT_KEYS,
+    FormatSpec,
+    anything,
+    array,
+    check,
+    check_format,
+    integer,
+    number,
+    obj,
+    string,
+)
+
+SPEC = FormatSpec("balancer.stream", 1)
+WHERE = "stream state"
+
+_SEGMENT = obj({"topology": anything(), "cost": anything(), "steps": integer(min=0, nullable=True)})
+_MODEL = obj({"first_window": integer(min=0), "cost": anything(), "rank_speeds": array(number(min=0), nullable=True)})
+_STATE = obj(
+    {
+        **FORMAT_KEYS,
+        "epoch": integer(min=0),
+        "seed": integer(min=0),
+        "overflow": string(choices=OVERFLOW_POLICIES),
+        "window_docs": integer(min=1),
+        "source": string(),
+        "window": integer(min=0),
+        "streams": array(array(integer(min=0), max_items=5)),
+        "taken": array(integer(min=0), nullable=True),
+        "ended_after": array(integer(min=0, max=1), nullable=True),
+        "digest": string(nullable=True),
+        "position": integer(min=0),
+        "segments": array(_SEGMENT),
+        "models": array(_MODEL),
+    }
+)
+
+
+def check_state(state) -> dict:
+    """Validate every field of a stream state; returns a copy with topologies and cost models parsed. Raises one
+    ValueError naming the field."""
+    if not isinstance(state, dict):
+        raise ValueError(f"not a BalancedStream state (a {type(state).__name__}, not a dict)")
+    try:
+        check_format(state, WHERE, SPEC)
+    except ValueError as e:
+        raise ValueError(f"not a BalancedStream state: {e}") from None
+    check(state, _STATE, WHERE)
+    out = dict(state)
+    n = len(state["streams"])
+    if n == 0:
+        raise ValueError(f'{WHERE}: "streams": expected a non-empty list')
+    for i, row in enumerate(state["streams"]):
+        if len(row) != 5 or row[1] < 1 or row[4] > 1:
+            raise ValueError(
+                f'{WHERE}: "streams[{i}]": expected [part, stride >= 1, offset, pos, ended 0/1], got {row}'
+            )
+    for key in ("taken", "ended_after", "digest"):
+        if (state[key] is None) != (state["taken"] is None):
+            raise ValueError(f'{WHERE}: "{key}": must be null exactly when "taken" is null')
+    for key in ("taken", "ended_after"):
+        if state[key] is not None and len(state[key]) != n:
+            raise ValueError(f'{WHERE}: "{key}": {len(state[key])} entries for {n} streams')
+    out["segments"] = _parse_segments(state["segments"])
+    models = []
+    for i, m in enumerate(state["models"]):
+        try:
+            models.append((m["first_window"], CostModel.from_dict(m["cost"]), m["rank_speeds"]))
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f'{WHERE}: "models[{i}].cost": {e}') from None
+    out["models"] = models
+    return out
+
+
+def _parse_segments(segs: list) -> list[dict]:
+    if not segs:
+        raise ValueError(f'{WHERE}: "segments": expected a non-empty list')
+    parsed = []
+    for i, seg in enumerate(segs):
+        try:
+            topology, cost = Topology.from_dict(seg["topology"]), CostModel.from_dict(seg["cost"])
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f'{WHERE}: "segments[{i}]": {e}') from None
+        last = i == len(segs) - 1
+        if last != (seg["steps"] is None):
+            what = "null (the segment in use)" if last else "the steps consumed (an integer)"
+            raise ValueError(f'{WHERE}: "segments[{i}].steps": expected {what}, got {seg["steps"]!r}')
+        parsed.append({"topology": topology, "cost": cost, "steps": seg["steps"]})
+    return parsed
+
+
+def check_match(state: dict, stream) -> None:
+    """One ValueError naming the first field in which `state` (checked) and `stream` differ."""
+    for key, mine in (
+        ("seed", stream.seed),
+        ("overflow", stream.overflow),
+        ("window_docs", stream.window_docs),
+        ("source", stream.source.fingerprint),
+    ):
+        if state[key] != mine:
+            raise ValueError(f"the state is from {key}={state[key]!r}, this stream has {key}={mine!r}")
+    parts = stream.source.num_parts
+    for i, row in enumerate(state["streams"]):
+        if row[0] >= parts:
+            raise ValueError(f"the state's stream {i} reads part {row[0]}, the source has {parts} parts")
+
+
+def header() -> dict:
+    return SPEC.header()
