@@ -447,6 +447,12 @@ def _pool_rank(topology: Topology, world: int, grank: int, dp_rank, rank) -> int
     if grank < 0:
         raise ValueError("this process is not in the stream's group")
     pool = topology.pool_size
+    import torch.distributed as dist
+
+    if pool > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"torch.distributed is not initialised: a stream in one process needs dp*cp == 1, the topology has {pool}"
+        )
     if world % pool:
         raise ValueError(
             f"the stream's group has {world} processes, not a multiple of dp*cp = {pool} (one block of processes per "
