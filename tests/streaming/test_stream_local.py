@@ -78,7 +78,7 @@ def test_pretokenized_folder_as_a_stream(tmp_path):
     from balancer.data.pretokenize import PretokenizeOptions, pretokenize
     from balancer.data.shards.dataset import ShardDataset
 
-    texts = [("word%d " % i) * (1 + i % 37) for i in range(150)]
+    texts = [f"word{i} " * (1 + i % 37) for i in range(150)]
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     out = tmp_path / "tok"
