@@ -192,6 +192,13 @@ class BalancedStream(torch.utils.data.IterableDataset):
         self._submitted = max(self._submitted, index)
         return self._worker.submit(pipeline.prepare, index)
 
+    def step_loss_tokens(self) -> int:
+        """Global loss tokens (all replicas) of the step of the micro-batch yielded last: the normaliser of
+        `balancer.loss.token_loss`, from the gathered per-document counts (no communication)."""
+        if self._iter is None:
+            raise ValueError("no micro-batch of this stream has been yielded yet")
+        return self._iter.step_loss_tokens()
+
     def stats(self) -> dict:
         """This process's figures so far: bytes it sent to other processes, its peak of buffered tokens (read ahead,
         waiting to be sent, received and not yet yielded), and the windows it finished."""

@@ -86,21 +86,34 @@ def make_source(cfg: dict):
     raise ValueError(kind)
 
 
-def run_rank(rank: int, world: int, cfg: dict, out: str) -> None:
-    """One rank of a stream test: iterate (all of it, up to `stop` micro-batches, or from a saved state), then
-    write what it yielded, its state and stats to `out/rank{rank}.pkl`."""
+def _stream(cfg: dict):
     import balancer
     from balancer.streaming import BalancedStream
 
     topo = balancer.Topology(**cfg["topology"])
     cost = balancer.CostModel(*cfg.get("cost", (1.0, 50.0)))
-    stream = BalancedStream(
+    return BalancedStream(
         make_source(cfg), topo, cost, window_docs=cfg["window_docs"], seed=cfg.get("seed", 0),
         overflow=cfg.get("overflow", "error"),
     )  # fmt: skip
+
+
+def run_rank(rank: int, world: int, cfg: dict, out: str) -> None:
+    """One rank of a stream test: iterate (all of it, up to `stop` micro-batches, or from a saved state), then
+    write what it yielded, its state and stats to `out/rank{rank}.pkl`. `loads`: also, for each state file, a new
+    stream resumed from it and iterated to the end (`result["resumed"]`)."""
+    stream = _stream(cfg)
     if cfg.get("load"):
         stream.load_state_dict(json.loads(Path(cfg["load"]).read_text()))
-    got, states = [], {}
+    resumed = []
+    for path in cfg.get("loads", ()):
+        again = _stream(cfg)
+        again.load_state_dict(json.loads(Path(path).read_text()))
+        resumed.append(as_lists(list(again)))
+    from balancer import PackedCollator
+
+    coll = PackedCollator()
+    got, states, loss = [], {}, []
     stop = cfg.get("stop")
     probe = set(cfg.get("probe", ()))
     it = iter(stream)
@@ -113,12 +126,20 @@ def run_rank(rank: int, world: int, cfg: dict, out: str) -> None:
                 got.append(next(it))
             except StopIteration:
                 break
+            loss.append((stream.step_loss_tokens(), coll(got[-1])["num_loss_tokens"]))
     except Exception as e:  # the failing-source test checks the message on every rank
         error = f"{type(e).__name__}: {e}"
     state = json.dumps(stream.state_dict()) if error is None else None
     if cfg.get("save") and rank == 0 and state is not None:
         Path(cfg["save"]).write_text(state)
-    result = {"batches": as_lists(got), "state": state, "states": states, "stats": stream.stats(), "error": error}
+    result = {
+        "batches": as_lists(got),
+        "resumed": resumed,
+        "state": state,
+        "states": states,
+        "stats": stream.stats(),
+        "error": error,
+    }
     result["dp_rank"], result["pool_rank"] = stream.dp_rank, stream.pool_rank
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 

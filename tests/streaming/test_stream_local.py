@@ -183,6 +183,20 @@ def test_update_model_from_a_window_on():
     assert state["models"][0]["first_window"] == 2
 
 
+def test_step_loss_tokens_match_the_collator():
+    rows = doc_rows(60, 6)
+    for d, row in enumerate(rows):  # masked labels on some whole documents
+        if d % 3 == 0:
+            row["labels"] = [-100 if i % 2 else t for i, t in enumerate(row["input_ids"])]
+    s = BalancedStream(rows, TOPO, COST, window_docs=12)
+    coll = balancer.PackedCollator()
+    per_step = {}
+    for j, mb in enumerate(s):
+        told = s.step_loss_tokens()
+        per_step.setdefault(j // TOPO.micro_batches, [told, 0])[1] += coll(mb)["num_loss_tokens"]
+    assert per_step and all(told == summed for told, summed in per_step.values())
+
+
 def test_set_epoch_replays_the_source():
     rows = doc_rows(80, 4)
     s = BalancedStream(rows, TOPO, COST, window_docs=16)

@@ -5,6 +5,7 @@ CP groups, uneven shard ends, a failing source, exact resume at random points an
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,6 +48,11 @@ def test_static_dp4_jsonl_exactly_once(tmp_path):
     states = {r["state"] for r in results}
     assert len(states) == 1  # the same state on every rank, no communication
     assert all(r["stats"]["bytes_sent"] > 0 for r in results)
+    m = topo["micro_batches"]  # the global loss tokens of a step: the sum of every rank's collated counts
+    for step in range(len(results[0]["loss"]) // m):
+        told = {r["loss"][step * m][0] for r in results}
+        summed = sum(r["loss"][step * m + j][1] for r in results for j in range(m))
+        assert told == {summed}, (step, told, summed)
 
 
 def test_cp_replicas_same_micro_batches_parquet(tmp_path):
@@ -144,18 +150,20 @@ def test_resume_at_random_points(tmp_path):
     topo = {"dp": 2, "micro_batches": 2, "max_tokens": 512}
     base = {"source": "jsonl", "paths": paths, "topology": topo, "window_docs": 40, "overflow": "split"}
     rng = np.random.default_rng(7)
-    full = _world(tmp_path, 2, {**base, "probe": []}, "full")
+    points = sorted(int(p) for p in rng.choice(np.arange(1, 40), size=5, replace=False))
+    full = _world(tmp_path, 2, {**base, "probe": points}, "full")  # states taken along an uninterrupted run
     n = len(full[0]["batches"])
-    points = sorted(int(p) for p in rng.choice(np.arange(1, n), size=5, replace=False))
-    probed = _world(tmp_path, 2, {**base, "probe": points}, "probe")
-    for r in range(2):
-        assert probed[r]["batches"] == full[r]["batches"]
-        assert probed[r]["states"] == probed[0]["states"]  # every rank: the same state at the same micro-batch
+    assert n > max(points)
+    files = []
     for p in points:
-        (tmp_path / f"s{p}.json").write_text(probed[0]["states"][p])
-        rest = _world(tmp_path, 2, {**base, "load": str(tmp_path / f"s{p}.json")}, f"r{p}")
-        for r in range(2):
-            assert full[r]["batches"][:p] + rest[r]["batches"] == full[r]["batches"], f"resume at {p}, rank {r}"
+        assert full[0]["states"][p] == full[1]["states"][p]  # every rank: the same state at the same micro-batch
+        files.append(str(tmp_path / f"s{p}.json"))
+        Path(files[-1]).write_text(full[0]["states"][p])
+    again = _world(tmp_path, 2, {**base, "stop": 0, "loads": files}, "again")
+    for r in range(2):
+        for p, rest in zip(points, again[r]["resumed"]):
+            assert full[r]["batches"][:p] + rest == full[r]["batches"], f"resume at {p}, rank {r}"
+    _check_once(full, rows, 1)
 
 
 @pytest.mark.parametrize("worlds", [(4, 2), (2, 4)])

@@ -1,0 +1,287 @@
+"""BalancedStream: balance against the map-style sampler, throughput against the plain streaming loop, memory.
+
+1. Balance (`--part balance`, no processes, no timing): the same documents in the same order with the same window
+   size, planned by the map-style sampler's windows (`plan_window`, contiguous blocks of the epoch's shuffle) and
+   by a stream's windows. The stream's source holds the documents in that same shuffled order, cut into
+   SOURCE_SHARDS contiguous files; its windows are composed by the stream's own rules (sources.initial_streams,
+   windows.quotas, the reserve of dp*micro_batches documents: `stream_windows` below replays them without
+   processes) and planned by the stream's planning call (windows.replan_units). Epoch efficiency of both (the
+   window plans concatenated into one plan, `Plan.metrics()`), for the wlbllm and prolong traces and an SFT mix
+   (resampled to DOCS documents), dp4 and dp8, without and with CP 2, seeds 0-2; target: within 0.02.
+2. Throughput (`--part throughput`, 4 gloo ranks, one thread each, CPU): the same Parquet files (SFT-mix lengths)
+   read through `datasets` streaming by (a) BalancedStream -> PackedCollator and (b) the plain loop it replaces:
+   `split_dataset_by_node` + per-rank greedy packing (next-fit up to max_tokens * cp) -> PackedCollator.
+   Paired alternating repetitions inside one world (a, b, a, b, ...); tokens/s = all ranks' tokens / the slowest
+   rank's wall seconds (wall clock: speed is the point), process CPU seconds recorded beside. Also: the tokens/s
+   one rank's tiny Llama (TINY_LLAMA, forward + backward, 1 thread) consumes on micro-batches of the same size,
+   each rank's peak buffered tokens (`stream.stats()`) against 2 x window tokens / dp, and the bytes exchanged.
+Writes benchmarks/results/streaming.json. Usage: python benchmarks/streaming.py [--part all|balance|throughput]
+[--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from _common import DEFAULT_COST, standard_topology, write_result
+
+import balancer
+from balancer.data.traces import load_trace
+from balancer.planning.shuffle import EpochShuffle, num_windows
+from balancer.planning.window import plan_window, window_seed
+from balancer.streaming.sources import assign, initial_streams
+from balancer.streaming.windows import quotas, replan_units
+
+SOURCE_SHARDS = 16
+DOCS = 40_000
+WINDOW_STEPS = 16
+TOPOLOGIES = {"dp4": (4, 1), "dp8": (8, 1), "dp4xcp2": (4, 2), "dp8xcp2": (8, 2)}
+M = 4
+
+
+def stream_windows(order: np.ndarray, world: int, window_docs: int, reserve: int) -> list[np.ndarray]:
+    """The stream's windows (global ids, window order) for a source holding `order` in SOURCE_SHARDS contiguous
+    files read by `world` ranks: the rules of balancer.streaming.windows (quotas + reserve, window order by
+    (stream, item))."""
+    files = np.array_split(order, SOURCE_SHARDS)
+    specs = initial_streams(len(files), world)
+    assert sum(len(a) for a in assign(len(specs), world)) == len(specs)
+    items = [files[s.part][s.offset :: s.stride] for s in specs]
+    pos, ended = [0] * len(specs), [False] * len(specs)
+    out = []
+    while not all(ended):
+        q = quotas(ended, window_docs)
+        window = []
+        for v in range(len(specs)):
+            if ended[v]:
+                continue
+            avail = items[v][pos[v] : pos[v] + q[v] + reserve]
+            if len(avail) < q[v] + reserve:
+                ended[v] = True
+                take = avail
+            else:
+                take = avail[: q[v]]
+            window.append(take)
+            pos[v] += len(take)
+        ids = np.concatenate(window)
+        if len(ids):
+            out.append(ids)
+    return out
+
+
+def _concat(lengths, topo, plans_ids) -> float:
+    """Epoch efficiency of window plans (plan, global ids of its local documents) concatenated into one plan."""
+    ptr, doc, start, end = [np.zeros(1, dtype=np.int64)], [], [], []
+    for p, ids in plans_ids:
+        ptr.append(p.mb_ptr[1:] + ptr[-1][-1])
+        doc.append(p.doc if ids is None else ids[p.doc])
+        start.append(p.start)
+        end.append(p.end)
+    whole = balancer.Plan(lengths, topo, DEFAULT_COST, np.concatenate(doc), np.concatenate(start),
+                          np.concatenate(end), np.concatenate(ptr))  # fmt: skip
+    return float(whole.metrics()["epoch_efficiency"])
+
+
+def balance_row(trace: str, topo_name: str, seed: int) -> dict:
+    lengths = load_trace(trace, n=DOCS, seed=seed)
+    dp, cp = TOPOLOGIES[topo_name]
+    topo = standard_topology(lengths, dp, cp, 1, M)
+    per_step = topo.tokens_per_step * len(lengths) / float(lengths.sum())
+    window_docs = max(topo.bins_per_step, int(np.ceil(WINDOW_STEPS * per_step)))
+    k = num_windows(len(lengths), window_docs)
+    sampler = [
+        (plan_window(lengths, topo, DEFAULT_COST, seed=seed, epoch=0, index=i, window_docs=window_docs), None)
+        for i in range(k)
+    ]
+    order = EpochShuffle(len(lengths), seed, 0)(np.arange(len(lengths)))
+    windows = stream_windows(order, dp * cp, window_docs, topo.bins_per_step)
+    stream = []
+    for i, ids in enumerate(windows):
+        seg = replan_units(lengths[ids], topo, DEFAULT_COST, window_seed(seed, 0, i, 0), "error", [])
+        stream.append((seg.plan, ids))
+    assert sorted(np.concatenate(windows).tolist()) == list(range(len(lengths)))
+    e_sampler, e_stream = _concat(lengths, topo, sampler), _concat(lengths, topo, stream)
+    return {
+        "trace": trace, "topology": topo_name, "seed": seed, "docs": len(lengths), "window_docs": window_docs,
+        "sampler_windows": k, "stream_windows": len(windows), "sampler_efficiency": round(e_sampler, 4),
+        "stream_efficiency": round(e_stream, 4), "difference": round(e_stream - e_sampler, 4),
+    }  # fmt: skip
+
+
+def balance(quick: bool) -> list[dict]:
+    rows = []
+    traces = ("wlbllm", "sft") if quick else ("wlbllm", "prolong", "sft")
+    for trace in traces:
+        for topo_name in TOPOLOGIES:
+            for seed in (0,) if quick else (0, 1, 2):
+                row = balance_row(trace, topo_name, seed)
+                print(row, flush=True)
+                rows.append(row)
+    return rows
+
+
+# ---- throughput ------------------------------------------------------------------------------------------------
+THROUGHPUT = {"docs": 3000, "files": 8, "max_tokens": 4096, "micro_batches": 4, "window_docs": 256, "reps": 3}
+
+
+def write_parquet(folder: Path, n: int, files: int, seed: int) -> tuple[list[str], int]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lengths = load_trace("sft", n=n, seed=seed)
+    rng = np.random.default_rng(seed)
+    paths = []
+    for i, part in enumerate(np.array_split(np.arange(n), files)):
+        ids = [rng.integers(0, 256, int(lengths[d])).tolist() for d in part]
+        path = folder / f"part-{i:02d}.parquet"
+        pq.write_table(pa.table({"input_ids": ids, "doc": part.tolist()}), path)
+        paths.append(str(path))
+    return paths, int(lengths.sum())
+
+
+def _greedy(ds, cap: int):
+    """The plain loop: next-fit packing of this rank's rows up to `cap` tokens per micro-batch."""
+    mb, used = [], 0
+    for row in ds:
+        n = len(row["input_ids"])
+        if mb and used + n > cap:
+            yield mb
+            mb, used = [], 0
+        mb.append(row)
+        used += n
+    if mb:
+        yield mb
+
+
+def _pass(kind: str, paths, topo, rank: int, world: int) -> dict:
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    from balancer.streaming import BalancedStream
+
+    coll = balancer.PackedCollator()
+    ds = datasets.load_dataset("parquet", data_files=paths, split="train", streaming=True)
+    wall, cpu = time.perf_counter(), time.process_time()
+    tokens = batches = 0
+    stats = None
+    if kind == "stream":
+        stream = BalancedStream(ds, topo, DEFAULT_COST, window_docs=THROUGHPUT["window_docs"], overflow="split")
+        source = stream
+    else:
+        source = _greedy(split_dataset_by_node(ds, rank=rank, world_size=world), topo.max_tokens * topo.cp)
+    for mb in source:
+        tokens += coll(mb)["num_tokens"]
+        batches += 1
+    if kind == "stream":
+        stats = stream.stats()
+    return {"kind": kind, "wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu, "tokens": tokens,
+            "micro_batches": batches, "stats": stats}  # fmt: skip
+
+
+def _model_rate(tokens: int, reps: int = 3) -> float:
+    """Tokens/s of TINY_LLAMA forward + backward on one packed sequence of `tokens` tokens (sdpa, 1 thread)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from balancer.calibration.timing import TINY_LLAMA
+
+    cfg = {k: v for k, v in TINY_LLAMA.items() if k != "model_type"}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg, attn_implementation="sdpa"))
+    ids = torch.randint(0, cfg["vocab_size"], (1, tokens))
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        best = min(best, time.perf_counter() - start)
+    return tokens / best
+
+
+def _throughput_rank(rank: int, world: int, paths, out: str) -> None:
+    import torch.distributed as dist
+
+    topo = balancer.Topology(dp=world, micro_batches=THROUGHPUT["micro_batches"], max_tokens=THROUGHPUT["max_tokens"])
+    runs = []
+    for rep in range(THROUGHPUT["reps"]):
+        for kind in ("stream", "plain") if rep % 2 == 0 else ("plain", "stream"):
+            dist.barrier()
+            runs.append(_pass(kind, paths, topo, rank, world))
+    dist.barrier()
+    rate = _model_rate(THROUGHPUT["max_tokens"]) if rank == 0 else None
+    Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps({"runs": runs, "model_tokens_per_s": rate}))
+
+
+def throughput(world: int = 4) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from support.dist import run_world
+
+    with tempfile.TemporaryDirectory() as tmp:
+        paths, total = write_parquet(Path(tmp), THROUGHPUT["docs"], THROUGHPUT["files"], 0)
+        run_world(world, _throughput_rank, paths, tmp)
+        ranks = [pickle.loads(Path(tmp, f"rank{r}.pkl").read_bytes()) for r in range(world)]
+    reps = []
+    for i in range(len(ranks[0]["runs"])):
+        runs = [r["runs"][i] for r in ranks]
+        assert sum(x["tokens"] for x in runs) == total, (runs[0]["kind"], sum(x["tokens"] for x in runs), total)
+        slowest = max(x["wall"] for x in runs)
+        reps.append(
+            {
+                "kind": runs[0]["kind"],
+                "tokens_per_s": sum(x["tokens"] for x in runs) / slowest,
+                "slowest_wall_s": slowest,
+                "cpu_s": [round(x["cpu"], 3) for x in runs],
+                "micro_batches": [x["micro_batches"] for x in runs],
+                "stats": [x["stats"] for x in runs],
+            }
+        )
+    med = {k: float(np.median([r["tokens_per_s"] for r in reps if r["kind"] == k])) for k in ("stream", "plain")}
+    window_tokens = THROUGHPUT["window_docs"] * total / THROUGHPUT["docs"]
+    peaks = [s["peak_buffered_tokens"] for r in reps if r["kind"] == "stream" for s in r["stats"]]
+    model = ranks[0]["model_tokens_per_s"]
+    return {
+        "config": {**THROUGHPUT, "world": world, "total_tokens": total},
+        "repetitions": reps,
+        "stream_tokens_per_s": round(med["stream"]),
+        "plain_tokens_per_s": round(med["plain"]),
+        "stream_over_plain": round(med["stream"] / med["plain"], 3),
+        "model_tokens_per_s_per_rank": round(model),
+        "stream_per_rank_over_model": round(med["stream"] / world / model, 2),
+        "peak_buffered_tokens_max": int(max(peaks)),
+        "window_tokens_mean": round(window_tokens),
+        "peak_over_2_window_per_dp": round(max(peaks) / (2 * window_tokens / world), 3),
+    }
+
+
+def git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
+    return out.stdout.strip() or "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("all", "balance", "throughput"), default="all")
+    ap.add_argument("--quick", action="store_true", help="one seed, two traces (a smoke run)")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    payload = {"git_commit": git_commit()}
+    if args.part in ("all", "balance"):
+        rows = balance(args.quick)
+        payload["balance"] = rows
+        payload["balance_worst_shortfall"] = round(-min(r["difference"] for r in rows), 4)
+    if args.part in ("all", "throughput"):
+        payload["throughput"] = throughput()
+        print(payload["throughput"], flush=True)
+    name = "streaming" if not args.quick else "streaming_quick"
+    print(write_result(name, payload, clock="none" if args.part == "balance" else "wall+process_cpu"))
+
+
+if __name__ == "__main__":
+    main()
