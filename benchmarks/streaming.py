@@ -1,13 +1,14 @@
 """BalancedStream: balance against the map-style sampler, throughput against the plain streaming loop, memory.
 
 1. Balance (`--part balance`, no processes, no timing): the same documents in the same order with the same window
-   size, planned by the map-style sampler's windows (`plan_window`, contiguous blocks of the epoch's shuffle) and
-   by a stream's windows. The stream's source holds the documents in that same shuffled order, cut into
-   SOURCE_SHARDS contiguous files; its windows are composed by the stream's own rules (sources.initial_streams,
-   windows.quotas, the reserve of dp*micro_batches documents: `stream_windows` below replays them without
-   processes) and planned by the stream's planning call (windows.replan_units). Epoch efficiency of both (the
-   window plans concatenated into one plan, `Plan.metrics()`), for the wlbllm and prolong traces and an SFT mix
-   (resampled to DOCS documents), dp4 and dp8, without and with CP 2, seeds 0-2; target: within 0.02.
+   size (WINDOW_STEPS steps' documents, at most a quarter of the documents), planned by the map-style sampler's
+   windows (`plan_window`, contiguous blocks of the epoch's shuffle) and by a stream's windows. The stream's
+   source holds the documents in that same shuffled order, cut into SOURCE_SHARDS contiguous files; its windows
+   are composed by the stream's own rules (sources.initial_streams, windows.quotas, the reserve of
+   dp*micro_batches documents: `stream_windows` below replays them without processes) and planned by the
+   stream's planning call (windows.replan_units). Epoch efficiency of both (the window plans concatenated into one
+   plan, `Plan.metrics()`), for the wlbllm and prolong traces and an SFT mix (resampled to DOCS documents), dp4
+   and dp8, without and with CP 2, seeds 0-2; target: within 0.02.
 2. Throughput (`--part throughput`, 4 gloo ranks, one thread each, CPU): the same Parquet files (SFT-mix lengths)
    read through `datasets` streaming by (a) BalancedStream -> PackedCollator and (b) the plain loop it replaces:
    `split_dataset_by_node` + per-rank greedy packing (next-fit up to max_tokens * cp) -> PackedCollator.
@@ -43,6 +44,7 @@ from balancer.streaming.windows import quotas, replan_units
 SOURCE_SHARDS = 16
 DOCS = 40_000
 WINDOW_STEPS = 16
+MIN_WINDOWS = 4  # long-document traces hold few steps: their windows are cut smaller so that every row has >= 4
 TOPOLOGIES = {"dp4": (4, 1), "dp8": (8, 1), "dp4xcp2": (4, 2), "dp8xcp2": (8, 2)}
 M = 4
 
@@ -95,7 +97,7 @@ def balance_row(trace: str, topo_name: str, seed: int) -> dict:
     dp, cp = TOPOLOGIES[topo_name]
     topo = standard_topology(lengths, dp, cp, 1, M)
     per_step = topo.tokens_per_step * len(lengths) / float(lengths.sum())
-    window_docs = max(topo.bins_per_step, int(np.ceil(WINDOW_STEPS * per_step)))
+    window_docs = max(topo.bins_per_step, min(int(np.ceil(WINDOW_STEPS * per_step)), len(lengths) // MIN_WINDOWS))
     k = num_windows(len(lengths), window_docs)
     sampler = [
         (plan_window(lengths, topo, DEFAULT_COST, seed=seed, epoch=0, index=i, window_docs=window_docs), None)
