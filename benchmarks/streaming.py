@@ -16,8 +16,8 @@
    rank's wall seconds (wall clock: speed is the point), process CPU seconds recorded beside. Also: the tokens/s
    one rank's tiny Llama (TINY_LLAMA, forward + backward, 1 thread) consumes on micro-batches of the same size,
    each rank's peak buffered tokens (`stream.stats()`) against 2 x window tokens / dp, and the bytes exchanged.
-Writes benchmarks/results/streaming.json. Usage: python benchmarks/streaming.py [--part all|balance|throughput]
-[--quick]
+Writes benchmarks/results/streaming_balance.json and streaming_throughput.json.
+Usage: python benchmarks/streaming.py [--part all|balance|throughput] [--quick]
 """
 
 from __future__ import annotations
@@ -273,16 +273,16 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one seed, two traces (a smoke run)")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    payload = {"git_commit": git_commit()}
+    suffix = "_quick" if args.quick else ""
     if args.part in ("all", "balance"):
         rows = balance(args.quick)
-        payload["balance"] = rows
-        payload["balance_worst_shortfall"] = round(-min(r["difference"] for r in rows), 4)
+        worst = round(-min(r["difference"] for r in rows), 4)
+        payload = {"git_commit": git_commit(), "balance": rows, "balance_worst_shortfall": worst}
+        print(write_result("streaming_balance" + suffix, payload, clock="none"))
     if args.part in ("all", "throughput"):
-        payload["throughput"] = throughput()
+        payload = {"git_commit": git_commit(), "throughput": throughput()}
         print(payload["throughput"], flush=True)
-    name = "streaming" if not args.quick else "streaming_quick"
-    print(write_result(name, payload, clock="none" if args.part == "balance" else "wall+process_cpu"))
+        print(write_result("streaming_throughput" + suffix, payload, clock="wall+process_cpu"))
 
 
 if __name__ == "__main__":
