@@ -5,7 +5,7 @@ One module per idea: sources.py (what each rank reads), windows.py (one window: 
 exchange.py (the collectives), state.py (resume states), dataset.py (the IterableDataset).
 """
 
-from balancer._lazy import lazy_exports
+from attention._lazy import lazy_exports
 
 _EXPORTS = {"BalancedStream": "balancer.streaming.dataset"}
 __all__ = list(_EXPORTS)
