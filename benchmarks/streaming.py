@@ -38,8 +38,9 @@ import balancer
 from balancer.data.traces import load_trace
 from balancer.planning.shuffle import EpochShuffle, num_windows
 from balancer.planning.window import plan_window, window_seed
+from balancer.streaming.reading import quotas
 from balancer.streaming.sources import assign, initial_streams
-from balancer.streaming.windows import quotas, replan_units
+from balancer.streaming.windows import replan_units
 
 SOURCE_SHARDS = 16
 DOCS = 40_000
@@ -51,29 +52,35 @@ M = 4
 
 def stream_windows(order: np.ndarray, world: int, window_docs: int, reserve: int) -> list[np.ndarray]:
     """The stream's windows (global ids, window order) for a source holding `order` in SOURCE_SHARDS contiguous
-    files read by `world` ranks: the rules of balancer.streaming.windows (quotas + reserve, window order by
-    (stream, item))."""
+    files read by `world` ranks: the rule of balancer.streaming.reading (quotas, the reserve, the extra rounds
+    near the end; window order by (stream, item)). A stream "ends" when asked for more items than it has left."""
     files = np.array_split(order, SOURCE_SHARDS)
     specs = initial_streams(len(files), world)
     assert sum(len(a) for a in assign(len(specs), world)) == len(specs)
     items = [files[s.part][s.offset :: s.stride] for s in specs]
-    pos, ended = [0] * len(specs), [False] * len(specs)
+    n = len(specs)
+    pos, ended = [0] * n, [False] * n
     out = []
     while not all(ended):
         q = quotas(ended, window_docs)
-        window = []
-        for v in range(len(specs)):
-            if ended[v]:
-                continue
-            avail = items[v][pos[v] : pos[v] + q[v] + reserve]
-            if len(avail) < q[v] + reserve:
-                ended[v] = True
-                take = avail
-            else:
-                take = avail[: q[v]]
-            window.append(take)
-            pos[v] += len(take)
-        ids = np.concatenate(window)
+        live = [v for v in range(n) if not ended[v]]
+        share = -(-reserve // len(live))
+        given, held = [[] for _ in range(n)], [0] * n
+        asks = {v: (int(q[v]) + share, int(q[v])) for v in live}  # v: (items wanted buffered, items given)
+        while asks:
+            for v, (upto, give) in asks.items():
+                left = len(items[v]) - pos[v]
+                if left < upto:
+                    ended[v], give = True, left
+                given[v].append(items[v][pos[v] : pos[v] + give])
+                pos[v] += give
+                held[v] = 0 if ended[v] else upto - give
+            alive = [v for v in range(n) if not ended[v]]
+            missing = reserve - sum(held[v] for v in alive)
+            if not alive or missing <= 0:
+                break
+            asks = {v: (held[v] + -(-missing // len(alive)), 0) for v in alive}
+        ids = np.concatenate([c for v in range(n) for c in given[v]])
         if len(ids):
             out.append(ids)
     return out

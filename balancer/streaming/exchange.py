@@ -1,10 +1,11 @@
 """The two collectives of a stream window, both on the stream's own gloo group (run by its background thread).
 
-`gather_window`: ONE `all_gather` of a fixed-size int64 record per rank: a status word (0 = read fine, 1 = the
-source failed), the rank's per-stream counts and end-of-stream flags, the lengths and loss-token counts of the
-documents it read, and on failure the error text (UTF-8, cut to MESSAGE_BYTES). Every rank knows every record's size
-in advance (the quotas are derived from what earlier windows shared), so no size exchange is needed, and a rank
-whose source failed still joins the gather: every rank then raises the same error instead of waiting for it.
+`all_gather_records`: ONE `all_gather` of a fixed-size int64 record per rank: a status word (0 = read fine, 1 =
+the source failed), per stream the documents given to the window, whether it finished and the documents it holds
+for the next window, the lengths and loss-token counts of the documents given, and on failure the error text
+(UTF-8, cut to MESSAGE_BYTES). Every rank knows every record's size in advance (the quotas are derived from what
+earlier gathers shared), so no size exchange is needed, and a rank whose source failed still joins the gather:
+every rank then raises the same error instead of waiting for it.
 
 `exchange_rows`: the documents to the processes that train them, pickled per destination, with two
 `all_to_all_single` calls (the byte counts, then the bytes); a process's own documents are not serialised.
@@ -19,6 +20,7 @@ import numpy as np
 
 MESSAGE_BYTES = 1024
 _HEADER = 1  # the status word
+_PER_STREAM = 3  # documents given, finished (0/1), documents held for the next window
 
 
 class StreamSourceError(RuntimeError):
@@ -26,19 +28,20 @@ class StreamSourceError(RuntimeError):
 
 
 def record_size(streams: int, docs: int) -> int:
-    """int64 words of a record for a rank reading `streams` streams and at most `docs` documents."""
-    return _HEADER + 2 * streams + 2 * docs + MESSAGE_BYTES // 8
+    """int64 words of a record for a rank reading `streams` streams and giving at most `docs` documents."""
+    return _HEADER + _PER_STREAM * streams + 2 * docs + MESSAGE_BYTES // 8
 
 
-def encode_record(size: int, counts, ended, lengths, losses, error: str | None) -> np.ndarray:
-    """One rank's record (module docstring), zero-padded to `size` words."""
+def encode_record(size: int, per_stream: np.ndarray, lengths, losses, error: str | None) -> np.ndarray:
+    """One rank's record (module docstring): `per_stream` [k, 3] (documents given, finished, documents held),
+    then the given documents' lengths and loss-token counts; zero-padded to `size` words."""
     out = np.zeros(size, dtype=np.int64)
-    k, n = len(counts), len(lengths)
+    k, n = len(per_stream), len(lengths)
     out[0] = 0 if error is None else 1
-    out[1 : 1 + k] = counts
-    out[1 + k : 1 + 2 * k] = ended
-    out[1 + 2 * k : 1 + 2 * k + n] = lengths
-    out[1 + 2 * k + n : 1 + 2 * k + 2 * n] = losses
+    body = _HEADER + _PER_STREAM * k
+    out[_HEADER:body] = np.asarray(per_stream, dtype=np.int64).reshape(-1)
+    out[body : body + n] = lengths
+    out[body + n : body + 2 * n] = losses
     if error is not None:
         text = np.zeros(MESSAGE_BYTES, dtype=np.uint8)
         raw = error.encode("utf-8", "replace")[:MESSAGE_BYTES]
@@ -48,17 +51,14 @@ def encode_record(size: int, counts, ended, lengths, losses, error: str | None) 
 
 
 def decode_record(rec: np.ndarray, streams: int):
-    """(error text or None, counts, ended, lengths, losses) of a record for `streams` streams."""
+    """(error text or None, per_stream [k, 3], lengths, losses) of a record for `streams` streams."""
     if rec[0]:
         raw = rec[len(rec) - MESSAGE_BYTES // 8 :].view(np.uint8).tobytes().rstrip(b"\0")
-        return raw.decode("utf-8", "replace"), None, None, None, None
-    k = streams
-    counts = rec[1 : 1 + k].copy()
-    ended = rec[1 + k : 1 + 2 * k].astype(bool)
-    n = int(counts.sum())
-    lengths = rec[1 + 2 * k : 1 + 2 * k + n].copy()
-    losses = rec[1 + 2 * k + n : 1 + 2 * k + 2 * n].copy()
-    return None, counts, ended, lengths, losses
+        return raw.decode("utf-8", "replace"), None, None, None
+    body = _HEADER + _PER_STREAM * streams
+    per = rec[_HEADER:body].reshape(streams, _PER_STREAM).copy()
+    n = int(per[:, 0].sum())
+    return None, per, rec[body : body + n].copy(), rec[body + n : body + 2 * n].copy()
 
 
 def all_gather_records(record: np.ndarray, group, world: int) -> list[np.ndarray]:

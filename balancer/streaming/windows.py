@@ -1,13 +1,7 @@
 """One stream window, end to end: read, gather, plan, exchange (run by the stream's background thread).
 
-Window composition (the same on every rank, from what earlier windows shared): the streams not known to be
-finished split `window_docs` between them (`quotas`); each reading rank reads, from each of its streams, up to the
-stream's quota plus `reserve` more items (`reserve` = dp * micro_batches, the documents one step needs). A stream
-that had them all gives its quota to the window and keeps the rest for the next; a stream that ran out gives
-everything it had and is finished. So a window is never the last one unless every stream is finished, and the
-window after a full one holds at least `reserve` documents: the last window can always fill a step (no padding,
-nothing dropped), also when one rank's streams end early. The window's documents are ordered by (stream, item), so
-its order, and so its plan, do not depend on which rank read what.
+Which documents make the window is reading.py's rule (`compose`: the counts gathered, the same decision on every
+rank); the window's documents are ordered by (stream, item), so its plan does not depend on which rank read what.
 
 The window is planned by `balancer.plan` (the sampler's planner: static, pipeline or dynamic CP, any overflow
 policy) with the seed `window_seed(seed, epoch, index)`; after an elastic resume the resumed window is re-planned
@@ -16,7 +10,6 @@ from its segments' history exactly as the sampler re-plans one (`replan_units`).
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import threading
 from dataclasses import dataclass, field
@@ -25,15 +18,9 @@ from typing import Optional
 import numpy as np
 
 from balancer.planning.window import window_seed
-from balancer.streaming.exchange import (
-    StreamSourceError,
-    all_gather_records,
-    decode_record,
-    encode_record,
-    exchange_rows,
-    record_size,
-)
-from balancer.streaming.sources import Source, StreamSpec, assign, loss_tokens, split_streams
+from balancer.streaming.exchange import all_gather_records, exchange_rows
+from balancer.streaming.reading import Reader, compose
+from balancer.streaming.sources import StreamSpec, assign, split_streams
 from balancer.training.segments import Segment, plan_units
 
 _NOT_WINDOWED = 0  # window_seed's "windows" argument: never the whole-epoch branch (a stream's length is unknown)
@@ -42,17 +29,6 @@ _NOT_WINDOWED = 0  # window_seed's "windows" argument: never the whole-epoch bra
 def lengths_digest(lengths: np.ndarray) -> str:
     """A short digest of a window's lengths (a resumed window must re-read the same documents)."""
     return hashlib.sha256(np.asarray(lengths, dtype="<i8").tobytes()).hexdigest()[:16]
-
-
-def quotas(ended: list[bool], window_docs: int) -> np.ndarray:
-    """Documents each stream gives a window: `window_docs` split over the unfinished streams (earlier ones +1)."""
-    live = [v for v, e in enumerate(ended) if not e]
-    out = np.zeros(len(ended), dtype=np.int64)
-    if live:
-        base, extra = divmod(int(window_docs), len(live))
-        for i, v in enumerate(live):
-            out[v] = base + (i < extra)
-    return out
 
 
 @dataclass
@@ -80,42 +56,6 @@ class Meter:
         with self._lock:
             self.now += int(n)
             self.peak = max(self.peak, self.now)
-
-
-class Reader:
-    """This process's open streams: an iterator and the items read ahead of the window they belong to."""
-
-    def __init__(self, source: Source, meter: Meter) -> None:
-        self.source, self.meter = source, meter
-        self._open: dict[StreamSpec, tuple] = {}
-
-    def take(self, spec: StreamSpec, pos: int, quota: int, reserve: int, forced: Optional[int]):
-        """(rows, ended): the items of stream `spec` for a window starting at its item `pos` (module docstring);
-        `forced`: exactly that many (a resumed window, whose counts the state recorded)."""
-        it, buf, at = self._open.get(spec, (None, None, None))
-        if it is None or at != pos:
-            it, buf = self.source.read(spec, pos), collections.deque()
-        want = forced if forced is not None else quota + reserve
-        ended = False
-        while len(buf) < want:
-            try:
-                row = next(it)
-            except StopIteration:
-                ended = True
-                break
-            buf.append(row)
-            self.meter.add(len(row["input_ids"]))
-        n = min(len(buf), forced if forced is not None else (len(buf) if ended else quota))
-        rows = [buf.popleft() for _ in range(n)]
-        self._open[spec] = (it, buf, pos + n)
-        return rows, ended
-
-    def close_except(self, specs) -> None:
-        keep = set(specs)
-        for spec in list(self._open):
-            if spec not in keep:
-                _, buf, _ = self._open.pop(spec)
-                self.meter.add(-sum(len(r["input_ids"]) for r in buf))
 
 
 @dataclass
@@ -212,95 +152,43 @@ class Pipeline:
         if all(cur.ended) and self.forced is None:
             return None
         topology, cost = s.model_for(index)
-        q = quotas(cur.ended, s.window_docs)
-        reserve = topology.bins_per_step
         mine = assign(len(cur.specs), s.world)
-        error, rows, counts, ended = self._read(mine[s.grank], cur, q, reserve)
-        docs_max = max(
-            sum(int(self.forced[v]) if self.forced is not None else int(q[v]) + reserve for v in m if not cur.ended[v])
-            for m in mine
-        )
-        size = record_size(max(len(m) for m in mine), docs_max)
-        rec = encode_record(
-            size, counts, ended, [len(r["input_ids"]) for r in rows], [loss_tokens(r) for r in rows], error
-        )
-        records = all_gather_records(rec, s.group, s.world)
-        taken, lengths, losses, owner = self._assemble(records, mine, cur, index)
-        after = Cursor(list(cur.specs), [p + t for p, t in zip(cur.pos, taken)], list(cur.ended))
-        history, self.history = self.history, []
+        gather = lambda record: all_gather_records(record, s.group, s.world)  # noqa: E731
+        comp = compose(self.reader, cur, mine, s.grank, s.window_docs, topology.bins_per_step, self.forced, gather)
         if self.forced is not None:
-            after.ended = [bool(e) for e in self._forced_after]
+            self._check_forced(comp, cur, index)
+            comp.ended = [bool(e) for e in self._forced_after]
             self.forced = self._forced_after = self._forced_digest = None
-        else:
-            after.ended = [bool(e) or bool(x) for e, x in zip(cur.ended, self._ended_all)]
+        after = Cursor(list(cur.specs), [p + t for p, t in zip(cur.pos, comp.taken)], list(comp.ended))
+        history, self.history = self.history, []
         ended_after = list(after.ended)
         if self.resplit is not None:
             after = self._resplit(after)
             self.reader.close_except(after.specs)
         self.cursor = after
-        if len(lengths) == 0:
+        if len(comp.lengths) == 0:
             return None
         seed = window_seed(s.seed, s.epoch, index, _NOT_WINDOWED)
         try:
-            seg = replan_units(lengths, topology, cost, seed, s.overflow, history)
+            seg = replan_units(comp.lengths, topology, cost, seed, s.overflow, history)
         except ValueError as e:
-            raise ValueError(f"window {index} of the stream ({len(lengths)} documents): {e}") from None
-        win = Window(index, cur.copy(), taken, after.copy(), lengths, losses, seg, history, ended_after)
-        self._exchange(win, rows, owner)
+            raise ValueError(f"window {index} of the stream ({len(comp.lengths)} documents): {e}") from None
+        win = Window(index, cur.copy(), comp.taken, after.copy(), comp.lengths, comp.losses, seg, history, ended_after)
+        self._exchange(win, comp.rows, (comp.owner_rank, comp.owner_local))
         return win
 
-    def _read(self, my_streams: list[int], cur: Cursor, q, reserve: int):
-        rows, counts, ended, error = [], [], [], None
-        try:
-            for v in my_streams:
-                if cur.ended[v] and self.forced is None:
-                    counts.append(0)
-                    ended.append(True)
-                    continue
-                forced = None if self.forced is None else int(self.forced[v])
-                got, end = self.reader.take(cur.specs[v], cur.pos[v], int(q[v]), reserve, forced)
-                rows += got
-                counts.append(len(got))
-                ended.append(end)
-        except Exception as e:  # reported through the gather so that every rank raises, none waits
-            error = f"{type(e).__name__}: {e}"
-            rows, counts, ended = [], [0] * len(my_streams), [False] * len(my_streams)
-        return error, rows, counts, ended
-
-    def _assemble(self, records, mine, cur: Cursor, index: int):
-        """Per-stream counts, and the window's lengths, loss tokens and (rank, local index) owners in window order."""
-        n_streams = len(cur.specs)
-        taken = [0] * n_streams
-        self._ended_all = [False] * n_streams
-        per_stream: dict[int, tuple] = {}
-        for r, (rec, streams) in enumerate(zip(records, mine)):
-            error, counts, ended, lengths, losses = decode_record(rec, len(streams))
-            if error is not None:
-                raise StreamSourceError(f"the stream's source failed on rank {r} while reading window {index}: {error}")
-            at = 0
-            for v, c, e in zip(streams, counts, ended):
-                c = int(c)
-                per_stream[v] = (lengths[at : at + c], losses[at : at + c], r, np.arange(at, at + c))
-                taken[v], self._ended_all[v] = c, bool(e)
-                at += c
-        if self.forced is not None:
-            for v in range(n_streams):
-                if taken[v] != self.forced[v]:
-                    raise ValueError(
-                        f"resuming window {index}: stream {v} ({cur.specs[v]}) now has {taken[v]} items from item "
-                        f"{cur.pos[v]} on, the state recorded {self.forced[v]}: the source changed"
-                    )
-        parts = [per_stream[v] for v in range(n_streams)]
-        lengths = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
-        losses = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
-        owner_rank = np.concatenate([np.full(len(p[0]), p[2]) for p in parts]) if parts else np.zeros(0, np.int64)
-        owner_local = np.concatenate([p[3] for p in parts]) if parts else np.zeros(0, np.int64)
-        if self._forced_digest is not None and lengths_digest(lengths) != self._forced_digest:
+    def _check_forced(self, comp, cur: Cursor, index: int) -> None:
+        for v, (got, want) in enumerate(zip(comp.taken, self.forced)):
+            if got != want:
+                raise ValueError(
+                    f"resuming window {index}: stream {v} ({cur.specs[v]}) now has {got} items from item "
+                    f"{cur.pos[v]} on, the state recorded {want}: the source changed"
+                )
+        if self._forced_digest is not None and lengths_digest(comp.lengths) != self._forced_digest:
             raise ValueError(
                 f"resuming window {index}: its documents' lengths differ from those the state recorded: the source "
                 "changed"
             )
-        return taken, lengths, losses, (owner_rank, owner_local)
 
     def _resplit(self, after: Cursor) -> Cursor:
         world, self.resplit = self.resplit, None

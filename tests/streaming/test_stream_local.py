@@ -15,8 +15,8 @@ from stream_cases import STRIDE, all_tokens, doc_rows, open_hf, tokens_of, write
 
 import balancer
 from balancer.streaming import BalancedStream
+from balancer.streaming.reading import quotas
 from balancer.streaming.sources import StreamSpec, initial_streams, split_streams
-from balancer.streaming.windows import quotas
 
 TOPO = balancer.Topology(dp=1, micro_batches=2, max_tokens=512)
 COST = balancer.CostModel(1.0, 50.0)
@@ -237,3 +237,38 @@ def test_quotas_split_the_window(ended, window):
     assert q.sum() == (window if not all(ended) else 0)
     assert all(q[v] == 0 for v, e in enumerate(ended) if e)
     assert STRIDE > 0
+
+
+def _bench():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[2] / "benchmarks"
+    sys.path.insert(0, str(folder))
+    spec = importlib.util.spec_from_file_location("bench_streaming", folder / "streaming.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_uneven_streams_end_rounds_and_the_benchmark_replays_the_rule(tmp_path):
+    """Shards of very different sizes with a large reserve (dp*M = 8): the extra rounds near the end keep every
+    window able to fill a step; the benchmark's replay of the rule gives the same windows as the stream."""
+    bench = _bench()
+    rows = doc_rows(200, 9)
+    order = np.random.default_rng(0).permutation(200)
+    sizes = [len(c) for c in np.array_split(order, bench.SOURCE_SHARDS)]
+    shuffled = [rows[i] for i in order]
+    paths = write_shards(tmp_path, shuffled, sizes, "jsonl")
+    topo = balancer.Topology(dp=1, micro_batches=8, max_tokens=2048)
+    s = BalancedStream(open_hf(paths), topo, COST, window_docs=24)
+    it = iter(s)
+    windows, out = {}, []
+    for mb in it:
+        out.append(mb)
+        windows.setdefault(it.win.index, set()).update(r["doc"] for r in mb)
+    assert tokens_of(out) == all_tokens(rows)
+    replay = bench.stream_windows(order, 1, 24, topo.bins_per_step)
+    assert [windows[i] for i in sorted(windows)] == [set(w.tolist()) for w in replay]
+    assert min(len(w) for w in replay) >= topo.bins_per_step
