@@ -30,6 +30,7 @@ from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
 from balancer.planning.window import check_window_docs
 from balancer.streaming import state as state_mod
+from balancer.streaming.exchange import pool_rank, stream_group
 from balancer.streaming.sources import StreamSpec, initial_streams, open_source
 from balancer.streaming.windows import Cursor, Meter, Pipeline, Window, lengths_digest, resplit_cursor
 from balancer.training.indices import CPGroup
@@ -105,8 +106,8 @@ class BalancedStream(torch.utils.data.IterableDataset):
             raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
         self.source = open_source(source)
         self.topology, self.cost, self.seed, self.overflow = topology, cost, int(seed), overflow
-        self.group, self.world, self.grank = _stream_group(group)
-        self.pool_rank = _pool_rank(topology, self.world, self.grank, dp_rank, rank)
+        self.group, self.world, self.grank = stream_group(group)
+        self.pool_rank = pool_rank(topology, self.world, self.grank, dp_rank, rank)
         self.dp_rank = self.pool_rank // topology.cp
         self.epoch = 0
         self.meter = Meter()
@@ -430,44 +431,3 @@ class _StreamIter:
         fresh = self.stream.__iter__()
         self.__dict__.update(fresh.__dict__)
         self.stream._iter = self
-
-
-def _stream_group(group) -> tuple:
-    """(the stream's own gloo group, its size, this process's rank in it); (None, 1, 0) without torch.distributed.
-    Creating the group is collective over the default group (torch.distributed.new_group)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is not None:
-            raise ValueError("group given but torch.distributed is not initialised")
-        return None, 1, 0
-    ranks = None if group is None else dist.get_process_group_ranks(group)
-    own = dist.new_group(ranks=ranks, backend="gloo")
-    if group is not None and dist.get_rank(group) < 0:
-        return own, len(ranks), -1
-    return own, dist.get_world_size(own), dist.get_rank(own)
-
-
-def _pool_rank(topology: Topology, world: int, grank: int, dp_rank, rank) -> int:
-    """This process's pool rank from its place in the group (module docstring of BalancedStream), checked against
-    `dp_rank` / `rank` when given."""
-    if grank < 0:
-        raise ValueError("this process is not in the stream's group")
-    pool = topology.pool_size
-    import torch.distributed as dist
-
-    if pool > 1 and not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            f"torch.distributed is not initialised: a stream in one process needs dp*cp == 1, the topology has {pool}"
-        )
-    if world % pool:
-        raise ValueError(
-            f"the stream's group has {world} processes, not a multiple of dp*cp = {pool} (one block of processes per "
-            "pool rank)"
-        )
-    mine = grank // (world // pool)
-    if rank is not None and (isinstance(rank, bool) or rank != mine):
-        raise ValueError(f"rank={rank!r}, but process {grank} of {world} is pool rank {mine} (dp_rank*cp + cp_rank)")
-    if dp_rank is not None and (isinstance(dp_rank, bool) or dp_rank != mine // topology.cp):
-        raise ValueError(f"dp_rank={dp_rank!r}, but process {grank} of {world} is DP rank {mine // topology.cp}")
-    return mine

@@ -98,3 +98,44 @@ def exchange_rows(outgoing: list[list], group, world: int, rank: int) -> tuple[l
             got.extend(pickle.loads(raw[at : at + size].tobytes()))
         at += size
     return got, int(send_sizes.sum())
+
+
+def stream_group(group) -> tuple:
+    """(the stream's own gloo group, its size, this process's rank in it); (None, 1, 0) without torch.distributed.
+    Creating the group is collective over the default group (torch.distributed.new_group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("group given but torch.distributed is not initialised")
+        return None, 1, 0
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    own = dist.new_group(ranks=ranks, backend="gloo")
+    if group is not None and dist.get_rank(group) < 0:
+        return own, len(ranks), -1
+    return own, dist.get_world_size(own), dist.get_rank(own)
+
+
+def pool_rank(topology, world: int, grank: int, dp_rank, rank) -> int:
+    """This process's pool rank from its place in the group (module docstring of BalancedStream), checked against
+    `dp_rank` / `rank` when given."""
+    if grank < 0:
+        raise ValueError("this process is not in the stream's group")
+    pool = topology.pool_size
+    import torch.distributed as dist
+
+    if pool > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"torch.distributed is not initialised: a stream in one process needs dp*cp == 1, the topology has {pool}"
+        )
+    if world % pool:
+        raise ValueError(
+            f"the stream's group has {world} processes, not a multiple of dp*cp = {pool} (one block of processes per "
+            "pool rank)"
+        )
+    mine = grank // (world // pool)
+    if rank is not None and (isinstance(rank, bool) or rank != mine):
+        raise ValueError(f"rank={rank!r}, but process {grank} of {world} is pool rank {mine} (dp_rank*cp + cp_rank)")
+    if dp_rank is not None and (isinstance(dp_rank, bool) or dp_rank != mine // topology.cp):
+        raise ValueError(f"dp_rank={dp_rank!r}, but process {grank} of {world} is DP rank {mine // topology.cp}")
+    return mine

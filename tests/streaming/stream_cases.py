@@ -134,6 +134,7 @@ def run_rank(rank: int, world: int, cfg: dict, out: str) -> None:
         Path(cfg["save"]).write_text(state)
     result = {
         "batches": as_lists(got),
+        "loss": loss,
         "resumed": resumed,
         "state": state,
         "states": states,
