@@ -653,11 +653,21 @@ def streaming_throughput() -> str:
         ["BalancedStream -> PackedCollator", f"{t['stream_tokens_per_s']:,}", f"{stream_mb}"],
         ["split_dataset_by_node + greedy packing -> PackedCollator", f"{t['plain_tokens_per_s']:,}", f"{plain_mb}"],
     ]
+    reps = t["repetitions"]
+    pairs = []
+    for a, b in zip(reps[0::2], reps[1::2]):
+        by = {a["kind"]: a, b["kind"]: b}
+        pairs.append(by["stream"]["tokens_per_s"] / by["plain"]["tokens_per_s"])
+    cpu = {k: sorted(x for r in reps if r["kind"] == k for x in r["cpu_s"]) for k in ("stream", "plain")}
+    rows[0].append(fmt(cpu["stream"][len(cpu["stream"]) // 2], ".2f"))
+    rows[1].append(fmt(cpu["plain"][len(cpu["plain"]) // 2], ".2f"))
     header = ["loop (4 gloo ranks, same Parquet files)", "tokens/s (median)", "micro-batches per rank"]
+    header.append("process CPU s per rank (median)")
     note = (
         f"\n\n{c['docs']:,} documents ({c['total_tokens']:,} tokens, SFT-mix lengths) in {c['files']} files; dp"
         f"{c['world']} x M{c['micro_batches']} x {c['max_tokens']:,} tokens, windows of {c['window_docs']} "
-        f"documents; {c['reps']} paired alternating repetitions. Stream / plain: {t['stream_over_plain']:.2f}x. "
+        f"documents; {c['reps']} paired alternating repetitions. Stream / plain: {t['stream_over_plain']:.2f}x "
+        f"(medians; per pair {', '.join(f'{x:.2f}' for x in pairs)}). "
         f"One rank's tiny Llama (forward + backward) consumes {t['model_tokens_per_s_per_rank']:,} tokens/s: the "
         f"stream delivers {t['stream_per_rank_over_model']:.1f}x that per rank. Peak buffered tokens per rank: "
         f"{t['peak_buffered_tokens_max']:,} = {t['peak_over_2_window_per_dp']:.2f} x (2 x window tokens / dp); bytes "
