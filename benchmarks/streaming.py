@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from _common import DEFAULT_COST, standard_topology, write_result
+from _common import DEFAULT_COST, standard_topology, table, write_result
 
 import balancer
 from balancer.data.traces import load_trace
@@ -271,9 +270,50 @@ def throughput(world: int = 4, cfg: dict = THROUGHPUT) -> dict:
     }
 
 
-def git_commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent)
-    return out.stdout.strip() or "unknown"
+def balance_table(rows: list[dict]) -> dict:
+    """Per trace and topology: epoch efficiency (mean over seeds) of the sampler and the stream, worst difference."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["trace"], r["topology"]), []).append(r)
+    out = []
+    for (trace, topo), rs in groups.items():
+        window = f"{rs[0]['docs']:,} / {rs[0]['window_docs']:,} ({rs[0]['stream_windows']})"
+        mean = [round(sum(r[k] for r in rs) / len(rs), 4) for k in ("sampler_efficiency", "stream_efficiency")]
+        out.append([trace, topo, window, *mean, round(min(r["difference"] for r in rs), 4)])
+    worst = round(-min(r["difference"] for r in rows), 4)
+    seeds = ", ".join(str(s) for s in sorted({r["seed"] for r in rows}))
+    out.append([f"all rows, seeds {seeds}", "", "", "", "", f"worst shortfall {worst} (target <= 0.02)"])
+    columns = ["trace", "topology", "documents / window (windows)", "sampler", "stream", "worst stream - sampler"]
+    return table(columns, out)
+
+
+def throughput_table(t: dict) -> dict:
+    """The throughput figures as (figure, value) rows."""
+    c, reps = t["config"], t["repetitions"]
+    pairs = []
+    for a, b in zip(reps[0::2], reps[1::2]):
+        by = {a["kind"]: a, b["kind"]: b}
+        pairs.append(f"{by['stream']['tokens_per_s'] / by['plain']['tokens_per_s']:.2f}")
+    cpu = {k: float(np.median([x for r in reps if r["kind"] == k for x in r["cpu_s"]])) for k in ("stream", "plain")}
+    counts = {k: next(r["micro_batches"] for r in reps if r["kind"] == k) for k in ("stream", "plain")}
+    sent = [s["bytes_sent"] for r in reps if r["kind"] == "stream" for s in r["stats"]]
+    rows = [
+        ["setup", f"{c['docs']:,} documents ({c['total_tokens']:,} tokens, SFT mix) in {c['files']} Parquet files; "
+         f"dp{c['world']} x M{c['micro_batches']} x {c['max_tokens']:,}; windows of {c['window_docs']} documents; "
+         f"{c['reps']} paired alternating repetitions"],
+        ["BalancedStream -> PackedCollator, tokens/s (median)", f"{t['stream_tokens_per_s']:,}"],
+        ["split_dataset_by_node + greedy packing -> PackedCollator, tokens/s (median)", f"{t['plain_tokens_per_s']:,}"],
+        ["stream / plain (medians; per pair)", f"{t['stream_over_plain']:.2f} ({', '.join(pairs)})"],
+        ["process CPU s per rank and pass, stream / plain (medians)", f"{cpu['stream']:.2f} / {cpu['plain']:.2f}"],
+        ["micro-batches per rank, stream / plain", f"{counts['stream']} / {counts['plain']}"],
+        ["tiny Llama forward + backward, tokens/s per rank", f"{t['model_tokens_per_s_per_rank']:,}"],
+        ["stream tokens/s per rank / model tokens/s", f"{t['stream_per_rank_over_model']:.1f}"],
+        ["peak buffered tokens per rank / (2 x window tokens / dp)",
+         f"{t['peak_buffered_tokens_max']:,} / {round(2 * t['window_tokens_mean'] / c['world']):,} = "
+         f"{t['peak_over_2_window_per_dp']:.2f}"],
+        ["bytes sent per rank and pass", f"{min(sent):,}-{max(sent):,}"],
+    ]  # fmt: skip
+    return table(["figure", "value"], rows)
 
 
 def main() -> None:
@@ -286,11 +326,12 @@ def main() -> None:
     if args.part in ("all", "balance"):
         rows = balance(args.quick)
         worst = round(-min(r["difference"] for r in rows), 4)
-        payload = {"git_commit": git_commit(), "balance": rows, "balance_worst_shortfall": worst}
+        payload = {"balance": rows, "balance_worst_shortfall": worst, "tables": {"balance": balance_table(rows)}}
         print(write_result("streaming_balance" + suffix, payload, clock="none"))
     if args.part in ("all", "throughput"):
         cfg = {**THROUGHPUT, "docs": 600, "reps": 1} if args.quick else THROUGHPUT
-        payload = {"git_commit": git_commit(), "throughput": throughput(cfg=cfg)}
+        result = throughput(cfg=cfg)
+        payload = {"throughput": result, "tables": {"throughput": throughput_table(result)}}
         print(payload["throughput"], flush=True)
         print(write_result("streaming_throughput" + suffix, payload, clock="wall+process_cpu"))
 

@@ -616,66 +616,6 @@ def import_time() -> str:
     return markdown(header, rows) + note
 
 
-def streaming_balance() -> str:
-    data = load("streaming_balance")
-    groups: dict = {}
-    for r in data["balance"]:
-        groups.setdefault((r["trace"], r["topology"]), []).append(r)
-    rows = []
-    for (trace, topo), rs in groups.items():
-        rows.append(
-            [
-                trace,
-                topo,
-                f"{rs[0]['docs']:,} / {rs[0]['window_docs']:,} ({rs[0]['stream_windows']})",
-                fmt(sum(r["sampler_efficiency"] for r in rs) / len(rs), ".4f"),
-                fmt(sum(r["stream_efficiency"] for r in rs) / len(rs), ".4f"),
-                fmt(min(r["difference"] for r in rs), "+.4f"),
-            ]
-        )
-    header = ["trace", "topology", "documents / window (windows)", "sampler", "stream", "worst stream - sampler"]
-    seeds = sorted({r["seed"] for r in data["balance"]})
-    note = (
-        f"\n\nEpoch efficiency, mean of seeds {', '.join(map(str, seeds))}; worst shortfall of the stream over all "
-        f"rows: {data['balance_worst_shortfall']:.4f} (target: at most 0.02). Commit {data['git_commit'][:10]}."
-    )
-    return markdown(header, rows) + note + _record_line(data)
-
-
-def streaming_throughput() -> str:
-    data = load("streaming_throughput")
-    t = data["throughput"]
-    c = t["config"]
-    stream_mb = [r["micro_batches"] for r in t["repetitions"] if r["kind"] == "stream"][0]
-    plain_mb = [r["micro_batches"] for r in t["repetitions"] if r["kind"] == "plain"][0]
-    sent = [s["bytes_sent"] for r in t["repetitions"] if r["kind"] == "stream" for s in r["stats"]]
-    rows = [
-        ["BalancedStream -> PackedCollator", f"{t['stream_tokens_per_s']:,}", f"{stream_mb}"],
-        ["split_dataset_by_node + greedy packing -> PackedCollator", f"{t['plain_tokens_per_s']:,}", f"{plain_mb}"],
-    ]
-    reps = t["repetitions"]
-    pairs = []
-    for a, b in zip(reps[0::2], reps[1::2]):
-        by = {a["kind"]: a, b["kind"]: b}
-        pairs.append(by["stream"]["tokens_per_s"] / by["plain"]["tokens_per_s"])
-    cpu = {k: sorted(x for r in reps if r["kind"] == k for x in r["cpu_s"]) for k in ("stream", "plain")}
-    rows[0].append(fmt(cpu["stream"][len(cpu["stream"]) // 2], ".2f"))
-    rows[1].append(fmt(cpu["plain"][len(cpu["plain"]) // 2], ".2f"))
-    header = ["loop (4 gloo ranks, same Parquet files)", "tokens/s (median)", "micro-batches per rank"]
-    header.append("process CPU s per rank (median)")
-    note = (
-        f"\n\n{c['docs']:,} documents ({c['total_tokens']:,} tokens, SFT-mix lengths) in {c['files']} files; dp"
-        f"{c['world']} x M{c['micro_batches']} x {c['max_tokens']:,} tokens, windows of {c['window_docs']} "
-        f"documents; {c['reps']} paired alternating repetitions. Stream / plain: {t['stream_over_plain']:.2f}x "
-        f"(medians; per pair {', '.join(f'{x:.2f}' for x in pairs)}). "
-        f"One rank's tiny Llama (forward + backward) consumes {t['model_tokens_per_s_per_rank']:,} tokens/s: the "
-        f"stream delivers {t['stream_per_rank_over_model']:.1f}x that per rank. Peak buffered tokens per rank: "
-        f"{t['peak_buffered_tokens_max']:,} = {t['peak_over_2_window_per_dp']:.2f} x (2 x window tokens / dp); bytes "
-        f"sent per rank per pass: {min(sent):,}-{max(sent):,}. Commit {data['git_commit'][:10]}."
-    )
-    return markdown(header, rows) + note + _record_line(data)
-
-
 TABLES: dict[str, Callable[[], str]] = {
     "import_time": import_time,
     "plan_validate": plan_validate,
@@ -700,8 +640,6 @@ TABLES: dict[str, Callable[[], str]] = {
     "compare_all": compare_all,
     "cp_attention_cpu": cp_attention_cpu,
     "pretokenize_throughput": pretokenize_throughput,
-    "streaming_balance": streaming_balance,
-    "streaming_throughput": streaming_throughput,
 }
 MARKER = re.compile(r"(<!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /table:(?P=name) -->)", re.S)
 
