@@ -20,6 +20,7 @@ _EXPORTS = {
     "balance_batch": "balancer.planning.batch.balance",
     "distributed": "balancer.distributed",
     "BalancedBatchSampler": "balancer.training.sampler",
+    "BalancedStream": "balancer.streaming.dataset",
     "PackedCollator": "balancer.training.collate",
     "SpanDataset": "balancer.training.indices",
     "cp_groups": "balancer.training.groups",
