@@ -50,7 +50,7 @@ from balancer.training.lengths import resolve_lengths
 from balancer.training.loss import token_loss
 from balancer.training.sampler import BalancedBatchSampler
 from balancer.training.trainer_defaults import default_topology
-from balancer.training.trainer_eval import BalancedEvalMixin
+from balancer.training.trainer_eval import BalancedEvalMixin, eval_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +120,11 @@ class BalancedTrainingMixin(BalancedEvalMixin):
         import attention.hf as ahf
 
         lengths, _ = resolve_lengths(self.train_dataset if lengths is None else lengths, self.train_dataset)
+        self.eval_dataset = _eval_datasets(self.eval_dataset)
         given = topology is not None
         if not given:
-            topology = default_topology(self.args, lengths, max_length)
+            longest = max((int(eval_lengths(d).max()) for d in _eval_list(self.eval_dataset) if len(d)), default=0)
+            topology = default_topology(self.args, lengths, max_length, longest)
         check_topology(topology)
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
@@ -159,7 +161,6 @@ class BalancedTrainingMixin(BalancedEvalMixin):
         self._steps_per_epoch: dict[int, int] = {}
         if self.args.per_device_train_batch_size != 1 and given:
             logger.info("per_device_train_batch_size is not used: the plan's micro-batches are the batches")
-        self.eval_dataset = _eval_datasets(self.eval_dataset)
 
     # ---- data ------------------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
@@ -174,11 +175,6 @@ class BalancedTrainingMixin(BalancedEvalMixin):
             )
         return torch.utils.data.DataLoader(
             self.train_dataset, batch_sampler=self.balanced_sampler, collate_fn=self.packed_collator, **kwargs
-        )
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        raise NotImplementedError(
-            "evaluation on balanced packed data is not supported: evaluate the saved model with a plain Trainer"
         )
 
     def _epoch_num_steps(self, epoch: int) -> int:
@@ -326,6 +322,13 @@ def _process_mean(t: torch.Tensor) -> torch.Tensor:
     x = t.detach().to(on, torch.float64).clone()
     dist.all_reduce(x)
     return (x / dist.get_world_size()).to(t.device, t.dtype)
+
+
+def _eval_list(eval_dataset) -> list:
+    """The eval datasets as a list (none, one, or a dict's values)."""
+    if eval_dataset is None:
+        return []
+    return list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
 
 
 def _eval_datasets(eval_dataset):

@@ -6,7 +6,7 @@
   on every rank, as in the stock Trainer);
 - the token budget of a micro-batch, `max_tokens` = `per_device_train_batch_size` x a length `L`: with TRL's
   `SFTConfig`, `L` = its `max_length` (a packed TRL row; TRL's truncation to it is turned off, a longer document
-  follows `overflow`); for the plain Trainer, `L` = the longest document of the training data, so a micro-batch
+  follows `overflow`); for the plain Trainer, `L` = the longest document of the training (and eval) data, so a micro-batch
   never needs more memory than the stock Trainer's largest padded batch of `per_device_train_batch_size` rows;
 - `tokens_per_step` = the stock Trainer's global batch in documents (`per_device_train_batch_size` x
   `gradient_accumulation_steps` x world size) times the data's mean document length, rounded, capped at the
@@ -26,9 +26,10 @@ from balancer.planning.topology import Topology
 logger = logging.getLogger(__name__)
 
 
-def default_topology(args, lengths, max_length: Optional[int] = None) -> Topology:
+def default_topology(args, lengths, max_length: Optional[int] = None, eval_longest: int = 0) -> Topology:
     """The `Topology` of the module docstring from `args` (`TrainingArguments` / `SFTConfig`) and the training
-    data's document `lengths`; `max_length`: the length `L` (None: the longest document). Logged once."""
+    data's document `lengths`; `max_length`: the length `L` (None: the longest document of the training data and,
+    `eval_longest`, of the eval data, so that every eval document fits too). Logged once."""
     lengths = np.asarray(lengths)
     if lengths.size == 0:
         raise ValueError("the training dataset is empty: no topology can be derived from it")
@@ -40,7 +41,8 @@ def default_topology(args, lengths, max_length: Optional[int] = None) -> Topolog
             raise ValueError(f"max_length must be a positive integer or None, got {max_length!r}")
         length, source = int(max_length), f"SFTConfig.max_length={int(max_length)}"
     else:
-        length, source = int(lengths.max()), f"the longest training document ({int(lengths.max())} tokens)"
+        length = max(int(lengths.max()), int(eval_longest))
+        source = f"the longest training or eval document ({length} tokens)"
     max_tokens = bs * length
     capacity = world * m * max_tokens
     tokens_per_step = min(capacity, max(1, round(bs * m * world * float(lengths.mean()))))

@@ -52,9 +52,12 @@ class BalancedEvalMixin:
             t = self.topology
             fewest = max(1, math.ceil(int(lengths.sum()) / (t.pool_size * t.max_tokens)))
             topo = replace(t, micro_batches=fewest, tokens_per_step=None)
-            plan = balance_batch(
-                lengths, topo, self.cost_model, micro_batches="auto", overflow=self._overflow, seed=self._plan_seed
-            )
+            try:
+                plan = balance_batch(
+                    lengths, topo, self.cost_model, micro_batches="auto", overflow=self._overflow, seed=self._plan_seed
+                )
+            except ValueError as e:
+                raise ValueError(f"eval_dataset: {e}") from None
             batches = plan_micro_batches(plan, self.dp_rank * t.cp + self.cp_rank)
             logger.info(
                 "eval: %d documents (%d tokens) in %d balanced micro-batches per rank",
