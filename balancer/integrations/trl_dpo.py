@@ -251,5 +251,3 @@ def _sequence_logps(model, batch: dict) -> torch.Tensor:
     seq = loss_token_seq(batch).to(tok.device)
     out = torch.zeros(len(batch["side"]), dtype=torch.float64, device=tok.device)
     return out.index_add(0, seq, tok.double())
-
-

@@ -89,7 +89,8 @@ def split_generation(out: dict, micro_batches: int, cost: CostModel, seed: int) 
     for mb in plan_micro_batches(plan, 0):
         idx = [int(i) for i in mb]
         batch = pack_sequences(
-            [out["prompt_ids"][i][pmask[i]].cpu() for i in idx], [out["completion_ids"][i][: c_len[i]].cpu() for i in idx]
+            [out["prompt_ids"][i][pmask[i]].cpu() for i in idx],
+            [out["completion_ids"][i][: c_len[i]].cpu() for i in idx],
         )
         c = c_len[idx].cpu()
         batch["seq_completion"] = c

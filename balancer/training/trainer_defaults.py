@@ -6,8 +6,9 @@
   on every rank, as in the stock Trainer);
 - the token budget of a micro-batch, `max_tokens` = `per_device_train_batch_size` x a length `L`: with TRL's
   `SFTConfig`, `L` = its `max_length` (a packed TRL row; TRL's truncation to it is turned off, a longer document
-  follows `overflow`); for the plain Trainer, `L` = the longest document of the training (and eval) data, so a micro-batch
-  never needs more memory than the stock Trainer's largest padded batch of `per_device_train_batch_size` rows;
+  follows `overflow`); for the plain Trainer, `L` = the longest document of the training (and eval) data, so a
+  micro-batch never needs more memory than the stock Trainer's largest padded batch of
+  `per_device_train_batch_size` rows;
 - `tokens_per_step` = the stock Trainer's global batch in documents (`per_device_train_batch_size` x
   `gradient_accumulation_steps` x world size) times the data's mean document length, rounded, capped at the
   capacity: a step holds about as many tokens, hence documents, as a stock step does.

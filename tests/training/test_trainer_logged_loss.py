@@ -29,7 +29,9 @@ def _topology(dp: int, cp: int):
     import balancer
 
     total = sum(len(r) for r in ROWS)
-    return balancer.Topology(dp=dp, cp=cp, micro_batches=2, max_tokens=-(-total // (2 * dp * cp)), tokens_per_step=total // 3 + 1)
+    return balancer.Topology(
+        dp=dp, cp=cp, micro_batches=2, max_tokens=-(-total // (2 * dp * cp)), tokens_per_step=total // 3 + 1
+    )
 
 
 def _run(rank, world, out_dir):
@@ -39,7 +41,9 @@ def _run(rank, world, out_dir):
         out = Path(out_dir) / name
         args = training_args(out, learning_rate=0.0, logging_strategy="steps", logging_steps=2)
         ds = datasets.Dataset.from_dict({"input_ids": ROWS})
-        trainer = balancer.hf.BalancedTrainer(model=tiny_llama(), args=args, train_dataset=ds, topology=_topology(dp, cp))
+        trainer = balancer.hf.BalancedTrainer(
+            model=tiny_llama(), args=args, train_dataset=ds, topology=_topology(dp, cp)
+        )
         sampler = trainer.balanced_sampler
         steps = [
             [int(i) for r in range(dp) for m in range(2) for i in sampler.micro_batch(s, m, dp_rank=r)]
