@@ -26,11 +26,11 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     import datasets
+    from post_training_common import texts, tiny_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig
 
     from balancer.integrations.trl_dpo import BalancedDPOTrainer
-    from post_training_common import texts, tiny_model
 
     folder = tiny_model(Path(args.output) / "model")
     tok = AutoTokenizer.from_pretrained(str(folder))

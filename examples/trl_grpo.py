@@ -32,16 +32,17 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
 
     import datasets
+    from post_training_common import texts, tiny_model
     from transformers import AutoTokenizer
     from trl import GRPOConfig
 
     from balancer.integrations.trl_grpo import BalancedGRPOTrainer
-    from post_training_common import texts, tiny_model
 
     folder = tiny_model(Path(args.output) / "model", eos_every=10)
     config = GRPOConfig(args.output, per_device_train_batch_size=4, gradient_accumulation_steps=2,
                         num_generations=4, max_completion_length=16, max_steps=args.steps, logging_steps=1,
-                        loss_type=args.loss_type, report_to=[], use_cpu=True, bf16=False, save_strategy="no")  # fmt: skip
+                        loss_type=args.loss_type, report_to=[], use_cpu=True, bf16=False,
+                        save_strategy="no")  # fmt: skip
     trainer = BalancedGRPOTrainer(
         model=str(folder),
         reward_funcs=[reward_length],
