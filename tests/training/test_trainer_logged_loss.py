@@ -19,7 +19,7 @@ datasets = pytest.importorskip("datasets")
 
 pytestmark = pytest.mark.slow  # transformers Trainer on gloo
 
-TOL = 1e-4  # relative; fp32 packed vs unpacked forward measures ~1e-6 (the issue asks for 1%)
+TOL = 1e-4  # relative; measured 1.6e-8 (logged) and 1.1e-8 (train_loss) on one process; the issue asks for 1%
 ROWS = token_rows(30, seed=5, max_len=48)
 # name: (dp, cp); every configuration plans the same epoch size: 3 steps of 2 micro-batches
 WORLDS = {1: {"dp1": (1, 1)}, 2: {"dp2": (2, 1), "cp2": (1, 2)}, 4: {"dp4": (4, 1), "dp2xcp2": (2, 2)}}
