@@ -111,3 +111,17 @@ def test_dp_group_gives_every_rank_the_same_count():
     from support.dist import run_world
 
     run_world(2, _world)
+
+
+@pytest.mark.slow
+def test_example_script_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, str(repo / "examples" / "verl_balance.py")], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "restore_dynamic_batch undoes balancer's micro-batches: True" in run.stdout
