@@ -27,4 +27,12 @@ SPEC="."
 if [ -n "$EXTRAS" ]; then SPEC=".[$EXTRAS]"; fi
 say "installing seqbalancer $SPEC (editable) and its dependencies"
 "$VPY" -m pip install "${PIP_OUT[@]}" -e "$SPEC"
+if [[ ",$EXTRAS," == *",test,"* ]]; then
+    # verl 0.9.1's metadata pins transformers<5.11 (the project needs 5.x beyond that) and ray[default], wandb,
+    # tensorboard...: installed beside the resolver with --no-deps, plus what its DataProto and seqlen_balancing import
+    # (tensordict and its dependencies, omegaconf are in the test extras). balancer.integrations.verl's tests skip,
+    # naming the reason, when verl cannot be imported.
+    say "installing verl 0.9.1 (--no-deps) for balancer.integrations.verl"
+    "$VPY" -m pip install "${PIP_OUT[@]}" --no-deps "verl==0.9.1" "tensordict==0.10.0"
+fi
 say "done: .venv/bin/balancer --help"

@@ -13,7 +13,13 @@ except ImportError as exc:  # pragma: no cover - exercised without trl only
 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.topology import Topology
-from balancer.training.trainer import BalancedTrainingMixin, _dataset_for_packing, balanced_args, check_topology
+from balancer.training.trainer import (
+    BalancedTrainingMixin,
+    _dataset_for_packing,
+    balanced_args,
+    check_eval_kwargs,
+    check_topology,
+)
 
 
 class BalancedSFTTrainer(BalancedTrainingMixin, SFTTrainer):
@@ -22,8 +28,11 @@ class BalancedSFTTrainer(BalancedTrainingMixin, SFTTrainer):
     ``train_dataset`` is what SFTTrainer takes (a ``datasets.Dataset`` of text, prompt/completion or chat messages,
     tokenized with ``processing_class``; or already tokenized ``input_ids``). The plan does the packing and decides
     what happens to long documents (``overflow``), so ``SFTConfig`` must have ``packing=False``,
-    ``padding_free=False`` and ``max_length=None`` (its default 1024 would truncate every longer document). Other
-    arguments as for ``BalancedTrainer``.
+    ``padding_free=False``. With a ``topology``, ``max_length`` must be None (its default 1024 would truncate
+    every longer document behind the plan's back); without one, ``max_length`` is the token budget (a micro-batch
+    holds ``per_device_train_batch_size * max_length`` tokens, ``balancer.training.trainer_defaults``) and TRL's
+    truncation is turned off: a longer document follows ``overflow``. ``eval_dataset`` is tokenized by TRL and
+    evaluated on packed, balanced batches. Other arguments as for ``BalancedTrainer``.
     """
 
     def __init__(
@@ -32,7 +41,7 @@ class BalancedSFTTrainer(BalancedTrainingMixin, SFTTrainer):
         args: Optional[SFTConfig] = None,
         train_dataset=None,
         *,
-        topology: Topology,
+        topology: Optional[Topology] = None,
         cost: Optional[CostModel] = None,
         overflow: str = "error",
         layout: str = "zigzag",
@@ -41,22 +50,26 @@ class BalancedSFTTrainer(BalancedTrainingMixin, SFTTrainer):
         seed: Optional[int] = None,
         **kwargs,
     ) -> None:
-        check_topology(topology)
+        if topology is not None:
+            check_topology(topology)
         if args is None:
-            args = SFTConfig(output_dir="trainer_output", max_length=None)
+            args = SFTConfig(output_dir="trainer_output", max_length=None if topology is not None else 1024)
         if not isinstance(args, SFTConfig):
             raise TypeError(f"args must be a trl.SFTConfig, got {type(args).__name__}")
         bad = [f"{k}={getattr(args, k)!r}" for k in ("packing", "padding_free") if getattr(args, k)]
-        if args.max_length is not None:
+        if args.max_length is not None and topology is not None:
             bad.append(f"max_length={args.max_length}")
         if bad:
             raise ValueError(
                 f"SFTConfig({', '.join(bad)}): the balanced trainer packs and plans lengths itself; set packing=False, "
-                "padding_free=False and max_length=None (documents longer than topology max_tokens*cp follow "
-                "overflow='error'|'split'|'truncate')"
+                "padding_free=False and, with a topology, max_length=None (documents longer than topology "
+                "max_tokens*cp follow overflow='error'|'split'|'truncate'); without a topology max_length is the "
+                "token budget"
             )
-        if kwargs.get("eval_dataset") is not None:
-            raise ValueError("eval_dataset is not supported by the balanced trainer: evaluate with a plain Trainer")
-        super().__init__(model=model, args=balanced_args(args, topology), train_dataset=train_dataset, **kwargs)
+        check_eval_kwargs(kwargs)
+        budget = args.max_length if topology is None else None
+        args = balanced_args(args, topology)
+        args.max_length = None  # TRL would truncate to it: the plan decides what happens to long documents
+        super().__init__(model=model, args=args, train_dataset=train_dataset, **kwargs)
         self.train_dataset = _dataset_for_packing(self.train_dataset)
-        self._balanced_setup(topology, cost, None, overflow, layout, cp_method, attention_backend, seed)
+        self._balanced_setup(topology, cost, None, overflow, layout, cp_method, attention_backend, seed, budget)

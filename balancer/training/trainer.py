@@ -13,6 +13,11 @@ checkpoints, DDP/FSDP through accelerate - is the stock Trainer's):
   the CP group when ``topology.cp > 1``, packed single-device attention when ``cp == 1``; with dynamic CP,
   ``Topology(cp_sizes=...)``, over the group each batch names); ranks come from torch.distributed:
   rank = dp_rank * cp + cp_rank;
+- logged loss: every rank's figure is its share of the step's mean token loss; a logging step averages the
+  shares over the processes (times the process count above: their sum), and so does the final ``train_loss``,
+  which the stock loop would take from this rank alone: both are the true step means over all ranks;
+- evaluation: packed, balanced eval batches and a token-weighted ``eval_loss`` (trainer_eval.py); no topology
+  given: data parallel over the launched processes (trainer_defaults.py);
 - epochs: the number of optimizer steps of every epoch comes from its own plan (plans of different seeds can differ
   by a step); resume reads the sampler state saved in the checkpoint (``balancer_sampler.json``) and continues the
   epoch at the exact micro-batch, also after a change of topology at a step boundary.
@@ -44,6 +49,8 @@ from balancer.training.indices import SpanDataset
 from balancer.training.lengths import resolve_lengths
 from balancer.training.loss import token_loss
 from balancer.training.sampler import BalancedBatchSampler
+from balancer.training.trainer_defaults import default_topology
+from balancer.training.trainer_eval import BalancedEvalMixin, eval_lengths
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +67,19 @@ def check_topology(topology: Topology) -> None:
         raise ValueError(f"pipeline parallelism (pp={topology.pp}) is not supported by the Trainer integration: pp=1")
 
 
-def balanced_args(args: TrainingArguments, topology: Topology) -> TrainingArguments:
+def check_eval_kwargs(kwargs: dict) -> None:
+    """Refuse what balanced evaluation cannot give (per-example predictions for `compute_metrics`)."""
+    for name in ("compute_metrics", "preprocess_logits_for_metrics"):
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{name} is not supported by the balanced trainer: its eval batches are packed (and CP-sharded), so "
+                "there are no per-example predictions; it reports the token-weighted eval_loss"
+            )
+
+
+def balanced_args(args: TrainingArguments, topology: Optional[Topology]) -> TrainingArguments:
     """A copy of ``args`` whose gradient accumulation is the plan's micro-batches; a conflicting explicit value is an
-    error (1, the default, is taken as unset)."""
+    error (1, the default, is taken as unset). Without a topology the default one takes ``args``' accumulation."""
     for hook in _REQUIRED_HOOKS:
         if not hasattr(Trainer, hook):
             import transformers
@@ -70,32 +87,27 @@ def balanced_args(args: TrainingArguments, topology: Topology) -> TrainingArgume
             raise ImportError(
                 f"balancer.hf needs transformers >= 5 (Trainer.{hook}); installed: {transformers.__version__}"
             )
-    m = topology.micro_batches
+    m = args.gradient_accumulation_steps if topology is None else topology.micro_batches
     if args.gradient_accumulation_steps not in (1, m):
         raise ValueError(
             f"gradient_accumulation_steps={args.gradient_accumulation_steps} conflicts with the plan: an optimizer "
             f"step is the topology's micro_batches={m} micro-batches; leave gradient_accumulation_steps unset (or "
             f"set it to {m}), and change Topology(micro_batches=...) instead"
         )
-    if args.eval_strategy != "no":
-        raise ValueError(
-            "evaluation during balanced training is not supported: set eval_strategy='no' (evaluate with a plain "
-            "Trainer on the saved model)"
-        )
     args = copy.copy(args)
     args.gradient_accumulation_steps = m
     return args
 
 
-class BalancedTrainingMixin:
-    """The balanced data loader, loss, attention and resume logic shared by both Trainer classes."""
+class BalancedTrainingMixin(BalancedEvalMixin):
+    """The balanced data loader, loss, attention, evaluation and resume logic shared by both Trainer classes."""
 
     loss_is_scaled_for_ga = True  # compute_loss already divides by the whole step's loss-token count
 
     # ---- set-up ----------------------------------------------------------------------------------------------
     def _balanced_setup(
         self,
-        topology: Topology,
+        topology: Optional[Topology],
         cost: Optional[CostModel],
         lengths,
         overflow: str,
@@ -103,9 +115,17 @@ class BalancedTrainingMixin:
         cp_method: str,
         attention_backend: str,
         seed: Optional[int],
+        max_length: Optional[int] = None,
     ) -> None:
         import attention.hf as ahf
 
+        lengths, _ = resolve_lengths(self.train_dataset if lengths is None else lengths, self.train_dataset)
+        self.eval_dataset = _eval_datasets(self.eval_dataset)
+        given = topology is not None
+        if not given:
+            longest = max((int(eval_lengths(d).max()) for d in _eval_list(self.eval_dataset) if len(d)), default=0)
+            topology = default_topology(self.args, lengths, max_length, longest)
+        check_topology(topology)
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
         model = self.model
@@ -122,24 +142,24 @@ class BalancedTrainingMixin:
         self.topology, self.cost_model = topology, cost
         self.cp_method, self.attention_backend = cp_method, attention_backend
         self.dp_rank, self.cp_rank, self._cp_groups = _ranks(topology)
-        lengths, _ = resolve_lengths(self.train_dataset if lengths is None else lengths, self.train_dataset)
+        self._overflow, self._plan_seed = overflow, self.args.seed if seed is None else seed
         self.balanced_sampler = BalancedBatchSampler(
             lengths,
             topology,
             cost,
             rank=self.dp_rank * topology.cp + self.cp_rank,
-            seed=self.args.seed if seed is None else seed,
+            seed=self._plan_seed,
             overflow=overflow,
         )
         # dynamic CP: every batch names its own group (carried by the sampler's indices through SpanDataset)
         cp_rank, cp_size = (0, 1) if topology.dynamic else (self.cp_rank, topology.cp)
-        self.packed_collator = PackedCollator(cp_rank=cp_rank, cp_size=cp_size, layout=layout)
+        self.packed_collator = PackedCollator(cp_rank=cp_rank, cp_size=cp_size, layout=layout, dp_rank=self.dp_rank)
         if overflow != "error" or topology.dynamic:
             self.train_dataset = SpanDataset(self.train_dataset)
         self._resume_epoch: Optional[int] = None
         self._epoch_start = (0, 0)  # (sampler position, global step) when the current epoch's loop began
         self._steps_per_epoch: dict[int, int] = {}
-        if self.args.per_device_train_batch_size != 1:
+        if self.args.per_device_train_batch_size != 1 and given:
             logger.info("per_device_train_batch_size is not used: the plan's micro-batches are the batches")
 
     # ---- data ------------------------------------------------------------------------------------------------
@@ -155,11 +175,6 @@ class BalancedTrainingMixin:
             )
         return torch.utils.data.DataLoader(
             self.train_dataset, batch_sampler=self.balanced_sampler, collate_fn=self.packed_collator, **kwargs
-        )
-
-    def get_eval_dataloader(self, eval_dataset=None):
-        raise NotImplementedError(
-            "evaluation on balanced packed data is not supported: evaluate the saved model with a plain Trainer"
         )
 
     def _epoch_num_steps(self, epoch: int) -> int:
@@ -254,6 +269,13 @@ class BalancedTrainingMixin:
             os.replace(tmp, os.path.join(folder, SAMPLER_STATE_NAME))
         super()._save_checkpoint(model, trial)
 
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        """The stock Trainer adds the loss accumulated since the last log to `train_loss` as this rank's own figure;
+        here every rank holds only its share of each step's globally normalised loss, so average the shares over
+        the processes first, exactly as a logging step does (all ranks reach this point: it is a collective)."""
+        self._tr_loss = _process_mean(self._tr_loss)
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
     # ---- loss ------------------------------------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list, device) -> int:
         """The step's global loss-token count: the collator counts a micro-batch over all ranks of its CP group, so
@@ -290,6 +312,30 @@ class BalancedTrainingMixin:
         # DDP (and FSDP) average the gradients over the processes; the loss is normalised globally, so undo that
         loss = token_loss(outputs.logits, inputs["labels"], n) * self.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
+
+
+def _process_mean(t: torch.Tensor) -> torch.Tensor:
+    """`t` averaged over all processes (unchanged on one)."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return t
+    on = torch.device("cpu") if dist.get_backend() == "gloo" else t.device
+    x = t.detach().to(on, torch.float64).clone()
+    dist.all_reduce(x)
+    return (x / dist.get_world_size()).to(t.device, t.dtype)
+
+
+def _eval_list(eval_dataset) -> list:
+    """The eval datasets as a list (none, one, or a dict's values)."""
+    if eval_dataset is None:
+        return []
+    return list(eval_dataset.values()) if isinstance(eval_dataset, dict) else [eval_dataset]
+
+
+def _eval_datasets(eval_dataset):
+    """The eval dataset(s) reduced to their token columns (a dict's values one by one)."""
+    if isinstance(eval_dataset, dict):
+        return {k: _dataset_for_packing(v) for k, v in eval_dataset.items()}
+    return None if eval_dataset is None else _dataset_for_packing(eval_dataset)
 
 
 def _ranks(topology: Topology) -> tuple[int, int, dict]:
@@ -339,7 +385,11 @@ class BalancedTrainer(BalancedTrainingMixin, Trainer):
     Args (besides the Trainer's own):
         train_dataset: rows with ``input_ids`` (and optionally ``labels``, -100 = no loss): a ``datasets.Dataset``,
             a ``balancer.ShardDataset``, or any map-style dataset (then pass ``lengths``).
-        topology: the run's ``balancer.Topology`` (dp * cp processes; pp = 1; static or dynamic CP).
+        topology: the run's ``balancer.Topology`` (dp * cp processes; pp = 1; static or dynamic CP); None: data
+            parallel over the launched processes, with gradient accumulation and a token budget from ``args`` and
+            the data (``balancer.training.trainer_defaults``).
+        eval_dataset: evaluated on packed, balanced batches (``eval_strategy="steps"|"epoch"`` or ``evaluate()``);
+            ``eval_loss`` is the token-weighted mean (``balancer.training.trainer_eval``).
         cost: the ``CostModel``; default ``CostModel.from_config(model.config)``.
         lengths: token count per row, when the dataset cannot give them cheaply.
         overflow: the planner's policy for documents longer than ``max_tokens * cp`` ("error", "split", "truncate").
@@ -353,7 +403,7 @@ class BalancedTrainer(BalancedTrainingMixin, Trainer):
         args: Optional[TrainingArguments] = None,
         train_dataset=None,
         *,
-        topology: Topology,
+        topology: Optional[Topology] = None,
         cost: Optional[CostModel] = None,
         lengths=None,
         overflow: str = "error",
@@ -363,11 +413,11 @@ class BalancedTrainer(BalancedTrainingMixin, Trainer):
         seed: Optional[int] = None,
         **kwargs,
     ) -> None:
-        check_topology(topology)
+        if topology is not None:
+            check_topology(topology)
         if train_dataset is None:
             raise ValueError("train_dataset is required")
-        if kwargs.get("eval_dataset") is not None:
-            raise ValueError("eval_dataset is not supported by the balanced trainer: evaluate with a plain Trainer")
+        check_eval_kwargs(kwargs)
         args = balanced_args(args if args is not None else TrainingArguments(output_dir="trainer_output"), topology)
         super().__init__(model=model, args=args, train_dataset=_dataset_for_packing(train_dataset), **kwargs)
         self._balanced_setup(topology, cost, lengths, overflow, layout, cp_method, attention_backend, seed)

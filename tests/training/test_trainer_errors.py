@@ -55,12 +55,22 @@ def test_unsupported_topologies_and_launch(tmp_path):
         _make(tmp_path, balancer.Topology(dp=1, cp=2, micro_batches=2, max_tokens=128))
     with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):  # a dynamic-CP pool of 2 ranks
         _make(tmp_path, balancer.Topology(dp=1, cp=2, micro_batches=2, max_tokens=128, cp_sizes=(1, 2)))
-    with pytest.raises(ValueError, match="eval_strategy"):
-        _make(
-            tmp_path,
-            balancer.Topology(dp=1, micro_batches=2, max_tokens=128),
-            args=training_args(tmp_path, eval_strategy="steps", eval_steps=1),
-        )
+    with pytest.raises(ValueError, match="compute_metrics is not supported"):  # packed eval has no predictions
+        _make(tmp_path, balancer.Topology(dp=1, micro_batches=2, max_tokens=128), compute_metrics=lambda p: {})
+
+
+def test_default_topology_from_training_arguments(tmp_path):
+    """No topology: dp = world size (1 here), micro_batches = gradient accumulation, max_tokens = batch size x the
+    longest training document, a step about as many tokens as the stock step's documents."""
+    rows = token_rows(8, seed=0)
+    args = training_args(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=3)
+    trainer = _make(tmp_path, None, rows=rows, args=args)
+    t = trainer.topology
+    longest, mean = max(len(r) for r in rows), sum(len(r) for r in rows) / len(rows)
+    assert (t.dp, t.cp, t.micro_batches, t.max_tokens) == (1, 1, 2, 3 * longest)
+    assert t.tokens_per_step == round(3 * 2 * mean)
+    with pytest.raises(NotImplementedError, match="predict"):
+        trainer.predict(trainer.train_dataset)
 
 
 def test_dataset_without_input_ids_and_long_documents(tmp_path):

@@ -75,3 +75,39 @@ def test_sft_refuses_packing_and_truncation(tmp_path, tokenizer, overrides, matc
             processing_class=tokenizer,
             topology=topo,
         )
+
+
+def test_sft_defaults_from_max_length_and_eval(tmp_path, tokenizer):
+    """No topology: max_length is the token budget (per_device_train_batch_size x max_length per micro-batch), TRL's
+    truncation is off, and the eval loss over TRL-tokenized eval rows is the exact token-weighted completion loss."""
+    import torch
+
+    import attention
+    import attention.hf
+    import balancer.hf
+
+    args = _sft_config(tmp_path, max_length=512, per_device_train_batch_size=2, eval_strategy="epoch")
+    trainer = balancer.hf.BalancedSFTTrainer(
+        model=tiny_llama(vocab_size=len(tokenizer)),
+        args=args,
+        train_dataset=_prompt_completion(8),
+        eval_dataset=_prompt_completion(5),
+        processing_class=tokenizer,
+    )
+    t = trainer.topology
+    assert (t.dp, t.cp, t.micro_batches, t.max_tokens) == (1, 1, 1, 1024) and trainer.args.max_length is None
+    trainer.train()
+    metrics = trainer.evaluate()
+    rows = [trainer.eval_dataset[i] for i in range(len(trainer.eval_dataset))]
+    model = trainer.model
+    total, count = 0.0, 0
+    with torch.no_grad():  # the exact figure: every eval row alone, packed attention on one document
+        for r in rows:
+            ids, lab = torch.as_tensor(r["input_ids"]), torch.as_tensor(r["labels"])
+            layout = attention.CPLayout.build([0, len(ids)], 1)
+            with attention.hf.cp_context(layout, model=model):
+                logits = model(input_ids=ids[None], position_ids=torch.arange(len(ids))[None]).logits[0, :-1]
+            ce = torch.nn.functional.cross_entropy(logits.double(), lab[1:], ignore_index=-100, reduction="sum")
+            total, count = total + float(ce), count + int((lab[1:] != -100).sum())
+    assert metrics["eval_loss_tokens"] == count
+    assert abs(metrics["eval_loss"] - total / count) <= 1e-5 * total / count
