@@ -5,10 +5,16 @@ the first one possibly the re-planned remainder of a window after an elastic res
 and the next, which it plans ahead on a background thread) and remembers every window's step count (one int per
 window), so nothing per document is held beyond the current windows. `bound(w)` bounds a window's steps without
 planning it (what `len(sampler)` adds up).
+
+`update_model(cost, rank_speeds, first_window)` is how a refitted model reaches the windows (balancer.measured's
+adapt mode): windows from `first_window` on are planned with it, windows before keep theirs; `model(w)` says which
+model window `w` is planned with. A window's step count never depends on the model: a window whose count is known
+and whose new plan would change it is an error (nothing is silently re-counted).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -123,6 +129,7 @@ class EpochWindows:
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._executor: Optional[ThreadPoolExecutor] = None
+        self._updates: list[tuple[int, Topology, CostModel]] = []  # (first window, topology, cost), in call order
 
     def __getstate__(self) -> dict:  # pickles without the thread pool and the plans (re-planned on demand)
         state = dict(self.__dict__)
@@ -133,12 +140,44 @@ class EpochWindows:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
+    # ---- the model each window is planned with ------------------------------------------------------------
+    def model(self, w: int) -> tuple[Topology, CostModel]:
+        """(topology, cost model) window `w` is planned with: the last `update_model` whose first window is at or
+        before `w`, else the epoch's own."""
+        topology, cost = self.topology, self.cost
+        for first, t, c in self._updates:
+            if first <= w:
+                topology, cost = t, c
+        return topology, cost
+
+    def update_model(self, cost: CostModel, rank_speeds, first_window: int) -> None:
+        """Plan windows `first_window`.. with `cost` and `rank_speeds` (a tuple for `Topology(rank_speeds=...)`;
+        None: the epoch topology's own). Those windows' plans already made (kept or planned ahead) are dropped and
+        made again on demand; the caller makes sure no micro-batch of them has been handed out yet. A window's step
+        count does not depend on the model (`segment` raises if a known count would change)."""
+        if not isinstance(cost, CostModel):
+            raise TypeError(f"update_model: cost must be a CostModel, got {type(cost).__name__}")
+        if isinstance(first_window, bool) or not isinstance(first_window, (int, np.integer)) or first_window < 0:
+            raise ValueError(f"update_model: first_window must be a non-negative integer, got {first_window!r}")
+        topology = self.topology
+        if rank_speeds is not None:
+            if "rank_speeds" not in {f.name for f in dataclasses.fields(Topology)}:
+                raise ValueError("update_model: this planner's Topology takes no rank_speeds (pass None)")
+            topology = dataclasses.replace(topology, rank_speeds=tuple(float(s) for s in rank_speeds))
+        with self._lock:
+            self._updates.append((int(first_window), topology, cost))
+            for w in [w for w in self._segments if w >= first_window]:
+                del self._segments[w]
+            for w in [w for w in self._pending if w >= first_window]:
+                del self._pending[w]  # a plan under way with the old model: its result is not used
+
     # ---- planning ---------------------------------------------------------------------------------------------
     def _build(self, w: int) -> Segment:
         seed = window_seed(self.seed, self.epoch, w, self.count)
         history = self.history if w == self.origin else []
+        topology, cost = self.model(w)
         if self.count == 1 and not history:
-            return plan_units(None, None, None, self.topology, self.cost, seed, self.overflow, lengths=self.lengths)
+            return plan_units(None, None, None, topology, cost, seed, self.overflow, lengths=self.lengths)
         ids = window_ids(self.num_docs, self.seed, self.epoch, w, self.window_docs)
         u_doc, u_start = ids, np.zeros(len(ids), dtype=np.int64)
         u_end = np.asarray(self.lengths[ids], dtype=np.int64)
@@ -153,7 +192,7 @@ class EpochWindows:
             u_doc, u_start, u_end = seg.doc[left], seg.start[left], seg.end[left]
             order = np.lexsort((u_start, u_doc))
             u_doc, u_start, u_end = u_doc[order], u_start[order], u_end[order]
-        return plan_units(u_doc, u_start, u_end, self.topology, self.cost, seed, self.overflow)
+        return plan_units(u_doc, u_start, u_end, topology, cost, seed, self.overflow)
 
     def segment(self, w: int) -> Segment:
         """The plan segment of window `w` (planned now unless kept or planned ahead)."""
@@ -163,6 +202,11 @@ class EpochWindows:
         if seg is not None:
             return seg
         seg = pending.result() if pending is not None else self._build(w)
+        if self._steps.get(w, seg.num_steps) != seg.num_steps:
+            raise RuntimeError(
+                f"window {w} planned with the model {self.model(w)[1]} has {seg.num_steps} steps, {self._steps[w]} "
+                "before: a window's step count must not depend on the cost model or the rank speeds"
+            )
         with self._lock:
             self._segments[w] = seg
             self._steps[w] = seg.num_steps
