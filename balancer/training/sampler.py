@@ -58,6 +58,7 @@ from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
 from balancer.planning.window import check_window_docs, default_window_docs
 from balancer.training.indices import CPGroup, Member, Span, SpanDataset
 from balancer.training.lengths import resolve_lengths, scan_lengths
+from balancer.training.ranks import resolve_pool_rank
 from balancer.training.sampler_state import STATE_FORMAT, STATE_VERSION, check_state
 from balancer.training.segments import EpochWindows, Segment
 
@@ -122,7 +123,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self.cost = cost
         self.seed = int(seed)
         self.overflow = overflow
-        self.pool_rank = _resolve_pool_rank(rank, dp_rank, topology, device_mesh, dp_dim)
+        self.pool_rank = resolve_pool_rank(rank, dp_rank, topology, device_mesh, dp_dim)
         self.dp_rank = self.pool_rank // topology.cp
         self.fingerprint = summary.fingerprint
         self.epoch = 0
@@ -131,6 +132,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self._epoch_setup = (self.window_docs, 0, [])  # (window_docs, origin window, history) of this epoch
         self._cursor = (0, 0)  # (window, position at its first micro-batch) of the last yielded micro-batch
         self._resume_pending = False
+        self.monitor = None  # a balancer.BalanceMonitor attaches itself here (its models plan the windows, adapt)
 
     def _check_fits(self, summary, topology: Topology, overflow: str) -> None:
         if topology.dynamic:
@@ -157,6 +159,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
                 self.lengths, self.topology, self.cost, seed=self.seed, epoch=self.epoch,
                 overflow=self.overflow, window_docs=window_docs, origin=origin, history=history,
             )  # fmt: skip
+            if self.monitor is not None:
+                self.monitor.attach_windows(self._windows)
         return self._windows
 
     @property
@@ -357,8 +361,10 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             w, first = w + 1, first + n
         if position - first > n:
             raise ValueError(f"position {position} out of range 0..{first + n}")
-        here = [{"topology": self.topology.to_dict(), "cost": self.cost.to_dict(), "steps": None}]
+        topology, cost = ew.model(w)
+        here = [{"topology": topology.to_dict(), "cost": cost.to_dict(), "steps": None}]
         past = ew.history if w == ew.origin else []
+        extra = {} if self.monitor is None else {"monitor": self.monitor.state_dict()}
         return {
             "format": STATE_FORMAT,
             "format_version": STATE_VERSION,
@@ -376,6 +382,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
                 {"topology": h["topology"].to_dict(), "cost": h["cost"].to_dict(), "steps": h["steps"]} for h in past
             ]
             + here,
+            **extra,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -400,7 +407,9 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         history = [{"topology": s["topology"], "cost": s["cost"], "steps": s["steps"]} for s in segs[:-1]]
         last_topo, last_cost = segs[-1]["topology"], segs[-1]["cost"]
         position = state["position"]
-        if not (last_topo == self.topology and last_cost == self.cost):
+        # the model this sampler plans the state's window with (an attached monitor's fitted one, adapt mode)
+        mine = (self.topology, self.cost) if self.monitor is None else self.monitor.resume_model(state)
+        if (last_topo, last_cost) != mine:
             if position % last_topo.micro_batches:
                 raise ValueError(
                     f"the state is mid-step (micro-batch {position % last_topo.micro_batches} of step "
@@ -414,6 +423,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             self.lengths, self.topology, self.cost, seed=self.seed, epoch=state["epoch"], overflow=self.overflow,
             window_docs=window_docs, origin=state["window"], history=history,
         )  # fmt: skip
+        if self.monitor is not None:
+            self.monitor.attach_windows(windows)
         if position > windows.steps(state["window"]) * self.topology.micro_batches:
             raise ValueError(
                 f"the state's position {position} is past window {state['window']}'s "
@@ -423,6 +434,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self._epoch_setup = (windows.window_docs, windows.origin, history)
         self.position, self._cursor = position, (windows.origin, 0)
         self._resume_pending = True
+        if self.monitor is not None:
+            self.monitor.on_sampler_load()
 
 
 class _SamplerIter:
@@ -443,54 +456,3 @@ class _SamplerIter:
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
         self.sampler._resume_pending = False
-
-
-def _resolve_pool_rank(rank, dp_rank, topology: Topology, device_mesh, dp_dim: str) -> int:
-    """This rank's pool rank (`dp_rank * cp + cp_rank`) from `rank`, or `dp_rank` / the device mesh /
-    torch.distributed as `_resolve_dp_rank` finds it (CP rank from torch.distributed when initialised, else 0)."""
-    if rank is not None:
-        if isinstance(rank, bool) or int(rank) != rank or not 0 <= int(rank) < topology.pool_size:
-            raise ValueError(f"rank {rank!r} out of range for a pool of dp*cp = {topology.pool_size} ranks")
-        if dp_rank is not None and int(dp_rank) != int(rank) // topology.cp:
-            raise ValueError(f"dp_rank {dp_rank} and pool rank {rank} disagree (pool rank = dp_rank*cp + cp_rank)")
-        return int(rank)
-    import torch.distributed as dist
-
-    initialised = dist.is_available() and dist.is_initialized()
-    if topology.dynamic and dp_rank is None and device_mesh is None and not initialised:
-        if topology.pool_size == 1:
-            return 0
-        raise ValueError(
-            "with dynamic CP (cp_sizes) pass rank= (the pool rank dp_rank*cp + cp_rank) or initialise torch.distributed"
-        )
-    dp = _resolve_dp_rank(dp_rank, topology, device_mesh, dp_dim)
-    if dp_rank is None and device_mesh is None and initialised:
-        return dist.get_rank() // topology.pp
-    if topology.dynamic and topology.cp > 1:
-        raise ValueError("with dynamic CP and cp > 1 the CP rank is needed too: pass rank= (dp_rank*cp + cp_rank)")
-    return dp * topology.cp
-
-
-def _resolve_dp_rank(dp_rank, topology: Topology, device_mesh, dp_dim: str) -> int:
-    if dp_rank is not None:
-        if isinstance(dp_rank, bool) or int(dp_rank) != dp_rank or not 0 <= int(dp_rank) < topology.dp:
-            raise ValueError(f"dp_rank {dp_rank!r} out of range for dp={topology.dp}")
-        return int(dp_rank)
-    if device_mesh is not None:
-        size = device_mesh.size(device_mesh.mesh_dim_names.index(dp_dim)) if device_mesh.mesh_dim_names else None
-        if size != topology.dp:
-            raise ValueError(f"the device mesh's {dp_dim!r} dimension has {size} ranks, topology has dp={topology.dp}")
-        return int(device_mesh.get_local_rank(dp_dim))
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        world = dist.get_world_size()
-        if world != topology.world_size:
-            raise ValueError(
-                f"torch.distributed has {world} ranks but the topology needs dp*cp*pp = "
-                f"{topology.world_size}; pass dp_rank= or device_mesh="
-            )
-        return dist.get_rank() // (topology.cp * topology.pp)
-    if topology.dp == 1:
-        return 0
-    raise ValueError(f"dp_rank is not given and torch.distributed is not initialised (topology has dp={topology.dp})")

@@ -33,6 +33,7 @@ _STATE = obj(
         "window_docs": integer(min=1, since=2),
         "window": integer(min=0, since=2),
         "segments": array(_SEGMENT),
+        "monitor": anything(required=False),  # a BalanceMonitor's state (balancer.measured), checked there
     }
 )
 

@@ -1,0 +1,15 @@
+"""Measured balance: what each rank really spends per micro-batch, gathered every step, reported against the plan's
+prediction, and (adapt mode) refitted into the cost model and the replica speeds that plan the next windows.
+
+Modules: monitor.py (`BalanceMonitor`), ledger.py (the gathered records), refit.py (the fit of the cost model and
+the speeds, outliers, the held-back check), report.py (the report dict), plot.py (`plot_report`: the picture).
+"""
+
+from balancer._lazy import lazy_exports
+
+_EXPORTS = {
+    "BalanceMonitor": "balancer.measured.monitor",
+    "plot_report": "balancer.measured.plot",
+}
+__all__ = list(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

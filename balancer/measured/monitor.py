@@ -1,0 +1,389 @@
+"""`BalanceMonitor`: measured balance for a training loop on a `BalancedBatchSampler`, and adapt mode's online refit.
+
+    monitor = balancer.BalanceMonitor(sampler, mode="adapt")        # every rank, after building the sampler
+    for batch in loader:
+        with monitor.timer():                                        # this micro-batch's forward + backward only
+            loss = model(**batch).loss; loss.backward()              # (under no_sync() but for the last one)
+        if last_micro_batch_of_step:
+            optimizer.step(); optimizer.zero_grad(); monitor.end_step()   # every rank: one small all-gather
+    print(monitor.report())
+
+Every rank times its own micro-batches (`record(seconds)` or `with monitor.timer():` - the wall clock on CPU; on
+CUDA a pair of events read at the next `end_step`, so the stream is never stalled). `end_step()` all-gathers the
+step's times over `group` (the default group; one float64 tensor of `micro_batches + 14 + dp` numbers per rank, or
+`every` steps at once) and adds them to the ledger, the same on every rank: a replica's micro-batch takes the
+slowest of its ranks. After the last step of every window the first rank of the group refits the cost model (in
+seconds) and the replica speeds from the evidence so far (balancer.measured.refit: outliers left out, a candidate
+that predicts held-back micro-batches worse than the model in force refused); the coefficients travel with the next
+gather, so every rank gets the same bits. `mode="adapt"` then plans the windows from two windows after the fitted
+one on with them (`EpochWindows.update_model`): the next window was already planned ahead in the background and
+may be in use by prefetching loaders, so it keeps its plan. `mode="shadow"` measures, fits and reports without
+changing any plan. A gather that fails (a rank died) or does not finish within `timeout` seconds raises a
+RuntimeError naming the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import math
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from balancer.measured.ledger import Ledger, Model
+from balancer.measured.refit import refit
+from balancer.measured.report import build_report
+from balancer.planning.cost.fit import TERMS
+from balancer.planning.cost.model import CostModel
+from balancer.planning.shuffle import num_windows
+
+logger = logging.getLogger(__name__)
+
+MODES = ("shadow", "adapt")
+STATE_FORMAT = "balancer.monitor"
+_HEAD = 4  # pool rank, dp rank, epoch, step
+
+
+class BalanceMonitor:
+    """Measured balance (and, in adapt mode, the online refit) for `sampler`'s training loop; see the module
+    docstring. `layout`: the collator's CP layout (what the refit's predictions assume); `warmup_steps`: steps
+    after the monitor starts or resumes left out of the figures and the fit; `min_samples`: measured micro-batches
+    before the first refit (default max(32, 4 * dp * micro_batches)); `max_samples`: the refit's evidence (the most
+    recent); `timeout`: seconds a gather may take; `every`: steps per gather; `cuda`: time with CUDA events (default:
+    when CUDA is available)."""
+
+    def __init__(
+        self,
+        sampler,
+        mode: str = "shadow",
+        group=None,
+        *,
+        layout: str = "zigzag",
+        warmup_steps: int = 2,
+        min_samples: Optional[int] = None,
+        max_samples: int = 1024,
+        timeout: float = 300.0,
+        every: int = 1,
+        cuda: Optional[bool] = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        t = sampler.topology
+        if t.dynamic:
+            raise ValueError("BalanceMonitor: dynamic CP (Topology(cp_sizes=...)) is not supported yet")
+        if getattr(sampler, "monitor", None) is not None:
+            raise ValueError("this sampler already has a BalanceMonitor attached")
+        for name, value, low in (
+            ("warmup_steps", warmup_steps, 0),
+            ("max_samples", max_samples, 8),
+            ("every", every, 1),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        self.sampler, self.mode, self.topology = sampler, mode, t
+        self.layout, self.warmup_steps, self.timeout, self.every = layout, warmup_steps, float(timeout), every
+        self.min_samples = max(32, 4 * t.dp * t.micro_batches) if min_samples is None else int(min_samples)
+        self.cuda = torch.cuda.is_available() if cuda is None else bool(cuda)
+        self.group = group
+        import torch.distributed as dist
+
+        self._dist = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size(group) if self._dist else 1
+        self.rank = dist.get_rank(group) if self._dist else 0
+        self.ledger = Ledger(t.dp, max_samples, layout)
+        self.models = [Model(sampler.cost, None, False, (0, 0), getattr(t, "rank_speeds", None))]
+        self.refits: list[dict] = []
+        self._pending_fit: Optional[np.ndarray] = None  # first rank: a fit waiting to travel with the next gather
+        self._epoch, self._step = sampler.epoch, sampler.position // t.micro_batches
+        self._since_start = 0  # steps since start or resume (warm-up)
+        self._current: dict[int, object] = {}
+        self._closed: list = []  # (epoch, step, warm, [M] seconds or CUDA event pairs)
+        self.cpu_seconds = 0.0  # process CPU time spent in record / end_step (refits apart)
+        self.refit_seconds = 0.0
+        sampler.monitor = self
+        if sampler._windows is not None:
+            self.attach_windows(sampler._windows)
+
+    # ---- timing -----------------------------------------------------------------------------------------------
+    def _sync_epoch(self) -> None:
+        if self.sampler.epoch != self._epoch:
+            self._epoch, self._step, self._current = self.sampler.epoch, 0, {}
+
+    def record(self, seconds, step: Optional[int] = None, micro_batch: Optional[int] = None) -> None:
+        """This rank's measured seconds of one micro-batch (its forward + backward); `step` / `micro_batch` default
+        to the next one of the current step."""
+        c0 = time.process_time()
+        self._sync_epoch()
+        if not isinstance(seconds, (torch.cuda.Event, tuple)):
+            seconds = float(seconds)
+            if not (math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(f"record: seconds must be a finite number >= 0, got {seconds!r}")
+        if step is not None and step != self._step:
+            if self._current:
+                raise ValueError(f"record: step {step} given while step {self._step} is not finished (end_step)")
+            self._step = int(step)
+        m = len(self._current) if micro_batch is None else int(micro_batch)
+        if not 0 <= m < self.topology.micro_batches or m in self._current:
+            raise ValueError(
+                f"record: micro-batch {m} of step {self._step} is out of range or recorded twice "
+                f"(micro_batches = {self.topology.micro_batches})"
+            )
+        self._current[m] = seconds
+        self.cpu_seconds += time.process_time() - c0
+
+    @contextlib.contextmanager
+    def timer(self):
+        """Time the block as the next micro-batch (CUDA events when timing on CUDA, else `time.perf_counter`)."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self.record((start, end))
+            return
+        t0 = time.perf_counter()
+        yield
+        self.record(time.perf_counter() - t0)
+
+    # ---- steps ------------------------------------------------------------------------------------------------
+    def end_step(self) -> None:
+        """Close the step (every rank, after the optimizer step); gathers every `every` steps (collective)."""
+        c0 = time.process_time()
+        self._sync_epoch()
+        m = self.topology.micro_batches
+        if len(self._current) != m:
+            raise ValueError(f"end_step: step {self._step} has {len(self._current)} recorded micro-batches of {m}")
+        times = [self._current[i] for i in range(m)]
+        self._closed.append((self._epoch, self._step, self._since_start < self.warmup_steps, times, self._plan_of()))
+        self._current, self._step, self._since_start = {}, self._step + 1, self._since_start + 1
+        ready = len(self._closed) - (1 if self.cuda else 0)  # CUDA events are read one step later
+        if ready >= self.every:
+            self._gather(ready)
+        self.cpu_seconds += time.process_time() - c0
+
+    def flush(self) -> None:
+        """Gather every closed step now (collective; e.g. before the last `report()`)."""
+        if self._closed:
+            self._gather(len(self._closed))
+
+    def _seconds(self, times) -> list[float]:
+        out = []
+        for t in times:
+            if isinstance(t, tuple):
+                t[1].synchronize()  # recorded at least a step ago: long done
+                out.append(t[0].elapsed_time(t[1]) / 1000.0)
+            else:
+                out.append(t)
+        return out
+
+    def _payload(self, blocks) -> torch.Tensor:
+        t = self.topology
+        fit = self._pending_fit if self._pending_fit is not None else np.zeros(_fit_size(t.dp))
+        rows = [[self.sampler.pool_rank, self.sampler.dp_rank, b[0], b[1]] + self._seconds(b[3]) for b in blocks]
+        return torch.tensor(np.concatenate([fit, np.asarray(rows, dtype=np.float64).ravel()]), dtype=torch.float64)
+
+    def _gather(self, k: int) -> None:
+        blocks, self._closed = self._closed[:k], self._closed[k:]
+        mine = self._payload(blocks)
+        if self.world > 1:
+            import torch.distributed as dist
+
+            parts = [torch.empty_like(mine) for _ in range(self.world)]
+            try:
+                dist.all_gather(parts, mine, group=self.group, async_op=True).wait(
+                    timeout=datetime.timedelta(seconds=self.timeout)
+                )
+            except RuntimeError as e:
+                raise RuntimeError(
+                    f"BalanceMonitor: the gather of step {blocks[-1][1]} (epoch {blocks[-1][0]}) failed on rank "
+                    f"{self.rank}: a rank died or did not reach end_step within timeout={self.timeout:g} s ({e})"
+                ) from None
+            gathered = torch.stack(parts).numpy()
+        else:
+            gathered = mine.numpy()[None]
+        self._pending_fit = None
+        nf = _fit_size(self.topology.dp)
+        fit, rows = gathered[0, :nf], gathered[:, nf:].reshape(self.world, k, -1)
+        if fit[0]:
+            self._apply(fit)
+        for j, (epoch, step, warm, _, plan) in enumerate(blocks):
+            if not np.all(rows[:, j, 2:4] == (epoch, step)):
+                raise RuntimeError(f"BalanceMonitor: ranks disagree on the step gathered: {rows[:, j, 2:4].tolist()}")
+            self._add_step(epoch, step, warm, rows[:, j], plan)
+
+    def _plan_of(self) -> tuple:
+        """(window, last step of it?, piece sizes [dp][M]) of the step being closed, read from the sampler's plan
+        now (a gather may come after the sampler moved on to another epoch)."""
+        t, s = self.topology, self.sampler
+        window, local = s.windows.locate(self._step)
+        sizes = [[_sizes(s.micro_batch(self._step, m, dp_rank=r), s.lengths) for m in range(t.micro_batches)]
+                 for r in range(t.dp)]  # fmt: skip
+        return window, local == s.windows.steps(window) - 1, sizes
+
+    def _add_step(self, epoch: int, step: int, warm: bool, rows: np.ndarray, plan: tuple) -> None:
+        t = self.topology
+        window, last, sizes = plan
+        seconds = np.zeros((t.dp, t.micro_batches))
+        for row in rows:  # a replica's micro-batch takes the slowest of its ranks
+            seconds[int(row[1])] = np.maximum(seconds[int(row[1])], row[_HEAD:])
+        model_id = self.model_id(epoch, window)
+        info = {"epoch": epoch, "step": step, "window": window, "warm": warm}
+        self.ledger.add_step(info, model_id, self.models[model_id], sizes, t.cp, seconds, rows[:, _HEAD:].sum(axis=1))
+        if last and self.rank == 0:
+            self._refit(epoch, window)
+
+    # ---- refit ------------------------------------------------------------------------------------------------
+    def _refit(self, epoch: int, window: int) -> None:
+        c0 = time.process_time()
+        current = self.models[-1]
+        speeds_ok = self.topology.dp > 1
+        r = refit(
+            self.ledger.evidence(), current.cost, current.speeds, self.topology.dp, layout=self.layout,
+            current_in_seconds=current.in_seconds, min_samples=self.min_samples, speeds=speeds_ok,
+        )  # fmt: skip
+        self.refit_seconds += time.process_time() - c0
+        first = self._advance(epoch, window, 2)
+        record = {"epoch": epoch, "window": window, "first": list(first), "accepted": r.accepted, "reason": r.reason,
+                  "samples": r.samples, "outliers": len(r.outliers), "score_current": r.score_current,
+                  "score_candidate": r.score_candidate, "cpu_seconds": time.process_time() - c0}  # fmt: skip
+        logger.info("balance refit after window %d of epoch %d: %s", window, epoch, r.reason)
+        self.refits.append(record)
+        if r.accepted:
+            self._pending_fit = _pack_fit(r.cost, r.speeds, first, self.topology.dp)
+
+    def _advance(self, epoch: int, window: int, by: int) -> tuple[int, int]:
+        count = self.sampler.windows.count
+        w = window + by
+        while w >= count:
+            w -= count
+            epoch += 1
+            count = num_windows(len(self.sampler.lengths), self.sampler.window_docs)
+        return epoch, w
+
+    def _apply(self, fit: np.ndarray) -> None:
+        cost, speeds, first = _unpack_fit(fit, self.models[0].cost, self.topology.dp)
+        plan_speeds = speeds if (self.mode == "adapt" and _planner_takes_speeds()) else None
+        if self.mode == "adapt" and speeds is not None and plan_speeds is None:
+            logger.warning("the planner takes no rank_speeds: fitted speeds %s are reported, not planned", speeds)
+        self.models.append(Model(cost, speeds, True, first, plan_speeds, len(self.ledger.steps)))
+        if self.mode != "adapt":
+            return
+        s = self.sampler
+        if first[0] == s.epoch and s._windows is not None:
+            if s._cursor[0] >= first[1] and s.position > 0:
+                raise RuntimeError(
+                    f"BalanceMonitor: the refit for window {first[1]} arrived after the sampler started it (it is "
+                    "ahead of the training loop by more than a window): use larger windows or less prefetching"
+                )
+            s._windows.update_model(cost, plan_speeds, first[1])
+
+    def model_id(self, epoch: int, window: int) -> int:
+        """Index in `models` of the model window `window` of `epoch` is planned with (0: the sampler's own)."""
+        found = 0
+        for i, m in enumerate(self.models[1:], 1):
+            if self.mode == "adapt" and tuple(m.start) <= (epoch, window):
+                found = i
+        return found
+
+    def attach_windows(self, windows) -> None:
+        """Give a sampler's new `EpochWindows` the models fitted so far (adapt mode; the sampler calls this)."""
+        if self.mode != "adapt":
+            return
+        for m in self.models[1:]:
+            if m.start[0] < windows.epoch:
+                windows.update_model(m.cost, m.plan_speeds, 0)
+            elif m.start[0] == windows.epoch:
+                windows.update_model(m.cost, m.plan_speeds, m.start[1])
+
+    def model_for(self, epoch: int, window: int):
+        """(topology, cost) window `window` of `epoch` is planned with."""
+        m = self.models[self.model_id(epoch, window)]
+        topo = self.topology if m.plan_speeds is None else dataclasses.replace(self.topology, rank_speeds=m.plan_speeds)
+        return topo, m.cost
+
+    # ---- report and state ---------------------------------------------------------------------------------------
+    def report(self) -> dict:
+        """The measured balance so far (docs/measured-balance.md has every key); local, no communication."""
+        return build_report(self)
+
+    def state_dict(self) -> dict:
+        """Everything a resumed run needs to plan and refit as the uninterrupted one (JSON-able)."""
+        ledger = self.ledger.state_dict()
+        models = [m.to_dict() for m in self.models]
+        for m in models:
+            m["fresh_from"] = max(0, m["fresh_from"] - ledger["dropped"])
+        return {
+            "format": STATE_FORMAT,
+            "mode": self.mode,
+            "epoch": self._epoch,
+            "models": models,
+            "refits": self.refits,
+            "pending_fit": None if self._pending_fit is None else self._pending_fit.tolist(),
+            "ledger": ledger,
+            "cpu_seconds": self.cpu_seconds,
+            "refit_seconds": self.refit_seconds,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()`; the step position comes from the sampler (`on_sampler_load`)."""
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError("not a BalanceMonitor state (no 'format': 'balancer.monitor')")
+        if state["mode"] != self.mode:
+            raise ValueError(f"the monitor state is from mode={state['mode']!r}, this monitor has mode={self.mode!r}")
+        try:
+            self.models = [Model.from_dict(m) for m in state["models"]]
+            self.ledger.load_state_dict(state["ledger"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"monitor state: a malformed record ({e})") from None
+        self.refits = list(state["refits"])
+        fit = state["pending_fit"]
+        self._pending_fit = None if fit is None else np.asarray(fit, dtype=np.float64)
+        self.cpu_seconds, self.refit_seconds = float(state["cpu_seconds"]), float(state["refit_seconds"])
+
+    def resume_model(self, state: dict):
+        """The sampler is loading `state`: restore its "monitor" record (if any) and return the (topology, cost)
+        this monitor plans the state's window with."""
+        if "monitor" in state:
+            self.load_state_dict(state["monitor"])
+        return self.model_for(state["epoch"], state["window"])
+
+    def on_sampler_load(self) -> None:
+        """The sampler loaded a state: count steps from its position on, warm-up again."""
+        self._epoch, self._step = self.sampler.epoch, self.sampler.position // self.topology.micro_batches
+        self._since_start, self._current, self._closed = 0, {}, []
+
+
+def _sizes(items, lengths) -> np.ndarray:
+    return np.array([(i.end - i.start) if hasattr(i, "end") else int(lengths[i]) for i in items], dtype=np.int64)
+
+
+def _planner_takes_speeds() -> bool:
+    from balancer.planning.topology import Topology
+
+    return "rank_speeds" in {f.name for f in dataclasses.fields(Topology)}
+
+
+def _fit_size(dp: int) -> int:
+    return 1 + len(TERMS) + 1 + 2 + dp  # flag, coefficients, comm_overlap, (epoch, first window), speeds
+
+
+def _pack_fit(cost: CostModel, speeds, first, dp: int) -> np.ndarray:
+    s = np.ones(dp) if speeds is None else np.asarray(speeds)
+    coef = [getattr(cost, name) for name in TERMS]
+    return np.array([1.0 if speeds is None else 2.0, *coef, float(cost.comm_overlap), *first, *s], dtype=np.float64)
+
+
+def _unpack_fit(fit: np.ndarray, like: CostModel, dp: int):
+    n = len(TERMS)
+    values = dict(zip(TERMS, (float(x) for x in fit[1 : 1 + n])))
+    cost = dataclasses.replace(like, **values, comm_overlap=bool(fit[1 + n]))
+    first = (int(fit[2 + n]), int(fit[3 + n]))
+    speeds = tuple(float(x) for x in fit[4 + n : 4 + n + dp]) if fit[0] == 2.0 else None
+    return cost, speeds, first

@@ -1,0 +1,220 @@
+"""The refit of adapt mode: a cost model in seconds and the relative speed of every DP replica from measured
+micro-batches, outliers left out, and a candidate refused when it predicts held-back micro-batches worse than the
+model in force.
+
+A sample is one micro-batch of one replica: its pieces' token counts (in packing order), the CP size it ran on and
+the measured seconds (the slowest of the replica's ranks). The model: `seconds = micro_batch_time(cost, sizes, cp) /
+speed[replica]` (balancer.planning.cost.predict: the slowest CP rank under the layout). The fit alternates two
+exact steps: with the speeds fixed, `CostModel.fit` on the speed-corrected seconds (non-negative least squares on
+relative errors); with the cost fixed, each replica's speed is the median of predicted / measured over its samples.
+Speeds are normalised to a mean of 1, so the cost model is in seconds of an average replica.
+
+Outliers (a GC pause, a checkpoint write inside a timed region, a noisy neighbour): a sample whose log residual
+`log(measured * speed / predicted)` is further than `max(OUTLIER_MADS * 1.4826 * MAD, log(OUTLIER_MIN_RATIO))` from
+the median is left out and the fit repeated once without it (`OUTLIER_RULE` says it in words).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from balancer.planning.cost.microbatch import micro_batch_terms, rank_times
+from balancer.planning.cost.model import CostModel
+
+ROUNDS = 4  # alternations of speeds and cost; the speeds move by well under 1% after the third on every test case
+OUTLIER_MADS = 5.0
+OUTLIER_MIN_RATIO = 1.3
+OUTLIER_RULE = (
+    f"warm-up: the first steps after the monitor starts or resumes; then a micro-batch whose measured / predicted "
+    f"time (its replica's speed included) is more than max({OUTLIER_MADS:g} robust standard deviations (1.4826 * "
+    f"MAD of the log ratios), a factor {OUTLIER_MIN_RATIO:g}) away from the median ratio"
+)
+HOLD_EVERY = 4  # every 4th step of the evidence is held back to judge a candidate against the model in force
+
+
+@dataclass
+class Samples:
+    """Measured micro-batches: `sizes[i]` piece token counts, `cp[i]`, `replica[i]`, `seconds[i]` (> 0), `step[i]`
+    (the step's position in the run, for the held-back split)."""
+
+    sizes: list
+    cp: np.ndarray
+    replica: np.ndarray
+    seconds: np.ndarray
+    step: np.ndarray
+    terms: list | None = None  # per sample MicroBatchTerms for one (causal, window, layout), computed once
+
+    def __len__(self) -> int:
+        return len(self.seconds)
+
+    def take(self, mask: np.ndarray) -> Samples:
+        idx = np.flatnonzero(mask)
+        terms = None if self.terms is None else [self.terms[i] for i in idx]
+        pick = [self.sizes[i] for i in idx]
+        return Samples(pick, self.cp[idx], self.replica[idx], self.seconds[idx], self.step[idx], terms)
+
+    def with_terms(self, like: CostModel, layout: str) -> Samples:
+        """These samples with their layout terms computed (the refit's rounds reuse them)."""
+        terms = [micro_batch_terms(np.asarray(d), int(c), layout, like.causal, like.window)
+                 for d, c in zip(self.sizes, self.cp)]  # fmt: skip
+        return Samples(self.sizes, self.cp, self.replica, self.seconds, self.step, terms)
+
+
+@dataclass
+class Refit:
+    """Outcome of one refit: `cost` and `speeds` (the candidate, also when refused), `accepted`, `reason`, the
+    held-back errors (`score_current`, `score_candidate`: median + p90 of |measured - predicted| / measured) and the
+    outliers' sample indices."""
+
+    cost: CostModel | None
+    speeds: tuple[float, ...] | None
+    accepted: bool
+    reason: str
+    score_current: float = math.nan
+    score_candidate: float = math.nan
+    outliers: list = field(default_factory=list)
+    samples: int = 0
+
+
+def predict(cost: CostModel, sizes: list, cp: np.ndarray, layout: str = "zigzag", terms=None) -> np.ndarray:
+    """Predicted seconds (cost units) of each sample on a speed-1 replica: the slowest CP rank of its layout
+    (`terms`: the samples' precomputed terms, for the same mask and layout)."""
+    if terms is not None:
+        return np.array([float(rank_times(cost, t).max()) for t in terms])
+    out = np.empty(len(sizes))
+    for i, (d, c) in enumerate(zip(sizes, cp)):
+        d = np.asarray(d, dtype=np.int64)
+        if c == 1 and not cost.piece_coef:
+            out[i] = cost.micro_batch_cost(d)
+        else:
+            out[i] = float(rank_times(cost, micro_batch_terms(d, int(c), layout, cost.causal, cost.window)).max())
+    return out
+
+
+def relative_errors(measured: np.ndarray, predicted: np.ndarray) -> np.ndarray:
+    return np.abs(measured - predicted) / measured
+
+
+def score(measured: np.ndarray, predicted: np.ndarray) -> float:
+    """median + p90 of the relative errors (the two figures the report gives)."""
+    e = relative_errors(measured, predicted)
+    return float(np.median(e) + np.quantile(e, 0.9)) if len(e) else math.nan
+
+
+def fit_speeds(predicted: np.ndarray, seconds: np.ndarray, replica: np.ndarray, dp: int) -> np.ndarray:
+    """Each replica's speed: exp(median log(predicted / measured)) over its samples, normalised to a mean of 1 over
+    the replicas that have samples (a replica without samples gets 1)."""
+    speeds = np.ones(dp)
+    ratio = np.log(predicted / seconds)
+    seen = np.zeros(dp, dtype=bool)
+    for r in range(dp):
+        mine = replica == r
+        if mine.any():
+            speeds[r], seen[r] = math.exp(float(np.median(ratio[mine]))), True
+    speeds[seen] /= speeds[seen].mean()
+    return speeds
+
+
+def outlier_mask(seconds: np.ndarray, predicted: np.ndarray) -> np.ndarray:
+    """True for samples outside the robust band of OUTLIER_RULE (`predicted` includes the replica speeds)."""
+    res = np.log(seconds / predicted)
+    mid = np.median(res)
+    mad = float(np.median(np.abs(res - mid)))
+    band = max(OUTLIER_MADS * 1.4826 * mad, math.log(OUTLIER_MIN_RATIO))
+    return np.abs(res - mid) > band
+
+
+def fit(samples: Samples, like: CostModel, dp: int, *, layout: str = "zigzag", speeds: bool = True):
+    """(cost, speeds, outlier mask) fitted to `samples` (module docstring). `like` gives the mask (causal, window)
+    and the fields that are not fitted; `speeds=False` keeps every replica at 1."""
+    if samples.terms is None:
+        samples = samples.with_terms(like, layout)
+    keep = np.ones(len(samples), dtype=bool)
+    s = np.ones(dp)
+    cost = like
+    for outlier_pass in range(2):
+        sub = samples.take(keep)
+        for _ in range(ROUNDS if speeds else 1):
+            cost = _fit_cost(sub, sub.seconds * s[sub.replica], like, layout)
+            if speeds:
+                s = fit_speeds(predict(cost, None, None, terms=sub.terms), sub.seconds, sub.replica, dp)
+        if outlier_pass == 0:
+            pred = predict(cost, None, None, terms=samples.terms) / s[samples.replica]
+            out = outlier_mask(samples.seconds, pred)
+            if not out.any() or (~out).sum() < len(samples) // 2:
+                break
+            keep = ~out
+    return cost, s, ~keep
+
+
+def _fit_cost(sub: Samples, seconds: np.ndarray, like: CostModel, layout: str) -> CostModel:
+    """`CostModel.fit` of (attention pairs, tokens, fixed, pieces; with CP also the communication terms) on relative
+    errors. Without CP the features do not depend on the model: one non-negative least-squares solve on the
+    precomputed terms, the same problem `CostModel.fit` solves."""
+    if np.any(sub.cp > 1):
+        cost = CostModel.fit(
+            sub.sizes, seconds, causal=like.causal, window=like.window, cp=sub.cp, layout=layout, fit_pieces=True,
+            fit_comm=True,
+        )  # fmt: skip
+        return dataclasses.replace(cost, kv_bytes_per_token=like.kv_bytes_per_token)
+    from scipy.optimize import nnls
+
+    feats = np.array([[t.pairs.sum(), t.tokens.sum(), 1.0, t.pieces.sum()] for t in sub.terms]) / seconds[:, None]
+    scale = np.abs(feats).max(axis=0)
+    scale[scale == 0] = 1.0
+    coef, _ = nnls(feats / scale, np.ones(len(seconds)))
+    attn, linear, fixed, piece = (float(c) for c in coef / scale)
+    if attn == 0 and linear == 0:
+        raise ValueError("the timings fit no positive attention or linear coefficient")
+    return dataclasses.replace(like, attn_coef=attn, linear_coef=linear, fixed=fixed, piece_coef=piece,
+                               comm_coef=0.0, comm_latency=0.0)  # fmt: skip
+
+
+def refit(
+    samples: Samples,
+    current: CostModel,
+    current_speeds,
+    dp: int,
+    *,
+    current_in_seconds: bool,
+    layout: str = "zigzag",
+    min_samples: int = 32,
+    speeds: bool = True,
+) -> Refit:
+    """One refit: fit on the samples of steps not held back (every HOLD_EVERY-th step is), score the candidate
+    and the model in force (scaled by one factor when it is not in seconds yet) on the held-back ones, accept the
+    candidate only when it scores better. Refused (with the reason) below `min_samples` or without samples of every
+    replica."""
+    n = len(samples)
+    if n < min_samples:
+        return Refit(None, None, False, f"{n} measured micro-batches, the first refit needs {min_samples}", samples=n)
+    if speeds and len(np.unique(samples.replica)) < dp:
+        return Refit(None, None, False, "not every replica has measured micro-batches yet", samples=n)
+    held = (samples.step % HOLD_EVERY) == HOLD_EVERY - 1
+    if held.sum() < 4 or (~held).sum() < min_samples // 2:
+        held = np.arange(n) % HOLD_EVERY == HOLD_EVERY - 1
+    samples = samples.with_terms(current, layout)
+    train, test = samples.take(~held), samples.take(held)
+    try:
+        cost, s, out = fit(train, current, dp, layout=layout, speeds=speeds)
+    except ValueError as e:
+        return Refit(None, None, False, f"the fit failed: {e}", samples=n)
+    cand = predict(cost, None, None, terms=test.terms) / s[test.replica]
+    cur_s = np.ones(dp) if current_speeds is None else np.asarray(current_speeds, dtype=np.float64)
+    cur = predict(current, None, None, terms=test.terms) / cur_s[test.replica]
+    inliers = ~outlier_mask(test.seconds, cand)
+    if not current_in_seconds:  # a model in FLOPs (or any unit): judged by its shape, at its best single scale
+        cur = cur * float(np.median(test.seconds[inliers] / cur[inliers]))
+    sc_cand = score(test.seconds[inliers], cand[inliers])
+    sc_cur = score(test.seconds[inliers], cur[inliers])
+    outliers = [int(i) for i in np.flatnonzero(~held)[out]] + [int(i) for i in np.flatnonzero(held)[~inliers]]
+    fitted = tuple(float(x) for x in s) if speeds else None
+    if not sc_cand < sc_cur:
+        reason = f"refused: held-back error {sc_cand:.3f} (median + p90) is not below the current model's {sc_cur:.3f}"
+        return Refit(cost, fitted, False, reason, sc_cur, sc_cand, sorted(outliers), n)
+    reason = f"accepted: held-back error {sc_cand:.3f} (median + p90) against {sc_cur:.3f} for the current model"
+    return Refit(cost, fitted, True, reason, sc_cur, sc_cand, sorted(outliers), n)
