@@ -5,7 +5,7 @@ Modules: monitor.py (`BalanceMonitor`), ledger.py (the gathered records), refit.
 the speeds, outliers, the held-back check), report.py (the report dict), plot.py (`plot_report`: the picture).
 """
 
-from balancer._lazy import lazy_exports
+from attention._lazy import lazy_exports
 
 _EXPORTS = {
     "BalanceMonitor": "balancer.measured.monitor",
