@@ -54,16 +54,17 @@ class Ledger:
     max_samples: int
     layout: str = "zigzag"
     steps: list = field(default_factory=list)  # dicts: epoch, step, window, model, warm, measured, predicted, ranks
-    mb: list = field(default_factory=list)  # [model, replica, measured, predicted units, step serial, warm]
-    samples: deque = None  # (serial, replica, cp, sizes, seconds, warm)
+    mb: list = field(default_factory=list)  # [model, replica, measured, predicted units, serial, left out, m]
+    samples: deque = None  # (serial, replica, cp, sizes, seconds, left out: warm-up or synced)
 
     def __post_init__(self) -> None:
         if self.samples is None:
             self.samples = deque(maxlen=self.max_samples)
 
-    def add_step(self, info: dict, model_id: int, model: Model, sizes: list, cp: int, seconds, rank_seconds) -> None:
+    def add_step(self, info: dict, model_id: int, model: Model, sizes: list, cp: int, seconds, rank_seconds, synced):
         """One gathered step: `sizes[r][m]` the piece sizes of replica r's micro-batch m, `seconds` [dp, M] the
-        slowest rank of each replica, `rank_seconds` [ranks] each rank's compute."""
+        slowest rank of each replica, `rank_seconds` [ranks] each rank's compute, `synced` [M] micro-batches whose
+        time includes the gradient reduction (left out of the step times, the errors and the fit)."""
         serial = len(self.steps)
         seconds = np.asarray(seconds, dtype=np.float64)
         flat = [s for per in sizes for s in per]
@@ -71,19 +72,21 @@ class Ledger:
         plan_cost = np.array([[model.cost.micro_batch_cost(s) / cp for s in per] for per in sizes])
         plan_speeds = np.ones(self.dp) if model.plan_speeds is None else np.asarray(model.plan_speeds)
         warm = bool(info["warm"])
+        own = ~synced if (~synced).any() else np.ones(len(synced), dtype=bool)
         self.steps.append(
             {
                 **info,
                 "model": model_id,
-                "measured": seconds.sum(axis=1).tolist(),
-                "predicted": (plan_cost.sum(axis=1) / plan_speeds).tolist(),
+                "measured": seconds[:, own].sum(axis=1).tolist(),
+                "predicted": (plan_cost[:, own].sum(axis=1) / plan_speeds).tolist(),
                 "ranks": [float(x) for x in rank_seconds],
             }
         )
         for r in range(seconds.shape[0]):
             for m in range(seconds.shape[1]):
-                self.mb.append([model_id, r, float(seconds[r, m]), float(units[r, m]), serial, warm, m])
-                self.samples.append((serial, r, cp, tuple(int(x) for x in sizes[r][m]), float(seconds[r, m]), warm))
+                out = warm or bool(synced[m])
+                self.mb.append([model_id, r, float(seconds[r, m]), float(units[r, m]), serial, out, m])
+                self.samples.append((serial, r, cp, tuple(int(x) for x in sizes[r][m]), float(seconds[r, m]), out))
 
     def evidence(self) -> Samples:
         """The refit's samples: the buffer without warm-up micro-batches and without zero times."""

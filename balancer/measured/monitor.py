@@ -10,7 +10,7 @@
 
 Every rank times its own micro-batches (`record(seconds)` or `with monitor.timer():` - the wall clock on CPU; on
 CUDA a pair of events read at the next `end_step`, so the stream is never stalled). `end_step()` all-gathers the
-step's times over `group` (the default group; one float64 tensor of `micro_batches + 14 + dp` numbers per rank, or
+step's times over `group` (the default group; one float64 tensor of `2 * micro_batches + 14 + dp` numbers per rank, or
 `every` steps at once) and adds them to the ledger, the same on every rank: a replica's micro-batch takes the
 slowest of its ranks. After the last step of every window the first rank of the group refits the cost model (in
 seconds) and the replica speeds from the evidence so far (balancer.measured.refit: outliers left out, a candidate
@@ -116,9 +116,12 @@ class BalanceMonitor:
         if self.sampler.epoch != self._epoch:
             self._epoch, self._step, self._current = self.sampler.epoch, 0, {}
 
-    def record(self, seconds, step: Optional[int] = None, micro_batch: Optional[int] = None) -> None:
+    def record(
+        self, seconds, step: Optional[int] = None, micro_batch: Optional[int] = None, *, synced: bool = False
+    ) -> None:
         """This rank's measured seconds of one micro-batch (its forward + backward); `step` / `micro_batch` default
-        to the next one of the current step."""
+        to the next one of the current step. `synced=True`: the time includes the gradient reduction (DDP's last
+        micro-batch), which waits for the slowest rank: kept apart, out of the fit, the errors and the step times."""
         c0 = time.process_time()
         self._sync_epoch()
         if not isinstance(seconds, (torch.cuda.Event, tuple)):
@@ -135,22 +138,23 @@ class BalanceMonitor:
                 f"record: micro-batch {m} of step {self._step} is out of range or recorded twice "
                 f"(micro_batches = {self.topology.micro_batches})"
             )
-        self._current[m] = seconds
+        self._current[m] = (seconds, bool(synced))
         self.cpu_seconds += time.process_time() - c0
 
     @contextlib.contextmanager
-    def timer(self):
-        """Time the block as the next micro-batch (CUDA events when timing on CUDA, else `time.perf_counter`)."""
+    def timer(self, synced: bool = False):
+        """Time the block as the next micro-batch (CUDA events when timing on CUDA, else `time.perf_counter`);
+        `synced` as for `record`."""
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             yield
             end.record()
-            self.record((start, end))
+            self.record((start, end), synced=synced)
             return
         t0 = time.perf_counter()
         yield
-        self.record(time.perf_counter() - t0)
+        self.record(time.perf_counter() - t0, synced=synced)
 
     # ---- steps ------------------------------------------------------------------------------------------------
     def end_step(self) -> None:
@@ -186,7 +190,11 @@ class BalanceMonitor:
     def _payload(self, blocks) -> torch.Tensor:
         t = self.topology
         fit = self._pending_fit if self._pending_fit is not None else np.zeros(_fit_size(t.dp))
-        rows = [[self.sampler.pool_rank, self.sampler.dp_rank, b[0], b[1]] + self._seconds(b[3]) for b in blocks]
+        rows = [
+            [self.sampler.pool_rank, self.sampler.dp_rank, b[0], b[1], *self._seconds([x[0] for x in b[3]])]
+            + [float(x[1]) for x in b[3]]
+            for b in blocks
+        ]
         return torch.tensor(np.concatenate([fit, np.asarray(rows, dtype=np.float64).ravel()]), dtype=torch.float64)
 
     def _gather(self, k: int) -> None:
@@ -230,12 +238,16 @@ class BalanceMonitor:
     def _add_step(self, epoch: int, step: int, warm: bool, rows: np.ndarray, plan: tuple) -> None:
         t = self.topology
         window, last, sizes = plan
-        seconds = np.zeros((t.dp, t.micro_batches))
-        for row in rows:  # a replica's micro-batch takes the slowest of its ranks
-            seconds[int(row[1])] = np.maximum(seconds[int(row[1])], row[_HEAD:])
+        m = t.micro_batches
+        seconds = np.zeros((t.dp, m))
+        timed, synced = rows[:, _HEAD : _HEAD + m], rows[:, _HEAD + m :].max(axis=0) > 0
+        for row, mine in zip(rows, timed):  # a replica's micro-batch takes the slowest of its ranks
+            seconds[int(row[1])] = np.maximum(seconds[int(row[1])], mine)
+        own = ~synced if (~synced).any() else np.ones(m, dtype=bool)  # step times: the micro-batches' own compute
         model_id = self.model_id(epoch, window)
         info = {"epoch": epoch, "step": step, "window": window, "warm": warm}
-        self.ledger.add_step(info, model_id, self.models[model_id], sizes, t.cp, seconds, rows[:, _HEAD:].sum(axis=1))
+        ranks = timed[:, own].sum(axis=1)
+        self.ledger.add_step(info, model_id, self.models[model_id], sizes, t.cp, seconds, ranks, synced)
         if last and self.rank == 0:
             self._refit(epoch, window)
 

@@ -49,9 +49,10 @@ def build_report(monitor) -> dict:
     led = monitor.ledger
     steps = [s for s in led.steps if not s["warm"]]
     mb = np.array([row for row in led.mb if not row[5] and row[2] > 0], dtype=np.float64).reshape(-1, 7)
-    meas = np.array([s["measured"] for s in steps]).reshape(len(steps), -1)
-    pred = np.array([s["predicted"] for s in steps]).reshape(len(steps), -1)
-    ranks = np.array([s["ranks"] for s in steps]).reshape(len(steps), -1)
+    dp, world = monitor.topology.dp, monitor.world
+    meas = np.array([s["measured"] for s in steps], dtype=np.float64).reshape(len(steps), dp)
+    pred = np.array([s["predicted"] for s in steps], dtype=np.float64).reshape(len(steps), dp)
+    ranks = np.array([s["ranks"] for s in steps], dtype=np.float64).reshape(len(steps), world)
     e, out, mb_pred = _errors(mb, monitor.models)
     med, p90 = _quantiles(e)
     fitted = next((m for m in reversed(monitor.models) if m.in_seconds), None)

@@ -49,6 +49,7 @@ from balancer.training.indices import SpanDataset
 from balancer.training.lengths import resolve_lengths
 from balancer.training.loss import token_loss
 from balancer.training.sampler import BalancedBatchSampler
+from balancer.training.trainer_balance import MeasuredBalanceMixin
 from balancer.training.trainer_defaults import default_topology
 from balancer.training.trainer_eval import BalancedEvalMixin, eval_lengths
 
@@ -99,8 +100,9 @@ def balanced_args(args: TrainingArguments, topology: Optional[Topology]) -> Trai
     return args
 
 
-class BalancedTrainingMixin(BalancedEvalMixin):
-    """The balanced data loader, loss, attention, evaluation and resume logic shared by both Trainer classes."""
+class BalancedTrainingMixin(BalancedEvalMixin, MeasuredBalanceMixin):
+    """The balanced data loader, loss, attention, evaluation and resume logic shared by both Trainer classes
+    (measured balance, `balance_mode=`, in trainer_balance.py)."""
 
     loss_is_scaled_for_ga = True  # compute_loss already divides by the whole step's loss-token count
 

@@ -1,0 +1,86 @@
+"""Measured balance inside the Hugging Face trainers (`BalancedTrainer(..., balance_mode=...)`): a
+`balancer.measured.BalanceMonitor` on the trainer's sampler, every micro-batch's forward + backward timed (the
+stock `training_step`), `end_step` after every optimizer step, and the report's figures logged with the Trainer's
+own logs under `balance/`.
+
+`balance_mode`: "shadow" (the default: measure, fit and report, never change a plan; "off" with dynamic CP, which
+the monitor does not measure yet), "adapt" (plan the windows not yet planned with the refitted cost model and
+replica speeds) or "off". With several processes the last micro-batch
+of a step runs the gradient all-reduce inside its backward pass (DDP): its time waits for the slowest rank, so it
+is recorded apart (`synced`) and left out of the fit, the errors and the step times.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from transformers import TrainerCallback
+
+from balancer.measured.monitor import MODES, BalanceMonitor
+
+logger = logging.getLogger(__name__)
+BALANCE_MODES = (*MODES, "off")
+LOGGED = ("measured_imbalance", "predicted_imbalance", "prediction_error_median", "prediction_error_p90",
+          "fresh_error_median", "fresh_error_p90", "idle_fraction", "mean_step_seconds")  # fmt: skip
+
+
+class _EndStep(TrainerCallback):
+    """`monitor.end_step()` after every optimizer step (every rank: the monitor's one collective)."""
+
+    def __init__(self, trainer) -> None:
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        monitor = self.trainer.balance_monitor
+        if monitor is not None:
+            monitor.end_step()
+
+
+class MeasuredBalanceMixin:
+    """The monitor parts of the balanced trainers (module docstring); sits between the balanced mixin and the
+    stock Trainer in the class order, so `training_step` here times the stock step alone."""
+
+    def __init__(self, *args, balance_mode: str | None = None, **kwargs) -> None:
+        if balance_mode is not None and balance_mode not in BALANCE_MODES:
+            raise ValueError(f"balance_mode must be one of {BALANCE_MODES}, got {balance_mode!r}")
+        self.balance_mode, self.balance_monitor = balance_mode, None
+        super().__init__(*args, **kwargs)
+        self.add_callback(_EndStep(self))
+
+    def _balance_attach(self) -> None:
+        if self.balance_mode is None:  # the default: shadow, where the monitor can measure
+            self.balance_mode = "off" if self.topology.dynamic else "shadow"
+            if self.topology.dynamic:
+                logger.info("balance_mode: off (the monitor does not measure dynamic CP plans yet)")
+        if self.balance_mode != "off" and self.balance_monitor is None:
+            layout = getattr(self.packed_collator, "kind", "zigzag")
+            self.balance_monitor = BalanceMonitor(self.balanced_sampler, mode=self.balance_mode, layout=layout)
+            self._balance_mbs = 0
+
+    def _init_training_state(self, *args, **kwargs):
+        self._balance_attach()  # before the sampler loads a checkpoint's state (the monitor's part is in it)
+        return super()._init_training_state(*args, **kwargs)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        monitor = self.balance_monitor
+        if monitor is None:
+            return super().training_step(model, inputs, num_items_in_batch)
+        self._balance_mbs += 1
+        last = self._balance_mbs % self.topology.micro_batches == 0
+        with monitor.timer(synced=last and self.accelerator.num_processes > 1):
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        """The Trainer's logs plus the monitor's figures under `balance/` (training logs only)."""
+        monitor = self.balance_monitor
+        if monitor is not None and "loss" in logs and monitor.ledger.steps:
+            report = monitor.report()
+            for key in LOGGED:
+                value = report[key]
+                if value is not None and not (isinstance(value, float) and math.isnan(value)):
+                    logs[f"balance/{key}"] = value
+            if report["rank_speeds"] is not None:
+                logs.update({f"balance/rank_speed_{r}": s for r, s in enumerate(report["rank_speeds"])})
+            logs["balance/refits_accepted"] = sum(r["accepted"] for r in report["refits"])
+        return super().log(logs, *args, **kwargs)
