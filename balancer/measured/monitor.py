@@ -282,7 +282,7 @@ class BalanceMonitor:
     def _apply(self, fit: np.ndarray) -> None:
         cost, speeds, first = _unpack_fit(fit, self.models[0].cost, self.topology.dp)
         plan_speeds = speeds if (self.mode == "adapt" and _planner_takes_speeds()) else None
-        if self.mode == "adapt" and speeds is not None and plan_speeds is None:
+        if self.mode == "adapt" and speeds is not None and plan_speeds is None and self.rank == 0:
             logger.warning("the planner takes no rank_speeds: fitted speeds %s are reported, not planned", speeds)
         self.models.append(Model(cost, speeds, True, first, plan_speeds, len(self.ledger.steps)))
         if self.mode != "adapt":
@@ -373,6 +373,8 @@ class BalanceMonitor:
 
 
 def _sizes(items, lengths) -> np.ndarray:
+    if all(type(i) is int for i in items):  # whole documents (the common case): one indexed read
+        return np.asarray(lengths[np.asarray(items, dtype=np.int64)], dtype=np.int64)
     return np.array([(i.end - i.start) if hasattr(i, "end") else int(lengths[i]) for i in items], dtype=np.int64)
 
 

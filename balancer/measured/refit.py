@@ -88,7 +88,7 @@ def predict(cost: CostModel, sizes: list, cp: np.ndarray, layout: str = "zigzag"
     out = np.empty(len(sizes))
     for i, (d, c) in enumerate(zip(sizes, cp)):
         d = np.asarray(d, dtype=np.int64)
-        if c == 1 and not cost.piece_coef:
+        if c == 1:  # one rank: no layout, the plain per-document cost (pieces = documents)
             out[i] = cost.micro_batch_cost(d)
         else:
             out[i] = float(rank_times(cost, micro_batch_terms(d, int(c), layout, cost.causal, cost.window)).max())

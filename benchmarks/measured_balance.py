@@ -1,0 +1,233 @@
+"""Measured balance on real uneven CPU ranks: static plans (the monitor in shadow mode) against adapt mode.
+
+Four ranks (dp 4, M 2, 4096 tokens per micro-batch; or dp 2 x cp 2 for `cp2`) train a tiny attention-heavy Llama
+(balancer.calibration.TINY_LLAMA, one thread per rank) on documents with the lengths of the published wlbllm trace
+(lengths // 32, at least 1; random token ids) through `BalancedBatchSampler` and `BalanceMonitor`, starting from the
+cost model a user has without calibrating (`CostModel.from_config`, FLOPs). Ranks are pinned with
+`os.sched_setaffinity`: `uneven` puts rank 0 alone on core 0 and ranks 1-3 together on core 1 (a real 3x speed
+difference, not a sleep: ideal gain of planning by speed 1.5x); `equal` puts two ranks on each core; `cp2` is dp 2 x
+cp 2, two ranks per core, for the prediction error under CP. A step: every micro-batch of the rank's replica
+(forward + backward timed by the monitor, gradients accumulated), one all-reduce of the gradients (timed apart),
+the AdamW step, `monitor.end_step()`; its wall time runs from a barrier before it to the end of `end_step`.
+
+One spawned world per configuration runs `--pairs` pairs of epochs, static and adapt alternating (which goes first
+alternates too), each epoch with a fresh model, sampler and monitor over the same documents, so load changes reach
+both alike. Figures (steps after the second window, where adapt's first refit plans): the mean step wall time
+(slowest rank), measured imbalance, prediction error before (the sampler's model at its best scale) and after the
+refit (fresh micro-batches), the monitor's own process CPU per step over the step's, and the refit's. The machine is
+shared with other jobs: the load average is recorded at start and end.
+
+    python benchmarks/measured_balance.py [--pairs 5] [--configs uneven,equal,cp2] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not an installed copy
+
+from _common import write_result
+
+SCALE = 32
+CONFIGS = {  # name: (dp, cp, cores of the ranks, pairs)
+    "uneven": (4, 1, [0, 1, 1, 1], 3),
+    "equal": (4, 1, [0, 0, 1, 1], 5),
+    "cp2": (2, 2, [0, 1, 0, 1], 1),
+}
+MAX_TOKENS, MICRO_BATCHES, WINDOWS, STEPS_PER_WINDOW = 4096, 2, 4, 3
+
+
+def _documents(n_windows: int, steps: int, dp: int, cp: int):
+    from balancer.data.traces import load_trace
+
+    lengths = np.maximum(1, np.asarray(load_trace("wlbllm")) // SCALE)
+    lengths = lengths[np.random.default_rng(0).permutation(len(lengths))]
+    lengths = lengths[lengths <= MAX_TOKENS * cp]
+    tokens_per_step = int(0.85 * dp * cp * MICRO_BATCHES * MAX_TOKENS)
+    per_window = int(steps * tokens_per_step / lengths.mean())
+    return lengths[: n_windows * per_window].copy(), per_window, tokens_per_step
+
+
+def _epoch(rank, dp, cp, mode, lengths, window_docs, tps, seed, groups):
+    import torch
+    import torch.distributed as dist
+    from _replay_worker import _run_micro_batch
+
+    import balancer
+    from balancer.calibration import TINY_LLAMA, build_model
+    from balancer.measured import BalanceMonitor
+
+    topo = balancer.Topology(dp=dp, cp=cp, micro_batches=MICRO_BATCHES, max_tokens=MAX_TOKENS, tokens_per_step=tps)
+    cost = balancer.CostModel.from_config(TINY_LLAMA)
+    sampler = balancer.BalancedBatchSampler(lengths, topo, cost, rank=rank, seed=seed, window_docs=window_docs)
+    monitor = BalanceMonitor(sampler, mode="adapt" if mode == "adapt" else "shadow", warmup_steps=1, min_samples=16)
+    torch.manual_seed(seed)
+    model = build_model(TINY_LLAMA)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    replica, cp_rank = divmod(rank, cp)
+    steps, walls, cpus = [], [], []
+    it = iter(sampler)
+    for step in range(10**9):
+        batch = [next(it, None) for _ in range(MICRO_BATCHES)]
+        if batch[0] is None:
+            break
+        window = sampler.windows.locate(step)[0]
+        dist.barrier()
+        w0, c0 = time.perf_counter(), time.process_time()
+        tokens = sampler.step_loss_tokens(step)
+        for j, mb in enumerate(batch):
+            sizes = [(i.end - i.start) if hasattr(i, "end") else int(lengths[i]) for i in mb]
+            with monitor.timer():
+                _run_micro_batch(model, sizes, "zigzag", cp, cp_rank, groups[replica], 1 / tokens, seed + 97 * step + j)
+        r0 = time.perf_counter()
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in (p for p in model.parameters() if p.grad is not None):
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
+            offset += p.numel()
+        reduce = time.perf_counter() - r0
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        monitor.end_step()
+        walls.append(time.perf_counter() - w0)
+        cpus.append(time.process_time() - c0)
+        steps.append({"window": int(window), "reduce": reduce})
+    report = monitor.report()
+    report.pop("series")
+    replica = [[s["window"], s["measured"]] for s in monitor.ledger.steps]
+    return {"steps": steps, "wall": walls, "cpu": cpus, "report": report, "replica_times": replica,
+            "planned_speeds": _planned_speeds(sampler)}  # fmt: skip
+
+
+def _planned_speeds(sampler):
+    topo = sampler.windows.model(sampler.windows.count - 1)[0]
+    return list(getattr(topo, "rank_speeds", None) or []) or None
+
+
+def _worker(rank, world, port, payload, out):
+    import torch
+    import torch.distributed as dist
+
+    os.sched_setaffinity(0, {payload["cores"][rank] % os.cpu_count()})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=30))  # fmt: skip
+    try:
+        dp, cp = payload["dp"], payload["cp"]
+        groups = [dist.new_group(list(range(r * cp, (r + 1) * cp))) for r in range(dp)]
+        lengths = np.asarray(payload["lengths"], dtype=np.int64)
+        runs = []
+        for pair in range(payload["pairs"]):
+            order = ("static", "adapt") if pair % 2 == 0 else ("adapt", "static")
+            for mode in order:
+                load = os.getloadavg()[0]
+                result = _epoch(rank, dp, cp, mode, lengths, payload["window_docs"], payload["tps"], pair, groups)
+                runs.append({"pair": pair, "mode": mode, "load_1min": load, **result})
+                if rank == 0:
+                    print(f"  pair {pair} {mode}: {np.mean(result['wall']):.3f} s/step, load {load:.1f}", flush=True)
+        Path(f"{out}.{rank}").write_text(json.dumps(runs))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _after(run, first_window=2):
+    return [i for i, s in enumerate(run["steps"]) if s["window"] >= first_window]
+
+
+def _summarise(name, per_rank, dp, cp):
+    runs = []
+    for k, run0 in enumerate(per_rank[0]):
+        idx = _after(run0)
+        wall = np.max([np.array(r[k]["wall"]) for r in per_rank], axis=0)
+        cpu = np.array([np.array(r[k]["cpu"]) for r in per_rank])
+        mon = np.mean([r[k]["report"]["monitor_cpu_seconds"] for r in per_rank])
+        rep = run0["report"]
+        models = rep["models"]
+        runs.append({
+            "pair": run0["pair"], "mode": run0["mode"], "load_1min_at_start": run0["load_1min"],
+            "steps": len(wall), "steps_after_second_window": len(idx),
+            "mean_step_seconds": float(wall[idx].mean()),
+            "mean_step_process_cpu_per_rank": cpu[:, idx].mean(axis=1).tolist(),
+            "measured_imbalance": rep["measured_imbalance"],
+            "measured_imbalance_after_second_window": _imbalance_after(run0),
+            "prediction_error_before": [models[0]["prediction_error_median"], models[0]["prediction_error_p90"]],
+            "prediction_error_after_refit": [rep["fresh_error_median"], rep["fresh_error_p90"]],
+            "rank_speeds_fitted": rep["rank_speeds"], "rank_speeds_planned": run0["planned_speeds"],
+            "refits": [{k2: v for k2, v in r.items() if k2 in ("window", "accepted", "reason", "cpu_seconds")}
+                       for r in rep["refits"]],
+            "monitor_cpu_fraction": float(mon / cpu.sum(axis=1).mean()),
+            "refit_cpu_seconds": rep["refit_cpu_seconds"],
+        })  # fmt: skip
+    pairs = []
+    for p in sorted({r["pair"] for r in runs}):
+        s = next(r for r in runs if r["pair"] == p and r["mode"] == "static")
+        a = next(r for r in runs if r["pair"] == p and r["mode"] == "adapt")
+        pairs.append({"pair": p, "speedup": s["mean_step_seconds"] / a["mean_step_seconds"],
+                      "static_s": s["mean_step_seconds"], "adapt_s": a["mean_step_seconds"]})  # fmt: skip
+    speedups = [p["speedup"] for p in pairs]
+    return {"config": name, "dp": dp, "cp": cp, "runs": runs, "pairs": pairs,
+            "speedup_median": float(np.median(speedups)), "speedup_min": float(np.min(speedups))}  # fmt: skip
+
+
+def _imbalance_after(run) -> float:
+    """Mean over the steps after the second window of the slowest replica's measured compute over the replicas'
+    mean (the monitor's ledger)."""
+    t = np.array([m for w, m in run["replica_times"] if w >= 2])
+    return float((t.max(axis=1) / t.mean(axis=1)).mean()) if len(t) else float("nan")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument(
+        "--pairs", type=int, help="static/adapt pairs per configuration (default: uneven 3, equal 5, cp2 1)"
+    )
+    ap.add_argument("--configs", default="uneven,equal,cp2", help="comma-separated: " + ", ".join(CONFIGS))
+    ap.add_argument("--quick", action="store_true", help="1 pair, 2 steps per window (a smoke run)")
+    ap.add_argument("--output", default="measured_balance", help="results name (benchmarks/results/NAME.json)")
+    args = ap.parse_args(argv)
+    import torch.multiprocessing as mp
+
+    from balancer.calibration import TINY_LLAMA
+    from balancer.calibration.timing import _free_port
+    from balancer.measured.monitor import _planner_takes_speeds
+
+    steps = 2 if args.quick else STEPS_PER_WINDOW
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    results, t0 = [], time.perf_counter()
+    for name in args.configs.split(","):
+        dp, cp, cores, pairs = CONFIGS[name]
+        pairs = 1 if args.quick else (args.pairs or pairs)
+        lengths, window_docs, tps = _documents(WINDOWS, steps, dp, cp)
+        payload = {"dp": dp, "cp": cp, "cores": cores, "lengths": lengths.tolist(), "window_docs": window_docs,
+                   "tps": tps, "pairs": pairs}  # fmt: skip
+        print(f"{name}: dp{dp} x cp{cp}, cores {cores}, {len(lengths)} documents, windows of {window_docs}", flush=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "r")
+            mp.spawn(_worker, args=(dp * cp, _free_port(), payload, out), nprocs=dp * cp, join=True)
+            per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(dp * cp)]
+        results.append(_summarise(name, per_rank, dp, cp))
+    payload = {"configs": results, "planner_takes_rank_speeds": _planner_takes_speeds(),
+               "documents": "wlbllm trace lengths // 32 (at least 1), random tokens", "micro_batches": MICRO_BATCHES,
+               "max_tokens": MAX_TOKENS, "windows": WINDOWS, "steps_per_window": steps,
+               "seconds": time.perf_counter() - t0}  # fmt: skip
+    path = write_result(args.output, payload, clock="wall+process_cpu", model={"config": TINY_LLAMA, "threads": 1})
+    for r in results:
+        print(f"{r['config']}: speedup median {r['speedup_median']:.3f}, min {r['speedup_min']:.3f}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
