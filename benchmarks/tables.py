@@ -616,7 +616,48 @@ def import_time() -> str:
     return markdown(header, rows) + note
 
 
+def measured_balance() -> str:
+    """Static (shadow) against adapt on pinned CPU ranks (benchmarks/measured_balance.py), per configuration."""
+    data = load("measured_balance")
+    header = ["ranks", "pairs", "static s/step", "adapt s/step", "adapt speedup: median (min)",
+              "measured imbalance static / adapt", "prediction error before refit: median / p90",
+              "after refit (fresh micro-batches): median / p90", "fitted speeds (last adapt run)",
+              "monitor CPU / step CPU", "refit CPU s", "1-min load during runs"]  # fmt: skip
+    rows = []
+    for c in data["configs"]:
+        runs = {m: [r for r in c["runs"] if r["mode"] == m] for m in ("static", "adapt")}
+
+        def med(mode, key, i=None):
+            vals = [r[key] if i is None else r[key][i] for r in runs[mode]]
+            vals = [v for v in vals if v is not None and v == v]
+            return float(sorted(vals)[len(vals) // 2]) if vals else None
+
+        speeds = runs["adapt"][-1]["rank_speeds_fitted"]
+        loads = [r["load_1min_at_start"] for r in c["runs"]]
+        rows.append([
+            f"{c['config']} (dp{c['dp']} x cp{c['cp']})", str(len(c["pairs"])),
+            fmt(med("static", "mean_step_seconds")), fmt(med("adapt", "mean_step_seconds")),
+            f"{c['speedup_median']:.3f}x ({c['speedup_min']:.3f}x)",
+            f"{fmt(med('static', 'measured_imbalance_after_second_window'))} / "
+            f"{fmt(med('adapt', 'measured_imbalance_after_second_window'))}",
+            f"{fmt(med('static', 'prediction_error_before', 0), '.1%')} / "
+            f"{fmt(med('static', 'prediction_error_before', 1), '.1%')}",
+            f"{fmt(med('adapt', 'prediction_error_after_refit', 0), '.1%')} / "
+            f"{fmt(med('adapt', 'prediction_error_after_refit', 1), '.1%')}",
+            "-" if speeds is None else ", ".join(f"{x:.2f}" for x in speeds),
+            fmt(max(r["monitor_cpu_fraction"] for r in c["runs"]), ".2%"),
+            fmt(max(r["refit_cpu_seconds"] for r in c["runs"]), ".2f"),
+            f"{min(loads):.1f}-{max(loads):.1f}",
+        ])  # fmt: skip
+    note = (
+        f"\n\nMedians over the pairs (a run's figures: the steps after its second window; errors median over "
+        f"runs). Planner takes rank speeds: {fmt(data['planner_takes_rank_speeds'])}."
+    )
+    return markdown(header, rows) + note + _record_line(data)
+
+
 TABLES: dict[str, Callable[[], str]] = {
+    "measured_balance": measured_balance,
     "import_time": import_time,
     "plan_validate": plan_validate,
     "post_training": post_training,

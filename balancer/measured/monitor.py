@@ -105,7 +105,7 @@ class BalanceMonitor:
         self._since_start = 0  # steps since start or resume (warm-up)
         self._current: dict[int, object] = {}
         self._closed: list = []  # (epoch, step, warm, [M] seconds or CUDA event pairs)
-        self.cpu_seconds = 0.0  # process CPU time spent in record / end_step (refits apart)
+        self.cpu_seconds = 0.0  # CPU time of the calling thread in record / end_step (refits apart)
         self.refit_seconds = 0.0
         sampler.monitor = self
         if sampler._windows is not None:
@@ -122,7 +122,7 @@ class BalanceMonitor:
         """This rank's measured seconds of one micro-batch (its forward + backward); `step` / `micro_batch` default
         to the next one of the current step. `synced=True`: the time includes the gradient reduction (DDP's last
         micro-batch), which waits for the slowest rank: kept apart, out of the fit, the errors and the step times."""
-        c0 = time.process_time()
+        c0 = time.thread_time()
         self._sync_epoch()
         if not isinstance(seconds, (torch.cuda.Event, tuple)):
             seconds = float(seconds)
@@ -139,7 +139,7 @@ class BalanceMonitor:
                 f"(micro_batches = {self.topology.micro_batches})"
             )
         self._current[m] = (seconds, bool(synced))
-        self.cpu_seconds += time.process_time() - c0
+        self.cpu_seconds += time.thread_time() - c0
 
     @contextlib.contextmanager
     def timer(self, synced: bool = False):
@@ -159,7 +159,7 @@ class BalanceMonitor:
     # ---- steps ------------------------------------------------------------------------------------------------
     def end_step(self) -> None:
         """Close the step (every rank, after the optimizer step); gathers every `every` steps (collective)."""
-        c0 = time.process_time()
+        c0 = time.thread_time()
         self._sync_epoch()
         m = self.topology.micro_batches
         if len(self._current) != m:
@@ -170,7 +170,7 @@ class BalanceMonitor:
         ready = len(self._closed) - (1 if self.cuda else 0)  # CUDA events are read one step later
         if ready >= self.every:
             self._gather(ready)
-        self.cpu_seconds += time.process_time() - c0
+        self.cpu_seconds += time.thread_time() - c0
 
     def flush(self) -> None:
         """Gather every closed step now (collective; e.g. before the last `report()`)."""
@@ -253,18 +253,18 @@ class BalanceMonitor:
 
     # ---- refit ------------------------------------------------------------------------------------------------
     def _refit(self, epoch: int, window: int) -> None:
-        c0 = time.process_time()
+        c0 = time.thread_time()
         current = self.models[-1]
         speeds_ok = self.topology.dp > 1
         r = refit(
             self.ledger.evidence(), current.cost, current.speeds, self.topology.dp, layout=self.layout,
             current_in_seconds=current.in_seconds, min_samples=self.min_samples, speeds=speeds_ok,
         )  # fmt: skip
-        self.refit_seconds += time.process_time() - c0
+        self.refit_seconds += time.thread_time() - c0
         first = self._advance(epoch, window, 2)
         record = {"epoch": epoch, "window": window, "first": list(first), "accepted": r.accepted, "reason": r.reason,
                   "samples": r.samples, "outliers": len(r.outliers), "score_current": r.score_current,
-                  "score_candidate": r.score_candidate, "cpu_seconds": time.process_time() - c0}  # fmt: skip
+                  "score_candidate": r.score_candidate, "cpu_seconds": time.thread_time() - c0}  # fmt: skip
         logger.info("balance refit after window %d of epoch %d: %s", window, epoch, r.reason)
         self.refits.append(record)
         if r.accepted:
