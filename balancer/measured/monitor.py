@@ -98,7 +98,8 @@ class BalanceMonitor:
         self.world = dist.get_world_size(group) if self._dist else 1
         self.rank = dist.get_rank(group) if self._dist else 0
         self.ledger = Ledger(t.dp, max_samples, layout)
-        self.models = [Model(sampler.cost, None, False, (0, 0), getattr(t, "rank_speeds", None))]
+        speeds = getattr(t, "rank_speeds", None)  # the user's own speeds, if the topology has them
+        self.models = [Model(sampler.cost, speeds, False, (0, 0), speeds)]
         self.refits: list[dict] = []
         self._pending_fit: Optional[np.ndarray] = None  # first rank: a fit waiting to travel with the next gather
         self._epoch, self._step = sampler.epoch, sampler.position // t.micro_batches
