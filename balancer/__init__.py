@@ -21,6 +21,7 @@ _EXPORTS = {
     "distributed": "balancer.distributed",
     "BalancedBatchSampler": "balancer.training.sampler",
     "BalancedStream": "balancer.streaming.dataset",
+    "BalanceMonitor": "balancer.measured.monitor",
     "PackedCollator": "balancer.training.collate",
     "SpanDataset": "balancer.training.indices",
     "cp_groups": "balancer.training.groups",
