@@ -104,7 +104,7 @@ def schedule(q, k, v, cu, dout, be, clock: Clock, method: str, world: int, reps:
 
 
 def provenance(device: torch.device, argv) -> dict:
-    """How this run was measured clock, machine with load at start and end, commit, command."""
+    """How this run was measured: clock, machine with load at start and end, commit, command."""
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
