@@ -39,18 +39,15 @@ def balance_batch(
     from balancer.planning.batch.balance import balance_batch as plan_batch
 
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    local = np.asarray(local_lengths, dtype=np.int64).reshape(-1)
+    problem, local, local_groups = None, np.zeros(0, dtype=np.int64), None
+    try:
+        local, local_groups = _check_local(local_lengths, groups, topology, cost)
+    except (ValueError, TypeError) as e:
+        problem = str(e)
+    _agree(problem, _arguments(topology, cost, groups is not None, options), group, world)
     counts = _gather_sizes(len(local), group, world)
     lengths = _gather(local, counts, group)
-    all_groups = None
-    if groups is not None:
-        local_groups = np.asarray(groups).reshape(-1)
-        if len(local_groups) != len(local):
-            raise ValueError(
-                f"groups must hold one group id per local document: got {len(local_groups)}, this rank has "
-                f"{len(local)} documents"
-            )
-        all_groups = _gather(local_groups.astype(np.int64), counts, group)
+    all_groups = None if local_groups is None else _gather(local_groups, counts, group)
     plan = plan_batch(lengths, topology, cost, groups=all_groups, **options)
     owner = np.repeat(np.arange(world), counts)
     offset = np.concatenate([[0], np.cumsum(counts)])
@@ -61,6 +58,58 @@ def balance_batch(
     ]
     recv = [sorted(int(d) for d in np.flatnonzero(owner == src) if rank in receivers[d]) for src in range(world)]
     return plan, send, recv
+
+
+def _check_local(local_lengths, groups, topology, cost) -> tuple[np.ndarray, np.ndarray | None]:
+    """This rank's lengths (int64; none is fine) and groups, checked as `balancer.balance_batch` checks them."""
+    from balancer.planning.units import check_topology_and_cost, validate_lengths
+
+    check_topology_and_cost(topology, cost)
+    arr = np.asarray(local_lengths)
+    local = np.zeros(0, dtype=np.int64) if arr.ndim == 1 and arr.size == 0 else validate_lengths(arr, "local_lengths")
+    if groups is None:
+        return local, None
+    local_groups = np.asarray(groups)
+    if local_groups.ndim != 1 or len(local_groups) != len(local):
+        raise ValueError(
+            f"groups must hold one group id per local document: got shape {local_groups.shape}, this rank has "
+            f"{len(local)} documents"
+        )
+    if len(local_groups) and local_groups.dtype.kind not in "iu":
+        raise ValueError(f"groups must hold integer group ids, got dtype {local_groups.dtype}")
+    return local, local_groups.astype(np.int64)
+
+
+def _arguments(topology, cost, has_groups: bool, options: dict) -> dict:
+    """What must be equal on every rank for the plans to be equal, as comparable text."""
+    return {
+        "topology": repr(topology),
+        "cost": repr(cost),
+        "groups": "given" if has_groups else "None",
+        **{name: repr(value) for name, value in sorted(options.items())},
+    }
+
+
+def _agree(problem: str | None, arguments: dict, group, world: int) -> None:
+    """Collective: every rank learns every rank's input problem and arguments; if any rank's input was bad, or the
+    ranks disagree on an argument, every rank raises the same ValueError naming the rank and the reason (instead
+    of the others waiting in a collective the bad rank never joins)."""
+    import torch.distributed as dist
+
+    seen: list = [None] * world
+    dist.all_gather_object(seen, (problem, arguments), group=group)
+    bad = [(r, p) for r, (p, _) in enumerate(seen) if p is not None]
+    if bad:
+        more = f" (and {len(bad) - 1} more ranks)" if len(bad) > 1 else ""
+        raise ValueError(f"balancer.distributed.balance_batch: rank {bad[0][0]}: {bad[0][1]}{more}")
+    for name in sorted({n for _, args in seen for n in args}):
+        values = [args.get(name, "(not given)") for _, args in seen]
+        if len(set(values)) > 1:
+            other = next(r for r, v in enumerate(values) if v != values[0])
+            raise ValueError(
+                f"balancer.distributed.balance_batch: {name} differs between ranks (rank 0: {values[0]}, rank "
+                f"{other}: {values[other]}); every rank must pass the same {name}"
+            )
 
 
 def _gather_sizes(count: int, group, world: int) -> np.ndarray:

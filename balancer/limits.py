@@ -49,3 +49,34 @@ def out_of_range(value: object, low: int, high: int) -> str:
 def range_error(name: str, value: object, low: int, high: int) -> str:
     """The one line for a count out of range: `NAME must be in [LOW, HIGH], got VALUE`."""
     return f"{name} {out_of_range(value, low, high)}"
+
+
+def check_int(name: str, value: object, low: int = 0, high: int = INT64_MAX) -> int:
+    """`value` as an int in [low, high], or a ValueError naming `name`: booleans, floats (also `3.0`), strings and
+    NaN are refused; NumPy and 0-d tensor integers are accepted (anything with `__index__`)."""
+    if isinstance(value, bool) or type(value).__name__ == "bool_" or not hasattr(value, "__index__"):
+        raise ValueError(f"{name} must be an integer, got {shown(repr(value))}")
+    try:
+        number = value.__index__()
+    except TypeError:  # a float tensor has __index__ but refuses it
+        raise ValueError(f"{name} must be an integer, got {shown(repr(value))}") from None
+    if not low <= number <= high:
+        raise ValueError(range_error(name, number, low, high))
+    return number
+
+
+def check_real(name: str, value: object, low: float = 0.0, high: float = MAX_COEFFICIENT, *, open_low=False) -> float:
+    """`value` as a finite float in [low, high] (`(low, high]` with `open_low`), or a ValueError naming `name`:
+    booleans, strings, NaN and infinities are refused."""
+    if isinstance(value, (bool, str, bytes)) or type(value).__name__ == "bool_":
+        raise ValueError(f"{name} must be a number, got {shown(repr(value))}")
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} must be a number, got {shown(repr(value))}") from None
+    if number != number or number in (float("inf"), float("-inf")):
+        raise ValueError(f"{name} must be a finite number, got {number}")
+    if number < low or (open_low and number == low) or number > high:
+        side = "(" if open_low else "["
+        raise ValueError(f"{name} must be in {side}{low:g}, {high:g}], got {shown(value)}")
+    return number

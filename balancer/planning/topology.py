@@ -9,6 +9,14 @@ MAX_CAPACITY = 2**53  # most tokens one step may hold (far beyond any cluster; k
 DEFAULT_FILL = 0.85  # tokens_per_step when not given: this share of the capacity (the rest is planner slack)
 
 
+def _whole(value) -> bool:
+    """A whole number (an int, or a finite float holding one); False for NaN, infinities and non-numbers."""
+    try:
+        return int(value) == value
+    except (TypeError, ValueError, OverflowError):
+        return False
+
+
 @dataclass(frozen=True)
 class Topology:
     """`dp` replicas, each a CP group of `cp` ranks feeding `pp` pipeline stages with `micro_batches` per step.
@@ -51,7 +59,7 @@ class Topology:
             object.__setattr__(self, "tokens_per_step", max(1, int(DEFAULT_FILL * self.capacity)))
         else:
             tps = self.tokens_per_step
-            if isinstance(tps, bool) or int(tps) != tps or tps < 1:
+            if isinstance(tps, (bool, str, bytes)) or not _whole(tps) or tps < 1:
                 raise ValueError(f"Topology.tokens_per_step must be a positive integer, got {tps!r}")
             object.__setattr__(self, "tokens_per_step", int(tps))
             if self.tokens_per_step > self.capacity:

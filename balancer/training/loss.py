@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from balancer.limits import INT64_MAX, check_int, check_real
+
 REDUCTIONS = ("global", "sum", "sequence")
 
 
@@ -60,23 +62,33 @@ def token_loss(
     if lg.dtype in (torch.float16, torch.bfloat16):
         lg = lg.float()
     lab = labels.reshape(-1)
+    _check_labels(lab, lg.shape[-1], ignore_index)
     if reduction != "sequence":
         total = F.cross_entropy(lg, lab, ignore_index=ignore_index, reduction="sum")
         if reduction == "sum":
             return total
-        if num_loss_tokens_global is None or num_loss_tokens_global <= 0:
-            raise ValueError(f"reduction='global' needs num_loss_tokens_global > 0, got {num_loss_tokens_global!r}")
-        return total / float(num_loss_tokens_global)
+        if num_loss_tokens_global is None:
+            raise ValueError("reduction='global' needs num_loss_tokens_global > 0, got None")
+        return total / _whole_count("num_loss_tokens_global", num_loss_tokens_global)
     if seq_ids is None or seq_loss_tokens is None or num_sequences_global is None:
         raise ValueError("reduction='sequence' needs seq_ids, seq_loss_tokens and num_sequences_global")
-    if num_sequences_global <= 0:
-        raise ValueError(f"num_sequences_global must be > 0, got {num_sequences_global!r}")
+    num_sequences_global = check_int("num_sequences_global", num_sequences_global, 1)
+    if seq_ids.shape != labels.shape:
+        raise ValueError(f"seq_ids {tuple(seq_ids.shape)} and labels {tuple(labels.shape)} do not match")
     ce = F.cross_entropy(lg, lab, ignore_index=ignore_index, reduction="none")
     sid = seq_ids.reshape(-1).to(lab.device)
     valid = (lab != ignore_index) & (sid >= 0)
     counts = seq_loss_tokens.to(device=lab.device, dtype=ce.dtype)
     denom = torch.where(valid, counts[sid.clamp(min=0)], torch.ones_like(ce))
     return torch.where(valid, ce / denom, torch.zeros_like(ce)).sum() / float(num_sequences_global)
+
+
+def _whole_count(name: str, value) -> float:
+    """A positive, finite, whole count (an int, or a float or tensor holding one, e.g. after an all-reduce)."""
+    number = check_real(name, value, 0.0, float(INT64_MAX), open_low=True)
+    if number != round(number):
+        raise ValueError(f"{name} must be a whole count of tokens, got {number!r}")
+    return number
 
 
 def batch_loss(
@@ -125,16 +137,27 @@ class StepCounts:
 def step_counts(plan, step: int, loss_tokens, groups=None) -> StepCounts:
     """The counts of `plan`'s step `step`: `loss_tokens[d]` is document d's loss-token count (e.g. its response
     tokens), `groups[d]` its group (a GRPO prompt, a preference pair; default: every document its own group). A
-    document counts whole in the step holding it (plan with overflow="error" so documents are never cut)."""
-    loss_tokens = np.asarray(loss_tokens, dtype=np.int64)
-    if loss_tokens.shape != (plan.num_docs,):
-        raise ValueError(f"loss_tokens must hold one count per document ({plan.num_docs}), got {loss_tokens.shape}")
+    document counts whole in the step holding it (plan with overflow="error" so documents are never cut). Bad input
+    (a step the plan does not have, counts that are not whole, negative or above the document's length, a shape
+    that is not one per document) raises a ValueError naming the argument."""
+    if plan.num_steps < 1:
+        raise ValueError("plan has no steps")
+    step = check_int("step", step, -INT64_MAX)
+    if not 0 <= step < plan.num_steps:
+        raise ValueError(f"step={step} does not exist: the plan has {plan.num_steps} steps (0..{plan.num_steps - 1})")
+    loss_tokens = _per_document("loss_tokens", loss_tokens, plan.num_docs)
+    lengths = np.asarray(plan.lengths)
+    bad = (loss_tokens < 0) | (loss_tokens > lengths)
+    if bad.any():
+        d = int(np.argmax(bad))
+        raise ValueError(
+            f"loss_tokens[{d}] = {int(loss_tokens[d])}: document {d} has {int(lengths[d])} tokens, so its loss-token "
+            f"count must be in [0, {int(lengths[d])}] ({int(bad.sum())} documents are out of range)"
+        )
     in_step = np.zeros(plan.num_docs, dtype=bool)
     in_step[plan.doc[plan.step_of_entry() == step]] = True
     counted = in_step & (loss_tokens > 0)
-    group_id = np.arange(plan.num_docs) if groups is None else np.asarray(groups).reshape(-1)
-    if len(group_id) != plan.num_docs:
-        raise ValueError(f"groups must hold one group id per document ({plan.num_docs}), got {len(group_id)}")
+    group_id = np.arange(plan.num_docs) if groups is None else _per_document("groups", groups, plan.num_docs)
     present, dense = np.unique(group_id[counted], return_inverse=True)
     doc_group = np.full(plan.num_docs, -1, dtype=np.int64)
     doc_group[counted] = dense.reshape(-1)
@@ -148,12 +171,25 @@ def step_counts(plan, step: int, loss_tokens, groups=None) -> StepCounts:
     )
 
 
+def _per_document(name: str, values, num_docs: int) -> np.ndarray:
+    """A 1-D int64 array of `num_docs` integers (integer dtype: float counts are refused, also whole ones)."""
+    arr = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
+    if arr.shape != (num_docs,):
+        raise ValueError(f"{name} must hold one integer per document of the plan ({num_docs}), got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size and arr.max() > INT64_MAX:
+        raise ValueError(f"{name}[{int(np.argmax(arr))}] = {int(arr.max())} is beyond int64")
+    return arr.astype(np.int64)
+
+
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Log-probability of each pre-shifted target (`labels`, as PackedCollator makes them), 0 where there is none;
     float32 at least."""
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} do not match")
     lg = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    _check_labels(labels.reshape(-1), lg.shape[-1], ignore_index)
     valid = labels != ignore_index
     picked = torch.gather(lg.log_softmax(-1), -1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return torch.where(valid, picked, torch.zeros_like(picked))
@@ -163,6 +199,7 @@ def token_doc_ids(seq_ids: torch.Tensor, docs) -> torch.Tensor:
     """Global document id of every token of a collated micro-batch: `seq_ids` (PackedCollator) indexes the
     micro-batch's documents `docs` (in the order the plan lists them); -1 for padding."""
     table = torch.as_tensor(list(docs), dtype=torch.int64, device=seq_ids.device)
+    _check_index("seq_ids", seq_ids, len(table), "docs has")
     return torch.where(seq_ids >= 0, table[seq_ids.clamp(min=0)], torch.full_like(seq_ids, -1))
 
 
@@ -179,11 +216,21 @@ def rl_loss(
     - "seq-mean-token-sum": every document's token-sum, averaged over the documents;
     - "group-mean-token-mean": every group's token-mean (all its documents' tokens), averaged over the groups (GRPO
       per-prompt normalisation).
-    `loss_mask` marks loss tokens, `doc_ids` the global document of each token (`token_doc_ids`)."""
+    `loss_mask` marks loss tokens, `doc_ids` the global document of each token (`token_doc_ids`). A shape
+    mismatch, a document outside the plan, or loss tokens of a document that `counts` does not count in its step
+    (counts of another step) raise a ValueError naming the argument."""
     if reduction not in RL_REDUCTIONS:
         raise ValueError(f"reduction must be one of {RL_REDUCTIONS}, got {reduction!r}")
+    if not isinstance(counts, StepCounts):
+        raise ValueError(f"counts must be the StepCounts of step_counts(plan, step, ...), got {type(counts).__name__}")
+    if not per_token.shape == loss_mask.shape == doc_ids.shape:
+        raise ValueError(
+            f"per_token {tuple(per_token.shape)}, loss_mask {tuple(loss_mask.shape)} and doc_ids "
+            f"{tuple(doc_ids.shape)} must have one shape (one entry per token)"
+        )
     mask = loss_mask.bool() & (doc_ids >= 0)
     doc = doc_ids.clamp(min=0).cpu().numpy()
+    _check_step_docs(doc[mask.cpu().numpy()], counts)
     if reduction == "token-mean":
         weight = np.full(doc.shape, 1.0 / max(counts.num_tokens, 1))
     elif reduction == "seq-mean-token-mean":
@@ -202,6 +249,10 @@ def sequence_logps(token_logps: torch.Tensor, seq_ids: torch.Tensor, num_sequenc
     rank holds part of every document: pass `cp_group` and the sums are all-reduced over it with
     `torch.distributed.nn.functional.all_reduce` (which carries the gradient back to every rank's tokens); every CP
     rank then holds the same sequence values, so give `dpo_loss` the CP size."""
+    num_sequences = check_int("num_sequences", num_sequences)
+    if token_logps.shape != seq_ids.shape:
+        raise ValueError(f"token_logps {tuple(token_logps.shape)} and seq_ids {tuple(seq_ids.shape)} do not match")
+    _check_index("seq_ids", seq_ids, num_sequences, "num_sequences is")
     sid = seq_ids.reshape(-1)
     keep = sid >= 0
     out = torch.zeros(num_sequences, dtype=token_logps.dtype, device=token_logps.device)
@@ -228,7 +279,64 @@ def dpo_loss(
     (`balance_batch(..., groups=pair_ids, keep="micro_batch")`). With CP (sequence sums all-reduced by
     `sequence_logps(..., cp_group=...)`) every CP rank computes the same loss and the all-reduce's backward adds
     their gradients: `cp_size` divides each rank's copy so the summed gradient is the step's."""
-    if num_pairs_global <= 0:
-        raise ValueError(f"num_pairs_global must be > 0, got {num_pairs_global!r}")
+    beta = check_real("beta", beta, open_low=True)
+    num_pairs_global = check_int("num_pairs_global", num_pairs_global, 1)
+    cp_size = check_int("cp_size", cp_size, 1)
+    shapes = [tuple(t.shape) for t in (chosen, rejected, ref_chosen, ref_rejected)]
+    if len(set(shapes)) != 1 or len(shapes[0]) != 1:
+        raise ValueError(
+            "chosen, rejected, ref_chosen and ref_rejected must be 1-D with one entry per pair, got shapes "
+            + ", ".join(map(str, shapes))
+        )
+    if shapes[0][0] > num_pairs_global:
+        raise ValueError(
+            f"num_pairs_global={num_pairs_global} is below the {shapes[0][0]} pairs of this micro-batch alone: "
+            "pass the step's pair count (step_counts(..., groups=pair ids).num_groups)"
+        )
     margin = beta * ((chosen - ref_chosen) - (rejected - ref_rejected))
     return -F.logsigmoid(margin).sum() / float(num_pairs_global * cp_size)
+
+
+def _check_index(name: str, ids: torch.Tensor, size: int, what: str) -> None:
+    """`ids` (-1 = padding) inside [-1, size)."""
+    if ids.numel() and (int(ids.max()) >= size or int(ids.min()) < -1):
+        bad = int(ids.max()) if int(ids.max()) >= size else int(ids.min())
+        raise ValueError(f"{name} holds {bad}, but {what} {size} (ids must be in [0, {size}), or -1 for padding)")
+
+
+def _check_step_docs(loss_docs: np.ndarray, counts: StepCounts) -> None:
+    """Every document with loss tokens here is counted in the step, with no more loss tokens than counted."""
+    if not loss_docs.size:
+        return
+    if int(loss_docs.max()) >= len(counts.doc_tokens):
+        raise ValueError(
+            f"doc_ids holds document {int(loss_docs.max())}, but the plan of counts has {len(counts.doc_tokens)}"
+        )
+    here = np.bincount(loss_docs, minlength=len(counts.doc_tokens))
+    outside = (here > 0) & (counts.doc_group < 0)
+    if outside.any():
+        d = int(np.argmax(outside))
+        raise ValueError(
+            f"doc_ids: document {d} has loss tokens in this micro-batch, but counts (step_counts of one step) does not "
+            "count it: it is in another step, or its loss_tokens count is 0; pass the counts of this micro-batch's step"
+        )
+    over = here > counts.doc_tokens
+    if over.any():
+        d = int(np.argmax(over))
+        raise ValueError(
+            f"loss_mask marks {int(here[d])} loss tokens of document {d} in this micro-batch, more than the "
+            f"{int(counts.doc_tokens[d])} that counts records for it (loss_tokens given to step_counts)"
+        )
+
+
+def _check_labels(labels: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Every target a token id of the logits' vocabulary (or `ignore_index`): on CUDA an id beyond it is a
+    device-side assert that ends the process, so it is refused here naming the id."""
+    if not labels.numel():
+        return
+    valid = labels[labels != ignore_index]
+    if valid.numel() and (int(valid.max()) >= vocab or int(valid.min()) < 0):
+        bad = int(valid.max()) if int(valid.max()) >= vocab else int(valid.min())
+        raise ValueError(
+            f"labels holds token id {bad}, outside the logits' vocabulary of {vocab} ids (ignore_index={ignore_index})"
+        )

@@ -94,3 +94,37 @@ def test_imports_stay_light():
     code = "import sys, balancer.distributed; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def _bad_input_worker(rank, world):
+    """Bad input on one rank: every rank raises the same ValueError naming that rank and the reason (before this
+    check the bad rank raised alone and the others failed in the all-gather with a closed connection, or planned
+    silently truncated lengths); ranks that disagree on an option are refused, naming it."""
+    from balancer.distributed import balance_batch
+
+    topo = balancer.Topology(dp=2, max_tokens=512)
+    good = np.array([10, 20, 30, 40])
+    cases = [
+        ({1: dict(local_lengths=np.array([10.0, np.nan]))}, "rank 1: local_lengths[1] = nan"),
+        ({1: dict(local_lengths=np.array([10.0, 2.5]))}, "rank 1: local_lengths[1] = 2.5"),
+        ({0: dict(local_lengths=np.array([10, -3, 4]))}, "rank 0: local_lengths[1] = -3"),
+        ({1: dict(groups=np.arange(3))}, "rank 1: groups must hold one group id per local document"),
+        ({1: dict(groups=np.full(4, 0.5))}, "rank 1: groups must hold integer group ids"),
+        ({1: dict(seed=1)}, "seed differs between ranks (rank 0: 0, rank 1: 1)"),
+        ({1: dict(topology=balancer.Topology(dp=2, max_tokens=256))}, "topology differs between ranks"),
+        ({0: dict(groups=np.zeros(4, dtype=np.int64))}, "groups differs between ranks"),
+        ({1: dict(cost="not a cost")}, "rank 1: cost must be a balancer.CostModel"),
+    ]
+    for bad, want in cases:
+        args = dict(local_lengths=good, topology=topo, cost=COST, groups=None, seed=0)
+        args.update(bad.get(rank, {}))
+        with pytest.raises(ValueError) as caught:
+            balance_batch(args.pop("local_lengths"), args.pop("topology"), args.pop("cost"), **args)
+        assert want in str(caught.value), (rank, str(caught.value))
+        assert str(caught.value).startswith("balancer.distributed.balance_batch: ")
+    plan, _, _ = balance_batch(good, topo, COST)  # the world still works after every refusal
+    assert plan.num_docs == 2 * len(good)
+
+
+def test_bad_input_on_one_rank_stops_every_rank_with_the_reason():
+    run_world(2, _bad_input_worker)

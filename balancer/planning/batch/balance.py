@@ -73,6 +73,8 @@ def balance_batch(
     check_topology_and_cost(topology, cost)
     group_of_doc = _check_groups(groups, len(lengths))
     _check_options(keep, micro_batches, mini_batches, equal_counts, overflow)
+    if not isinstance(pipeline_order, (bool, np.bool_)):
+        raise ValueError(f"pipeline_order must be True or False, got {pipeline_order!r}")
     multiple = _check_multiple(micro_batch_multiple, micro_batches, topology)
     options = dict(
         has_groups=groups is not None,

@@ -157,7 +157,11 @@ class CostModel:
     def __post_init__(self) -> None:
         for name in _COEFFICIENTS:
             value = getattr(self, name)
-            if not isinstance(value, (int, float, np.floating, np.integer)) or not 0 <= value <= MAX_COEFFICIENT:
+            if (
+                isinstance(value, (bool, np.bool_))
+                or not isinstance(value, (int, float, np.floating, np.integer))
+                or not 0 <= value <= MAX_COEFFICIENT
+            ):
                 raise ValueError(f"CostModel.{name} must be a finite number in [0, {MAX_COEFFICIENT:g}], got {value!r}")
         if self.attn_coef == 0 and self.linear_coef == 0:
             raise ValueError("CostModel needs attn_coef > 0 or linear_coef > 0 (both are 0)")
@@ -169,7 +173,9 @@ class CostModel:
             raise ValueError(
                 f"CostModel.window must be a positive integer (keys per query) or None, got {self.window!r}"
             )
-        if self.window is not None and (int(self.window) != self.window or self.window < 1):
+        if self.window is not None and (
+            not np.isfinite(self.window) or int(self.window) != self.window or self.window < 1
+        ):
             raise ValueError(
                 f"CostModel.window must be a positive integer (keys per query) or None, got {self.window!r}"
             )
@@ -274,6 +280,9 @@ class CostModel:
         if hardware is None:
             return cls(attn_coef=attn, linear_coef=linear, fixed=float(fixed), causal=causal, window=window)
         hw = _hardware(hardware)
+        from balancer.limits import check_int
+
+        dtype_bytes = check_int("CostModel.from_model: dtype_bytes", dtype_bytes, 1, 64)
         attn_s = attn / (hw.flops * hw.attn_efficiency)
         kv_bytes = float(num_layers * 2 * kv_dim * (2 * dtype_bytes + 4))
         return cls(
@@ -393,21 +402,26 @@ def _training_flops(
 ) -> tuple[float, float, int]:
     """(FLOPs per attention pair, FLOPs per token, K/V width) of `CostModel.from_model` (its docstring has the
     formulas); ValueError naming a bad argument."""
-    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-    intermediate_size = 4 * hidden_size if intermediate_size is None else intermediate_size
+    from balancer.limits import check_int
+
+    def positive(name: str, value, low: int = 1) -> int:
+        return check_int(f"CostModel.from_model: {name}", value, low, 2**40)
+
+    hidden_size = positive("hidden_size", hidden_size)
+    num_layers = positive("num_layers", num_layers)
+    num_heads = positive("num_heads", num_heads)
+    num_kv_heads = num_heads if num_kv_heads is None else positive("num_kv_heads", num_kv_heads)
+    intermediate_size = (
+        4 * hidden_size if intermediate_size is None else positive("intermediate_size", intermediate_size, 0)
+    )
+    vocab_size = positive("vocab_size", vocab_size, 0)
+    if not isinstance(gated_mlp, (bool, np.bool_)):
+        raise ValueError(f"CostModel.from_model: gated_mlp must be True or False, got {gated_mlp!r}")
     if head_dim is None:
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}; pass head_dim")
         head_dim = hidden_size // num_heads
-    for name, value in dict(
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-    ).items():
-        if int(value) != value or value < 1:
-            raise ValueError(f"CostModel.from_model: {name} must be a positive integer, got {value!r}")
+    head_dim = positive("head_dim", head_dim)
     q_dim, kv_dim = num_heads * head_dim, num_kv_heads * head_dim
     mlp_mats = 3 if gated_mlp else 2
     per_layer = (
