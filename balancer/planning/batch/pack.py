@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from balancer.planning.batch.large import LARGE_UNITS, deal_equal_counts, pack_large
 from balancer.planning.metrics import one_f_one_b
 from balancer.planning.packing.search import polish
 from balancer.planning.packing.step import fill_empty, pack_step
@@ -55,6 +56,8 @@ def pack_complete(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> n
     nb = topology.bins_per_step
     if len(cost) < nb:
         return None
+    if len(cost) >= LARGE_UNITS:  # the search below is quadratic in the units; this path is near-linear
+        return pack_large(cost, tokens, topology)
     bins = pack_step(cost, tokens, topology)
     if np.any(bins < 0) and not _place_rest(bins, cost, tokens, topology):
         return None
@@ -99,14 +102,20 @@ def assign_replicas(
     fill = count if fill is None else fill
     dp, m = topology.dp, topology.micro_batches
     rank_cap = m * topology.micro_batch_tokens
-    if equal_counts:
+    uniform = len(cost) >= LARGE_UNITS and np.all(count == count[0]) and (count[0] == 1 or len(cost) % dp == 0)
+    if equal_counts and uniform:  # dealing whole items keeps the document counts within one
+        rep = deal_equal_counts(cost, tokens, dp, rank_cap)
+        if rep is None:
+            rep = _equal_count_lpt(cost, tokens, count, dp, rank_cap)
+    elif equal_counts:
         rep = _equal_count_lpt(cost, tokens, count, dp, rank_cap)
     else:
         per_rank = Topology(dp=dp, micro_batches=1, max_tokens=rank_cap)
         rep = pack_complete(cost, tokens, per_rank)
     if rep is None or not _fill_ranks(rep, cost, tokens, fill, dp, m, rank_cap):
         return None
-    _improve(rep, cost, tokens, count, fill, dp, rank_cap, same_count=equal_counts, keep_items=m)
+    if len(cost) < LARGE_UNITS:  # large ones were balanced by pack_large's pair search (this one is quadratic)
+        _improve(rep, cost, tokens, count, fill, dp, rank_cap, same_count=equal_counts, keep_items=m)
     return rep
 
 

@@ -1,0 +1,192 @@
+"""Packing a large step of a fixed batch (thousands of units) in near-linear time.
+
+`pack_step` followed by the move/swap search (`balancer.planning.batch.pack.pack_complete`) considers every pair of
+units of the slowest replica and the others in every round: quadratic in the step's units, minutes for a GRPO
+batch of 16K rollouts. With that many units the balance is easy to reach without it, in two levels:
+
+1. *Replicas.* Units largest cost first, each to the replica with the least work that has token room
+   (`M * max_tokens * cp`): LPT, which leaves the replicas apart by about one small unit. Then, while it lowers the
+   slowest replica, the best single move or swap between the slowest and the fastest replica, found by binary
+   search in the fastest one's sorted costs (O(k log k) a round, not O(k^2)).
+2. *Micro-batches.* Each replica's units go to its `M` micro-batches: with one pipeline stage a replica's time is
+   the sum of its micro-batches whatever the split, so tokens are balanced (LPT on tokens within the cap: the most
+   headroom); with `pp > 1` the largest micro-batch also counts, so costs are balanced (LPT on cost within the cap).
+   Where the cap defeats LPT, first-fit decreasing on tokens is tried before giving up.
+
+Every micro-batch gets at least one unit (LPT fills the empty ones first). The result is a deterministic function
+of the inputs (stable sorts, ties to the lower index).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+from balancer.planning.topology import Topology
+
+LARGE_UNITS = 2048  # steps with at least this many units take this path (smaller ones keep the exact search)
+PAIR_ROUNDS = 256  # most improving moves/swaps between the slowest and the fastest replica
+
+
+def pack_large(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray | None:
+    """Micro-batch (replica * M + m) of every unit of one large step, or None when it does not fit `topology`
+    (a replica over its tokens, or with fewer units than micro-batches)."""
+    dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
+    n = len(cost)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if dp > 1:
+        rep = _deal(cost, tokens, dp, m * cap)
+        if rep is None:
+            return None
+        _balance_pairs(rep, cost, tokens, dp, m * cap, m)
+    else:
+        rep = np.zeros(n, dtype=np.int64)
+    bins = np.empty(n, dtype=np.int64)
+    for r in range(dp):
+        mine = np.flatnonzero(rep == r)
+        if len(mine) < m:
+            return None
+        key = tokens[mine] if topology.pp == 1 else cost[mine]
+        local = _deal(key, tokens[mine], m, cap)
+        if local is None:
+            local = _first_fit(tokens[mine], m, cap)
+        if local is None:
+            return None
+        bins[mine] = r * m + local
+    return bins
+
+
+def deal_equal_counts(cost: np.ndarray, tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
+    """Bin of every item (all of one document count) such that every bin holds `n // k` or one more items and the
+    bins' costs are even: dealt back and forth largest first, then improved by swaps only (which keep the counts)
+    between the slowest and the fastest bin. None when the deal breaks the token `room`."""
+    order = np.argsort(-np.asarray(cost, dtype=np.float64), kind="stable")
+    out = _snake(order, k)
+    if np.bincount(out, weights=tokens, minlength=k).max() > room:
+        return None
+    _balance_pairs(out, cost, np.asarray(tokens, dtype=np.int64), k, room, keep=len(cost), moves=False)
+    return out
+
+
+def _snake(order: np.ndarray, k: int) -> np.ndarray:
+    """Bin of every item when the items, in `order`, are dealt to `k` bins 0..k-1, k-1..0, 0..k-1, ..."""
+    lap, pos = np.divmod(np.arange(len(order)), k)
+    out = np.empty(len(order), dtype=np.int64)
+    out[order] = np.where(lap % 2 == 0, pos, k - 1 - pos)
+    return out
+
+
+def _deal(weight: np.ndarray, tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
+    """Items largest `weight` first dealt to the `k` bins back and forth (0..k-1, k-1..0, ...), which leaves the
+    bins' weights apart by about the largest item; LPT (`_lpt`) where that breaks the token `room`. Vectorised:
+    the common case costs one sort."""
+    order = np.argsort(-np.asarray(weight, dtype=np.float64), kind="stable")
+    out = _snake(order, k)
+    if np.bincount(out, weights=tokens, minlength=k).max() <= room:
+        return out
+    return _lpt(weight, tokens, k, room)
+
+
+def _lpt(weight: np.ndarray, tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
+    """Largest `weight` first, each item to the bin of least weight (ties: the lower bin) whose tokens stay within
+    `room`; None when an item fits no bin."""
+    out = np.empty(len(weight), dtype=np.int64)
+    heap = [(0.0, b) for b in range(k)]
+    used = [0] * k
+    order = np.argsort(-np.asarray(weight, dtype=np.float64), kind="stable")
+    w_list, t_list = np.asarray(weight, dtype=np.float64).tolist(), tokens.tolist()
+    for i in order.tolist():
+        w, t = w_list[i], t_list[i]
+        skipped = []
+        while heap and used[heap[0][1]] + t > room:
+            skipped.append(heapq.heappop(heap))
+        if not heap:
+            return None
+        load, b = heapq.heappop(heap)
+        out[i] = b
+        used[b] += t
+        heapq.heappush(heap, (load + w, b))
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    return out
+
+
+def _first_fit(tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
+    """First-fit decreasing on tokens into `k` bins of `room` tokens, every bin non-empty; None when it fails."""
+    order = np.argsort(-tokens, kind="stable")
+    if len(order) < k:
+        return None
+    out = np.empty(len(tokens), dtype=np.int64)
+    left = np.full(k, room, dtype=np.int64)
+    out[order[:k]] = np.arange(k)  # the k largest open the k bins
+    left -= tokens[order[:k]]
+    if (left < 0).any():
+        return None
+    for i in order[k:].tolist():
+        b = int(np.argmax(left >= tokens[i]))
+        if left[b] < tokens[i]:
+            return None
+        out[i] = b
+        left[b] -= tokens[i]
+    return out
+
+
+def _balance_pairs(
+    rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, dp: int, room: int, keep: int, moves: bool = True
+) -> None:
+    """In place: while it lowers the slowest replica's work, the best move or swap of units between the slowest and
+    the fastest replica (token room kept, a replica keeps at least `keep` units for its micro-batches); the best is
+    the one bringing the two closest to their mean."""
+    load = np.bincount(rep, weights=cost, minlength=dp)
+    used = np.bincount(rep, weights=tokens, minlength=dp).astype(np.int64)
+    for _ in range(PAIR_ROUNDS):
+        r, q = int(np.argmax(load)), int(np.argmin(load))
+        gap = load[r] - load[q]
+        if r == q or gap <= 1e-12 * load[r]:
+            return
+        mine = np.flatnonzero(rep == r)
+        best = _best_exchange(
+            mine, np.flatnonzero(rep == q), cost, tokens, gap, used, r, q, room, moves and len(mine) > keep
+        )
+        if best is None:
+            return
+        i, j, delta = best
+        rep[i] = q
+        used[r] -= tokens[i]
+        used[q] += tokens[i]
+        if j >= 0:
+            rep[j] = r
+            used[r] += tokens[j]
+            used[q] -= tokens[j]
+        load[r] -= delta
+        load[q] += delta
+
+
+def _best_exchange(mine, theirs, cost, tokens, gap: float, used, r: int, q: int, room: int, may_move: bool):
+    """(unit of r, unit of q or -1 for a move, cost moved) whose transfer `delta` (0 < delta < gap) is closest to
+    gap / 2, within token room (moves only when `may_move`); None when none lowers the larger of the two."""
+    c_mine = cost[mine]
+    candidates = []  # (|gap - 2 delta|, i, j, delta)
+    fits = (used[q] + tokens[mine] <= room) & may_move
+    movable = fits & (c_mine > 0) & (c_mine < gap)
+    if movable.any():
+        k = int(np.argmin(np.where(movable, np.abs(gap - 2 * c_mine), np.inf)))
+        candidates.append((abs(gap - 2 * c_mine[k]), int(mine[k]), -1, float(c_mine[k])))
+    if len(theirs):
+        order = np.argsort(cost[theirs], kind="stable")
+        sorted_theirs, c_theirs = theirs[order], cost[theirs][order]
+        at = np.searchsorted(c_theirs, c_mine - gap / 2)
+        for shift in (-1, 0):
+            j = np.clip(at + shift, 0, len(c_theirs) - 1)
+            partner = sorted_theirs[j]
+            delta = c_mine - c_theirs[j]
+            shift_tok = tokens[mine] - tokens[partner]
+            ok = (delta > 0) & (delta < gap) & (used[q] + shift_tok <= room) & (used[r] - shift_tok <= room)
+            if ok.any():
+                k = int(np.argmin(np.where(ok, np.abs(gap - 2 * delta), np.inf)))
+                candidates.append((abs(gap - 2 * delta[k]), int(mine[k]), int(partner[k]), float(delta[k])))
+    if not candidates:
+        return None
+    _, i, j, delta = min(candidates)
+    return i, j, delta
