@@ -90,4 +90,6 @@ def open_arrow(path: str | os.PathLike):
     """Memory-mapped `pyarrow.Table` of a shard's Arrow IPC stream (zero-copy)."""
     import pyarrow as pa
 
-    return pa.ipc.open_stream(pa.memory_map(str(path), "r")).read_all()
+    from balancer.data.shards.mapped import map_readonly
+
+    return pa.ipc.open_stream(pa.py_buffer(map_readonly(path))).read_all()  # no descriptor kept per shard

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import mmap
 import os
 import re
 import stat
@@ -32,6 +31,7 @@ import numpy as np
 from balancer.data.shards.arrow_rows import ArrowHeaderError, stream_row_count
 from balancer.data.shards.errors import DataError
 from balancer.data.shards.manifest import MANIFEST_NAME, load_manifest, shard_file_names
+from balancer.data.shards.mapped import map_readonly
 from balancer.data.shards.sharded import ShardedArray
 
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -157,12 +157,8 @@ def _npy_view(data) -> np.ndarray:
 
 
 def _map_bytes(path: Path):
-    """The file's bytes, memory-mapped read-only (b"" for an empty file, which cannot be mapped)."""
-    with open(path, "rb") as f:
-        try:
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError:
-            return b""
+    """The file's bytes, memory-mapped read-only (empty for an empty file), holding no file descriptor."""
+    return map_readonly(path)
 
 
 def _load_index(path: Path, meta: dict, rows: int) -> np.ndarray:

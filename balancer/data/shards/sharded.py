@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from balancer.data.shards.mapped import map_readonly
+
 INT64 = np.dtype(np.int64)
 
 
@@ -22,7 +24,7 @@ def map_index(path: str | os.PathLike, offset: int, count: int) -> np.ndarray:
     """`count` int64 values at byte `offset` of the file `path`, memory-mapped read-only (no copy)."""
     if count == 0:
         return np.zeros(0, dtype=np.int64)
-    return np.memmap(path, dtype="<i8", mode="r", offset=offset, shape=(count,)).view(np.ndarray)
+    return np.frombuffer(map_readonly(path), dtype="<i8", count=count, offset=offset).view(np.ndarray)
 
 
 class ShardedArray(np.lib.mixins.NDArrayOperatorsMixin):

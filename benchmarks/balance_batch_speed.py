@@ -1,0 +1,128 @@
+"""How fast is `balancer.balance_batch` on large fixed batches, and does the near-linear path keep the quality?
+
+GRPO-like batches (8 responses per prompt: prompts 200-1500 tokens, responses log-normal, median 1500, up to 14000)
+of 1K to 128K rollouts on dp8 x max_tokens 16384 with the Qwen-7B FLOPs cost model, `micro_batches="auto"`, three
+options: no groups, prompts kept on a rank (`keep="rank"`), `equal_counts=True`. Each measurement runs in a fresh
+child process and times `balance_batch` alone (process CPU time), with the plan's `imbalance` (section 3: step
+time over its lower bound) and micro-batch count. "before" is the same call on git revision `--ref` (the tree
+before the near-linear path, extracted into a temporary folder), run only up to `--before-max` rollouts (it is
+quadratic: minutes at 16K); the two alternate, repetition by repetition (paired), and the best of `--repeat` is
+kept. Writes benchmarks/results/balance_batch_speed.json.
+
+Run: `python benchmarks/balance_batch_speed.py` (about 4 minutes on 2 shared cores; `--quick`: 1K-16K, one repeat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write_result  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = (1024, 2048, 4096, 16384, 131072)
+OPTIONS = {
+    "no groups": {},
+    "prompts on a rank": {"keep": "rank", "grouped": True},
+    "equal_counts": {"equal_counts": True},
+}
+GOALS = {16384: 0.5, 131072: 5.0}  # CPU seconds (issue 28 item 8)
+
+CHILD = """
+import json, sys, time
+import numpy as np
+import balancer
+n, options = int(sys.argv[1]), json.loads(sys.argv[2])
+rng = np.random.default_rng(0)
+prompt = rng.integers(200, 1500, n // 8)
+response = np.minimum(rng.lognormal(np.log(1500), 1.0, (n // 8, 8)), 14000).astype(np.int64) + 1
+lengths = (prompt[:, None] + response).ravel()
+groups = np.repeat(np.arange(n // 8), 8) if options.pop("grouped", False) else None
+cost = balancer.CostModel.from_model(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+                                     intermediate_size=18944, vocab_size=152064)
+topo = balancer.Topology(dp=8, max_tokens=16384)
+started = time.process_time()
+plan = balancer.balance_batch(lengths, topo, cost, groups=groups, micro_batches="auto", **options)
+cpu = time.process_time() - started
+plan.validate()
+print(json.dumps({"cpu_seconds": cpu, "imbalance": plan.metrics()["imbalance"],
+                  "micro_batches": plan.topology.micro_batches}))
+"""
+
+
+def run_child(tree: Path, n: int, options: dict, timeout: float) -> dict | None:
+    """One measurement in a fresh process importing balancer from `tree`; None when it ran past `timeout`."""
+    env = {"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", CHILD, str(n), json.dumps(options)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tree,  # the child's sys.path starts with its working folder: the tree's own balancer
+            timeout=timeout,
+            check=True,
+        )
+    except subprocess.TimeoutExpired:
+        return None
+    return json.loads(out.stdout)
+
+
+def extract(ref: str, into: Path) -> Path:
+    """The `balancer` package of git revision `ref`, written under `into`."""
+    data = subprocess.run(["git", "archive", ref, "balancer"], cwd=REPO, capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=BytesIO(data)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def best(runs: list[dict | None]) -> dict | None:
+    done = [r for r in runs if r is not None]
+    return min(done, key=lambda r: r["cpu_seconds"]) if len(done) == len(runs) and done else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ref", default="1910528", help="git revision of the 'before' tree (default: before issue 28)")
+    ap.add_argument("--repeat", type=int, default=3, help="paired repetitions per case; the best is kept")
+    ap.add_argument("--before-max", type=int, default=4096, help="largest batch timed on the 'before' tree")
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds a 'before' child may run")
+    ap.add_argument("--quick", action="store_true", help="1K-16K rollouts, one repetition")
+    args = ap.parse_args()
+    sizes = [n for n in SIZES if not args.quick or n <= 16384]
+    repeat = 1 if args.quick else args.repeat
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        before_tree = extract(args.ref, Path(tmp))
+        for name, options in OPTIONS.items():
+            for n in sizes:
+                after, before = [], []
+                for _ in range(repeat):  # paired: before and after alternate
+                    if n <= args.before_max:
+                        before.append(run_child(before_tree, n, dict(options), args.timeout))
+                    after.append(run_child(REPO, n, dict(options), 600.0))
+                row = {"option": name, "rollouts": n, "after": best(after), "before": best(before) if before else None}
+                if n <= args.before_max and row["before"] is None:
+                    row["before_timed_out_s"] = args.timeout
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    goals = {
+        f"{n} rollouts <= {limit} s CPU": all(
+            r["after"]["cpu_seconds"] <= limit for r in rows if r["rollouts"] == n and r["after"]
+        )
+        for n, limit in GOALS.items()
+        if n in sizes
+    }
+    payload = {"ref": args.ref, "repeat": repeat, "rows": rows, "goals": goals}
+    print(write_result("balance_batch_speed", payload, clock="process_cpu"))
+
+
+if __name__ == "__main__":
+    main()
