@@ -571,6 +571,31 @@ def post_training() -> str:
     )
 
 
+def balance_batch_speed() -> str:
+    data = load("balance_batch_speed")
+    rows = []
+    for row in data["rows"]:
+        after, before = row["after"] or {}, row["before"] or {}
+        rows.append(
+            [
+                row["option"],
+                f"{row['rollouts']:,}",
+                fmt(after.get("cpu_seconds"), ".3f"),
+                fmt(before.get("cpu_seconds"), ".3f") if before else "not run (quadratic)",
+                fmt(after.get("imbalance") and after["imbalance"] - 1, ".1e"),
+                fmt(before.get("imbalance") and before["imbalance"] - 1, ".1e") if before else "-",
+                f"{after.get('micro_batches', '-')} / {before.get('micro_batches', '-')}",
+            ]
+        )
+    header = ["option", "rollouts", "CPU s", "CPU s before", "imbalance - 1", "imbalance - 1 before"]
+    header += ["micro-batches per rank (now / before)"]
+    goals = "; ".join(f"{name}: {'met' if ok else 'missed'}" for name, ok in data["goals"].items())
+    return (
+        f"{markdown(header, rows)}\n\nBefore: git revision {data['ref']}; best of {data['repeat']} paired runs. "
+        f"Goals: {goals}.{_record_line(data)}"
+    )
+
+
 def plan_validate() -> str:
     data = load("plan_validate")
     rows = [
@@ -661,6 +686,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "import_time": import_time,
     "plan_validate": plan_validate,
     "post_training": post_training,
+    "balance_batch_speed": balance_batch_speed,
     "window_first_batch": window_first_batch,
     "window_quality": window_quality,
     "window_quality_scaled": lambda: window_quality("quality_scaled"),
