@@ -99,18 +99,51 @@ def _check_manifest_values(out: Path, m: dict) -> None:
         )
 
 
-def _open_checks(out: Path, m: dict) -> list[str]:
-    """The checks every reader runs on open (`open_folder`), as problems."""
-    last_doc = -1
+def _open_checks(out: Path, m: dict) -> tuple[list[str], int, int]:
+    """The checks every reader runs on open (`open_folder`), as problems; with the number of distinct doc_ids in
+    the shards (windows of one document share one) and the last doc_id."""
+    last_doc, distinct = -1, 0
     for entry in m["shards"]:
         try:
             check_files_inside(out, entry)
             _, doc_ids = check_shard_index(out, entry, last_doc)
         except DataError as exc:
-            return [str(exc)]
+            return [str(exc)], 0, -1
         if len(doc_ids):
+            distinct += int(np.count_nonzero(np.diff(doc_ids))) + int(int(doc_ids[0]) != last_doc)
             last_doc = int(doc_ids[-1])
-    return []
+    return [], distinct, last_doc
+
+
+def _record_accounting(out: Path, m: dict, documents: int, last_doc: int) -> list[str]:
+    """The record counts against each other and the shards, so that an edit of one count (or of several kept
+    consistent with each other) is caught: every record read became a document or was skipped; the documents are
+    the distinct doc_ids in the shards; every doc_id and skipped record lies in the records read; the list of
+    skipped records holds the first min(100, skipped) of them; without a slice the inputs' records add up."""
+    where, c = out / MANIFEST_NAME, m["counts"]
+    skipped = sum(c["skipped"].values())
+    first = m["slice"]["records"][0] if m["slice"] else 0
+    problems = []
+    if c["documents"] + skipped != c["records"]:
+        problems.append(f"documents {c['documents']} + skipped {skipped} != records read {c['records']}")
+    if c["documents"] != documents:
+        problems.append(f"counts.documents is {c['documents']}, but the shards hold {documents} distinct doc_ids")
+    if last_doc >= first + c["records"]:
+        problems.append(f"the shards hold doc_id {last_doc}, beyond the {c['records']} records read from {first}")
+    listed = m["skipped_records"]
+    if len(listed) != min(100, skipped):
+        problems.append(f"skipped_records lists {len(listed)} records, but {skipped} were skipped (it keeps <= 100)")
+    bad = [r["doc_id"] for r in listed if not first <= r["doc_id"] < first + c["records"]]
+    if bad:
+        problems.append(f"skipped_records names doc_id {bad[0]}, outside the records read")
+    for key in ("split_documents", "truncated_documents"):
+        if c[key] > c["documents"]:
+            problems.append(f"counts.{key} {c[key]} exceeds the {c['documents']} documents")
+    if c["split_documents"] == 0 and c["rows"] != c["documents"]:
+        problems.append(f"{c['rows']} rows for {c['documents']} documents, but no document was split")
+    if m["slice"] is None and "merged_from" not in m and sum(i["records"] for i in m["inputs"]) != c["records"]:
+        problems.append(f"the inputs hold {sum(i['records'] for i in m['inputs'])} records, counts say {c['records']}")
+    return [f"{where}: record accounting: {p}" for p in problems]
 
 
 def verify(path: str | os.PathLike) -> list[str]:
@@ -127,7 +160,7 @@ def verify(path: str | os.PathLike) -> list[str]:
                 check_file_name(out, fn, str(out / MANIFEST_NAME))
     except DataError as exc:
         return [str(exc)]
-    problems: list[str] = _open_checks(out, m)
+    problems, documents, final_doc = _open_checks(out, m)
     if problems:  # the readers refuse this folder: say why (the byte checks below would repeat it)
         return problems
     rows = tokens = 0
@@ -150,6 +183,7 @@ def verify(path: str | os.PathLike) -> list[str]:
         problems.append(
             f"{out / MANIFEST_NAME}: counts say {c['rows']} rows / {c['tokens']} tokens, shards hold {rows} / {tokens}"
         )
+    problems.extend(_record_accounting(out, m, documents, final_doc))
     stray = sorted(n for n in os.listdir(out) if is_output_name(n) and n not in expected)
     problems.extend(f"{out / n}: unexpected file (not in the manifest)" for n in stray)
     return problems
