@@ -4,8 +4,8 @@
 link), lies inside a folder the command reads, or lies inside a balancer data folder (one that holds a
 pretokenize or pack manifest, state or lock): a plan written as `tok/manifest.json` would replace the folder's
 manifest. `atomic_write(path, write)` writes through a temporary file in the same folder, renamed over `path`: a
-reader sees the old file or the new one, never half of one, and a symbolic link at `path` is replaced, never
-written through.
+reader sees the old file or the new one, never half of one; a symbolic link at `path` (to a file, a folder or a
+device) is refused, never replaced nor written through.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
     `write(f)` gets the binary file. The file gets the permissions the umask allows (0666 & ~umask), like any
     ordinary file; an OSError without a file name gets `path` as its file name."""
     path = Path(path)
+    _refuse_link(path, "")
     path.parent.mkdir(parents=True, exist_ok=True)
     # the temporary name stays short: a target name near the 255-byte limit must still be writable
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:40]}.", suffix=".tmp", dir=path.parent)
@@ -46,7 +47,8 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)  # replaces a link at `path` itself, not its target
+        _refuse_link(path, "")  # again: a link made while the file was written is not replaced either
+        os.replace(tmp, path)
     except OSError as e:
         _remove(tmp)
         if e.filename is None:
@@ -55,6 +57,15 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
     except BaseException:
         _remove(tmp)
         raise
+
+
+def _refuse_link(path: str | os.PathLike, flag: str) -> None:
+    """OutputPathError when `path` is a symbolic link: neither it nor what it points to is ever replaced."""
+    if os.path.islink(path):
+        raise OutputPathError(
+            f"{flag + ' ' if flag else ''}{path} is a symbolic link (to {os.readlink(path)}): an output is never "
+            "written through a link nor replaces one; give another name or remove the link"
+        )
 
 
 def _remove(path: str) -> None:
@@ -112,6 +123,7 @@ def check_output_file(path: str | os.PathLike, inputs: Sequence[str | os.PathLik
         raise OutputPathError(f"{flag} {path} is the input {clash[1]}: writing it would replace it; pick another file")
     if clash is not None and clash[0] == "inside":
         raise OutputPathError(f"{flag} {path} lies inside the input folder {clash[1]}: pick a file outside it")
+    _refuse_link(path, flag)
     if os.path.isdir(path):  # (also where it holds an input)
         raise OutputPathError(f"{flag} {path} is a folder: give a file name")
     if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode) and not os.path.islink(path):

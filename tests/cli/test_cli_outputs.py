@@ -142,16 +142,35 @@ def test_plot_is_checked_before_planning(lengths, tmp_path, capsys):
     assert sorted(os.listdir(tmp_path)) == ["lengths.json"]
 
 
-def test_output_written_atomically_replacing_a_link_not_its_target(lengths, tmp_path, capsys):
+def test_an_output_that_is_a_link_is_refused_naming_it(lengths, tmp_path, capsys):
+    """A link as an output, to a file, to a device or to a folder: refused naming it, the link and its target left
+    as they were (before, the link was replaced by the plan: a write must neither go through a link nor replace
+    one). The API's writers refuse it too."""
     target = tmp_path / "someone-elses.json"
     target.write_text("keep me")
-    link = tmp_path / "p.json"
-    link.symlink_to(target)
-    code, lines = cli(capsys, "plan", lengths, "--dp", "2", "-o", link, "--no-baseline")
-    assert code == 0, lines
-    assert target.read_text() == "keep me" and not link.is_symlink()
-    Plan.load(link).validate()
-    assert not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
+    links = {"file": (tmp_path / "p.json", target), "device": (tmp_path / "null.json", Path("/dev/null"))}
+    for link, to in links.values():
+        link.symlink_to(to)
+        for command in (["plan", lengths, "--dp", "2", "--no-baseline"], ["calibrate"]):
+            one_line(*cli(capsys, *command, "-o", link), f"-o {link} is a symbolic link (to {to})")
+        assert link.is_symlink() and os.readlink(link) == str(to)
+    assert target.read_text() == "keep me" and os.path.exists("/dev/null")
+    from balancer import Topology, balance_batch
+
+    plan = balance_batch(np.array([5, 6, 7]), Topology(dp=1, max_tokens=64), CostModel(1.0, 1.0))
+    for save in (plan.save, CostModel(1.0, 1.0).save):
+        with pytest.raises(ValueError, match="is a symbolic link"):
+            save(links["file"][0])
+    assert target.read_text() == "keep me"
+    folder = tmp_path / "real"
+    folder.mkdir()
+    (tmp_path / "out").symlink_to(folder)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"text": "a b c"}\n')
+    one_line(
+        *cli(capsys, "pretokenize", src, "--output", tmp_path / "out"), f"--output {tmp_path / 'out'} is a symbolic"
+    )
+    assert os.listdir(folder) == [] and not [n for n in os.listdir(tmp_path) if n.endswith(".tmp")]
 
 
 def test_plan_says_which_cost_model_it_used(lengths, tmp_path, capsys):

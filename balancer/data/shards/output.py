@@ -377,6 +377,11 @@ class OutputLock:
 def open_output(out: Path, inputs: Sequence[str], input_name: str = "inputs") -> OutputLock:
     """Create `out` (refusing a non-folder, or a folder that is, holds or lies in an input) and return its lock
     (use as a context manager; a folder it created and the run left empty is removed on exit)."""
+    if os.path.islink(out):  # writing into it would write into (or replace files of) whatever it points to
+        raise DataError(
+            f"{arg('output')} {out} is a symbolic link (to {os.readlink(out)}): a run never writes through a link; "
+            "give the real folder"
+        )
     check_output_vs_inputs(out, inputs, input_name)
     if out.exists() and not out.is_dir():
         raise DataError(f"{arg('output')} {out} exists and is not a directory")
