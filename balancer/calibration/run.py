@@ -114,7 +114,7 @@ def calibrate(
     split_threshold: int | None = None,
     window: int | None = None,
     clock: str = "auto",
-    progress: bool = False,
+    progress: bool | str | None = False,
 ) -> Calibration:
     """Time `config`'s model (default: a tiny Llama) on `calibration_grid(budgets, kinds, per_cell)` and on
     `fresh_per_budget` fresh micro-batches per budget of `fresh_budgets(budgets)`, every CP size (CP > 1: every

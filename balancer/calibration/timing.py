@@ -17,6 +17,7 @@ import gc
 import json
 import os
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -150,7 +151,9 @@ def _worker(rank: int, world: int, port: int, payload: dict, out_path: str) -> N
         groups = {cp: dist.new_group(list(range(cp))) for cp in sorted({int(j["cp"]) for j in jobs})}
         model = build_model(payload["config"])
         bar = None
-        if rank == 0 and payload["progress"]:
+        if rank == 0 and payload["progress"] == "lines":
+            bar = ProgressLines(len(jobs))
+        elif rank == 0 and payload["progress"]:
             from tqdm import tqdm
 
             bar = tqdm(total=len(jobs), desc="timing", unit="micro-batch")
@@ -164,6 +167,35 @@ def _worker(rank: int, world: int, port: int, payload: dict, out_path: str) -> N
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+class ProgressLines:
+    """Progress without a terminal (a log, a pipe, a batch job): a line on stderr at each quarter of the
+    micro-batches and at least every PROGRESS_LINE_S seconds, so a long calibration shows it is alive."""
+
+    PROGRESS_LINE_S = 30.0
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.quarter = total, 0, 1
+        self.started = self.last = time.perf_counter()
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        now = time.perf_counter()
+        reached = self.done * 4 >= self.quarter * self.total
+        if reached or now - self.last >= self.PROGRESS_LINE_S:
+            share = self.done / self.total if self.total else 1.0
+            sys.stderr.write(
+                f"calibrate: timed {self.done:,} of {self.total:,} micro-batches ({share:.0%}), "
+                f"{now - self.started:.0f} s\n"
+            )
+            sys.stderr.flush()
+            self.last = now
+            while self.quarter <= 4 and self.done * 4 >= self.quarter * self.total:
+                self.quarter += 1
+
+    def close(self) -> None:
+        """Nothing to tear down (the bar's interface)."""
 
 
 def _free_port() -> int:

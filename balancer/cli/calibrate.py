@@ -65,7 +65,7 @@ def cmd_calibrate(args) -> int:
         seed=args.seed,
         split_threshold=args.split_threshold,
         clock=args.clock,
-        progress=not args.quiet and sys.stderr.isatty(),
+        progress=None if args.quiet else "bar" if sys.stderr.isatty() else "lines",
     )
     result.save(args.output)
     print(format_report(result.cost, result.report))
@@ -173,5 +173,10 @@ def register(sub) -> None:
         help="wall time, process CPU time, or auto: wall time when the machine was quiet while timing, else CPU time",
     )
     p.add_argument("--seed", type=count(0, MAX_SEED), default=0, help=f"grid and held-out seed, {limits(0, MAX_SEED)}")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars (they show only on a terminal anyway)")
+    p.add_argument(
+        "-q",
+        "--quiet",
+        action="store_true",
+        help="no progress (a bar on a terminal, else a line at each quarter of the timings)",
+    )
     p.set_defaults(func=cmd_calibrate)

@@ -90,3 +90,26 @@ def test_calibrate_cli_writes_a_model_plan_reads(tmp_path, capsys):
     plan_path = tmp_path / "plan.json"
     assert main(["plan", str(lengths), "--dp", "2", "--cost", str(out), "-o", str(plan_path), "--no-baseline"]) == 0
     assert Plan.load(plan_path).cost_model == cost
+
+
+@pytest.mark.slow  # times a small grid over gloo: ~15-50 s
+def test_calibrate_prints_progress_lines_without_a_terminal(tmp_path):
+    """With stderr a pipe (a log, a batch job) calibrate prints a progress line at each quarter of its timings
+    (before, the bar showed only on a terminal and a log stayed silent for the whole run)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    argv = ["calibrate", "--tokens", "512", "1024", "--per-cell", "2", "--repeats", "1", "--max-repeats", "1"]
+    out = subprocess.run(
+        [sys.executable, "-m", "balancer", *argv, "--cp", "1", "-o", str(tmp_path / "cost.json")],
+        capture_output=True,
+        text=True,
+        cwd=root,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("calibrate: timed ")]
+    assert len(lines) >= 4 and "(100%)" in lines[-1], out.stderr
+    assert "(25%)" in lines[0] or "(50%)" in lines[0]
