@@ -305,3 +305,28 @@ def test_truncate_keeps_each_row_head_and_counts_the_rest(tok, tmp_path):
             row(cols, "seq_lens", i),
         ):
             assert n == min(src.lengths[d], cap) and np.array_equal(piece, src.token_ids(int(d))[:n])
+
+
+def test_epochs_whose_output_cannot_fit_the_free_disk_are_refused_naming_the_flag(tok, tmp_path, capsys):
+    """On a real 1 MiB tmpfs (root only; skipped otherwise): `--epochs` whose rows cannot fit is refused before
+    anything is planned or written, one line naming --epochs and the free space; one epoch that fits runs (before,
+    the run planned and wrote until the disk was full)."""
+    tokens = int(np.asarray(ShardDataset(tok).lengths).sum())
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    size = 3 * tokens * 6  # room for about three epochs of uint16 ids + int32 positions (and the metadata)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip("cannot mount a tmpfs here (not root)")
+    try:
+        args = ["pack", str(tok), "--output", str(mnt / "out"), "--dp", "2", "--micro-batches", "2"]
+        assert cli_main([*args, "--max-tokens", "4096", "--epochs", "40"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--epochs 40: the packed rows need at least" in err[0] and "free on" in err[0], err
+        assert os.listdir(mnt) == []  # refused before the output folder was made
+        with pytest.raises(PackError, match=r"epochs 40: the packed rows need at least"):
+            pack(tok, mnt / "out", TOPO, COST, epochs=40, overflow="split")
+        assert cli_main([*args, "--max-tokens", "4096", "--epochs", "1"]) == 0
+        assert verify_packed(mnt / "out") == []
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -291,8 +291,34 @@ def _resume_state(out: Path, job: str, prev: Optional[dict]) -> dict:
     return state
 
 
+def _check_disk_space(out: Path, src: SourceTokens, epochs: int) -> None:
+    """Refuse (naming --epochs) an epoch count whose packed rows cannot fit the free space where they go: every
+    epoch writes every token (its id and an int32 position) and per document piece its length, id and start, so
+    `epochs * (tokens * (id bytes + 4) + documents * 20)` is a lower bound of the output (files already in the
+    output folder, which a resume keeps, count as free)."""
+    import shutil
+
+    from balancer.data.pretokenize.summary import byte_size
+
+    tokens = int(src.lengths.sum())
+    need = epochs * (tokens * (src.dtype.itemsize + 4) + len(src.lengths) * 20)
+    folder = out
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free
+    if out.is_dir() and not out.is_symlink():
+        free += sum(f.stat().st_size for f in out.iterdir() if f.is_file() and not f.is_symlink())
+    if need > free:
+        raise PackError(
+            f"{arg('epochs')} {epochs}: the packed rows need at least {byte_size(need)} ({epochs} epoch(s) of "
+            f"{tokens:,} tokens at {src.dtype.itemsize + 4} bytes each, plus the per-document columns), more than "
+            f"the {byte_size(free)} free on {folder}; lower {arg('epochs')} or free space"
+        )
+
+
 def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, shard_tokens, overwrite, progress):
     check_fits(src, topology, overflow)
+    _check_disk_space(out, src, epochs)
     job = _job_key(src, topology, cost, epochs, seed, {"overflow": overflow, "shard_tokens": shard_tokens})
     with open_output(out, [str(src.path)], "source"):
         status, prev, owned = prepare_pack_output(out, job, overwrite)
