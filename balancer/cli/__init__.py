@@ -39,7 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _escape_undecodable_names() -> None:
+    """A path that is not UTF-8 (a file name with byte 0xff) reaches messages as a surrogate escape; printed to a
+    strict stream it would raise UnicodeEncodeError instead of the one-line error, so both streams escape it."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError, OSError):  # not a TextIOWrapper (a test's replacement): leave it
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
+    _escape_undecodable_names()
     parser = build_parser()
     try:
         args = parse_with_checks(parser, argv)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from balancer.cli.flags import count, limits, python_to_flags
@@ -117,11 +118,28 @@ def _run_pretokenize(args: argparse.Namespace) -> int:
     )
 
 
+def _path(value: str) -> str:
+    """A path argument: an empty one is refused (it would mean the current folder)."""
+    if not value:
+        raise argparse.ArgumentTypeError("an empty path; give a folder name")
+    return value
+
+
 def _run_verify(args: argparse.Namespace) -> int:
     from balancer.data.pack.verify import is_packed, load_packed_manifest, verify_packed
     from balancer.data.shards.manifest import load_manifest
     from balancer.data.shards.verify import verify
 
+    if not os.path.isdir(args.dir):  # bad input (exit 2), not a folder that fails verification (exit 1)
+        what = (
+            "a broken symbolic link"
+            if os.path.islink(args.dir)
+            else "not a folder"
+            if os.path.lexists(args.dir)
+            else "no such folder"
+        )
+        print(f"error: DIR {args.dir}: {what} (give a folder written by pretokenize, merge or pack)", file=sys.stderr)
+        return EXIT_ERROR
     try:
         packed = is_packed(args.dir)
         problems = verify_packed(args.dir) if packed else verify(args.dir)
@@ -212,6 +230,7 @@ def _register_pretokenize(subparsers) -> None:
     p.add_argument(
         "inputs",
         nargs="+",
+        type=_path,
         metavar="INPUT",
         help=".jsonl/.json (JSON lines or an array of objects), .parquet, .txt (one document per file), the "
         "JSON and .txt files also gzip/zstd compressed (.jsonl.gz, .json.zst, .txt.gz, ...), "
@@ -222,6 +241,7 @@ def _register_pretokenize(subparsers) -> None:
         "--output",
         "-o",
         required=True,
+        type=_path,
         metavar="DIR",
         help="output folder; refused when it holds a different job or other files, unless --overwrite",
     )
@@ -347,7 +367,9 @@ def _register_verify_and_merge(subparsers) -> None:
         "inside DIR. Exit 0 when all is well, 1 naming each problem. (Opening a folder with ShardDataset or "
         "read_lengths runs the cheap part of these checks every time.)",
     )
-    v.add_argument("dir", metavar="DIR", help="a folder written by `balancer pretokenize`, `merge` or `pack`")
+    v.add_argument(
+        "dir", type=_path, metavar="DIR", help="a folder written by `balancer pretokenize`, `merge` or `pack`"
+    )
     v.set_defaults(func=_run_verify)
 
     m = subparsers.add_parser(
@@ -358,8 +380,8 @@ def _register_verify_and_merge(subparsers) -> None:
         "are hard-linked when on the same filesystem, else copied; checksums "
         "are checked.",
     )
-    m.add_argument("parts", nargs="+", metavar="PART_DIR", help="the K slice output folders")
-    m.add_argument("--output", "-o", required=True, metavar="DIR", help="merged output folder")
+    m.add_argument("parts", nargs="+", type=_path, metavar="PART_DIR", help="the K slice output folders")
+    m.add_argument("--output", "-o", required=True, type=_path, metavar="DIR", help="merged output folder")
     m.add_argument(
         "--overwrite",
         action="store_true",
@@ -386,11 +408,14 @@ def _register_pack(subparsers) -> None:
         "  balancer pack tok/ --output packed/ --dp 4 --max-tokens 8192 --overflow split --model llama3-8b\n"
         "  balancer verify packed/",
     )
-    p.add_argument("tokdir", metavar="TOKDIR", help="a folder written by `balancer pretokenize` (or `merge`)")
+    p.add_argument(
+        "tokdir", type=_path, metavar="TOKDIR", help="a folder written by `balancer pretokenize` (or `merge`)"
+    )
     p.add_argument(
         "--output",
         "-o",
         required=True,
+        type=_path,
         metavar="DIR",
         help="output folder; refused when it holds a different job or other files, unless --overwrite",
     )
