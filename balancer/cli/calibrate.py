@@ -173,10 +173,5 @@ def register(sub) -> None:
         help="wall time, process CPU time, or auto: wall time when the machine was quiet while timing, else CPU time",
     )
     p.add_argument("--seed", type=count(0, MAX_SEED), default=0, help=f"grid and held-out seed, {limits(0, MAX_SEED)}")
-    p.add_argument(
-        "-q",
-        "--quiet",
-        action="store_true",
-        help="no progress (a bar on a terminal, else a line at each quarter of the timings)",
-    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress (a bar, or lines without a terminal)")
     p.set_defaults(func=cmd_calibrate)
