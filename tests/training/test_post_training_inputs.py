@@ -191,3 +191,23 @@ def test_sequence_and_token_helpers_refuse_ids_out_of_range_and_bad_normalisers(
 def test_topology_cost_and_balance_batch_arguments_are_named(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_sampler_micro_batch_refuses_indices_out_of_range():
+    """Before, `m` or `dp_rank` past the end silently returned another rank's micro-batch, and a float step was
+    truncated."""
+    lengths = np.random.default_rng(0).integers(10, 200, 300)
+    topo = balancer.Topology(dp=2, micro_batches=2, max_tokens=512)
+    sampler = balancer.BalancedBatchSampler(lengths, topo, COST, dp_rank=0, seed=0)
+    assert sampler.micro_batch(np.int64(0), np.int64(1), dp_rank=np.int64(1))
+    for args, kwargs, match in [
+        ((0, 2), {}, r"m must be in \[0, 1\], got 2"),
+        ((0, -1), {}, r"m must be in \[0, 1\], got -1"),
+        ((0, 1.5), {}, "m must be an integer"),
+        ((1.5, 0), {}, "step must be an integer, got 1.5"),
+        ((True, 0), {}, "step must be an integer, got True"),
+        ((0, 0), {"dp_rank": 2}, r"dp_rank must be in \[0, 1\], got 2"),
+        ((0, 0), {"rank": 9}, r"rank must be in \[0, 1\], got 9"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            sampler.micro_batch(*args, **kwargs)
