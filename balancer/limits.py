@@ -80,3 +80,13 @@ def check_real(name: str, value: object, low: float = 0.0, high: float = MAX_COE
         side = "(" if open_low else "["
         raise ValueError(f"{name} must be in {side}{low:g}, {high:g}], got {shown(value)}")
     return number
+
+
+def check_indices(step, m, dp_rank, rank, sizes: tuple) -> list:
+    """(step, m, dp_rank, rank) of a micro-batch, each an int in [0, size) (any int where the size is None; a None
+    value stays None), or a ValueError naming it."""
+    names = ("step", "m", "dp_rank", "rank")
+    return [
+        None if value is None else check_int(name, value, -INT64_MAX if size is None else 0, (size or 2**63) - 1)
+        for name, value, size in zip(names, (step, m, dp_rank, rank), sizes)
+    ]

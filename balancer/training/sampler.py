@@ -50,6 +50,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from balancer.limits import check_indices
 from balancer.planning.cost.model import CostModel
 from balancer.planning.metrics import lower_bound, one_f_one_b
 from balancer.planning.plans.plan import Plan
@@ -211,18 +212,9 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         return self.windows.segment(w), local
 
     def micro_batch(self, step: int, m: int, dp_rank: Optional[int] = None, rank: Optional[int] = None) -> list:
-        """Indices of micro-batch (slot) `m` of `step` for `dp_rank` or pool `rank` (default: this rank). An
-        index that is not an integer or out of range raises a ValueError naming it (before, `m` or `dp_rank` past
-        the end silently gave another rank's micro-batch)."""
-        from balancer.limits import check_int
-
+        """Indices of micro-batch (slot) `m` of `step` for `dp_rank` or pool `rank` (default: this rank)."""
         t = self.topology
-        step = check_int("step", step, -(2**62))
-        m = check_int("m", m, 0, t.micro_batches - 1)
-        if dp_rank is not None:
-            dp_rank = check_int("dp_rank", dp_rank, 0, t.dp - 1)
-        if rank is not None:
-            rank = check_int("rank", rank, 0, t.pool_size - 1)
+        step, m, dp_rank, rank = check_indices(step, m, dp_rank, rank, sizes=(None, t.micro_batches, t.dp, t.pool_size))
         seg, local = self._locate(step)
         return self._indices(seg, local, m, dp_rank, rank)
 
