@@ -122,7 +122,8 @@ class HFTokenizer(Tokenizer):
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         self.name = name_or_path
-        self.vocab_size = int(len(self.tok))
+        # ids may have holes: the largest id, not the count, decides what the storage dtype must hold
+        self.vocab_size = int(max(len(self.tok), max(self.tok.get_vocab().values(), default=-1) + 1))
         self.eos_id = self.tok.eos_token_id
         self.hash = tokenizer_content_hash(self.tok)
 
@@ -137,10 +138,16 @@ class HFTokenizer(Tokenizer):
         lengths = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
         if len(ids) == 0:
             return lengths, np.zeros(0, self.dtype)
-        flat = (
-            np.concatenate([np.asarray(x, dtype=self.dtype) for x in ids]) if lengths.sum() else np.zeros(0, self.dtype)
-        )
-        return lengths, flat
+        if not lengths.sum():
+            return lengths, np.zeros(0, self.dtype)
+        flat = np.concatenate([np.asarray(x, dtype=np.int64) for x in ids])
+        if flat.max() >= self.vocab_size or flat.min() < 0:  # never wrapped into the storage dtype
+            bad = int(flat.max()) if flat.max() >= self.vocab_size else int(flat.min())
+            raise TokenizerError(
+                f"tokenizer {self.name!r} produced token id {bad}, outside its vocabulary of {self.vocab_size} ids "
+                f"(stored as {self.dtype.name}): the tokenizer is inconsistent"
+            )
+        return lengths, flat.astype(self.dtype)
 
 
 def tokenizer_content_hash(tok) -> str:
