@@ -120,7 +120,16 @@ def main() -> None:
         for n, limit in GOALS.items()
         if n in sizes
     }
-    payload = {"ref": args.ref, "repeat": repeat, "rows": rows, "goals": goals}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "balancer"], cwd=REPO, capture_output=True).stdout)
+    payload = {
+        "commit": commit,
+        "tree_modified": dirty,
+        "ref": args.ref,
+        "repeat": repeat,
+        "rows": rows,
+        "goals": goals,
+    }
     print(write_result("balance_batch_speed", payload, clock="process_cpu"))
 
 

@@ -591,7 +591,8 @@ def balance_batch_speed() -> str:
     header += ["micro-batches per rank (now / before)"]
     goals = "; ".join(f"{name}: {'met' if ok else 'missed'}" for name, ok in data["goals"].items())
     return (
-        f"{markdown(header, rows)}\n\nBefore: git revision {data['ref']}; best of {data['repeat']} paired runs. "
+        f"{markdown(header, rows)}\n\nAt commit {data.get('commit', '?')[:10]}; before: git revision {data['ref']}; "
+        f"best of {data['repeat']} paired runs. "
         f"Goals: {goals}.{_record_line(data)}"
     )
 
