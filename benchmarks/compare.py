@@ -296,7 +296,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="20M tokens per distribution (default 200M)")
-    ap.add_argument("--tokens", type=float, default=None, help="tokens per distribution (overrides --quick)")
+    ap.add_argument(
+        "--tokens",
+        type=float,
+        default=None,
+        help="tokens per distribution (overrides --quick; default 200M, 100M with --suite peers2026)",
+    )
     ap.add_argument("--dists", default=",".join(DISTS), help="comma-separated distributions")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", type=float, default=300.0, help="seconds one peer may take on one input")
@@ -306,7 +311,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     topologies, peer_order = SUITES[args.suite]
     args.name = args.name or ("compare" if args.suite == "default" else "compare_peers")
-    budget_tokens = int(args.tokens if args.tokens else (20e6 if args.quick else 200e6))
+    full = 200e6 if args.suite == "default" else 100e6  # peers2026: 16 rows x 8 peers, 100M tokens per distribution
+    budget_tokens = int(args.tokens if args.tokens else (20e6 if args.quick else full))
     png = RESULTS / f"{args.name}.png"
     t_start = time.perf_counter()
     rows: list[dict] = []
