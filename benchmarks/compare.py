@@ -39,6 +39,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
 import peers  # noqa: E402
+import peers_pkg  # noqa: E402
 from _common import RESULTS, write_result  # noqa: E402 - measures the load at start on import
 
 import balancer  # noqa: E402
@@ -56,6 +57,12 @@ TOPOLOGIES = [
     dict(label="dp8 cp2 M4 llama3-70b", dp=8, cp=2, pp=1, micro_batches=4, cost="llama3-70b"),
 ]
 PEER_ORDER = ("trl", "multipack", "verl", "wlb", "balancer")
+# --suite peers2026 (issue 31): cp = pp = 1, dp4/dp8 x 4/8 micro-batches, the package peers of peers_pkg.py added
+TOPOLOGIES_2026 = [
+    dict(label=f"dp{dp} M{m}", dp=dp, cp=1, pp=1, micro_batches=m, cost="default") for dp in (4, 8) for m in (4, 8)
+]
+PEER_ORDER_2026 = ("trl", "multipack", "verl", "wlb", "hf_rebalance", "verl_pkg", "balancer_slices", "balancer")
+SUITES = {"default": (TOPOLOGIES, PEER_ORDER), "peers2026": (TOPOLOGIES_2026, PEER_ORDER_2026)}
 TIE = 0.005  # within 0.5% (relative) of the best counts as tied-first
 GOAL_SPEEDUP = 1.2
 
@@ -169,7 +176,7 @@ def markdown(rows: list[dict]) -> str:
     )
     lines = []
     for row in rows:
-        for p in PEER_ORDER:
+        for p in row["peers"]:
             r = row["peers"][p]
             ok = "imbalance" in r
             imb = fmt(r.get("imbalance")) if ok else "-"
@@ -289,13 +296,23 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="20M tokens per distribution (default 200M)")
-    ap.add_argument("--tokens", type=float, default=None, help="tokens per distribution (overrides --quick)")
+    ap.add_argument(
+        "--tokens",
+        type=float,
+        default=None,
+        help="tokens per distribution (overrides --quick; default 200M, 100M with --suite peers2026)",
+    )
     ap.add_argument("--dists", default=",".join(DISTS), help="comma-separated distributions")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", type=float, default=300.0, help="seconds one peer may take on one input")
-    ap.add_argument("--name", default="compare", help="result name: benchmarks/results/NAME.json and NAME.png")
+    ap.add_argument("--name", default=None, help="result name: benchmarks/results/NAME.json and NAME.png")
+    suites = "default: the 24 rows against TRL; peers2026: cp = pp = 1 against the package peers"
+    ap.add_argument("--suite", choices=sorted(SUITES), default="default", help=suites)
     args = ap.parse_args(argv)
-    budget_tokens = int(args.tokens if args.tokens else (20e6 if args.quick else 200e6))
+    topologies, peer_order = SUITES[args.suite]
+    args.name = args.name or ("compare" if args.suite == "default" else "compare_peers")
+    full = 200e6 if args.suite == "default" else 100e6  # peers2026: 16 rows x 8 peers, 100M tokens per distribution
+    budget_tokens = int(args.tokens if args.tokens else (20e6 if args.quick else full))
     png = RESULTS / f"{args.name}.png"
     t_start = time.perf_counter()
     rows: list[dict] = []
@@ -315,7 +332,7 @@ def main(argv=None) -> int:
             flush=True,
         )
         trl_cache: dict[int, object] = {}
-        for spec in TOPOLOGIES:
+        for spec in topologies:
             topo = topology_for(lengths, spec)
             cost = cost_model(spec["cost"])
             row = dict(
@@ -338,8 +355,12 @@ def main(argv=None) -> int:
                 except Exception as e:  # noqa: BLE001
                     trl_cache[seq] = f"failed: {type(e).__name__}: {e}"
                 print(f"   trl.pack_dataset(seq_length={seq:,}): {time.perf_counter() - t0:.1f} s", flush=True)
-            for p in PEER_ORDER:
-                if p == "trl":
+            # the project first: the count-based peers of peers_pkg get as many steps as its plan has
+            for p in ("balancer",) + tuple(q for q in peer_order if q != "balancer"):
+                if p in peers_pkg.PKG_PEERS:
+                    steps = row["peers"]["balancer"].get("steps") or 1
+                    rec, _ = run_peer(peers_pkg.PKG_PEERS[p], lengths, topo, cost, args.seed, args.budget, steps=steps)
+                elif p == "trl":
                     if isinstance(trl_cache[seq], str):
                         rec = {"status": trl_cache[seq]}
                     else:
@@ -349,6 +370,9 @@ def main(argv=None) -> int:
                 else:
                     rec, _ = run_peer(peers.PEERS[p], lengths, topo, cost, args.seed, args.budget)
                 row["peers"][p] = rec
+            row["peers"] = {p: row["peers"][p] for p in peer_order}
+            if args.suite == "peers2026":
+                peers_pkg.score_row(row)
             base = row["peers"]["trl"].get("step_time_total")
             lb = row["peers"]["balancer"].get("lower_bound_epoch")
             row["speedup_bound"] = base / lb if base and lb else None  # TRL time / LB_epoch: no plan beats it
@@ -359,7 +383,7 @@ def main(argv=None) -> int:
             b, t = row["peers"]["balancer"], row["peers"]["trl"]
             print(
                 f"   {spec['label']:<24} max_tokens={topo.max_tokens:>7}  "
-                + "  ".join(f"{p}:{fmt(row['peers'][p].get('imbalance'), '.3f')}" for p in PEER_ORDER)
+                + "  ".join(f"{p}:{fmt(row['peers'][p].get('imbalance'), '.3f')}" for p in peer_order)
                 + f"  speedup={fmt(b.get('speedup_vs_trl'), '.2f')}x  trl_steps={t.get('steps')}",
                 flush=True,
             )
@@ -405,17 +429,30 @@ def main(argv=None) -> int:
         goal=goal,
         rows=rows,
     )
+    if args.suite == "peers2026":
+        result["goal"] = dict(
+            goal_ratio=peers_pkg.GOAL_RATIO,
+            rows=len(rows),
+            met_all=all(r["goal_met"] for r in rows),
+            not_met=[f"{r['distribution']} / {r['topology']}: {r['ratio']:.0%}" for r in rows if not r["goal_met"]],
+            worst_ratio=max((r["ratio"] for r in rows if r["ratio"] is not None), default=None),
+            zero_drop_all=all(r["zero_drop"] for r in rows),
+        )
+        goal = result["goal"]
     out = write_result(args.name, result, clock="wall")  # plan_seconds and runtime: perf_counter
-    plot(
-        rows,
-        png,
-        "Predicted training speedup over TRL BFD packing (sum of step times, compute cost model); higher is better",
-    )
     print()
-    print(summary_markdown(rows))
+    if args.suite == "peers2026":
+        print(peers_pkg.excess_markdown(rows))
+    else:
+        plot(
+            rows,
+            png,
+            "Predicted training speedup over TRL BFD packing (sum of step times, compute cost model); higher is better",
+        )
+        print(summary_markdown(rows))
     print(markdown(rows))
     print(f"goal: {json.dumps(goal)}")
-    print(f"wrote {out} and {png} in {runtime:.0f} s")
+    print(f"wrote {out}{'' if args.suite == 'peers2026' else f' and {png}'} in {runtime:.0f} s")
     return 0
 
 

@@ -174,6 +174,68 @@ def compare_speedup() -> str:
     return markdown(header, rows) + _record_line(data)
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{100 * x:.2f}%"
+
+
+def compare_peers() -> str:
+    """The 2026 suite: every peer's excess over the epoch bound, the project's, its per-step bound, the ratios."""
+    data = load("compare_peers")
+    project = ("balancer", "balancer_slices")
+    names = [p for p in data["rows"][0]["peers"] if p not in project]
+    rows = []
+    for row in data["rows"]:
+        cells = []
+        for p in names:
+            rec = row["peers"][p]
+            cell = _pct(rec.get("excess_epoch")) if rec.get("status") == "ok" else str(rec.get("status"))[:24]
+            if rec.get("notes", {}).get("over_cap_micro_batches"):
+                cell += "*"
+            cells.append(f"**{cell}**" if p == row.get("best_peer") else cell)
+        ratio = "-" if row.get("ratio") is None else f"{row['ratio']:.0%}"
+        sratio = "-" if row.get("slices_ratio") is None else f"{row['slices_ratio']:.0%}"
+        rows.append([row["distribution"], row["topology"], *cells, _pct(row["peers"]["balancer"].get("excess_epoch")),
+                     _pct(row.get("step_bound_excess")), ratio,
+                     _pct(row["peers"]["balancer_slices"].get("excess_epoch")), sratio])  # fmt: skip
+    header = ["distribution", "topology", *names, "balancer", "of it: per-step bound", "balancer / best peer",
+              "balancer_slices", "slices / best slice peer"]  # fmt: skip
+    goal = data["goal"]
+    note = (
+        f"\n\nGoal (balancer's excess <= {goal['goal_ratio']:.0%} of the best peer's on every row): "
+        f"{'met' if goal['met_all'] else 'missed on ' + str(len(goal['not_met'])) + ' of ' + str(goal['rows'])} rows"
+        f"; nothing dropped by any valid plan: {fmt(goal['zero_drop_all'])}. * = the plan has micro-batches above "
+        "max_tokens (the peer takes no token cap, or needs more than M micro-batches to keep it)."
+    )
+    return markdown(header, rows) + note + _record_line(data)
+
+
+def trainer_compare() -> str:
+    """BalancedTrainer against the built-in trainers: measured time, throughput, padding, loss."""
+    data = load("trainer_compare")
+    rows = []
+    for mix, s in data["summary"].items():
+        b = s["contenders"]["balancer"]
+        for name, r in s["contenders"].items():
+            rows.append([mix, name, fmt(r["steps"], "d"), " / ".join(f"{x:.1f}" for x in r["wall_all"]),
+                         " / ".join(f"{x:.1f}" for x in r["cpu_all"]), f"{r['tokens_per_second']:,.0f}",
+                         f"{r['padding_share']:.1%}", f"{r['heldout_loss']:.4f}",
+                         f"{r['wall_seconds'] / b['wall_seconds']:.2f}x",
+                         f"{r['cpu_seconds'] / b['cpu_seconds']:.2f}x"])  # fmt: skip
+    header = ["mix", "trainer", "steps", "wall s (reps)", "CPU s (reps)", "tokens/s (wall)", "padding",
+              "held-out loss", "time / balancer (wall)", "time / balancer (CPU)"]  # fmt: skip
+    notes = []
+    for mix, s in data["summary"].items():
+        lo, hi = s["stock_spread"]
+        inside = [c for c, ok in s["loss_within_spread"].items() if ok]
+        notes.append(
+            f"{mix}: balancer {s['speedup_wall']:.2f}x the best built-in by wall clock ({s['best_builtin_wall']}), "
+            f"{s['speedup_cpu']:.2f}x by CPU ({s['best_builtin_cpu']}), goal {s['goal_speedup']}x "
+            f"{'met' if s['goal_met'] else 'missed'}; stock batch_rebalance over {len(s['stock_seed_losses'])} seeds: "
+            f"held-out loss {lo:.4f}-{hi:.4f} (inside: {', '.join(inside) or 'none'})"
+        )
+    return markdown(header, rows) + "\n\n" + ".\n".join(notes) + "." + _record_line(data)
+
+
 def compare_all() -> str:
     data = load("compare")
     rows = []
@@ -706,6 +768,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "planner_speed": planner_speed,
     "compare_speedup": compare_speedup,
     "compare_all": compare_all,
+    "compare_peers": compare_peers,
+    "trainer_compare": trainer_compare,
     "cp_attention_cpu": cp_attention_cpu,
     "pretokenize_throughput": pretokenize_throughput,
 }

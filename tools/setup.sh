@@ -27,7 +27,7 @@ SPEC="."
 if [ -n "$EXTRAS" ]; then SPEC=".[$EXTRAS]"; fi
 say "installing seqbalancer $SPEC (editable) and its dependencies"
 "$VPY" -m pip install "${PIP_OUT[@]}" -e "$SPEC"
-if [[ ",$EXTRAS," == *",test,"* ]]; then
+if [[ ",$EXTRAS," == *",test,"* || ",$EXTRAS," == *",peers,"* ]]; then  # peers: benchmarks/peers_pkg.py
     # verl 0.9.1's metadata pins transformers<5.11 (the project needs 5.x beyond that) and ray[default], wandb,
     # tensorboard...: installed beside the resolver with --no-deps, plus what its DataProto and seqlen_balancing import
     # (tensordict and its dependencies, omegaconf are in the test extras). balancer.integrations.verl's tests skip,

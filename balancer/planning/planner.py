@@ -29,6 +29,7 @@ from balancer.planning.cost.model import CostModel
 from balancer.planning.dynamic.plan import plan_dynamic
 from balancer.planning.metrics import natural_steps, step_times
 from balancer.planning.packing.epoch import LazySteps, pack_light_steps, steps_to_repack
+from balancer.planning.packing.refine import refine_packed
 from balancer.planning.packing.settle import Batched, hold_step_tokens, settle
 from balancer.planning.plans.plan import Plan
 from balancer.planning.steps import (
@@ -98,6 +99,7 @@ def plan(
         targets = step_token_targets(int(u_tok.sum()), step_tokens, topology.capacity, topology.tokens_per_step, floor)
         rng = np.random.default_rng([seed, 1])
         packed = _pack_epoch(u_cost, u_tok, attn_heavy, targets, topology, rng, progress)
+        packed = refine_packed(packed, u_cost, u_tok, topology)
 
     sizes = np.concatenate([mb_sizes for _, mb_sizes in packed]).ravel()
     unit = shuffled[np.concatenate([units for units, _ in packed])]

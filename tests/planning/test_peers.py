@@ -159,3 +159,92 @@ def test_trl_short_tail_is_dealt_with_the_step_before():
     plan.validate()
     assert plan.metrics()["dropped_tokens"] == 0
     assert "dealt over 2 steps" in plan.peer_notes["tail"]
+
+
+# ---- the package peers (benchmarks/peers_pkg.py) and the trainer benchmark's attention --------------------------
+
+peers_pkg = pytest.importorskip("peers_pkg")
+
+
+def _step_sets(plan):
+    return [sorted(d for rep in st.replicas for mb in rep.micro_batches for d in mb.docs) for st in plan.steps]
+
+
+@pytest.mark.parametrize("m", [2, 4])
+def test_count_based_peers_cover_every_document_once_on_the_same_slices(m, lengths):
+    pytest.importorskip("transformers")
+    topo = _topo(lengths, dp=4, m=m)
+    steps = 5
+    hf = peers_pkg.hf_rebalance_plan(lengths, topo, COST, seed=1, steps=steps)
+    mine = peers_pkg.balancer_slices_plan(lengths, topo, COST, seed=1, steps=steps)
+    for plan in (hf, mine):
+        plan.validate()  # every token exactly once, dp x M non-empty micro-batches per step
+        assert plan.metrics()["dropped_tokens"] == 0
+    assert _step_sets(hf) == _step_sets(mine)  # the project is scored on the peer's own global batches
+    b = hf.peer_notes["docs_per_step"]
+    order = peers_pkg.hf_order(len(lengths), 1)
+    assert _step_sets(hf)[0] == sorted(order[:b].tolist())  # BatchRebalanceSampler's own shuffle
+    assert mine.metrics()["imbalance"] <= hf.metrics()["imbalance"] + 1e-9
+
+
+@pytest.mark.slow  # importing verl takes seconds
+def test_verl_package_peer_is_valid_and_uses_the_same_slices(lengths):
+    pytest.importorskip("verl.utils.seqlen_balancing")
+    topo = _topo(lengths, dp=4, m=2)
+    plan = peers_pkg.verl_pkg_plan(lengths, topo, COST, seed=1, steps=5)
+    plan.validate()
+    assert plan.metrics()["dropped_tokens"] == 0
+    mine = peers_pkg.balancer_slices_plan(lengths, topo, COST, seed=1, steps=5)
+    assert _step_sets(plan) == _step_sets(mine)
+
+
+def test_docs_per_step_never_leaves_a_tail_the_sampler_would_pad():
+    topo = balancer.Topology(dp=4, micro_batches=4, max_tokens=1024)
+    for n in (64, 100, 333, 1000, 4097):
+        for steps in (1, 3, 7, 20):
+            b = peers_pkg.docs_per_step(n, topo, steps)
+            assert b % 4 == 0 and b >= 16 and (n % b == 0 or n % b >= 16)
+
+
+def test_score_row_excess_and_ratio():
+    def rec(eff, imb):
+        return dict(status="ok", epoch_efficiency=eff, imbalance=imb, step_time_total=imb * 100.0,
+                    lower_bound_epoch=eff * imb * 100.0, dropped_tokens=0)  # fmt: skip
+
+    row = dict(peers=dict(trl=rec(0.8, 1.2), hf_rebalance=rec(0.9, 1.1), verl_pkg={"status": "failed: x"},
+                          balancer_slices=rec(0.95, 1.0), balancer=rec(1 / 1.05, 1.01)))  # fmt: skip
+    peers_pkg.score_row(row)
+    assert row["best_peer"] == "hf_rebalance"
+    assert row["peers"]["balancer"]["excess_epoch"] == pytest.approx(0.05)
+    assert row["ratio"] == pytest.approx(0.05 / (1 / 0.9 - 1))
+    assert row["slices_ratio"] == pytest.approx((1 / 0.95 - 1) / (1 / 0.9 - 1))
+    assert row["peers"]["verl_pkg"]["excess_epoch"] is None and row["goal_met"]  # 45% <= 50%
+
+
+@pytest.mark.parametrize("layout", ["padded", "cu_seq_lens", "position_ids"])
+def test_flat_varlen_attention_is_per_document_causal_attention(layout):
+    pytest.importorskip("transformers")
+    import torch
+
+    worker = pytest.importorskip("_trainer_worker")
+    torch.manual_seed(0)
+    docs = [[5, 3], [7]] if layout == "padded" else [[5, 3, 4]]
+    rows, t = len(docs), max(sum(d) for d in docs)
+    q, k, v = torch.randn(rows, 4, t, 8), torch.randn(rows, 2, t, 8), torch.randn(rows, 2, t, 8)
+    kwargs, mask = {}, None
+    if layout == "padded":
+        docs = [[5], [7]]
+        mask = (torch.arange(t)[None] < torch.tensor([5, 7])[:, None]).long()
+    elif layout == "cu_seq_lens":
+        kwargs["cu_seq_lens_q"] = torch.tensor([0, 5, 8, 12], dtype=torch.int32)
+    else:
+        kwargs["position_ids"] = torch.cat([torch.arange(n) for n in (5, 3, 4)])[None]
+    out, _ = worker.flat_varlen_attention(None, q, k, v, mask, scaling=None, **kwargs)
+    for r, lens in enumerate(docs):
+        s = 0
+        for n in lens:  # reference: plain causal softmax attention inside each document, K/V heads repeated
+            qs, ks, vs = q[r, :, s : s + n], k[r, :, s : s + n].repeat_interleave(2, 0), v[r, :, s : s + n]
+            ref = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs.repeat_interleave(2, 0), is_causal=True)
+            assert torch.allclose(out[r, s : s + n], ref.transpose(0, 1), atol=2e-5, rtol=0)
+            s += n
+        assert not out[r, s:].any()  # padded positions: zeros

@@ -1,0 +1,342 @@
+"""Measured in the user's own trainer: balancer.hf.BalancedTrainer against the built-in ways to batch mixed lengths.
+
+    .venv/bin/python benchmarks/trainer_compare.py            # both mixes, 2 timed repetitions, 3 stock seeds
+    .venv/bin/python benchmarks/trainer_compare.py --quick    # smaller corpora, 1 repetition (a smoke run)
+
+Contenders, each one epoch of the same documents on the same tiny Llama (from a config, random weights, the same
+initial weights per seed), 2 gloo ranks on CPU (one thread each), AdamW, constant learning rate:
+- `balancer`: `balancer.hf.BalancedTrainer` with `Topology(dp=2, micro_batches=M, max_tokens, tokens_per_step)`;
+- `hf_rebalance`: stock `transformers.Trainer`, `train_sampling_strategy="batch_rebalance"` (transformers'
+  BatchRebalanceSampler), `DataCollatorForLanguageModeling(mlm=False)` padding each micro-batch to its longest row;
+- `hf_group`: the same with `train_sampling_strategy="group_by_length"` (LengthGroupedSampler);
+- `trl_bfd`: TRL `SFTTrainer(packing=True, packing_strategy="bfd", padding_free=True)`, rows of `max_length`.
+
+Step counts match within 1: the stock trainers take `per_device_train_batch_size` = documents / (steps x M x 2);
+BalancedTrainer `tokens_per_step` = corpus tokens / steps; TRL the `max_length` (>= the longest document) whose
+packed rows give that many steps at one row per micro-batch. Every contender runs the same attention kernel,
+`attention.varlen_attention` (see benchmarks/_trainer_worker.py): the padded contenders pay for padding in the
+linear layers only.
+
+Timing: every run is timed on every rank from building the trainer (TRL packs, BalancedTrainer plans there) to the
+end of `train()`: wall clock (the ranks meet at a barrier before and after) and process CPU summed over the ranks.
+Repetitions are paired and alternate their order (A B C D, then D C B A). The stock `batch_rebalance` run is
+repeated with 2 more seeds (model initialisation and data order) for the spread of its final loss; "final loss" is
+the mean next-token loss on held-out documents of the same mix, after training. Writes
+benchmarks/results/trainer_compare.json and trainer_compare.png (loss curves), prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+from _common import RESULTS, write_result  # noqa: E402 - measures the load at start on import
+
+from balancer.data.traces import heavy_tail, sft_mix  # noqa: E402
+
+CONTENDERS = ("balancer", "hf_rebalance", "hf_group", "trl_bfd")
+BUILTINS = CONTENDERS[1:]
+STOCK = "hf_rebalance"
+VOCAB = 256  # token ids; the tokenizer adds <pad> and <eos>
+MODEL = dict(
+    vocab_size=VOCAB + 2,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=16384,
+    pad_token_id=0,
+    eos_token_id=1,
+    bos_token_id=1,
+)
+DP, M = 2, 2
+GOAL = {"longtail": 1.15, "sft": 1.0}
+
+
+def mix_lengths(mix: str, n: int, seed: int) -> np.ndarray:
+    """`sft`: SFT lengths scaled to 50-1,024 tokens; `longtail`: heavy_tail scaled by 1/16 (body median ~240,
+    3% of documents 2K-6K tokens)."""
+    if mix == "sft":
+        return sft_mix(n, seed=seed) // 4
+    if mix == "longtail":
+        x = heavy_tail(n, seed=seed, tail_share=0.03, lo=32768, hi=98304) // 16
+        return np.maximum(x, 8)
+    raise ValueError(f"unknown mix {mix!r}")
+
+
+def documents(lengths: np.ndarray, seed: int) -> list[list[int]]:
+    """Token documents from a seeded random walk over the vocabulary (small steps, so there is something to learn)."""
+    rng = np.random.default_rng([seed, 31])
+    steps = np.array([1, 2, 3, -1, 5])
+    docs = []
+    for n in lengths:
+        walk = np.cumsum(rng.choice(steps, int(n), p=[0.4, 0.25, 0.15, 0.1, 0.1])) + rng.integers(VOCAB)
+        docs.append(((walk % VOCAB) + 2).tolist())  # ids 0 and 1 are <pad> and <eos>
+    return docs
+
+
+def build_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over the ids, built here (no download), saved as a Hugging Face tokenizer folder."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i + 2 for i in range(VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    fast.padding_side = "right"
+    fast.save_pretrained(path)
+
+
+def trl_seq_length(lengths: np.ndarray, steps: int) -> tuple[int, int]:
+    """The smallest max_length (>= the longest document, in steps of 64) whose TRL BFD rows make `steps` (+-1)
+    optimizer steps at one row per micro-batch; (max_length, rows)."""
+    sys.path.insert(0, str(HERE))
+    import peers
+
+    per_step = DP * M
+    seq = int(-(-int(lengths.max()) // 64) * 64)
+    while True:
+        rows = len(peers.trl_pack(lengths, seq)[0])
+        if -(-rows // per_step) <= steps + 1:
+            return seq, rows
+        seq += max(64, seq // 50)
+
+
+def prepare(tmp: Path, mixes: list[str], n_docs: dict, steps: int) -> dict:
+    """Corpora (Arrow folders), held-out documents, the tokenizer, and each contender's batch settings."""
+    from datasets import Dataset
+
+    build_tokenizer(tmp / "tokenizer")
+    setups = {}
+    for k, mix in enumerate(mixes):
+        lengths = mix_lengths(mix, n_docs[mix], seed=10 + k)
+        Dataset.from_dict({"input_ids": documents(lengths, seed=10 + k)}).save_to_disk(str(tmp / mix))
+        held = documents(mix_lengths(mix, 48, seed=90 + k), seed=90 + k)
+        (tmp / f"{mix}-heldout.json").write_text(json.dumps(held))
+        total = int(lengths.sum())
+        tps = -(-total // steps)
+        max_tokens = 1 << int(np.ceil(np.log2(max(int(lengths.max()), tps / (DP * M * 0.85)))))
+        seq, rows = trl_seq_length(lengths, steps)
+        setups[mix] = dict(
+            docs=int(len(lengths)),
+            tokens=total,
+            max_length=int(lengths.max()),
+            median_length=float(np.median(lengths)),
+            tokens_over_2k_share=float(lengths[lengths > 2048].sum() / total),
+            steps_target=steps,
+            batch_size=n_docs[mix] // (steps * DP * M),
+            tokens_per_step=tps,
+            max_tokens=max_tokens,
+            seq_length=seq,
+            trl_rows=rows,
+        )
+    return setups
+
+
+def jobs_for(mixes: list[str], setups: dict, reps: int, seeds: int, lr: float) -> list[dict]:
+    jobs = []
+    for mix in mixes:
+        s = setups[mix]
+        base = dict(mix=mix, dp=DP, micro_batches=M, model=MODEL, lr=lr, **{k: s[k] for k in (
+            "batch_size", "tokens_per_step", "max_tokens", "seq_length")})  # fmt: skip
+        for rep in range(reps):
+            order = CONTENDERS if rep % 2 == 0 else CONTENDERS[::-1]
+            jobs += [dict(base, contender=c, seed=0, rep=rep) for c in order]
+        jobs += [dict(base, contender=STOCK, seed=s_, rep=-1) for s_ in range(1, seeds)]
+    return jobs
+
+
+def spawn_world(tmp: Path) -> None:
+    import _trainer_worker
+    import torch.multiprocessing as mp
+    from support.dist import free_port
+    from support.trainer import _env_entry
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    mp.spawn(_env_entry, args=(DP, free_port(), _trainer_worker.world, (str(tmp),)), nprocs=DP, join=True)
+
+
+def summarize(records: list[dict], mixes: list[str], setups: dict) -> dict:
+    """Per mix and contender: median wall / CPU seconds over the timed repetitions, tokens/s, padding share, steps,
+    held-out loss; the stock seeds' spread; speedups over the best built-in."""
+    out = {}
+    for mix in mixes:
+        rows = {}
+        for c in CONTENDERS:
+            timed = [r for r in records if r["mix"] == mix and r["contender"] == c and r["seed"] == 0]
+            wall = [r["wall_seconds"] for r in timed]
+            cpu = [r["cpu_seconds"] for r in timed]
+            r0 = timed[0]
+            rows[c] = dict(
+                wall_seconds=float(np.median(wall)),
+                wall_all=wall,
+                cpu_seconds=float(np.median(cpu)),
+                cpu_all=cpu,
+                setup_seconds=float(np.median([r["setup_seconds"] for r in timed])),
+                steps=r0["steps"],
+                real_tokens=r0["real_tokens"],
+                positions=r0["positions"],
+                padding_share=1 - r0["real_tokens"] / r0["positions"],
+                tokens_per_second=r0["real_tokens"] / float(np.median(wall)),
+                heldout_loss=r0["heldout_loss"],
+                final_train_loss=r0["losses"][-1][1] if r0["losses"] else None,
+                losses=r0["losses"],
+            )
+        seeds = [r["heldout_loss"] for r in records if r["mix"] == mix and r["contender"] == STOCK and r["rep"] <= 0]
+        lo, hi = min(seeds), max(seeds)
+        best = min(BUILTINS, key=lambda c: rows[c]["wall_seconds"])
+        best_cpu = min(BUILTINS, key=lambda c: rows[c]["cpu_seconds"])
+        b = rows["balancer"]
+        steps = [rows[c]["steps"] for c in CONTENDERS]
+        out[mix] = dict(
+            setup=setups[mix],
+            contenders=rows,
+            stock_seed_losses=seeds,
+            stock_spread=[lo, hi],
+            loss_within_spread={c: lo <= rows[c]["heldout_loss"] <= hi for c in CONTENDERS},
+            best_builtin_wall=best,
+            speedup_wall=rows[best]["wall_seconds"] / b["wall_seconds"],
+            best_builtin_cpu=best_cpu,
+            speedup_cpu=rows[best_cpu]["cpu_seconds"] / b["cpu_seconds"],
+            steps_match=max(steps) - min(steps) <= 1,
+            goal_speedup=GOAL[mix],
+            goal_met=rows[best]["wall_seconds"] / b["wall_seconds"] >= GOAL[mix],
+            corpus_tokens_each_once={c: rows[c]["real_tokens"] == setups[mix]["tokens"] for c in CONTENDERS},
+        )
+    return out
+
+
+def markdown(summary: dict) -> str:
+    head = (
+        "| mix | trainer | steps | wall s (median) | CPU s (median) | tokens/s | padding | held-out loss | "
+        "vs balancer (wall) |\n|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    lines = []
+    for mix, s in summary.items():
+        b = s["contenders"]["balancer"]["wall_seconds"]
+        for c, r in s["contenders"].items():
+            lines.append(
+                f"| {mix} | {c} | {r['steps']} | {r['wall_seconds']:.1f} | {r['cpu_seconds']:.1f} | "
+                f"{r['tokens_per_second']:,.0f} | {r['padding_share']:.1%} | {r['heldout_loss']:.4f} | "
+                f"{r['wall_seconds'] / b:.2f}x |"
+            )
+    return head + "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"balancer": "#1e8449", "hf_rebalance": "#2e86c1", "hf_group": "#9aa5b1", "trl_bfd": "#f5b041"}
+    fig, axes = plt.subplots(1, len(summary), figsize=(6.5 * len(summary), 4.2), squeeze=False)
+    for ax, (mix, s) in zip(axes[0], summary.items()):
+        for c, r in s["contenders"].items():
+            x, y = zip(*r["losses"]) if r["losses"] else ((), ())
+            ax.plot(x, y, marker="o", ms=3, label=f"{c} (held-out {r['heldout_loss']:.3f})", color=colors[c])
+        lo, hi = s["stock_spread"]
+        ax.set_title(f"{mix}: training loss per step; stock seeds' held-out {lo:.3f}-{hi:.3f}", fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("mean token loss (step)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def resummarize(name: str) -> int:
+    """Summary and plot again from a result's recorded runs; the record's measurement fields stay as measured."""
+    path = RESULTS / f"{name}.json"
+    data = json.loads(path.read_text())
+    setups = {mix: s["setup"] for mix, s in data["summary"].items()}
+    data["summary"] = summarize(data["records"], list(setups), setups)
+    path.write_text(json.dumps(data, indent=1))
+    plot(data["summary"], RESULTS / f"{name}.png")
+    print(markdown(data["summary"]))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="small corpora, 1 repetition, 1 stock seed (a smoke run)")
+    ap.add_argument("--mixes", default="sft,longtail", help="comma-separated: sft, longtail")
+    ap.add_argument("--reps", type=int, default=None, help="timed repetitions per contender (default 2)")
+    ap.add_argument("--seeds", type=int, default=None, help="seeds of the stock batch_rebalance run (default 3)")
+    ap.add_argument("--steps", type=int, default=12, help="optimizer steps per epoch (every contender, +-1)")
+    ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (constant)")
+    ap.add_argument("--name", default="trainer_compare", help="results/NAME.json and NAME.png")
+    redo = "recompute the summary and the plot from the runs recorded in results/NAME.json (no training)"
+    ap.add_argument("--summarize-only", action="store_true", help=redo)
+    args = ap.parse_args(argv)
+    if args.summarize_only:
+        return resummarize(args.name)
+    mixes = args.mixes.split(",")
+    bad = [m for m in mixes if m not in GOAL]
+    if bad:
+        ap.error(f"--mixes: unknown mix {bad[0]!r} (choose from {', '.join(GOAL)})")
+    reps = args.reps if args.reps is not None else (1 if args.quick else 2)
+    seeds = args.seeds if args.seeds is not None else (1 if args.quick else 3)
+    per_step = args.steps * DP * M
+    n_docs = {"sft": per_step * (4 if args.quick else 6), "longtail": per_step * (6 if args.quick else 12)}
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="trainer_compare-") as tmp:
+        tmp = Path(tmp)
+        setups = prepare(tmp, mixes, n_docs, args.steps)
+        for mix, s in setups.items():
+            print(f"== {mix}: {json.dumps(s)}", flush=True)
+        print(f"prepared in {time.perf_counter() - t0:.0f} s", flush=True)
+        (tmp / "jobs.json").write_text(json.dumps(jobs_for(mixes, setups, reps, seeds, args.lr)))
+        spawn_world(tmp)
+        records = json.loads((tmp / "records.json").read_text())
+    summary = summarize(records, mixes, setups)
+    result = dict(
+        config=dict(
+            reps=reps,
+            seeds=seeds,
+            steps=args.steps,
+            lr=args.lr,
+            dp=DP,
+            micro_batches=M,
+            threads_per_rank=1,
+            quick=args.quick,
+        ),  # fmt: skip
+        runtime_seconds=time.perf_counter() - t0,
+        summary=summary,
+        records=records,
+    )
+    from _trainer_worker import build_model
+
+    params = sum(p.numel() for p in build_model(MODEL, 0, "eager").parameters())
+    out = write_result(args.name, result, clock="wall+process_cpu", model=dict(MODEL, parameters=params))
+    png = RESULTS / f"{args.name}.png"
+    plot(summary, png)
+    print(markdown(summary))
+    for mix, s in summary.items():
+        print(
+            f"{mix}: balancer {s['speedup_wall']:.2f}x the best built-in ({s['best_builtin_wall']}) by wall clock, "
+            f"{s['speedup_cpu']:.2f}x by CPU ({s['best_builtin_cpu']}); goal {s['goal_speedup']}x "
+            f"{'met' if s['goal_met'] else 'missed'}; losses within the stock spread: {s['loss_within_spread']}"
+        )
+    print(f"wrote {out} and {png} in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
