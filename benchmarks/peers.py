@@ -51,11 +51,8 @@ def _finish(
     mbs: list[list[int]], lengths, topology, cost, seed, order, t0, notes, placed: np.ndarray | None = None
 ) -> balancer.Plan:
     """`mbs`: micro-batches in plan order (step-major, replica, m) -> Plan with notes attached."""
-    m, dp, nb = topology.micro_batches, topology.dp, topology.bins_per_step
-    assert len(mbs) % nb == 0
-    steps = [[mbs[(k * dp + r) * m : (k * dp + r + 1) * m] for r in range(dp)] for k in range(len(mbs) // nb)]
-    p = balancer.Plan.from_micro_batches(
-        steps,
+    p = balancer.Plan.from_flat_micro_batches(
+        mbs,
         lengths,
         topology,
         cost,
