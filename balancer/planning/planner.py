@@ -31,6 +31,7 @@ from balancer.planning.metrics import natural_steps, step_times
 from balancer.planning.packing.epoch import LazySteps, pack_light_steps, steps_to_repack
 from balancer.planning.packing.settle import Batched, hold_step_tokens, settle
 from balancer.planning.plans.plan import Plan
+from balancer.planning.speeds import even
 from balancer.planning.steps import (
     STEP_BAND,
     assign_steps,
@@ -91,7 +92,8 @@ def plan(
         targets = rows * float(u_tok[0])
         packed = pack_equal_rows(rows, topology)
     else:
-        step_tokens = _choose_step_tokens(u_cost, u_tok, attn_heavy, topology, seed)
+        # speed-blind: the step count depends on the documents and the token budget, never on the rank speeds
+        step_tokens = _choose_step_tokens(u_cost, u_tok, attn_heavy, even(topology), seed)
         # a step must hold at least one document per micro-batch: with tokens_per_step below that (tiny budgets
         # or huge documents) +-10% cannot hold, so steps grow to fit a few documents per micro-batch
         floor = int(1.25 * nb * u_tok.mean())

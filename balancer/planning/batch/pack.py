@@ -9,9 +9,8 @@ from dataclasses import replace
 import numpy as np
 
 from balancer.planning.batch.large import LARGE_UNITS, deal_equal_counts, pack_large
-from balancer.planning.metrics import one_f_one_b
 from balancer.planning.packing.search import polish
-from balancer.planning.packing.step import fill_empty, pack_step
+from balancer.planning.packing.step import fill_empty, pack_step, place_rest
 from balancer.planning.topology import Topology
 
 POLISH_ROUNDS = 500  # most rounds of binpack's move/swap search per step (it stops when a round finds nothing)
@@ -59,7 +58,7 @@ def pack_complete(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> n
     if len(cost) >= LARGE_UNITS:  # the search below is quadratic in the units; this path is near-linear
         return pack_large(cost, tokens, topology)
     bins = pack_step(cost, tokens, topology)
-    if np.any(bins < 0) and not _place_rest(bins, cost, tokens, topology):
+    if np.any(bins < 0) and not place_rest(bins, cost, tokens, topology):
         return None
     fill_empty(bins, cost, nb)
     if np.bincount(bins, minlength=nb).min() == 0:
@@ -68,28 +67,6 @@ def pack_complete(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> n
     # few steps, so every one gets the move/swap search until it stops improving
     polish(bins, cost, tokens, topology, rounds=POLISH_ROUNDS)
     return bins
-
-
-def _place_rest(bins: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> bool:
-    """Place the unplaced units (in place), largest first, each where the new 1F1B time of its replica is least
-    (ties: the cheaper micro-batch), within the token cap. False when one fits nowhere."""
-    dp, m, nb, cap = topology.dp, topology.micro_batches, topology.bins_per_step, topology.micro_batch_tokens
-    placed = bins >= 0
-    bin_cost = np.bincount(bins[placed], weights=cost[placed], minlength=nb)
-    bin_tok = np.bincount(bins[placed], weights=tokens[placed], minlength=nb)
-    rep = np.arange(nb) // m
-    for i in np.flatnonzero(~placed)[np.argsort(-cost[~placed], kind="stable")]:
-        per = bin_cost.reshape(dp, m)
-        new = one_f_one_b(np.maximum(per.max(axis=1)[rep], bin_cost + cost[i]), per.sum(axis=1)[rep], topology.pp)
-        new = new + cost[i]
-        new[bin_tok + tokens[i] > cap] = np.inf
-        j = int(np.lexsort((bin_cost, new))[0])
-        if not np.isfinite(new[j]):
-            return False
-        bins[i] = j
-        bin_cost[j] += cost[i]
-        bin_tok[j] += tokens[i]
-    return True
 
 
 def assign_replicas(

@@ -1,6 +1,7 @@
 """Packing one step: documents to the `dp * micro_batches` micro-batches so that the replicas' 1F1B times
 `(P-1) * max_m t_m + sum_m t_m` come out equal (heavy units one by one, a water-filling target for the rest,
-batched LPT rounds of light units, and a spill rule for what fits nowhere)."""
+batched LPT rounds of light units, and a spill rule for what fits nowhere). With uneven ranks
+(`Topology.rank_speeds`) a replica's time is its 1F1B time divided by its speed, in every one of these moves."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from balancer.planning.metrics import lower_bound, one_f_one_b, step_times
 from balancer.planning.packing.search import polish
+from balancer.planning.speeds import bin_speeds, replica_speeds
 from balancer.planning.steps import HEAVY_PACK
 from balancer.planning.topology import Topology
 
@@ -45,11 +47,12 @@ class _Bins:
         self.tokens[bin_index] += tokens
 
 
-def _water_fill(loads: np.ndarray, work: float, pp: int) -> np.ndarray:
+def _water_fill(loads: np.ndarray, work: float, pp: int, speeds: np.ndarray | None = None) -> np.ndarray:
     """Deficits [dp, M] so that adding `work` in those amounts leaves every replica at the same 1F1B time.
 
     A replica whose micro-batches cost b_1..b_M (largest h) takes light work up to a level l on every
-    micro-batch below l; its time is (P-1)*max(h, l) + sum_j max(b_j, l). We solve for the common time T by
+    micro-batch below l; its time is (P-1)*max(h, l) + sum_j max(b_j, l) (divided by its speed with uneven
+    ranks: at a common time T a replica of speed s runs T * s of it). We solve for the common time T by
     bisection, with each replica's level inverted exactly from its piecewise-linear time curve.
     """
     dp, m = loads.shape
@@ -63,7 +66,8 @@ def _water_fill(loads: np.ndarray, work: float, pp: int) -> np.ndarray:
     rows = np.arange(dp)
 
     def levels(time: float) -> np.ndarray:
-        below = (curve <= time).sum(axis=1)
+        time = time if speeds is None else time * speeds  # each replica's own work-time at the common time
+        below = (curve <= (time if speeds is None else time[:, None])).sum(axis=1)
         idx = np.maximum(below - 1, 0)
         level = (time - (pp - 1) * largest - above[rows, idx]) / np.maximum(below, 1)
         level = np.where(below == m, time / (pp - 1 + m), level)
@@ -72,7 +76,11 @@ def _water_fill(loads: np.ndarray, work: float, pp: int) -> np.ndarray:
     def room(time: float) -> float:
         return float(np.maximum(levels(time)[:, None] - loads, 0.0).sum())
 
-    lo, hi = float(curve[:, 0].min()), float(curve[:, -1].max() + work * (pp - 1 + m) / m + work)
+    if speeds is None:
+        lo, hi = float(curve[:, 0].min()), float(curve[:, -1].max() + work * (pp - 1 + m) / m + work)
+    else:
+        lo = float((curve[:, 0] / speeds).min())
+        hi = float((curve[:, -1] / speeds).max() + (work * (pp - 1 + m) / m + work) / speeds.min())
     for _ in range(60):
         mid = 0.5 * (lo + hi)
         if room(mid) < work:
@@ -142,6 +150,7 @@ def _place_heavy_marginal(
     the cheaper micro-batch)."""
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
     rep = bins.replica_of_bin
+    speed = bin_speeds(topology)
     for i in heavy:
         if bins.unit_bin[i] >= 0:
             continue
@@ -152,6 +161,8 @@ def _place_heavy_marginal(
             topology.pp,
             cost[i],
         )
+        if speed is not None:
+            new_time = new_time / speed
         new_time[bins.tokens + tokens[i] > cap] = np.inf
         j = int(np.lexsort((bins.cost, new_time))[0])
         if np.isfinite(new_time[j]):
@@ -161,7 +172,9 @@ def _place_heavy_marginal(
 def _place_light(light: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: _Bins, topology: Topology) -> None:
     """Light units, largest first, in rounds to the micro-batches furthest below their water-filling target."""
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
-    deficit = _water_fill(bins.cost.reshape(dp, m), float(cost[light].sum()), topology.pp).ravel()
+    deficit = _water_fill(
+        bins.cost.reshape(dp, m), float(cost[light].sum()), topology.pp, replica_speeds(topology)
+    ).ravel()
     may_move = SPILL_MOVE * float(tokens.sum())  # tokens of this step that may move on to the next one
 
     def spill(units: np.ndarray) -> None:
@@ -258,24 +271,35 @@ def _place_heavy_pipelined(
     micro-batches is smallest. Units come largest first; a unit joins a replica that already holds a larger one
     (in a micro-batch that stays <= h_r) while that replica still has room under T, and opens a new replica only
     when none has. Units left unplaced go to the marginal greedy.
+
+    With uneven ranks replica r runs `T * s_r - (P-1) h_r`, so `T = (W + (P-1) * sum_r h_r) / sum_r s_r`
+    (unopened replicas counting `h_r = T * s_r / (P-1+M)`), and a new replica opened is the fastest unopened one.
     """
     dp, m, pp, cap = topology.dp, topology.micro_batches, topology.pp, topology.micro_batch_tokens
+    speeds = replica_speeds(topology)
     largest = np.zeros(dp)  # h_r: the largest heavy micro-batch of each opened replica
     heavy_work = np.zeros(dp)  # heavy cost placed on each replica
     largest_sum, opened = 0.0, 0
+    unopened_speed = 0.0 if speeds is None else float(speeds.sum())
     for i in heavy:
         c = cost[i]
-        level = (work + (pp - 1) * largest_sum) / (dp - (pp - 1) * (dp - opened) / (pp - 1 + m))
         bin_cost, bin_tokens = bins.cost.reshape(dp, m), bins.tokens.reshape(dp, m)
         ok_bin = (bin_cost + c <= largest[:, None] * (1 + 1e-12)) & (bin_tokens + tokens[i] <= cap)
         ok_bin &= largest[:, None] > 0
-        slack = level - (pp - 1) * largest - heavy_work
+        if speeds is None:
+            level = (work + (pp - 1) * largest_sum) / (dp - (pp - 1) * (dp - opened) / (pp - 1 + m))
+            slack = level - (pp - 1) * largest - heavy_work
+        else:
+            level = (work + (pp - 1) * largest_sum) / (speeds.sum() - (pp - 1) * unopened_speed / (pp - 1 + m))
+            slack = level * speeds - (pp - 1) * largest - heavy_work
         ok_rep = ok_bin.any(axis=1) & (slack >= c)
         if ok_rep.any():
             r = int(np.argmax(np.where(ok_rep, slack, -np.inf)))
             j = r * m + int(np.argmin(np.where(ok_bin[r], bin_cost[r], np.inf)))
         elif opened < dp:
-            r = int(np.argmin(largest))
+            r = int(np.argmin(largest)) if speeds is None else int(np.argmax(np.where(largest > 0, -np.inf, speeds)))
+            if speeds is not None:
+                unopened_speed -= float(speeds[r])
             j = r * m
             largest[r] = c
             largest_sum += c
@@ -297,9 +321,13 @@ def _spill(
     rep = bins.replica_of_bin
     per_replica = bins.cost.reshape(dp, m)
     largest, total = per_replica.max(axis=1), per_replica.sum(axis=1)
-    limit = float(one_f_one_b(largest, total, pp).max()) * (1 + SPILL_SLACK)
+    speeds, speed = replica_speeds(topology), bin_speeds(topology)
+    now = one_f_one_b(largest, total, pp)
+    limit = float((now if speeds is None else now / speeds).max()) * (1 + SPILL_SLACK)
     for i in units:
         new_time = one_f_one_b(np.maximum(largest[rep], bins.cost + cost[i]), total[rep], pp, cost[i])
+        if speed is not None:
+            new_time = new_time / speed
         new_time[bins.tokens + tokens[i] > cap] = np.inf
         j = int(np.argmin(new_time))
         if new_time[j] <= limit or (np.isfinite(new_time[j]) and tokens[i] > may_move):
@@ -310,6 +338,32 @@ def _spill(
         else:
             may_move -= tokens[i]
     return may_move
+
+
+def place_rest(unit_bin: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> bool:
+    """Place the unplaced units (in place), largest first, each where the new 1F1B time of its replica (divided by
+    its speed with uneven ranks) is least (ties: the cheaper micro-batch), within the token cap. False when one fits
+    nowhere (the units placed before it stay placed)."""
+    dp, m, nb, cap = topology.dp, topology.micro_batches, topology.bins_per_step, topology.micro_batch_tokens
+    placed = unit_bin >= 0
+    bin_cost = np.bincount(unit_bin[placed], weights=cost[placed], minlength=nb)
+    bin_tok = np.bincount(unit_bin[placed], weights=tokens[placed], minlength=nb)
+    rep = np.arange(nb) // m
+    speed = bin_speeds(topology)
+    for i in np.flatnonzero(~placed)[np.argsort(-cost[~placed], kind="stable")]:
+        per = bin_cost.reshape(dp, m)
+        new = one_f_one_b(np.maximum(per.max(axis=1)[rep], bin_cost + cost[i]), per.sum(axis=1)[rep], topology.pp)
+        new = new + cost[i]
+        if speed is not None:
+            new = new / speed
+        new[bin_tok + tokens[i] > cap] = np.inf
+        j = int(np.lexsort((bin_cost, new))[0])
+        if not np.isfinite(new[j]):
+            return False
+        unit_bin[i] = j
+        bin_cost[j] += cost[i]
+        bin_tok[j] += tokens[i]
+    return True
 
 
 def fill_empty(unit_bin: np.ndarray, cost: np.ndarray, nb: int) -> None:
