@@ -49,6 +49,8 @@ SLOW_PLAN = 10.0  # seconds: a plan that takes longer is logged (once per proces
 
 log = logging.getLogger(__name__)
 _slow_logged = False  # the slow-planning line is logged once per process
+_speed_logged: set = set()  # topologies whose speeds want more tokens than a replica holds (logged once each)
+TOKEN_ROOM = 0.9  # a replica whose speed's share of a step's tokens is above this share of what it holds is token-bound
 
 __all__ = ["plan"]
 
@@ -75,6 +77,7 @@ def plan(
     if topology.dynamic:
         return plan_dynamic(lengths, topology, cost, seed, overflow, progress, static_plan=plan)
     nb = topology.bins_per_step
+    _log_if_token_bound(topology)
     u_doc, u_start, u_end = planning_units(lengths, topology.micro_batch_tokens, overflow, topology)
     if len(u_doc) < nb:
         raise ValueError(
@@ -247,6 +250,27 @@ def _choose_step_tokens(
         if et < best_time * (1 - 1e-3):
             best, best_time = x, et
     return best
+
+
+def _log_if_token_bound(topology: Topology) -> None:
+    """One log line (INFO, once per process) when the fastest replica cannot hold its speed's share of a step's
+    tokens: work moves by tokens, so it then gets less than its share (the plan is still valid, just slower)."""
+    speeds = topology.rank_speeds
+    if speeds is None or min(speeds) == max(speeds):
+        return
+    need = topology.tokens_per_step * max(speeds) / sum(speeds)
+    holds = topology.micro_batches * topology.micro_batch_tokens
+    key = ("token-bound", topology)
+    if need > TOKEN_ROOM * holds and key not in _speed_logged:
+        _speed_logged.add(key)
+        log.info(
+            "rank_speeds: the fastest replica's share of a step is about %d tokens, but a replica holds %d "
+            "(micro_batches*max_tokens*cp); it gets less than its share of the work unless tokens_per_step is lowered "
+            "(to about %d) or max_tokens raised",
+            int(need),
+            holds,
+            int(TOKEN_ROOM * holds * sum(speeds) / max(speeds)),
+        )
 
 
 def _log_if_slow(seconds: float, documents: int, steps: int, topology: Topology) -> None:

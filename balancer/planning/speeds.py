@@ -1,8 +1,9 @@
 """Uneven ranks (`Topology.rank_speeds`): the speed arrays the metrics and the packers divide times by.
 
-A replica's time is its work divided by its speed; a CP group runs at its slowest member's speed. Every helper
-returns None for even ranks (`rank_speeds=None`), so the callers keep their even-rank arithmetic unchanged (plans
-with speeds None are bit for bit what they were).
+A replica's time is its work divided by its speed; a CP group runs at its slowest member's speed. The helpers
+return None for even ranks (`rank_speeds=None`; for the packers also when all speeds are equal), so the callers
+keep their even-rank arithmetic unchanged: plans with speeds None, or all equal, are bit for bit the even plans.
+The metrics divide by the speeds as given (equal speeds of 2 halve every time and bound).
 """
 
 from __future__ import annotations
@@ -14,9 +15,17 @@ import numpy as np
 from balancer.planning.topology import Topology
 
 
+def uneven(topology: Topology) -> bool:
+    """True when `rank_speeds` is set and not all equal: only then do the packers weigh the ranks differently (with
+    equal speeds every time is scaled alike, so every decision is the even one and the plan is the even plan)."""
+    speeds = topology.rank_speeds
+    return speeds is not None and min(speeds) != max(speeds)
+
+
 def replica_speeds(topology: Topology) -> np.ndarray | None:
-    """[dp] the speed of each replica of a static topology (None: even ranks)."""
-    if topology.rank_speeds is None:
+    """[dp] the speed of each replica of a static topology, what the packers divide times by (None: even ranks, or
+    all speeds equal)."""
+    if not uneven(topology):
         return None
     if topology.dynamic:
         raise ValueError("replica_speeds is for static topologies; a dynamic one has pool_speeds")
@@ -24,14 +33,15 @@ def replica_speeds(topology: Topology) -> np.ndarray | None:
 
 
 def bin_speeds(topology: Topology) -> np.ndarray | None:
-    """[dp * M] the speed of the replica of every micro-batch of a step (None: even ranks)."""
+    """[dp * M] the speed of the replica of every micro-batch of a step (None as for `replica_speeds`)."""
     speeds = replica_speeds(topology)
     return None if speeds is None else np.repeat(speeds, topology.micro_batches)
 
 
-def pool_speeds(topology: Topology) -> np.ndarray | None:
-    """[dp * cp] the speed of every pool rank (dynamic CP; None: even ranks)."""
-    if topology.rank_speeds is None:
+def pool_speeds(topology: Topology, planning: bool = False) -> np.ndarray | None:
+    """[dp * cp] the speed of every pool rank (None: even ranks; with `planning`, also when all speeds are equal,
+    as the packers see them). Static topologies repeat each replica's speed over its CP ranks."""
+    if topology.rank_speeds is None or (planning and not uneven(topology)):
         return None
     speeds = np.asarray(topology.rank_speeds, dtype=np.float64)
     return speeds if topology.dynamic else np.repeat(speeds, topology.cp)

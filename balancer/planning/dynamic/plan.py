@@ -171,7 +171,7 @@ def _plan_on(
     predicted = 0.0
     if cost.has_comm:  # the slot model over the layout-aware group times, as Plan.predict assembles them
         work = group_times * group_size  # the cuts' times are divided by the group's speed; the slot model divides
-        if topology.rank_speeds is not None:
+        if pool_speeds(topology, planning=True) is not None:
             work = work * group_speeds(pool_speeds(topology), group_start, group_size)
         predicted = float(dynamic_step_times(work, group_start, group_size, slot_ptr, topology).sum())
     plan = Plan(
@@ -212,7 +212,7 @@ def split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostMo
         n_mb = len(base.mb_ptr) - 1
         slot_time = group_times(np.arange(len(tokens)), np.repeat(np.arange(n_mb), np.diff(base.mb_ptr)), n_mb, large)
     shape = (base.num_steps, replicas, m)
-    speeds = pool_speeds(topology)
+    speeds = pool_speeds(topology, planning=True)
     if speeds is not None:  # a micro-batch of the balancing plan runs at its replica's (slowest rank's) speed
         slot_time = slot_time / np.repeat(np.tile(block_speeds(speeds, large), base.num_steps), m)
     per = slot_time.reshape(shape)

@@ -43,7 +43,7 @@ REPACK_SAMPLE = 32  # steps on which pack_step is tried before re-packing many s
 def pack_steps(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: Topology) -> np.ndarray:
     """Micro-batch (replica * M + m) of every unit, for units given step by step (`ptr[s]:ptr[s + 1]` is step
     s); -1 for a unit that fits no micro-batch of its step."""
-    if topology.rank_speeds is not None:
+    if replica_speeds(topology) is not None:
         return _pack_steps_uneven(cost, tokens, ptr, topology)
     nb, cap, m = topology.bins_per_step, topology.micro_batch_tokens, topology.micro_batches
     steps = len(ptr) - 1
@@ -87,6 +87,10 @@ def _pack_steps_uneven(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, to
         k = np.minimum((need > 0).sum(axis=1), counts[rows] - at[rows])
         target = np.argsort(-need, axis=1, kind="stable")  # neediest first, ties in micro-batch order
         chunk = np.where(lane < k[:, None], grid[rows[:, None], np.minimum(at[rows][:, None] + lane, width - 1)], -1)
+        # a round stops at the first micro-batch whose deficit is below half its unit (as pack_step's rounds)
+        short = (chunk >= 0) & (np.take_along_axis(need, target, axis=1) < 0.5 * cost[np.maximum(chunk, 0)])
+        k = np.where(short.any(axis=1), np.maximum(np.argmax(short, axis=1), np.minimum(k, 1)), k)
+        chunk = np.where(lane < k[:, None], chunk, -1)
         unit = np.maximum(chunk, 0)
         fits = (chunk >= 0) & (np.take_along_axis(used[rows], target, axis=1) + tokens[unit] <= cap)
         r, c = np.nonzero(fits)

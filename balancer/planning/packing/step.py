@@ -80,7 +80,8 @@ def _water_fill(loads: np.ndarray, work: float, pp: int, speeds: np.ndarray | No
         lo, hi = float(curve[:, 0].min()), float(curve[:, -1].max() + work * (pp - 1 + m) / m + work)
     else:
         lo = float((curve[:, 0] / speeds).min())
-        hi = float((curve[:, -1] / speeds).max() + (work * (pp - 1 + m) / m + work) / speeds.min())
+        slowest = speeds.min()  # the same sum as above, in the same order, when every speed is 1
+        hi = float((curve[:, -1] / speeds).max() + work * (pp - 1 + m) / m / slowest + work / slowest)
     for _ in range(60):
         mid = 0.5 * (lo + hi)
         if room(mid) < work:
@@ -139,8 +140,21 @@ def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy:
         _place_heavy_pipelined(order[:n_heavy], cost, tokens, bins, topology, float(cost.sum()))
     _place_heavy_marginal(order[:n_heavy], cost, tokens, bins, topology)
     _place_light(order[n_heavy:], cost, tokens, bins, topology)
+    if replica_speeds(topology) is not None:  # a slow replica's micro-batch may be left empty with units spilled
+        _fill_empty_from_spilled(bins, cost, tokens, topology)
     fill_empty(bins.unit_bin, cost, topology.bins_per_step)
     return bins.unit_bin
+
+
+def _fill_empty_from_spilled(bins: _Bins, cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> None:
+    """Every empty micro-batch takes the cheapest unplaced unit that fits it (in place), before any unit moves on
+    to the next step."""
+    cap = topology.micro_batch_tokens
+    for j in np.flatnonzero(np.bincount(bins.unit_bin[bins.unit_bin >= 0], minlength=topology.bins_per_step) == 0):
+        left = np.flatnonzero((bins.unit_bin < 0) & (tokens <= cap - bins.tokens[j]))
+        if len(left):
+            i = int(left[np.argmin(cost[left])])
+            bins.place(i, int(j), cost[i], tokens[i])
 
 
 def _place_heavy_marginal(
@@ -182,13 +196,17 @@ def _place_light(light: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: 
         may_move = _spill(units, cost, tokens, bins, topology, may_move)
 
     rounds = _rounds_few_bins if len(deficit) <= FEW_BINS else _rounds
-    done = rounds(light, cost, tokens, bins, deficit, cap, spill)
+    done = rounds(light, cost, tokens, bins, deficit, cap, spill, uneven=replica_speeds(topology) is not None)
     if done < len(light):  # every target met: the rest may only fill in below the step's time
         spill(light[done:])
 
 
-def _rounds(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spill) -> int:
-    """Deal `light` in rounds while some micro-batch is below target (in place); returns how many were dealt."""
+def _rounds(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spill, uneven: bool = False) -> int:
+    """Deal `light` in rounds while some micro-batch is below target (in place); returns how many were dealt.
+
+    `uneven` (uneven ranks: a slow replica's targets are small): a round stops at the first micro-batch whose
+    deficit is below half the unit it would get (it would overshoot its target by more than it gains); the next
+    round deals smaller units."""
     done = 0
     while done < len(light):
         # one round: the next-largest units go to the micro-batches furthest below target, largest to neediest
@@ -202,6 +220,10 @@ def _rounds(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spi
         # that must gain the most cost per token of room left, so token-full micro-batches still reach target
         need = np.where(deficit > 0, deficit / np.maximum(cap - bins.tokens, 1), deficit)
         targets = np.argsort(-need, kind="stable")[:k]
+        if uneven:
+            k = _round_size(deficit[targets], cost[chunk])
+            done += k - len(chunk)
+            chunk, targets = chunk[:k], targets[:k]
         fits = bins.tokens[targets] + tokens[chunk] <= cap
         ok_units, ok_bins = chunk[fits], targets[fits]
         bins.unit_bin[ok_units] = ok_bins  # micro-batches are distinct within a round
@@ -213,7 +235,16 @@ def _rounds(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spi
     return done
 
 
-def _rounds_few_bins(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spill) -> int:
+def _round_size(deficit: np.ndarray, unit_cost: np.ndarray) -> int:
+    """How many of a round's (unit, micro-batch) pairs to deal: up to the first whose deficit is below half its
+    unit's cost, at least one."""
+    short = deficit < 0.5 * unit_cost
+    return max(1, int(np.argmax(short))) if short.any() else len(deficit)
+
+
+def _rounds_few_bins(
+    light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spill, uneven: bool = False
+) -> int:
     """`_rounds` on Python floats, for steps of few micro-batches (many rounds of a few units each, where NumPy's
     per-call cost dominates); the same arithmetic and tie-breaks, so the same placement."""
     need_of, cost_of, room_of = deficit.tolist(), bins.cost.tolist(), (cap - bins.tokens).tolist()
@@ -229,6 +260,10 @@ def _rounds_few_bins(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap:
         k = min(len(light) - done, positive)
         # most needy first, ties in index order: np.argsort(-need, kind="stable") (reverse keeps sorted stable)
         targets = sorted(order, key=need.__getitem__, reverse=True)[:k]
+        if uneven:  # as in _rounds: stop at the first micro-batch that would overshoot by more than half the unit
+            short = [q for q, j in enumerate(targets) if need_of[j] < 0.5 * unit_cost[done + q]]
+            k = max(1, short[0]) if short else k
+            targets = targets[:k]
         for i, j in zip(range(done, done + k), targets):
             if unit_tokens[i] <= room_of[j]:
                 bin_of[i] = j
