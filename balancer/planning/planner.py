@@ -31,7 +31,7 @@ from balancer.planning.metrics import natural_steps, step_times
 from balancer.planning.packing.epoch import LazySteps, pack_light_steps, steps_to_repack
 from balancer.planning.packing.settle import Batched, hold_step_tokens, settle
 from balancer.planning.plans.plan import Plan
-from balancer.planning.speeds import even
+from balancer.planning.speeds import even, planning_view
 from balancer.planning.steps import (
     STEP_BAND,
     assign_steps,
@@ -74,6 +74,10 @@ def plan(
     started = time.perf_counter()
     lengths = validate_lengths(lengths)
     check_topology_and_cost(topology, cost)
+    if planning_view(topology) is not topology:  # equal speeds: the even plan, recording the speeds
+        placed = plan(lengths, planning_view(topology), cost, seed, overflow, progress)
+        placed.topology = topology
+        return placed
     if topology.dynamic:
         return plan_dynamic(lengths, topology, cost, seed, overflow, progress, static_plan=plan)
     nb = topology.bins_per_step

@@ -64,6 +64,12 @@ def group_speeds(speeds: np.ndarray | None, start: np.ndarray, size: np.ndarray)
     return out
 
 
+def planning_view(topology: Topology) -> Topology:
+    """The topology the planners decide on: without speeds when all are equal (every time scaled alike, so the
+    decisions, and the plan, are the even ones; the plan then records the speeds given)."""
+    return topology if uneven(topology) or topology.rank_speeds is None else replace(topology, rank_speeds=None)
+
+
 def even(topology: Topology) -> Topology:
     """`topology` with even ranks (what the speed-blind decisions, such as the step count, are made on)."""
     return topology if topology.rank_speeds is None else replace(topology, rank_speeds=None)

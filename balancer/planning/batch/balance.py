@@ -41,7 +41,7 @@ from balancer.planning.batch.pack import (
 )
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
-from balancer.planning.speeds import replica_speeds
+from balancer.planning.speeds import planning_view, replica_speeds
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost, planning_units, validate_lengths
 
@@ -79,6 +79,14 @@ def balance_batch(
     started = time.perf_counter()
     lengths = validate_lengths(lengths)
     check_topology_and_cost(topology, cost)
+    if planning_view(topology) is not topology:  # equal speeds: the even plan, recording the speeds
+        kwargs = dict(groups=groups, keep=keep, micro_batches=micro_batches, mini_batches=mini_batches, seed=seed)
+        kwargs |= dict(equal_counts=equal_counts, overflow=overflow, pipeline_order=pipeline_order)
+        placed = balance_batch(
+            lengths, planning_view(topology), cost, micro_batch_multiple=micro_batch_multiple, **kwargs
+        )
+        placed.topology = replace(placed.topology, rank_speeds=topology.rank_speeds)
+        return placed
     group_of_doc = _check_groups(groups, len(lengths))
     _check_options(keep, micro_batches, mini_batches, equal_counts, overflow)
     if not isinstance(pipeline_order, (bool, np.bool_)):

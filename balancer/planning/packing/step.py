@@ -11,7 +11,7 @@ import numpy as np
 
 from balancer.planning.metrics import lower_bound, one_f_one_b, step_times
 from balancer.planning.packing.search import polish
-from balancer.planning.speeds import bin_speeds, replica_speeds
+from balancer.planning.speeds import bin_speeds, planning_view, replica_speeds
 from balancer.planning.steps import HEAVY_PACK
 from balancer.planning.topology import Topology
 
@@ -103,6 +103,7 @@ def pack_step(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.nd
     """
     cost = np.asarray(cost, dtype=np.float64)
     tokens = np.asarray(tokens, dtype=np.int64)
+    topology = planning_view(topology)
     if topology.pp == 1:
         best = _pack(cost, tokens, topology, share_heavy=False)
     else:
@@ -120,11 +121,15 @@ def pack_step(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.nd
 
 def step_time(unit_bin: np.ndarray, cost: np.ndarray, topology: Topology) -> float:
     """The step's time (section-3 model) for units placed in micro-batches `unit_bin`; every unplaced unit adds
-    its cost as a penalty (it will slow a later step)."""
+    its cost as a penalty (it will slow a later step; with uneven ranks divided by the mean speed, a time too)."""
     placed = unit_bin >= 0
     mb = np.bincount(unit_bin[placed], weights=cost[placed], minlength=topology.bins_per_step)
     mb = mb.reshape(1, topology.dp, topology.micro_batches)
-    return float(step_times(mb, topology)[0] + cost[~placed].sum())
+    penalty = cost[~placed].sum()
+    speeds = replica_speeds(topology)
+    if speeds is not None:
+        penalty = penalty / speeds.mean()
+    return float(step_times(mb, topology)[0] + penalty)
 
 
 def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy: bool) -> np.ndarray:
