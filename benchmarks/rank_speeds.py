@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import DEFAULT_COST, TOPOLOGIES, standard_topology, write_result
+from _common import DEFAULT_COST, TOPOLOGIES, standard_topology, table, write_result
 
 import balancer
 from balancer.data.traces import load_trace
@@ -192,7 +192,8 @@ def aware_row(label: str, lengths, topo, cost, speeds, make) -> dict:
     row |= {"speedup": mb["step_time_total"] / ma["step_time_total"], "plan_cpu_s": seconds}
     row |= {"work_shares": work_shares(aware), "speed_shares": [round(s / sum(speeds), 4) for s in speeds]}
     print(
-        f"| {label} | {speeds} | {ma['epoch_efficiency']:.4f} | {mb['epoch_efficiency']:.4f} | "
+        f"| {label} | {', '.join(f'{s:g}' for s in speeds)} | {ma['epoch_efficiency']:.4f} | "
+        f"{mb['epoch_efficiency']:.4f} | "
         f"{row['speedup']:.3f}x | {ma['steps']} / {mb['steps']} | {seconds:.2f} s |"
     )
     return row
@@ -213,7 +214,7 @@ def uneven_rows() -> list[dict]:
         for tname, (dp, cp, pp, m) in TOPOLOGIES.items():
             for fill in (0.85, 0.5):
                 topo = standard_topology(lengths, dp, cp, pp, m, fill=fill)
-                for speeds in ((1.0,) * (dp - 1) + (2.0,), tuple(np.linspace(0.5, 2.0, dp).round(3))):
+                for speeds in ((1.0,) * (dp - 1) + (2.0,), tuple(np.linspace(0.5, 2.0, dp).round(3).tolist())):
                     rows.append(aware_row(f"{trace} {tname} fill {fill}", lengths, topo, DEFAULT_COST, speeds, plan))
     sft = load_trace("sft", seed=0)
     dyn = dict(dp=4, cp=2, micro_batches=4, max_tokens=8192, cp_sizes=(1, 2, 4))
@@ -228,9 +229,40 @@ def uneven_rows() -> list[dict]:
     return rows
 
 
+def tables(payload: dict) -> dict:
+    """The tables docs/planner.md shows (rendered by benchmarks/tables.py as rank_speeds.KEY)."""
+    out = {}
+    ref = payload["ref"][:7]
+    if "speed" in payload:
+        rows = [
+            [r["shape"], f"{r['before_cpu_s']:.3f} s", f"{r['now_cpu_s']:.3f} s", f"{r['ratio']:.3f}"]
+            + ["identical" if r["identical_placements"] else "different"]
+            for r in payload["speed"]
+        ]
+        out["even"] = table(["shape", f"before ({ref})", "now, speeds None", "ratio", "placements"], rows)
+    if "quality" in payload:
+        rows = [
+            [r["distribution"], r["topology"], f"{r['now']['imbalance']:.4f}", f"{r['before']['imbalance']:.4f}"]
+            + [f"{r['now']['epoch_efficiency']:.4f}", "identical" if r["identical"] else "different"]
+            for r in payload["quality"]
+        ]
+        columns = ["trace", "topology", "imbalance", f"before ({ref})", "epoch_efficiency", "placements, metrics"]
+        out["quality"] = table(columns, rows)
+    if "uneven" in payload:
+        rows = [
+            [r["case"], ", ".join(f"{s:g}" for s in r["speeds"])]
+            + [f"{r['aware']['epoch_efficiency']:.4f}", f"{r['blind']['epoch_efficiency']:.4f}"]
+            + [f"{r['speedup']:.3f}x", f"{r['aware']['steps']} / {r['blind']['steps']}", f"{r['plan_cpu_s']:.2f} s"]
+            for r in payload["uneven"]
+        ]
+        columns = ["case", "speeds", "aware efficiency", "blind efficiency", "speedup", "steps", "plan CPU"]
+        out["uneven"] = table(columns, rows)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ref", default="1910528", help="git revision planned beside this tree (speeds None)")
+    ap.add_argument("--ref", default="main", help="git revision planned beside this tree (speeds None)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--traces", nargs="+", default=["wlbllm", "prolong", "sft", "heavy"])
     ap.add_argument("--skip", nargs="*", default=[], choices=["speed", "quality", "uneven"])
@@ -239,9 +271,8 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(*args.worker)))
         return
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     ref = subprocess.run(["git", "rev-parse", args.ref], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    payload: dict = {"commit": commit, "ref": ref}
+    payload: dict = {"ref": ref}
     with tempfile.TemporaryDirectory() as tmp:
         before = checkout(args.ref, Path(tmp))
         if "speed" not in args.skip:
@@ -250,6 +281,7 @@ def main() -> None:
             payload["quality"] = quality_rows(before, args.traces)
     if "uneven" not in args.skip:
         payload["uneven"] = uneven_rows()
+    payload["tables"] = tables(payload)
     path = write_result("rank_speeds", payload, clock="process_cpu")
     print(f"wrote {path}")
 

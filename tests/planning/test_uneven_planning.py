@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import balancer
 from balancer import CostModel, Plan, Topology
 from balancer.data.traces import load_trace
+from balancer.planning.packing import pack_step
 
 COST = CostModel(attn_coef=2 / 53000, linear_coef=1.0)
 FLOPS = CostModel.from_model(
@@ -252,6 +253,6 @@ def test_pack_step_with_speeds():
     cost = FLOPS.cost(_sft(400, seed=5))
     tokens = _sft(400, seed=5)
     topo = Topology(dp=4, micro_batches=2, max_tokens=1 << 20, rank_speeds=(1.0, 2.0, 3.0, 4.0))
-    unit_bin = balancer.pack_step(cost, tokens, topo)
+    unit_bin = pack_step(cost, tokens, topo)
     work = np.bincount(unit_bin // 2, weights=cost, minlength=4)
     assert np.allclose(work / work.sum(), [0.1, 0.2, 0.3, 0.4], atol=0.005), work / work.sum()
