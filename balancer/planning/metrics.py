@@ -4,6 +4,10 @@ Times are in cost-model units per CP rank. A micro-batch holding documents D cos
 `(sum cost(d) + fixed) / cp`; a replica's step time with P pipeline stages is `(P - 1) * max_m t_m + sum_m t_m`;
 a step's time is the slowest replica's. With `fixed > 0` the lower bounds count `fixed` once for every one of the
 `dp * micro_batches` micro-batches a step must run (with `fixed = 0`, the default, they are exactly section 3's).
+
+Uneven ranks (`Topology.rank_speeds`, balancer.planning.speeds): a replica's time is divided by its speed, a
+dynamic-CP group's by its slowest member's, and the bounds become
+`max(W / (CP * sum(s)) * (1 + (P-1)/M), P * max_d cost(d) / (C * max(s)))`.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import numpy as np
 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.packing.rowops import last_axis
+from balancer.planning.speeds import group_speeds, pool_speeds
 from balancer.planning.topology import Topology
 
 
@@ -29,9 +34,13 @@ def one_f_one_b(largest, total, stages: int, *added):
 
 
 def replica_times(mb_cost: np.ndarray, topology: Topology) -> np.ndarray:
-    """[steps, dp, M] micro-batch costs (fixed included) -> [steps, dp] per-CP-rank replica times."""
+    """[steps, dp, M] micro-batch costs (fixed included) -> [steps, dp] per-CP-rank replica times (each divided by
+    its replica's speed when `rank_speeds` is set)."""
     t = np.asarray(mb_cost, dtype=np.float64) / topology.cp
-    return one_f_one_b(last_axis(np.maximum, t), last_axis(np.add, t), topology.pp)
+    times = one_f_one_b(last_axis(np.maximum, t), last_axis(np.add, t), topology.pp)
+    if topology.rank_speeds is not None:
+        times = times / np.asarray(topology.rank_speeds)
+    return times
 
 
 def step_times(mb_cost: np.ndarray, topology: Topology) -> np.ndarray:
@@ -44,12 +53,19 @@ def lower_bound(
 ) -> np.ndarray:
     """`max(W / (DP*CP) * (1 + (P-1)/M), P * max_d cost(d) / C)` for each step (or, with `steps`, the epoch), C
     being the largest CP group: `cp`, or with dynamic CP `max(cp_sizes)`. `fixed` is counted once per micro-batch
-    of the fewest a step can run (`dp * M`; dynamic: `M * dp * cp / max(cp_sizes)`)."""
+    of the fewest a step can run (`dp * M`; dynamic: `M * dp * cp / max(cp_sizes)`). With `rank_speeds` s:
+    `max(W / (CP * sum(s)) * (1 + (P-1)/M), P * max_d cost(d) / (C * max(s)))` (dynamic CP: s per pool rank,
+    `W / sum(s)`)."""
     t = topology
     groups_per_slot = t.dp if not t.dynamic else t.pool_size // t.largest_group
     work = np.asarray(work, dtype=np.float64) + fixed * groups_per_slot * t.micro_batches * steps
-    spread = work / (t.dp * t.cp) * (1.0 + (t.pp - 1) / t.micro_batches)
     single = t.pp * (np.asarray(max_cost, dtype=np.float64) + fixed) / t.largest_group
+    if t.rank_speeds is None:
+        spread = work / (t.dp * t.cp) * (1.0 + (t.pp - 1) / t.micro_batches)
+    else:
+        speeds = pool_speeds(t)  # a replica's CP ranks share its speed: sum over the pool = CP * sum(s)
+        spread = work / float(speeds.sum()) * (1.0 + (t.pp - 1) / t.micro_batches)
+        single = single / float(speeds.max())
     return np.maximum(spread, single)
 
 
@@ -62,11 +78,13 @@ def dynamic_step_times(
     per step, each slot's groups sorted by first rank and covering the pool. A group takes `t_g = cost / size`
     and starts when all its ranks finished their previous slot; with P stages each rank pays `(P-1) * max_k t_g`
     once: `T_step = max over ranks ((P-1) * max_k t_g(r, k) + finish_r)`. A plan whose groups never change gives
-    the static formula exactly.
+    the static formula exactly. With `rank_speeds` a group's time is divided by its slowest member's speed.
     """
     pool, m = topology.pool_size, topology.micro_batches
     steps = (len(slot_ptr) - 1) // m
     group_time = np.asarray(group_cost, dtype=np.float64) / group_size
+    if topology.rank_speeds is not None:
+        group_time = group_time / group_speeds(pool_speeds(topology), group_start, group_size)
     slot_of_group = np.repeat(np.arange(len(slot_ptr) - 1), np.diff(slot_ptr))
     step_of_group = slot_of_group // m
     finish = np.zeros(steps * pool)
@@ -106,13 +124,14 @@ def summarize(
     plan_seconds: float = float("nan"),
 ) -> dict:
     """All section-3 metrics from the step times [steps] (`step_times` or `dynamic_step_times`) and per-step work /
-    max document cost."""
+    max document cost; with uneven ranks also `rank_speeds` (the topology's)."""
     t_step = np.asarray(step_time, dtype=np.float64)
     steps = len(t_step)
     lb_step = lower_bound(step_work, step_max, topology, cost.fixed)
     lb_epoch = float(lower_bound(np.sum(step_work), np.max(step_max), topology, cost.fixed, steps)) if steps else 0.0
     capacity_used = steps * topology.capacity
     total_t = float(t_step.sum())
+    speeds = {} if topology.rank_speeds is None else {"rank_speeds": list(topology.rank_speeds)}
     return {
         "steps": int(steps),
         "imbalance": float(total_t / lb_step.sum()) if steps else 1.0,
@@ -128,4 +147,5 @@ def summarize(
         "plan_seconds": float(plan_seconds),
         "step_time_total": total_t,
         "lower_bound_epoch": lb_epoch,
+        **speeds,  # uneven ranks only: the speeds the times and bounds were divided by
     }

@@ -32,6 +32,7 @@ from balancer.planning.packing.epoch import LazySteps, pack_light_steps, steps_t
 from balancer.planning.packing.refine import refine_packed
 from balancer.planning.packing.settle import Batched, hold_step_tokens, settle
 from balancer.planning.plans.plan import Plan
+from balancer.planning.speeds import even, planning_view
 from balancer.planning.steps import (
     STEP_BAND,
     assign_steps,
@@ -49,6 +50,8 @@ SLOW_PLAN = 10.0  # seconds: a plan that takes longer is logged (once per proces
 
 log = logging.getLogger(__name__)
 _slow_logged = False  # the slow-planning line is logged once per process
+_speed_logged: set = set()  # topologies whose speeds want more tokens than a replica holds (logged once each)
+TOKEN_ROOM = 0.9  # a replica whose speed's share of a step's tokens is above this share of what it holds is token-bound
 
 __all__ = ["plan"]
 
@@ -72,9 +75,14 @@ def plan(
     started = time.perf_counter()
     lengths = validate_lengths(lengths)
     check_topology_and_cost(topology, cost)
+    if planning_view(topology) is not topology:  # equal speeds: the even plan, recording the speeds
+        placed = plan(lengths, planning_view(topology), cost, seed, overflow, progress)
+        placed.topology = topology
+        return placed
     if topology.dynamic:
         return plan_dynamic(lengths, topology, cost, seed, overflow, progress, static_plan=plan)
     nb = topology.bins_per_step
+    _log_if_token_bound(topology)
     u_doc, u_start, u_end = planning_units(lengths, topology.micro_batch_tokens, overflow, topology)
     if len(u_doc) < nb:
         raise ValueError(
@@ -92,7 +100,8 @@ def plan(
         targets = rows * float(u_tok[0])
         packed = pack_equal_rows(rows, topology)
     else:
-        step_tokens = _choose_step_tokens(u_cost, u_tok, attn_heavy, topology, seed)
+        # speed-blind: the step count depends on the documents and the token budget, never on the rank speeds
+        step_tokens = _choose_step_tokens(u_cost, u_tok, attn_heavy, even(topology), seed)
         # a step must hold at least one document per micro-batch: with tokens_per_step below that (tiny budgets
         # or huge documents) +-10% cannot hold, so steps grow to fit a few documents per micro-batch
         floor = int(1.25 * nb * u_tok.mean())
@@ -247,6 +256,27 @@ def _choose_step_tokens(
         if et < best_time * (1 - 1e-3):
             best, best_time = x, et
     return best
+
+
+def _log_if_token_bound(topology: Topology) -> None:
+    """One log line (INFO, once per process) when the fastest replica cannot hold its speed's share of a step's
+    tokens: work moves by tokens, so it then gets less than its share (the plan is still valid, just slower)."""
+    speeds = topology.rank_speeds
+    if speeds is None or min(speeds) == max(speeds):
+        return
+    need = topology.tokens_per_step * max(speeds) / sum(speeds)
+    holds = topology.micro_batches * topology.micro_batch_tokens
+    key = ("token-bound", topology)
+    if need > TOKEN_ROOM * holds and key not in _speed_logged:
+        _speed_logged.add(key)
+        log.info(
+            "rank_speeds: the fastest replica's share of a step is about %d tokens, but a replica holds %d "
+            "(micro_batches*max_tokens*cp); it gets less than its share of the work unless tokens_per_step is lowered "
+            "(to about %d) or max_tokens raised",
+            int(need),
+            holds,
+            int(TOKEN_ROOM * holds * sum(speeds) / max(speeds)),
+        )
 
 
 def _log_if_slow(seconds: float, documents: int, steps: int, topology: Topology) -> None:

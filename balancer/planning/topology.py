@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Optional
 
@@ -28,6 +29,10 @@ class Topology:
     cp_rank); in every micro-batch slot the pool is cut into contiguous groups `[start, size]` with
     `start % size == 0` and `size` in `cp_sizes`, each group running one micro-batch of at most
     `size * max_tokens` tokens. Every size must divide `dp * cp`.
+
+    `rank_speeds` (uneven ranks): the relative speed of each DP replica, `dp` positive finite floats (with
+    `cp_sizes`: one per pool rank, `dp * cp`). The planner gives a replica work in proportion to its speed: its
+    time is its work divided by its speed, and a CP group runs at its slowest member's speed. None: all equal.
     """
 
     dp: int
@@ -37,6 +42,7 @@ class Topology:
     max_tokens: int = 4096
     tokens_per_step: Optional[int] = None
     cp_sizes: Optional[tuple[int, ...]] = None
+    rank_speeds: Optional[tuple[float, ...]] = None
 
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "pp", "micro_batches", "max_tokens"):
@@ -70,6 +76,25 @@ class Topology:
                 )
         if self.cp_sizes is not None:
             object.__setattr__(self, "cp_sizes", self._check_cp_sizes(self.cp_sizes))
+        if self.rank_speeds is not None:
+            object.__setattr__(self, "rank_speeds", self._check_rank_speeds(self.rank_speeds))
+
+    def _check_rank_speeds(self, speeds) -> tuple[float, ...]:
+        if isinstance(speeds, (str, bytes, dict)) or not hasattr(speeds, "__iter__"):
+            raise ValueError(f"Topology.rank_speeds must be a sequence of relative speeds, got {speeds!r}")
+        speeds = list(speeds)
+        want, what = (self.pool_size, "pool rank (dp*cp") if self.dynamic else (self.dp, "DP replica (dp")
+        if len(speeds) != want:
+            raise ValueError(f"Topology.rank_speeds has {len(speeds)} entries, but needs one per {what} = {want})")
+        out = []
+        for i, speed in enumerate(speeds):
+            if isinstance(speed, bool) or not isinstance(speed, (int, float)) and not hasattr(speed, "__float__"):
+                raise ValueError(f"Topology.rank_speeds[{i}] = {speed!r} is not a number")
+            value = float(speed)
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"Topology.rank_speeds[{i}] = {speed!r}: speeds must be positive finite numbers")
+            out.append(value)
+        return tuple(out)
 
     def _check_cp_sizes(self, sizes) -> tuple[int, ...]:
         if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
@@ -130,17 +155,23 @@ class Topology:
             del data["cp_sizes"]  # static topologies keep their original record
         else:
             data["cp_sizes"] = list(self.cp_sizes)
+        if self.rank_speeds is None:
+            del data["rank_speeds"]  # even ranks keep the record they always had
+        else:
+            data["rank_speeds"] = list(self.rank_speeds)
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> Topology:
         if not isinstance(data, dict):
             raise ValueError(f"a topology record must be an object, got {type(data).__name__}")
-        keys = ("dp", "cp", "pp", "micro_batches", "max_tokens", "tokens_per_step", "cp_sizes")
+        keys = ("dp", "cp", "pp", "micro_batches", "max_tokens", "tokens_per_step", "cp_sizes", "rank_speeds")
         return cls(**{k: data[k] for k in keys if k in data and data[k] is not None})
 
     def __str__(self) -> str:
         return (
             f"dp{self.dp} x cp{self.cp} x pp{self.pp}, M={self.micro_batches}, max_tokens={self.max_tokens}, "
-            f"tokens_per_step={self.tokens_per_step}" + (f", cp_sizes={list(self.cp_sizes)}" if self.cp_sizes else "")
+            f"tokens_per_step={self.tokens_per_step}"
+            + (f", cp_sizes={list(self.cp_sizes)}" if self.cp_sizes else "")
+            + (f", rank_speeds={list(self.rank_speeds)}" if self.rank_speeds else "")
         )

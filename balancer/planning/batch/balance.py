@@ -31,9 +31,17 @@ from dataclasses import replace
 import numpy as np
 
 from balancer.planning.batch.dynamic import balance_dynamic
-from balancer.planning.batch.pack import assign_replicas, order_for_pipeline, pack_items, pack_ranks, restart_ranks
+from balancer.planning.batch.pack import (
+    assign_replicas,
+    deal_bins,
+    order_for_pipeline,
+    pack_items,
+    pack_ranks,
+    restart_ranks,
+)
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
+from balancer.planning.speeds import planning_view, replica_speeds
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost, planning_units, validate_lengths
 
@@ -71,6 +79,14 @@ def balance_batch(
     started = time.perf_counter()
     lengths = validate_lengths(lengths)
     check_topology_and_cost(topology, cost)
+    if planning_view(topology) is not topology:  # equal speeds: the even plan, recording the speeds
+        kwargs = dict(groups=groups, keep=keep, micro_batches=micro_batches, mini_batches=mini_batches, seed=seed)
+        kwargs |= dict(equal_counts=equal_counts, overflow=overflow, pipeline_order=pipeline_order)
+        placed = balance_batch(
+            lengths, planning_view(topology), cost, micro_batch_multiple=micro_batch_multiple, **kwargs
+        )
+        placed.topology = replace(placed.topology, rank_speeds=topology.rank_speeds)
+        return placed
     group_of_doc = _check_groups(groups, len(lengths))
     _check_options(keep, micro_batches, mini_batches, equal_counts, overflow)
     if not isinstance(pipeline_order, (bool, np.bool_)):
@@ -202,13 +218,15 @@ def _pack_by_ranks(g_cost, g_tok, u_group, u_cost, u_tok, g_perm, topology: Topo
     k, dp = options["mini_batches"], topology.dp
     g_count = np.bincount(u_group, minlength=len(g_cost))
     try:
-        g_bin = _assign(np.arange(len(g_cost)), g_cost, g_tok, g_count, g_perm, replace(topology, dp=dp * k), options)
+        speeds = replica_speeds(topology)  # (step, rank) bin s * dp + r runs at rank r's speed
+        bins = replace(topology, dp=dp * k, rank_speeds=None if speeds is None else tuple(np.tile(speeds, k)))
+        g_bin = _assign(np.arange(len(g_cost)), g_cost, g_tok, g_count, g_perm, bins, options)
         if g_bin is None:
             return None
         heaviest = np.zeros(len(g_cost))
         np.maximum.at(heaviest, u_group, u_cost)
         g_bin = restart_ranks(g_bin, g_cost, g_tok, g_count, _fill(g_count, options), heaviest, k, topology, options)
-        bin_at = _deal_bins(np.bincount(g_bin, weights=g_cost, minlength=dp * k), k, dp)
+        bin_at = deal_bins(np.bincount(g_bin, weights=g_cost, minlength=dp * k), k, dp, speeds)
     except ValueError:
         if not options["equal_counts"] or k == 1:
             raise
@@ -250,13 +268,6 @@ def _assign(members, g_cost, g_tok, g_count, g_perm, ranks: Topology, options) -
 def _fill(g_count: np.ndarray, options) -> np.ndarray:
     """What of a group fills a rank's micro-batches: its documents (`keep="rank"`: they may spread) or 1."""
     return g_count if options["keep"] == "rank" or not options["has_groups"] else np.ones_like(g_count)
-
-
-def _deal_bins(load: np.ndarray, k: int, dp: int) -> np.ndarray:
-    """[k, dp] the (step, rank) bins dealt to the steps in order of load, `dp` consecutive bins per step: a step
-    waits for its slowest rank, so bins of like load share a step (this minimises the sum over the steps of their
-    slowest bin; the steps' work differs only as much as the balanced bins do)."""
-    return np.argsort(-load, kind="stable").reshape(k, dp)
 
 
 def _seeded(units: np.ndarray, u_group: np.ndarray, g_perm: np.ndarray) -> np.ndarray:

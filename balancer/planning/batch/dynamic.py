@@ -37,13 +37,7 @@ def balance_dynamic(
         group_tokens = np.bincount(group_of_doc, weights=unit_tokens)
         holds = [s for s in topology.cp_sizes if s * topology.max_tokens >= group_tokens.max()]
         size = max(size, min(holds) if holds else topology.largest_group)
-    virtual = Topology(
-        dp=topology.pool_size // size,
-        cp=size,
-        pp=topology.pp,
-        micro_batches=topology.micro_batches,
-        max_tokens=topology.max_tokens,
-    )
+    virtual = replace(largest_group_topology(topology, size), tokens_per_step=None)
     base = static(lengths, virtual, cost, group_of_doc, options)
     final = replace(topology, micro_batches=base.topology.micro_batches, tokens_per_step=base.topology.tokens_per_step)
     # (order, group start, group size, entry counts, slot pointer; later fields, such as group times, unused)

@@ -1,17 +1,16 @@
 """Packing one step of a fixed batch (balancer.planning.batch.balance): units to DP ranks and micro-batches with the
 project's `pack_step`, completed so that nothing is left for a later step, with rank rules (groups kept on one
-rank, equal document counts), and the pipeline order of each rank's micro-batches."""
+rank, equal document counts), and the pipeline order of each rank's micro-batches. With uneven ranks
+(`Topology.rank_speeds`) a rank's time is its summed cost (its 1F1B time) divided by its speed throughout."""
 
 from __future__ import annotations
-
-from dataclasses import replace
 
 import numpy as np
 
 from balancer.planning.batch.large import LARGE_UNITS, deal_equal_counts, pack_large
-from balancer.planning.metrics import one_f_one_b
 from balancer.planning.packing.search import polish
-from balancer.planning.packing.step import fill_empty, pack_step
+from balancer.planning.packing.step import fill_empty, pack_step, place_rest
+from balancer.planning.speeds import replica_speeds, with_speeds
 from balancer.planning.topology import Topology
 
 POLISH_ROUNDS = 500  # most rounds of binpack's move/swap search per step (it stops when a round finds nothing)
@@ -36,7 +35,7 @@ def pack_ranks(rank_units: list, u_cost, u_tok, u_group, topology: Topology, kee
     """Micro-batch of each unit of one step whose units are already on their DP ranks (`rank_units[r]`), for the
     units concatenated in rank order: each rank's documents (`keep="rank"`) or merged groups (`"micro_batch"`)
     packed into its M micro-batches. None when a rank does not fit."""
-    one_rank = replace(topology, dp=1, tokens_per_step=None)
+    one_rank = with_speeds(topology, None, dp=1, tokens_per_step=None)  # one replica: its speed scales every time
     out = []
     for r, units in enumerate(rank_units):
         bins = (
@@ -56,10 +55,10 @@ def pack_complete(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> n
     nb = topology.bins_per_step
     if len(cost) < nb:
         return None
-    if len(cost) >= LARGE_UNITS:  # the search below is quadratic in the units; this path is near-linear
+    if len(cost) >= LARGE_UNITS and replica_speeds(topology) is None:  # near-linear, for even ranks
         return pack_large(cost, tokens, topology)
     bins = pack_step(cost, tokens, topology)
-    if np.any(bins < 0) and not _place_rest(bins, cost, tokens, topology):
+    if np.any(bins < 0) and not place_rest(bins, cost, tokens, topology):
         return None
     fill_empty(bins, cost, nb)
     if np.bincount(bins, minlength=nb).min() == 0:
@@ -68,28 +67,6 @@ def pack_complete(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> n
     # few steps, so every one gets the move/swap search until it stops improving
     polish(bins, cost, tokens, topology, rounds=POLISH_ROUNDS)
     return bins
-
-
-def _place_rest(bins: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> bool:
-    """Place the unplaced units (in place), largest first, each where the new 1F1B time of its replica is least
-    (ties: the cheaper micro-batch), within the token cap. False when one fits nowhere."""
-    dp, m, nb, cap = topology.dp, topology.micro_batches, topology.bins_per_step, topology.micro_batch_tokens
-    placed = bins >= 0
-    bin_cost = np.bincount(bins[placed], weights=cost[placed], minlength=nb)
-    bin_tok = np.bincount(bins[placed], weights=tokens[placed], minlength=nb)
-    rep = np.arange(nb) // m
-    for i in np.flatnonzero(~placed)[np.argsort(-cost[~placed], kind="stable")]:
-        per = bin_cost.reshape(dp, m)
-        new = one_f_one_b(np.maximum(per.max(axis=1)[rep], bin_cost + cost[i]), per.sum(axis=1)[rep], topology.pp)
-        new = new + cost[i]
-        new[bin_tok + tokens[i] > cap] = np.inf
-        j = int(np.lexsort((bin_cost, new))[0])
-        if not np.isfinite(new[j]):
-            return False
-        bins[i] = j
-        bin_cost[j] += cost[i]
-        bin_tok[j] += tokens[i]
-    return True
 
 
 def assign_replicas(
@@ -102,20 +79,22 @@ def assign_replicas(
     fill = count if fill is None else fill
     dp, m = topology.dp, topology.micro_batches
     rank_cap = m * topology.micro_batch_tokens
-    uniform = len(cost) >= LARGE_UNITS and np.all(count == count[0]) and (count[0] == 1 or len(cost) % dp == 0)
+    speeds = replica_speeds(topology)
+    large = len(cost) >= LARGE_UNITS and speeds is None  # the near-linear large-batch paths are for even ranks
+    uniform = large and np.all(count == count[0]) and (count[0] == 1 or len(cost) % dp == 0)
     if equal_counts and uniform:  # dealing whole items keeps the document counts within one
         rep = deal_equal_counts(cost, tokens, dp, rank_cap)
         if rep is None:
             rep = _equal_count_lpt(cost, tokens, count, dp, rank_cap)
     elif equal_counts:
-        rep = _equal_count_lpt(cost, tokens, count, dp, rank_cap)
+        rep = _equal_count_lpt(cost, tokens, count, dp, rank_cap, speeds=speeds)
     else:
-        per_rank = Topology(dp=dp, micro_batches=1, max_tokens=rank_cap)
+        per_rank = Topology(dp=dp, micro_batches=1, max_tokens=rank_cap, rank_speeds=topology.rank_speeds)
         rep = pack_complete(cost, tokens, per_rank)
     if rep is None or not _fill_ranks(rep, cost, tokens, fill, dp, m, rank_cap):
         return None
-    if len(cost) < LARGE_UNITS:  # large ones were balanced by pack_large's pair search (this one is quadratic)
-        _improve(rep, cost, tokens, count, fill, dp, rank_cap, same_count=equal_counts, keep_items=m)
+    if not large:  # large ones were balanced by pack_large's pair search (this one is quadratic)
+        _improve(rep, cost, tokens, count, fill, dp, rank_cap, same_count=equal_counts, keep_items=m, speeds=speeds)
     return rep
 
 
@@ -141,6 +120,8 @@ def restart_ranks(rep, cost, tokens, count, fill, heaviest, k: int, topology: To
     RESTARTS random starts, each improved by the same move/swap search; kept is the one whose worst step, then
     summed steps, is closest to its bound (`step_ratios`). Deterministic for `options["seed"]`."""
     bins, m = k * topology.dp, topology.micro_batches
+    speeds = replica_speeds(topology)
+    speeds = None if speeds is None else np.tile(speeds, k)  # bin s * dp + r is rank r of a step
     n = len(cost)
     if n > RESTART_ITEMS * bins:
         return rep  # many items per rank balance well from one start
@@ -151,12 +132,14 @@ def restart_ranks(rep, cost, tokens, count, fill, heaviest, k: int, topology: To
     for _ in range(RESTARTS):
         noisy = cost * rng.uniform(0.6, 1.4, n)  # an LPT order shaken up: a different basin for the search
         try:
-            start = _equal_count_lpt(cost, tokens, count, bins, rank_cap, np.argsort(-noisy), options["equal_counts"])
+            start = _equal_count_lpt(
+                cost, tokens, count, bins, rank_cap, np.argsort(-noisy), options["equal_counts"], speeds
+            )
         except ValueError:
             start = None
         if start is None or not _fill_ranks(start, cost, tokens, fill, bins, m, rank_cap):
             continue  # a rank must fill its M micro-batches
-        _improve(start, cost, tokens, count, fill, bins, rank_cap, same_count=options["equal_counts"], keep_items=m)
+        _improve(start, cost, tokens, count, fill, bins, rank_cap, options["equal_counts"], keep_items=m, speeds=speeds)
         score = _score(start, cost, heaviest, k, topology, group_bound)
         if score < best_score:
             best, best_score = start, score
@@ -167,26 +150,32 @@ def _score(rep, cost, heaviest, k: int, topology: Topology, group_bound: bool) -
     """(worst, summed) ratio of the steps' slowest bin to their bound when bins of like load share a step: bound
     `max(W_s / dp, P * heaviest unit, the heaviest kept group)`, in summed cost (pp = 1 time of a rank)."""
     dp = topology.dp
+    speeds = replica_speeds(topology)
     load = np.bincount(rep, weights=cost, minlength=k * dp)
-    steps = np.argsort(-load, kind="stable").reshape(k, dp)
+    steps = deal_bins(load, k, dp, speeds)
     step_of_bin = np.empty(k * dp, dtype=np.int64)
     step_of_bin[steps.ravel()] = np.repeat(np.arange(k), dp)
     step = step_of_bin[rep]
     unit = np.zeros(k)
     np.maximum.at(unit, step, heaviest)
-    bound = np.maximum(load[steps].sum(axis=1) / dp, topology.pp * unit)
+    if speeds is None:
+        bound = np.maximum(load[steps].sum(axis=1) / dp, topology.pp * unit)
+    else:
+        bound = np.maximum(load[steps].sum(axis=1) / speeds.sum(), topology.pp * unit / speeds.max())
     if group_bound:
         group = np.zeros(k)
         np.maximum.at(group, step, cost)
-        bound = np.maximum(bound, group)
-    ratio = load[steps].max(axis=1) / bound
+        bound = np.maximum(bound, group if speeds is None else group / speeds.max())
+    ratio = (load[steps] if speeds is None else load[steps] / speeds).max(axis=1) / bound
     return float(ratio.max()), float(ratio.sum())
 
 
-def _equal_count_lpt(cost, tokens, count, dp: int, rank_cap: int, order=None, equal=True) -> np.ndarray | None:
+def _equal_count_lpt(
+    cost, tokens, count, dp: int, rank_cap: int, order=None, equal=True, speeds=None
+) -> np.ndarray | None:
     """Largest cost first (or items in `order`), each item to the least-loaded rank that keeps every rank's count
     at `n // dp` or one more (at most `n % dp` ranks above; no count rule with `equal=False`) and within
-    `rank_cap` tokens."""
+    `rank_cap` tokens. With `speeds` [dp]: to the rank that finishes it first (load plus the item, over speed)."""
     n = int(count.sum())
     low, extra = divmod(n, dp)
     load, cnt, tok = np.zeros(dp), np.zeros(dp, dtype=np.int64), np.zeros(dp, dtype=np.int64)
@@ -203,7 +192,7 @@ def _equal_count_lpt(cost, tokens, count, dp: int, rank_cap: int, order=None, eq
         ok = by_count & (tok + tokens[i] <= rank_cap)
         if not ok.any():
             return None
-        r = int(np.argmin(np.where(ok, load, np.inf)))
+        r = int(np.argmin(np.where(ok, load if speeds is None else (load + cost[i]) / speeds, np.inf)))
         rep[i] = r
         load[r] += cost[i]
         cnt[r] += count[i]
@@ -211,19 +200,26 @@ def _equal_count_lpt(cost, tokens, count, dp: int, rank_cap: int, order=None, eq
     return rep
 
 
-def _improve(rep, cost, tokens, count, fill, dp: int, rank_cap: int, same_count: bool, keep_items: int) -> None:
+def _improve(
+    rep, cost, tokens, count, fill, dp: int, rank_cap: int, same_count: bool, keep_items: int, speeds=None
+) -> None:
     """Local search on the ranks' summed cost (in place), from both ends: lower the slowest rank (moves and swaps),
     then raise the fastest (swaps: the same search on negated costs), while either finds something. Both ends
-    matter: steps take ranks of like load, so a light rank is what sets a light step's gap to its bound."""
+    matter: steps take ranks of like load, so a light rank is what sets a light step's gap to its bound. With
+    `speeds` [dp] the ranks' times are their summed costs over their speeds."""
+    # dividing by a speed of exactly 1.0 changes no bit: even ranks search exactly as they always did
+    speed = np.ones(dp) if speeds is None else speeds
     for _ in range(4):
-        lowered = _search(rep, cost, tokens, count, fill, dp, rank_cap, same_count, keep_items, moves=not same_count)
-        raised = _search(rep, -cost, tokens, count, fill, dp, rank_cap, same_count, keep_items, moves=False)
+        lowered = _search(
+            rep, cost, tokens, count, fill, dp, rank_cap, same_count, keep_items, moves=not same_count, speed=speed
+        )
+        raised = _search(rep, -cost, tokens, count, fill, dp, rank_cap, same_count, keep_items, False, speed=speed)
         if not (lowered or raised):
             return
 
 
 def _search(
-    rep, cost, tokens, count, fill, dp: int, rank_cap: int, same_count: bool, keep_items: int, moves: bool
+    rep, cost, tokens, count, fill, dp: int, rank_cap: int, same_count: bool, keep_items: int, moves: bool, speed
 ) -> int:
     """The best move (with `moves`) or swap of an item of the rank of largest summed `cost` with another rank,
     repeated while it lowers the larger of the two ranks' sums; ranks keep at least `keep_items` of `fill` and stay
@@ -231,7 +227,7 @@ def _search(
     load = np.bincount(rep, weights=cost, minlength=dp)
     rtok = np.bincount(rep, weights=tokens, minlength=dp)
     for done in range(SWAP_ROUNDS):
-        r = int(np.argmax(load))
+        r = int(np.argmax(load / speed))
         mine, others = np.flatnonzero(rep == r), np.flatnonzero(rep != r)
         if not len(others):
             return done
@@ -244,7 +240,8 @@ def _search(
         ok &= (have[r] - dfill >= keep_items) & (have[q][None, :] + dfill >= keep_items)
         if same_count:
             ok &= count[mine][:, None] == count[others][None, :]
-        gain = np.where(ok, load[r] - np.maximum(load[r] - delta, load[q][None, :] + delta), -np.inf)
+        slow, mine_after = load[r] / speed[r], (load[r] - delta) / speed[r]
+        gain = np.where(ok, slow - np.maximum(mine_after, (load[q][None, :] + delta) / speed[q][None, :]), -np.inf)
         best = np.unravel_index(int(np.argmax(gain)), gain.shape)
         best_gain, move = float(gain[best]), None
         if moves:
@@ -252,13 +249,12 @@ def _search(
             move_ok = rank_tok[None, :] + tokens[mine][:, None] <= rank_cap
             move_ok &= (have[r] - fill[mine] >= keep_items)[:, None]
             move_ok[:, r] = False
-            move_gain = np.where(
-                move_ok, load[r] - np.maximum(load[r] - cost[mine][:, None], load + cost[mine][:, None]), -np.inf
-            )
+            left = (load[r] - cost[mine][:, None]) / speed[r]
+            move_gain = np.where(move_ok, slow - np.maximum(left, (load + cost[mine][:, None]) / speed), -np.inf)
             mv = np.unravel_index(int(np.argmax(move_gain)), move_gain.shape)
             if move_gain[mv] > best_gain:
                 best_gain, move = float(move_gain[mv]), mv
-        if best_gain <= 1e-12 * abs(load[r]):
+        if best_gain <= 1e-12 * abs(slow):
             return done
         if move is not None:
             i, dest = int(mine[move[0]]), int(move[1])
@@ -277,6 +273,17 @@ def _shift(rep, load, rtok, i: int, dest: int, cost, tokens) -> None:
     rep[i] = dest
     load[dest] += cost[i]
     rtok[dest] += tokens[i]
+
+
+def deal_bins(load: np.ndarray, k: int, dp: int, speeds: np.ndarray | None = None) -> np.ndarray:
+    """[k, dp] the (step, rank) bins dealt to the steps in order of load, `dp` consecutive bins per step: a step
+    waits for its slowest rank, so bins of like load share a step (this minimises the sum over the steps of their
+    slowest bin; the steps' work differs only as much as the balanced bins do). With uneven ranks bin `s * dp + r`
+    was balanced for rank r's speed: each rank's own bins are dealt to the steps in order of load."""
+    if speeds is None:
+        return np.argsort(-load, kind="stable").reshape(k, dp)
+    own = np.arange(k * dp).reshape(k, dp)  # column r: rank r's bins
+    return np.take_along_axis(own, np.argsort(-load[own], axis=0, kind="stable"), axis=0)
 
 
 def order_for_pipeline(costs: np.ndarray) -> np.ndarray:

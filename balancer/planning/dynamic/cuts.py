@@ -17,20 +17,23 @@ import numpy as np
 
 from balancer.planning.metrics import one_f_one_b
 from balancer.planning.packing.rowops import argmin_last
+from balancer.planning.speeds import block_speeds
 
 EXACT = 32  # per part, this many of a micro-batch's largest documents are dealt one by one (the rest in runs)
 
 
 @dataclass
 class Cuts:
-    """Per-entry cost and tokens, the cut sizes, the token cap and `group_times(entries, group, n_groups, size)`
-    (the time of every group of entries on `size` ranks)."""
+    """Per-entry cost and tokens, the cut sizes, the token cap, `group_times(entries, group, n_groups, size)`
+    (the time of every group of entries on `size` ranks) and the pool ranks' speeds (None: even ranks; a group's
+    time is divided by its slowest rank's speed)."""
 
     entry_cost: np.ndarray
     entry_tokens: np.ndarray
     smaller: dict[int, int]  # size -> the largest smaller size in cp_sizes dividing it
     max_tokens: int
     group_times: Callable[[np.ndarray, np.ndarray, int, int], np.ndarray]
+    speeds: np.ndarray | None = None
 
     def finest(self, size: int) -> int:
         while size in self.smaller:
@@ -67,10 +70,12 @@ def _positions(ptr: np.ndarray, nodes: np.ndarray) -> np.ndarray:
     return np.repeat(ptr[nodes] - offsets, lens) + np.arange(total, dtype=np.int64)
 
 
-def deal(costs: np.ndarray, ptr: np.ndarray, parts: int) -> np.ndarray:
+def deal(costs: np.ndarray, ptr: np.ndarray, parts: int, speeds: np.ndarray | None = None) -> np.ndarray:
     """Part of every item of every node (items `ptr[i]:ptr[i+1]` of node i) into `parts` parts of near-equal cost:
     each node's `EXACT * parts` largest by LPT (largest first, stable, each to the least-loaded part, ties to the
-    lowest), the rest, in their order, cut into runs that fill each part's remaining room. All nodes at once."""
+    lowest), the rest, in their order, cut into runs that fill each part's remaining room. All nodes at once.
+    `speeds` [nodes, parts] (uneven ranks): parts of near-equal time instead, cost over speed (LPT to the part that
+    finishes the item first; each part's room its speed's share of the node's cost)."""
     n_nodes = len(ptr) - 1
     counts = np.diff(ptr)
     node_of = np.repeat(np.arange(n_nodes), counts)
@@ -82,16 +87,18 @@ def deal(costs: np.ndarray, ptr: np.ndarray, parts: int) -> np.ndarray:
     loads = np.zeros((n_nodes, parts))
     active = np.searchsorted(-dealt_sorted, -np.arange(int(dealt.max(initial=0))), side="left")  # nodes with > r
     rows = np.arange(n_nodes)
+    speed = None if speeds is None else speeds[by_dealt]
     for r, c in enumerate(active.tolist()):
         pos = order[first[:c] + r]
-        p = argmin_last(loads[:c])
+        p = argmin_last(loads[:c]) if speed is None else argmin_last((loads[:c] + costs[pos][:, None]) / speed[:c])
         part_of[pos] = p
         loads[rows[:c], p] += costs[pos]
     for i in np.flatnonzero(dealt_sorted < counts[by_dealt]).tolist():  # nodes with more items than dealt one by one
         node = by_dealt[i]
         rest = np.sort(order[ptr[node] + EXACT * parts : ptr[node + 1]])
         load = loads[i]
-        room = np.maximum((load.sum() + costs[rest].sum()) / parts - load, 0.0)
+        share = 1 / parts if speed is None else speed[i] / speed[i].sum()
+        room = np.maximum((load.sum() + costs[rest].sum()) * share - load, 0.0)
         before = np.cumsum(costs[rest]) - costs[rest] / 2  # an item goes where its midpoint falls
         part_of[rest] = np.minimum(np.searchsorted(np.cumsum(room), before, side="right"), parts - 1)
     return part_of
@@ -101,7 +108,11 @@ def _deal_level(cuts: Cuts, level: _Level, parts: int, part_size: int):
     """Deal every node of `level` into `parts` parts of `part_size` ranks: (ok [N], slowest part [N], part of each
     entry, every part's time [N * parts]); ok is False where a part is empty or over its token cap."""
     n = len(level.mb)
-    part_of = deal(cuts.entry_cost[level.entries], level.ptr, parts)
+    speeds = None
+    if cuts.speeds is not None:  # part p of node i runs on ranks [start_i + p * part_size, ...) at their slowest speed
+        first = (level.start[:, None] + np.arange(parts)[None, :] * part_size).ravel()
+        speeds = block_speeds(cuts.speeds, part_size)[first // part_size].reshape(n, parts)
+    part_of = deal(cuts.entry_cost[level.entries], level.ptr, parts, speeds)
     gid = np.repeat(np.arange(n), np.diff(level.ptr)) * parts + part_of
     used = np.bincount(gid, minlength=n * parts).reshape(n, parts)
     tokens = np.bincount(gid, weights=cuts.entry_tokens[level.entries], minlength=n * parts).reshape(n, parts)
@@ -112,6 +123,8 @@ def _deal_level(cuts: Cuts, level: _Level, parts: int, part_size: int):
         keep = good[gid]
         index = np.cumsum(good) - 1  # part ids renumbered over the ok nodes
         times[good] = cuts.group_times(level.entries[keep], index[gid[keep]], int(good.sum()), part_size)
+    if speeds is not None:
+        times = times / speeds.ravel()
     return ok, times.reshape(n, parts).max(axis=1), part_of, times
 
 

@@ -13,6 +13,9 @@
    predictions of balancer.planning.cost.predict (a larger group pays more K/V traffic), so cuts pay off and short
    documents move to small groups whenever that is faster.
 
+Uneven ranks (`rank_speeds`, one per pool rank): a group runs at its slowest member's speed, so the balancing plan's
+replicas get their groups' speeds and every cut compares group times divided by the speed of the ranks they run on.
+
 Every rank is busy in every slot (every group holds a micro-batch), every token is placed once, and the result
 is a deterministic function of (lengths, topology, cost, seed).
 """
@@ -30,6 +33,7 @@ from balancer.planning.dynamic.cuts import Cuts, cut_epoch
 from balancer.planning.dynamic.group_times import zigzag_sums
 from balancer.planning.metrics import dynamic_step_times, one_f_one_b
 from balancer.planning.plans.plan import Plan
+from balancer.planning.speeds import block_speeds, group_speeds, pool_speeds
 from balancer.planning.topology import Topology
 
 MIN_BINS = 16  # the balancing plan keeps at least this many micro-batches per step (when no document stalls)
@@ -77,8 +81,10 @@ def base_group_size(
 
 
 def largest_group_topology(topology: Topology, size: int | None = None) -> Topology:
-    """The static topology of step 1: the pool as `dp * cp / C` replicas of CP size C (default max(cp_sizes))."""
+    """The static topology of step 1: the pool as `dp * cp / C` replicas of CP size C (default max(cp_sizes)), each
+    at its slowest rank's speed when `rank_speeds` is set."""
     size = topology.largest_group if size is None else size
+    speeds = pool_speeds(topology)
     return Topology(
         dp=topology.pool_size // size,
         cp=size,
@@ -86,6 +92,7 @@ def largest_group_topology(topology: Topology, size: int | None = None) -> Topol
         micro_batches=topology.micro_batches,
         max_tokens=topology.max_tokens,
         tokens_per_step=topology.tokens_per_step,
+        rank_speeds=None if speeds is None else tuple(block_speeds(speeds, size).tolist()),
     )
 
 
@@ -163,9 +170,10 @@ def _plan_on(
     order, group_start, group_size, sizes, slot_ptr, group_times = split_groups(base, virtual, topology, cost)
     predicted = 0.0
     if cost.has_comm:  # the slot model over the layout-aware group times, as Plan.predict assembles them
-        predicted = float(
-            dynamic_step_times(group_times * group_size, group_start, group_size, slot_ptr, topology).sum()
-        )
+        work = group_times * group_size  # the cuts' times are divided by the group's speed; the slot model divides
+        if pool_speeds(topology, planning=True) is not None:
+            work = work * group_speeds(pool_speeds(topology), group_start, group_size)
+        predicted = float(dynamic_step_times(work, group_start, group_size, slot_ptr, topology).sum())
     plan = Plan(
         base.lengths,
         topology,
@@ -204,9 +212,12 @@ def split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostMo
         n_mb = len(base.mb_ptr) - 1
         slot_time = group_times(np.arange(len(tokens)), np.repeat(np.arange(n_mb), np.diff(base.mb_ptr)), n_mb, large)
     shape = (base.num_steps, replicas, m)
+    speeds = pool_speeds(topology, planning=True)
+    if speeds is not None:  # a micro-batch of the balancing plan runs at its replica's (slowest rank's) speed
+        slot_time = slot_time / np.repeat(np.tile(block_speeds(speeds, large), base.num_steps), m)
     per = slot_time.reshape(shape)
     limit = one_f_one_b(per.max(axis=2), per.sum(axis=2), topology.pp).max(axis=1) * (1 + SPLIT_SLACK)
-    cutter = Cuts(entry_cost, tokens, _smaller_sizes(topology.cp_sizes), topology.max_tokens, group_times)
+    cutter = Cuts(entry_cost, tokens, _smaller_sizes(topology.cp_sizes), topology.max_tokens, group_times, speeds)
     return cut_epoch(cutter, base.mb_ptr, slot_time, limit, large, shape, topology.pp)
 
 

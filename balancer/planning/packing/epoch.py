@@ -10,6 +10,12 @@ would leave the last micro-batches uneven). A unit that fits nowhere stays unpla
 NumPy call over all steps together: the loops run over a step's units (in rounds, then one by one), never over
 steps.
 
+With uneven ranks (`Topology.rank_speeds`) equal rounds would give every micro-batch as many units, whatever
+its replica's speed; so the rounds are dealt by deficit instead: each micro-batch gets a target share of its
+step's work proportional to its replica's speed, and a round's units go to the micro-batches still below target,
+neediest first (as `pack_step` deals its light units); the last units go one at a time where they raise their
+replica's time (1F1B time / speed) least.
+
 The planner keeps this packing where it is within FAST_ENOUGH of the step's lower bound and re-packs the other
 steps with `pack_step` (water-filling, heavy units, pipelining, the local search), see
 balancer.planning.planner.
@@ -23,6 +29,7 @@ from balancer.planning.metrics import lower_bound, one_f_one_b, step_times
 from balancer.planning.packing.rowops import argmin_last, last_axis
 from balancer.planning.packing.search import polish_steps
 from balancer.planning.packing.step import POLISH_ABOVE, POLISH_MAX_UNITS, pack_step, step_time
+from balancer.planning.speeds import bin_speeds, replica_speeds
 from balancer.planning.topology import Topology
 
 TAIL_ROUNDS = 2  # a step's last this-many rounds of units go one unit at a time (rounds leave the last ones uneven)
@@ -36,6 +43,8 @@ REPACK_SAMPLE = 32  # steps on which pack_step is tried before re-packing many s
 def pack_steps(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: Topology) -> np.ndarray:
     """Micro-batch (replica * M + m) of every unit, for units given step by step (`ptr[s]:ptr[s + 1]` is step
     s); -1 for a unit that fits no micro-batch of its step."""
+    if replica_speeds(topology) is not None:
+        return _pack_steps_uneven(cost, tokens, ptr, topology)
     nb, cap, m = topology.bins_per_step, topology.micro_batch_tokens, topology.micro_batches
     steps = len(ptr) - 1
     counts = np.diff(ptr)
@@ -54,6 +63,53 @@ def pack_steps(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: 
             live = rest[chunk[rest, col] >= 0]
             if len(live):
                 _greedy(chunk[live, col], live, cost, tokens, load, used, unit_bin, topology)
+    return unit_bin
+
+
+def _pack_steps_uneven(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: Topology) -> np.ndarray:
+    """`pack_steps` for uneven ranks: rounds by deficit against speed-proportional targets, then one unit at a time
+    (module docstring). Every step advances through its own units (rounds of different sizes), all steps at once."""
+    nb, cap = topology.bins_per_step, topology.micro_batch_tokens
+    speed = bin_speeds(topology)
+    steps, counts = len(ptr) - 1, np.diff(ptr)
+    grid = by_step_grid(-cost, ptr)
+    width = grid.shape[1]
+    work = np.bincount(np.repeat(np.arange(steps), counts), weights=cost, minlength=steps)
+    deficit = work[:, None] * (speed / speed.sum())[None, :]  # [steps, nb] each micro-batch's share of its step
+    load = np.zeros((steps, nb))
+    used = np.zeros((steps, nb), dtype=np.int64)
+    unit_bin = np.full(len(cost), -1, dtype=np.int64)
+    at = np.zeros(steps, dtype=np.int64)  # each step's next unit (grid column)
+    lane = np.arange(nb)
+    rows = np.flatnonzero(counts - at >= TAIL_ROUNDS * nb)
+    while len(rows):
+        need = deficit[rows]
+        k = np.minimum((need > 0).sum(axis=1), counts[rows] - at[rows])
+        target = np.argsort(-need, axis=1, kind="stable")  # neediest first, ties in micro-batch order
+        chunk = np.where(lane < k[:, None], grid[rows[:, None], np.minimum(at[rows][:, None] + lane, width - 1)], -1)
+        # a round stops at the first micro-batch whose deficit is below half its unit (as pack_step's rounds)
+        short = (chunk >= 0) & (np.take_along_axis(need, target, axis=1) < 0.5 * cost[np.maximum(chunk, 0)])
+        k = np.where(short.any(axis=1), np.maximum(np.argmax(short, axis=1), np.minimum(k, 1)), k)
+        chunk = np.where(lane < k[:, None], chunk, -1)
+        unit = np.maximum(chunk, 0)
+        fits = (chunk >= 0) & (np.take_along_axis(used[rows], target, axis=1) + tokens[unit] <= cap)
+        r, c = np.nonzero(fits)
+        _place(chunk[r, c], rows[r], target[r, c], cost, tokens, load, used, unit_bin)
+        deficit[rows[r], target[r, c]] -= cost[chunk[r, c]]
+        r, c = np.nonzero((chunk >= 0) & ~fits)  # the matched micro-batch is full: the neediest with room
+        for unit_id, row in zip(chunk[r, c].tolist(), rows[r].tolist()):  # rare: token-full micro-batches
+            room = np.where(used[row] + tokens[unit_id] <= cap, deficit[row], -np.inf)
+            j = int(np.argmax(room))
+            if np.isfinite(room[j]):
+                _place(np.array([unit_id]), np.array([row]), np.array([j]), cost, tokens, load, used, unit_bin)
+                deficit[row, j] -= cost[unit_id]
+        at[rows] += k
+        rows = rows[(k > 0) & (counts[rows] - at[rows] >= TAIL_ROUNDS * nb)]
+    rest = np.flatnonzero(at < counts)
+    while len(rest):  # the last units of every step: one at a time, where they raise their replica's time least
+        _greedy(grid[rest, at[rest]], rest, cost, tokens, load, used, unit_bin, topology)
+        at[rest] += 1
+        rest = rest[at[rest] < counts[rest]]
     return unit_bin
 
 
@@ -100,10 +156,13 @@ def _greedy(units, rows, cost, tokens, load, used, unit_bin, topology: Topology)
     step_load = load if every else load[rows]
     step_used = used if every else used[rows]
     per_replica = step_load.reshape(len(rows), dp, m)
+    speeds = replica_speeds(topology)
     if topology.pp == 1:  # the replica time is its sum: the least-loaded replica with room, its cheapest bin
         need = (cap - tokens[units])[:, None]
         per_used = step_used.reshape(len(rows), dp, m)
         total = last_axis(np.add, per_replica)
+        if speeds is not None:  # the replica that finishes first with the unit
+            total = (total + cost[units][:, None]) / speeds
         total[last_axis(np.minimum, per_used) > need] = np.inf
         replica = argmin_last(total)
         at = np.arange(len(rows))
@@ -118,6 +177,8 @@ def _greedy(units, rows, cost, tokens, load, used, unit_bin, topology: Topology)
             per_replica.sum(axis=2, keepdims=True) + c,
             topology.pp,
         )
+        if speeds is not None:
+            new_time = new_time / speeds[None, :, None]
         new_time = np.where(room.reshape(len(rows), dp, m), new_time, np.inf).reshape(len(rows), dp * m)
         best = new_time.min(axis=1, keepdims=True)
         choice = np.argmin(np.where(new_time <= best * (1 + 1e-12), step_load, np.inf), axis=1)

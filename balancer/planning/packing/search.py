@@ -6,7 +6,8 @@ with token room (with pipeline stages also to another micro-batch of its own rep
 largest micro-batch) and swapping it with any lighter unit of another replica (both micro-batches keep their token
 room; only a lighter partner can lower the slowest replica).
 A move never empties a micro-batch. Each round is a fixed number of NumPy calls over all steps together, so the
-search costs no Python work per step; `polish` is the one-step form that `pack_step` calls.
+search costs no Python work per step; `polish` is the one-step form that `pack_step` calls. With uneven ranks
+(`Topology.rank_speeds`) every replica time is divided by its replica's speed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from balancer.planning.metrics import one_f_one_b
+from balancer.planning.speeds import replica_speeds
 from balancer.planning.topology import Topology
 
 IMPROVES = 1 - 1e-9  # a move is taken only when it lowers the step time by more than rounding
@@ -46,6 +48,11 @@ class _Loads:
     time: np.ndarray  # [S] the step time
     first_other: np.ndarray  # [S] the largest replica time outside `slowest`
     rest: np.ndarray  # [S, dp] the largest replica time outside `slowest` and the replica
+    speeds: np.ndarray | None = None  # [dp] replica speeds (None: even ranks)
+
+    def per(self, work: np.ndarray, replica) -> np.ndarray:
+        """`work` (1F1B work-times) on `replica` (broadcast against it) as times: divided by its speed."""
+        return work if self.speeds is None else work / self.speeds[replica]
 
 
 def polish(unit_bin: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology, rounds: int = 30) -> None:
@@ -111,6 +118,9 @@ def _loads(grid: _Steps, topology: Topology) -> _Loads:
     second = ascending[:, :, -2] if m > 1 else np.zeros((n, dp))
     total = ascending.sum(axis=2)
     times = one_f_one_b(largest, total, topology.pp)
+    speeds = replica_speeds(topology)
+    if speeds is not None:
+        times = times / speeds
     order = np.argsort(-times, axis=1, kind="stable")
     rows = np.arange(n)
     slowest = order[:, 0]
@@ -130,6 +140,7 @@ def _loads(grid: _Steps, topology: Topology) -> _Loads:
         rest=np.where(
             np.arange(dp)[None, :] == order[:, min(1, dp - 1)][:, None], second_other[:, None], first_other[:, None]
         ),
+        speeds=speeds,
     )
 
 
@@ -190,12 +201,17 @@ def _slow_replica(mv: _Mover, loads: _Loads):
     )
 
 
+def _slow(loads: _Loads) -> np.ndarray:
+    """[S, 1] each step's slowest replica (to broadcast against [S, k] arrays)."""
+    return loads.slowest[:, None]
+
+
 def _moves_out(mv: _Mover, loads: _Loads, topology: Topology) -> np.ndarray:
     """[S, k, nb] step time after moving unit k to micro-batch b of another replica (inf: not allowed)."""
     pp, cap = topology.pp, topology.micro_batch_tokens
     rep_b = np.arange(topology.bins_per_step) // topology.micro_batches
     slow_total, src_cost, _, src_other = _slow_replica(mv, loads)
-    left = one_f_one_b(np.maximum(src_other, src_cost - mv.cost), slow_total, pp, -mv.cost)
+    left = loads.per(one_f_one_b(np.maximum(src_other, src_cost - mv.cost), slow_total, pp, -mv.cost), _slow(loads))
     c = mv.cost[..., None]
     joined = one_f_one_b(
         np.maximum(loads.largest[:, rep_b][:, None, :], loads.bin_cost[:, None, :] + c),
@@ -203,6 +219,7 @@ def _moves_out(mv: _Mover, loads: _Loads, topology: Topology) -> np.ndarray:
         pp,
         c,
     )
+    joined = loads.per(joined, rep_b[None, None, :])
     times = np.maximum(np.maximum(left[..., None], joined), loads.rest[:, rep_b][:, None, :])
     ok = (mv.live & (loads.bin_units[mv.rows, mv.src] > 1))[..., None]
     ok = ok & (rep_b[None, :] != loads.slowest[:, None])[:, None, :]
@@ -224,7 +241,8 @@ def _moves_inside(mv: _Mover, loads: _Loads, topology: Topology) -> np.ndarray:
     ascending = np.sort(base, axis=2)
     top, second = ascending[..., -1:], ascending[..., -2:-1] if m > 1 else np.zeros_like(ascending[..., -1:])
     largest = np.maximum(np.where(base == top, second, top), base + mv.cost[..., None])
-    times = np.maximum(one_f_one_b(largest, slow_total, pp), loads.first_other[:, None, None])
+    times = loads.per(one_f_one_b(largest, slow_total, pp), _slow(loads)[..., None])
+    times = np.maximum(times, loads.first_other[:, None, None])
     ok = (mv.live & (loads.bin_units[mv.rows, mv.src] > 1))[..., None] & ~here
     ok = ok & (own_tokens[:, None, :] + mv.tokens[..., None] <= cap)
     return np.where(ok, times, np.inf)
@@ -247,8 +265,8 @@ def _swaps(mv: _Mover, grid: _Steps, loads: _Loads, topology: Topology) -> np.nd
             loads.other_max[mv.rows, partner_bin][:, None, :], loads.bin_cost[mv.rows, partner_bin][:, None, :] - gain
         )
     times = np.maximum(
-        one_f_one_b(own_largest, slow_total[..., None] + gain, pp),
-        one_f_one_b(partner_largest, partner_total - gain, pp),
+        loads.per(one_f_one_b(own_largest, slow_total[..., None] + gain, pp), _slow(loads)[..., None]),
+        loads.per(one_f_one_b(partner_largest, partner_total - gain, pp), partner_rep[:, None, :]),
     )
     times = np.maximum(times, loads.rest[mv.rows, partner_rep][:, None, :])
     partner_ok = (grid.bin >= 0) & (partner_rep != loads.slowest[:, None])

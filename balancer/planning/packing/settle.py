@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from balancer.planning.packing.epoch import LazySteps
-from balancer.planning.packing.step import pack_step, step_time
+from balancer.planning.packing.step import fill_empty, pack_step, place_rest, step_time
+from balancer.planning.speeds import bin_speeds
 from balancer.planning.topology import Topology
 
 PROGRESS_AFTER = 2.0  # seconds before a progress bar (progress=True) appears
@@ -100,6 +101,14 @@ def _settle_step(s, carry, groups, batched, packed, u_cost, u_tok, attn_heavy, t
         units, unit_bin = _reopen_last_step(packed, units, u_cost, nb), None
     if unit_bin is None or not batched.take(s):
         unit_bin = _faster(unit_bin, pack_step(u_cost[units], u_tok[units], topology), u_cost[units], topology)
+    if bin_speeds(topology) is not None and s + 1 >= len(groups) and np.any(unit_bin < 0):
+        # uneven ranks: what the last step leaves over stays in it where it fits, rather than opening a step that
+        # speed-blind packing would not need (the step count must not depend on the speeds)
+        trial = unit_bin.copy()
+        place_rest(trial, u_cost[units], u_tok[units], topology)
+        fill_empty(trial, u_cost[units], nb)
+        if np.bincount(trial[trial >= 0], minlength=nb).min() > 0:  # else carried on as before
+            unit_bin = trial
     carry = units[unit_bin < 0]
     placed = units[unit_bin >= 0]
     bins = unit_bin[unit_bin >= 0]
@@ -180,6 +189,8 @@ def _backfill(
     nb, cap = topology.bins_per_step, topology.micro_batch_tokens
     tok = np.bincount(bins, weights=u_tok[placed], minlength=nb)
     load = np.bincount(bins, weights=u_cost[placed], minlength=nb)
+    speed = bin_speeds(topology)  # uneven ranks: the micro-batch whose replica would finish it first
+    filled = np.bincount(bins, minlength=nb) > 0
     nxt = groups[s + 1]
     cand = np.flatnonzero(~attn_heavy[nxt])
     cand = cand[np.argsort(u_tok[nxt[cand]], kind="stable")]
@@ -188,7 +199,11 @@ def _backfill(
         if moved >= gap or len(nxt) - len(taken) <= nb:
             break
         u = nxt[k]
-        room = np.where(tok + u_tok[u] <= cap, -load, -np.inf)
+        if speed is None:
+            room = np.where(tok + u_tok[u] <= cap, -load, -np.inf)
+        else:  # an empty micro-batch first (even ranks reach it as the least loaded), then the earliest finish
+            key = np.where(filled, -(load + u_cost[u]) / speed, 1.0)
+            room = np.where(tok + u_tok[u] <= cap, key, -np.inf)
         j = int(np.argmax(room))
         if not np.isfinite(room[j]):
             break  # smallest remaining unit fits nowhere
@@ -196,6 +211,7 @@ def _backfill(
         new_bins.append(j)
         tok[j] += u_tok[u]
         load[j] += u_cost[u]
+        filled[j] = True
         moved += u_tok[u]
     if not taken:
         return placed, bins

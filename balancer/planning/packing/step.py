@@ -1,6 +1,7 @@
 """Packing one step: documents to the `dp * micro_batches` micro-batches so that the replicas' 1F1B times
 `(P-1) * max_m t_m + sum_m t_m` come out equal (heavy units one by one, a water-filling target for the rest,
-batched LPT rounds of light units, and a spill rule for what fits nowhere)."""
+batched LPT rounds of light units, and a spill rule for what fits nowhere). With uneven ranks
+(`Topology.rank_speeds`) a replica's time is its 1F1B time divided by its speed, in every one of these moves."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 
 from balancer.planning.metrics import lower_bound, one_f_one_b, step_times
 from balancer.planning.packing.search import polish
+from balancer.planning.speeds import bin_speeds, planning_view, replica_speeds
 from balancer.planning.steps import HEAVY_PACK
 from balancer.planning.topology import Topology
 
@@ -45,11 +47,12 @@ class _Bins:
         self.tokens[bin_index] += tokens
 
 
-def _water_fill(loads: np.ndarray, work: float, pp: int) -> np.ndarray:
+def _water_fill(loads: np.ndarray, work: float, pp: int, speeds: np.ndarray | None = None) -> np.ndarray:
     """Deficits [dp, M] so that adding `work` in those amounts leaves every replica at the same 1F1B time.
 
     A replica whose micro-batches cost b_1..b_M (largest h) takes light work up to a level l on every
-    micro-batch below l; its time is (P-1)*max(h, l) + sum_j max(b_j, l). We solve for the common time T by
+    micro-batch below l; its time is (P-1)*max(h, l) + sum_j max(b_j, l) (divided by its speed with uneven
+    ranks: at a common time T a replica of speed s runs T * s of it). We solve for the common time T by
     bisection, with each replica's level inverted exactly from its piecewise-linear time curve.
     """
     dp, m = loads.shape
@@ -63,7 +66,8 @@ def _water_fill(loads: np.ndarray, work: float, pp: int) -> np.ndarray:
     rows = np.arange(dp)
 
     def levels(time: float) -> np.ndarray:
-        below = (curve <= time).sum(axis=1)
+        time = time if speeds is None else time * speeds  # each replica's own work-time at the common time
+        below = (curve <= (time if speeds is None else time[:, None])).sum(axis=1)
         idx = np.maximum(below - 1, 0)
         level = (time - (pp - 1) * largest - above[rows, idx]) / np.maximum(below, 1)
         level = np.where(below == m, time / (pp - 1 + m), level)
@@ -72,7 +76,12 @@ def _water_fill(loads: np.ndarray, work: float, pp: int) -> np.ndarray:
     def room(time: float) -> float:
         return float(np.maximum(levels(time)[:, None] - loads, 0.0).sum())
 
-    lo, hi = float(curve[:, 0].min()), float(curve[:, -1].max() + work * (pp - 1 + m) / m + work)
+    if speeds is None:
+        lo, hi = float(curve[:, 0].min()), float(curve[:, -1].max() + work * (pp - 1 + m) / m + work)
+    else:
+        lo = float((curve[:, 0] / speeds).min())
+        slowest = speeds.min()  # the same sum as above, in the same order, when every speed is 1
+        hi = float((curve[:, -1] / speeds).max() + work * (pp - 1 + m) / m / slowest + work / slowest)
     for _ in range(60):
         mid = 0.5 * (lo + hi)
         if room(mid) < work:
@@ -94,6 +103,7 @@ def pack_step(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.nd
     """
     cost = np.asarray(cost, dtype=np.float64)
     tokens = np.asarray(tokens, dtype=np.int64)
+    topology = planning_view(topology)
     if topology.pp == 1:
         best = _pack(cost, tokens, topology, share_heavy=False)
     else:
@@ -111,11 +121,15 @@ def pack_step(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.nd
 
 def step_time(unit_bin: np.ndarray, cost: np.ndarray, topology: Topology) -> float:
     """The step's time (section-3 model) for units placed in micro-batches `unit_bin`; every unplaced unit adds
-    its cost as a penalty (it will slow a later step)."""
+    its cost as a penalty (it will slow a later step; with uneven ranks divided by the mean speed, a time too)."""
     placed = unit_bin >= 0
     mb = np.bincount(unit_bin[placed], weights=cost[placed], minlength=topology.bins_per_step)
     mb = mb.reshape(1, topology.dp, topology.micro_batches)
-    return float(step_times(mb, topology)[0] + cost[~placed].sum())
+    penalty = cost[~placed].sum()
+    speeds = replica_speeds(topology)
+    if speeds is not None:
+        penalty = penalty / speeds.mean()
+    return float(step_times(mb, topology)[0] + penalty)
 
 
 def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy: bool) -> np.ndarray:
@@ -131,8 +145,21 @@ def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy:
         _place_heavy_pipelined(order[:n_heavy], cost, tokens, bins, topology, float(cost.sum()))
     _place_heavy_marginal(order[:n_heavy], cost, tokens, bins, topology)
     _place_light(order[n_heavy:], cost, tokens, bins, topology)
+    if replica_speeds(topology) is not None:  # a slow replica's micro-batch may be left empty with units spilled
+        _fill_empty_from_spilled(bins, cost, tokens, topology)
     fill_empty(bins.unit_bin, cost, topology.bins_per_step)
     return bins.unit_bin
+
+
+def _fill_empty_from_spilled(bins: _Bins, cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> None:
+    """Every empty micro-batch takes the cheapest unplaced unit that fits it (in place), before any unit moves on
+    to the next step."""
+    cap = topology.micro_batch_tokens
+    for j in np.flatnonzero(np.bincount(bins.unit_bin[bins.unit_bin >= 0], minlength=topology.bins_per_step) == 0):
+        left = np.flatnonzero((bins.unit_bin < 0) & (tokens <= cap - bins.tokens[j]))
+        if len(left):
+            i = int(left[np.argmin(cost[left])])
+            bins.place(i, int(j), cost[i], tokens[i])
 
 
 def _place_heavy_marginal(
@@ -142,6 +169,7 @@ def _place_heavy_marginal(
     the cheaper micro-batch)."""
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
     rep = bins.replica_of_bin
+    speed = bin_speeds(topology)
     for i in heavy:
         if bins.unit_bin[i] >= 0:
             continue
@@ -152,6 +180,8 @@ def _place_heavy_marginal(
             topology.pp,
             cost[i],
         )
+        if speed is not None:
+            new_time = new_time / speed
         new_time[bins.tokens + tokens[i] > cap] = np.inf
         j = int(np.lexsort((bins.cost, new_time))[0])
         if np.isfinite(new_time[j]):
@@ -161,7 +191,9 @@ def _place_heavy_marginal(
 def _place_light(light: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: _Bins, topology: Topology) -> None:
     """Light units, largest first, in rounds to the micro-batches furthest below their water-filling target."""
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
-    deficit = _water_fill(bins.cost.reshape(dp, m), float(cost[light].sum()), topology.pp).ravel()
+    deficit = _water_fill(
+        bins.cost.reshape(dp, m), float(cost[light].sum()), topology.pp, replica_speeds(topology)
+    ).ravel()
     may_move = SPILL_MOVE * float(tokens.sum())  # tokens of this step that may move on to the next one
 
     def spill(units: np.ndarray) -> None:
@@ -169,13 +201,17 @@ def _place_light(light: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: 
         may_move = _spill(units, cost, tokens, bins, topology, may_move)
 
     rounds = _rounds_few_bins if len(deficit) <= FEW_BINS else _rounds
-    done = rounds(light, cost, tokens, bins, deficit, cap, spill)
+    done = rounds(light, cost, tokens, bins, deficit, cap, spill, uneven=replica_speeds(topology) is not None)
     if done < len(light):  # every target met: the rest may only fill in below the step's time
         spill(light[done:])
 
 
-def _rounds(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spill) -> int:
-    """Deal `light` in rounds while some micro-batch is below target (in place); returns how many were dealt."""
+def _rounds(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spill, uneven: bool = False) -> int:
+    """Deal `light` in rounds while some micro-batch is below target (in place); returns how many were dealt.
+
+    `uneven` (uneven ranks: a slow replica's targets are small): a round stops at the first micro-batch whose
+    deficit is below half the unit it would get (it would overshoot its target by more than it gains); the next
+    round deals smaller units."""
     done = 0
     while done < len(light):
         # one round: the next-largest units go to the micro-batches furthest below target, largest to neediest
@@ -189,6 +225,10 @@ def _rounds(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spi
         # that must gain the most cost per token of room left, so token-full micro-batches still reach target
         need = np.where(deficit > 0, deficit / np.maximum(cap - bins.tokens, 1), deficit)
         targets = np.argsort(-need, kind="stable")[:k]
+        if uneven:
+            k = _round_size(deficit[targets], cost[chunk])
+            done += k - len(chunk)
+            chunk, targets = chunk[:k], targets[:k]
         fits = bins.tokens[targets] + tokens[chunk] <= cap
         ok_units, ok_bins = chunk[fits], targets[fits]
         bins.unit_bin[ok_units] = ok_bins  # micro-batches are distinct within a round
@@ -200,7 +240,16 @@ def _rounds(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spi
     return done
 
 
-def _rounds_few_bins(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spill) -> int:
+def _round_size(deficit: np.ndarray, unit_cost: np.ndarray) -> int:
+    """How many of a round's (unit, micro-batch) pairs to deal: up to the first whose deficit is below half its
+    unit's cost, at least one."""
+    short = deficit < 0.5 * unit_cost
+    return max(1, int(np.argmax(short))) if short.any() else len(deficit)
+
+
+def _rounds_few_bins(
+    light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spill, uneven: bool = False
+) -> int:
     """`_rounds` on Python floats, for steps of few micro-batches (many rounds of a few units each, where NumPy's
     per-call cost dominates); the same arithmetic and tie-breaks, so the same placement."""
     need_of, cost_of, room_of = deficit.tolist(), bins.cost.tolist(), (cap - bins.tokens).tolist()
@@ -216,6 +265,10 @@ def _rounds_few_bins(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap:
         k = min(len(light) - done, positive)
         # most needy first, ties in index order: np.argsort(-need, kind="stable") (reverse keeps sorted stable)
         targets = sorted(order, key=need.__getitem__, reverse=True)[:k]
+        if uneven:  # as in _rounds: stop at the first micro-batch that would overshoot by more than half the unit
+            short = [q for q, j in enumerate(targets) if need_of[j] < 0.5 * unit_cost[done + q]]
+            k = max(1, short[0]) if short else k
+            targets = targets[:k]
         for i, j in zip(range(done, done + k), targets):
             if unit_tokens[i] <= room_of[j]:
                 bin_of[i] = j
@@ -258,24 +311,35 @@ def _place_heavy_pipelined(
     micro-batches is smallest. Units come largest first; a unit joins a replica that already holds a larger one
     (in a micro-batch that stays <= h_r) while that replica still has room under T, and opens a new replica only
     when none has. Units left unplaced go to the marginal greedy.
+
+    With uneven ranks replica r runs `T * s_r - (P-1) h_r`, so `T = (W + (P-1) * sum_r h_r) / sum_r s_r`
+    (unopened replicas counting `h_r = T * s_r / (P-1+M)`), and a new replica opened is the fastest unopened one.
     """
     dp, m, pp, cap = topology.dp, topology.micro_batches, topology.pp, topology.micro_batch_tokens
+    speeds = replica_speeds(topology)
     largest = np.zeros(dp)  # h_r: the largest heavy micro-batch of each opened replica
     heavy_work = np.zeros(dp)  # heavy cost placed on each replica
     largest_sum, opened = 0.0, 0
+    unopened_speed = 0.0 if speeds is None else float(speeds.sum())
     for i in heavy:
         c = cost[i]
-        level = (work + (pp - 1) * largest_sum) / (dp - (pp - 1) * (dp - opened) / (pp - 1 + m))
         bin_cost, bin_tokens = bins.cost.reshape(dp, m), bins.tokens.reshape(dp, m)
         ok_bin = (bin_cost + c <= largest[:, None] * (1 + 1e-12)) & (bin_tokens + tokens[i] <= cap)
         ok_bin &= largest[:, None] > 0
-        slack = level - (pp - 1) * largest - heavy_work
+        if speeds is None:
+            level = (work + (pp - 1) * largest_sum) / (dp - (pp - 1) * (dp - opened) / (pp - 1 + m))
+            slack = level - (pp - 1) * largest - heavy_work
+        else:
+            level = (work + (pp - 1) * largest_sum) / (speeds.sum() - (pp - 1) * unopened_speed / (pp - 1 + m))
+            slack = level * speeds - (pp - 1) * largest - heavy_work
         ok_rep = ok_bin.any(axis=1) & (slack >= c)
         if ok_rep.any():
             r = int(np.argmax(np.where(ok_rep, slack, -np.inf)))
             j = r * m + int(np.argmin(np.where(ok_bin[r], bin_cost[r], np.inf)))
         elif opened < dp:
-            r = int(np.argmin(largest))
+            r = int(np.argmin(largest)) if speeds is None else int(np.argmax(np.where(largest > 0, -np.inf, speeds)))
+            if speeds is not None:
+                unopened_speed -= float(speeds[r])
             j = r * m
             largest[r] = c
             largest_sum += c
@@ -297,9 +361,13 @@ def _spill(
     rep = bins.replica_of_bin
     per_replica = bins.cost.reshape(dp, m)
     largest, total = per_replica.max(axis=1), per_replica.sum(axis=1)
-    limit = float(one_f_one_b(largest, total, pp).max()) * (1 + SPILL_SLACK)
+    speeds, speed = replica_speeds(topology), bin_speeds(topology)
+    now = one_f_one_b(largest, total, pp)
+    limit = float((now if speeds is None else now / speeds).max()) * (1 + SPILL_SLACK)
     for i in units:
         new_time = one_f_one_b(np.maximum(largest[rep], bins.cost + cost[i]), total[rep], pp, cost[i])
+        if speed is not None:
+            new_time = new_time / speed
         new_time[bins.tokens + tokens[i] > cap] = np.inf
         j = int(np.argmin(new_time))
         if new_time[j] <= limit or (np.isfinite(new_time[j]) and tokens[i] > may_move):
@@ -310,6 +378,32 @@ def _spill(
         else:
             may_move -= tokens[i]
     return may_move
+
+
+def place_rest(unit_bin: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> bool:
+    """Place the unplaced units (in place), largest first, each where the new 1F1B time of its replica (divided by
+    its speed with uneven ranks) is least (ties: the cheaper micro-batch), within the token cap. False when one fits
+    nowhere (the units placed before it stay placed)."""
+    dp, m, nb, cap = topology.dp, topology.micro_batches, topology.bins_per_step, topology.micro_batch_tokens
+    placed = unit_bin >= 0
+    bin_cost = np.bincount(unit_bin[placed], weights=cost[placed], minlength=nb)
+    bin_tok = np.bincount(unit_bin[placed], weights=tokens[placed], minlength=nb)
+    rep = np.arange(nb) // m
+    speed = bin_speeds(topology)
+    for i in np.flatnonzero(~placed)[np.argsort(-cost[~placed], kind="stable")]:
+        per = bin_cost.reshape(dp, m)
+        new = one_f_one_b(np.maximum(per.max(axis=1)[rep], bin_cost + cost[i]), per.sum(axis=1)[rep], topology.pp)
+        new = new + cost[i]
+        if speed is not None:
+            new = new / speed
+        new[bin_tok + tokens[i] > cap] = np.inf
+        j = int(np.lexsort((bin_cost, new))[0])
+        if not np.isfinite(new[j]):
+            return False
+        unit_bin[i] = j
+        bin_cost[j] += cost[i]
+        bin_tok[j] += tokens[i]
+    return True
 
 
 def fill_empty(unit_bin: np.ndarray, cost: np.ndarray, nb: int) -> None:

@@ -36,8 +36,10 @@ from balancer.strict_json import (
 
 # Version history (docs/plan-format.md): 1 = "format": "balancer.plan/1"; 2 = "format": "balancer.plan" with
 # "format_version", plan_seconds null instead of NaN, keys checked strictly (nothing else changed); 3 = "window" (a
-# window plan of balancer.plan_window records which window of which shuffle it places).
-PLAN_FORMAT = FormatSpec("balancer.plan", 3, {"balancer.plan/1": 1})
+# window plan of balancer.plan_window records which window of which shuffle it places); 4 = "rank_speeds" in the
+# topology (uneven ranks). A plan without rank speeds is written as version 3, byte for byte what it was.
+PLAN_FORMAT = FormatSpec("balancer.plan", 4, {"balancer.plan/1": 1})
+SPEEDS_VERSION = 4
 WINDOW_RECORD = obj(
     {
         "seed": integer(min=0),
@@ -57,6 +59,7 @@ TOPOLOGY_RECORD = obj(
         **{k: integer(min=1) for k in ("dp", "cp", "pp", "micro_batches", "max_tokens")},
         "tokens_per_step": integer(min=1, nullable=True, required=False),
         "cp_sizes": array(integer(min=1), nullable=True, required=False),
+        "rank_speeds": array(number(min=0), nullable=True, required=False, since=SPEEDS_VERSION),
     }
 )
 HEADER_KEYS = {
@@ -99,8 +102,11 @@ def _step_record(step) -> dict:
 
 def header(plan) -> dict:
     seconds = plan.plan_seconds
+    version = PLAN_FORMAT.header()
+    if plan.topology.rank_speeds is None:  # the newest version whose keys the plan uses: older readers load it
+        version["format_version"] = SPEEDS_VERSION - 1
     return {
-        **PLAN_FORMAT.header(),
+        **version,
         "topology": plan.topology.to_dict(),
         "cost_model": plan.cost_model.to_dict(),
         "num_docs": plan.num_docs,
