@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from balancer.planning.speeds import uneven
 from balancer.planning.topology import Topology
 
 TOLERANCE = 0.002  # a step within 0.2% of its bound is left as it is
@@ -19,8 +20,9 @@ ROUND_BUDGET = 1024  # moves or swaps per epoch (or window), steps taken furthes
 def refine_packed(packed: list, u_cost: np.ndarray, u_tok: np.ndarray, topology: Topology) -> list:
     """`packed`: pieces (units sorted by step and micro-batch, [steps, micro-batches] sizes) as the settle pass
     returns them; the same pieces with units moved between replicas where that lowers a step's time. Deterministic;
-    a no-op for pp > 1 (a pipeline's time also depends on its largest micro-batch) and dynamic CP."""
-    if topology.pp != 1 or topology.dynamic or topology.dp < 2:
+    a no-op for pp > 1 (a pipeline's time also depends on its largest micro-batch), dynamic CP and uneven rank
+    speeds (its moves compare unweighted replica times, which would undo the speed-proportional shares)."""
+    if topology.pp != 1 or topology.dynamic or topology.dp < 2 or uneven(topology):
         return packed
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
     excess, piece, step = [], [], []
