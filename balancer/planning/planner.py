@@ -1,20 +1,23 @@
-"""The planner: cost-aware assignment of documents to steps, DP replicas and micro-batches.
+"""The planner: cost-aware assignment of documents to steps, DP replicas and micro-batches (`plan`).
 
-An epoch is planned in three moves, all vectorised except for loops over steps and over the few heavy documents:
+An epoch is planned in five moves (docs/planner.md has each in full), all vectorised except for loops over steps and
+over the few heavy documents:
 
-1. *Shuffle and cut into steps.* Documents are shuffled by `seed`. Documents heavier than a fraction of a
-   micro-batch's fair share ("heavy") are spread over the steps in shuffled order so that every step gets an equal
-   share of heavy cost; the light documents then fill each step, in shuffled order, up to the step's token target.
-   Only heavy documents move by more than a few positions (`mean_delay_steps` reports it); nothing is sorted by
-   length.
-2. *Pack each step* (`pack_step`): heavy documents go one by one, largest first, to the micro-batch that least
-   raises its replica's 1F1B time `(P-1) * max_m t_m + sum_m t_m`; a water-filling solve then gives every
-   micro-batch a target so that all replicas finish together; the light documents, largest first, are dealt in
-   rounds to the micro-batches still below target (batched LPT), never above `max_tokens * cp` tokens.
-3. *Repair.* Empty micro-batches take a small document from the fullest one; documents that fit nowhere (or would
-   only slow the step) move to the next step; a too-small last step borrows small documents from earlier ones.
+1. *Shuffle* (shuffle.py): documents are shuffled by `seed`; too-long documents are refused or cut (units.py).
+2. *Step size*: steps hold `tokens_per_step` tokens within +-10%, decided from the documents and the token budget
+   alone (steps.py: the targets; never from the rank speeds).
+3. *Cut into steps*: attention-heavy documents are spread over the steps in shuffled order so that every step gets an
+   equal share of heavy cost; the light ones fill each step, in shuffled order, up to its token target. Only heavy
+   documents move by more than a few positions (`mean_delay_steps` reports it); nothing is sorted by length.
+4. *Pack the steps* (packing/): every step at once by a batched LPT (epoch.py) with a batched move/swap search
+   (search.py); the steps where it falls short by `pack_step` (step.py: heavy documents one by one, a water-filling
+   target per micro-batch, batched LPT of the light ones, a spill to the next step), settled in order (settle.py),
+   then, without pipelines, refined replica by replica (refine.py).
+5. *Repair*: empty micro-batches take a small document from the fullest one; documents that fit nowhere move to the
+   next step; a too-small last step borrows small documents from earlier ones.
 
-Inside each micro-batch, documents keep their shuffled order.
+Inside each micro-batch, documents keep their shuffled order. With `Topology(cp_sizes=...)` the static plan is the
+first stage of dynamic CP (dynamic/).
 """
 
 from __future__ import annotations
