@@ -52,6 +52,7 @@ from balancer.training.sampler import BalancedBatchSampler
 from balancer.training.trainer_balance import MeasuredBalanceMixin
 from balancer.training.trainer_defaults import default_topology
 from balancer.training.trainer_eval import BalancedEvalMixin, eval_lengths
+from balancer.training.trainer_stream import StreamTrainingMixin, is_stream, stream_settings
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +101,9 @@ def balanced_args(args: TrainingArguments, topology: Optional[Topology]) -> Trai
     return args
 
 
-class BalancedTrainingMixin(BalancedEvalMixin, MeasuredBalanceMixin):
+class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBalanceMixin):
     """The balanced data loader, loss, attention, evaluation and resume logic shared by both Trainer classes
-    (measured balance, `balance_mode=`, in trainer_balance.py)."""
+    (measured balance, `balance_mode=`, in trainer_balance.py; a streaming train_dataset in trainer_stream.py)."""
 
     loss_is_scaled_for_ga = True  # compute_loss already divides by the whole step's loss-token count
 
@@ -121,7 +122,11 @@ class BalancedTrainingMixin(BalancedEvalMixin, MeasuredBalanceMixin):
     ) -> None:
         import attention.hf as ahf
 
-        lengths, _ = resolve_lengths(self.train_dataset if lengths is None else lengths, self.train_dataset)
+        stream = self.train_dataset if is_stream(self.train_dataset) else None
+        if stream is not None:
+            topology, cost, overflow, seed = stream_settings(self, stream, topology, cost, lengths, overflow, seed)
+        else:
+            lengths, _ = resolve_lengths(self.train_dataset if lengths is None else lengths, self.train_dataset)
         self.eval_dataset = _eval_datasets(self.eval_dataset)
         given = topology is not None
         if not given:
@@ -145,18 +150,23 @@ class BalancedTrainingMixin(BalancedEvalMixin, MeasuredBalanceMixin):
         self.cp_method, self.attention_backend = cp_method, attention_backend
         self.dp_rank, self.cp_rank, self._cp_groups = _ranks(topology)
         self._overflow, self._plan_seed = overflow, self.args.seed if seed is None else seed
-        self.balanced_sampler = BalancedBatchSampler(
-            lengths,
-            topology,
-            cost,
-            rank=self.dp_rank * topology.cp + self.cp_rank,
-            seed=self._plan_seed,
-            overflow=overflow,
+        self.balanced_stream = stream
+        self.balanced_sampler = (
+            None
+            if stream is not None
+            else BalancedBatchSampler(
+                lengths,
+                topology,
+                cost,
+                rank=self.dp_rank * topology.cp + self.cp_rank,
+                seed=self._plan_seed,
+                overflow=overflow,
+            )
         )
         # dynamic CP: every batch names its own group (carried by the sampler's indices through SpanDataset)
         cp_rank, cp_size = (0, 1) if topology.dynamic else (self.cp_rank, topology.cp)
         self.packed_collator = PackedCollator(cp_rank=cp_rank, cp_size=cp_size, layout=layout, dp_rank=self.dp_rank)
-        if overflow != "error" or topology.dynamic:
+        if stream is None and (overflow != "error" or topology.dynamic):
             self.train_dataset = SpanDataset(self.train_dataset)
         self._resume_epoch: Optional[int] = None
         self._epoch_start = (0, 0)  # (sampler position, global step) when the current epoch's loop began
@@ -167,6 +177,8 @@ class BalancedTrainingMixin(BalancedEvalMixin, MeasuredBalanceMixin):
     # ---- data ------------------------------------------------------------------------------------------------
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         """This rank's balanced, packed micro-batches (the sampler is rank-aware: not re-sharded by accelerate)."""
+        if self.balanced_stream is not None:
+            return super().get_train_dataloader()
         a = self.args
         kwargs = dict(num_workers=a.dataloader_num_workers, pin_memory=a.dataloader_pin_memory)
         if a.dataloader_num_workers > 0:
@@ -211,7 +223,7 @@ class BalancedTrainingMixin(BalancedEvalMixin, MeasuredBalanceMixin):
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
         self._resume_epoch = None
-        if resume_from_checkpoint is None or self.args.ignore_data_skip:
+        if self.balanced_stream is not None or resume_from_checkpoint is None or self.args.ignore_data_skip:
             return epochs_trained, skipped
         path = os.path.join(resume_from_checkpoint, SAMPLER_STATE_NAME)
         if not os.path.isfile(path):
@@ -239,6 +251,8 @@ class BalancedTrainingMixin(BalancedEvalMixin, MeasuredBalanceMixin):
 
     def _run_epoch(self, **kwargs):
         """One epoch of the stock loop, told this epoch's own length (and, when resuming, what is left of it)."""
+        if self.balanced_stream is not None:
+            return super()._run_epoch(**kwargs)
         epoch = kwargs["epoch"]
         sampler = self.balanced_sampler
         sampler.set_epoch(epoch)  # keeps a loaded resume position when it is this epoch's
@@ -263,7 +277,9 @@ class BalancedTrainingMixin(BalancedEvalMixin, MeasuredBalanceMixin):
 
     def _save_checkpoint(self, model, trial) -> None:
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.should_save:  # before the Trainer's own files: trainer_state.json, written last, marks it done
+        if (
+            self.balanced_stream is None and self.args.should_save
+        ):  # before the Trainer's own files: trainer_state.json, written last, marks it done
             os.makedirs(folder, exist_ok=True)
             tmp = os.path.join(folder, SAMPLER_STATE_NAME + ".tmp")
             with open(tmp, "w", encoding="utf-8") as f:
@@ -386,7 +402,9 @@ class BalancedTrainer(BalancedTrainingMixin, Trainer):
 
     Args (besides the Trainer's own):
         train_dataset: rows with ``input_ids`` (and optionally ``labels``, -100 = no loss): a ``datasets.Dataset``,
-            a ``balancer.ShardDataset``, or any map-style dataset (then pass ``lengths``).
+            a ``balancer.ShardDataset``, or any map-style dataset (then pass ``lengths``); or a
+            ``balancer.BalancedStream`` (then ``max_steps`` is required and the stream's topology, cost model, seed and
+            overflow policy are the run's: trainer_stream.py).
         topology: the run's ``balancer.Topology`` (dp * cp processes; pp = 1; static or dynamic CP); None: data
             parallel over the launched processes, with gradient accumulation and a token budget from ``args`` and
             the data (``balancer.training.trainer_defaults``).
@@ -420,6 +438,8 @@ class BalancedTrainer(BalancedTrainingMixin, Trainer):
         if train_dataset is None:
             raise ValueError("train_dataset is required")
         check_eval_kwargs(kwargs)
+        if topology is None and is_stream(train_dataset):
+            topology = train_dataset.topology
         args = balanced_args(args if args is not None else TrainingArguments(output_dir="trainer_output"), topology)
         super().__init__(model=model, args=args, train_dataset=_dataset_for_packing(train_dataset), **kwargs)
         self._balanced_setup(topology, cost, lengths, overflow, layout, cp_method, attention_backend, seed)

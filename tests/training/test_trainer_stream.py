@@ -1,0 +1,134 @@
+"""balancer.hf.BalancedTrainer on a BalancedStream over a local JSONL `datasets` streaming source (tiny Llama, one
+process): two passes of one step each train the same weights as the map-style sampler path on the same documents,
+every document is trained once per pass, a checkpointed run resumes exactly, and a stream without max_steps is
+refused naming it."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from support.trainer import relative_error, tiny_llama, token_rows, training_args
+
+pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+pytestmark = pytest.mark.slow  # transformers Trainer runs
+
+# fp32: the stream and the sampler pack the same documents into other micro-batches (other summation orders); the
+# sampler path itself is held to this bound against unpacked training (tests/training/test_trainer.py)
+TOL = 3e-4
+
+
+def _jsonl_stream_source(tmp_path, rows):
+    paths = []
+    for i, part in enumerate((rows[: len(rows) // 2], rows[len(rows) // 2 :])):
+        path = tmp_path / f"part-{i}.jsonl"
+        path.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in part))
+        paths.append(str(path))
+    return datasets.load_dataset("json", data_files=paths, split="train", streaming=True)
+
+
+def _topology(rows, steps_per_pass: int):
+    import balancer
+
+    total = sum(len(r) for r in rows)
+    return balancer.Topology(dp=1, cp=1, micro_batches=2, max_tokens=total, tokens_per_step=-(-total // steps_per_pass))
+
+
+def _stream(tmp_path, rows, topo):
+    import balancer
+    from balancer.streaming import BalancedStream
+
+    cost = balancer.CostModel.from_config(tiny_llama().config.to_dict())  # the trainer's default cost model
+    return BalancedStream(_jsonl_stream_source(tmp_path, rows), topo, cost, window_docs=len(rows), seed=0)
+
+
+def _recording(trainer) -> list:
+    """Every row the trainer's collator packs (token ids), in order."""
+    seen, collate = [], trainer.packed_collator
+
+    def record(rows):
+        seen.extend(tuple(int(t) for t in r["input_ids"]) for r in rows)
+        return collate(rows)
+
+    trainer.packed_collator = record
+    return seen
+
+
+def test_two_passes_equal_the_sampler_path(tmp_path):
+    import balancer.hf
+
+    rows = token_rows(24, seed=1)
+    topo = _topology(rows, steps_per_pass=1)  # one step per pass: the step's gradient is that of every document
+    stream = _stream(tmp_path, rows, topo)
+    start = {n: p.detach().clone() for n, p in tiny_llama().named_parameters()}
+    args = training_args(tmp_path / "stream", max_steps=2)
+    streamed = balancer.hf.BalancedTrainer(model=tiny_llama(), args=args, train_dataset=stream)
+    assert streamed.args.gradient_accumulation_steps == topo.micro_batches and streamed.topology == topo
+    seen = _recording(streamed)
+    out = streamed.train()
+    assert streamed.state.global_step == 2 and stream.epoch == 1  # the second step is the second pass
+    assert Counter(seen) == Counter({tuple(r): 2 for r in rows})  # every document once per pass, whole
+
+    ds = datasets.Dataset.from_dict({"input_ids": rows})
+    args = training_args(tmp_path / "sampler", num_train_epochs=2)
+    sampled = balancer.hf.BalancedTrainer(model=tiny_llama(), args=args, train_dataset=ds, topology=topo, seed=0)
+    ref = sampled.train()
+    assert sampled.state.global_step == 2
+    got = {n: p.detach() - start[n] for n, p in streamed.model.named_parameters()}
+    want = {n: p.detach() - start[n] for n, p in sampled.model.named_parameters()}
+    err = relative_error(got, want)
+    assert err <= TOL, err
+    assert abs(out.training_loss - ref.training_loss) <= TOL * ref.training_loss, (out.training_loss, ref)
+    assert torch.isfinite(torch.tensor(out.training_loss))
+
+
+def _streaming_trainer(tmp_path, rows, topo, out, **args):
+    import balancer.hf
+
+    stream = _stream(tmp_path, rows, topo)
+    args = training_args(tmp_path / out, max_steps=6, save_strategy="steps", save_steps=3, **args)
+    return balancer.hf.BalancedTrainer(model=tiny_llama(), args=args, train_dataset=stream)
+
+
+def test_checkpoint_resume_continues_the_stream_exactly(tmp_path):
+    from transformers import TrainerCallback
+
+    rows = token_rows(40, seed=3)
+    topo = _topology(rows, steps_per_pass=4)  # 6 steps: a pass and a half, a checkpoint mid-pass at step 3
+    whole = _streaming_trainer(tmp_path, rows, topo, "whole")
+    seen_whole = _recording(whole)
+    whole.train()
+    assert whole.state.global_step == 6 and whole.balanced_stream.epoch == 1
+
+    class Stop(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 3
+
+    first = _streaming_trainer(tmp_path, rows, topo, "run")
+    first.add_callback(Stop())
+    seen_first = _recording(first)
+    first.train()
+    checkpoint = tmp_path / "run" / "checkpoint-3"
+    state = json.loads((checkpoint / "balancer_stream.json").read_text())
+    assert state["position"] % topo.micro_batches == 0
+
+    resumed = _streaming_trainer(tmp_path, rows, topo, "run")
+    seen_rest = _recording(resumed)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.state.global_step == 6
+    assert seen_first + seen_rest == seen_whole  # the same documents in the same order, none twice
+    for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), name
+
+
+def test_a_stream_without_max_steps_is_refused(tmp_path):
+    import balancer.hf
+
+    rows = token_rows(8, seed=4)
+    stream = _stream(tmp_path, rows, _topology(rows, steps_per_pass=1))
+    with pytest.raises(ValueError, match="max_steps"):
+        balancer.hf.BalancedTrainer(model=tiny_llama(), args=training_args(tmp_path / "o"), train_dataset=stream)
