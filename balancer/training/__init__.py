@@ -4,7 +4,8 @@ Modules: sampler.py (`BalancedBatchSampler`; planning windows in segments.py, re
 length sources in lengths.py), indices.py (`Span`, `Member`, `CPGroup`, `SpanDataset`), collate.py
 (`PackedCollator`), groups.py (`cp_groups`),
 loss.py, one rank's micro-batches of a given plan (plan_batches.py), and the Hugging Face trainers (trainer.py,
-sft.py, their evaluation in trainer_eval.py and default topology in trainer_defaults.py; imported through
+sft.py, their evaluation in trainer_eval.py, default topology in trainer_defaults.py and a streaming
+`train_dataset` in trainer_stream.py; imported through
 `balancer.hf`).
 """
 

@@ -132,3 +132,48 @@ def test_a_stream_without_max_steps_is_refused(tmp_path):
     stream = _stream(tmp_path, rows, _topology(rows, steps_per_pass=1))
     with pytest.raises(ValueError, match="max_steps"):
         balancer.hf.BalancedTrainer(model=tiny_llama(), args=training_args(tmp_path / "o"), train_dataset=stream)
+
+
+def _dp2_streaming_run(rank, world, rows, folder):
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    import balancer
+    import balancer.hf
+
+    folder = Path(folder)
+    args = training_args(folder / "dp2", max_steps=2)
+    assert args.world_size == 2 and dist.is_initialized()  # the arguments set up the process group (accelerate)
+    total = sum(len(r) for r in rows)
+    topo = balancer.Topology(dp=2, cp=1, micro_batches=2, max_tokens=total, tokens_per_step=total)
+    model = tiny_llama()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = balancer.hf.BalancedTrainer(model=model, args=args, train_dataset=_stream(folder, rows, topo))
+    seen = _recording(trainer)
+    trainer.train()
+    assert trainer.state.global_step == 2 and trainer.dp_rank == rank
+    torch.save({"seen": seen, "delta": {n: p.detach() - start[n] for n, p in trainer.model.named_parameters()}},
+               folder / f"rank{rank}.pt")  # fmt: skip
+
+
+def test_dp2_stream_equals_the_one_process_sampler_path(tmp_path):
+    """Two gloo processes as dp2 on a stream (the global loss normaliser's all-reduce, DDP) against one process on
+    the sampler path: one step per pass, so every step's gradient is the mean over every document on both."""
+    from support.trainer import run_torchrun_world
+
+    import balancer.hf
+
+    rows = token_rows(24, seed=5)
+    run_torchrun_world(2, _dp2_streaming_run, rows, str(tmp_path))
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    assert Counter(got[0]["seen"] + got[1]["seen"]) == Counter({tuple(r): 2 for r in rows})  # once per pass
+    start = {n: p.detach().clone() for n, p in tiny_llama().named_parameters()}
+    ds = datasets.Dataset.from_dict({"input_ids": rows})
+    args = training_args(tmp_path / "sampler", num_train_epochs=2)
+    sampled = balancer.hf.BalancedTrainer(model=tiny_llama(), args=args, train_dataset=ds, topology=_topology(rows, 1))
+    sampled.train()
+    want = {n: p.detach() - start[n] for n, p in sampled.model.named_parameters()}
+    for r in range(2):
+        err = relative_error(got[r]["delta"], want)
+        assert err <= TOL, (r, err)
