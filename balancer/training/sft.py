@@ -20,6 +20,7 @@ from balancer.training.trainer import (
     check_eval_kwargs,
     check_topology,
 )
+from balancer.training.trainer_stream import is_stream
 
 
 class BalancedSFTTrainer(BalancedTrainingMixin, SFTTrainer):
@@ -50,6 +51,11 @@ class BalancedSFTTrainer(BalancedTrainingMixin, SFTTrainer):
         seed: Optional[int] = None,
         **kwargs,
     ) -> None:
+        if is_stream(train_dataset):
+            raise ValueError(
+                "train_dataset: BalancedSFTTrainer does not take a BalancedStream yet; tokenize the stream and use "
+                "balancer.hf.BalancedTrainer (docs/streaming.md)"
+            )
         if topology is not None:
             check_topology(topology)
         if args is None:

@@ -177,3 +177,13 @@ def test_dp2_stream_equals_the_one_process_sampler_path(tmp_path):
     for r in range(2):
         err = relative_error(got[r]["delta"], want)
         assert err <= TOL, (r, err)
+
+
+def test_the_sft_trainer_refuses_a_stream(tmp_path):
+    import balancer.hf
+
+    pytest.importorskip("trl")
+    rows = token_rows(8, seed=4)
+    stream = _stream(tmp_path, rows, _topology(rows, steps_per_pass=1))
+    with pytest.raises(ValueError, match="BalancedSFTTrainer does not take a BalancedStream"):
+        balancer.hf.BalancedSFTTrainer(model=tiny_llama(), train_dataset=stream)
