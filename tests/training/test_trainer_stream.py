@@ -86,40 +86,47 @@ def test_two_passes_equal_the_sampler_path(tmp_path):
     assert torch.isfinite(torch.tensor(out.training_loss))
 
 
-def _streaming_trainer(tmp_path, rows, topo, out, **args):
+def _streaming_trainer(tmp_path, rows, topo, out, max_steps: int, save_steps: int):
     import balancer.hf
 
     stream = _stream(tmp_path, rows, topo)
-    args = training_args(tmp_path / out, max_steps=6, save_strategy="steps", save_steps=3, **args)
+    args = training_args(tmp_path / out, max_steps=max_steps, save_strategy="steps", save_steps=save_steps)
     return balancer.hf.BalancedTrainer(model=tiny_llama(), args=args, train_dataset=stream)
 
 
-def test_checkpoint_resume_continues_the_stream_exactly(tmp_path):
+# (steps per pass, max_steps, checkpoint step, the pass training ends in): a checkpoint mid-pass (a pass and a
+# half), and one at the very end of a pass (the resumed pass has nothing left: training goes on with the next)
+RESUMES = {"mid-pass": (4, 6, 3, 1), "end-of-pass": (1, 3, 1, 2)}
+
+
+@pytest.mark.parametrize("case", list(RESUMES))
+def test_checkpoint_resume_continues_the_stream_exactly(tmp_path, case):
     from transformers import TrainerCallback
 
+    per_pass, max_steps, stop, last_pass = RESUMES[case]
     rows = token_rows(40, seed=3)
-    topo = _topology(rows, steps_per_pass=4)  # 6 steps: a pass and a half, a checkpoint mid-pass at step 3
-    whole = _streaming_trainer(tmp_path, rows, topo, "whole")
+    topo = _topology(rows, steps_per_pass=per_pass)
+    whole = _streaming_trainer(tmp_path, rows, topo, "whole", max_steps, stop)
     seen_whole = _recording(whole)
     whole.train()
-    assert whole.state.global_step == 6 and whole.balanced_stream.epoch == 1
+    assert whole.state.global_step == max_steps and whole.balanced_stream.epoch == last_pass
 
     class Stop(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step >= 3
+            control.should_training_stop = state.global_step >= stop
 
-    first = _streaming_trainer(tmp_path, rows, topo, "run")
+    first = _streaming_trainer(tmp_path, rows, topo, "run", max_steps, stop)
     first.add_callback(Stop())
     seen_first = _recording(first)
     first.train()
-    checkpoint = tmp_path / "run" / "checkpoint-3"
+    checkpoint = tmp_path / "run" / f"checkpoint-{stop}"
     state = json.loads((checkpoint / "balancer_stream.json").read_text())
     assert state["position"] % topo.micro_batches == 0
 
-    resumed = _streaming_trainer(tmp_path, rows, topo, "run")
+    resumed = _streaming_trainer(tmp_path, rows, topo, "run", max_steps, stop)
     seen_rest = _recording(resumed)
     resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert resumed.state.global_step == 6
+    assert resumed.state.global_step == max_steps and resumed.balanced_stream.epoch == last_pass
     assert seen_first + seen_rest == seen_whole  # the same documents in the same order, none twice
     for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters()):
         assert torch.allclose(a, b, atol=1e-6, rtol=0), name
