@@ -150,11 +150,9 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         self.cp_method, self.attention_backend = cp_method, attention_backend
         self.dp_rank, self.cp_rank, self._cp_groups = _ranks(topology)
         self._overflow, self._plan_seed = overflow, self.args.seed if seed is None else seed
-        self.balanced_stream = stream
-        self.balanced_sampler = (
-            None
-            if stream is not None
-            else BalancedBatchSampler(
+        self.balanced_stream, self.balanced_sampler = stream, None  # a stream: trainer_stream.py
+        if stream is None:
+            self.balanced_sampler = BalancedBatchSampler(
                 lengths,
                 topology,
                 cost,
@@ -162,7 +160,6 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
                 seed=self._plan_seed,
                 overflow=overflow,
             )
-        )
         # dynamic CP: every batch names its own group (carried by the sampler's indices through SpanDataset)
         cp_rank, cp_size = (0, 1) if topology.dynamic else (self.cp_rank, topology.cp)
         self.packed_collator = PackedCollator(cp_rank=cp_rank, cp_size=cp_size, layout=layout, dp_rank=self.dp_rank)
@@ -277,9 +274,8 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
 
     def _save_checkpoint(self, model, trial) -> None:
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if (
-            self.balanced_stream is None and self.args.should_save
-        ):  # before the Trainer's own files: trainer_state.json, written last, marks it done
+        # before the Trainer's own files: trainer_state.json, written last, marks it done
+        if self.balanced_stream is None and self.args.should_save:
             os.makedirs(folder, exist_ok=True)
             tmp = os.path.join(folder, SAMPLER_STATE_NAME + ".tmp")
             with open(tmp, "w", encoding="utf-8") as f:
