@@ -42,6 +42,7 @@ from balancer.planning.steps import (
     borrow_for_small_steps,
     effective_step_tokens,
     equal_row_steps,
+    fixed_step_targets,
     pack_equal_rows,
     step_token_targets,
 )
@@ -66,6 +67,8 @@ def plan(
     seed: int = 0,
     overflow: str = "error",
     progress: bool = False,
+    *,
+    num_steps: int | None = None,
 ) -> Plan:
     """Plan a whole epoch: every document exactly once, `micro_batches` non-empty micro-batches per replica per step
     (with `topology.cp_sizes`: per slot, a partition of the pool into CP groups, each with a non-empty micro-batch;
@@ -74,16 +77,21 @@ def plan(
     `overflow` decides what happens to a document longer than `max_tokens * cp`: "error" (default) raises,
     "split" cuts it into consecutive windows (recorded as spans), "truncate" keeps its first `max_tokens * cp`
     tokens (the rest is counted in `dropped_tokens`).
+
+    `num_steps`: None (default) lets the planner pick the step count (step sizes chosen with the cost model); an
+    int plans exactly that many steps (what `balancer.planning.window.window_step_count` gives a window: from its
+    documents and the token budget alone), spreading what does not fit a step over the others, never opening one.
     """
     started = time.perf_counter()
     lengths = validate_lengths(lengths)
     check_topology_and_cost(topology, cost)
+    _check_num_steps(num_steps)
     if planning_view(topology) is not topology:  # equal speeds: the even plan, recording the speeds
-        placed = plan(lengths, planning_view(topology), cost, seed, overflow, progress)
+        placed = plan(lengths, planning_view(topology), cost, seed, overflow, progress, num_steps=num_steps)
         placed.topology = topology
         return placed
     if topology.dynamic:
-        return plan_dynamic(lengths, topology, cost, seed, overflow, progress, static_plan=plan)
+        return plan_dynamic(lengths, topology, cost, seed, overflow, progress, static_plan=plan, num_steps=num_steps)
     nb = topology.bins_per_step
     _log_if_token_bound(topology)
     u_doc, u_start, u_end = planning_units(lengths, topology.micro_batch_tokens, overflow, topology)
@@ -98,19 +106,14 @@ def plan(
     # only documents whose attention is a large part of their cost need spreading or grouping over the steps;
     # the rest fill the steps by tokens in shuffled order
     attn_heavy = (u_cost - cost.linear_coef * u_tok) >= ATTN_SHARE * u_cost
-    if u_tok.min() == u_tok.max():  # fixed-length rows: whole rows per step, dealt evenly
-        rows = equal_row_steps(len(u_tok), int(u_tok[0]), topology)
+    rows = _equal_rows(u_tok, topology, num_steps)
+    if rows is not None:  # fixed-length rows: whole rows per step, dealt evenly
         targets = rows * float(u_tok[0])
         packed = pack_equal_rows(rows, topology)
     else:
-        # speed-blind: the step count depends on the documents and the token budget, never on the rank speeds
-        step_tokens = _choose_step_tokens(u_cost, u_tok, attn_heavy, even(topology), seed)
-        # a step must hold at least one document per micro-batch: with tokens_per_step below that (tiny budgets
-        # or huge documents) +-10% cannot hold, so steps grow to fit a few documents per micro-batch
-        floor = int(1.25 * nb * u_tok.mean())
-        targets = step_token_targets(int(u_tok.sum()), step_tokens, topology.capacity, topology.tokens_per_step, floor)
+        targets = _step_targets(u_cost, u_tok, attn_heavy, topology, seed, num_steps)
         rng = np.random.default_rng([seed, 1])
-        packed = _pack_epoch(u_cost, u_tok, attn_heavy, targets, topology, rng, progress)
+        packed = _pack_epoch(u_cost, u_tok, attn_heavy, targets, topology, rng, progress, fixed=num_steps is not None)
         packed = refine_packed(packed, u_cost, u_tok, topology)
 
     sizes = np.concatenate([mb_sizes for _, mb_sizes in packed]).ravel()
@@ -141,6 +144,50 @@ def plan(
     )
 
 
+def _check_num_steps(num_steps) -> None:
+    if num_steps is not None and (
+        isinstance(num_steps, bool) or not isinstance(num_steps, (int, np.integer)) or num_steps < 1
+    ):
+        raise ValueError(f"num_steps must be a positive integer or None, got {num_steps!r}")
+
+
+def _step_targets(u_cost, u_tok, attn_heavy, topology: Topology, seed: int, num_steps: int | None) -> np.ndarray:
+    """Token targets of the steps: the planner's own count (step size chosen with the cost model) or exactly
+    `num_steps`."""
+    if num_steps is not None:
+        _check_count(num_steps, len(u_tok), topology)
+        return fixed_step_targets(int(u_tok.sum()), len(u_tok), int(num_steps), topology)
+    # speed-blind: the step count depends on the documents and the token budget, never on the rank speeds
+    step_tokens = _choose_step_tokens(u_cost, u_tok, attn_heavy, even(topology), seed)
+    # a step must hold at least one document per micro-batch: with tokens_per_step below that (tiny budgets or huge
+    # documents) +-10% cannot hold, so steps grow to fit a few documents per micro-batch
+    floor = int(1.25 * topology.bins_per_step * u_tok.mean())
+    return step_token_targets(int(u_tok.sum()), step_tokens, topology.capacity, topology.tokens_per_step, floor)
+
+
+def _equal_rows(u_tok: np.ndarray, topology: Topology, num_steps: int | None) -> np.ndarray | None:
+    """Rows per step when every unit has the same length: `equal_row_steps`, or with `num_steps` the rows dealt
+    evenly over that many steps (None when a step would then hold more rows than its micro-batches take: the
+    general packing spreads them); None for units of different lengths."""
+    if u_tok.min() != u_tok.max():
+        return None
+    if num_steps is None:
+        return equal_row_steps(len(u_tok), int(u_tok[0]), topology)
+    rows = np.full(int(num_steps), len(u_tok) // num_steps, dtype=np.int64)
+    rows[: len(u_tok) % num_steps] += 1
+    per_step = topology.bins_per_step * (topology.micro_batch_tokens // int(u_tok[0]))
+    return rows if rows.min() >= topology.bins_per_step and rows.max() <= per_step else None
+
+
+def _check_count(num_steps: int, num_units: int, topology: Topology) -> None:
+    nb = topology.bins_per_step
+    if num_steps * nb > num_units:
+        raise ValueError(
+            f"num_steps = {num_steps} steps of dp*micro_batches = {nb} non-empty micro-batches need at least "
+            f"{num_steps * nb} documents, there are {num_units}"
+        )
+
+
 def _shuffle(num_docs: int, u_doc: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """The shuffled document order for `seed`, and the units (of documents `u_doc`) in that order."""
     doc_order = np.random.default_rng(seed).permutation(num_docs)
@@ -159,15 +206,17 @@ def _pack_epoch(
     topology: Topology,
     rng: np.random.Generator,
     progress: bool = False,
+    fixed: bool = False,
 ) -> list:
     """Cut the shuffled units into steps and pack each; returns the packed epoch as pieces of consecutive steps
     (units sorted by step and micro-batch, [steps, micro-batches] sizes).
 
     Every step without attention-heavy units is first packed by the batched LPT of balancer.planning.packing.epoch (all
     such steps at once) and polished by the batched local search; a step keeps that packing unless
-    `fastpack.steps_to_repack` sends it to `pack_step`, or units moved into it from the step before."""
+    `fastpack.steps_to_repack` sends it to `pack_step`, or units moved into it from the step before. `fixed`: exactly
+    `len(targets)` steps (no step merged or opened)."""
     nb = topology.bins_per_step
-    groups = _cut_steps(u_cost, u_tok, attn_heavy, targets, nb, rng, grouped=topology.pp > 1)
+    groups = _cut_steps(u_cost, u_tok, attn_heavy, targets, nb, rng, grouped=topology.pp > 1, fixed=fixed)
     flat = np.concatenate(groups)
     ptr = np.concatenate([[0], np.cumsum([len(g) for g in groups])])
     fast_bin = pack_light_steps(flat, ptr, u_cost, u_tok, attn_heavy, topology)
@@ -182,7 +231,7 @@ def _pack_epoch(
         by_bin = flat[np.lexsort((flat, slot))]
     sizes = np.bincount(slot, minlength=len(groups) * (nb + 1)).reshape(len(groups), nb + 1)[:, 1:]
     batched = Batched(by_bin, ptr, sizes, ready=~repack, fast=fast)
-    return settle(groups, batched, u_cost, u_tok, attn_heavy, targets, topology, progress)
+    return settle(groups, batched, u_cost, u_tok, attn_heavy, targets, topology, progress, fixed=fixed)
 
 
 def _cut_steps(
@@ -193,6 +242,7 @@ def _cut_steps(
     nb: int,
     rng: np.random.Generator,
     grouped: bool,
+    fixed: bool = False,
 ) -> list[np.ndarray]:
     """The units of every step (`assign_steps`), each step with at least `nb` units, then light units traded
     between neighbours so that steps hold their token targets (`hold_step_tokens`, only where a step is off)."""
@@ -201,7 +251,7 @@ def _cut_steps(
     by_step = np.argsort(key, kind="stable")  # shuffled order kept inside a step
     bounds = np.searchsorted(step_of[by_step], np.arange(len(targets) + 1))
     groups = [by_step[bounds[s] : bounds[s + 1]] for s in range(len(targets))]
-    borrow_for_small_steps(groups, u_cost, nb)
+    borrow_for_small_steps(groups, u_cost, nb, merge=not fixed)
     sizes = np.array([len(g) for g in groups])
     totals = np.zeros(len(groups))
     totals[sizes > 0] = np.add.reduceat(u_tok[np.concatenate(groups)], (np.cumsum(sizes) - sizes)[sizes > 0])

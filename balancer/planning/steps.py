@@ -35,6 +35,47 @@ def step_token_targets(
     return targets
 
 
+def fixed_step_count(
+    total_tokens: int, num_units: int, big_units: int, rows_per_step: int | None, topology: Topology
+) -> int:
+    """The step count of a window from its planning units alone: their token total, their number, how many are over
+    half a micro-batch (`big_units`: no two share one) and, when all have the same length, the most of them a step
+    holds (`rows_per_step`: fixed-length rows that fill a micro-batch unevenly need more steps than their tokens).
+    Never the cost model or rank speeds, so every rank knows every window's count before planning it
+    (`len(sampler)`), and the planner fills exactly that many steps.
+
+    Steps near `tokens_per_step` (`step_token_targets`, with room for a few units per micro-batch), a micro-batch for
+    every big unit, a step for every `rows_per_step` rows, at most `num_units // (dp * micro_batches)` (none empty).
+    With dynamic CP the caller passes `count_topology`'s topology."""
+    nb = topology.bins_per_step
+    if num_units < nb:
+        raise ValueError(
+            f"{num_units} documents cannot fill dp*micro_batches = {topology.dp}*{topology.micro_batches} = {nb} "
+            "non-empty micro-batches; lower dp or micro_batches"
+        )
+    floor = int(1.25 * nb * total_tokens / num_units)
+    tps = topology.tokens_per_step
+    steps = len(step_token_targets(total_tokens, tps, topology.capacity, tps, floor))
+    steps = max(steps, -(-big_units // nb), -(-num_units // rows_per_step) if rows_per_step else 1)
+    return max(1, min(steps, num_units // nb))
+
+
+def fixed_step_targets(total_tokens: int, num_units: int, steps: int, topology: Topology) -> np.ndarray:
+    """Token targets of exactly `steps` steps (`fixed_step_count`'s count): `step_token_targets`' cut when it has
+    that many steps, otherwise equal steps."""
+    tps, nb = topology.tokens_per_step, topology.bins_per_step
+    floor = int(1.25 * nb * total_tokens / num_units)
+    targets = step_token_targets(total_tokens, tps, topology.capacity, tps, floor)
+    return targets if len(targets) == steps else np.full(steps, total_tokens / steps)
+
+
+def unit_stats(unit_tokens: np.ndarray, cap: int) -> tuple[int, int, int, int, int]:
+    """(token total, units, units over half of `cap`, shortest, longest): what a window's step count is computed
+    from (balancer.planning.window.step_count)."""
+    big = int(np.count_nonzero(2 * np.asarray(unit_tokens) > cap))
+    return int(unit_tokens.sum()), len(unit_tokens), big, int(unit_tokens.min()), int(unit_tokens.max())
+
+
 def effective_step_tokens(unit_cost: np.ndarray, unit_tokens: np.ndarray, topology: Topology) -> int:
     """Step size in tokens, shrunk (down to STEP_BAND's lower end) when heavy documents need the room to be balanced.
 
@@ -55,6 +96,8 @@ def effective_step_tokens(unit_cost: np.ndarray, unit_tokens: np.ndarray, topolo
             return tps
         heavy_cost, heavy_tokens = float(unit_cost.sum(where=heavy)), float(unit_tokens.sum(where=heavy))
         light_cost_per_token = (total_cost - heavy_cost) / (total - heavy_tokens)
+        if not light_cost_per_token > 0:  # the light units' cost vanishes beside the heavy ones (float rounding)
+            return tps
         excess = (heavy_cost / light_cost_per_token - heavy_tokens) / steps
         target = float(np.clip(0.98 * capacity - excess, STEP_BAND[0] * tps, tps))
     return max(1, int(round(target)))
@@ -235,13 +278,14 @@ def pack_equal_rows(rows: np.ndarray, topology: Topology) -> list:
     return packed
 
 
-def borrow_for_small_steps(groups: list[np.ndarray], u_cost: np.ndarray, nb: int) -> None:
+def borrow_for_small_steps(groups: list[np.ndarray], u_cost: np.ndarray, nb: int, merge: bool = True) -> None:
     """Make every step (an array of unit indices) hold at least `nb` units, in place.
 
     A too-small last step borrows the cheapest units of the step before when that one can spare them. Any other
     too-small step (e.g. a group of heavy documents whose light share is smaller than one light document) borrows
     the cheapest units of a neighbour that can spare them (merging would give the step a second heavy group), and
-    is merged into its neighbour only when neither can.
+    is merged into its neighbour only when neither can. `merge=False` (a fixed step count, with at least `nb` units
+    per step in all): never merged, the units come from the steps that can spare the most.
     """
     if len(groups) > 1 and len(groups[-1]) < nb and len(groups[-2]) - (nb - len(groups[-1])) >= nb:
         _lend(groups, len(groups) - 2, len(groups) - 1, nb - len(groups[-1]), u_cost)
@@ -254,6 +298,16 @@ def borrow_for_small_steps(groups: list[np.ndarray], u_cost: np.ndarray, nb: int
         lender = next((o for o in (s + 1, s - 1) if 0 <= o < len(groups) and len(groups[o]) - need >= nb), None)
         if lender is not None:
             _lend(groups, lender, s, need, u_cost)
+            s += 1
+            continue
+        if not merge:
+            while len(groups[s]) < nb:
+                spare = np.array([len(g) for g in groups]) - nb
+                spare[s] = 0
+                lender = int(np.argmax(spare))
+                if spare[lender] <= 0:
+                    raise ValueError(f"{sum(len(g) for g in groups)} units cannot fill {len(groups)} steps of {nb}")
+                _lend(groups, lender, s, min(nb - len(groups[s]), int(spare[lender])), u_cost)
             s += 1
             continue
         other = s + 1 if s + 1 < len(groups) else s - 1

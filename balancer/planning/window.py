@@ -18,14 +18,23 @@ import numpy as np
 from balancer.planning.cost.model import CostModel
 from balancer.planning.planner import plan
 from balancer.planning.plans.plan import Plan
-from balancer.planning.shuffle import WindowInfo, num_windows, window_ids, window_range
-from balancer.planning.steps import STEP_BAND, effective_step_tokens, equal_row_steps, step_token_targets
+from balancer.planning.shuffle import EpochShuffle, WindowInfo, num_windows, window_ids, window_range
+from balancer.planning.steps import (
+    STEP_BAND,
+    effective_step_tokens,
+    equal_row_steps,
+    fixed_step_count,
+    step_token_targets,
+    unit_stats,
+)
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, planning_units, validate_lengths
 
 __all__ = [
     "plan_window",
     "plan_steps_bound",
+    "window_step_count",
+    "window_step_counts",
     "window_seed",
     "default_window_docs",
     "check_window_docs",
@@ -39,6 +48,7 @@ DEFAULT_WINDOW_STEPS = 64
 MIN_DEFAULT_WINDOW_DOCS = 1 << 16
 
 _PLAN_TAG = 0x706C616E
+MAX_SEED = 2**63 - 1  # plan files and sampler states hold int64 seeds and epochs
 
 
 def _check_int(value, name: str, minimum: int) -> int:
@@ -49,15 +59,29 @@ def _check_int(value, name: str, minimum: int) -> int:
     return int(value)
 
 
-def check_window_docs(window_docs, topology: Topology | None = None) -> int:
-    """`window_docs` as an int, or one error naming the argument: an integer, and at least the micro-batches of
-    one step (dp * micro_batches) so that a window can fill a step."""
+def check_window_docs(window_docs, topology: Topology | None = None, num_docs: int | None = None) -> int:
+    """`window_docs` as an int, or one error naming the argument: an integer, at least the micro-batches of one step
+    (dp * micro_batches; with dynamic CP those of the smallest size) so that a window can fill a step and, given
+    `num_docs`, a size whose last window can fill one too (the rest of an epoch under a quarter window joins the
+    window before; a larger rest that cannot fill a step is refused here, up front)."""
     value = _check_int(window_docs, "window_docs", 1)
-    if topology is not None and value < topology.bins_per_step:
+    if topology is None:
+        return value
+    nb = count_topology(topology).bins_per_step
+    if value < nb:
         raise ValueError(
-            f"window_docs = {value} is below dp*micro_batches = {topology.bins_per_step}: a window must hold at least "
-            "one document per micro-batch of a step"
+            f"window_docs = {value} is below dp*micro_batches = {nb}: a window must hold at least one document per "
+            "micro-batch of a step"
         )
+    if num_docs is not None and value < num_docs:
+        k = num_windows(num_docs, value)
+        last = num_docs - (k - 1) * value
+        if last < nb:
+            raise ValueError(
+                f"window_docs = {value} leaves a last window of {last} of the {num_docs} documents, fewer than the "
+                f"dp*micro_batches = {nb} micro-batches of a step: choose window_docs of at least {4 * nb} (a rest "
+                "under a quarter window joins the window before) or one that leaves a larger rest"
+            )
     return value
 
 
@@ -93,8 +117,12 @@ def plan_window(
     places only the window's documents (`plan.window` says which: a `WindowInfo`, saved with the plan; `plan.window_ids`
     lists them); `plan.validate()` checks that exactly those documents are covered."""
     seed, epoch = _check_int(seed, "seed", 0), _check_int(epoch, "epoch", 0)
+    if seed > MAX_SEED or epoch > MAX_SEED:
+        name, value = ("seed", seed) if seed > MAX_SEED else ("epoch", epoch)
+        raise ValueError(f"{name} must be at most 2**63-1 (what a plan file holds), got {value}")
     index = _check_int(index, "index", 0)
-    window_docs = check_window_docs(window_docs, topology if isinstance(topology, Topology) else None)
+    n = len(lengths) if hasattr(lengths, "__len__") else None
+    window_docs = check_window_docs(window_docs, topology if isinstance(topology, Topology) else None, n)
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
     if not hasattr(lengths, "__len__") or not hasattr(lengths, "dtype"):
@@ -108,8 +136,127 @@ def plan_window(
         out.window = info
         return out
     ids = window_ids(n, seed, epoch, index, window_docs)
-    local = plan(np.asarray(lengths[ids]), topology, cost, seed=window_seed(seed, epoch, index, k), overflow=overflow)
+    window_lengths = np.asarray(lengths[ids])
+    steps = window_step_count(window_lengths, topology, overflow)
+    local = plan(
+        window_lengths, topology, cost, seed=window_seed(seed, epoch, index, k), overflow=overflow, num_steps=steps
+    )
     return globalise(local, ids, lengths, info)
+
+
+def unit_cap(topology: Topology) -> int:
+    """The most tokens of one planning unit: a micro-batch (`max_tokens * cp`), with dynamic CP the largest group's."""
+    return topology.max_tokens * topology.largest_group if topology.dynamic else topology.micro_batch_tokens
+
+
+def count_topology(topology: Topology) -> Topology:
+    """The topology a window's step count is computed on: itself, or with dynamic CP the pool as replicas of the
+    smallest size (the most micro-batches a step may have), whichever size the planner balances on."""
+    if not topology.dynamic:
+        return topology
+    size = min(topology.cp_sizes)
+    return Topology(
+        dp=topology.pool_size // size,
+        cp=size,
+        pp=topology.pp,
+        micro_batches=topology.micro_batches,
+        max_tokens=topology.max_tokens,
+        tokens_per_step=topology.tokens_per_step,
+    )
+
+
+def rows_per_step(length: int, topology: Topology) -> int:
+    """The most units of `length` tokens a step holds whole (with dynamic CP: on the size that holds fewest)."""
+    sizes = [c for c in topology.cp_sizes if c * topology.max_tokens >= length] if topology.dynamic else [topology.cp]
+    per = [(topology.pool_size // c if topology.dynamic else topology.dp) * topology.micro_batches
+           * (c * topology.max_tokens // length) for c in sizes]  # fmt: skip
+    return max(1, min(per)) if per else 1
+
+
+def step_count(stats: tuple, topology: Topology) -> int:
+    """A window's step count from `unit_stats` of its planning units (`fixed_step_count`); a ValueError naming
+    `window_docs` when no count fits them (too few documents for a step, or more than the steps that many documents
+    can fill hold)."""
+    total, units, big, low, high = stats
+    counted = count_topology(topology)
+    nb = counted.bins_per_step
+    if units < nb:
+        raise ValueError(
+            f"a window of {units} documents cannot fill the dp*micro_batches = {nb} micro-batches of a step; raise "
+            "window_docs"
+        )
+    rows = rows_per_step(low, topology) if low == high else None
+    big = 0 if topology.dynamic else big
+    steps = fixed_step_count(total, units, big, rows, counted)
+    if total > steps * topology.capacity or big > steps * nb or (rows and units > steps * rows):
+        raise ValueError(
+            f"a window of {units} documents holding {total} tokens cannot be planned: the {steps} steps its documents "
+            f"can fill ({nb} non-empty micro-batches each, dp*cp*micro_batches*max_tokens = {topology.capacity} "
+            f"tokens) cannot hold them whole; raise window_docs"
+        )
+    return steps
+
+
+def window_step_count(lengths, topology: Topology, overflow: str = "error") -> int:
+    """The steps a window of documents `lengths` is planned into (`plan_window`, the sampler): from the documents
+    and the token budget alone, never the cost model or rank speeds (`fixed_step_count`)."""
+    lengths = validate_lengths(lengths)
+    _, u_start, u_end = planning_units(lengths, unit_cap(topology), overflow, topology)
+    return step_count(unit_stats(u_end - u_start, unit_cap(topology)), topology)
+
+
+def window_step_counts(
+    lengths,
+    topology: Topology,
+    *,
+    seed: int,
+    epoch: int,
+    window_docs: int,
+    overflow: str = "error",
+    chunk: int = 1 << 20,
+) -> np.ndarray:
+    """Every window's `window_step_count` in one chunked pass over `lengths` (read in order, never gathered): each
+    document's window from the inverse of the epoch's shuffle, its units' statistics summed per window. O(n) time,
+    O(chunk + windows) memory; the same counts as planning each window's documents would give."""
+    n = len(lengths)
+    window_docs = min(int(window_docs), n)
+    k = num_windows(n, window_docs)
+    cap = unit_cap(topology)
+    total, units, big = (np.zeros(k, dtype=np.int64) for _ in range(3))
+    low, high = np.full(k, np.iinfo(np.int64).max), np.zeros(k, dtype=np.int64)
+    shuffle = EpochShuffle(n, seed, epoch) if k > 1 else None
+    for first in range(0, n, chunk):
+        raw = np.asarray(lengths[first : first + chunk], dtype=np.int64)
+        win = np.zeros(len(raw), dtype=np.int64)
+        if shuffle is not None:
+            win = shuffle.inverse_small(np.arange(first, first + len(raw))) // window_docs
+            np.minimum(win, k - 1, out=win)
+        tok = raw if overflow == "split" else np.minimum(raw, cap)
+        if overflow == "split" and int(raw.max()) > cap:  # a document over a micro-batch: full pieces and a rest
+            rest = raw % cap
+            units += _sums(win, -(-raw // cap), k)
+            big += _sums(win, np.where(raw > cap, raw // cap + (2 * rest > cap), 2 * raw > cap), k)
+            smallest, longest = np.where(raw > cap, np.where(rest > 0, rest, cap), raw), np.minimum(raw, cap)
+        else:
+            units += np.bincount(win, minlength=k)
+            big += np.bincount(win[2 * tok > cap], minlength=k)
+            smallest = longest = tok
+        total += _sums(win, tok, k)
+        np.minimum.at(low, win, smallest)
+        np.maximum.at(high, win, longest)
+    counts = np.zeros(k, dtype=np.int64)
+    for w in range(k):
+        stats = (int(total[w]), int(units[w]), int(big[w]), int(low[w]), int(high[w]))
+        try:
+            counts[w] = step_count(stats, topology)
+        except ValueError as e:
+            raise ValueError(f"window {w} of {k} (window_docs = {window_docs}): {e}") from None
+    return counts
+
+
+def _sums(win: np.ndarray, values: np.ndarray, k: int) -> np.ndarray:
+    """Integer `values` summed per window `win`, exact (a chunk's sums stay under 2**53)."""
+    return np.rint(np.bincount(win, weights=values, minlength=k)).astype(np.int64)
 
 
 def plan_steps_bound(lengths, topology: Topology, cost: CostModel, overflow: str = "error") -> int:

@@ -7,6 +7,7 @@ never copied whole: it is checked, summed and fingerprinted in chunks of `CHUNK`
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -127,3 +128,70 @@ def scan_lengths(lengths: np.ndarray, name: str = "lengths") -> LengthsSummary:
 
 def fingerprint_lengths(lengths: np.ndarray) -> str:
     return scan_lengths(lengths).fingerprint
+
+
+def backing_files(lengths) -> list[str]:
+    """The files a memory-mapped lengths array reads (a `.npy` map, a folder's shard index files); [] in memory."""
+    if isinstance(lengths, ShardedArray):
+        return sorted({str(f) for f, _, _ in lengths._files})
+    # a whole-file map (np.load(mmap_mode=...)), not a view of one: its file holds exactly these lengths
+    if isinstance(lengths, np.memmap) and isinstance(lengths.base, mmap.mmap) and getattr(lengths, "filename", None):
+        return [str(lengths.filename)]
+    return []
+
+
+def _stamp(path: str):
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+class LengthsGuard:
+    """Notices when the files behind memory-mapped lengths change while an epoch is planned from them: `check()`
+    before a window's lengths are read. A file deleted or of another size is refused at once (reading a truncated
+    map would be a SIGBUS); one rewritten (new mtime or inode) has its lengths fingerprinted again and is refused
+    unless they are the same as when the sampler was built (a change undone is no change). Never a plan mixing new
+    and old lengths: a window is planned from one read, after its check."""
+
+    def __init__(self, lengths, fingerprint: str) -> None:
+        self.files = backing_files(lengths)
+        self.stamps = {f: _stamp(f) for f in self.files}
+        self.fingerprint = fingerprint
+        self._source = lengths
+
+    def check(self, where: str) -> None:
+        for f in self.files:
+            now, then = _stamp(f), self.stamps[f]
+            if now == then:
+                continue
+            if now is None:
+                raise ValueError(f"{f}: the lengths file was deleted during the epoch (before {where}); restore it")
+            if now[0] != then[0]:
+                raise ValueError(
+                    f"{f}: the lengths file changed size during the epoch ({then[0]} -> {now[0]} bytes, before "
+                    f"{where}); restore it or start a new sampler on the new lengths"
+                )
+            fresh = _fresh(self._source, f)
+            if scan_lengths(fresh).fingerprint != self.fingerprint:
+                raise ValueError(
+                    f"{f}: the lengths file was rewritten during the epoch (before {where}) with other lengths; "
+                    "restore it or start a new sampler on the new lengths"
+                )
+            self.stamps[f] = now  # rewritten with the same lengths: nothing changed
+
+    def __getstate__(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _fresh(source, path: str):
+    """The lengths as the files hold them now (mapped again: a replaced file is not the old map's inode)."""
+    if isinstance(source, ShardedArray):
+        from balancer.data.shards.sharded import _remap
+
+        return _remap(source._files)
+    fresh = np.load(path, mmap_mode="r", allow_pickle=False)
+    if len(fresh) != len(source):
+        raise ValueError(f"{path}: the lengths file now holds {len(fresh)} documents, not {len(source)}")
+    return fresh

@@ -38,9 +38,8 @@ returned by `iter(sampler)` has `state_dict`/`load_state_dict` too):
 After a resume, positions count from the start of the resumed window's (re-planned) plan: `position`,
 `len(sampler)` and `num_steps` cover the rest of the epoch from there.
 
-`len(sampler)` is known before iterating, the same on every rank and cheap: exact with one window; with several an
-upper bound (`plan_steps_bound` per window: no packing; usually one step per window over), so a DataLoader's
-iteration may end before `len(loader)` (docs/windows.md). `num_steps` is exact but plans every window once.
+`len(sampler)` is exact, the same on every rank, and with several windows plans nothing: each window's step count is
+fixed from its documents and the token budget (`window_step_counts`: one pass over the lengths), docs/windows.md.
 """
 
 from __future__ import annotations
@@ -56,12 +55,14 @@ from balancer.planning.metrics import lower_bound, one_f_one_b
 from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
-from balancer.planning.window import check_window_docs, default_window_docs
+from balancer.planning.window import MAX_SEED, check_window_docs, default_window_docs
 from balancer.training.indices import CPGroup, Member, Span, SpanDataset
-from balancer.training.lengths import resolve_lengths, scan_lengths
+from balancer.training.lengths import LengthsGuard, resolve_lengths, scan_lengths
 from balancer.training.ranks import resolve_pool_rank
-from balancer.training.sampler_state import STATE_FORMAT, STATE_VERSION, check_state
+from balancer.training.sampler_state import STATE_FORMAT, STATE_VERSION, check_state, state_digest
 from balancer.training.segments import EpochWindows, Segment
+
+UP_FRONT_COUNT = 1 << 22  # up to this many documents an explicit window_docs is checked on every window up front
 
 __all__ = ["BalancedBatchSampler", "Span", "SpanDataset", "Member", "CPGroup", "resolve_lengths", "STATE_FORMAT"]
 
@@ -108,8 +109,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         check_topology_and_cost(topology, cost)
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed must be an integer in 0 .. 2**63-1 (what a resume state holds), got {seed!r}")
         self.lengths, _ = resolve_lengths(lengths, dataset)
         summary = scan_lengths(self.lengths)
         n = summary.num_docs
@@ -118,7 +119,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         else:
             if isinstance(window_docs, bool) or not isinstance(window_docs, (int, np.integer)):
                 raise TypeError(f"window_docs must be an integer or None, got {window_docs!r}")
-            self.window_docs = n if window_docs >= n else check_window_docs(window_docs, topology)
+            self.window_docs = n if window_docs >= n else check_window_docs(window_docs, topology, n)
         self._check_fits(summary, topology, overflow)
         self.topology = topology
         self.cost = cost
@@ -127,6 +128,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self.pool_rank = resolve_pool_rank(rank, dp_rank, topology, device_mesh, dp_dim)
         self.dp_rank = self.pool_rank // topology.cp
         self.fingerprint = summary.fingerprint
+        self._guard = LengthsGuard(self.lengths, summary.fingerprint)
         self.epoch = 0
         self.position = 0  # micro-batches this rank has yielded since the start of window `origin`'s plan
         self._windows: Optional[EpochWindows] = None
@@ -134,6 +136,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self._cursor = (0, 0)  # (window, position at its first micro-batch) of the last yielded micro-batch
         self._resume_pending = False
         self.monitor = None  # a balancer.BalanceMonitor attaches itself here (its models plan the windows, adapt)
+        if window_docs is not None and self.window_docs < n and n <= UP_FRONT_COUNT:
+            self.windows.count_all()  # a size some window of this epoch cannot fill is refused here, naming it
 
     def _check_fits(self, summary, topology: Topology, overflow: str) -> None:
         if topology.dynamic:
@@ -158,7 +162,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             window_docs, origin, history = self._epoch_setup
             self._windows = EpochWindows(
                 self.lengths, self.topology, self.cost, seed=self.seed, epoch=self.epoch,
-                overflow=self.overflow, window_docs=window_docs, origin=origin, history=history,
+                overflow=self.overflow, window_docs=window_docs, origin=origin, history=history, guard=self._guard,
             )  # fmt: skip
             if self.monitor is not None:
                 self.monitor.attach_windows(self._windows)
@@ -187,21 +191,20 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
 
     @property
     def num_steps(self) -> int:
-        """Exact optimizer steps from the origin to the end of the epoch: plans every window not planned yet."""
+        """Exact optimizer steps from the origin to the end of the epoch (plans no window but a lone one)."""
         return self.windows.total_steps()
 
     def __len__(self) -> int:
-        """Micro-batches this rank yields: exact with one window, an upper bound with several (module docstring)."""
-        return self.windows.total_bound() * self.topology.micro_batches
+        """Micro-batches this rank yields from the origin to the end of the epoch: exact (module docstring)."""
+        return self.windows.total_steps() * self.topology.micro_batches
 
     def epoch_num_steps(self, epoch: int) -> int:
-        """Optimizer steps of a fresh pass over `epoch` (this sampler's topology and window size); plans every window
-        of it once unless it is the epoch the sampler is in, fresh."""
+        """Optimizer steps of a fresh pass over `epoch` (this sampler's topology and window size), as `num_steps`."""
         if epoch == self.epoch and self._epoch_setup[1:] == (0, []) and self._epoch_setup[0] == self.window_docs:
             return self.num_steps
         return EpochWindows(
             self.lengths, self.topology, self.cost, seed=self.seed, epoch=int(epoch), overflow=self.overflow,
-            window_docs=self.window_docs,
+            window_docs=self.window_docs, guard=self._guard,
         ).total_steps()  # fmt: skip
 
     def _locate(self, step: int) -> tuple[Segment, int]:
@@ -223,14 +226,15 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             dp = self.dp_rank if dp_rank is None else dp_rank
             if rank is not None:
                 dp = rank // self.topology.cp
-            doc, start, end = seg.placements(seg.mb_index(step, dp, m))
-            full = self.lengths[doc]
+            k = seg.mb_index(step, dp, m)
+            doc, start, end = seg.placements(k)
+            full = seg.full[seg.mb_ptr[k] : seg.mb_ptr[k + 1]]
             return [int(d) if (s == 0 and e == f) else Span(d, s, e) for d, s, e, f in zip(doc, start, end, full)]
         rank = self.pool_rank if rank is None else rank
         k = seg.mb_index(step, rank, m)
         group = seg.group(k, rank)
         doc, start, end = seg.placements(k)
-        full = self.lengths[doc]
+        full = seg.full[seg.mb_ptr[k] : seg.mb_ptr[k + 1]]
         return [
             Member(d, group) if (s == 0 and e == f) else Span(d, s, e, group)
             for d, s, e, f in zip(doc, start, end, full)
@@ -368,7 +372,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         here = [{"topology": topology.to_dict(), "cost": cost.to_dict(), "steps": None}]
         past = ew.history if w == ew.origin else []
         extra = {} if self.monitor is None else {"monitor": self.monitor.state_dict()}
-        return {
+        state = {
             "format": STATE_FORMAT,
             "format_version": STATE_VERSION,
             "epoch": self.epoch,
@@ -387,6 +391,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             + here,
             **extra,
         }
+        state["digest"] = state_digest(state)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()` output (see the module docstring for the contract); the next `iter()` yields
@@ -424,7 +430,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             position = 0
         windows = EpochWindows(
             self.lengths, self.topology, self.cost, seed=self.seed, epoch=state["epoch"], overflow=self.overflow,
-            window_docs=window_docs, origin=state["window"], history=history,
+            window_docs=window_docs, origin=state["window"], history=history, guard=self._guard,
         )  # fmt: skip
         if self.monitor is not None:
             self.monitor.attach_windows(windows)

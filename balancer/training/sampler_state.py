@@ -1,12 +1,19 @@
 """Sampler resume states: the format and the strict check of every field (a state is untrusted input).
 
-Version 2 (`{"format": "balancer.sampler", "format_version": 2, ...}`) adds the window size and the window the
-position is in (`window_docs`, `window`). Version 1 (`{"format": "balancer.sampler/1", ...}`, no `format_version`)
-still loads: it is a whole-epoch plan, one window. Exact types (a bool is not an integer), no unknown keys
+Version 3 (`{"format": "balancer.sampler", "format_version": 3, ...}`) adds `digest`: a hash of everything that
+decides which documents were consumed and which come next (the lengths' fingerprint and count, seed, epoch, overflow
+policy, window size, window, position and the segments: topology, cost model, steps consumed). A state whose fields
+no longer match its digest was edited or corrupted after it was saved and is refused: resuming from it would skip
+or repeat documents. Version 2 adds the window size and the window the position is in (`window_docs`, `window`).
+Versions 1 (`{"format": "balancer.sampler/1", ...}`, no `format_version`: a whole-epoch plan, one window) and 2
+still load, without a digest to check. Exact types (a bool is not an integer), no unknown keys
 (balancer.strict_json).
 """
 
 from __future__ import annotations
+
+import hashlib
+import json
 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.shuffle import num_windows
@@ -14,7 +21,8 @@ from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES
 from balancer.strict_json import FORMAT_KEYS, FormatSpec, anything, array, check, check_format, integer, obj, string
 
-SPEC = FormatSpec("balancer.sampler", 2, legacy={"balancer.sampler/1": 1})
+SPEC = FormatSpec("balancer.sampler", 3, legacy={"balancer.sampler/1": 1})
+DIGESTED = ("fingerprint", "num_docs", "seed", "epoch", "overflow", "window_docs", "window", "position", "segments")
 STATE_FORMAT, STATE_VERSION = SPEC.name, SPEC.version
 WHERE = "sampler state"
 
@@ -34,8 +42,15 @@ _STATE = obj(
         "window": integer(min=0, since=2),
         "segments": array(_SEGMENT),
         "monitor": anything(required=False),  # a BalanceMonitor's state (balancer.measured), checked there
+        "digest": string(since=3),
     }
 )
+
+
+def state_digest(state: dict) -> str:
+    """The digest of a state's order- and position-deciding fields (DIGESTED), as saved (plain JSON values)."""
+    payload = json.dumps({k: state.get(k) for k in DIGESTED}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
 def check_state(state) -> dict:
@@ -60,6 +75,13 @@ def check_state(state) -> dict:
                 f"{out['window_docs']} make {windows}"
             )
     out["segments"] = _parse_segments(state["segments"])
+    if version >= 3 and state["digest"] != state_digest(state):
+        shown = ", ".join(f"{k} {state[k]}" for k in ("epoch", "window_docs", "window", "position", "seed"))
+        raise ValueError(
+            f"{WHERE}: its fields do not match its digest: the state was edited or corrupted after it was saved "
+            f"({shown}, {len(state['segments'])} segment(s)); resuming from it would skip or repeat documents. Use "
+            "the state the sampler wrote"
+        )
     return out
 
 

@@ -3,8 +3,11 @@ the first one possibly the re-planned remainder of a window after an elastic res
 
 `EpochWindows` plans a window when it is first needed, keeps at most the two most recent ones (the one a rank is in
 and the next, which it plans ahead on a background thread) and remembers every window's step count (one int per
-window), so nothing per document is held beyond the current windows. `bound(w)` bounds a window's steps without
-planning it (what `len(sampler)` adds up).
+window), so nothing per document is held beyond the current windows. A window's step count is fixed before it is
+planned, from its documents and the token budget alone (`window_step_count`; all windows at once in one pass over
+the lengths: `window_step_counts`), and the planner fills exactly that many steps: `len(sampler)` is exact and plans
+nothing. Only a lone window (the whole-epoch plan) and the re-planned remainder of a window after an elastic resume
+are counted by planning them (both are planned before their first micro-batch anyway).
 
 `update_model(cost, rank_speeds, first_window)` is how a refitted model reaches the windows (balancer.measured's
 adapt mode): windows from `first_window` on are planned with it, windows before keep theirs; `model(w)` says which
@@ -26,7 +29,8 @@ from balancer.planning.cost.model import CostModel
 from balancer.planning.planner import plan as make_plan
 from balancer.planning.shuffle import num_windows, window_ids
 from balancer.planning.topology import Topology
-from balancer.planning.window import plan_steps_bound, window_seed
+from balancer.planning.window import window_seed, window_step_count, window_step_counts
+from balancer.training import lengths as training_lengths
 from balancer.training.indices import CPGroup
 
 KEEP_WINDOWS = 2  # planned windows kept in memory: the current one and the next
@@ -49,6 +53,7 @@ class Segment:
     group_size: Optional[np.ndarray] = None
     slot_ptr: Optional[np.ndarray] = None
     ids: Optional[np.ndarray] = None  # the window's global ids (local plan id -> global id); None: identity
+    full: Optional[np.ndarray] = None  # each placement's document length, read with the window (a span or whole)
 
     @property
     def num_steps(self) -> int:
@@ -91,14 +96,21 @@ class Segment:
         return mask
 
 
-def plan_units(u_doc, u_start, u_end, topology: Topology, cost: CostModel, seed: int, overflow: str, lengths=None):
+def plan_units(
+    u_doc, u_start, u_end, topology: Topology, cost: CostModel, seed: int, overflow: str, lengths=None, fixed=False
+):
     """Plan units (doc, start, end) - each planned as a document of end-start tokens - and map back. `lengths`
-    instead: the units are exactly the whole documents of `lengths` (the whole-epoch plan, no remapping)."""
+    instead: the units are exactly the whole documents of `lengths` (the whole-epoch plan, no remapping). `fixed`:
+    into exactly `window_step_count` steps (a window of several)."""
     if lengths is None and len(u_doc) == 0:
         e = np.zeros(0, dtype=np.int64)
         groups = (e, e, np.zeros(1, dtype=np.int64)) if topology.dynamic else (None, None, None)
         return Segment(topology, cost, e, e, e, np.zeros(1, dtype=np.int64), None, *groups)
-    p = make_plan(lengths if lengths is not None else (u_end - u_start), topology, cost, seed=seed, overflow=overflow)
+    docs = lengths if lengths is not None else (u_end - u_start)
+    steps = window_step_count(docs, topology, overflow) if fixed else None
+    p = make_plan(docs, topology, cost, seed=seed, overflow=overflow, num_steps=steps)
+    if steps is not None and p.num_steps != steps:  # never a silently wrong len(sampler)
+        raise RuntimeError(f"the planner made {p.num_steps} steps of a window fixed at {steps}")
     groups = (p.group_start, p.group_size, p.slot_ptr)
     p.natural_step = None  # per document of the window: not needed by the sampler
     if lengths is not None:
@@ -113,7 +125,18 @@ class EpochWindows:
     current topology. Thread-safe: the next window may be planned ahead (`plan_ahead`)."""
 
     def __init__(
-        self, lengths, topology, cost, *, seed: int, epoch: int, overflow: str, window_docs: int, origin=0, history=()
+        self,
+        lengths,
+        topology,
+        cost,
+        *,
+        seed: int,
+        epoch: int,
+        overflow: str,
+        window_docs: int,
+        origin=0,
+        history=(),
+        guard=None,
     ) -> None:
         self.lengths, self.topology, self.cost = lengths, topology, cost
         self.seed, self.epoch, self.overflow = seed, epoch, overflow
@@ -123,9 +146,10 @@ class EpochWindows:
         if not 0 <= origin < self.count:
             raise ValueError(f"window {origin} out of range: this epoch has {self.count} windows")
         self.origin, self.history = int(origin), list(history)
+        self.guard = guard  # LengthsGuard: the files behind the lengths checked before each window's read
         self._segments: dict[int, Segment] = {}
-        self._steps: dict[int, int] = {}
-        self._bounds: dict[int, int] = {}
+        self._steps: dict[int, int] = {}  # planned or counted windows' step counts
+        self._all_counted = False
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._executor: Optional[ThreadPoolExecutor] = None
@@ -172,7 +196,18 @@ class EpochWindows:
                 del self._pending[w]  # a plan under way with the old model: its result is not used
 
     # ---- planning ---------------------------------------------------------------------------------------------
+    def _check(self, w: int) -> None:
+        if self.guard is not None:
+            self.guard.check(f"window {w} of epoch {self.epoch}")
+
     def _build(self, w: int) -> Segment:
+        seg = self._plan(w)
+        self._check(w)  # the lengths did not change while the window was read and planned
+        seg.full = np.asarray(self.lengths[seg.doc], dtype=np.int64)
+        return seg
+
+    def _plan(self, w: int) -> Segment:
+        self._check(w)
         seed = window_seed(self.seed, self.epoch, w, self.count)
         history = self.history if w == self.origin else []
         topology, cost = self.model(w)
@@ -181,8 +216,9 @@ class EpochWindows:
         ids = window_ids(self.num_docs, self.seed, self.epoch, w, self.window_docs)
         u_doc, u_start = ids, np.zeros(len(ids), dtype=np.int64)
         u_end = np.asarray(self.lengths[ids], dtype=np.int64)
+        fixed = self.count > 1  # a lone window is the whole-epoch plan: its count is the planner's
         for h in history:
-            seg = plan_units(u_doc, u_start, u_end, h["topology"], h["cost"], seed, self.overflow)
+            seg = plan_units(u_doc, u_start, u_end, h["topology"], h["cost"], seed, self.overflow, fixed=fixed)
             if h["steps"] > seg.num_steps:
                 raise ValueError(
                     f"the state says {h['steps']} steps of window {w} were consumed but that plan has only "
@@ -192,7 +228,7 @@ class EpochWindows:
             u_doc, u_start, u_end = seg.doc[left], seg.start[left], seg.end[left]
             order = np.lexsort((u_start, u_doc))
             u_doc, u_start, u_end = u_doc[order], u_start[order], u_end[order]
-        return plan_units(u_doc, u_start, u_end, topology, cost, seed, self.overflow)
+        return plan_units(u_doc, u_start, u_end, topology, cost, seed, self.overflow, fixed=fixed)
 
     def segment(self, w: int) -> Segment:
         """The plan segment of window `w` (planned now unless kept or planned ahead)."""
@@ -227,30 +263,42 @@ class EpochWindows:
             self._pending[w] = self._executor.submit(self._build, w)
 
     def steps(self, w: int) -> int:
-        """Steps of window `w`'s segment (plans it if it was never planned: only its count is kept)."""
-        if w not in self._steps:
+        """Steps of window `w`: its fixed count (`window_step_count`, no planning), or for a lone window or a
+        re-planned origin its plan's."""
+        if w in self._steps:
+            return self._steps[w]
+        if self.count == 1 or (w == self.origin and self.history):
             self.segment(w)
+        elif w <= self.origin + 1 or self._all_counted:
+            ids = window_ids(self.num_docs, self.seed, self.epoch, w, self.window_docs)
+            self._check(w)
+            try:
+                count = window_step_count(np.asarray(self.lengths[ids], dtype=np.int64), self.topology, self.overflow)
+            except ValueError as e:
+                raise ValueError(f"window {w} of {self.count} (window_docs = {self.window_docs}): {e}") from None
+            self._steps[w] = count
+        else:
+            self.count_all()
         return self._steps[w]
 
+    def count_all(self) -> None:
+        """Every window's fixed count in one pass over the lengths (`window_step_counts`), kept (one int each)."""
+        if not self._all_counted and self.count > 1:
+            self._check(self.origin)
+            counts = window_step_counts(
+                self.lengths, self.topology, seed=self.seed, epoch=self.epoch, window_docs=self.window_docs,
+                overflow=self.overflow, chunk=max(1, training_lengths.CHUNK // 8),
+            )  # fmt: skip
+            for w in range(self.origin, self.count):
+                if not (w == self.origin and self.history):
+                    self._steps.setdefault(w, int(counts[w]))
+        self._all_counted = True
+
     def total_steps(self) -> int:
-        """Steps of windows origin.. (plans every window not planned yet, one at a time)."""
+        """Exact steps of windows origin.. (plans at most a lone or re-planned origin window)."""
+        if self.count - self.origin > 2:
+            self.count_all()
         return sum(self.steps(w) for w in range(self.origin, self.count))
-
-    def bound(self, w: int) -> int:
-        """An upper bound on window `w`'s steps, the same on every rank and fixed for the epoch: `plan_steps_bound`
-        of its documents (O(window), no packing); exact (planned) for a lone window and for a re-planned origin
-        window (both are planned before their first micro-batch anyway)."""
-        if self.count == 1 or (w == self.origin and self.history):
-            return self.steps(w)
-        if w not in self._bounds:
-            ids = window_ids(self.num_docs, self.seed, self.epoch, w, self.window_docs)
-            lengths = np.asarray(self.lengths[ids], dtype=np.int64)
-            self._bounds[w] = plan_steps_bound(lengths, self.topology, self.cost, self.overflow)
-        return self._bounds[w]
-
-    def total_bound(self) -> int:
-        """Upper bound on the steps of windows origin.. (`bound`; plans at most the origin window)."""
-        return sum(self.bound(w) for w in range(self.origin, self.count))
 
     def locate(self, step: int) -> tuple[int, int]:
         """(window, step inside it) of the `step`-th step from the origin; (count, 0) past the end."""

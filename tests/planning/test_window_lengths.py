@@ -1,6 +1,6 @@
 """Windowed sampling without whole copies: a pretokenized folder's lengths are read as one memory-mapped array
 (`ShardedArray`) that plans exactly like the lengths in memory and never materialises the folder's length; and
-`len(sampler)` is cheap (no window planned), the same on every rank, and bounds what the sampler yields."""
+`len(sampler)` is cheap (no window planned), the same on every rank, and exactly what the sampler yields."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def _lengths(n=900, seed=0):
 @pytest.mark.parametrize("window_docs", [60, 150, 400])
 @pytest.mark.parametrize("seed", [0, 3])
 @pytest.mark.parametrize("overflow", ["split", "truncate"])
-def test_len_is_cheap_and_bounds_the_epoch(window_docs, seed, overflow, monkeypatch):
+def test_len_is_cheap_and_exact(window_docs, seed, overflow, monkeypatch):
     topo = balancer.Topology(dp=4, cp=2, micro_batches=2, max_tokens=256, tokens_per_step=2800)
     lengths = _lengths(seed=seed)
     calls = []
@@ -130,7 +130,7 @@ def test_len_is_cheap_and_bounds_the_epoch(window_docs, seed, overflow, monkeypa
         assert calls == []  # set_epoch and len plan nothing
         yielded = [len(list(s)) for s in samplers]
         assert len(set(yielded)) == 1 and yielded[0] == samplers[0].num_steps * topo.micro_batches
-        assert yielded[0] <= bound <= yielded[0] + windows * topo.micro_batches, (yielded[0], bound, windows)
+        assert yielded[0] == bound, (yielded[0], bound, windows)
         assert len(samplers[0]) == bound  # fixed for the epoch: planning the windows does not change it
         calls.clear()
 

@@ -156,7 +156,7 @@ def test_elastic_resume_4_to_2_to_3_ranks(overflow, lengths):
         if k == n_steps // 2 and len(rest[0]) >= topo2.micro_batches:
             # chain: after one step on dp=2, move on to dp=3 / cp=1
             for s in new:
-                s.load_state_dict({**s.state_dict(), "position": topo2.micro_batches})
+                s.load_state_dict(s.state_dict(position=topo2.micro_batches))  # a hand-edited state is refused
             consumed2 = consumed + [i for mbs in rest for mb in mbs[: topo2.micro_batches] for i in mb]
             newer = _samplers(topo3, lengths, seed=0, overflow=overflow)
             for s in newer:
@@ -165,7 +165,7 @@ def test_elastic_resume_4_to_2_to_3_ranks(overflow, lengths):
             assert len({len(r) for r in rest3}) == 1
             assert covered_tokens(consumed2 + [i for mbs in rest3 for mb in mbs for i in mb], lengths) == want
     # mid-step onto another topology is refused
-    old[0].load_state_dict({**old[0].state_dict(), "position": 1})
+    old[0].load_state_dict(old[0].state_dict(position=1))
     with pytest.raises(ValueError, match="mid-step"):
         _samplers(topo2, lengths, overflow=overflow)[0].load_state_dict(old[0].state_dict())
 

@@ -118,6 +118,12 @@ def test_resume_from_a_mid_step_sampler_state_is_refused(runs, tmp_path):
     state = json.loads((edited / "balancer_sampler.json").read_text())
     state["position"] += 1
     (edited / "balancer_sampler.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match="do not match its digest: the state was edited"):  # edited by hand
+        _trainer(tmp_path).train(resume_from_checkpoint=str(edited))
+    from balancer.training.sampler_state import state_digest
+
+    state["digest"] = state_digest(state)  # a consistent mid-step state (a sampler's own, not the trainer's)
+    (edited / "balancer_sampler.json").write_text(json.dumps(state))
     resumed = _trainer(tmp_path)
     with pytest.raises(ValueError, match=rf"position {state['position']} is not at a step boundary.*micro_batches = 2"):
         resumed.train(resume_from_checkpoint=str(edited))

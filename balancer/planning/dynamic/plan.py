@@ -104,13 +104,14 @@ def plan_dynamic(
     overflow: str,
     progress: bool,
     static_plan: Callable[..., Plan],
+    num_steps: int | None = None,
 ) -> Plan:
     """The dynamic-CP plan of an epoch (see the module docstring). With a communication-aware cost model two
     balancing sizes are candidates (the compute rule's and the static CP size, where larger groups pay no extra
     K/V traffic): both plan a sample of the epoch (`_pick_on_sample`) and the size whose sample plan has the
     smaller predicted time (`Plan.predict`'s `step_time_total`, assembled from the group times the cuts computed)
     plans the epoch. `static_plan` is the static planner of step 1 (`balancer.planning.planner.plan`, which calls
-    this module and passes itself in)."""
+    this module and passes itself in). `num_steps`: exactly that many steps (the static planner's `num_steps`)."""
     started = time.perf_counter()
     check_fits(lengths, topology, overflow)
     unit_tokens = np.minimum(lengths, topology.largest_group * topology.max_tokens)
@@ -122,7 +123,9 @@ def plan_dynamic(
         sizes = _pick_on_sample(lengths, topology, cost, sorted(sizes), seed, overflow, static_plan)
     best, best_time = None, np.inf
     for size in sorted(sizes):
-        candidate, time_taken = _plan_on(lengths, topology, cost, size, seed, overflow, progress, static_plan)
+        candidate, time_taken = _plan_on(
+            lengths, topology, cost, size, seed, overflow, progress, static_plan, num_steps=num_steps
+        )
         if time_taken < best_time or best is None:
             best, best_time = candidate, time_taken
     best.plan_seconds = time.perf_counter() - started
@@ -162,11 +165,12 @@ def _plan_on(
     overflow: str,
     progress: bool,
     static_plan: Callable[..., Plan],
+    num_steps: int | None = None,
 ) -> tuple[Plan, float]:
     """Steps 1 and 2 of the module docstring for balancing size `size`; returns the plan and, with a
     communication-aware cost model, its predicted step time total (`Plan.predict`), else 0."""
     virtual = largest_group_topology(topology, size)
-    base = static_plan(lengths, virtual, cost, seed=seed, overflow=overflow, progress=progress)
+    base = static_plan(lengths, virtual, cost, seed=seed, overflow=overflow, progress=progress, num_steps=num_steps)
     order, group_start, group_size, sizes, slot_ptr, group_times = split_groups(base, virtual, topology, cost)
     predicted = 0.0
     if cost.has_comm:  # the slot model over the layout-aware group times, as Plan.predict assembles them

@@ -52,17 +52,22 @@ def settle(
     targets: np.ndarray,
     topology: Topology,
     progress: bool,
+    fixed: bool = False,
 ) -> list:
     """Step by step: take the batched packing (good enough, sorted by micro-batch) where the step is ready and its
     units did not change, a run of ready steps at once; else pack with `pack_step` (keeping the batched packing
     when that is faster), move what fits nowhere on to the next step (which then is re-packed too) and backfill;
-    a too-small overflow step borrows from earlier ones. Returns pieces (units by step and micro-batch,
-    [steps, micro-batches] sizes) of consecutive steps."""
+    a too-small overflow step borrows from earlier ones. `fixed`: exactly `len(groups)` steps; what the last step
+    cannot place is spread over the steps before (`spread_leftovers`), never an overflow step. Returns pieces
+    (units by step and micro-batch, [steps, micro-batches] sizes) of consecutive steps."""
     packed: list[tuple[np.ndarray, np.ndarray]] = []
     carry = np.zeros(0, dtype=np.int64)
     s = 0
     bar = _progress(len(groups), progress)
     while s < len(groups) or len(carry):
+        if fixed and s == len(groups):
+            packed = spread_leftovers(packed, carry, u_cost, u_tok, topology)
+            break
         if not len(carry) and s + 1 < len(groups) and batched.take(s):
             # the common case: nothing moved in, the batched packing is good (forgetting only ever reaches the
             # step after the one being settled, so the run ends where the first unready step was at the start)
@@ -70,7 +75,7 @@ def settle(
             packed.append((batched.by_bin[batched.ptr[s] : batched.ptr[end]], batched.sizes[s:end]))
             done = end - s
         else:
-            carry = _settle_step(s, carry, groups, batched, packed, u_cost, u_tok, attn_heavy, targets, topology)
+            carry = _settle_step(s, carry, groups, batched, packed, u_cost, u_tok, attn_heavy, targets, topology, fixed)
             done = 1
         s += done
         if bar:
@@ -82,14 +87,16 @@ def settle(
     return packed
 
 
-def _settle_step(s, carry, groups, batched, packed, u_cost, u_tok, attn_heavy, targets, topology) -> np.ndarray:
+def _settle_step(
+    s, carry, groups, batched, packed, u_cost, u_tok, attn_heavy, targets, topology, fixed=False
+) -> np.ndarray:
     """Pack step `s` (with the units `carry` moved in from the step before) onto `packed`; returns the units that
     move on to the next step."""
     nb = topology.bins_per_step
     units = groups[s] if s < len(groups) else np.zeros(0, dtype=np.int64)
     unit_bin = batched.fast[s] if s < len(batched.fast) and not len(carry) else None
     units = np.concatenate([carry, units])
-    if s == len(groups) - 1 and u_tok[units].sum() > 1.1 * targets.max() and len(units) > 2 * nb:
+    if not fixed and s == len(groups) - 1 and u_tok[units].sum() > 1.1 * targets.max() and len(units) > 2 * nb:
         groups.append(np.zeros(0, dtype=np.int64))  # the last step overflows: open one more
     if unit_bin is None and s + 1 < len(groups):
         target = float(targets[s]) if s < len(targets) else float(targets.max())
@@ -219,6 +226,88 @@ def _backfill(
     keep[taken] = False
     groups[s + 1] = nxt[keep]
     return np.concatenate([placed, nxt[taken]]), np.concatenate([bins, np.array(new_bins, dtype=np.int64)])
+
+
+def spread_leftovers(
+    packed: list, carry: np.ndarray, u_cost: np.ndarray, u_tok: np.ndarray, topology: Topology
+) -> list:
+    """A fixed step count: the units its last step could not place go, largest first, each to the micro-batch of
+    any step with room for it where it raises its step's 1F1B time least. A unit no micro-batch has room for takes
+    the place of smaller units of the micro-batch that frees room with the fewest tokens moved, and those are
+    placed again the same way (each move trades a unit for smaller ones, so this ends). Returns the epoch as one
+    piece; a RuntimeError when the units cannot all be placed (a count too small for the documents)."""
+    nb, cap, m, pp = topology.bins_per_step, topology.micro_batch_tokens, topology.micro_batches, topology.pp
+    units = np.concatenate([u for u, _ in packed] + [np.zeros(0, dtype=np.int64)])
+    sizes = np.concatenate([sz for _, sz in packed]).ravel()
+    mb_of = np.repeat(np.arange(len(sizes)), sizes)
+    tok = np.bincount(mb_of, weights=u_tok[units], minlength=len(sizes))
+    load = np.bincount(mb_of, weights=u_cost[units], minlength=len(sizes)).reshape(-1, topology.dp, m)
+    pending = sorted(carry.tolist(), key=lambda u: (u_tok[u], u))
+    placed_mb: dict[int, int] = {}
+    tries = 0
+    while pending:
+        tries += 1
+        if tries > 100 * (len(carry) + 10):
+            break
+        u = pending.pop()
+        t, c = float(u_tok[u]), float(u_cost[u])
+        replica = (pp - 1) * load.max(axis=2) + load.sum(axis=2)  # [steps, dp]
+        step = replica.max(axis=1)
+        after = (pp - 1) * np.maximum(load.max(axis=2)[:, :, None], load + c) + (load.sum(axis=2) + c)[:, :, None]
+        rise = (np.maximum(after, step[:, None, None]) - step[:, None, None]).ravel()
+        rise[tok + t > cap] = np.inf
+        k = int(np.argmin(rise))
+        if not np.isfinite(rise[k]):
+            k, out = _make_room(units, mb_of, placed_mb, tok, u_tok, t, cap)
+            if k < 0:
+                pending.append(u)
+                break
+            for v in out:  # smaller units leave micro-batch k and are placed again
+                if v in placed_mb:
+                    del placed_mb[v]
+                else:
+                    mb_of[np.flatnonzero(units == v)] = -1
+                tok[k] -= u_tok[v]
+                load.reshape(-1)[k] -= u_cost[v]
+                pending.append(v)
+            pending.sort(key=lambda v: (u_tok[v], v))
+        placed_mb[u] = k
+        tok[k] += t
+        load.reshape(-1)[k] += c
+    if pending:
+        raise RuntimeError(
+            f"the planner could not place {len(pending)} documents in the fixed {len(sizes) // nb} steps (no "
+            f"micro-batch of max_tokens*cp = {cap} tokens has room): lower Topology.tokens_per_step"
+        )
+    keep = mb_of >= 0
+    extra = np.array(list(placed_mb), dtype=np.int64)
+    all_units = np.concatenate([units[keep], extra])
+    all_mb = np.concatenate([mb_of[keep], np.array([placed_mb[u] for u in extra.tolist()], dtype=np.int64)])
+    order = np.lexsort((all_units, all_mb))  # by micro-batch, shuffled order inside
+    counts = np.bincount(all_mb, minlength=len(sizes)).reshape(-1, nb)
+    return [(all_units[order], counts)]
+
+
+def _make_room(units, mb_of, placed_mb, tok, u_tok, t: float, cap: int) -> tuple[int, list]:
+    """The micro-batch where moving out units smaller than `t` frees room for `t` tokens with the fewest tokens
+    moved, and those units (largest first); (-1, []) when no micro-batch can."""
+    members: dict[int, list] = {}
+    for v, k in zip(units[mb_of >= 0].tolist(), mb_of[mb_of >= 0].tolist()):
+        members.setdefault(k, []).append(v)
+    for v, k in placed_mb.items():
+        members.setdefault(k, []).append(v)
+    best, best_moved, best_out = -1, np.inf, []
+    for k, vs in members.items():
+        need = tok[k] + t - cap
+        out, moved = [], 0.0
+        for v in sorted((v for v in vs if u_tok[v] < t), key=lambda v: -u_tok[v]):
+            if moved >= need:
+                break
+            out.append(v)
+            moved += float(u_tok[v])
+        if moved >= need and moved < best_moved:
+            best, best_moved, best_out = k, moved, out
+    return best, best_out
 
 
 def _reopen_last_step(packed: list, units: np.ndarray, u_cost: np.ndarray, nb: int) -> np.ndarray:
