@@ -78,9 +78,8 @@ def plan(
     "split" cuts it into consecutive windows (recorded as spans), "truncate" keeps its first `max_tokens * cp`
     tokens (the rest is counted in `dropped_tokens`).
 
-    `num_steps`: None (default) lets the planner pick the step count (step sizes chosen with the cost model); an
-    int plans exactly that many steps (what `balancer.planning.window.window_step_count` gives a window: from its
-    documents and the token budget alone), spreading what does not fit a step over the others, never opening one.
+    `num_steps`: exactly that many steps (a window's `window_step_count`), spread, never an overflow step; None:
+    the planner's own count.
     """
     started = time.perf_counter()
     lengths = validate_lengths(lengths)
