@@ -76,10 +76,8 @@ def plan(
 
     `overflow` decides what happens to a document longer than `max_tokens * cp`: "error" (default) raises,
     "split" cuts it into consecutive windows (recorded as spans), "truncate" keeps its first `max_tokens * cp`
-    tokens (the rest is counted in `dropped_tokens`).
-
-    `num_steps`: exactly that many steps (a window's `window_step_count`), spread, never an overflow step; None:
-    the planner's own count.
+    tokens (the rest is counted in `dropped_tokens`). `num_steps`: exactly that many steps (a window's
+    `window_step_count`), spread, never an overflow step; None: the planner's own count.
     """
     started = time.perf_counter()
     lengths = validate_lengths(lengths)
