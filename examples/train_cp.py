@@ -155,7 +155,7 @@ def worker(args) -> None:
             t0 = time.perf_counter()
             with ahf.cp_context(batch["layout"], group=cp_group, method=args.method):
                 logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-            loss = token_loss(logits, batch["labels"], sampler.step_loss_tokens(step))
+            loss = token_loss(logits, batch["labels"], sampler.step_info(step).loss_tokens)
             loss.backward()
             busy += time.perf_counter() - t0
             loss_acc += float(loss.detach())
@@ -174,8 +174,8 @@ def worker(args) -> None:
             times[rank] = busy
             dist.all_reduce(times)
             measured = times.view(args.dp, args.cp).max(dim=1).values.numpy()
-            info = sampler.predicted_step(step)
-            pred = info["replica_times"]
+            info = sampler.step_info(step)
+            pred = info.predicted["replica_times"]
             pred_sum += float(pred.sum())
             meas_sum += float(measured.sum())
             pred_s = pred * (meas_sum / pred_sum)  # cost units -> seconds, fitted on the run
@@ -183,13 +183,13 @@ def worker(args) -> None:
                 "epoch": epoch,
                 "step": step,
                 "loss": float(flat[-1]),
-                "tokens": info["tokens"],
-                "loss_tokens": info["loss_tokens"],
+                "tokens": info.tokens,
+                "loss_tokens": info.loss_tokens,
                 "predicted_s": [round(float(x), 4) for x in pred_s],
                 "measured_s": [round(float(x), 4) for x in measured],
                 "predicted_imbalance": float(pred.max() / pred.mean()),
                 "measured_imbalance": float(measured.max() / measured.mean()),
-                "plan_vs_lower_bound": info["imbalance"],
+                "plan_vs_lower_bound": info.predicted["imbalance"],
             }
             if rank == 0:
                 print(

@@ -13,6 +13,7 @@ from attention._lazy import lazy_exports
 
 _EXPORTS = {
     "BalancedBatchSampler": "balancer.training.sampler",
+    "StepInfo": "balancer.training.step_info",
     "PackedCollator": "balancer.training.collate",
     "Span": "balancer.training.indices",
     "SpanDataset": "balancer.training.indices",

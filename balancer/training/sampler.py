@@ -61,6 +61,7 @@ from balancer.training.lengths import LengthsGuard, resolve_lengths, scan_length
 from balancer.training.ranks import resolve_pool_rank
 from balancer.training.sampler_state import STATE_FORMAT, STATE_VERSION, check_state, state_digest
 from balancer.training.segments import EpochWindows, Segment
+from balancer.training.step_info import StepInfo, step_info
 
 UP_FRONT_COUNT = 1 << 22  # up to this many documents an explicit window_docs is checked on every window up front
 
@@ -253,6 +254,10 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         return divmod(int(index), self.topology.micro_batches)
 
     # ---- per-step information -----------------------------------------------------------------------------------
+    def step_info(self, step: int) -> StepInfo:
+        """Everything about `step` in one object (`StepInfo`); the accessors below give its figures one by one."""
+        return step_info(self, step)
+
     def _step_sizes(self, step: int) -> np.ndarray:
         seg, local = self._locate(step)
         sl = seg.step_slice(local)

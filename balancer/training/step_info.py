@@ -1,0 +1,39 @@
+"""`StepInfo`: everything a training loop asks about one step of a `BalancedBatchSampler` in one object (its
+normalisers, its tokens, its micro-batch count and the plan's prediction), instead of one accessor per figure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One step as planned. `loss_tokens` and `num_sequences` are the global normalisers of
+    `balancer.loss.token_loss` (token and sequence reductions; valid when every token is a target), `tokens` the
+    step's real tokens, `micro_batches` the micro-batches every rank runs in it, `predicted_times` this rank's
+    view of the micro-batches' predicted times (`sampler.predicted_times`) and `predicted` the step's predicted
+    telemetry (`sampler.predicted_step`: replica times, step time, lower bound, imbalance)."""
+
+    step: int
+    micro_batches: int
+    tokens: int
+    loss_tokens: int
+    num_sequences: int
+    predicted_times: np.ndarray
+    predicted: dict
+
+
+def step_info(sampler, step: int) -> StepInfo:
+    """The `StepInfo` of `step` of `sampler` (global step index, as the sampler's other per-step accessors)."""
+    sizes = sampler._step_sizes(step)
+    return StepInfo(
+        step=int(step),
+        micro_batches=sampler.topology.micro_batches,
+        tokens=int(sizes.sum()),
+        loss_tokens=int((sizes - 1).sum()),
+        num_sequences=int((sizes > 1).sum()),
+        predicted_times=sampler.predicted_times(step),
+        predicted=sampler.predicted_step(step),
+    )
