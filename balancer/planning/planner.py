@@ -33,7 +33,7 @@ from balancer.planning.dynamic.plan import plan_dynamic
 from balancer.planning.metrics import natural_steps, step_times
 from balancer.planning.packing.epoch import LazySteps, pack_light_steps, steps_to_repack
 from balancer.planning.packing.refine import refine_packed
-from balancer.planning.packing.settle import Batched, hold_step_tokens, settle
+from balancer.planning.packing.settle import Batched, Settling, hold_step_tokens, settle
 from balancer.planning.plans.plan import Plan
 from balancer.planning.speeds import even, planning_view
 from balancer.planning.steps import (
@@ -228,7 +228,7 @@ def _pack_epoch(
         by_bin = flat[np.lexsort((flat, slot))]
     sizes = np.bincount(slot, minlength=len(groups) * (nb + 1)).reshape(len(groups), nb + 1)[:, 1:]
     batched = Batched(by_bin, ptr, sizes, ready=~repack, fast=fast)
-    return settle(groups, batched, u_cost, u_tok, attn_heavy, targets, topology, progress, fixed=fixed)
+    return settle(groups, batched, Settling(u_cost, u_tok, attn_heavy, targets, topology, fixed), progress)
 
 
 def _cut_steps(

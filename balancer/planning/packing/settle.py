@@ -43,17 +43,21 @@ class Batched:
             self.fast[s] = None
 
 
-def settle(
-    groups: list,
-    batched: Batched,
-    u_cost: np.ndarray,
-    u_tok: np.ndarray,
-    attn_heavy: np.ndarray,
-    targets: np.ndarray,
-    topology: Topology,
-    progress: bool,
-    fixed: bool = False,
-) -> list:
+@dataclass(frozen=True)
+class Settling:
+    """What settling reads at every step: the units' cost, tokens and attention-heaviness (`u_cost`, `u_tok`,
+    `attn_heavy`, one entry per unit), the steps' token `targets`, the `topology`, and whether the step count is
+    `fixed`."""
+
+    u_cost: np.ndarray
+    u_tok: np.ndarray
+    attn_heavy: np.ndarray
+    targets: np.ndarray
+    topology: Topology
+    fixed: bool = False
+
+
+def settle(groups: list, batched: Batched, job: Settling, progress: bool) -> list:
     """Step by step: take the batched packing (good enough, sorted by micro-batch) where the step is ready and its
     units did not change, a run of ready steps at once; else pack with `pack_step` (keeping the batched packing
     when that is faster), move what fits nowhere on to the next step (which then is re-packed too) and backfill;
@@ -65,8 +69,8 @@ def settle(
     s = 0
     bar = _progress(len(groups), progress)
     while s < len(groups) or len(carry):
-        if fixed and s == len(groups):
-            packed = spread_leftovers(packed, carry, u_cost, u_tok, topology)
+        if job.fixed and s == len(groups):
+            packed = spread_leftovers(packed, carry, job.u_cost, job.u_tok, job.topology)
             break
         if not len(carry) and s + 1 < len(groups) and batched.take(s):
             # the common case: nothing moved in, the batched packing is good (forgetting only ever reaches the
@@ -75,7 +79,7 @@ def settle(
             packed.append((batched.by_bin[batched.ptr[s] : batched.ptr[end]], batched.sizes[s:end]))
             done = end - s
         else:
-            carry = _settle_step(s, carry, groups, batched, packed, u_cost, u_tok, attn_heavy, targets, topology, fixed)
+            carry = _settle_step(s, carry, groups, batched, packed, job)
             done = 1
         s += done
         if bar:
@@ -87,11 +91,12 @@ def settle(
     return packed
 
 
-def _settle_step(
-    s, carry, groups, batched, packed, u_cost, u_tok, attn_heavy, targets, topology, fixed=False
-) -> np.ndarray:
+def _settle_step(s: int, carry: np.ndarray, groups: list, batched: Batched, packed: list, job: Settling) -> np.ndarray:
     """Pack step `s` (with the units `carry` moved in from the step before) onto `packed`; returns the units that
     move on to the next step."""
+    u_cost, u_tok, attn_heavy, targets, topology, fixed = (
+        job.u_cost, job.u_tok, job.attn_heavy, job.targets, job.topology, job.fixed
+    )  # fmt: skip
     nb = topology.bins_per_step
     units = groups[s] if s < len(groups) else np.zeros(0, dtype=np.int64)
     unit_bin = batched.fast[s] if s < len(batched.fast) and not len(carry) else None
