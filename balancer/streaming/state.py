@@ -20,7 +20,6 @@ again and skips them) and re-plans it, so the continuation equals the uninterrup
 from __future__ import annotations
 
 from balancer.planning.cost.model import CostModel
-from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES
 from balancer.strict_json import (
     FORMAT_KEYS,
@@ -34,6 +33,7 @@ from balancer.strict_json import (
     obj,
     string,
 )
+from balancer.training.sampler_state import parse_segments
 
 SPEC = FormatSpec("balancer.stream", 1)
 WHERE = "stream state"
@@ -85,7 +85,7 @@ def check_state(state) -> dict:
     for key in ("taken", "ended_after"):
         if state[key] is not None and len(state[key]) != n:
             raise ValueError(f'{WHERE}: "{key}": {len(state[key])} entries for {n} streams')
-    out["segments"] = _parse_segments(state["segments"])
+    out["segments"] = parse_segments(state["segments"], WHERE)
     models = []
     for i, m in enumerate(state["models"]):
         try:
@@ -94,23 +94,6 @@ def check_state(state) -> dict:
             raise ValueError(f'{WHERE}: "models[{i}].cost": {e}') from None
     out["models"] = models
     return out
-
-
-def _parse_segments(segs: list) -> list[dict]:
-    if not segs:
-        raise ValueError(f'{WHERE}: "segments": expected a non-empty list')
-    parsed = []
-    for i, seg in enumerate(segs):
-        try:
-            topology, cost = Topology.from_dict(seg["topology"]), CostModel.from_dict(seg["cost"])
-        except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f'{WHERE}: "segments[{i}]": {e}') from None
-        last = i == len(segs) - 1
-        if last != (seg["steps"] is None):
-            what = "null (the segment in use)" if last else "the steps consumed (an integer)"
-            raise ValueError(f'{WHERE}: "segments[{i}].steps": expected {what}, got {seg["steps"]!r}')
-        parsed.append({"topology": topology, "cost": cost, "steps": seg["steps"]})
-    return parsed
 
 
 def check_match(state: dict, stream) -> None:

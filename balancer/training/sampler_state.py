@@ -74,7 +74,7 @@ def check_state(state) -> dict:
                 f'{WHERE}: "window": {out["window"]} is out of range: {out["num_docs"]} documents in windows of '
                 f"{out['window_docs']} make {windows}"
             )
-    out["segments"] = _parse_segments(state["segments"])
+    out["segments"] = parse_segments(state["segments"])
     if version >= 3 and state["digest"] != state_digest(state):
         shown = ", ".join(f"{k} {state[k]}" for k in ("epoch", "window_docs", "window", "position", "seed"))
         raise ValueError(
@@ -85,19 +85,21 @@ def check_state(state) -> dict:
     return out
 
 
-def _parse_segments(segs: list) -> list[dict]:
+def parse_segments(segs: list, what: str = WHERE) -> list[dict]:
+    """A state's `segments` (topology and cost per segment, the steps each consumed, null for the one in use) as
+    objects; ValueError names `what` state and the segment. The sampler's and the stream's states share it."""
     if not segs:
-        raise ValueError(f'{WHERE}: "segments": expected a non-empty list')
+        raise ValueError(f'{what}: "segments": expected a non-empty list')
     parsed = []
     for i, seg in enumerate(segs):
         where = f"segments[{i}]"
         try:
             topology, cost = Topology.from_dict(seg["topology"]), CostModel.from_dict(seg["cost"])
         except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f'{WHERE}: "{where}": {e}') from None
+            raise ValueError(f'{what}: "{where}": {e}') from None
         last = i == len(segs) - 1
         if last != (seg["steps"] is None):
-            what = "null (the segment in use)" if last else "the steps consumed (an integer)"
-            raise ValueError(f'{WHERE}: "{where}.steps": expected {what}, got {seg["steps"]!r}')
+            expected = "null (the segment in use)" if last else "the steps consumed (an integer)"
+            raise ValueError(f'{what}: "{where}.steps": expected {expected}, got {seg["steps"]!r}')
         parsed.append({"topology": topology, "cost": cost, "steps": seg["steps"]})
     return parsed
