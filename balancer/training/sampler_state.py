@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.shuffle import num_windows
@@ -103,3 +104,16 @@ def parse_segments(segs: list, what: str = WHERE) -> list[dict]:
             raise ValueError(f'{what}: "{where}.steps": expected {expected}, got {seg["steps"]!r}')
         parsed.append({"topology": topology, "cost": cost, "steps": seg["steps"]})
     return parsed
+
+
+def read_checkpoint_state(checkpoint: str, name: str, writer: str, instead: str) -> tuple[str, dict]:
+    """(path, the JSON state) of `name` a balanced trainer saved in `checkpoint`; a checkpoint without it is refused
+    naming the file, the `writer` it would come from and what `ignore_data_skip=True` does `instead`."""
+    path = os.path.join(checkpoint, name)
+    if not os.path.isfile(path):
+        raise ValueError(
+            f"{checkpoint}: no {name} (not a checkpoint of {writer}); pass ignore_data_skip=True in the "
+            f"TrainingArguments to {instead} instead"
+        )
+    with open(path, encoding="utf-8") as f:
+        return path, json.load(f)

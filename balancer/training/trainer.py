@@ -49,6 +49,7 @@ from balancer.training.indices import SpanDataset
 from balancer.training.lengths import resolve_lengths
 from balancer.training.loss import token_loss
 from balancer.training.sampler import BalancedBatchSampler
+from balancer.training.sampler_state import read_checkpoint_state
 from balancer.training.trainer_balance import MeasuredBalanceMixin
 from balancer.training.trainer_defaults import default_topology
 from balancer.training.trainer_eval import BalancedEvalMixin, eval_lengths
@@ -222,14 +223,9 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         self._resume_epoch = None
         if self.balanced_stream is not None or resume_from_checkpoint is None or self.args.ignore_data_skip:
             return epochs_trained, skipped
-        path = os.path.join(resume_from_checkpoint, SAMPLER_STATE_NAME)
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"{resume_from_checkpoint}: no {SAMPLER_STATE_NAME} (not a checkpoint of a balanced trainer); pass "
-                "ignore_data_skip=True in the TrainingArguments to resume at the start of the epoch instead"
-            )
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
+        path, state = read_checkpoint_state(
+            resume_from_checkpoint, SAMPLER_STATE_NAME, "a balanced trainer", "resume at the start of the epoch"
+        )
         sampler = self.balanced_sampler
         sampler.load_state_dict(state)
         if sampler.position % self.topology.micro_batches:  # the loop counts whole optimizer steps

@@ -22,6 +22,7 @@ import os
 import torch
 
 from balancer.streaming.dataset import BalancedStream
+from balancer.training.sampler_state import read_checkpoint_state
 
 STREAM_STATE_NAME = "balancer_stream.json"
 
@@ -117,14 +118,9 @@ class StreamTrainingMixin:
         self._stream_resumed = None
         if resume_from_checkpoint is None or self.args.ignore_data_skip:
             return 0, 0
-        path = os.path.join(resume_from_checkpoint, STREAM_STATE_NAME)
-        if not os.path.isfile(path):
-            raise ValueError(
-                f"{resume_from_checkpoint}: no {STREAM_STATE_NAME} (not a checkpoint of a streaming balanced "
-                "trainer); pass ignore_data_skip=True in the TrainingArguments to restart the stream instead"
-            )
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
+        path, state = read_checkpoint_state(
+            resume_from_checkpoint, STREAM_STATE_NAME, "a streaming balanced trainer", "restart the stream"
+        )
         stream.load_state_dict(state)
         m = self.topology.micro_batches
         if state["position"] % m:
