@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from attention.backends import UNBOUNDED, Backend, Pieces
 
@@ -131,8 +130,3 @@ def backward_rounds(be: Backend, dout, q, k, v, out, lse, rounds: list[Pieces], 
         g = be.backward(dout, q, k, v, out, lse, p, scale)
         total = list(g) if total is None else [a + b for a, b in zip(total, g)]
     return total
-
-
-def longest_document(cu_seqlens) -> int:
-    cu = cu_seqlens.detach().cpu().numpy() if isinstance(cu_seqlens, torch.Tensor) else np.asarray(cu_seqlens)
-    return int(np.diff(cu).max()) if cu.shape[0] > 1 else 0

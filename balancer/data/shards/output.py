@@ -183,11 +183,6 @@ def ownership(out: Path, kind: OutputKind = PRETOKENIZE) -> Ownership:
     return own
 
 
-def owned_files(out: Path, kind: OutputKind = PRETOKENIZE) -> set[str]:
-    """Names in `out` this tool provably wrote (see the module docstring)."""
-    return ownership(out, kind).owned
-
-
 def clear_outputs(out: Path, names: Iterable[str], keep: Iterable[str] = (), kind: OutputKind = PRETOKENIZE) -> None:
     """Remove `names` (owned files, from `ownership`) except `keep`; the manifest and state file last, so that a
     kill midway leaves the proof of ownership of whatever is still there. Links are removed, never followed."""
