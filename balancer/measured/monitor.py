@@ -97,6 +97,8 @@ class BalanceMonitor:
         self._dist = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if self._dist else 1
         self.rank = dist.get_rank(group) if self._dist else 0
+        import scipy.optimize  # noqa: F401  (the refit's solver: imported here, not inside the first end_step)
+
         self.ledger = Ledger(t.dp, max_samples, layout)
         speeds = getattr(t, "rank_speeds", None)  # the user's own speeds, if the topology has them
         self.models = [Model(sampler.cost, speeds, False, (0, 0), speeds)]
@@ -160,7 +162,7 @@ class BalanceMonitor:
     # ---- steps ------------------------------------------------------------------------------------------------
     def end_step(self) -> None:
         """Close the step (every rank, after the optimizer step); gathers every `every` steps (collective)."""
-        c0 = time.thread_time()
+        c0, refits0 = time.thread_time(), self.refit_seconds
         self._sync_epoch()
         m = self.topology.micro_batches
         if len(self._current) != m:
@@ -171,7 +173,7 @@ class BalanceMonitor:
         ready = len(self._closed) - (1 if self.cuda else 0)  # CUDA events are read one step later
         if ready >= self.every:
             self._gather(ready)
-        self.cpu_seconds += time.thread_time() - c0
+        self.cpu_seconds += time.thread_time() - c0 - (self.refit_seconds - refits0)  # the refit is counted apart
 
     def flush(self) -> None:
         """Gather every closed step now (collective; e.g. before the last `report()`)."""
@@ -254,14 +256,13 @@ class BalanceMonitor:
 
     # ---- refit ------------------------------------------------------------------------------------------------
     def _refit(self, epoch: int, window: int) -> None:
-        c0 = time.thread_time()
+        c0 = time.thread_time()  # the whole refit (fit, bookkeeping, log) is refit_seconds, not cpu_seconds
         current = self.models[-1]
         speeds_ok = self.topology.dp > 1
         r = refit(
             self.ledger.evidence(), current.cost, current.speeds, self.topology.dp, layout=self.layout,
             current_in_seconds=current.in_seconds, min_samples=self.min_samples, speeds=speeds_ok,
         )  # fmt: skip
-        self.refit_seconds += time.thread_time() - c0
         first = self._advance(epoch, window, 2)
         record = {"epoch": epoch, "window": window, "first": list(first), "accepted": r.accepted, "reason": r.reason,
                   "samples": r.samples, "outliers": len(r.outliers), "score_current": r.score_current,
@@ -270,6 +271,7 @@ class BalanceMonitor:
         self.refits.append(record)
         if r.accepted:
             self._pending_fit = _pack_fit(r.cost, r.speeds, first, self.topology.dp)
+        self.refit_seconds += time.thread_time() - c0
 
     def _advance(self, epoch: int, window: int, by: int) -> tuple[int, int]:
         count = self.sampler.windows.count

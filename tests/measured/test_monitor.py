@@ -145,3 +145,28 @@ def test_plot_report(tmp_path):
     assert (tmp_path / "balance.png").stat().st_size > 10_000 and out.endswith("balance.png")
     with pytest.raises(ValueError, match="no measured steps"):
         plot_report({"series": {"measured": []}}, tmp_path / "x.png")
+
+
+def test_refit_cpu_is_counted_apart_from_the_monitors_own(monkeypatch):
+    """monitor_cpu_seconds is record + end_step without the refits (refit_cpu_seconds): a slow refit inside
+    end_step must not show as per-step monitor overhead."""
+    import time
+
+    import balancer.measured.monitor as monitor_module
+
+    real = monitor_module.refit
+
+    def slow_refit(*args, **kwargs):
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(monitor_module, "refit", slow_refit)
+    s = _sampler()
+    mon = BalanceMonitor(s, mode="adapt")
+    _train(s, mon)
+    rep = mon.report()
+    refits = len(mon.refits)
+    assert refits >= 4 and rep["refit_cpu_seconds"] >= 0.3 * refits
+    assert rep["monitor_cpu_seconds"] < 0.3
