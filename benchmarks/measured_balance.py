@@ -2,8 +2,9 @@
 
 Four ranks (dp 4, M 2, 8192 tokens per micro-batch, a step budget of 0.45 of what the ranks hold; or dp 2 x cp 2
 for `cp2`) train a tiny attention-heavy Llama (balancer.calibration.TINY_LLAMA, one thread per rank) on documents
-with the lengths of the published wlbllm trace (lengths // 16, at least 1; random token ids) through `BalancedBatchSampler` and `BalanceMonitor`, starting from the
-cost model a user has without calibrating (`CostModel.from_config`, FLOPs). Ranks are pinned with
+with the lengths of the published wlbllm trace (lengths // 16, at least 1; random token ids) through
+`BalancedBatchSampler` and `BalanceMonitor`, starting from the cost model a user has without calibrating
+(`CostModel.from_config`, FLOPs). Ranks are pinned with
 `os.sched_setaffinity`: `uneven` puts rank 0 alone on core 0 and ranks 1-3 together on core 1 (a real 3x speed
 difference, not a sleep: ideal gain of planning by speed 1.5x, for which rank 0 must take half of a step's work:
 the step budget leaves it that room, see FILL); `equal` puts two ranks on each core; `cp2` is dp 2 x
