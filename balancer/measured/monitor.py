@@ -37,7 +37,7 @@ import torch
 
 from balancer.measured.ledger import Ledger, Model
 from balancer.measured.refit import refit
-from balancer.measured.report import build_report
+from balancer.measured.report import build_report, token_room
 from balancer.planning.cost.fit import TERMS
 from balancer.planning.cost.model import CostModel
 from balancer.planning.shuffle import num_windows
@@ -288,6 +288,13 @@ class BalanceMonitor:
         if self.mode == "adapt" and speeds is not None and plan_speeds is None and self.rank == 0:
             logger.warning("the planner takes no rank_speeds: fitted speeds %s are reported, not planned", speeds)
         self.models.append(Model(cost, speeds, True, first, plan_speeds, len(self.ledger.steps)))
+        bound = token_room(self.topology, speeds)
+        if bound is not None and self.rank == 0:
+            logger.warning(
+                "BalanceMonitor: the fitted rank speeds %s ask the fastest replica for about %d tokens per step, but "
+                "it holds %d: it gets less than its share of the work unless tokens_per_step is lowered to about %d "
+                "(or max_tokens raised)", [round(x, 3) for x in speeds], *bound,
+            )  # fmt: skip
         if self.mode != "adapt":
             return
         s = self.sampler

@@ -170,3 +170,19 @@ def test_refit_cpu_is_counted_apart_from_the_monitors_own(monkeypatch):
     refits = len(mon.refits)
     assert refits >= 4 and rep["refit_cpu_seconds"] >= 0.3 * refits
     assert rep["monitor_cpu_seconds"] < 0.3
+
+
+def test_report_says_when_fitted_speeds_want_more_tokens_than_a_replica_holds():
+    """report["token_bound"]: the fitted speeds' ask of the fastest replica against what it holds, and the step
+    budget that leaves it room (None when it has room)."""
+    from types import SimpleNamespace
+
+    from balancer.measured.ledger import Model
+    from balancer.measured.report import _token_bound
+
+    topo = balancer.Topology(dp=4, micro_batches=2, max_tokens=1024, tokens_per_step=6963)
+    monitor = SimpleNamespace(topology=topo)
+    fast = Model(TRUE, (2.0, 2 / 3, 2 / 3, 2 / 3), True)
+    assert _token_bound(monitor, fast) == {"tokens_asked": 3481, "tokens_held": 2048, "tokens_per_step_with_room": 3686}
+    assert _token_bound(monitor, Model(TRUE, (1.05, 0.95, 1.0, 1.0), True)) is None  # 1828 of 2048: room
+    assert _token_bound(monitor, None) is None and _token_bound(monitor, Model(TRUE, None, True)) is None
