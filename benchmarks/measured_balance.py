@@ -1,6 +1,6 @@
 """Measured balance on real uneven CPU ranks: static plans (the monitor in shadow mode) against adapt mode.
 
-Four ranks (dp 4, M 2, 8192 tokens per micro-batch, a step budget of 0.45 of what the ranks hold; or dp 2 x cp 2
+Four ranks (dp 4, M 2, 8192 tokens per micro-batch, a step budget of 0.375 of what the ranks hold; or dp 2 x cp 2
 for `cp2`) train a tiny attention-heavy Llama (balancer.calibration.TINY_LLAMA, one thread per rank) on documents
 with the lengths of the published wlbllm trace (lengths // 16, at least 1; random token ids) through
 `BalancedBatchSampler` and `BalanceMonitor`, starting from the cost model a user has without calibrating
@@ -48,8 +48,9 @@ CONFIGS = {  # name: (dp, cp, cores of the ranks, pairs)
 }
 MAX_TOKENS, MICRO_BATCHES, WINDOWS, STEPS_PER_WINDOW = 8192, 2, 6, 4
 # tokens per step as a share of what the ranks hold: a fast rank needs room to take its speed's share of the work
-# (rank 0 alone on a core is ~3x the others: ~50% of the step, which 0.85 of capacity cannot give it)
-FILL = 0.45
+# (rank 0 alone on a core is 3-3.7x the others: 50-55% of the step, which 0.85 of capacity cannot give it;
+# the monitor logs it when the fitted speeds ask for more than a replica holds)
+FILL = 0.375
 
 
 def _documents(n_windows: int, steps: int, dp: int, cp: int, fill: float = FILL):

@@ -110,6 +110,7 @@ class BalanceMonitor:
         self._closed: list = []  # (epoch, step, warm, [M] seconds or CUDA event pairs)
         self.cpu_seconds = 0.0  # CPU time of the calling thread in record / end_step (refits apart)
         self.refit_seconds = 0.0
+        self._token_warned = False
         sampler.monitor = self
         if sampler._windows is not None:
             self.attach_windows(sampler._windows)
@@ -289,7 +290,8 @@ class BalanceMonitor:
             logger.warning("the planner takes no rank_speeds: fitted speeds %s are reported, not planned", speeds)
         self.models.append(Model(cost, speeds, True, first, plan_speeds, len(self.ledger.steps)))
         bound = token_room(self.topology, speeds)
-        if bound is not None and self.rank == 0:
+        if bound is not None and self.rank == 0 and not self._token_warned:  # once: every later fit says the same
+            self._token_warned = True
             logger.warning(
                 "BalanceMonitor: the fitted rank speeds %s ask the fastest replica for about %d tokens per step, but "
                 "it holds %d: it gets less than its share of the work unless tokens_per_step is lowered to about %d "
