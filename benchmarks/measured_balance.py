@@ -2,7 +2,7 @@
 
 Four ranks (dp 4, M 2, 8192 tokens per micro-batch, a step budget of 0.375 of what the ranks hold; or dp 2 x cp 2
 for `cp2`) train a tiny attention-heavy Llama (balancer.calibration.TINY_LLAMA, one thread per rank) on documents
-with the lengths of the published wlbllm trace (lengths // 16, at least 1; random token ids) through
+with the lengths of the published wlbllm trace (lengths // 16, at least 16; random token ids) through
 `BalancedBatchSampler` and `BalanceMonitor`, starting from the cost model a user has without calibrating
 (`CostModel.from_config`, FLOPs). Ranks are pinned with
 `os.sched_setaffinity`: `uneven` puts rank 0 alone on core 0 and ranks 1-3 together on core 1 (a real 3x speed
@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from _common import write_result
 
 SCALE = 16
+MIN_LENGTH = 16  # a document alone in a micro-batch still gives every CP rank tokens (zigzag: 2 x cp chunks)
 CONFIGS = {  # name: (dp, cp, cores of the ranks, pairs)
     "uneven": (4, 1, [0, 1, 1, 1], 3),
     "equal": (4, 1, [0, 0, 1, 1], 5),
@@ -56,7 +57,7 @@ FILL = 0.375
 def _documents(n_windows: int, steps: int, dp: int, cp: int, fill: float = FILL):
     from balancer.data.traces import load_trace
 
-    lengths = np.maximum(1, np.asarray(load_trace("wlbllm")) // SCALE)
+    lengths = np.maximum(MIN_LENGTH, np.asarray(load_trace("wlbllm")) // SCALE)
     lengths = lengths[np.random.default_rng(0).permutation(len(lengths))]
     lengths = lengths[lengths <= MAX_TOKENS * cp]
     tokens_per_step = int(fill * dp * cp * MICRO_BATCHES * MAX_TOKENS)
@@ -274,11 +275,12 @@ def main(argv=None) -> int:
             mp.spawn(_worker, args=(dp * cp, _free_port(), payload, out), nprocs=dp * cp, join=True)
             per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(dp * cp)]
         results.append(_summarise(name, per_rank, dp, cp))
-    payload = {"configs": results, "planner_takes_rank_speeds": _planner_takes_speeds(),
-               "documents": "wlbllm trace lengths // 32 (at least 1), random tokens", "micro_batches": MICRO_BATCHES,
-               "max_tokens": MAX_TOKENS, "windows": WINDOWS, "steps_per_window": steps,
-               "seconds": time.perf_counter() - t0}  # fmt: skip
-    path = write_result(args.output, payload, clock="wall+process_cpu", model={"config": TINY_LLAMA, "threads": 1})
+        payload = {"configs": results, "planner_takes_rank_speeds": _planner_takes_speeds(),
+                   "documents": f"wlbllm trace lengths // {SCALE} (at least {MIN_LENGTH}), random tokens",
+                   "micro_batches": MICRO_BATCHES, "max_tokens": MAX_TOKENS, "windows": WINDOWS,
+                   "steps_per_window": steps, "fill": FILL, "seconds": time.perf_counter() - t0}  # fmt: skip
+        # written after every configuration (a later one that fails keeps the earlier ones)
+        path = write_result(args.output, payload, clock="wall+process_cpu", model={"config": TINY_LLAMA, "threads": 1})
     for r in results:
         print(f"{r['config']}: speedup median {r['speedup_median']:.3f}, min {r['speedup_min']:.3f}")
     print(f"wrote {path}")
