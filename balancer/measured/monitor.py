@@ -45,6 +45,7 @@ from balancer.planning.shuffle import num_windows
 logger = logging.getLogger(__name__)
 
 MODES = ("shadow", "adapt")
+EVEN_SPEEDS = 1.1  # fitted speeds whose fastest / slowest is below this are planned as even (reported as fitted)
 STATE_FORMAT = "balancer.monitor"
 _HEAD = 4  # pool rank, dp rank, epoch, step
 
@@ -286,7 +287,9 @@ class BalanceMonitor:
     def _apply(self, fit: np.ndarray) -> None:
         cost, speeds, first = _unpack_fit(fit, self.models[0].cost, self.topology.dp)
         plan_speeds = speeds if (self.mode == "adapt" and _planner_takes_speeds()) else None
-        if self.mode == "adapt" and speeds is not None and plan_speeds is None and self.rank == 0:
+        if plan_speeds is not None and max(plan_speeds) < EVEN_SPEEDS * min(plan_speeds):
+            plan_speeds = None  # within what a fit on a noisy machine tells apart: planned as even ranks
+        if self.mode == "adapt" and speeds is not None and not _planner_takes_speeds() and self.rank == 0:
             logger.warning("the planner takes no rank_speeds: fitted speeds %s are reported, not planned", speeds)
         self.models.append(Model(cost, speeds, True, first, plan_speeds, len(self.ledger.steps)))
         bound = token_room(self.topology, speeds)
