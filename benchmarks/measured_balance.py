@@ -52,6 +52,9 @@ MAX_TOKENS, MICRO_BATCHES, WINDOWS, STEPS_PER_WINDOW = 8192, 2, 6, 4
 # (rank 0 alone on a core is 3-3.7x the others: 50-55% of the step, which 0.85 of capacity cannot give it;
 # the monitor logs it when the fitted speeds ask for more than a replica holds)
 FILL = 0.375
+# steps per gather: half the collective's CPU per step; a fit still reaches every rank within 3 steps of its window's
+# end, before the window it is for (two later) starts, as long as windows have 4 steps or more
+GATHER_EVERY = 2
 
 
 def _documents(n_windows: int, steps: int, dp: int, cp: int, fill: float = FILL):
@@ -65,7 +68,7 @@ def _documents(n_windows: int, steps: int, dp: int, cp: int, fill: float = FILL)
     return lengths[: n_windows * per_window].copy(), per_window, tokens_per_step
 
 
-def _epoch(rank, dp, cp, mode, lengths, window_docs, tps, seed, groups):
+def _epoch(rank, dp, cp, mode, lengths, window_docs, tps, seed, groups, every=1):
     import torch
     import torch.distributed as dist
     from _replay_worker import _run_micro_batch
@@ -77,7 +80,8 @@ def _epoch(rank, dp, cp, mode, lengths, window_docs, tps, seed, groups):
     topo = balancer.Topology(dp=dp, cp=cp, micro_batches=MICRO_BATCHES, max_tokens=MAX_TOKENS, tokens_per_step=tps)
     cost = balancer.CostModel.from_config(TINY_LLAMA)
     sampler = balancer.BalancedBatchSampler(lengths, topo, cost, rank=rank, seed=seed, window_docs=window_docs)
-    monitor = BalanceMonitor(sampler, mode="adapt" if mode == "adapt" else "shadow", warmup_steps=1, min_samples=16)
+    monitor = BalanceMonitor(sampler, mode="adapt" if mode == "adapt" else "shadow", warmup_steps=1, min_samples=16,
+                             every=every)  # fmt: skip
     torch.manual_seed(seed)
     model = build_model(TINY_LLAMA)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -110,6 +114,7 @@ def _epoch(rank, dp, cp, mode, lengths, window_docs, tps, seed, groups):
         walls.append(time.perf_counter() - w0)
         cpus.append(time.process_time() - c0)
         steps.append({"window": int(window), "reduce": reduce})
+    monitor.flush()  # the steps not gathered yet (every > 1)
     report = monitor.report()
     report.pop("series")
     replica = [[s["window"], s["measured"]] for s in monitor.ledger.steps]
@@ -186,7 +191,8 @@ def _worker(rank, world, port, payload, out):
             order = ("static", "adapt") if pair % 2 == 0 else ("adapt", "static")
             for mode in order:
                 load = os.getloadavg()[0]
-                result = _epoch(rank, dp, cp, mode, lengths, payload["window_docs"], payload["tps"], pair, groups)
+                result = _epoch(rank, dp, cp, mode, lengths, payload["window_docs"], payload["tps"], pair, groups,
+                                payload["every"])  # fmt: skip
                 runs.append({"pair": pair, "mode": mode, "load_1min": load, **result})
                 if rank == 0:
                     print(f"  pair {pair} {mode}: {np.mean(result['wall']):.3f} s/step, load {load:.1f}", flush=True)
@@ -261,6 +267,7 @@ def main(argv=None) -> int:
     from balancer.measured.monitor import _planner_takes_speeds
 
     steps = 2 if args.quick else STEPS_PER_WINDOW
+    every = GATHER_EVERY if steps >= 4 else 1  # (see GATHER_EVERY)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     results, t0 = [], time.perf_counter()
     for name in args.configs.split(","):
@@ -268,7 +275,7 @@ def main(argv=None) -> int:
         pairs = 1 if args.quick else (args.pairs or pairs)
         lengths, window_docs, tps = _documents(WINDOWS, steps, dp, cp)
         payload = {"dp": dp, "cp": cp, "cores": cores, "lengths": lengths.tolist(), "window_docs": window_docs,
-                   "tps": tps, "pairs": pairs}  # fmt: skip
+                   "tps": tps, "pairs": pairs, "every": every}  # fmt: skip
         print(f"{name}: dp{dp} x cp{cp}, cores {cores}, {len(lengths)} documents, windows of {window_docs}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "r")
@@ -278,7 +285,8 @@ def main(argv=None) -> int:
         payload = {"configs": results, "planner_takes_rank_speeds": _planner_takes_speeds(),
                    "documents": f"wlbllm trace lengths // {SCALE} (at least {MIN_LENGTH}), random tokens",
                    "micro_batches": MICRO_BATCHES, "max_tokens": MAX_TOKENS, "windows": WINDOWS,
-                   "steps_per_window": steps, "fill": FILL, "seconds": time.perf_counter() - t0}  # fmt: skip
+                   "steps_per_window": steps, "fill": FILL, "gather_every": every,
+                   "seconds": time.perf_counter() - t0}  # fmt: skip
         # written after every configuration (a later one that fails keeps the earlier ones)
         path = write_result(args.output, payload, clock="wall+process_cpu", model={"config": TINY_LLAMA, "threads": 1})
     for r in results:
