@@ -37,7 +37,7 @@ import torch
 
 from balancer.measured.ledger import Ledger, Model
 from balancer.measured.refit import refit
-from balancer.measured.report import build_report
+from balancer.measured.report import build_report, token_room
 from balancer.planning.cost.fit import TERMS
 from balancer.planning.cost.model import CostModel
 from balancer.planning.shuffle import num_windows
@@ -45,6 +45,7 @@ from balancer.planning.shuffle import num_windows
 logger = logging.getLogger(__name__)
 
 MODES = ("shadow", "adapt")
+EVEN_SPEEDS = 1.1  # fitted speeds whose fastest / slowest is below this are planned as even (reported as fitted)
 STATE_FORMAT = "balancer.monitor"
 _HEAD = 4  # pool rank, dp rank, epoch, step
 
@@ -97,6 +98,8 @@ class BalanceMonitor:
         self._dist = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if self._dist else 1
         self.rank = dist.get_rank(group) if self._dist else 0
+        import scipy.optimize  # noqa: F401  (the refit's solver: imported here, not inside the first end_step)
+
         self.ledger = Ledger(t.dp, max_samples, layout)
         speeds = getattr(t, "rank_speeds", None)  # the user's own speeds, if the topology has them
         self.models = [Model(sampler.cost, speeds, False, (0, 0), speeds)]
@@ -108,6 +111,7 @@ class BalanceMonitor:
         self._closed: list = []  # (epoch, step, warm, [M] seconds or CUDA event pairs)
         self.cpu_seconds = 0.0  # CPU time of the calling thread in record / end_step (refits apart)
         self.refit_seconds = 0.0
+        self._token_warned = False
         sampler.monitor = self
         if sampler._windows is not None:
             self.attach_windows(sampler._windows)
@@ -160,7 +164,7 @@ class BalanceMonitor:
     # ---- steps ------------------------------------------------------------------------------------------------
     def end_step(self) -> None:
         """Close the step (every rank, after the optimizer step); gathers every `every` steps (collective)."""
-        c0 = time.thread_time()
+        c0, refits0 = time.thread_time(), self.refit_seconds
         self._sync_epoch()
         m = self.topology.micro_batches
         if len(self._current) != m:
@@ -171,7 +175,7 @@ class BalanceMonitor:
         ready = len(self._closed) - (1 if self.cuda else 0)  # CUDA events are read one step later
         if ready >= self.every:
             self._gather(ready)
-        self.cpu_seconds += time.thread_time() - c0
+        self.cpu_seconds += time.thread_time() - c0 - (self.refit_seconds - refits0)  # the refit is counted apart
 
     def flush(self) -> None:
         """Gather every closed step now (collective; e.g. before the last `report()`)."""
@@ -254,14 +258,13 @@ class BalanceMonitor:
 
     # ---- refit ------------------------------------------------------------------------------------------------
     def _refit(self, epoch: int, window: int) -> None:
-        c0 = time.thread_time()
+        c0 = time.thread_time()  # the whole refit (fit, bookkeeping, log) is refit_seconds, not cpu_seconds
         current = self.models[-1]
         speeds_ok = self.topology.dp > 1
         r = refit(
             self.ledger.evidence(), current.cost, current.speeds, self.topology.dp, layout=self.layout,
             current_in_seconds=current.in_seconds, min_samples=self.min_samples, speeds=speeds_ok,
         )  # fmt: skip
-        self.refit_seconds += time.thread_time() - c0
         first = self._advance(epoch, window, 2)
         record = {"epoch": epoch, "window": window, "first": list(first), "accepted": r.accepted, "reason": r.reason,
                   "samples": r.samples, "outliers": len(r.outliers), "score_current": r.score_current,
@@ -270,6 +273,7 @@ class BalanceMonitor:
         self.refits.append(record)
         if r.accepted:
             self._pending_fit = _pack_fit(r.cost, r.speeds, first, self.topology.dp)
+        self.refit_seconds += time.thread_time() - c0
 
     def _advance(self, epoch: int, window: int, by: int) -> tuple[int, int]:
         count = self.sampler.windows.count
@@ -283,9 +287,19 @@ class BalanceMonitor:
     def _apply(self, fit: np.ndarray) -> None:
         cost, speeds, first = _unpack_fit(fit, self.models[0].cost, self.topology.dp)
         plan_speeds = speeds if (self.mode == "adapt" and _planner_takes_speeds()) else None
-        if self.mode == "adapt" and speeds is not None and plan_speeds is None and self.rank == 0:
+        if plan_speeds is not None and max(plan_speeds) < EVEN_SPEEDS * min(plan_speeds):
+            plan_speeds = None  # within what a fit on a noisy machine tells apart: planned as even ranks
+        if self.mode == "adapt" and speeds is not None and not _planner_takes_speeds() and self.rank == 0:
             logger.warning("the planner takes no rank_speeds: fitted speeds %s are reported, not planned", speeds)
         self.models.append(Model(cost, speeds, True, first, plan_speeds, len(self.ledger.steps)))
+        bound = token_room(self.topology, speeds)
+        if bound is not None and self.rank == 0 and not self._token_warned:  # once: every later fit says the same
+            self._token_warned = True
+            logger.warning(
+                "BalanceMonitor: the fitted rank speeds %s ask the fastest replica for about %d tokens per step, but "
+                "it holds %d: it gets less than its share of the work unless tokens_per_step is lowered to about %d "
+                "(or max_tokens raised)", [round(x, 3) for x in speeds], *bound,
+            )  # fmt: skip
         if self.mode != "adapt":
             return
         s = self.sampler

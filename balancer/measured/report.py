@@ -14,11 +14,13 @@ are left out of the prediction errors and the fits but not of the measured times
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 
 from balancer.measured.refit import OUTLIER_RULE, outlier_mask, predict, relative_errors
+from balancer.planning.speeds import token_bound
 
 MAX_LISTED = 20  # outliers listed one by one in the report (all are counted)
 MAX_SERIES = 2000  # steps of per-replica series kept for the picture
@@ -84,6 +86,7 @@ def build_report(monitor) -> dict:
         "idle_fraction": idle,
         "mean_step_seconds": float(meas.max(axis=1).mean()) if len(meas) else math.nan,
         "rank_speeds": None if fitted is None or fitted.speeds is None else list(fitted.speeds),
+        "token_bound": _token_bound(monitor, fitted),
         "cost": (fitted or monitor.models[0]).cost.to_dict(),
         "outliers": {"rule": OUTLIER_RULE, "count": int(out.sum()), "micro_batches": listed},
         "models": per_model,
@@ -120,3 +123,17 @@ def _fresh_errors(monitor, fitted) -> tuple:
     p = predict(fitted.cost, sizes, np.array([s[2] for s in rows]), monitor.layout) / speeds[[s[1] for s in rows]]
     keep = ~outlier_mask(seconds, p)
     return _quantiles(relative_errors(seconds[keep], p[keep]))
+
+
+def _token_bound(monitor, fitted) -> dict | None:
+    """What the fitted speeds ask of the fastest replica when it cannot hold its share of a step's tokens (None:
+    it can, or no fitted speeds): a step budget without that slack caps what planning by speed gains."""
+    bound = token_room(monitor.topology, None if fitted is None else fitted.speeds)
+    if bound is None:
+        return None
+    return {"tokens_asked": bound[0], "tokens_held": bound[1], "tokens_per_step_with_room": bound[2]}
+
+
+def token_room(topology, speeds) -> tuple[int, int, int] | None:
+    """`balancer.planning.speeds.token_bound` of `topology` with `speeds` (None: no speeds)."""
+    return None if speeds is None else token_bound(dataclasses.replace(topology, rank_speeds=tuple(speeds)))

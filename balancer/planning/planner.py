@@ -35,7 +35,7 @@ from balancer.planning.packing.epoch import LazySteps, pack_light_steps, steps_t
 from balancer.planning.packing.refine import refine_packed
 from balancer.planning.packing.settle import Batched, Settling, hold_step_tokens, settle
 from balancer.planning.plans.plan import Plan
-from balancer.planning.speeds import even, planning_view
+from balancer.planning.speeds import even, planning_view, token_bound
 from balancer.planning.steps import (
     STEP_BAND,
     assign_steps,
@@ -55,7 +55,6 @@ SLOW_PLAN = 10.0  # seconds: a plan that takes longer is logged (once per proces
 log = logging.getLogger(__name__)
 _slow_logged = False  # the slow-planning line is logged once per process
 _speed_logged: set = set()  # topologies whose speeds want more tokens than a replica holds (logged once each)
-TOKEN_ROOM = 0.9  # a replica whose speed's share of a step's tokens is above this share of what it holds is token-bound
 
 __all__ = ["plan"]
 
@@ -309,23 +308,18 @@ def _choose_step_tokens(
 
 
 def _log_if_token_bound(topology: Topology) -> None:
-    """One log line (INFO, once per process) when the fastest replica cannot hold its speed's share of a step's
-    tokens: work moves by tokens, so it then gets less than its share (the plan is still valid, just slower)."""
-    speeds = topology.rank_speeds
-    if speeds is None or min(speeds) == max(speeds):
-        return
-    need = topology.tokens_per_step * max(speeds) / sum(speeds)
-    holds = topology.micro_batches * topology.micro_batch_tokens
+    """One log line (INFO, once per process and topology) when the fastest replica cannot hold its speed's share of
+    a step's tokens (`speeds.token_bound`): it then gets less than its share of the work (the plan is still valid,
+    just slower)."""
+    bound = token_bound(topology)
     key = ("token-bound", topology)
-    if need > TOKEN_ROOM * holds and key not in _speed_logged:
+    if bound is not None and key not in _speed_logged:
         _speed_logged.add(key)
         log.info(
             "rank_speeds: the fastest replica's share of a step is about %d tokens, but a replica holds %d "
             "(micro_batches*max_tokens*cp); it gets less than its share of the work unless tokens_per_step is lowered "
             "(to about %d) or max_tokens raised",
-            int(need),
-            holds,
-            int(TOKEN_ROOM * holds * sum(speeds) / max(speeds)),
+            *bound,
         )
 
 

@@ -78,3 +78,24 @@ def even(topology: Topology) -> Topology:
 def with_speeds(topology: Topology, speeds: np.ndarray | None, **changes) -> Topology:
     """`replace(topology, **changes)` with `rank_speeds` set to `speeds` (None: even ranks)."""
     return replace(topology, rank_speeds=None if speeds is None else tuple(float(x) for x in speeds), **changes)
+
+
+TOKEN_ROOM = 0.9  # a replica whose speed's share of a step's tokens is above this share of what it holds is token-bound
+
+
+def token_bound(topology: Topology) -> tuple[int, int, int] | None:
+    """(tokens the fastest replica's speed share of a step asks for, tokens a replica holds, the largest
+    `tokens_per_step` that leaves it room) when that share is above TOKEN_ROOM of what it holds, else None (even
+    ranks, or room enough). Work moves between replicas by tokens, so a token-bound fast replica gets less than its
+    share of the work: the plan stays valid, just slower than the speeds allow. Dynamic CP: per pool rank."""
+    speeds = topology.rank_speeds
+    if speeds is None or min(speeds) == max(speeds):
+        return None
+    need = topology.tokens_per_step * max(speeds) / sum(speeds)
+    if topology.dynamic:
+        holds = topology.micro_batches * topology.max_tokens
+    else:
+        holds = topology.micro_batches * topology.micro_batch_tokens
+    if need <= TOKEN_ROOM * holds:
+        return None
+    return int(need), int(holds), int(TOKEN_ROOM * holds * sum(speeds) / max(speeds))

@@ -145,3 +145,61 @@ def test_plot_report(tmp_path):
     assert (tmp_path / "balance.png").stat().st_size > 10_000 and out.endswith("balance.png")
     with pytest.raises(ValueError, match="no measured steps"):
         plot_report({"series": {"measured": []}}, tmp_path / "x.png")
+
+
+def test_refit_cpu_is_counted_apart_from_the_monitors_own(monkeypatch):
+    """monitor_cpu_seconds is record + end_step without the refits (refit_cpu_seconds): a slow refit inside
+    end_step must not show as per-step monitor overhead."""
+    import time
+
+    import balancer.measured.monitor as monitor_module
+
+    real = monitor_module.refit
+
+    def slow_refit(*args, **kwargs):
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(monitor_module, "refit", slow_refit)
+    s = _sampler()
+    mon = BalanceMonitor(s, mode="adapt")
+    _train(s, mon)
+    rep = mon.report()
+    refits = len(mon.refits)
+    assert refits >= 4 and rep["refit_cpu_seconds"] >= 0.3 * refits
+    assert rep["monitor_cpu_seconds"] < 0.3
+
+
+def test_report_says_when_fitted_speeds_want_more_tokens_than_a_replica_holds():
+    """report["token_bound"]: the fitted speeds' ask of the fastest replica against what it holds, and the step
+    budget that leaves it room (None when it has room)."""
+    from types import SimpleNamespace
+
+    from balancer.measured.ledger import Model
+    from balancer.measured.report import _token_bound
+
+    topo = balancer.Topology(dp=4, micro_batches=2, max_tokens=1024, tokens_per_step=6963)
+    monitor = SimpleNamespace(topology=topo)
+    fast = Model(TRUE, (2.0, 2 / 3, 2 / 3, 2 / 3), True)
+    assert _token_bound(monitor, fast) == {"tokens_asked": 3481, "tokens_held": 2048, "tokens_per_step_with_room": 3686}
+    assert _token_bound(monitor, Model(TRUE, (1.05, 0.95, 1.0, 1.0), True)) is None  # 1828 of 2048: room
+    assert _token_bound(monitor, None) is None and _token_bound(monitor, Model(TRUE, None, True)) is None
+
+
+def test_fitted_speeds_close_to_each_other_are_planned_as_even():
+    """Fitted speeds whose fastest / slowest is below EVEN_SPEEDS reach the plans as even ranks (no speeds: the
+    even planner), while the model keeps them for its predictions; a real difference is planned."""
+    from balancer.measured.monitor import EVEN_SPEEDS, _pack_fit
+
+    topo = balancer.Topology(dp=2, micro_batches=2, max_tokens=1024, tokens_per_step=1600)
+    sampler = balancer.BalancedBatchSampler(LENGTHS, topo, FLOPS, dp_rank=0, seed=0, window_docs=WINDOW)
+    mon = BalanceMonitor(sampler, mode="adapt")
+    close = (1.0 + (EVEN_SPEEDS - 1) / 2.2, 1.0 - (EVEN_SPEEDS - 1) / 2.2)
+    mon._apply(_pack_fit(TRUE, close, (0, 2), 2))
+    assert mon.models[-1].speeds == pytest.approx(close) and mon.models[-1].plan_speeds is None
+    assert mon.model_for(0, 2)[0].rank_speeds is None
+    mon._apply(_pack_fit(TRUE, (1.3, 0.7), (0, 3), 2))
+    assert mon.models[-1].plan_speeds == pytest.approx((1.3, 0.7))
+    assert mon.model_for(0, 3)[0].rank_speeds == pytest.approx((1.3, 0.7))

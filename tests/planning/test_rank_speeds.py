@@ -128,3 +128,26 @@ def test_plan_files_without_speeds_keep_version_3(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match=r"has 2 entries, but needs one per DP replica"):
         Plan.load(tmp_path / "bad.json")
+
+
+def test_token_bound_when_the_fast_replica_cannot_hold_its_share(caplog):
+    """A step budget near capacity leaves a 3x-faster replica no room for its half of the work: token_bound says so
+    (asked, held, the budget with room) and the planner logs it once; with slack it is None and nothing is logged."""
+    import logging
+
+    from balancer.planning.speeds import token_bound
+
+    speeds = (2.0, 2 / 3, 2 / 3, 2 / 3)
+    full = Topology(dp=4, micro_batches=2, max_tokens=1024, tokens_per_step=6963, rank_speeds=speeds)
+    assert token_bound(full) == (3481, 2048, 3686)
+    room = dataclasses.replace(full, tokens_per_step=3600)
+    assert token_bound(room) is None
+    assert token_bound(dataclasses.replace(full, rank_speeds=None)) is None
+    assert token_bound(dataclasses.replace(full, rank_speeds=(1.0,) * 4)) is None
+    lengths = np.random.default_rng(0).integers(10, 400, 600)
+    with caplog.at_level(logging.INFO, logger="balancer.planning.planner"):
+        balancer.plan(lengths, room, LINEAR, seed=0)
+        assert "tokens_per_step is lowered" not in caplog.text
+        balancer.plan(lengths, full, LINEAR, seed=0)
+    assert "share of a step is about 3481 tokens, but a replica holds 2048" in caplog.text
+    assert "(to about 3686)" in caplog.text
