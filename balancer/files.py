@@ -6,20 +6,57 @@ pretokenize or pack manifest, state or lock): a plan written as `tok/manifest.js
 manifest. `atomic_write(path, write)` writes through a temporary file in the same folder, renamed over `path`: a
 reader sees the old file or the new one, never half of one; a symbolic link at `path` (to a file, a folder or a
 device) is refused, never replaced nor written through.
+
+Temporary names are recorded before they exist: a writer that holds a folder (the output lock of `pretokenize`,
+`merge` and `pack`, balancer.data.shards.output) registers a recorder for it (`record_temporaries`), and every
+temporary file created there, by `atomic_write` or by the data writers (`note_temporary`), is announced to it before
+it is created and once it is renamed or removed. So a temporary file is deleted later only because a record of ours
+names it, never because of its name.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import stat
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 from balancer.paths import input_clash
 
-__all__ = ["OutputPathError", "atomic_write", "check_output_file", "data_folder_marker"]
+__all__ = [
+    "OutputPathError",
+    "atomic_write",
+    "check_output_file",
+    "data_folder_marker",
+    "note_temporary",
+    "record_temporaries",
+]
+
+_RECORDERS: dict[str, Callable[[str, bool], bool]] = {}  # folder (real path) -> its writer's recorder
+
+
+def record_temporaries(folder: str | os.PathLike, recorder: Callable[[str, bool], bool] | None) -> None:
+    """While a writer holds `folder`: `recorder(name, True)` before a temporary file `name` is created in it and
+    `recorder(name, False)` once that file is renamed or removed (`note_temporary`; it returns whether the record
+    changed); `None` ends the recording."""
+    key = os.path.realpath(folder)
+    if recorder is None:
+        _RECORDERS.pop(key, None)
+    else:
+        _RECORDERS[key] = recorder
+
+
+def note_temporary(path: str | os.PathLike, exists: bool) -> bool:
+    """Announce that the temporary file `path` is about to be created (`exists=True`; call it before creating the
+    file) or is gone (renamed or removed), to the writer holding its folder, if one does; True when that changed
+    the record (False: no writer holds the folder, or the record already said so)."""
+    if _RECORDERS:
+        recorder = _RECORDERS.get(os.path.realpath(os.path.dirname(os.path.abspath(path))))
+        if recorder is not None:
+            return recorder(os.path.basename(path), exists)
+    return False
 
 
 class OutputPathError(ValueError):
@@ -39,8 +76,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
     path = Path(path)
     _refuse_link(path, "")
     path.parent.mkdir(parents=True, exist_ok=True)
-    # the temporary name stays short: a target name near the 255-byte limit must still be writable
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:40]}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _new_temporary(path)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as f:
@@ -49,6 +85,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
             os.fsync(f.fileno())
         _refuse_link(path, "")  # again: a link made while the file was written is not replaced either
         os.replace(tmp, path)
+        note_temporary(tmp, False)
     except OSError as e:
         _remove(tmp)
         if e.filename is None:
@@ -57,6 +94,27 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
     except BaseException:
         _remove(tmp)
         raise
+
+
+def _new_temporary(path: Path) -> tuple[int, str]:
+    """(descriptor, name) of a new temporary file beside `path` (mode 0600, never through a link), its name
+    announced (`note_temporary`) before it is created."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        # the temporary name stays short: a target name near the 255-byte limit must still be writable
+        tmp = os.path.join(path.parent, f".{path.name[:40]}.{secrets.token_hex(6)}.tmp")
+        new = note_temporary(tmp, True)
+        try:
+            return os.open(tmp, flags, 0o600), tmp
+        except FileExistsError:  # someone else's file: never ours to remove, nor to record
+            if new:
+                note_temporary(tmp, False)
+        except OSError as e:  # a read-only folder, no space: nothing was created
+            note_temporary(tmp, False)
+            if e.filename is None:
+                e.filename = os.fspath(path)
+            raise
+    raise FileExistsError(f"{path.parent}: no free temporary name for {path.name}")
 
 
 def _refuse_link(path: str | os.PathLike, flag: str) -> None:
@@ -73,6 +131,7 @@ def _remove(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    note_temporary(path, False)
 
 
 def data_folder_marker(folder: str | os.PathLike) -> str | None:
