@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Optional
 
 from balancer.data.shards.errors import DataError, arg
+from balancer.data.shards.journal import JOURNAL_SUFFIX, is_our_journal, journal_path, read_journal, replay
 from balancer.data.shards.manifest import FORMAT_NAME, MANIFEST_NAME, STATE_NAME, load_json_file, sha256_file
 from balancer.files import note_temporary, record_temporaries
 from balancer.paths import input_clash
@@ -58,7 +59,7 @@ class OutputKind:
 
     @property
     def fixed_names(self) -> tuple[str, ...]:
-        return (MANIFEST_NAME, self.state_name, DATASETS_STATE, DATASETS_INFO)
+        return (MANIFEST_NAME, self.state_name, self.state_name + JOURNAL_SUFFIX, DATASETS_STATE, DATASETS_INFO)
 
 
 PRETOKENIZE = OutputKind("pretokenize", FORMAT_NAME, STATE_NAME, _SHARD_FILE_RE, DATASETS_DESCRIPTION)
@@ -162,6 +163,11 @@ def ownership(out: Path, kind: OutputKind = PRETOKENIZE) -> Ownership:
     for name, record in ((MANIFEST_NAME, own.manifest), (kind.state_name, own.state)):
         if record is not None:
             own.owned.add(name)
+    journal = journal_path(out / kind.state_name)
+    if journal.name in entries and is_our_journal(journal):  # the shards a run recorded since its state was written
+        own.owned.add(journal.name)
+        if own.state is not None and isinstance(own.state.get("journal"), str):
+            own.state = replay(own.state, read_journal(out / kind.state_name, own.state["journal"]), str(journal))
     for name in (DATASETS_STATE, DATASETS_INFO):
         if name in entries and _is_our_metadata(out / name, kind):
             own.owned.add(name)
