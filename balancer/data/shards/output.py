@@ -19,6 +19,7 @@ The rules take an `OutputKind`, the names one command writes (`PRETOKENIZE`, the
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -360,6 +361,11 @@ class OutputLock:
             try:  # never through a symlink: the lock file is written
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
             except OSError as exc:
+                if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # not a link: the folder is read-only
+                    raise DataError(
+                        f"{arg('output')} {self.path.parent}: the folder is not writable ({exc.strerror}): its lock "
+                        f"file {LOCK_NAME} cannot be created; give a folder you can write to"
+                    ) from None
                 raise DataError(
                     f"{self.path}: cannot be opened as the lock file ({exc.strerror}); it must be a regular file "
                     f"(this tool never writes through a symlink): remove it"
