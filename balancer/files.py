@@ -7,11 +7,8 @@ manifest. `atomic_write(path, write)` writes through a temporary file in the sam
 reader sees the old file or the new one, never half of one; a symbolic link at `path` (to a file, a folder or a
 device) is refused, never replaced nor written through.
 
-Temporary names are recorded before they exist: a writer that holds a folder (the output lock of `pretokenize`,
-`merge` and `pack`, balancer.data.shards.output) registers a recorder for it (`record_temporaries`), and every
-temporary file created there, by `atomic_write` or by the data writers (`note_temporary`), is announced to it before
-it is created and once it is renamed or removed. So a temporary file is deleted later only because a record of ours
-names it, never because of its name.
+Temporary names are recorded before they exist (balancer.temporaries): `atomic_write` announces its temporary file
+to the writer holding the folder, if any, before creating it and after renaming or removing it.
 """
 
 from __future__ import annotations
@@ -24,39 +21,14 @@ from pathlib import Path
 from typing import BinaryIO
 
 from balancer.paths import input_clash
+from balancer.temporaries import note_temporary
 
 __all__ = [
     "OutputPathError",
     "atomic_write",
     "check_output_file",
     "data_folder_marker",
-    "note_temporary",
-    "record_temporaries",
 ]
-
-_RECORDERS: dict[str, Callable[[str, bool], bool]] = {}  # folder (real path) -> its writer's recorder
-
-
-def record_temporaries(folder: str | os.PathLike, recorder: Callable[[str, bool], bool] | None) -> None:
-    """While a writer holds `folder`: `recorder(name, True)` before a temporary file `name` is created in it and
-    `recorder(name, False)` once that file is renamed or removed (`note_temporary`; it returns whether the record
-    changed); `None` ends the recording."""
-    key = os.path.realpath(folder)
-    if recorder is None:
-        _RECORDERS.pop(key, None)
-    else:
-        _RECORDERS[key] = recorder
-
-
-def note_temporary(path: str | os.PathLike, exists: bool) -> bool:
-    """Announce that the temporary file `path` is about to be created (`exists=True`; call it before creating the
-    file) or is gone (renamed or removed), to the writer holding its folder, if one does; True when that changed
-    the record (False: no writer holds the folder, or the record already said so)."""
-    if _RECORDERS:
-        recorder = _RECORDERS.get(os.path.realpath(os.path.dirname(os.path.abspath(path))))
-        if recorder is not None:
-            return recorder(os.path.basename(path), exists)
-    return False
 
 
 class OutputPathError(ValueError):

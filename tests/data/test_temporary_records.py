@@ -20,7 +20,7 @@ from balancer.data.pretokenize.merge import merge
 from balancer.data.shards.errors import DataError
 from balancer.data.shards.output import LOCK_NAME, OutputLock, ownership, recorded_temporaries
 from balancer.data.shards.verify import verify
-from balancer.files import note_temporary
+from balancer.temporaries import note_temporary
 
 STATE = ".pretokenize-state.json"
 

@@ -56,11 +56,11 @@ from balancer.data.shards.manifest import MANIFEST_NAME, atomic_write_json, fsyn
 from balancer.data.shards.output import is_our_record, open_output
 from balancer.data.shards.schema import load_record, state_header
 from balancer.data.shards.writer import FLUSH_ROWS, FLUSH_TOKENS, new_arrow_sink, write_datasets_metadata
-from balancer.files import note_temporary
 from balancer.limits import DEFAULT_SHARD_TOKENS, MAX_EPOCHS, MAX_PACK_SEED, MAX_SHARD_TOKENS
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
+from balancer.temporaries import note_temporary
 
 OVERFLOW_CHOICES = ("error", "split", "truncate")
 

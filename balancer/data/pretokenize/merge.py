@@ -22,7 +22,7 @@ from balancer.data.shards.manifest import (
 )
 from balancer.data.shards.output import clear_outputs, open_output, prepare_output
 from balancer.data.shards.schema import state_header
-from balancer.files import note_temporary
+from balancer.temporaries import note_temporary
 
 
 def _slices_by_index(parts: Sequence[str]) -> dict[int, tuple[str, dict]]:

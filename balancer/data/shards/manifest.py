@@ -17,7 +17,7 @@ from typing import Any, Optional
 import numpy as np
 
 from balancer.data.shards.errors import DataError
-from balancer.files import note_temporary
+from balancer.temporaries import note_temporary
 
 FORMAT_NAME = "balancer-pretokenized"
 FORMAT_VERSION = 1

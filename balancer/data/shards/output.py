@@ -7,7 +7,7 @@ Ownership (`ownership`): a file is ours only when it is a regular file (never a 
 - its content is what this tool writes (`state.json`: only our shard names; `dataset_info.json`: our description);
 - a manifest or state of ours in the folder records it and its size and sha256 still match the record;
 - it is a temporary (`.tmp`) file of our names that the folder's lock records: a run records every temporary name
-  in its lock file before it creates the file (`balancer.files.note_temporary`) and drops it once the file is
+  in its lock file before it creates the file (`balancer.temporaries.note_temporary`) and drops it once the file is
   renamed or removed, so a run killed in between leaves the name recorded, and the next run, taking the lock over,
   deletes exactly those files (a temporary name is never enough);
 - it is a data file the state of the unfinished run records as `pending` (checksummed before its rename; the run was
@@ -35,8 +35,8 @@ from typing import Optional
 from balancer.data.shards.errors import DataError, arg
 from balancer.data.shards.journal import JOURNAL_SUFFIX, is_our_journal, journal_path, read_journal, replay
 from balancer.data.shards.manifest import FORMAT_NAME, MANIFEST_NAME, STATE_NAME, load_json_file, sha256_file
-from balancer.files import note_temporary, record_temporaries
 from balancer.paths import input_clash
+from balancer.temporaries import note_temporary, record_temporaries
 
 LOCK_NAME = ".balancer.lock"
 DATASETS_STATE = "state.json"
@@ -407,7 +407,7 @@ class OutputLock:
         return self
 
     def _note(self, name: str, exists: bool) -> bool:
-        """The recorder of `balancer.files.note_temporary` for this folder: the record is rewritten before a new
+        """The recorder of `balancer.temporaries.note_temporary` for this folder: the record is rewritten before a new
         temporary file is created and after one is gone."""
         if (name in self.temporary) == exists:
             return False

@@ -23,7 +23,7 @@ from balancer.data.shards.manifest import (
     shard_file_names,
 )
 from balancer.data.shards.output import DATASETS_DESCRIPTION, DATASETS_INFO, DATASETS_STATE
-from balancer.files import note_temporary
+from balancer.temporaries import note_temporary
 
 FLUSH_TOKENS = 1 << 20  # record batches of other row writers (balancer pack): at most ~1M tokens ...
 FLUSH_ROWS = 4096  # ... or this many rows
