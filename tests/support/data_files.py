@@ -83,9 +83,14 @@ def kill_at_progress(cmd: list[str], out: Path, state_name: str, ref: Path, stre
 
     def finished_shards() -> int:  # the state file is replaced atomically: read it afresh on every poll
         try:
-            return len(json.loads((out / state_name).read_text())["shards"])
+            recorded = len(json.loads((out / state_name).read_text())["shards"])
         except (FileNotFoundError, ValueError, KeyError):
             return 0
+        try:  # and the shards its journal records since (pretokenize: one line per record, balancer.data.shards)
+            lines = (out / (state_name + ".journal")).read_bytes().split(b"\n")
+        except FileNotFoundError:
+            return recorded
+        return recorded + sum(1 for line in lines if line[9:19] == b'{"shard":{')
 
     def wait_for(proc, target: int) -> None:
         """Until `target` shards are recorded, then a random moment within about one more shard's time."""
