@@ -1,5 +1,6 @@
 """A pretokenize run records its shards in an append-only journal, not by rewriting its state: the state file is
-written once per run, each shard appends two checksummed lines. A line cut short by a kill is a record never
+written at the start of a run and once more when it stops by itself (the journal folded in), each shard appends two
+checksummed lines. A line cut short by a kill is a record never
 committed; a damaged line before the last is refused naming the file and line; a stale journal (another id) is
 ignored; a kill at any point still resumes to the same bytes (the kill -9 tests of test_pretokenize.py and
 test_reliability_output.py run the same paths)."""
@@ -37,13 +38,15 @@ def ref(tmp_path_factory, src) -> Path:
 
 @pytest.fixture()
 def unfinished(src, tmp_path, monkeypatch) -> Path:
-    """A run stopped after its shards were recorded, before its manifest."""
+    """A run stopped after its shards were recorded, before its manifest and before folding its journal into the
+    state (as a kill leaves it)."""
     out = tmp_path / "out"
 
     def stop(*a, **k):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(pipeline, "finish_output", stop)
+    monkeypatch.setattr(pipeline._ShardRun, "compact", lambda self: self.journal.close())
     with pytest.raises(KeyboardInterrupt):
         tokenize([src], out)
     monkeypatch.undo()
@@ -56,7 +59,20 @@ def test_the_state_file_is_written_once_per_run_not_per_shard(src, tmp_path, mon
     monkeypatch.setattr(pipeline, "atomic_write_json", lambda path, obj: writes.append(path.name) or real(path, obj))
     manifest = tokenize([src], tmp_path / "out")
     assert len(manifest["shards"]) >= 5
-    assert writes.count(STATE) == 1  # the shards went to the journal
+    assert writes.count(STATE) == 2  # at the start and when folding the journal in: the shards went to the journal
+
+
+def test_a_run_that_stops_by_itself_leaves_one_self_contained_state(src, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+
+    def stop(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline, "finish_output", stop)
+    with pytest.raises(KeyboardInterrupt):
+        tokenize([src], out)
+    state = json.loads((out / STATE).read_text())
+    assert len(state["shards"]) >= 5 and "journal" not in state and not journal_path(out / STATE).exists()
 
 
 def test_the_journal_holds_the_shards_and_a_resume_reads_them(unfinished, src, ref):

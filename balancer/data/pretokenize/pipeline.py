@@ -227,12 +227,24 @@ class _ShardRun:
         self.state["pending"] = [{"name": entry["name"], "files": entry["files"]}]
         self.journal.append({"pending": self.state["pending"]})
 
+    def compact(self) -> None:
+        """Fold the journal into the state file (one whole write, once per run) and remove it: a run that stops by
+        itself, finished or not, leaves one self-contained state. A kill in between leaves a state without a journal
+        id, which makes the journal a stale one of ours."""
+        self.journal.close()
+        self.state.pop("journal", None)
+        atomic_write_json(self.out / STATE_NAME, self.state)
+        remove_our_journal(self.out / STATE_NAME)
+
     def abort(self) -> None:
         """Remove the open shard's temporary files; the recorded shards and the state file stay (resumable)."""
         if self.writer is not None:
             self.writer.abort()
             self.writer = None
-        self.journal.close()
+        try:
+            self.compact()
+        except OSError:  # no space for the state: the journal stays, as valid as before
+            pass
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -479,7 +491,7 @@ def pretokenize(
                 raise watch.error(change) from None
             raise
         _check_inputs_unchanged(watch, sources, infos, run.counters["records"], end - start, disable)
-        run.journal.close()
+        run.compact()
         manifest = _manifest_of(run, job, slice_, tok, tokenizer, infos, ignored, engine_info)
         finish_output(out, manifest, tok.dtype)
     summarize(out, manifest, time.perf_counter() - t0)
