@@ -6,20 +6,29 @@ pretokenize or pack manifest, state or lock): a plan written as `tok/manifest.js
 manifest. `atomic_write(path, write)` writes through a temporary file in the same folder, renamed over `path`: a
 reader sees the old file or the new one, never half of one; a symbolic link at `path` (to a file, a folder or a
 device) is refused, never replaced nor written through.
+
+Temporary names are recorded before they exist (balancer.temporaries): `atomic_write` announces its temporary file
+to the writer holding the folder, if any, before creating it and after renaming or removing it.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import stat
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 from balancer.paths import input_clash
+from balancer.temporaries import note_temporary
 
-__all__ = ["OutputPathError", "atomic_write", "check_output_file", "data_folder_marker"]
+__all__ = [
+    "OutputPathError",
+    "atomic_write",
+    "check_output_file",
+    "data_folder_marker",
+]
 
 
 class OutputPathError(ValueError):
@@ -39,8 +48,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
     path = Path(path)
     _refuse_link(path, "")
     path.parent.mkdir(parents=True, exist_ok=True)
-    # the temporary name stays short: a target name near the 255-byte limit must still be writable
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:40]}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _new_temporary(path)
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600
         with os.fdopen(fd, "wb") as f:
@@ -49,6 +57,7 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
             os.fsync(f.fileno())
         _refuse_link(path, "")  # again: a link made while the file was written is not replaced either
         os.replace(tmp, path)
+        note_temporary(tmp, False)
     except OSError as e:
         _remove(tmp)
         if e.filename is None:
@@ -57,6 +66,27 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], object]) -
     except BaseException:
         _remove(tmp)
         raise
+
+
+def _new_temporary(path: Path) -> tuple[int, str]:
+    """(descriptor, name) of a new temporary file beside `path` (mode 0600, never through a link), its name
+    announced (`note_temporary`) before it is created."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        # the temporary name stays short: a target name near the 255-byte limit must still be writable
+        tmp = os.path.join(path.parent, f".{path.name[:40]}.{secrets.token_hex(6)}.tmp")
+        new = note_temporary(tmp, True)
+        try:
+            return os.open(tmp, flags, 0o600), tmp
+        except FileExistsError:  # someone else's file: never ours to remove, nor to record
+            if new:
+                note_temporary(tmp, False)
+        except OSError as e:  # a read-only folder, no space: nothing was created
+            note_temporary(tmp, False)
+            if e.filename is None:
+                e.filename = os.fspath(path)
+            raise
+    raise FileExistsError(f"{path.parent}: no free temporary name for {path.name}")
 
 
 def _refuse_link(path: str | os.PathLike, flag: str) -> None:
@@ -73,6 +103,7 @@ def _remove(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+    note_temporary(path, False)
 
 
 def data_folder_marker(folder: str | os.PathLike) -> str | None:

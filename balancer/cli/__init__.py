@@ -18,7 +18,7 @@ from balancer.cli import backends as cli_backends
 from balancer.cli import calibrate as cli_calibrate
 from balancer.cli import data as cli_data
 from balancer.cli import plan as cli_plan
-from balancer.cli.flags import OneLineParser, parse_with_checks, python_to_flags
+from balancer.cli.flags import OneLineParser, os_error_line, parse_with_checks, python_to_flags, running
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,15 +56,14 @@ def main(argv: list[str] | None = None) -> int:
         args = parse_with_checks(parser, argv)
     except SystemExit as e:  # a refused flag (one line printed), --help, --version: a code, for in-process callers
         return e.code if isinstance(e.code, int) else 2
+    running(parser, args)
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError, RuntimeError) as e:
         print(f"balancer {args.command}: error: {python_to_flags(str(e))}", file=sys.stderr)
         return 2
     except OSError as e:
-        from balancer.data.shards.errors import describe_os_error
-
-        print(f"balancer {args.command}: error: {describe_os_error(e)}", file=sys.stderr)
+        print(f"balancer {args.command}: error: {os_error_line(e)}", file=sys.stderr)
         return 2
 
 

@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from balancer.cli.flags import count, limits, python_to_flags
+from balancer.cli.flags import count, limits, os_error_line, python_to_flags
 from balancer.cli.options import add_topology_args, cost_from_args, topology_from_args
 from balancer.data.pretokenize.options import ENGINES, ON_ERROR_CHOICES, OVERFLOW_CHOICES
 from balancer.data.shards.errors import describe_os_error, render_message
@@ -70,7 +70,7 @@ def _reporting(call, errors: tuple, resumable: bool) -> int:
         print(f"error: {cli_message(exc)}", file=sys.stderr)
         return EXIT_ERROR
     except OSError as exc:
-        print(f"error: {describe_os_error(exc)}", file=sys.stderr)
+        print(f"error: {os_error_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         if not resumable:

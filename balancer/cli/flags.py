@@ -168,3 +168,45 @@ def python_to_flags(message: str) -> str:
     message = re.sub(r"\bTopology\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), message)
     message = re.sub(r"\braise max_tokens or cp\b", "raise --max-tokens or --cp", message)
     return re.sub(r"\blower dp or micro_batches\b", "lower --dp or --micro-batches", message)
+
+
+_RUNNING: list = []  # (parser, args) of the command `main` runs: what `os_error_line` names paths by
+
+
+def running(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Remember the command line being run, so that an OS error about one of its paths names the flag."""
+    _RUNNING[:] = [(parser, args)]
+
+
+def path_flag(filename: object) -> Optional[str]:
+    """The flag (`--output`) or positional (`INPUT`) of the running command whose path is `filename` or a folder
+    holding it (the most specific one), or None."""
+    if not _RUNNING or not isinstance(filename, (str, bytes)) or isinstance(filename, bytes):
+        return None
+    import os
+
+    parser, args = _RUNNING[0]
+    sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    actions = sub.choices[args.command]._actions if sub is not None and args.command in sub.choices else []
+    best, best_len = None, -1
+    target = os.path.abspath(filename)
+    for action in actions:
+        value = getattr(args, action.dest, None)
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if not isinstance(v, (str, os.PathLike)) or not str(v):
+                continue
+            path = os.path.abspath(os.fspath(v))
+            if (target == path or target.startswith(path.rstrip(os.sep) + os.sep)) and len(path) > best_len:
+                names = sorted(action.option_strings, key=len)
+                best = names[-1] if names else (action.metavar or action.dest.upper())
+                best_len = len(path)
+    return best
+
+
+def os_error_line(exc: OSError) -> str:
+    """`describe_os_error`'s 'PATH: reason (what to do)', the path preceded by the flag that gave it."""
+    from balancer.data.shards.errors import describe_os_error
+
+    flag = path_flag(exc.filename)
+    return f"{flag} {describe_os_error(exc)}" if flag else describe_os_error(exc)

@@ -75,20 +75,29 @@ def metrics_table(metrics: dict[str, dict], speedup: bool = False) -> str:
     per entry; with `speedup`, the predicted step-time ratio against the last column."""
     names = list(metrics)
     width = max(14, *(len(n) + 2 for n in names))
-    lines = [f"{'metric':<20}" + "".join(f"{n:>{width}}" for n in names), "-" * (20 + width * len(names))]
+    label = max(20, len(f"predicted speedup vs {names[-1]}") + 2 if speedup else 20)
+    lines = [f"{'metric':<{label}}" + "".join(f"{n:>{width}}" for n in names), "-" * (label + width * len(names))]
     for row in ROWS:
         cells = []
         for n in names:
             v = metrics[n][row]
             cells.append(f"{v:>{width},}" if isinstance(v, int) else f"{v:>{width}.4f}")
-        lines.append(f"{row:<20}" + "".join(cells))
+        lines.append(f"{row:<{label}}" + "".join(cells))
     if speedup:
         base = metrics[names[-1]]["step_time_total"]
         lines.append(
-            f"{'speedup vs ' + names[-1]:<20}"
+            f"{'predicted speedup vs ' + names[-1]:<{label}}"
             + "".join(f"{base / metrics[n]['step_time_total']:>{width}.3f}" for n in names)
         )
+    lines.append(PREDICTED_NOTE)
     return "\n".join(lines)
+
+
+# what the table's figures are: the cost model's prediction for the plan, except the one clock reading
+PREDICTED_NOTE = (
+    "(imbalance, worst_step, epoch_efficiency and any speedup are predicted by the cost model for the plan, not "
+    "timed; plan_seconds is measured)"
+)
 
 
 def check_plot_path(path: str) -> str:

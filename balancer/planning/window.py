@@ -174,10 +174,10 @@ def rows_per_step(length: int, topology: Topology) -> int:
 
 
 def step_count(stats: tuple, topology: Topology) -> int:
-    """A window's step count from `unit_stats` of its planning units (`fixed_step_count`); a ValueError naming
-    `window_docs` when no count fits them (too few documents for a step, or more than the steps that many documents
-    can fill hold)."""
-    total, units, big, low, high = stats
+    """A window's step count (`fixed_step_count`) from its planning units' token total, number, number over half a
+    unit's cap and common length (None when they have several); a ValueError naming `window_docs` when no count
+    fits them (too few documents for a step, or more than the steps that many documents can fill hold)."""
+    total, units, big, common = stats
     counted = count_topology(topology)
     nb = counted.bins_per_step
     if units < nb:
@@ -185,7 +185,7 @@ def step_count(stats: tuple, topology: Topology) -> int:
             f"a window of {units} documents cannot fill the dp*micro_batches = {nb} micro-batches of a step; raise "
             "window_docs"
         )
-    rows = rows_per_step(low, topology) if low == high else None
+    rows = None if common is None else rows_per_step(common, topology)
     big = 0 if topology.dynamic else big
     steps = fixed_step_count(total, units, big, rows, counted)
     if total > steps * topology.capacity or big > steps * nb or (rows and units > steps * rows):
@@ -202,7 +202,8 @@ def window_step_count(lengths, topology: Topology, overflow: str = "error") -> i
     and the token budget alone, never the cost model or rank speeds (`fixed_step_count`)."""
     lengths = validate_lengths(lengths)
     _, u_start, u_end = planning_units(lengths, unit_cap(topology), overflow, topology)
-    return step_count(unit_stats(u_end - u_start, unit_cap(topology)), topology)
+    total, units, big, low, high = unit_stats(u_end - u_start, unit_cap(topology))
+    return step_count((total, units, big, low if low == high else None), topology)
 
 
 def window_step_counts(
@@ -221,37 +222,66 @@ def window_step_counts(
     n = len(lengths)
     window_docs = min(int(window_docs), n)
     k = num_windows(n, window_docs)
-    cap = unit_cap(topology)
-    total, units, big = (np.zeros(k, dtype=np.int64) for _ in range(3))
-    low, high = np.full(k, np.iinfo(np.int64).max), np.zeros(k, dtype=np.int64)
-    shuffle = EpochShuffle(n, seed, epoch) if k > 1 else None
-    for first in range(0, n, chunk):
-        raw = np.asarray(lengths[first : first + chunk], dtype=np.int64)
-        win = np.zeros(len(raw), dtype=np.int64)
-        if shuffle is not None:
-            win = shuffle.inverse_small(np.arange(first, first + len(raw))) // window_docs
+    acc = _WindowStats(k, unit_cap(topology), overflow == "split")
+    runs = ((first, np.asarray(lengths[first : first + chunk], dtype=np.int64)) for first in range(0, n, chunk))
+    if k == 1:
+        for _, raw in runs:
+            acc.add(np.zeros(len(raw), dtype=np.intp), raw)
+    else:
+        for positions, raw in EpochShuffle(n, seed, epoch).positions_of_runs(runs):
+            win = positions // window_docs
             np.minimum(win, k - 1, out=win)
-        tok = raw if overflow == "split" else np.minimum(raw, cap)
-        if overflow == "split" and int(raw.max()) > cap:  # a document over a micro-batch: full pieces and a rest
-            rest = raw % cap
-            units += _sums(win, -(-raw // cap), k)
-            big += _sums(win, np.where(raw > cap, raw // cap + (2 * rest > cap), 2 * raw > cap), k)
-            smallest, longest = np.where(raw > cap, np.where(rest > 0, rest, cap), raw), np.minimum(raw, cap)
-        else:
-            units += np.bincount(win, minlength=k)
-            big += np.bincount(win[2 * tok > cap], minlength=k)
-            smallest = longest = tok
-        total += _sums(win, tok, k)
-        np.minimum.at(low, win, smallest)
-        np.maximum.at(high, win, longest)
+            acc.add(win, raw)
     counts = np.zeros(k, dtype=np.int64)
     for w in range(k):
-        stats = (int(total[w]), int(units[w]), int(big[w]), int(low[w]), int(high[w]))
+        first, stop = window_range(n, window_docs, w)
         try:
-            counts[w] = step_count(stats, topology)
+            counts[w] = step_count(acc.window(w, stop - first), topology)
         except ValueError as e:
             raise ValueError(f"window {w} of {k} (window_docs = {window_docs}): {e}") from None
     return counts
+
+
+class _WindowStats:
+    """What `step_count` needs of every window's planning units, summed batch by batch from documents' raw lengths
+    (a document longer than `cap` is its split pieces with `split`, otherwise cut to `cap`): token totals, pieces
+    beyond one per document, units over half of `cap`, and whether all of a window's units have one length (tracked
+    only until every window is known to have two)."""
+
+    def __init__(self, k: int, cap: int, split: bool) -> None:
+        self.k, self.cap, self.split = k, cap, split
+        self.total, self.extra, self.big = (np.zeros(k, dtype=np.int64) for _ in range(3))
+        self.common, self.mixed = np.full(k, -1, dtype=np.int64), np.zeros(k, dtype=bool)
+        self.all_mixed = False
+
+    def add(self, win: np.ndarray, raw: np.ndarray) -> None:
+        if not len(raw):
+            return
+        k, cap = self.k, self.cap
+        win = win.astype(np.intp, copy=False)  # what bincount and take index with, without a conversion each
+        over = np.flatnonzero(raw > cap) if int(raw.max()) > cap else None
+        tok = raw if over is None else np.minimum(raw, cap)
+        self.total += _sums(win, raw if self.split else tok, k)
+        self.big += np.bincount(win.take(np.flatnonzero(2 * tok > cap)), minlength=k)
+        if self.split and over is not None:  # full pieces and a rest: one unit was counted, one big unit too
+            r, w = raw.take(over), win.take(over)
+            rest = r % cap
+            self.extra += _sums(w, -(-r // cap) - 1, k)
+            self.big += _sums(w, r // cap + (2 * rest > cap) - 1, k)
+            self.mixed[w[rest > 0]] = True
+        if not self.all_mixed:
+            common = self.common.take(win)
+            new = common < 0
+            if new.any():  # a window's first units: their length is the one the others are compared with
+                self.common[win[new]] = tok[new]
+                common = self.common.take(win)
+            self.mixed[win[tok != common]] = True
+            self.all_mixed = bool(self.mixed.all())
+
+    def window(self, w: int, docs: int) -> tuple[int, int, int, int | None]:
+        """`step_count`'s statistics of window `w`, which holds `docs` documents."""
+        common = None if self.mixed[w] else int(self.common[w])
+        return int(self.total[w]), docs + int(self.extra[w]), int(self.big[w]), common
 
 
 def _sums(win: np.ndarray, values: np.ndarray, k: int) -> np.ndarray:

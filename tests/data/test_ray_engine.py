@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import ray
 import ray.cloudpickle
-from support.data_files import make_texts, write_jsonl, write_parquet
+from support.data_files import make_texts, recorded_shards, write_jsonl, write_parquet
 
 from balancer import cli
 from balancer.data.pretokenize import ray_engine
@@ -156,7 +156,7 @@ def test_killed_driver_resumes_byte_identical(cluster, tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     state, t0 = out / ".pretokenize-state.json", time.time()
     while proc.poll() is None and time.time() - t0 < 90:
-        if state.exists() and len(json.loads(state.read_text() or "{}").get("shards", [])) >= 2:
+        if state.exists() and recorded_shards(out, state.name) >= 2:
             break
         time.sleep(0.02)
     assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]

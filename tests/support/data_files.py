@@ -67,6 +67,20 @@ def dir_bytes(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(Path(folder).iterdir()) if p.is_file()}
 
 
+def recorded_shards(out: Path, state_name: str) -> int:
+    """Shards the run state in `out` records: its state file's and, for pretokenize, its journal's since (one line
+    per record, balancer.data.shards.journal); 0 while there is no state."""
+    try:
+        recorded = len(json.loads((out / state_name).read_text())["shards"])
+    except (FileNotFoundError, ValueError, KeyError):
+        return 0
+    try:
+        lines = (out / (state_name + ".journal")).read_bytes().split(b"\n")
+    except FileNotFoundError:
+        return recorded
+    return recorded + sum(1 for line in lines if line[9:19] == b'{"shard":{')
+
+
 def kill_at_progress(cmd: list[str], out: Path, state_name: str, ref: Path, stretches: int, seed: int) -> list[str]:
     """SIGKILL `cmd` (a run writing `out`) once during start-up, then once inside each of `stretches` disjoint,
     later stretches of its writing phase, keyed to the shards its state file records, not to the clock; rerun the
@@ -82,10 +96,7 @@ def kill_at_progress(cmd: list[str], out: Path, state_name: str, ref: Path, stre
     rng = random.Random(seed)
 
     def finished_shards() -> int:  # the state file is replaced atomically: read it afresh on every poll
-        try:
-            return len(json.loads((out / state_name).read_text())["shards"])
-        except (FileNotFoundError, ValueError, KeyError):
-            return 0
+        return recorded_shards(out, state_name)
 
     def wait_for(proc, target: int) -> None:
         """Until `target` shards are recorded, then a random moment within about one more shard's time."""

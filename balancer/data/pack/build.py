@@ -60,6 +60,7 @@ from balancer.limits import DEFAULT_SHARD_TOKENS, MAX_EPOCHS, MAX_PACK_SEED, MAX
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
+from balancer.temporaries import note_temporary
 
 OVERFLOW_CHOICES = ("error", "split", "truncate")
 
@@ -91,6 +92,7 @@ def _finish_file(tmp: Path, final: Path, out: Path, state: dict) -> dict:
     state["pending"] = [{"name": final.name, "files": {final.name: meta}}]
     atomic_write_json(out / PACK_STATE_NAME, state)
     os.replace(tmp, final)
+    note_temporary(tmp, False)
     return meta
 
 
@@ -214,6 +216,7 @@ def _plans(out: Path, source: SourceTokens, topology, cost, epochs, seed, overfl
             plans.append(Plan.load(out / name))
             continue
         plan = plan_epoch(source, topology, cost, seed, overflow, epoch)
+        note_temporary(out / (name + ".tmp"), True)  # Plan.save's own temporary file is recorded by atomic_write
         plan.save(out / (name + ".tmp"))
         meta = _finish_file(out / (name + ".tmp"), out / name, out, state)
         state["plans"] = [p for p in state["plans"] if p["name"] != name] + [{"name": name, "files": {name: meta}}]

@@ -17,12 +17,12 @@ from balancer.data.shards.manifest import (
     STATE_NAME,
     atomic_write_json,
     create_new_file,
-    remove_if_present,
     sha256_file,
     shard_file_names,
 )
 from balancer.data.shards.output import clear_outputs, open_output, prepare_output
 from balancer.data.shards.schema import state_header
+from balancer.temporaries import note_temporary
 
 
 def _slices_by_index(parts: Sequence[str]) -> dict[int, tuple[str, dict]]:
@@ -64,7 +64,7 @@ def _link_shard(part: str, entry: dict, out: Path, index: int, state: dict) -> d
         src = Path(part) / old_fn
         meta = entry["files"][old_fn]
         tmp = out / (new_fn + ".tmp")
-        remove_if_present(tmp)
+        note_temporary(tmp, True)  # recorded before it exists (the output rules cleared a recorded leftover)
         try:
             os.link(src, tmp, follow_symlinks=True)  # a new entry: never writes through a link at `tmp`
         except OSError:
@@ -72,12 +72,14 @@ def _link_shard(part: str, entry: dict, out: Path, index: int, state: dict) -> d
                 shutil.copyfileobj(fin, fout, 1 << 23)
         if sha256_file(tmp) != meta["sha256"]:
             os.remove(tmp)
+            note_temporary(tmp, False)
             raise DataError(f"merge: {src}: sha256 mismatch (run `balancer verify {part}`)")
         new["files"][new_fn] = meta
     state["pending"].append({"name": new["name"], "files": new["files"]})
     atomic_write_json(out / STATE_NAME, state)
     for new_fn in new["files"]:
         os.replace(out / (new_fn + ".tmp"), out / new_fn)
+        note_temporary(out / (new_fn + ".tmp"), False)
     return new
 
 

@@ -13,6 +13,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import secrets
 import sys
 import time
 from collections import deque
@@ -44,6 +45,7 @@ from balancer.data.pretokenize.tokenize import (
     load_tokenizer,
 )
 from balancer.data.shards.errors import DataError, arg
+from balancer.data.shards.journal import StateJournal, journal_path, read_journal, remove_our_journal, replay
 from balancer.data.shards.limits import check_count, usable_processes
 from balancer.data.shards.manifest import (
     FORMAT_NAME,
@@ -59,7 +61,7 @@ from balancer.data.shards.output import (
     open_output,
     prepare_output,
 )
-from balancer.data.shards.schema import load_record, state_header
+from balancer.data.shards.schema import check_record, load_record, state_header
 from balancer.data.shards.writer import ShardWriter, shard_features, write_datasets_metadata
 from balancer.limits import MAX_NUM_PROC, MAX_NUM_SHARDS
 
@@ -114,6 +116,7 @@ def finish_output(out: Path, manifest: dict, dtype: np.dtype) -> None:
         os.remove(out / STATE_NAME)
     except FileNotFoundError:
         pass
+    remove_our_journal(out / STATE_NAME)
 
 
 def _version() -> str:
@@ -166,6 +169,7 @@ class _ShardRun:
         self.shards: list[dict] = state["shards"]
         self.counters = counters
         self.writer: Optional[ShardWriter] = None
+        self.journal = StateJournal(out / STATE_NAME, state["journal"])  # a shard's record is appended: O(1)
 
     def take_batch(self, meta: list, lengths: np.ndarray, flat: np.ndarray, errors: dict) -> None:
         """One encoded batch: `meta[j] = (doc_id, where, cursor after)`, `lengths[j] < 0` for a bad record."""
@@ -215,19 +219,32 @@ class _ShardRun:
         entry["cursor"] = cursor.to_json()
         entry["counters"] = json.loads(json.dumps(self.counters))
         self.shards.append(entry)
-        atomic_write_json(self.out / STATE_NAME, self.state)
+        self.journal.append({"shard": entry})
 
     def _record_pending(self, entry: dict) -> None:
         """The shard's files, checksummed, before they get their final names: what makes them provably ours
         should the run die between the renames and their record."""
         self.state["pending"] = [{"name": entry["name"], "files": entry["files"]}]
+        self.journal.append({"pending": self.state["pending"]})
+
+    def compact(self) -> None:
+        """Fold the journal into the state file (one whole write, once per run) and remove it: a run that stops by
+        itself, finished or not, leaves one self-contained state. A kill in between leaves a state without a journal
+        id, which makes the journal a stale one of ours."""
+        self.journal.close()
+        self.state.pop("journal", None)
         atomic_write_json(self.out / STATE_NAME, self.state)
+        remove_our_journal(self.out / STATE_NAME)
 
     def abort(self) -> None:
         """Remove the open shard's temporary files; the recorded shards and the state file stay (resumable)."""
         if self.writer is not None:
             self.writer.abort()
             self.writer = None
+        try:
+            self.compact()
+        except OSError:  # no space for the state: the journal stays, as valid as before
+            pass
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -273,6 +290,7 @@ def _already_complete(out: Path, prev: dict) -> dict:
 
     if is_our_record(out / STATE_NAME):  # killed between writing the manifest and removing the state file
         os.remove(out / STATE_NAME)
+    remove_our_journal(out / STATE_NAME)
     problems = verify(out)
     if problems:
         raise DataError(
@@ -290,6 +308,8 @@ def _resume_point(out: Path, prev: Optional[dict], cursor: Cursor) -> tuple[list
     if prev is None:
         return [], counters, cursor
     prev = load_record(out / STATE_NAME, "state")  # strict: exact types, no unknown keys
+    journal = read_journal(out / STATE_NAME, prev.get("journal"))
+    prev = check_record(replay(prev, journal, str(journal_path(out / STATE_NAME))), str(out / STATE_NAME), "state")
     check_state_against_disk(out, prev, cursor.record)
     shards = list(prev["shards"])
     if shards:
@@ -453,8 +473,10 @@ def pretokenize(
         if status == "complete":
             return _already_complete(out, prev)
         shards, counters, cursor = _resume_point(out, prev, cursor_for_record(start, infos))
-        clear_outputs(out, owned, keep={fn for e in shards for fn in e["files"]} | {STATE_NAME})
+        keep = {fn for e in shards for fn in e["files"]} | {STATE_NAME, journal_path(out / STATE_NAME).name}
+        clear_outputs(out, owned, keep=keep)
         state = {**state_header("state"), "job": job, "slice": slice_, "inputs": infos, "shards": shards}
+        state["journal"] = secrets.token_hex(8)  # the state holds every shard so far; a new journal follows it
         atomic_write_json(out / STATE_NAME, state)
 
         run = _ShardRun(out, opts, tok, state, counters)
@@ -469,6 +491,7 @@ def pretokenize(
                 raise watch.error(change) from None
             raise
         _check_inputs_unchanged(watch, sources, infos, run.counters["records"], end - start, disable)
+        run.compact()
         manifest = _manifest_of(run, job, slice_, tok, tokenizer, infos, ignored, engine_info)
         finish_output(out, manifest, tok.dtype)
     summarize(out, manifest, time.perf_counter() - t0)

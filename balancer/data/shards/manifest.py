@@ -17,6 +17,7 @@ from typing import Any, Optional
 import numpy as np
 
 from balancer.data.shards.errors import DataError
+from balancer.temporaries import note_temporary
 
 FORMAT_NAME = "balancer-pretokenized"
 FORMAT_VERSION = 1
@@ -106,7 +107,7 @@ def atomic_write_json(path: Path, obj: Any) -> None:
     """Write `obj` as JSON to `path` via a temporary file (created new, never through a symlink), fsync and
     rename: readers see old or new, never half."""
     tmp = path.with_name(path.name + ".tmp")
-    remove_if_present(tmp)  # a leftover of a killed run of ours (the output rules cleared anything else)
+    new = note_temporary(tmp, True)  # recorded before it exists: a kill's leftover is deleted by the record only
     try:
         with os.fdopen(create_new_file(tmp), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, sort_keys=False)
@@ -114,8 +115,14 @@ def atomic_write_json(path: Path, obj: Any) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        note_temporary(tmp, False)
+    except FileExistsError:  # not ours (the output rules delete only recorded leftovers): never removed
+        if new:
+            note_temporary(tmp, False)
+        raise
     except BaseException:  # disk full, interrupted: leave the old file, not half of a new one
         remove_if_present(tmp)
+        note_temporary(tmp, False)
         raise
 
 

@@ -6,9 +6,12 @@ Ownership (`ownership`): a file is ours only when it is a regular file (never a 
 - it is our manifest or state file (its content says so: our `format`, a `job`, the record lists);
 - its content is what this tool writes (`state.json`: only our shard names; `dataset_info.json`: our description);
 - a manifest or state of ours in the folder records it and its size and sha256 still match the record;
-- it is a leftover of the unfinished run whose state is in the folder: a temporary (`.tmp`) file of our names, or a
-  data file the state records as `pending` (checksummed before its rename; the run was killed before recording it
-  as finished) whose size and sha256 match.
+- it is a temporary (`.tmp`) file of our names that the folder's lock records: a run records every temporary name
+  in its lock file before it creates the file (`balancer.temporaries.note_temporary`) and drops it once the file is
+  renamed or removed, so a run killed in between leaves the name recorded, and the next run, taking the lock over,
+  deletes exactly those files (a temporary name is never enough);
+- it is a data file the state of the unfinished run records as `pending` (checksummed before its rename; the run was
+  killed before recording it as finished) whose size and sha256 match.
 Any other file carrying one of our names is *disputed*: every run (plain, resume, `--overwrite`) stops naming it and
 its reason, and nothing is deleted. `--overwrite` deletes only owned files; files with other names are never touched.
 The rules take an `OutputKind`, the names one command writes (`PRETOKENIZE`, the default, or `pack`'s).
@@ -16,6 +19,7 @@ The rules take an `OutputKind`, the names one command writes (`PRETOKENIZE`, the
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -29,8 +33,10 @@ from pathlib import Path
 from typing import Optional
 
 from balancer.data.shards.errors import DataError, arg
+from balancer.data.shards.journal import JOURNAL_SUFFIX, is_our_journal, journal_path, read_journal, replay
 from balancer.data.shards.manifest import FORMAT_NAME, MANIFEST_NAME, STATE_NAME, load_json_file, sha256_file
 from balancer.paths import input_clash
+from balancer.temporaries import note_temporary, record_temporaries
 
 LOCK_NAME = ".balancer.lock"
 DATASETS_STATE = "state.json"
@@ -54,7 +60,7 @@ class OutputKind:
 
     @property
     def fixed_names(self) -> tuple[str, ...]:
-        return (MANIFEST_NAME, self.state_name, DATASETS_STATE, DATASETS_INFO)
+        return (MANIFEST_NAME, self.state_name, self.state_name + JOURNAL_SUFFIX, DATASETS_STATE, DATASETS_INFO)
 
 
 PRETOKENIZE = OutputKind("pretokenize", FORMAT_NAME, STATE_NAME, _SHARD_FILE_RE, DATASETS_DESCRIPTION)
@@ -140,11 +146,9 @@ class Ownership:
     foreign: set[str] = field(default_factory=set)  # other names: the user's, never touched
 
 
-def _is_leftover(out: Path, name: str, state: dict) -> bool:
-    """A temporary file of ours, or a data file the state records as pending (written and checksummed, then killed
-    between its rename and its record) whose size and sha256 match."""
-    if name.endswith(".tmp"):
-        return True
+def _is_pending(out: Path, name: str, state: dict) -> bool:
+    """A data file the state records as pending (written and checksummed, then killed between its rename and its
+    record) whose size and sha256 match."""
     pending = state.get("pending")
     for entry in pending if isinstance(pending, list) else []:
         files = entry.get("files") if isinstance(entry, dict) else None
@@ -160,11 +164,15 @@ def ownership(out: Path, kind: OutputKind = PRETOKENIZE) -> Ownership:
     for name, record in ((MANIFEST_NAME, own.manifest), (kind.state_name, own.state)):
         if record is not None:
             own.owned.add(name)
+    journal = journal_path(out / kind.state_name)
+    if journal.name in entries and is_our_journal(journal):  # the shards a run recorded since its state was written
+        own.owned.add(journal.name)
+        if own.state is not None and isinstance(own.state.get("journal"), str):
+            own.state = replay(own.state, read_journal(out / kind.state_name, own.state["journal"]), str(journal))
     for name in (DATASETS_STATE, DATASETS_INFO):
         if name in entries and _is_our_metadata(out / name, kind):
             own.owned.add(name)
-    if is_regular_file(out / (kind.state_name + ".tmp")):  # a hidden name of ours: killed before the first rename
-        own.owned.add(kind.state_name + ".tmp")
+    recorded = recorded_temporaries(out)
     for record, source in ((own.manifest, MANIFEST_NAME), (own.state, kind.state_name)):
         for name, meta in (_recorded_files(record, kind) if record else {}).items():
             if name in entries and name not in own.owned and name not in own.disputed:
@@ -176,7 +184,15 @@ def ownership(out: Path, kind: OutputKind = PRETOKENIZE) -> Ownership:
     for name in sorted(entries - own.owned - set(own.disputed)):
         if not is_output_name(name, kind):
             own.foreign.add(name)
-        elif own.state is not None and is_regular_file(out / name) and _is_leftover(out, name, own.state):
+        elif name.endswith(".tmp"):
+            if name in recorded and is_regular_file(out / name):
+                own.owned.add(name)
+            else:
+                own.disputed[name] = (
+                    f"has a temporary name this tool writes, but the folder's lock ({LOCK_NAME}) does not record it "
+                    "as a file of a run of ours"
+                )
+        elif own.state is not None and is_regular_file(out / name) and _is_pending(out, name, own.state):
             own.owned.add(name)
         else:
             own.disputed[name] = "has a name this tool writes, but no manifest or state of ours here records it"
@@ -193,6 +209,7 @@ def clear_outputs(out: Path, names: Iterable[str], keep: Iterable[str] = (), kin
             os.remove(out / name)
         except FileNotFoundError:
             pass
+        note_temporary(out / name, False)  # a recorded temporary file: no longer there
 
 
 def refuse_overwrite_of_inputs(
@@ -288,15 +305,38 @@ def _lock_owner(path: Path) -> str:
     return f"pid {data.get('pid', '?')} on host {data.get('host', '?')} since {data.get('started', '?')}"
 
 
-def _is_lock_content(data: bytes) -> bool:
-    """Empty (created, not yet written) or the JSON owner record this tool writes."""
-    if not data:
-        return True
+_LOCK_KEYS = {"pid", "host", "started"}
+_HELD: dict[str, OutputLock] = {}  # folder (real path) -> the lock this process holds on it
+
+
+def _lock_record(data: bytes) -> Optional[dict]:
+    """The lock file's record: {} when empty (created, not yet written), the JSON owner record this tool writes
+    (pid, host, start, and the temporary files its run may have left: plain names), or None for other content."""
+    if not data.strip():
+        return {}
     try:
         record = json.loads(data)
     except (ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(record, dict) and set(record) == {"pid", "host", "started"}
+        return None
+    if not isinstance(record, dict) or not _LOCK_KEYS <= set(record) <= _LOCK_KEYS | {"temporary"}:
+        return None
+    names = record.get("temporary", [])
+    if not isinstance(names, list) or not all(isinstance(n, str) and n == os.path.basename(n) for n in names):
+        return None
+    return record
+
+
+def recorded_temporaries(out: Path) -> set[str]:
+    """The temporary files the lock of `out` records (this process's lock, or the file a dead run left)."""
+    held = _HELD.get(os.path.realpath(out))
+    if held is not None:
+        return set(held.temporary)
+    path = out / LOCK_NAME
+    try:
+        record = _lock_record(path.read_bytes()) if is_regular_file(path) else None
+    except OSError:
+        record = None
+    return set(record.get("temporary", [])) - {"", ".", ".."} if record else set()
 
 
 class OutputLock:
@@ -310,6 +350,9 @@ class OutputLock:
         self.path = out / LOCK_NAME
         self.fd: Optional[int] = None
         self.created = created
+        self.temporary: set[str] = set()  # temporary files a run of ours may have left (module docstring)
+        self._owner: dict = {}
+        self._size = 0
 
     def __enter__(self) -> OutputLock:
         import fcntl
@@ -318,6 +361,11 @@ class OutputLock:
             try:  # never through a symlink: the lock file is written
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
             except OSError as exc:
+                if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):  # not a link: the folder is read-only
+                    raise DataError(
+                        f"{arg('output')} {self.path.parent}: the folder is not writable ({exc.strerror}): its lock "
+                        f"file {LOCK_NAME} cannot be created; give a folder you can write to"
+                    ) from None
                 raise DataError(
                     f"{self.path}: cannot be opened as the lock file ({exc.strerror}); it must be a regular file "
                     f"(this tool never writes through a symlink): remove it"
@@ -344,22 +392,50 @@ class OutputLock:
             if same:  # else the previous holder removed the file after we opened it: take the new one
                 break
             os.close(fd)
-        if not _is_lock_content(os.pread(fd, 4096, 0)):
+        self._size = os.fstat(fd).st_size
+        previous = _lock_record(os.pread(fd, self._size, 0))
+        if previous is None:
             os.close(fd)
             raise DataError(f"{self.path}: not a lock file of this tool (other content); move it away")
-        owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(owner) + "\n").encode(), 0)
+        # a dead run's temporary files stay recorded until this run deletes them
+        self.temporary = set(previous.get("temporary", [])) - {"", ".", ".."}
+        self._owner = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
         self.fd = fd
+        self._write()
+        _HELD[os.path.realpath(self.path.parent)] = self
+        record_temporaries(self.path.parent, self._note)
         return self
+
+    def _note(self, name: str, exists: bool) -> bool:
+        """The recorder of `balancer.temporaries.note_temporary` for this folder: the record is rewritten before a new
+        temporary file is created and after one is gone."""
+        if (name in self.temporary) == exists:
+            return False
+        (self.temporary.add if exists else self.temporary.discard)(name)
+        self._write()
+        return True
+
+    def _write(self) -> None:
+        """The owner record in one write over the old one (padded with spaces to its length): a kill at any moment
+        leaves the old record or the new one."""
+        data = (json.dumps({**self._owner, "temporary": sorted(self.temporary)}) + "\n").encode()
+        data = data.ljust(self._size)
+        os.pwrite(self.fd, data, 0)
+        self._size = len(data)
 
     def __exit__(self, *exc) -> None:
         if self.fd is None:
             return
-        try:
-            os.remove(self.path)
-        except FileNotFoundError:
-            pass
+        _HELD.pop(os.path.realpath(self.path.parent), None)
+        record_temporaries(self.path.parent, None)
+        self.temporary = {n for n in self.temporary if os.path.lexists(self.path.parent / n)}
+        if self.temporary:  # a temporary file could not be removed: the lock file keeps its record for the next run
+            self._write()
+        else:
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
         os.close(self.fd)
         self.fd = None
         if self.created:

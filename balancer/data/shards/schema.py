@@ -148,6 +148,7 @@ STATE_KEYS = {
     "inputs": array(INPUT, required=False),
     "shards": array(STATE_SHARD),
     "pending": PENDING,
+    "journal": string(required=False),  # the id of the journal that holds the shards recorded since (journal.py)
 }
 
 PLAN_ENTRY = obj({"name": string(), "files": FILES})

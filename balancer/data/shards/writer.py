@@ -18,12 +18,12 @@ from balancer.data.shards.manifest import (
     atomic_write_json,
     create_new_file,
     fsync_file,
-    remove_if_present,
     save_npy,
     sha256_file,
     shard_file_names,
 )
 from balancer.data.shards.output import DATASETS_DESCRIPTION, DATASETS_INFO, DATASETS_STATE
+from balancer.temporaries import note_temporary
 
 FLUSH_TOKENS = 1 << 20  # record batches of other row writers (balancer pack): at most ~1M tokens ...
 FLUSH_ROWS = 4096  # ... or this many rows
@@ -43,9 +43,10 @@ def shard_features(dtype: np.dtype):
 
 
 def new_arrow_sink(path: Path) -> pa.NativeFile:
-    """An Arrow output stream into a file created new at `path` (a leftover of ours there is removed first; the file
-    is never opened through a symlink)."""
-    remove_if_present(path)
+    """An Arrow output stream into a file created new at `path`, which must not exist (the output rules deleted a
+    recorded leftover of ours; anything else there is refused) and is never opened through a symlink; its name is
+    recorded (`note_temporary`) before it is created."""
+    note_temporary(path, True)
     return pa.PythonFile(os.fdopen(create_new_file(path), "wb"), mode="w")
 
 
@@ -63,6 +64,8 @@ class ShardWriter:
         self.schema = schema
         self.dtype = dtype
         self.arrow_name, self.lengths_name, self.doc_ids_name = shard_file_names(self.name)
+        for name in (self.lengths_name, self.doc_ids_name):  # recorded before they exist (close() creates them)
+            note_temporary(out / (name + ".tmp"), True)
         self.tmp = out / (self.arrow_name + ".tmp")
         self.sink = new_arrow_sink(self.tmp)
         self.writer = pa.ipc.new_stream(self.sink, schema)
@@ -116,8 +119,6 @@ class ShardWriter:
         docs = np.concatenate(self.all_docs) if self.all_docs else np.zeros(0, np.int64)
         tmp_l = self.out / (self.lengths_name + ".tmp")
         tmp_d = self.out / (self.doc_ids_name + ".tmp")
-        remove_if_present(tmp_l)
-        remove_if_present(tmp_d)
         save_npy(tmp_l, lengths)
         save_npy(tmp_d, docs)
         files = {}
@@ -143,6 +144,7 @@ class ShardWriter:
             before_rename(entry)
         for tmp, final in renames:
             os.replace(tmp, self.out / final)
+            note_temporary(tmp, False)
         return entry
 
     def abort(self) -> None:
@@ -157,6 +159,7 @@ class ShardWriter:
                 os.remove(self.out / (name + ".tmp"))
             except FileNotFoundError:
                 pass
+            note_temporary(self.out / (name + ".tmp"), False)
 
 
 def write_datasets_metadata(
