@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -41,7 +42,8 @@ from balancer.planning.steps import (
     assign_steps,
     borrow_for_small_steps,
     effective_step_tokens,
-    equal_row_steps,
+    ShortStepError,
+    equal_row_cut,
     fixed_step_targets,
     pack_equal_rows,
     step_token_targets,
@@ -91,28 +93,27 @@ def plan(
     nb = topology.bins_per_step
     _log_if_token_bound(topology)
     u_doc, u_start, u_end = planning_units(lengths, topology.micro_batch_tokens, overflow, topology)
-    if len(u_doc) < nb:
-        raise ValueError(
-            f"{len(u_doc)} documents cannot fill dp*micro_batches = {topology.dp}*"
-            f"{topology.micro_batches} = {nb} non-empty micro-batches; lower dp or micro_batches"
-        )
+    u_tok = u_end - u_start
+    if len(u_doc) < nb and (num_steps is not None or u_tok.min() != u_tok.max()):
+        return _one_short_step(lengths, topology, cost, seed, overflow, len(u_doc), num_steps, started)
     doc_order, shuffled = _shuffle(len(lengths), u_doc, seed)
     u_tok = (u_end - u_start)[shuffled]
     u_cost = cost.cost(u_tok)
     # only documents whose attention is a large part of their cost need spreading or grouping over the steps;
     # the rest fill the steps by tokens in shuffled order
     attn_heavy = (u_cost - cost.linear_coef * u_tok) >= ATTN_SHARE * u_cost
-    rows = _equal_rows(u_tok, topology, num_steps)
-    if rows is not None:  # fixed-length rows: whole rows per step, dealt evenly
+    rows, m_last = _equal_rows(u_tok, topology, num_steps)
+    if rows is not None:  # fixed-length rows: whole rows per step, dealt evenly (the last step maybe short)
         targets = rows * float(u_tok[0])
-        packed = pack_equal_rows(rows, topology)
+        packed = pack_equal_rows(rows, topology, m_last)
+        _log_short_step(len(u_tok), topology, m_last)
     else:
         targets = _step_targets(u_cost, u_tok, attn_heavy, topology, seed, num_steps)
         rng = np.random.default_rng([seed, 1])
         packed = _pack_epoch(u_cost, u_tok, attn_heavy, targets, topology, rng, progress, fixed=num_steps is not None)
         packed = refine_packed(packed, u_cost, u_tok, topology)
 
-    sizes = np.concatenate([mb_sizes for _, mb_sizes in packed]).ravel()
+    sizes = np.concatenate([mb_sizes.ravel() for _, mb_sizes in packed])
     unit = shuffled[np.concatenate([units for units, _ in packed])]
     one_each = len(u_doc) == len(lengths) and np.array_equal(u_end, lengths)  # no document cut or truncated
     whole = one_each or (u_start[unit] == 0) & (u_end[unit] == lengths[u_doc[unit]])
@@ -137,6 +138,7 @@ def plan(
         seed=seed,
         natural_step=natural_steps(doc_order, placed_tokens, int(round(float(np.mean(targets))))),
         plan_seconds=time.perf_counter() - started,
+        last_micro_batches=m_last,
     )
 
 
@@ -161,18 +163,54 @@ def _step_targets(u_cost, u_tok, attn_heavy, topology: Topology, seed: int, num_
     return step_token_targets(int(u_tok.sum()), step_tokens, topology.capacity, topology.tokens_per_step, floor)
 
 
-def _equal_rows(u_tok: np.ndarray, topology: Topology, num_steps: int | None) -> np.ndarray | None:
-    """Rows per step when every unit has the same length: `equal_row_steps`, or with `num_steps` the rows dealt
-    evenly over that many steps (None when a step would then hold more rows than its micro-batches take: the
-    general packing spreads them); None for units of different lengths."""
+def _equal_rows(u_tok: np.ndarray, topology: Topology, num_steps: int | None) -> tuple[np.ndarray | None, int]:
+    """(rows per step, micro-batches of the last step) when every unit has the same length: `equal_row_cut`, or
+    with `num_steps` the rows dealt evenly over that many steps (None when a step would then hold more rows than its
+    micro-batches take: the general packing spreads them); (None, M) for units of different lengths."""
+    m = topology.micro_batches
     if u_tok.min() != u_tok.max():
-        return None
+        return None, m
     if num_steps is None:
-        return equal_row_steps(len(u_tok), int(u_tok[0]), topology)
+        return equal_row_cut(len(u_tok), int(u_tok[0]), topology)
     rows = np.full(int(num_steps), len(u_tok) // num_steps, dtype=np.int64)
     rows[: len(u_tok) % num_steps] += 1
     per_step = topology.bins_per_step * (topology.micro_batch_tokens // int(u_tok[0]))
-    return rows if rows.min() >= topology.bins_per_step and rows.max() <= per_step else None
+    return (rows if rows.min() >= topology.bins_per_step and rows.max() <= per_step else None), m
+
+
+def _one_short_step(lengths, topology: Topology, cost, seed, overflow, units: int, num_steps, started) -> Plan:
+    """Fewer documents than one step's dp*micro_batches micro-batches: one step of M' = units // dp micro-batches
+    on every replica (planned on that topology), or a ShortStepError naming the numbers when units < dp."""
+    m_last = units // topology.dp
+    if m_last < 1 or num_steps not in (None, 1):
+        raise ShortStepError(
+            f"{units} documents cannot fill dp*micro_batches = {topology.dp}*{topology.micro_batches} = "
+            f"{topology.bins_per_step} non-empty micro-batches"
+            + (f" (nor one micro-batch on each of dp = {topology.dp} replicas)" if m_last < 1 else f" in {num_steps} steps")
+            + "; lower dp or micro_batches",
+            max(0, topology.dp - units),
+        )
+    small = replace(topology, micro_batches=m_last, tokens_per_step=None)
+    small = replace(small, tokens_per_step=min(topology.tokens_per_step, small.capacity))
+    placed = plan(lengths, small, cost, seed, overflow, num_steps=1)
+    _log_short_step(units, topology, m_last)
+    return Plan(
+        placed.lengths, topology, cost, placed.doc, placed.start, placed.end, placed.mb_ptr, seed=seed,
+        natural_step=placed.natural_step, plan_seconds=time.perf_counter() - started,
+        dropped_tokens=placed.dropped_tokens, last_micro_batches=m_last,
+    )  # fmt: skip
+
+
+def _log_short_step(units: int, topology: Topology, m_last: int) -> None:
+    """One INFO line per (units, topology) and process when the last step runs M' < micro_batches micro-batches."""
+    key = ("short", units, topology)
+    if m_last < topology.micro_batches and key not in _speed_logged:
+        _speed_logged.add(key)
+        log.info(
+            "%d documents cannot fill every step's dp*micro_batches = %d*%d micro-batches: the last step runs %d "
+            "micro-batch(es) on every replica (recorded in the plan as last_micro_batches)",
+            units, topology.dp, topology.micro_batches, m_last,
+        )  # fmt: skip
 
 
 def _check_count(num_steps: int, num_units: int, topology: Topology) -> None:

@@ -15,9 +15,9 @@ def micro_batch_name(plan, k: int) -> str:
     """'step s, replica r, micro-batch m' (dynamic: 'step s, slot j, group g (ranks start+size)') of micro-batch k."""
     t = plan.topology
     if not plan.dynamic:
-        return (
-            f"step {k // t.bins_per_step}, replica {(k // t.micro_batches) % t.dp}, micro-batch {k % t.micro_batches}"
-        )
+        step = min(k // t.bins_per_step, max(plan.num_steps - 1, 0))
+        ms, local = plan.step_micro_batches(step), k - step * t.bins_per_step
+        return f"step {step}, replica {local // ms}, micro-batch {local % ms}"
     slot = int(np.searchsorted(plan.slot_ptr, k, side="right") - 1)
     group = k - int(plan.slot_ptr[slot])
     ranks = f"{int(plan.group_start[k])}+{int(plan.group_size[k])}"
@@ -35,7 +35,7 @@ def check_placements(plan) -> None:
     counts = np.diff(plan.mb_ptr)
     if np.any(counts == 0):
         raise ValueError(f"empty micro-batch: {micro_batch_name(plan, int(np.flatnonzero(counts == 0)[0]))}")
-    tokens = np.ravel(plan.micro_batch_tokens())
+    tokens = plan.flat_micro_batch_tokens()
     caps = t.max_tokens * plan.group_size if plan.dynamic else t.micro_batch_tokens
     if np.any(tokens > caps):
         k = int(np.argmax(tokens - caps))

@@ -37,9 +37,11 @@ from balancer.strict_json import (
 # Version history (docs/plan-format.md): 1 = "format": "balancer.plan/1"; 2 = "format": "balancer.plan" with
 # "format_version", plan_seconds null instead of NaN, keys checked strictly (nothing else changed); 3 = "window" (a
 # window plan of balancer.plan_window records which window of which shuffle it places); 4 = "rank_speeds" in the
-# topology (uneven ranks). A plan without rank speeds is written as version 3, byte for byte what it was.
-PLAN_FORMAT = FormatSpec("balancer.plan", 4, {"balancer.plan/1": 1})
+# topology (uneven ranks); 5 = "last_micro_batches" (M' < micro_batches: the last step's micro-batches per replica,
+# or slots). A plan is written at the oldest version whose keys it uses: older readers load it, byte for byte.
+PLAN_FORMAT = FormatSpec("balancer.plan", 5, {"balancer.plan/1": 1})
 SPEEDS_VERSION = 4
+SHORT_STEP_VERSION = 5
 WINDOW_RECORD = obj(
     {
         "seed": integer(min=0),
@@ -72,6 +74,7 @@ HEADER_KEYS = {
     "dropped_tokens": integer(min=0, nullable=True, required=False),
     "layout": obj(required=False),  # {"kind": ..., options}: the CP layout the plan is sharded with
     "window": WINDOW_RECORD,
+    "last_micro_batches": integer(min=1, required=False, since=SHORT_STEP_VERSION),
 }
 JSON_PLAN = obj(
     {**HEADER_KEYS, "lengths": array(required=False), "steps": array(), "natural_step": array(required=False)}
@@ -103,8 +106,10 @@ def _step_record(step) -> dict:
 def header(plan) -> dict:
     seconds = plan.plan_seconds
     version = PLAN_FORMAT.header()
-    if plan.topology.rank_speeds is None:  # the newest version whose keys the plan uses: older readers load it
-        version["format_version"] = SPEEDS_VERSION - 1
+    short = plan.last_micro_batches < plan.topology.micro_batches
+    # the oldest version whose keys the plan uses: older readers load it
+    if not short:
+        version["format_version"] = SPEEDS_VERSION if plan.topology.rank_speeds is not None else SPEEDS_VERSION - 1
     return {
         **version,
         "topology": plan.topology.to_dict(),
@@ -115,12 +120,14 @@ def header(plan) -> dict:
         "dropped_tokens": plan.dropped_tokens,
         "window": None if plan.window is None else dataclasses.asdict(plan.window),
         **({} if plan.layout is None else {"layout": plan.layout}),
+        **({"last_micro_batches": plan.last_micro_batches} if short else {}),
     }
 
 
 def plan_to_dict(plan) -> dict:
     head = header(plan)
     keys = ("format", "format_version", "topology", "cost_model", "num_docs", "seed", "window", "layout")
+    keys += ("last_micro_batches",)
     data = {k: head[k] for k in keys if k in head}
     data["lengths"] = plan.lengths.tolist()
     data["steps"] = [_step_record(st) for st in plan.steps]
@@ -283,7 +290,8 @@ def _load_json(cls, path: Path, lengths):
             raise PlanFileError(f"{path}: plan JSON has no '{key}'")
     topology, cost = _parse_header(path, data, JSON_PLAN)
     lengths = _check_lengths(path, data.get("lengths"), lengths)
-    flat, groups = _json_steps(path, data["steps"], lengths, topology)
+    last = _last_micro_batches(path, data, topology)
+    flat, groups = _json_steps(path, data["steps"], lengths, topology, last)
     natural = data.get("natural_step")
     natural = None if natural is None else _int_array(path, "natural_step", natural)
     return _build(cls, path, data, lengths, topology, cost, flat, groups, natural)
@@ -349,16 +357,28 @@ def _json_groups(path, where: str, slot, lengths, flat, ptr, groups) -> None:
     slot_ptr.append(len(group_start))
 
 
-def _json_steps(path, steps, lengths, topology: Topology):
+def _last_micro_batches(path, head: dict, topology: Topology) -> int:
+    """The header's `last_micro_batches` (M' of a short last step), checked against the topology; M if absent."""
+    last = head.get("last_micro_batches", topology.micro_batches)
+    if last > topology.micro_batches:
+        raise PlanFileError(
+            f"{path}: field 'last_micro_batches' = {last} exceeds the topology's micro_batches = "
+            f"{topology.micro_batches}"
+        )
+    return last
+
+
+def _json_steps(path, steps, lengths, topology: Topology, last: int):
     """The flat arrays of the nested `steps`, whose nesting must match the topology: `dp` replicas of
-    `micro_batches` micro-batches per step (dynamic: `micro_batches` slots); nothing is re-sliced."""
+    `micro_batches` micro-batches per step (dynamic: `micro_batches` slots), the last step `last` of them;
+    nothing is re-sliced."""
     if not isinstance(steps, list):
         raise PlanFileError(f"{path}: field 'steps' must be a list")
     flat = ([], [], [])
     ptr = [0]
     groups = ([], [], [0])
-    m = topology.micro_batches
     for s, st in enumerate(steps):
+        m = last if s == len(steps) - 1 else topology.micro_batches
         if topology.dynamic:
             for k, slot in enumerate(_json_list(path, f"steps[{s}]", st, "slots", m, "micro_batches")):
                 _json_groups(path, f"steps[{s}].slots[{k}]", slot, lengths, flat, ptr, groups)
@@ -395,7 +415,7 @@ def _build(cls, path, head, lengths, topology, cost, flat, groups, natural):
         return cls(
             lengths, topology, cost, doc, start, end, mb_ptr, seed=seed, natural_step=natural,
             plan_seconds=float(plan_seconds), dropped_tokens=dropped, groups=groups, window=window,
-            layout=head.get("layout"),
+            layout=head.get("layout"), last_micro_batches=_last_micro_batches(path, head, topology),
         )  # fmt: skip
     except ValueError as e:
         raise PlanFileError(f"{path}: {e}") from None

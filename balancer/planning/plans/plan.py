@@ -97,6 +97,27 @@ def _static_view_error(name: str) -> str:
     )
 
 
+def _check_last(topology: Topology, last) -> int:
+    """`last_micro_batches` as an int in 1..micro_batches (None: micro_batches), else a ValueError naming it."""
+    m = topology.micro_batches
+    if last is None:
+        return m
+    if isinstance(last, bool) or not isinstance(last, (int, np.integer)) or not 1 <= last <= m:
+        raise ValueError(f"last_micro_batches must be an integer in 1..micro_batches = {m}, got {last!r}")
+    return int(last)
+
+
+def _check_shape(count: int, per: int, last: int, what: str, name: str) -> None:
+    """`count` micro-batches (or slots) must be whole steps of `per`, the last one of `last`."""
+    if count % per == 0 and last == per:
+        return
+    if last < per and count >= last and (count - last) % per == 0:
+        return
+    raise ValueError(
+        f"plan has {count} {what}, not steps of {name} = {per}" + (f" and a last step of {last}" if last < per else "")
+    )
+
+
 def _int64_lengths(lengths):
     """`lengths` as int64: in place when they are an int64 array already (a memory map included) or a read-only
     int64 array that gathers without a whole copy (a pretokenized folder's `ShardedArray`: it has `chunks`)."""
@@ -129,6 +150,7 @@ class Plan:
         groups: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
         window: WindowInfo | None = None,
         layout: dict | None = None,
+        last_micro_batches: int | None = None,
     ) -> None:
         self.lengths = _int64_lengths(lengths)
         self.topology = topology
@@ -140,6 +162,7 @@ class Plan:
         self.seed = seed
         self.natural_step = None if natural_step is None else np.asarray(natural_step, dtype=np.int64)
         self.plan_seconds = plan_seconds
+        self.last_micro_batches = _check_last(topology, last_micro_batches)
         if topology.dynamic != (groups is not None):
             raise ValueError("a plan has CP groups (group_start, group_size, slot_ptr) exactly when cp_sizes is set")
         self.group_start = self.group_size = self.slot_ptr = None
@@ -147,12 +170,10 @@ class Plan:
             self.group_start, self.group_size, self.slot_ptr = (np.asarray(a, dtype=np.int64) for a in groups)
             if len(self.group_start) != len(self.mb_ptr) - 1 or len(self.group_size) != len(self.group_start):
                 raise ValueError("a dynamic plan needs one (group_start, group_size) per micro-batch")
-            if (len(self.slot_ptr) - 1) % topology.micro_batches:
-                raise ValueError(f"plan has {len(self.slot_ptr) - 1} slots, not a multiple of M")
+            _check_shape(len(self.slot_ptr) - 1, topology.micro_batches, self.last_micro_batches, "slots", "M")
         else:
-            per = topology.bins_per_step
-            if (len(self.mb_ptr) - 1) % per:
-                raise ValueError(f"plan has {len(self.mb_ptr) - 1} micro-batches, not a multiple of dp*M = {per}")
+            per, last = topology.bins_per_step, topology.dp * self.last_micro_batches
+            _check_shape(len(self.mb_ptr) - 1, per, last, "micro-batches", "dp*M")
         if dropped_tokens is None:
             dropped_tokens = int(self.lengths.sum() - (self.end - self.start).sum())
         self.dropped_tokens = dropped_tokens
@@ -221,9 +242,34 @@ class Plan:
 
     @property
     def num_steps(self) -> int:
+        t, short = self.topology, self.last_micro_batches < self.topology.micro_batches
         if self.dynamic:
-            return (len(self.slot_ptr) - 1) // self.topology.micro_batches
-        return (len(self.mb_ptr) - 1) // self.topology.bins_per_step
+            return -(-(len(self.slot_ptr) - 1) // t.micro_batches)
+        return -(-(len(self.mb_ptr) - 1) // t.bins_per_step) if short else (len(self.mb_ptr) - 1) // t.bins_per_step
+
+    def step_micro_batches(self, s: int) -> int:
+        """Micro-batches every replica (dynamic: slots) runs in step `s`: `micro_batches`, or for the last step of
+        a plan whose documents cannot fill it `last_micro_batches` (M')."""
+        return self.last_micro_batches if s == self.num_steps - 1 else self.topology.micro_batches
+
+    def micro_batch_counts(self) -> np.ndarray:
+        """[steps] the micro-batches every replica runs in each step (M, the last maybe M')."""
+        counts = np.full(self.num_steps, self.topology.micro_batches, dtype=np.int64)
+        if len(counts):
+            counts[-1] = self.last_micro_batches
+        return counts
+
+    def _padded(self, flat: np.ndarray) -> np.ndarray:
+        """Flat per-micro-batch values of a static plan as [steps, dp, M], a short last step's missing
+        micro-batches 0."""
+        t = self.topology
+        out = np.zeros((self.num_steps, t.dp, t.micro_batches), dtype=flat.dtype)
+        full = (self.num_steps - 1) * t.bins_per_step if self.num_steps else 0
+        if self.last_micro_batches == t.micro_batches:
+            return flat.reshape(out.shape)
+        out[:-1] = flat[:full].reshape(self.num_steps - 1, t.dp, t.micro_batches)
+        out[-1, :, : self.last_micro_batches] = flat[full:].reshape(t.dp, self.last_micro_batches)
+        return out
 
     def __len__(self) -> int:
         return self.num_steps
@@ -240,8 +286,9 @@ class Plan:
 
     def step(self, s: int) -> Step:
         t = self.topology
+        ms = self.step_micro_batches(s)
         if self.dynamic:
-            slots = range(s * t.micro_batches, (s + 1) * t.micro_batches)
+            slots = range(s * t.micro_batches, s * t.micro_batches + ms)
             return Step(
                 slots=[
                     Slot([self._group(k) for k in range(self.slot_ptr[slot], self.slot_ptr[slot + 1])])
@@ -251,7 +298,7 @@ class Plan:
         base = s * t.bins_per_step
         return Step(
             [
-                Replica([self._micro_batch(base + r * t.micro_batches + m) for m in range(t.micro_batches)])
+                Replica([self._micro_batch(base + r * ms + m) for m in range(ms)])
                 for r in range(t.dp)
             ]
         )
@@ -270,10 +317,9 @@ class Plan:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp={t.dp}")
         out = []
         for s in range(self.num_steps):
-            base = s * t.bins_per_step + dp_rank * t.micro_batches
-            out.append(
-                [self.doc[self.mb_ptr[k] : self.mb_ptr[k + 1]].tolist() for k in range(base, base + t.micro_batches)]
-            )
+            ms = self.step_micro_batches(s)
+            base = s * t.bins_per_step + dp_rank * ms
+            out.append([self.doc[self.mb_ptr[k] : self.mb_ptr[k + 1]].tolist() for k in range(base, base + ms)])
         return out
 
     def rank_groups(self, pool_rank: int) -> np.ndarray:
@@ -308,25 +354,28 @@ class Plan:
         return np.where(np.diff(ptr) > 0, sums, 0.0) + self.cost_model.fixed
 
     def micro_batch_costs(self) -> np.ndarray:
-        """[steps, dp, M] cost of each micro-batch (fixed included), before dividing by cp; dynamic plans: the
-        flat [micro-batches] cost of every group's micro-batch."""
+        """[steps, dp, M] cost of each micro-batch (fixed included), before dividing by cp (a short last step's
+        missing micro-batches: 0); dynamic plans: the flat [micro-batches] cost of every group's micro-batch."""
         if self.dynamic:
             return self._mb_cost_flat()
-        t = self.topology
-        return self._mb_cost_flat().reshape(self.num_steps, t.dp, t.micro_batches)
+        return self._padded(self._mb_cost_flat())
+
+    def flat_micro_batch_tokens(self) -> np.ndarray:
+        """[micro-batches] tokens of each micro-batch in plan order."""
+        return np.diff(np.concatenate([[0], np.cumsum(self.end - self.start)])[self.mb_ptr])
 
     def micro_batch_tokens(self) -> np.ndarray:
-        """[steps, dp, M] tokens of each micro-batch (dynamic plans: flat [micro-batches])."""
-        t = self.topology
-        tok = np.diff(np.concatenate([[0], np.cumsum(self.end - self.start)])[self.mb_ptr])
-        return tok if self.dynamic else tok.reshape(self.num_steps, t.dp, t.micro_batches)
+        """[steps, dp, M] tokens of each micro-batch (a short last step's missing micro-batches: 0; dynamic plans:
+        flat [micro-batches])."""
+        tok = self.flat_micro_batch_tokens()
+        return tok if self.dynamic else self._padded(tok)
 
     def step_of_micro_batch(self) -> np.ndarray:
         """[micro-batches] the step of each micro-batch."""
         if self.dynamic:
             slot = np.repeat(np.arange(len(self.slot_ptr) - 1), np.diff(self.slot_ptr))
             return slot // self.topology.micro_batches
-        return np.arange(len(self.mb_ptr) - 1) // self.topology.bins_per_step
+        return np.minimum(np.arange(len(self.mb_ptr) - 1) // self.topology.bins_per_step, self.num_steps - 1)
 
     def step_of_entry(self) -> np.ndarray:
         return np.repeat(self.step_of_micro_batch(), np.diff(self.mb_ptr))
@@ -359,6 +408,7 @@ class Plan:
             dropped_tokens=self.dropped_tokens,
             delay_steps=delay,
             plan_seconds=self.plan_seconds,
+            micro_batches=self.micro_batch_counts(),
         )
 
     def with_layout(self, spec: dict) -> Plan:
