@@ -39,10 +39,10 @@ from balancer.planning.plans.plan import Plan
 from balancer.planning.speeds import even, planning_view, token_bound
 from balancer.planning.steps import (
     STEP_BAND,
+    ShortStepError,
     assign_steps,
     borrow_for_small_steps,
     effective_step_tokens,
-    ShortStepError,
     equal_row_cut,
     fixed_step_targets,
     pack_equal_rows,
@@ -186,7 +186,7 @@ def _one_short_step(lengths, topology: Topology, cost, seed, overflow, units: in
         raise ShortStepError(
             f"{units} documents cannot fill dp*micro_batches = {topology.dp}*{topology.micro_batches} = "
             f"{topology.bins_per_step} non-empty micro-batches"
-            + (f" (nor one micro-batch on each of dp = {topology.dp} replicas)" if m_last < 1 else f" in {num_steps} steps")
+            + (f" (nor one on each of dp = {topology.dp} replicas)" if m_last < 1 else f" in {num_steps} steps")
             + "; lower dp or micro_batches",
             max(0, topology.dp - units),
         )

@@ -296,12 +296,7 @@ class Plan:
                 ]
             )
         base = s * t.bins_per_step
-        return Step(
-            [
-                Replica([self._micro_batch(base + r * ms + m) for m in range(ms)])
-                for r in range(t.dp)
-            ]
-        )
+        return Step([Replica([self._micro_batch(base + r * ms + m) for m in range(ms)]) for r in range(t.dp)])
 
     @property
     def steps(self) -> list[Step]:
