@@ -81,6 +81,15 @@ def _plan_or_window(lengths: np.ndarray, topo: Topology, cost: CostModel, args):
         raise ValueError(str(e).replace("window_docs", "--window-docs")) from None
 
 
+def short_step_line(plan) -> str:
+    """The line `plan` and `pack` print for a plan whose last step runs M' < micro_batches micro-batches."""
+    t = plan.topology
+    return (
+        f"the last step (step {plan.num_steps - 1}) runs {plan.last_micro_batches} of micro_batches = "
+        f"{t.micro_batches} micro-batches on each of dp = {t.dp} replicas: the documents cannot fill it"
+    )
+
+
 def cmd_plan(args) -> int:
     check_counts(args)
     check_outputs(args, {"-o": args.output, "--plot": args.plot})
@@ -103,8 +112,13 @@ def cmd_plan(args) -> int:
             if static is not None:
                 plans["balancer (static CP)"] = static
         if static is not None:
-            plans["token-count"] = baseline_plan(static, static.topology, cost, args.seed)
+            try:
+                plans["token-count"] = baseline_plan(static, static.topology, cost, args.seed)
+            except ValueError as e:  # it deals full steps only: a short last step has no token-count counterpart
+                print(f"(no token-count comparison: {e})", file=sys.stderr)
     print(compare_table(plans))
+    if ours.last_micro_batches < topo.micro_batches:
+        print(short_step_line(ours))
     if args.overflow != "error" and not args.no_baseline:
         print(f"(both columns plan the same units: documents after --overflow {args.overflow})")
     ours.save(out)

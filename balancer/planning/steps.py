@@ -235,7 +235,7 @@ def equal_row_cut(num_rows: int, row_tokens: int, topology: Topology) -> tuple[n
     low, high = nb, nb * per_mb  # rows a step may hold
     fewest, most = -(-num_rows // high), num_rows // low  # step counts that keep every step within [low, high]
     if fewest > most:
-        return short_last_step(num_rows, per_mb, topology)
+        return short_last_step(num_rows, per_mb, topology, row_tokens)
     target = t.tokens_per_step / row_tokens  # rows
     full = int(np.clip(round(target), low, high))
 
@@ -265,20 +265,20 @@ def equal_row_cut(num_rows: int, row_tokens: int, topology: Topology) -> tuple[n
 
 
 class ShortStepError(ValueError):
-    """Rows that no step cut can split equally over the DP replicas (`short_last_step`). `fillers`: the fewest
-    loss-masked filler rows that would make a cut exist."""
+    """Rows that no step cut can split equally over the DP replicas (`short_last_step`). `missing`: the fewest
+    rows more that would make a cut exist."""
 
-    def __init__(self, message: str, fillers: int) -> None:
+    def __init__(self, message: str, missing: int) -> None:
         super().__init__(message)
-        self.fillers = fillers
+        self.missing = missing
 
 
-def short_last_step(num_rows: int, per_mb: int, topology: Topology) -> tuple[np.ndarray, int]:
+def short_last_step(num_rows: int, per_mb: int, topology: Topology, row_tokens: int = 0) -> tuple[np.ndarray, int]:
     """(rows per step, M') for `num_rows` rows that whole steps cannot take: as many full steps as hold them
     (`dp * micro_batches * per_mb` rows each), and a last step of the rest on M' = min(rest // dp,
-    micro_batches - 1) micro-batches on every replica, none empty. A ShortStepError naming the numbers, the
-    arguments that fix it and the filler-row opt-in when the rest cannot be split so: fewer rows than dp, or, with
-    one row per micro-batch, a rest that is not a multiple of dp."""
+    micro_batches - 1) micro-batches on every replica, none empty. A ShortStepError naming the numbers and the
+    arguments that fix it when the rest cannot be split so: fewer rows than dp, or, with one row per micro-batch,
+    a rest that is not a multiple of dp (never a row dropped or repeated to make it fit)."""
     t, nb = topology, topology.bins_per_step
     high = nb * per_mb
     full = num_rows // high
@@ -286,15 +286,17 @@ def short_last_step(num_rows: int, per_mb: int, topology: Topology) -> tuple[np.
     m_last = min(rest // t.dp, t.micro_batches - 1)
     if m_last >= 1 and rest <= t.dp * m_last * per_mb:
         return np.array([high] * full + [rest], dtype=np.int64), m_last
-    fillers = t.dp - rest if rest < t.dp else -rest % t.dp
+    missing = t.dp - rest if rest < t.dp else -rest % t.dp
+    wider = f" to {-(-(per_mb + 1) * row_tokens // t.cp)}" if row_tokens else ""
     raise ShortStepError(
-        f"{num_rows} rows cannot be split equally over dp = {t.dp} replicas: {full} full steps of "
-        f"dp*micro_batches = {t.dp}*{t.micro_batches} micro-batches of {per_mb} row(s) each (max_tokens*cp = "
-        f"{t.micro_batch_tokens} tokens) leave {rest} rows for the last step, which needs a multiple of dp = {t.dp} "
-        f"(one row per micro-batch, at least one micro-batch per replica); choose dp and micro_batches so that "
-        f"{num_rows} rows fill them (a multiple of dp*micro_batches, or of dp with a short last step), raise "
-        f"max_tokens, or pass filler_rows=True (--filler-rows) to add {fillers} loss-masked filler row(s)",
-        fillers,
+        f"{num_rows} rows{f' of {row_tokens} tokens' if row_tokens else ''} cannot be split equally over dp = "
+        f"{t.dp} replicas: {full} full steps of dp*micro_batches = {t.dp}*{t.micro_batches} micro-batches of "
+        f"{per_mb} row(s) (max_tokens*cp = {t.micro_batch_tokens} tokens) leave {rest} rows for a last step, which "
+        f"needs at least one row per micro-batch on every replica and the same micro-batch count on each "
+        f"({missing} rows more would split); choose Topology.dp and Topology.micro_batches so that the rows fill "
+        f"the steps ({num_rows} a multiple of dp*micro_batches, or its rest a multiple of dp), or raise "
+        f"Topology.max_tokens{wider} (a micro-batch then holds {per_mb + 1} rows)",
+        missing,
     )
 
 

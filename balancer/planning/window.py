@@ -345,4 +345,5 @@ def globalise(local: Plan, ids: np.ndarray, lengths, window: WindowInfo | None =
         dropped_tokens=local.dropped_tokens,
         groups=groups,
         window=window,
+        last_micro_batches=local.last_micro_batches,
     )

@@ -188,7 +188,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         groups = (seg.group_start, seg.group_size, seg.slot_ptr) if self.topology.dynamic else None
         p = seg.plan
         return Plan(self.lengths, seg.topology, seg.cost, seg.doc, seg.start, seg.end, seg.mb_ptr, seed=p.seed,
-                    plan_seconds=p.plan_seconds, dropped_tokens=p.dropped_tokens, groups=groups)  # fmt: skip
+                    plan_seconds=p.plan_seconds, dropped_tokens=p.dropped_tokens, groups=groups,
+                    last_micro_batches=seg.last_m)  # fmt: skip
 
     @property
     def num_steps(self) -> int:
@@ -196,8 +197,23 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         return self.windows.total_steps()
 
     def __len__(self) -> int:
-        """Micro-batches this rank yields from the origin to the end of the epoch: exact (module docstring)."""
-        return self.windows.total_steps() * self.topology.micro_batches
+        """Micro-batches this rank yields from the origin to the end of the epoch: exact (module docstring); a
+        short last step counts its M' micro-batches."""
+        return self.windows.total_micro_batches()
+
+    def step_micro_batches(self, step: int) -> int:
+        """Micro-batches every rank runs in `step`: `micro_batches`, or M' for a short last step of a window whose
+        documents cannot fill it (docs/training.md)."""
+        seg, local = self._locate(step)
+        return seg.step_micro_batches(local)
+
+    def position_of_step(self, step: int) -> int:
+        """Micro-batches from the origin before `step` (`num_steps` gives `len(sampler)`)."""
+        ew, m = self.windows, self.topology.micro_batches
+        w, first, position = ew.origin, 0, 0
+        while w < ew.count and step >= first + ew.steps(w):
+            first, position, w = first + ew.steps(w), position + ew.micro_batches(w), w + 1
+        return position + (step - first) * m
 
     def epoch_num_steps(self, epoch: int) -> int:
         """Optimizer steps of a fresh pass over `epoch` (this sampler's topology and window size), as `num_steps`."""
@@ -220,6 +236,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         t = self.topology
         step, m, dp_rank, rank = check_indices(step, m, dp_rank, rank, sizes=(None, t.micro_batches, t.dp, t.pool_size))
         seg, local = self._locate(step)
+        if m >= seg.step_micro_batches(local):
+            raise IndexError(f"m={m} out of range: step {step} is a short last step of {seg.step_micro_batches(local)}")
         return self._indices(seg, local, m, dp_rank, rank)
 
     def _indices(self, seg: Segment, step: int, m: int, dp_rank=None, rank=None) -> list:
@@ -251,7 +269,9 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
 
     def step_of(self, index: int) -> tuple[int, int]:
         """(step, m) of the `index`-th micro-batch this rank yields from the origin."""
-        return divmod(int(index), self.topology.micro_batches)
+        _, local, steps = self.windows.locate_micro_batch(int(index))
+        step, m = divmod(local, self.topology.micro_batches)
+        return steps + step, m
 
     # ---- per-step information -----------------------------------------------------------------------------------
     def step_info(self, step: int) -> StepInfo:
@@ -279,15 +299,16 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         return int((self._step_sizes(step) > 1).sum())
 
     def predicted_times(self, step: int) -> np.ndarray:
-        """[dp, M] predicted time (cost-model units) of every micro-batch of `step` on one CP rank: cost / cp.
-        Dynamic CP: [M] the time of this rank's group in every slot, cost / size."""
+        """[dp, M] predicted time (cost-model units) of every micro-batch of `step` on one CP rank: cost / cp
+        ([dp, M'] for a short last step). Dynamic CP: [M] the time of this rank's group in every slot, cost / size."""
         seg, local = self._locate(step)
         if seg.plan is None:
             raise IndexError("nothing left to plan in this epoch")
+        ms = seg.step_micro_batches(local)
         if self.topology.dynamic:
-            ks = [seg.mb_index(local, self.pool_rank, m) for m in range(self.topology.micro_batches)]
+            ks = [seg.mb_index(local, self.pool_rank, m) for m in range(ms)]
             return seg.plan.micro_batch_costs()[ks] / seg.group_size[ks]
-        return seg.plan.micro_batch_costs()[local] / self.topology.cp
+        return seg.plan.micro_batch_costs()[local][:, :ms] / self.topology.cp
 
     def predicted_step(self, step: int) -> dict:
         """Telemetry of `step`: predicted per-replica 1F1B times (`replica_times`, [dp]), the step time (max), the
@@ -300,7 +321,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         else:
             rep = one_f_one_b(mb.max(axis=1), mb.sum(axis=1), t.pp)
         c = self.cost.cost(self._step_sizes(step))
-        lb = float(lower_bound(c.sum(), c.max(), t, self.cost.fixed))
+        lb = float(lower_bound(c.sum(), c.max(), t, self.cost.fixed, micro_batches=self.step_micro_batches(step)))
         return {
             "replica_times": rep,
             "step_time": float(rep.max()),
@@ -344,7 +365,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             w, first = self._cursor
             if w >= ew.count:
                 raise StopIteration
-            n = ew.steps(w) * m_per_step
+            n = ew.micro_batches(w)
             local = self.position - first
             if local < n:
                 break
@@ -364,10 +385,10 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             position = self.position
         elif isinstance(position, bool) or not isinstance(position, (int, np.integer)) or position < 0:
             raise ValueError(f"position must be a non-negative integer, got {position!r}")
-        ew, m_per_step = self.windows, self.topology.micro_batches
+        ew = self.windows
         w, first = ew.origin, 0
         while True:
-            n = ew.steps(w) * m_per_step
+            n = ew.micro_batches(w)
             if position - first < n or w == ew.count - 1:
                 break
             w, first = w + 1, first + n
@@ -439,10 +460,10 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         )  # fmt: skip
         if self.monitor is not None:
             self.monitor.attach_windows(windows)
-        if position > windows.steps(state["window"]) * self.topology.micro_batches:
+        if position > windows.micro_batches(state["window"]):
             raise ValueError(
                 f"the state's position {position} is past window {state['window']}'s "
-                f"{windows.steps(state['window']) * self.topology.micro_batches} micro-batches"
+                f"{windows.micro_batches(state['window'])} micro-batches"
             )
         self.epoch, self._windows = state["epoch"], windows
         self._epoch_setup = (windows.window_docs, windows.origin, history)

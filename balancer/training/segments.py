@@ -54,24 +54,36 @@ class Segment:
     slot_ptr: Optional[np.ndarray] = None
     ids: Optional[np.ndarray] = None  # the window's global ids (local plan id -> global id); None: identity
     full: Optional[np.ndarray] = None  # each placement's document length, read with the window (a span or whole)
+    last_m: Optional[int] = None  # micro-batches (slots) of the last step: M' < M when it is short; None: M
 
     @property
     def num_steps(self) -> int:
-        if self.topology.dynamic:
-            return (len(self.slot_ptr) - 1) // self.topology.micro_batches
-        return (len(self.mb_ptr) - 1) // self.topology.bins_per_step
+        t = self.topology
+        count = len(self.slot_ptr) - 1 if t.dynamic else len(self.mb_ptr) - 1
+        return -(-count // (t.micro_batches if t.dynamic else t.bins_per_step))
+
+    def step_micro_batches(self, step: int) -> int:
+        """Micro-batches every rank runs in `step`: M, or M' for a short last step."""
+        m = self.topology.micro_batches
+        return m if self.last_m is None or step < self.num_steps - 1 else self.last_m
+
+    @property
+    def total_micro_batches(self) -> int:
+        """Micro-batches every rank runs in this segment."""
+        n = self.num_steps
+        return 0 if n == 0 else (n - 1) * self.topology.micro_batches + self.step_micro_batches(n - 1)
 
     def first_mb(self, step: int) -> int:
         """Index of the first micro-batch of `step` (`num_steps` gives the end)."""
         if self.topology.dynamic:
-            return int(self.slot_ptr[step * self.topology.micro_batches])
-        return step * self.topology.bins_per_step
+            return int(self.slot_ptr[min(step * self.topology.micro_batches, len(self.slot_ptr) - 1)])
+        return min(step * self.topology.bins_per_step, len(self.mb_ptr) - 1)
 
     def mb_index(self, step: int, rank: int, m: int) -> int:
         """The micro-batch of slot `m` of `step` for `rank` (static: the DP rank; dynamic: the pool rank)."""
         t = self.topology
         if not t.dynamic:
-            return step * t.bins_per_step + rank * t.micro_batches + m
+            return step * t.bins_per_step + rank * self.step_micro_batches(step) + m
         slot = step * t.micro_batches + m
         first, last = int(self.slot_ptr[slot]), int(self.slot_ptr[slot + 1])
         return first + int(np.searchsorted(self.group_start[first:last], rank, side="right")) - 1
@@ -113,10 +125,11 @@ def plan_units(
         raise RuntimeError(f"the planner made {p.num_steps} steps of a window fixed at {steps}")
     groups = (p.group_start, p.group_size, p.slot_ptr)
     p.natural_step = None  # per document of the window: not needed by the sampler
+    last = p.last_micro_batches
     if lengths is not None:
-        return Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p, *groups)
+        return Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p, *groups, last_m=last)
     doc, start, end = u_doc[p.doc], u_start[p.doc] + p.start, u_start[p.doc] + p.end
-    return Segment(topology, cost, doc, start, end, p.mb_ptr, p, *groups, ids=u_doc)
+    return Segment(topology, cost, doc, start, end, p.mb_ptr, p, *groups, ids=u_doc, last_m=last)
 
 
 class EpochWindows:
@@ -149,6 +162,7 @@ class EpochWindows:
         self.guard = guard  # LengthsGuard: the files behind the lengths checked before each window's read
         self._segments: dict[int, Segment] = {}
         self._steps: dict[int, int] = {}  # planned or counted windows' step counts
+        self._micro: dict[int, int] = {}  # planned windows' micro-batch counts (a short last step: fewer than M each)
         self._all_counted = False
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
@@ -246,6 +260,7 @@ class EpochWindows:
         with self._lock:
             self._segments[w] = seg
             self._steps[w] = seg.num_steps
+            self._micro[w] = seg.total_micro_batches
             for old in sorted(self._segments)[:-KEEP_WINDOWS]:
                 if old != w:
                     del self._segments[old]
@@ -293,6 +308,28 @@ class EpochWindows:
                 if not (w == self.origin and self.history):
                     self._steps.setdefault(w, int(counts[w]))
         self._all_counted = True
+
+    def micro_batches(self, w: int) -> int:
+        """Micro-batches every rank runs in window `w`: `steps(w) * micro_batches`, less a short last step's
+        missing ones (known once the window is planned; a window counted without planning never has one)."""
+        steps = self.steps(w)
+        return self._micro.get(w, steps * self.topology.micro_batches)
+
+    def total_micro_batches(self) -> int:
+        """Exact micro-batches of windows origin.. (`len(sampler)`)."""
+        if self.count - self.origin > 2:
+            self.count_all()
+        return sum(self.micro_batches(w) for w in range(self.origin, self.count))
+
+    def locate_micro_batch(self, index: int) -> tuple[int, int, int]:
+        """(window, micro-batch inside it, steps before it) of the `index`-th micro-batch from the origin."""
+        w, first, steps = self.origin, 0, 0
+        while w < self.count:
+            n = self.micro_batches(w)
+            if index < first + n:
+                return w, index - first, steps
+            first, steps, w = first + n, steps + self.steps(w), w + 1
+        return self.count, index - first, steps
 
     def total_steps(self) -> int:
         """Exact steps of windows origin.. (plans at most a lone or re-planned origin window)."""

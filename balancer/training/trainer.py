@@ -167,7 +167,7 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         if stream is None and (overflow != "error" or topology.dynamic):
             self.train_dataset = SpanDataset(self.train_dataset)
         self._resume_epoch: Optional[int] = None
-        self._epoch_start = (0, 0)  # (sampler position, global step) when the current epoch's loop began
+        self._epoch_start = (0, 0)  # (sampler step, global step) when the current epoch's loop began
         self._steps_per_epoch: dict[int, int] = {}
         if self.args.per_device_train_batch_size != 1 and given:
             logger.info("per_device_train_batch_size is not used: the plan's micro-batches are the batches")
@@ -228,16 +228,18 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         )
         sampler = self.balanced_sampler
         sampler.load_state_dict(state)
-        if sampler.position % self.topology.micro_batches:  # the loop counts whole optimizer steps
+        end = len(sampler)
+        done, mid = sampler.step_of(sampler.position) if sampler.position < end else (sampler.num_steps, 0)
+        if mid:  # the loop counts whole optimizer steps
             raise ValueError(
                 f"{path}: the sampler state's position {sampler.position} is not at a step boundary (a multiple of "
                 f"micro_batches = {self.topology.micro_batches} micro-batches per step): the checkpoint was not "
                 "written by this trainer at the end of an optimizer step"
             )
         if self.args.max_steps <= 0:  # what is left of this epoch (re-planned after a topology change) and the rest
-            left = sampler.num_steps - sampler.position // self.topology.micro_batches
+            left = sampler.num_steps - done
             self.state.max_steps = self.state.global_step + left + self._planned_steps(sampler.epoch + 1)
-        if sampler.position >= sampler.num_steps * self.topology.micro_batches:  # saved at the end: next epoch
+        if sampler.position >= end:  # saved at the end: next epoch
             return sampler.epoch + 1, 0
         self._resume_epoch = sampler.epoch
         return sampler.epoch, 0
@@ -251,22 +253,22 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         sampler.set_epoch(epoch)  # keeps a loaded resume position when it is this epoch's
         start = sampler.position if epoch == self._resume_epoch else 0
         self._resume_epoch = None
-        m = self.topology.micro_batches
-        remaining = sampler.num_steps * m - start  # exact (len(sampler) bounds it with several windows)
-        self._epoch_start = (start, self.state.global_step)
-        kwargs.update(
+        remaining = len(sampler) - start  # exact; a short last step (M' micro-batches) included
+        first_step = sampler.step_of(start)[0] if start else 0
+        self._epoch_start = (first_step, self.state.global_step)
+        kwargs.update(  # the stock loop runs a last update of `steps_in_epoch % accumulation` micro-batches
             steps_in_epoch=remaining,
-            num_update_steps_per_epoch=remaining // m,
+            num_update_steps_per_epoch=sampler.num_steps - first_step,
             steps_trained_in_current_epoch=0,
         )
         return super()._run_epoch(**kwargs)
 
     def sampler_state(self) -> dict:
         """The sampler's resume state at the last finished optimizer step (what a checkpoint saves)."""
-        start, step0 = self._epoch_start
-        position = start + (self.state.global_step - step0) * self.topology.micro_batches
-        end = self.balanced_sampler.num_steps * self.topology.micro_batches
-        return self.balanced_sampler.state_dict(position=min(position, end))
+        first_step, step0 = self._epoch_start
+        sampler = self.balanced_sampler
+        step = min(first_step + self.state.global_step - step0, sampler.num_steps)
+        return sampler.state_dict(position=sampler.position_of_step(step))
 
     def _save_checkpoint(self, model, trial) -> None:
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")

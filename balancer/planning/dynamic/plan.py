@@ -171,6 +171,12 @@ def _plan_on(
     communication-aware cost model, its predicted step time total (`Plan.predict`), else 0."""
     virtual = largest_group_topology(topology, size)
     base = static_plan(lengths, virtual, cost, seed=seed, overflow=overflow, progress=progress, num_steps=num_steps)
+    if base.last_micro_batches < topology.micro_batches:
+        raise ValueError(
+            f"{len(lengths)} documents cannot fill every step's micro_batches = {topology.micro_batches} slots, and "
+            "dynamic CP (cp_sizes) does not plan a short last step yet: choose micro_batches or dp so that the "
+            "documents fill every step, or plan without cp_sizes"
+        )
     order, group_start, group_size, sizes, slot_ptr, group_times = split_groups(base, virtual, topology, cost)
     predicted = 0.0
     if cost.has_comm:  # the slot model over the layout-aware group times, as Plan.predict assembles them
