@@ -175,7 +175,13 @@ def _equal_rows(u_tok: np.ndarray, topology: Topology, num_steps: int | None) ->
     rows = np.full(int(num_steps), len(u_tok) // num_steps, dtype=np.int64)
     rows[: len(u_tok) % num_steps] += 1
     per_step = topology.bins_per_step * (topology.micro_batch_tokens // int(u_tok[0]))
-    return (rows if rows.min() >= topology.bins_per_step and rows.max() <= per_step else None), m
+    if rows.min() >= topology.bins_per_step and rows.max() <= per_step:
+        return rows, m
+    try:  # a window's count with a short last step (balancer.planning.window.step_cut)
+        cut, m_last = equal_row_cut(len(u_tok), int(u_tok[0]), topology)
+    except ShortStepError:
+        return None, m
+    return (cut, m_last) if len(cut) == num_steps and m_last < m else (None, m)
 
 
 def _one_short_step(lengths, topology: Topology, cost, seed, overflow, units: int, num_steps, started) -> Plan:

@@ -29,7 +29,7 @@ from balancer.planning.cost.model import CostModel
 from balancer.planning.planner import plan as make_plan
 from balancer.planning.shuffle import num_windows, window_ids
 from balancer.planning.topology import Topology
-from balancer.planning.window import window_seed, window_step_count, window_step_counts
+from balancer.planning.window import window_cut, window_seed, window_step_count, window_step_counts
 from balancer.training import lengths as training_lengths
 from balancer.training.indices import CPGroup
 
@@ -257,6 +257,10 @@ class EpochWindows:
                 f"window {w} planned with the model {self.model(w)[1]} has {seg.num_steps} steps, {self._steps[w]} "
                 "before: a window's step count must not depend on the cost model or the rank speeds"
             )
+        if self._micro.get(w, seg.total_micro_batches) != seg.total_micro_batches:
+            raise RuntimeError(
+                f"window {w} planned has {seg.total_micro_batches} micro-batches per rank, {self._micro[w]} counted"
+            )
         with self._lock:
             self._segments[w] = seg
             self._steps[w] = seg.num_steps
@@ -288,10 +292,11 @@ class EpochWindows:
             ids = window_ids(self.num_docs, self.seed, self.epoch, w, self.window_docs)
             self._check(w)
             try:
-                count = window_step_count(np.asarray(self.lengths[ids], dtype=np.int64), self.topology, self.overflow)
+                count, last = window_cut(np.asarray(self.lengths[ids], dtype=np.int64), self.topology, self.overflow)
             except ValueError as e:
                 raise ValueError(f"window {w} of {self.count} (window_docs = {self.window_docs}): {e}") from None
             self._steps[w] = count
+            self._micro[w] = (count - 1) * self.topology.micro_batches + last
         else:
             self.count_all()
         return self._steps[w]
@@ -300,13 +305,16 @@ class EpochWindows:
         """Every window's fixed count in one pass over the lengths (`window_step_counts`), kept (one int each)."""
         if not self._all_counted and self.count > 1:
             self._check(self.origin)
+            last = np.zeros(self.count, dtype=np.int64)
             counts = window_step_counts(
                 self.lengths, self.topology, seed=self.seed, epoch=self.epoch, window_docs=self.window_docs,
-                overflow=self.overflow, chunk=max(1, training_lengths.CHUNK // 8),
+                overflow=self.overflow, chunk=max(1, training_lengths.CHUNK // 8), last_micro_batches=last,
             )  # fmt: skip
+            m = self.topology.micro_batches
             for w in range(self.origin, self.count):
                 if not (w == self.origin and self.history):
                     self._steps.setdefault(w, int(counts[w]))
+                    self._micro.setdefault(w, (int(counts[w]) - 1) * m + int(last[w]))
         self._all_counted = True
 
     def micro_batches(self, w: int) -> int:

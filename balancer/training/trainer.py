@@ -255,6 +255,7 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         self._resume_epoch = None
         remaining = len(sampler) - start  # exact; a short last step (M' micro-batches) included
         first_step = sampler.step_of(start)[0] if start else 0
+        _check_short_steps(sampler, first_step, remaining, epoch)
         self._epoch_start = (first_step, self.state.global_step)
         kwargs.update(  # the stock loop runs a last update of `steps_in_epoch % accumulation` micro-batches
             steps_in_epoch=remaining,
@@ -324,6 +325,22 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         # DDP (and FSDP) average the gradients over the processes; the loss is normalised globally, so undo that
         loss = token_loss(outputs.logits, inputs["labels"], n) * self.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
+
+
+def _check_short_steps(sampler, first_step: int, remaining: int, epoch: int) -> None:
+    """The stock loop accumulates `micro_batches` micro-batches per optimizer step and runs a shorter update only
+    at the end of an epoch: refuse an epoch with a short step (M' < M) anywhere else (windowed planning of
+    fixed-length rows whose windows cannot fill their last steps) instead of mixing steps."""
+    m, steps = sampler.topology.micro_batches, sampler.num_steps
+    if steps <= first_step:
+        return
+    last = sampler.step_micro_batches(steps - 1)
+    if remaining != (steps - first_step - 1) * m + last:
+        raise ValueError(
+            f"epoch {epoch}: a planning window's fixed-length rows cannot fill its last step, which runs fewer than "
+            f"micro_batches = {m} micro-batches inside the epoch; the Trainer runs a short optimizer step only at the "
+            "end of an epoch: choose Topology.dp and Topology.micro_batches so that every window's rows fill its steps"
+        )
 
 
 def _process_mean(t: torch.Tensor) -> torch.Tensor:
