@@ -192,8 +192,12 @@ def _one_short_step(lengths, topology: Topology, cost, seed, overflow, units: in
         raise ShortStepError(
             f"{units} documents cannot fill dp*micro_batches = {topology.dp}*{topology.micro_batches} = "
             f"{topology.bins_per_step} non-empty micro-batches"
-            + (f" (nor one on each of dp = {topology.dp} replicas)" if m_last < 1 else f" in {num_steps} steps")
-            + "; lower dp or micro_batches",
+            + (
+                f" (nor one on each of dp = {topology.dp} replicas); lower dp or micro_batches "
+                f"(Topology.dp to at most {units})"
+                if m_last < 1
+                else f" in {num_steps} steps; lower dp or micro_batches"
+            ),
             max(0, topology.dp - units),
         )
     small = replace(topology, micro_batches=m_last, tokens_per_step=None)

@@ -287,6 +287,12 @@ def short_last_step(num_rows: int, per_mb: int, topology: Topology, row_tokens: 
     if m_last >= 1 and rest <= t.dp * m_last * per_mb:
         return np.array([high] * full + [rest], dtype=np.int64), m_last
     missing = t.dp - rest if rest < t.dp else -rest % t.dp
+    if full == 0 and rest < t.dp:
+        raise ShortStepError(
+            f"{num_rows} rows{f' of {row_tokens} tokens' if row_tokens else ''} cannot give each of dp = {t.dp} "
+            f"replicas a micro-batch (no step runs with an empty replica); lower Topology.dp to at most {num_rows}",
+            missing,
+        )
     wider = f" to {-(-(per_mb + 1) * row_tokens // t.cp)}" if row_tokens else ""
     raise ShortStepError(
         f"{num_rows} rows{f' of {row_tokens} tokens' if row_tokens else ''} cannot be split equally over dp = "
