@@ -56,7 +56,7 @@ from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
 from balancer.planning.window import MAX_SEED, check_window_docs, default_window_docs
-from balancer.training.indices import CPGroup, Member, Span, SpanDataset
+from balancer.training.indices import CPGroup, Filler, Member, Span, SpanDataset
 from balancer.training.lengths import LengthsGuard, resolve_lengths, scan_lengths
 from balancer.training.ranks import resolve_pool_rank
 from balancer.training.sampler_state import STATE_FORMAT, STATE_VERSION, check_state, state_digest
@@ -91,6 +91,9 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             to `PackedCollator`.
         window_docs: documents per planning window (at least dp * micro_batches); None: the default, the documents
             of about 64 steps and at least 65,536 (docs/windows.md); `>= len(lengths)`: the whole epoch as one window.
+        filler_rows: fixed-length rows that no short last step splits equally over the replicas get loss-masked
+            filler rows (`balancer.plan(..., filler_rows=True)`; whole-epoch plans), yielded as :class:`Filler`
+            indices: wrap the dataset in `SpanDataset` so `PackedCollator` masks them.
     """
 
     def __init__(
@@ -106,6 +109,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         dp_dim: str = "dp",
         rank: Optional[int] = None,
         window_docs: Optional[int] = None,
+        filler_rows: bool = False,
     ) -> None:
         check_topology_and_cost(topology, cost)
         if overflow not in OVERFLOW_POLICIES:
@@ -137,6 +141,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self._cursor = (0, 0)  # (window, position at its first micro-batch) of the last yielded micro-batch
         self._resume_pending = False
         self.monitor = None  # a balancer.BalanceMonitor attaches itself here (its models plan the windows, adapt)
+        self.filler_rows = bool(filler_rows)
         if window_docs is not None and self.window_docs < n and n <= UP_FRONT_COUNT:
             self.windows.count_all()  # a size some window of this epoch cannot fill is refused here, naming it
 
@@ -164,6 +169,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             self._windows = EpochWindows(
                 self.lengths, self.topology, self.cost, seed=self.seed, epoch=self.epoch,
                 overflow=self.overflow, window_docs=window_docs, origin=origin, history=history, guard=self._guard,
+                filler_rows=self.filler_rows,
             )  # fmt: skip
             if self.monitor is not None:
                 self.monitor.attach_windows(self._windows)
@@ -221,7 +227,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             return self.num_steps
         return EpochWindows(
             self.lengths, self.topology, self.cost, seed=self.seed, epoch=int(epoch), overflow=self.overflow,
-            window_docs=self.window_docs, guard=self._guard,
+            window_docs=self.window_docs, guard=self._guard, filler_rows=self.filler_rows,
         ).total_steps()  # fmt: skip
 
     def _locate(self, step: int) -> tuple[Segment, int]:
@@ -248,7 +254,11 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             k = seg.mb_index(step, dp, m)
             doc, start, end = seg.placements(k)
             full = seg.full[seg.mb_ptr[k] : seg.mb_ptr[k + 1]]
-            return [int(d) if (s == 0 and e == f) else Span(d, s, e) for d, s, e, f in zip(doc, start, end, full)]
+            out = [int(d) if (s == 0 and e == f) else Span(d, s, e) for d, s, e, f in zip(doc, start, end, full)]
+            if seg.filler is not None:  # loss-masked filler rows (filler_rows=True): last in the micro-batch
+                fill = seg.filler[seg.mb_ptr[k] : seg.mb_ptr[k + 1]]
+                out = [Filler(int(d)) if f else x for x, d, f in zip(out, doc, fill)]
+            return out
         rank = self.pool_rank if rank is None else rank
         k = seg.mb_index(step, rank, m)
         group = seg.group(k, rank)
@@ -279,9 +289,11 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         return step_info(self, step)
 
     def _step_sizes(self, step: int) -> np.ndarray:
+        """Token counts of `step`'s documents (filler rows left out)."""
         seg, local = self._locate(step)
         sl = seg.step_slice(local)
-        return seg.end[sl] - seg.start[sl]
+        sizes = seg.end[sl] - seg.start[sl]
+        return sizes if seg.filler is None else sizes[~seg.filler[sl]]
 
     def step_loss_tokens(self, step: int) -> int:
         """Global number of loss tokens of `step` (all DP ranks, all micro-batches): sum over its documents (or
@@ -457,6 +469,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         windows = EpochWindows(
             self.lengths, self.topology, self.cost, seed=self.seed, epoch=state["epoch"], overflow=self.overflow,
             window_docs=window_docs, origin=state["window"], history=history, guard=self._guard,
+            filler_rows=self.filler_rows,
         )  # fmt: skip
         if self.monitor is not None:
             self.monitor.attach_windows(windows)

@@ -55,6 +55,7 @@ class Segment:
     ids: Optional[np.ndarray] = None  # the window's global ids (local plan id -> global id); None: identity
     full: Optional[np.ndarray] = None  # each placement's document length, read with the window (a span or whole)
     last_m: Optional[int] = None  # micro-batches (slots) of the last step: M' < M when it is short; None: M
+    filler: Optional[np.ndarray] = None  # per placement: a loss-masked filler row (plan(..., filler_rows=True))
 
     @property
     def num_steps(self) -> int:
@@ -109,8 +110,9 @@ class Segment:
 
 
 def plan_units(
-    u_doc, u_start, u_end, topology: Topology, cost: CostModel, seed: int, overflow: str, lengths=None, fixed=False
-):
+    u_doc, u_start, u_end, topology: Topology, cost: CostModel, seed: int, overflow: str, lengths=None, fixed=False,
+    filler_rows: bool = False,
+):  # fmt: skip
     """Plan units (doc, start, end) - each planned as a document of end-start tokens - and map back. `lengths`
     instead: the units are exactly the whole documents of `lengths` (the whole-epoch plan, no remapping). `fixed`:
     into exactly `window_step_count` steps (a window of several)."""
@@ -120,16 +122,16 @@ def plan_units(
         return Segment(topology, cost, e, e, e, np.zeros(1, dtype=np.int64), None, *groups)
     docs = lengths if lengths is not None else (u_end - u_start)
     steps = window_step_count(docs, topology, overflow) if fixed else None
-    p = make_plan(docs, topology, cost, seed=seed, overflow=overflow, num_steps=steps)
+    p = make_plan(docs, topology, cost, seed=seed, overflow=overflow, num_steps=steps, filler_rows=filler_rows)
     if steps is not None and p.num_steps != steps:  # never a silently wrong len(sampler)
         raise RuntimeError(f"the planner made {p.num_steps} steps of a window fixed at {steps}")
     groups = (p.group_start, p.group_size, p.slot_ptr)
     p.natural_step = None  # per document of the window: not needed by the sampler
     last = p.last_micro_batches
     if lengths is not None:
-        return Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p, *groups, last_m=last)
+        return Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p, *groups, last_m=last, filler=p.filler)
     doc, start, end = u_doc[p.doc], u_start[p.doc] + p.start, u_start[p.doc] + p.end
-    return Segment(topology, cost, doc, start, end, p.mb_ptr, p, *groups, ids=u_doc, last_m=last)
+    return Segment(topology, cost, doc, start, end, p.mb_ptr, p, *groups, ids=u_doc, last_m=last, filler=p.filler)
 
 
 class EpochWindows:
@@ -150,6 +152,7 @@ class EpochWindows:
         origin=0,
         history=(),
         guard=None,
+        filler_rows: bool = False,
     ) -> None:
         self.lengths, self.topology, self.cost = lengths, topology, cost
         self.seed, self.epoch, self.overflow = seed, epoch, overflow
@@ -160,6 +163,7 @@ class EpochWindows:
             raise ValueError(f"window {origin} out of range: this epoch has {self.count} windows")
         self.origin, self.history = int(origin), list(history)
         self.guard = guard  # LengthsGuard: the files behind the lengths checked before each window's read
+        self.filler_rows = bool(filler_rows)  # the whole-epoch plan may add loss-masked filler rows
         self._segments: dict[int, Segment] = {}
         self._steps: dict[int, int] = {}  # planned or counted windows' step counts
         self._micro: dict[int, int] = {}  # planned windows' micro-batch counts (a short last step: fewer than M each)
@@ -226,7 +230,10 @@ class EpochWindows:
         history = self.history if w == self.origin else []
         topology, cost = self.model(w)
         if self.count == 1 and not history:
-            return plan_units(None, None, None, topology, cost, seed, self.overflow, lengths=self.lengths)
+            return plan_units(
+                None, None, None, topology, cost, seed, self.overflow, lengths=self.lengths,
+                filler_rows=self.filler_rows,
+            )  # fmt: skip
         ids = window_ids(self.num_docs, self.seed, self.epoch, w, self.window_docs)
         u_doc, u_start = ids, np.zeros(len(ids), dtype=np.int64)
         u_end = np.asarray(self.lengths[ids], dtype=np.int64)
@@ -239,10 +246,14 @@ class EpochWindows:
                     f"{seg.num_steps}"
                 )
             left = ~seg.consumed_mask(h["steps"])
+            if seg.filler is not None:  # filler rows are no documents: never re-planned as ones
+                left &= ~seg.filler
             u_doc, u_start, u_end = seg.doc[left], seg.start[left], seg.end[left]
             order = np.lexsort((u_start, u_doc))
             u_doc, u_start, u_end = u_doc[order], u_start[order], u_end[order]
-        return plan_units(u_doc, u_start, u_end, topology, cost, seed, self.overflow, fixed=fixed)
+        return plan_units(
+            u_doc, u_start, u_end, topology, cost, seed, self.overflow, fixed=fixed, filler_rows=self.filler_rows
+        )
 
     def segment(self, w: int) -> Segment:
         """The plan segment of window `w` (planned now unless kept or planned ahead)."""

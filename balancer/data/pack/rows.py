@@ -182,8 +182,8 @@ def plan_epoch(source: SourceTokens, topology: Topology, cost: CostModel, seed: 
     """The plan of epoch `epoch` (seed `seed + epoch`) over the source folder's rows."""
     try:
         plan = make_plan(source.lengths, topology, cost, seed=seed + epoch, overflow=overflow)
-    except ValueError as exc:
-        raise PackError(f"epoch {epoch}: {exc}") from None
+    except ValueError as exc:  # pack writes no filler rows: the planner's opt-in does not apply here
+        raise PackError(f"epoch {epoch}: {str(exc).split('; or pass filler_rows=True')[0]}") from None
     plan.plan_seconds = 0.0  # timing is not part of the (byte-identical) output
     return plan
 

@@ -52,17 +52,18 @@ def check_coverage(plan) -> None:
     consecutive (no gap, no overlap) and ending at its length, or, for a plan with dropped tokens
     (overflow='truncate'), at one truncation cut shared by every document longer than it; the tokens short of the
     lengths add up to `dropped_tokens`. Vectorised: one sort."""
-    doc, start, end, lengths = plan.doc, plan.start, plan.end, plan.lengths
-    outside = (doc < 0) | (doc >= plan.num_docs)
+    lengths = plan.lengths
+    outside = (plan.doc < 0) | (plan.doc >= plan.num_docs)
     if np.any(outside):
         i = int(np.argmax(outside))
-        raise ValueError(f"{_entry_name(plan, i)}: a placement names document {int(doc[i])}, outside the plan")
+        raise ValueError(f"{_entry_name(plan, i)}: a placement names document {int(plan.doc[i])}, outside the plan")
+    doc, start, end, entries = _real_entries(plan)
     bad = (start < 0) | (end <= start) | (end > lengths[doc])
     if np.any(bad):
         i = int(np.argmax(bad))
         raise ValueError(
-            f"{_entry_name(plan, i)}: document {int(doc[i])} ({int(lengths[doc[i]])} tokens) has an invalid token "
-            f"range [{int(start[i])}, {int(end[i])})"
+            f"{_entry_name(plan, entries[i])}: document {int(doc[i])} ({int(lengths[doc[i]])} tokens) has an invalid "
+            f"token range [{int(start[i])}, {int(end[i])})"
         )
     order = np.lexsort((start, doc))
     d, s, e = doc[order], start[order], end[order]
@@ -86,11 +87,28 @@ def check_coverage(plan) -> None:
         j = int(np.argmax(broken))
         what = "does not start at token 0" if first[j] else f"has a gap or overlap at token {int(np.roll(e, 1)[j])}"
         raise ValueError(
-            f"{_entry_name(plan, int(order[j]))}: document {int(d[j])}: its span [{int(s[j])}, {int(e[j])}) {what}"
+            f"{_entry_name(plan, int(entries[order[j]]))}: document {int(d[j])}: its span [{int(s[j])}, "
+            f"{int(e[j])}) {what}"
         )
     last = np.append(first[1:], True)
     # per placed document (every document, or a window's), the end of its last span
-    _check_shortfall(plan, d[last], e[last], order[last])
+    _check_shortfall(plan, d[last], e[last], entries[order[last]])
+
+
+def _real_entries(plan):
+    """(doc, start, end, entry index) of the placements that are documents: filler rows (whole copies of real rows,
+    checked to be so) left out of the coverage."""
+    doc, start, end = plan.doc, plan.start, plan.end
+    entries = np.arange(len(doc))
+    if plan.filler is None:
+        return doc, start, end, entries
+    f = np.flatnonzero(plan.filler)
+    bad = (start[f] != 0) | (end[f] != plan.lengths[doc[f]])
+    if np.any(bad):
+        i = int(f[np.argmax(bad)])
+        raise ValueError(f"{_entry_name(plan, i)}: a filler row must copy a whole row (document {int(doc[i])})")
+    keep = ~plan.filler
+    return doc[keep], start[keep], end[keep], entries[keep]
 
 
 def _check_shortfall(plan, docs: np.ndarray, covered: np.ndarray, last_entry: np.ndarray) -> None:

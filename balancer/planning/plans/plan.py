@@ -40,6 +40,7 @@ class MicroBatch:
 
     docs: list[int]
     spans: list[tuple[int, int, int]] = field(default_factory=list)
+    fillers: list[int] = field(default_factory=list)  # loss-masked filler rows: copies of these rows, not documents
 
     @property
     def ids(self) -> list[int]:
@@ -151,6 +152,7 @@ class Plan:
         window: WindowInfo | None = None,
         layout: dict | None = None,
         last_micro_batches: int | None = None,
+        filler: np.ndarray | None = None,
     ) -> None:
         self.lengths = _int64_lengths(lengths)
         self.topology = topology
@@ -174,8 +176,11 @@ class Plan:
         else:
             per, last = topology.bins_per_step, topology.dp * self.last_micro_batches
             _check_shape(len(self.mb_ptr) - 1, per, last, "micro-batches", "dp*M")
+        self.filler = None if filler is None or not np.any(filler) else np.asarray(filler, dtype=bool)
+        if self.filler is not None and len(self.filler) != len(self.doc):
+            raise ValueError(f"filler has {len(self.filler)} entries for {len(self.doc)} placements")
         if dropped_tokens is None:
-            dropped_tokens = int(self.lengths.sum() - (self.end - self.start).sum())
+            dropped_tokens = int(self.lengths.sum() - self.real_tokens)
         self.dropped_tokens = dropped_tokens
         self.window = window  # a window plan (balancer.plan_window) places only its window's documents
         self._window_ids: np.ndarray | None = None
@@ -274,12 +279,26 @@ class Plan:
     def __len__(self) -> int:
         return self.num_steps
 
+    @property
+    def filler_rows(self) -> int:
+        """Loss-masked filler rows the plan holds (`plan(..., filler_rows=True)`): copies of real rows placed so
+        that every replica gets a micro-batch in a last step the real rows cannot split equally; 0 without."""
+        return 0 if self.filler is None else int(self.filler.sum())
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens of the documents placed (filler rows left out)."""
+        sizes = self.end - self.start
+        return int(sizes.sum() if self.filler is None else sizes[~self.filler].sum())
+
     def _micro_batch(self, k: int, cls=MicroBatch, **extra) -> MicroBatch:
         a, b = self.mb_ptr[k], self.mb_ptr[k + 1]
         doc, start, end = self.doc[a:b], self.start[a:b], self.end[a:b]
-        whole = (start == 0) & (end == self.lengths[doc])
-        spans = [(int(d), int(s), int(e)) for d, s, e in zip(doc[~whole], start[~whole], end[~whole])]
-        return cls(docs=doc[whole].tolist(), spans=spans, **extra)
+        fill = np.zeros(b - a, dtype=bool) if self.filler is None else self.filler[a:b]
+        whole = (start == 0) & (end == self.lengths[doc]) & ~fill
+        part = ~whole & ~fill
+        spans = [(int(d), int(s), int(e)) for d, s, e in zip(doc[part], start[part], end[part])]
+        return cls(docs=doc[whole].tolist(), spans=spans, fillers=doc[fill].tolist(), **extra)
 
     def _group(self, k: int) -> Group:
         return self._micro_batch(k, Group, ranks=(int(self.group_start[k]), int(self.group_size[k])))
@@ -314,8 +333,13 @@ class Plan:
         for s in range(self.num_steps):
             ms = self.step_micro_batches(s)
             base = s * t.bins_per_step + dp_rank * ms
-            out.append([self.doc[self.mb_ptr[k] : self.mb_ptr[k + 1]].tolist() for k in range(base, base + ms)])
+            out.append([self._documents(k) for k in range(base, base + ms)])
         return out
+
+    def _documents(self, k: int) -> list[int]:
+        """Document ids of micro-batch `k` in packing order, filler rows left out."""
+        a, b = self.mb_ptr[k], self.mb_ptr[k + 1]
+        return (self.doc[a:b] if self.filler is None else self.doc[a:b][~self.filler[a:b]]).tolist()
 
     def rank_groups(self, pool_rank: int) -> np.ndarray:
         """Dynamic CP: [steps * M] index of the micro-batch (group) holding `pool_rank` in every slot."""
@@ -399,7 +423,8 @@ class Plan:
             largest,
             self.topology,
             self.cost_model,
-            total_tokens=int((self.end - self.start).sum()),
+            total_tokens=self.real_tokens,
+            padding_tokens=int((self.end - self.start).sum()) - self.real_tokens,  # filler rows
             dropped_tokens=self.dropped_tokens,
             delay_steps=delay,
             plan_seconds=self.plan_seconds,
