@@ -107,7 +107,7 @@ def plan(
     u_tok = (u_end - u_start)[shuffled]
     rows, m_last, fillers = _equal_rows(u_tok, topology, num_steps, filler_rows)
     if rows is not None:  # fixed-length rows: whole rows per step, dealt evenly (the last step maybe short)
-        shuffled = np.concatenate([shuffled, shuffled[:fillers]])  # filler rows copy the first rows
+        shuffled = np.concatenate([shuffled, shuffled[np.arange(fillers) % len(shuffled)]])  # copies of the first
         targets = rows * float(u_tok[0])
         packed = pack_equal_rows(rows, topology, m_last)
         _log_short_step(len(u_tok), topology, m_last, fillers)

@@ -120,6 +120,7 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         attention_backend: str,
         seed: Optional[int],
         max_length: Optional[int] = None,
+        filler_rows: bool = False,
     ) -> None:
         import attention.hf as ahf
 
@@ -160,11 +161,12 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
                 rank=self.dp_rank * topology.cp + self.cp_rank,
                 seed=self._plan_seed,
                 overflow=overflow,
+                filler_rows=filler_rows,
             )
         # dynamic CP: every batch names its own group (carried by the sampler's indices through SpanDataset)
         cp_rank, cp_size = (0, 1) if topology.dynamic else (self.cp_rank, topology.cp)
         self.packed_collator = PackedCollator(cp_rank=cp_rank, cp_size=cp_size, layout=layout, dp_rank=self.dp_rank)
-        if stream is None and (overflow != "error" or topology.dynamic):
+        if stream is None and (overflow != "error" or topology.dynamic or filler_rows):
             self.train_dataset = SpanDataset(self.train_dataset)
         self._resume_epoch: Optional[int] = None
         self._epoch_start = (0, 0)  # (sampler step, global step) when the current epoch's loop began
@@ -426,6 +428,8 @@ class BalancedTrainer(BalancedTrainingMixin, Trainer):
         overflow: the planner's policy for documents longer than ``max_tokens * cp`` ("error", "split", "truncate").
         layout: the CP layout kind of ``PackedCollator``; cp_method: "ring" or "allgather"; attention_backend: as for
             ``attention.cp_attention``; seed: the plan's seed (default ``args.seed``).
+        filler_rows: fixed-length rows that no short last step splits equally over the replicas get loss-masked
+            filler rows (``BalancedBatchSampler(filler_rows=True)``) instead of an error.
     """
 
     def __init__(
@@ -442,6 +446,7 @@ class BalancedTrainer(BalancedTrainingMixin, Trainer):
         cp_method: str = "ring",
         attention_backend: str = "auto",
         seed: Optional[int] = None,
+        filler_rows: bool = False,
         **kwargs,
     ) -> None:
         if topology is not None:
@@ -453,4 +458,6 @@ class BalancedTrainer(BalancedTrainingMixin, Trainer):
             topology = train_dataset.topology
         args = balanced_args(args if args is not None else TrainingArguments(output_dir="trainer_output"), topology)
         super().__init__(model=model, args=args, train_dataset=_dataset_for_packing(train_dataset), **kwargs)
-        self._balanced_setup(topology, cost, lengths, overflow, layout, cp_method, attention_backend, seed)
+        self._balanced_setup(
+            topology, cost, lengths, overflow, layout, cp_method, attention_backend, seed, filler_rows=filler_rows
+        )
