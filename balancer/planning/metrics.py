@@ -102,10 +102,13 @@ def dynamic_step_times(
     largest = np.zeros(steps * pool)
     for k in range(m):
         members = np.flatnonzero(slot_of_group % m == k)
+        if len(members) == 0:
+            continue
+        n = (int(step_of_group[members[-1]]) + 1) * pool  # a short last step has no slot k >= M': a prefix
         first_rank = step_of_group[members] * pool + group_start[members]
-        start_time = np.maximum.reduceat(finish, first_rank)
-        finish = np.repeat(start_time + group_time[members], group_size[members])
-        largest = np.maximum(largest, np.repeat(group_time[members], group_size[members]))
+        start_time = np.maximum.reduceat(finish[:n], first_rank)
+        finish[:n] = np.repeat(start_time + group_time[members], group_size[members])
+        largest[:n] = np.maximum(largest[:n], np.repeat(group_time[members], group_size[members]))
     return one_f_one_b(largest, finish, topology.pp).reshape(steps, pool).max(axis=1)
 
 

@@ -91,9 +91,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             to `PackedCollator`.
         window_docs: documents per planning window (at least dp * micro_batches); None: the default, the documents
             of about 64 steps and at least 65,536 (docs/windows.md); `>= len(lengths)`: the whole epoch as one window.
-        filler_rows: fixed-length rows that no short last step splits equally over the replicas get loss-masked
-            filler rows (`balancer.plan(..., filler_rows=True)`; whole-epoch plans), yielded as :class:`Filler`
-            indices: wrap the dataset in `SpanDataset` so `PackedCollator` masks them.
+        filler_rows: `balancer.plan(..., filler_rows=True)` (whole-epoch plans): its loss-masked filler rows come as
+            :class:`Filler` indices; wrap the dataset in `SpanDataset` so `PackedCollator` masks them.
     """
 
     def __init__(
@@ -203,23 +202,17 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         return self.windows.total_steps()
 
     def __len__(self) -> int:
-        """Micro-batches this rank yields from the origin to the end of the epoch: exact (module docstring); a
-        short last step counts its M' micro-batches."""
+        """Micro-batches this rank yields from the origin to the end of the epoch: exact (module docstring)."""
         return self.windows.total_micro_batches()
 
     def step_micro_batches(self, step: int) -> int:
-        """Micro-batches every rank runs in `step`: `micro_batches`, or M' for a short last step of a window whose
-        documents cannot fill it (docs/training.md)."""
+        """Micro-batches every rank runs in `step`: `micro_batches`, or M' in a short last step (docs/training.md)."""
         seg, local = self._locate(step)
         return seg.step_micro_batches(local)
 
     def position_of_step(self, step: int) -> int:
         """Micro-batches from the origin before `step` (`num_steps` gives `len(sampler)`)."""
-        ew, m = self.windows, self.topology.micro_batches
-        w, first, position = ew.origin, 0, 0
-        while w < ew.count and step >= first + ew.steps(w):
-            first, position, w = first + ew.steps(w), position + ew.micro_batches(w), w + 1
-        return position + (step - first) * m
+        return self.windows.position_of_step(step)
 
     def epoch_num_steps(self, epoch: int) -> int:
         """Optimizer steps of a fresh pass over `epoch` (this sampler's topology and window size), as `num_steps`."""

@@ -350,6 +350,13 @@ class EpochWindows:
             first, steps, w = first + n, steps + self.steps(w), w + 1
         return self.count, index - first, steps
 
+    def position_of_step(self, step: int) -> int:
+        """Micro-batches from the origin before the `step`-th step from the origin."""
+        w, first, position = self.origin, 0, 0
+        while w < self.count and step >= first + self.steps(w):
+            first, position, w = first + self.steps(w), position + self.micro_batches(w), w + 1
+        return position + (step - first) * self.topology.micro_batches
+
     def total_steps(self) -> int:
         """Exact steps of windows origin.. (plans at most a lone or re-planned origin window)."""
         if self.count - self.origin > 2:

@@ -178,7 +178,17 @@ def test_plan_constructor_checks_last_micro_batches():
     assert balancer.Plan(*args, last_micro_batches=1).num_steps == 5
 
 
-def test_dynamic_cp_refuses_a_short_step_by_name():
-    topo = balancer.Topology(dp=2, cp=2, micro_batches=2, max_tokens=64, cp_sizes=(1, 2))
-    with pytest.raises(ValueError, match="dynamic CP .* short last step"):
-        balancer.plan(np.full(3, 64), topo, COST)
+@pytest.mark.parametrize("n, sizes, cp", [(12, (1,), 1), (3, (1, 2), 2), (20, (1,), 1)])
+def test_dynamic_cp_plans_a_short_last_step(n, sizes, cp):
+    """Dynamic CP cuts the short last step on its own: M' slots, each a partition of the pool, every row once, and
+    the pool ranks' samplers yield the same count, len() exact."""
+    topo = balancer.Topology(dp=4 // cp, cp=cp, micro_batches=2, max_tokens=64, cp_sizes=sizes)
+    plan = balancer.plan(np.full(n, 64), topo, COST)
+    plan.validate()
+    assert plan.last_micro_batches < 2 and len(plan.steps[-1].slots) == plan.last_micro_batches
+    assert sorted(plan.doc.tolist()) == list(range(n))
+    assert np.isfinite(plan.metrics()["imbalance"])
+    samplers = [balancer.BalancedBatchSampler(np.full(n, 64), topo, COST, rank=r) for r in range(4)]
+    out = [list(s) for s in samplers]
+    assert {len(o) for o in out} == {len(samplers[0])} == {2 * (plan.num_steps - 1) + plan.last_micro_batches}
+    assert {int(i) for o in out for mb in o for i in mb} == set(range(n))

@@ -162,3 +162,24 @@ def check_partition(group_start: np.ndarray, group_size: np.ndarray, slot_ptr: n
     if np.any(wrong | short) or np.any(np.diff(slot_ptr) == 0):
         slot = int(np.searchsorted(slot_ptr, int(np.argmax(wrong | short)), side="right") - 1)
         raise ValueError(f"slot {slot}: the groups do not cover the pool of {topology.pool_size} ranks exactly once")
+
+
+def check_last(topology: Topology, last) -> int:
+    """`last_micro_batches` as an int in 1..micro_batches (None: micro_batches), else a ValueError naming it."""
+    m = topology.micro_batches
+    if last is None:
+        return m
+    if isinstance(last, bool) or not isinstance(last, (int, np.integer)) or not 1 <= last <= m:
+        raise ValueError(f"last_micro_batches must be an integer in 1..micro_batches = {m}, got {last!r}")
+    return int(last)
+
+
+def check_shape(count: int, per: int, last: int, what: str, name: str) -> None:
+    """`count` micro-batches (or slots) must be whole steps of `per`, the last one of `last`."""
+    if count % per == 0 and last == per:
+        return
+    if last < per and count >= last and (count - last) % per == 0:
+        return
+    raise ValueError(
+        f"plan has {count} {what}, not steps of {name} = {per}" + (f" and a last step of {last}" if last < per else "")
+    )

@@ -28,7 +28,7 @@ from balancer.planning import metrics as _metrics
 from balancer.planning.cost.model import CostModel
 from balancer.planning.cost.predict import micro_batch_time, predict_plan
 from balancer.planning.plans import layout as layout_record
-from balancer.planning.plans.checks import check_placements
+from balancer.planning.plans.checks import check_last, check_placements, check_shape
 from balancer.planning.plans.files import load_plan, plan_to_dict, save_plan
 from balancer.planning.shuffle import WindowInfo
 from balancer.planning.topology import Topology
@@ -98,27 +98,6 @@ def _static_view_error(name: str) -> str:
     )
 
 
-def _check_last(topology: Topology, last) -> int:
-    """`last_micro_batches` as an int in 1..micro_batches (None: micro_batches), else a ValueError naming it."""
-    m = topology.micro_batches
-    if last is None:
-        return m
-    if isinstance(last, bool) or not isinstance(last, (int, np.integer)) or not 1 <= last <= m:
-        raise ValueError(f"last_micro_batches must be an integer in 1..micro_batches = {m}, got {last!r}")
-    return int(last)
-
-
-def _check_shape(count: int, per: int, last: int, what: str, name: str) -> None:
-    """`count` micro-batches (or slots) must be whole steps of `per`, the last one of `last`."""
-    if count % per == 0 and last == per:
-        return
-    if last < per and count >= last and (count - last) % per == 0:
-        return
-    raise ValueError(
-        f"plan has {count} {what}, not steps of {name} = {per}" + (f" and a last step of {last}" if last < per else "")
-    )
-
-
 def _int64_lengths(lengths):
     """`lengths` as int64: in place when they are an int64 array already (a memory map included) or a read-only
     int64 array that gathers without a whole copy (a pretokenized folder's `ShardedArray`: it has `chunks`)."""
@@ -164,7 +143,7 @@ class Plan:
         self.seed = seed
         self.natural_step = None if natural_step is None else np.asarray(natural_step, dtype=np.int64)
         self.plan_seconds = plan_seconds
-        self.last_micro_batches = _check_last(topology, last_micro_batches)
+        self.last_micro_batches = check_last(topology, last_micro_batches)
         if topology.dynamic != (groups is not None):
             raise ValueError("a plan has CP groups (group_start, group_size, slot_ptr) exactly when cp_sizes is set")
         self.group_start = self.group_size = self.slot_ptr = None
@@ -172,10 +151,10 @@ class Plan:
             self.group_start, self.group_size, self.slot_ptr = (np.asarray(a, dtype=np.int64) for a in groups)
             if len(self.group_start) != len(self.mb_ptr) - 1 or len(self.group_size) != len(self.group_start):
                 raise ValueError("a dynamic plan needs one (group_start, group_size) per micro-batch")
-            _check_shape(len(self.slot_ptr) - 1, topology.micro_batches, self.last_micro_batches, "slots", "M")
+            check_shape(len(self.slot_ptr) - 1, topology.micro_batches, self.last_micro_batches, "slots", "M")
         else:
             per, last = topology.bins_per_step, topology.dp * self.last_micro_batches
-            _check_shape(len(self.mb_ptr) - 1, per, last, "micro-batches", "dp*M")
+            check_shape(len(self.mb_ptr) - 1, per, last, "micro-batches", "dp*M")
         self.filler = None if filler is None or not np.any(filler) else np.asarray(filler, dtype=bool)
         if self.filler is not None and len(self.filler) != len(self.doc):
             raise ValueError(f"filler has {len(self.filler)} entries for {len(self.doc)} placements")
