@@ -192,3 +192,16 @@ def test_dynamic_cp_plans_a_short_last_step(n, sizes, cp):
     out = [list(s) for s in samplers]
     assert {len(o) for o in out} == {len(samplers[0])} == {2 * (plan.num_steps - 1) + plan.last_micro_batches}
     assert {int(i) for o in out for mb in o for i in mb} == set(range(n))
+
+
+def test_predict_runs_over_a_short_last_step():
+    cost = balancer.CostModel.from_model(
+        hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512, vocab_size=1000,
+        hardware="h100-nvlink",
+    )  # fmt: skip
+    topo = balancer.Topology(dp=2, cp=2, micro_batches=2, max_tokens=256)
+    plan = balancer.plan(np.full(10, 512), topo, cost)  # steps of 4 rows, 4 rows and a last one of 2 (M' = 1)
+    assert (plan.num_steps, plan.last_micro_batches) == (3, 1)
+    report = plan.predict()
+    assert report["micro_batch_times"].shape == (3, 2, 2) and np.all(report["micro_batch_times"][-1, :, 1] == 0)
+    assert report["compute_only_total"] == pytest.approx(plan.step_times().sum())

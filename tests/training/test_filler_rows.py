@@ -107,3 +107,14 @@ def test_cli_filler_rows(tmp_path):
     assert "3 loss-masked filler row(s) added" in r.stdout and "runs 1 of micro_batches = 4" in r.stdout, r.stdout
     plan = balancer.Plan.load(out)
     assert plan.filler_rows == 3 and sorted(plan.doc[~plan.filler].tolist()) == list(range(32 * 40 + 5))
+
+
+@pytest.mark.parametrize("window_docs", [21, 10])
+def test_stream_windows_end_in_a_short_step(window_docs):
+    """BalancedStream plans each window like the sampler: 21 rows on dp 1 x 2 micro-batches leave a short last step
+    (one micro-batch) per window whose row count is odd; every row comes once and len-free iteration ends there."""
+    topo = balancer.Topology(dp=1, micro_batches=2, max_tokens=8)
+    rows = [list(range(i, i + 8)) for i in range(21)]
+    out = list(balancer.BalancedStream(rows, topo, COST, window_docs=window_docs, dp_rank=0))
+    assert len(out) == 21  # one row per micro-batch
+    assert sorted(int(r["input_ids"][0]) for mb in out for r in mb) == list(range(21))

@@ -243,9 +243,9 @@ class Plan:
             counts[-1] = self.last_micro_batches
         return counts
 
-    def _padded(self, flat: np.ndarray) -> np.ndarray:
-        """Flat per-micro-batch values of a static plan as [steps, dp, M], a short last step's missing
-        micro-batches 0."""
+    def by_step(self, flat: np.ndarray) -> np.ndarray:
+        """Flat per-micro-batch values (plan order) of a static plan as [steps, dp, M], the micro-batches a
+        short last step does not run 0."""
         t = self.topology
         out = np.zeros((self.num_steps, t.dp, t.micro_batches), dtype=flat.dtype)
         full = (self.num_steps - 1) * t.bins_per_step if self.num_steps else 0
@@ -356,7 +356,7 @@ class Plan:
         missing micro-batches: 0); dynamic plans: the flat [micro-batches] cost of every group's micro-batch."""
         if self.dynamic:
             return self._mb_cost_flat()
-        return self._padded(self._mb_cost_flat())
+        return self.by_step(self._mb_cost_flat())
 
     def flat_micro_batch_tokens(self) -> np.ndarray:
         """[micro-batches] tokens of each micro-batch in plan order."""
@@ -366,7 +366,7 @@ class Plan:
         """[steps, dp, M] tokens of each micro-batch (a short last step's missing micro-batches: 0; dynamic plans:
         flat [micro-batches])."""
         tok = self.flat_micro_batch_tokens()
-        return tok if self.dynamic else self._padded(tok)
+        return tok if self.dynamic else self.by_step(tok)
 
     def step_of_micro_batch(self) -> np.ndarray:
         """[micro-batches] the step of each micro-batch."""
