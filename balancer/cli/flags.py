@@ -167,6 +167,7 @@ def python_to_flags(message: str) -> str:
     message = re.sub(r"\boverflow='(\w+)'", r"--overflow \1", message)
     message = re.sub(r"\bTopology\.(\w+)", lambda m: "--" + m.group(1).replace("_", "-"), message)
     message = re.sub(r"\braise max_tokens or cp\b", "raise --max-tokens or --cp", message)
+    message = message.replace("pass filler_rows=True (--filler-rows)", "pass --filler-rows")
     return re.sub(r"\blower dp or micro_batches\b", "lower --dp or --micro-batches", message)
 
 

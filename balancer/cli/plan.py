@@ -63,7 +63,12 @@ def _plan_or_window(lengths: np.ndarray, topo: Topology, cost: CostModel, args):
     if (args.window_docs is None) != (args.window_index is None):
         raise ValueError("--window-docs and --window-index go together (one window of the epoch)")
     if args.window_docs is None:
-        return make_plan(lengths, topo, cost, seed=args.seed, overflow=args.overflow, progress=show_progress(args))
+        return make_plan(
+            lengths, topo, cost, seed=args.seed, overflow=args.overflow, progress=show_progress(args),
+            filler_rows=args.filler_rows,
+        )  # fmt: skip
+    if args.filler_rows:
+        raise ValueError("--filler-rows plans a whole epoch: leave out --window-docs and --window-index")
     from balancer.planning.shuffle import num_windows
     from balancer.planning.window import plan_window
 
@@ -79,6 +84,20 @@ def _plan_or_window(lengths: np.ndarray, topo: Topology, cost: CostModel, args):
                            window_docs=args.window_docs, overflow=args.overflow)  # fmt: skip
     except ValueError as e:
         raise ValueError(str(e).replace("window_docs", "--window-docs")) from None
+
+
+def short_step_line(plan) -> str:
+    """The line `plan` and `pack` print for a plan whose last step runs M' < micro_batches micro-batches."""
+    t = plan.topology
+    fillers = (
+        f"; {plan.filler_rows} loss-masked filler row(s) added (--filler-rows), counted as padding_tokens"
+        if plan.filler_rows
+        else ""
+    )
+    return (
+        f"the last step (step {plan.num_steps - 1}) runs {plan.last_micro_batches} of micro_batches = "
+        f"{t.micro_batches} micro-batches on each of dp = {t.dp} replicas{fillers}"
+    )
 
 
 def cmd_plan(args) -> int:
@@ -102,9 +121,16 @@ def cmd_plan(args) -> int:
             static = _static_plan(lengths, topo, cost, args)
             if static is not None:
                 plans["balancer (static CP)"] = static
-        if static is not None:
-            plans["token-count"] = baseline_plan(static, static.topology, cost, args.seed)
+        if static is not None and static.filler_rows:
+            print("(no token-count comparison: it would pack the filler rows as documents)", file=sys.stderr)
+        elif static is not None:
+            try:
+                plans["token-count"] = baseline_plan(static, static.topology, cost, args.seed)
+            except ValueError as e:  # it deals full steps only: a short last step has no token-count counterpart
+                print(f"(no token-count comparison: {e})", file=sys.stderr)
     print(compare_table(plans))
+    if ours.last_micro_batches < topo.micro_batches or ours.filler_rows:
+        print(short_step_line(ours))
     if args.overflow != "error" and not args.no_baseline:
         print(f"(both columns plan the same units: documents after --overflow {args.overflow})")
     ours.save(out)
@@ -238,6 +264,13 @@ def _register_plan(sub) -> None:
     )
     p.add_argument("--plot", metavar="PNG", help="also write a picture of the lengths and per-step balance")
     p.add_argument("--no-baseline", action="store_true", help="skip the token-count comparison")
+    p.add_argument(
+        "--filler-rows",
+        action="store_true",
+        help="fixed-length rows that no short last step splits equally over the replicas: add the fewest "
+        "loss-masked filler rows (copies of real rows whose labels are all ignored; recorded in the plan, the "
+        "count printed) instead of refusing (whole-epoch plans)",
+    )
     w = p.add_argument_group("one planning window (docs/windows.md; default: the whole epoch)")
     w.add_argument("--window-docs", type=int, metavar="N", help="documents per planning window, 1..2^62")
     w.add_argument("--window-index", type=int, metavar="I", help="which window of the epoch to plan, 0..2^62")

@@ -167,10 +167,14 @@ class BalanceMonitor:
         c0, refits0 = time.thread_time(), self.refit_seconds
         self._sync_epoch()
         m = self.topology.micro_batches
-        if len(self._current) != m:
-            raise ValueError(f"end_step: step {self._step} has {len(self._current)} recorded micro-batches of {m}")
-        times = [self._current[i] for i in range(m)]
-        self._closed.append((self._epoch, self._step, self._since_start < self.warmup_steps, times, self._plan_of()))
+        short = self.sampler.step_micro_batches(self._step) if self._step < self.sampler.num_steps else m
+        if not (short < m and len(self._current) == short):  # a short last step (M' < M): closed, not measured
+            if len(self._current) != m:
+                raise ValueError(f"end_step: step {self._step} has {len(self._current)} recorded micro-batches of {m}")
+            times = [self._current[i] for i in range(m)]
+            self._closed.append(
+                (self._epoch, self._step, self._since_start < self.warmup_steps, times, self._plan_of())
+            )
         self._current, self._step, self._since_start = {}, self._step + 1, self._since_start + 1
         ready = len(self._closed) - (1 if self.cuda else 0)  # CUDA events are read one step later
         if ready >= self.every:

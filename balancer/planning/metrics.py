@@ -49,22 +49,33 @@ def step_times(mb_cost: np.ndarray, topology: Topology) -> np.ndarray:
 
 
 def lower_bound(
-    work: np.ndarray | float, max_cost: np.ndarray | float, topology: Topology, fixed: float = 0.0, steps: int = 1
+    work: np.ndarray | float,
+    max_cost: np.ndarray | float,
+    topology: Topology,
+    fixed: float = 0.0,
+    steps: int = 1,
+    micro_batches=None,
 ) -> np.ndarray:
     """`max(W / (DP*CP) * (1 + (P-1)/M), P * max_d cost(d) / C)` for each step (or, with `steps`, the epoch), C
     being the largest CP group: `cp`, or with dynamic CP `max(cp_sizes)`. `fixed` is counted once per micro-batch
     of the fewest a step can run (`dp * M`; dynamic: `M * dp * cp / max(cp_sizes)`). With `rank_speeds` s:
     `max(W / (CP * sum(s)) * (1 + (P-1)/M), P * max_d cost(d) / (C * max(s)))` (dynamic CP: s per pool rank,
-    `W / sum(s)`)."""
+    `W / sum(s)`). `micro_batches`: the micro-batches (slots) of each step, M by default; a short last step
+    (M' < M) has the bubble share `(P-1)/M'` and `fixed` counted M' times; with `steps`, the epoch's total count of
+    slots (the bubble share stays `(P-1)/M`, a bound for every step)."""
     t = topology
     groups_per_slot = t.dp if not t.dynamic else t.pool_size // t.largest_group
-    work = np.asarray(work, dtype=np.float64) + fixed * groups_per_slot * t.micro_batches * steps
+    m = t.micro_batches if micro_batches is None else np.asarray(micro_batches, dtype=np.float64)
+    slots = m * steps if micro_batches is None or steps == 1 else m
+    if steps != 1:
+        m = t.micro_batches
+    work = np.asarray(work, dtype=np.float64) + fixed * groups_per_slot * slots
     single = t.pp * (np.asarray(max_cost, dtype=np.float64) + fixed) / t.largest_group
     if t.rank_speeds is None:
-        spread = work / (t.dp * t.cp) * (1.0 + (t.pp - 1) / t.micro_batches)
+        spread = work / (t.dp * t.cp) * (1.0 + (t.pp - 1) / m)
     else:
         speeds = pool_speeds(t)  # a replica's CP ranks share its speed: sum over the pool = CP * sum(s)
-        spread = work / float(speeds.sum()) * (1.0 + (t.pp - 1) / t.micro_batches)
+        spread = work / float(speeds.sum()) * (1.0 + (t.pp - 1) / m)
         single = single / float(speeds.max())
     return np.maximum(spread, single)
 
@@ -81,7 +92,7 @@ def dynamic_step_times(
     the static formula exactly. With `rank_speeds` a group's time is divided by its slowest member's speed.
     """
     pool, m = topology.pool_size, topology.micro_batches
-    steps = (len(slot_ptr) - 1) // m
+    steps = -(-(len(slot_ptr) - 1) // m)  # a short last step has fewer than m slots
     group_time = np.asarray(group_cost, dtype=np.float64) / group_size
     if topology.rank_speeds is not None:
         group_time = group_time / group_speeds(pool_speeds(topology), group_start, group_size)
@@ -91,10 +102,13 @@ def dynamic_step_times(
     largest = np.zeros(steps * pool)
     for k in range(m):
         members = np.flatnonzero(slot_of_group % m == k)
+        if len(members) == 0:
+            continue
+        n = (int(step_of_group[members[-1]]) + 1) * pool  # a short last step has no slot k >= M': a prefix
         first_rank = step_of_group[members] * pool + group_start[members]
-        start_time = np.maximum.reduceat(finish, first_rank)
-        finish = np.repeat(start_time + group_time[members], group_size[members])
-        largest = np.maximum(largest, np.repeat(group_time[members], group_size[members]))
+        start_time = np.maximum.reduceat(finish[:n], first_rank)
+        finish[:n] = np.repeat(start_time + group_time[members], group_size[members])
+        largest[:n] = np.maximum(largest[:n], np.repeat(group_time[members], group_size[members]))
     return one_f_one_b(largest, finish, topology.pp).reshape(steps, pool).max(axis=1)
 
 
@@ -122,13 +136,20 @@ def summarize(
     dropped_tokens: int = 0,
     delay_steps: np.ndarray | None = None,
     plan_seconds: float = float("nan"),
+    micro_batches: np.ndarray | None = None,
 ) -> dict:
     """All section-3 metrics from the step times [steps] (`step_times` or `dynamic_step_times`) and per-step work /
-    max document cost; with uneven ranks also `rank_speeds` (the topology's)."""
+    max document cost; with uneven ranks also `rank_speeds` (the topology's). `micro_batches`: each step's
+    micro-batch count (None: M every step; a short last step: M' there, in its bound)."""
     t_step = np.asarray(step_time, dtype=np.float64)
     steps = len(t_step)
-    lb_step = lower_bound(step_work, step_max, topology, cost.fixed)
-    lb_epoch = float(lower_bound(np.sum(step_work), np.max(step_max), topology, cost.fixed, steps)) if steps else 0.0
+    lb_step = lower_bound(step_work, step_max, topology, cost.fixed, micro_batches=micro_batches)
+    total_slots = None if micro_batches is None else int(np.sum(micro_batches))
+    lb_epoch = (
+        float(lower_bound(np.sum(step_work), np.max(step_max), topology, cost.fixed, steps, total_slots))
+        if steps
+        else 0.0
+    )
     capacity_used = steps * topology.capacity
     total_t = float(t_step.sum())
     speeds = {} if topology.rank_speeds is None else {"rank_speeds": list(topology.rank_speeds)}

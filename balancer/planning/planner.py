@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -38,10 +39,11 @@ from balancer.planning.plans.plan import Plan
 from balancer.planning.speeds import even, planning_view, token_bound
 from balancer.planning.steps import (
     STEP_BAND,
+    ShortStepError,
     assign_steps,
     borrow_for_small_steps,
     effective_step_tokens,
-    equal_row_steps,
+    equal_row_cut,
     fixed_step_targets,
     pack_equal_rows,
     step_token_targets,
@@ -68,60 +70,78 @@ def plan(
     progress: bool = False,
     *,
     num_steps: int | None = None,
+    filler_rows: bool = False,
 ) -> Plan:
     """Plan a whole epoch: every document exactly once, `micro_batches` non-empty micro-batches per replica per step
     (with `topology.cp_sizes`: per slot, a partition of the pool into CP groups, each with a non-empty micro-batch;
-    see balancer.planning.dynamic.plan).
+    see balancer.planning.dynamic.plan). The last step may run M' < `micro_batches` on every replica when the
+    documents cannot fill it (`plan.last_micro_batches`; fixed-length rows: balancer.planning.steps.equal_row_cut).
 
     `overflow` decides what happens to a document longer than `max_tokens * cp`: "error" (default) raises,
     "split" cuts it into consecutive windows (recorded as spans), "truncate" keeps its first `max_tokens * cp`
     tokens (the rest is counted in `dropped_tokens`). `num_steps`: exactly that many steps (a window's
-    `window_step_count`), spread, never an overflow step; None: the planner's own count.
+    `window_step_count`), spread, never an overflow step; None: the planner's own count. `filler_rows`: fixed-length
+    rows that no M' splits equally over the replicas get the fewest loss-masked filler rows that make it split
+    (copies of real rows, recorded in the plan as `plan.filler` / `plan.filler_rows`, never documents); without it
+    such rows are refused naming the numbers.
     """
     started = time.perf_counter()
     lengths = validate_lengths(lengths)
     check_topology_and_cost(topology, cost)
     _check_num_steps(num_steps)
     if planning_view(topology) is not topology:  # equal speeds: the even plan, recording the speeds
-        placed = plan(lengths, planning_view(topology), cost, seed, overflow, progress, num_steps=num_steps)
+        placed = plan(
+            lengths, planning_view(topology), cost, seed, overflow, progress, num_steps=num_steps,
+            filler_rows=filler_rows,
+        )  # fmt: skip
         placed.topology = topology
         return placed
     if topology.dynamic:
         return plan_dynamic(lengths, topology, cost, seed, overflow, progress, static_plan=plan, num_steps=num_steps)
-    nb = topology.bins_per_step
     _log_if_token_bound(topology)
     u_doc, u_start, u_end = planning_units(lengths, topology.micro_batch_tokens, overflow, topology)
-    if len(u_doc) < nb:
-        raise ValueError(
-            f"{len(u_doc)} documents cannot fill dp*micro_batches = {topology.dp}*"
-            f"{topology.micro_batches} = {nb} non-empty micro-batches; lower dp or micro_batches"
-        )
+    u_tok = u_end - u_start
+    if len(u_doc) < topology.bins_per_step and (num_steps is not None or u_tok.min() != u_tok.max()):
+        return _one_short_step(lengths, topology, cost, seed, overflow, len(u_doc), num_steps, started)
     doc_order, shuffled = _shuffle(len(lengths), u_doc, seed)
     u_tok = (u_end - u_start)[shuffled]
-    u_cost = cost.cost(u_tok)
-    # only documents whose attention is a large part of their cost need spreading or grouping over the steps;
-    # the rest fill the steps by tokens in shuffled order
-    attn_heavy = (u_cost - cost.linear_coef * u_tok) >= ATTN_SHARE * u_cost
-    rows = _equal_rows(u_tok, topology, num_steps)
-    if rows is not None:  # fixed-length rows: whole rows per step, dealt evenly
+    rows, m_last, fillers = _equal_rows(u_tok, topology, num_steps, filler_rows)
+    if rows is not None:  # fixed-length rows: whole rows per step, dealt evenly (the last step maybe short)
+        shuffled = np.concatenate([shuffled, shuffled[np.arange(fillers) % len(shuffled)]])  # copies of the first
         targets = rows * float(u_tok[0])
-        packed = pack_equal_rows(rows, topology)
+        packed = pack_equal_rows(rows, topology, m_last)
+        _log_short_step(len(u_tok), topology, m_last, fillers)
     else:
+        u_cost = cost.cost(u_tok)
+        # only documents whose attention is a large part of their cost need spreading or grouping over the steps;
+        # the rest fill the steps by tokens in shuffled order
+        attn_heavy = (u_cost - cost.linear_coef * u_tok) >= ATTN_SHARE * u_cost
         targets = _step_targets(u_cost, u_tok, attn_heavy, topology, seed, num_steps)
         rng = np.random.default_rng([seed, 1])
         packed = _pack_epoch(u_cost, u_tok, attn_heavy, targets, topology, rng, progress, fixed=num_steps is not None)
         packed = refine_packed(packed, u_cost, u_tok, topology)
+    units = (u_doc, u_start, u_end, shuffled, doc_order)
+    return _assemble(lengths, topology, cost, seed, packed, units, targets, m_last, started)
 
-    sizes = np.concatenate([mb_sizes for _, mb_sizes in packed]).ravel()
-    unit = shuffled[np.concatenate([units for units, _ in packed])]
+
+def _assemble(lengths, topology: Topology, cost, seed, packed: list, units: tuple, targets, m_last, started) -> Plan:
+    """The Plan of a packed epoch: placements in micro-batch order, inside a micro-batch whole documents first, then
+    spans, then filler rows (units at shuffled positions past the real ones)."""
+    u_doc, u_start, u_end, shuffled, doc_order = units
+    sizes = np.concatenate([mb_sizes.ravel() for _, mb_sizes in packed])
+    position = np.concatenate([positions for positions, _ in packed])
+    unit = shuffled[position]
+    filler = position >= len(u_doc)
     one_each = len(u_doc) == len(lengths) and np.array_equal(u_end, lengths)  # no document cut or truncated
     whole = one_each or (u_start[unit] == 0) & (u_end[unit] == lengths[u_doc[unit]])
-    if not np.all(whole):  # inside a micro-batch: whole documents first, then spans (the Plan layout)
+    if not np.all(whole) or filler.any():  # the Plan layout inside a micro-batch
         mb_id = np.repeat(np.arange(len(sizes)), sizes)
-        unit = unit[np.argsort(mb_id * 2 + ~whole, kind="stable")]
+        kind = np.where(filler, 2, np.where(np.broadcast_to(whole, unit.shape), 0, 1))
+        order = np.argsort(mb_id * 3 + kind, kind="stable")
+        unit, filler = unit[order], filler[order]
     placed_tokens = lengths if one_each else np.bincount(u_doc, weights=u_end - u_start, minlength=len(lengths))
     placed_tokens = placed_tokens.astype(np.int64, copy=False)
-    _log_if_slow(time.perf_counter() - started, len(lengths), len(sizes) // nb, topology)
+    _log_if_slow(time.perf_counter() - started, len(lengths), len(sizes) // topology.bins_per_step, topology)
     if one_each:  # units are the documents: ids are positions, every span starts at 0
         doc, start, end = unit, np.zeros(len(unit), dtype=u_start.dtype), lengths[unit]
     else:
@@ -137,6 +157,8 @@ def plan(
         seed=seed,
         natural_step=natural_steps(doc_order, placed_tokens, int(round(float(np.mean(targets))))),
         plan_seconds=time.perf_counter() - started,
+        last_micro_batches=m_last,
+        filler=filler if filler.any() else None,
     )
 
 
@@ -161,18 +183,77 @@ def _step_targets(u_cost, u_tok, attn_heavy, topology: Topology, seed: int, num_
     return step_token_targets(int(u_tok.sum()), step_tokens, topology.capacity, topology.tokens_per_step, floor)
 
 
-def _equal_rows(u_tok: np.ndarray, topology: Topology, num_steps: int | None) -> np.ndarray | None:
-    """Rows per step when every unit has the same length: `equal_row_steps`, or with `num_steps` the rows dealt
-    evenly over that many steps (None when a step would then hold more rows than its micro-batches take: the
-    general packing spreads them); None for units of different lengths."""
+def _equal_rows(
+    u_tok: np.ndarray, topology: Topology, num_steps: int | None, filler_rows: bool = False
+) -> tuple[np.ndarray | None, int, int]:
+    """(rows per step, micro-batches of the last step, filler rows) when every unit has the same length:
+    `equal_row_cut` (with `filler_rows`, of the rows plus the fewest filler rows that make it split), or with
+    `num_steps` the rows dealt evenly over that many steps (None when a step would then hold more rows than its
+    micro-batches take: the general packing spreads them); (None, M, 0) for units of different lengths."""
+    m = topology.micro_batches
     if u_tok.min() != u_tok.max():
-        return None
+        return None, m, 0
     if num_steps is None:
-        return equal_row_steps(len(u_tok), int(u_tok[0]), topology)
+        try:
+            return (*equal_row_cut(len(u_tok), int(u_tok[0]), topology), 0)
+        except ShortStepError as e:
+            if not filler_rows:
+                raise ShortStepError(
+                    f"{e}; or pass filler_rows=True (--filler-rows) to add {e.missing} loss-masked filler row(s)",
+                    e.missing,
+                ) from None
+            return (*equal_row_cut(len(u_tok) + e.missing, int(u_tok[0]), topology), e.missing)
     rows = np.full(int(num_steps), len(u_tok) // num_steps, dtype=np.int64)
     rows[: len(u_tok) % num_steps] += 1
     per_step = topology.bins_per_step * (topology.micro_batch_tokens // int(u_tok[0]))
-    return rows if rows.min() >= topology.bins_per_step and rows.max() <= per_step else None
+    if rows.min() >= topology.bins_per_step and rows.max() <= per_step:
+        return rows, m, 0
+    try:  # a window's count with a short last step (balancer.planning.window.step_cut)
+        cut, m_last = equal_row_cut(len(u_tok), int(u_tok[0]), topology)
+    except ShortStepError:
+        return None, m, 0
+    return (cut, m_last, 0) if len(cut) == num_steps and m_last < m else (None, m, 0)
+
+
+def _one_short_step(lengths, topology: Topology, cost, seed, overflow, units: int, num_steps, started) -> Plan:
+    """Fewer documents than one step's dp*micro_batches micro-batches: one step of M' = units // dp micro-batches
+    on every replica (planned on that topology), or a ShortStepError naming the numbers when units < dp."""
+    m_last = units // topology.dp
+    if m_last < 1 or num_steps not in (None, 1):
+        raise ShortStepError(
+            f"{units} documents cannot fill dp*micro_batches = {topology.dp}*{topology.micro_batches} = "
+            f"{topology.bins_per_step} non-empty micro-batches"
+            + (
+                f" (nor one on each of dp = {topology.dp} replicas); lower dp or micro_batches "
+                f"(Topology.dp to at most {units})"
+                if m_last < 1
+                else f" in {num_steps} steps; lower dp or micro_batches"
+            ),
+            max(0, topology.dp - units),
+        )
+    small = replace(topology, micro_batches=m_last, tokens_per_step=None)
+    small = replace(small, tokens_per_step=min(topology.tokens_per_step, small.capacity))
+    placed = plan(lengths, small, cost, seed, overflow, num_steps=1)
+    _log_short_step(units, topology, m_last)
+    return Plan(
+        placed.lengths, topology, cost, placed.doc, placed.start, placed.end, placed.mb_ptr, seed=seed,
+        natural_step=placed.natural_step, plan_seconds=time.perf_counter() - started,
+        dropped_tokens=placed.dropped_tokens, last_micro_batches=m_last,
+    )  # fmt: skip
+
+
+def _log_short_step(units: int, topology: Topology, m_last: int, fillers: int = 0) -> None:
+    """One INFO line per (units, topology) and process when the last step runs M' < micro_batches micro-batches or
+    filler rows were added."""
+    key = ("short", units, topology)
+    if (m_last < topology.micro_batches or fillers) and key not in _speed_logged:
+        _speed_logged.add(key)
+        log.info(
+            "%d documents cannot fill every step's dp*micro_batches = %d*%d micro-batches: the last step runs %d "
+            "micro-batch(es) on every replica (recorded in the plan as last_micro_batches)%s",
+            units, topology.dp, topology.micro_batches, m_last,
+            f", with {fillers} loss-masked filler row(s) (filler_rows=True)" if fillers else "",
+        )  # fmt: skip
 
 
 def _check_count(num_steps: int, num_units: int, topology: Topology) -> None:

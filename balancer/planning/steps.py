@@ -213,28 +213,29 @@ def _group_heavy(
 
 def equal_row_steps(num_rows: int, row_tokens: int, topology: Topology) -> np.ndarray:
     """Rows per step when every planning unit has the same length (fixed-length rows, e.g. a corpus pretokenized
-    with a maximum length): whole rows per step, as close to `tokens_per_step` as the topology allows.
+    with a maximum length): whole rows per step, as close to `tokens_per_step` as the topology allows
+    (`equal_row_cut`'s rows; the last step may be a short one)."""
+    return equal_row_cut(num_rows, row_tokens, topology)[0]
+
+
+def equal_row_cut(num_rows: int, row_tokens: int, topology: Topology) -> tuple[np.ndarray, int]:
+    """(rows per step, micro-batches of the last step) for fixed-length rows.
 
     A step needs at least one row per micro-batch (`dp * micro_batches`, none empty) and at most what its
     micro-batches hold (`max_tokens * cp // row_tokens` rows each). Like `step_token_targets`: equal steps when
     they stay within 7% of `tokens_per_step`, else full steps and a smaller last one; when no step size in the
     allowed range is within 7% of `tokens_per_step` (it asks for fewer rows than micro-batches, or more than
-    they hold), the rows are spread evenly over the steps. A ValueError with the numbers and the arguments that
-    fix it when no cut of `num_rows` into such steps exists.
+    they hold), the rows are spread evenly over the steps. When no cut into such steps exists (a count that is not
+    a multiple of dp*micro_batches with one row per micro-batch, or fewer rows than one step's micro-batches), the
+    last step runs M' < micro_batches micro-batches on every replica (`short_last_step`); a `ShortStepError` with
+    the numbers when not even that splits the rows equally over the replicas.
     """
     t, nb = topology, topology.bins_per_step
     per_mb = t.micro_batch_tokens // row_tokens
     low, high = nb, nb * per_mb  # rows a step may hold
     fewest, most = -(-num_rows // high), num_rows // low  # step counts that keep every step within [low, high]
     if fewest > most:
-        raise ValueError(
-            f"{num_rows} documents of {row_tokens} tokens each cannot be cut into steps that give each of the "
-            f"dp*micro_batches = {t.dp}*{t.micro_batches} = {nb} micro-batches a document: a micro-batch holds "
-            f"{per_mb} (max_tokens*cp = {t.max_tokens}*{t.cp} = {t.micro_batch_tokens} tokens), so a step holds "
-            f"{low} to {high} documents; raise Topology.max_tokens to {-(-(per_mb + 1) * row_tokens // t.cp)} (a "
-            f"micro-batch then holds {per_mb + 1}), or choose Topology.dp and Topology.micro_batches so that "
-            f"{num_rows} is a multiple of dp*micro_batches"
-        )
+        return short_last_step(num_rows, per_mb, topology, row_tokens)
     target = t.tokens_per_step / row_tokens  # rows
     full = int(np.clip(round(target), low, high))
 
@@ -246,10 +247,11 @@ def equal_row_steps(num_rows: int, row_tokens: int, topology: Topology) -> np.nd
         rows[: num_rows % steps] += 1
         return rows
 
+    m = t.micro_batches
     base = max(1, round(num_rows / full))
     for steps in sorted({base - 1, base, base + 1}, key=lambda s: abs(num_rows / max(s, 1) - full)):
         if fewest <= steps <= most and in_band(num_rows / steps):
-            return even(steps)
+            return even(steps), m
     if in_band(full):  # full steps and a smaller last one, which borrows rows when it has fewer than `low`
         rows = np.full(-(-num_rows // full), full, dtype=np.int64)
         rows[-1] = num_rows - full * (len(rows) - 1)
@@ -258,22 +260,65 @@ def equal_row_steps(num_rows: int, row_tokens: int, topology: Topology) -> np.nd
         rows[take] -= 1
         rows[-1] += len(take)
         if rows[-1] >= low:
-            return rows
-    return even(int(np.clip(base, fewest, most)))
+            return rows, m
+    return even(int(np.clip(base, fewest, most))), m
 
 
-def pack_equal_rows(rows: np.ndarray, topology: Topology) -> list:
+class ShortStepError(ValueError):
+    """Rows that no step cut can split equally over the DP replicas (`short_last_step`). `missing`: the fewest
+    rows more that would make a cut exist."""
+
+    def __init__(self, message: str, missing: int) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+def short_last_step(num_rows: int, per_mb: int, topology: Topology, row_tokens: int = 0) -> tuple[np.ndarray, int]:
+    """(rows per step, M') for `num_rows` rows that whole steps cannot take: as many full steps as hold them
+    (`dp * micro_batches * per_mb` rows each), and a last step of the rest on M' = min(rest // dp,
+    micro_batches - 1) micro-batches on every replica, none empty. A ShortStepError naming the numbers and the
+    arguments that fix it when the rest cannot be split so: fewer rows than dp, or, with one row per micro-batch,
+    a rest that is not a multiple of dp (never a row dropped or repeated to make it fit)."""
+    t, nb = topology, topology.bins_per_step
+    high = nb * per_mb
+    full = num_rows // high
+    rest = num_rows - full * high
+    m_last = min(rest // t.dp, t.micro_batches - 1)
+    if m_last >= 1 and rest <= t.dp * m_last * per_mb:
+        return np.array([high] * full + [rest], dtype=np.int64), m_last
+    missing = t.dp - rest if rest < t.dp else -rest % t.dp
+    if full == 0 and rest < t.dp:
+        raise ShortStepError(
+            f"{num_rows} rows{f' of {row_tokens} tokens' if row_tokens else ''} cannot give each of dp = {t.dp} "
+            f"replicas a micro-batch (no step runs with an empty replica); lower Topology.dp to at most {num_rows}",
+            missing,
+        )
+    wider = f" to {-(-(per_mb + 1) * row_tokens // t.cp)}" if row_tokens else ""
+    raise ShortStepError(
+        f"{num_rows} rows{f' of {row_tokens} tokens' if row_tokens else ''} cannot be split equally over dp = "
+        f"{t.dp} replicas: {full} full steps of dp*micro_batches = {t.dp}*{t.micro_batches} micro-batches of "
+        f"{per_mb} row(s) (max_tokens*cp = {t.micro_batch_tokens} tokens) leave {rest} rows for a last step, which "
+        f"needs at least one row per micro-batch on every replica and the same micro-batch count on each "
+        f"({missing} rows more would split); choose Topology.dp and Topology.micro_batches so that the rows fill "
+        f"the steps ({num_rows} a multiple of dp*micro_batches, or its rest a multiple of dp), or raise "
+        f"Topology.max_tokens{wider} (a micro-batch then holds {per_mb + 1} rows)",
+        missing,
+    )
+
+
+def pack_equal_rows(rows: np.ndarray, topology: Topology, last_micro_batches: int | None = None) -> list:
     """Packed steps (one piece per step: units sorted by micro-batch, [1, micro-batches] sizes) for equal units,
-    `rows[s]` of them in
-    step s in shuffled order: the j-th unit of a step goes to replica `j % dp`, micro-batch `(j // dp) % M`, so
-    replicas and micro-batches differ by at most one unit."""
+    `rows[s]` of them in step s in shuffled order: the j-th unit of a step goes to replica `j % dp`, micro-batch
+    `(j // dp) % M`, so replicas and micro-batches differ by at most one unit. The last step runs
+    `last_micro_batches` (M', default M) micro-batches per replica."""
     dp, m = topology.dp, topology.micro_batches
     packed, first = [], 0
-    for count in rows.tolist():
+    for s, count in enumerate(rows.tolist()):
+        ms = m if last_micro_batches is None or s < len(rows) - 1 else last_micro_batches
         j = np.arange(count)
-        bins = (j % dp) * m + (j // dp) % m
+        bins = (j % dp) * ms + (j // dp) % ms
         order = np.argsort(bins, kind="stable")
-        packed.append((first + order, np.bincount(bins, minlength=dp * m)[None, :]))
+        packed.append((first + order, np.bincount(bins, minlength=dp * ms)[None, :]))
         first += count
     return packed
 

@@ -22,6 +22,7 @@ from balancer.planning.shuffle import EpochShuffle, WindowInfo, num_windows, win
 from balancer.planning.steps import (
     STEP_BAND,
     effective_step_tokens,
+    equal_row_cut,
     equal_row_steps,
     fixed_step_count,
     step_token_targets,
@@ -177,6 +178,24 @@ def step_count(stats: tuple, topology: Topology) -> int:
     """A window's step count (`fixed_step_count`) from its planning units' token total, number, number over half a
     unit's cap and common length (None when they have several); a ValueError naming `window_docs` when no count
     fits them (too few documents for a step, or more than the steps that many documents can fill hold)."""
+    return step_cut(stats, topology)[0]
+
+
+def step_cut(stats: tuple, topology: Topology) -> tuple[int, int]:
+    """(steps, micro-batches of the last step) of a window from its units' statistics (`step_count`):
+    `fixed_step_count`'s steps, all of `micro_batches`; fixed-length rows that no such count holds get
+    `equal_row_cut`'s steps, the last one short (M' < micro_batches on every replica; static CP only)."""
+    try:
+        return _step_count(stats, topology), topology.micro_batches
+    except ValueError:
+        total, units, big, common = stats
+        if common is None or topology.dynamic or units < count_topology(topology).bins_per_step:
+            raise  # a window with fewer units than a step's micro-batches: refused (check_window_docs names it)
+        rows, m_last = equal_row_cut(units, common, topology)
+        return len(rows), m_last
+
+
+def _step_count(stats: tuple, topology: Topology) -> int:
     total, units, big, common = stats
     counted = count_topology(topology)
     nb = counted.bins_per_step
@@ -200,10 +219,16 @@ def step_count(stats: tuple, topology: Topology) -> int:
 def window_step_count(lengths, topology: Topology, overflow: str = "error") -> int:
     """The steps a window of documents `lengths` is planned into (`plan_window`, the sampler): from the documents
     and the token budget alone, never the cost model or rank speeds (`fixed_step_count`)."""
+    return window_cut(lengths, topology, overflow)[0]
+
+
+def window_cut(lengths, topology: Topology, overflow: str = "error") -> tuple[int, int]:
+    """(`window_step_count`, micro-batches of the window's last step: M, or M' < M when its fixed-length rows
+    cannot fill it; `step_cut`)."""
     lengths = validate_lengths(lengths)
     _, u_start, u_end = planning_units(lengths, unit_cap(topology), overflow, topology)
     total, units, big, low, high = unit_stats(u_end - u_start, unit_cap(topology))
-    return step_count((total, units, big, low if low == high else None), topology)
+    return step_cut((total, units, big, low if low == high else None), topology)
 
 
 def window_step_counts(
@@ -215,10 +240,13 @@ def window_step_counts(
     window_docs: int,
     overflow: str = "error",
     chunk: int = 1 << 20,
+    last_micro_batches: np.ndarray | None = None,
 ) -> np.ndarray:
     """Every window's `window_step_count` in one chunked pass over `lengths` (read in order, never gathered): each
     document's window from the inverse of the epoch's shuffle, its units' statistics summed per window. O(n) time,
-    O(chunk + windows) memory; the same counts as planning each window's documents would give."""
+    O(chunk + windows) memory; the same counts as planning each window's documents would give. `last_micro_batches`
+    (an int array of one entry per window), when given, receives each window's last-step micro-batches
+    (`step_cut`)."""
     n = len(lengths)
     window_docs = min(int(window_docs), n)
     k = num_windows(n, window_docs)
@@ -236,7 +264,9 @@ def window_step_counts(
     for w in range(k):
         first, stop = window_range(n, window_docs, w)
         try:
-            counts[w] = step_count(acc.window(w, stop - first), topology)
+            counts[w], last = step_cut(acc.window(w, stop - first), topology)
+            if last_micro_batches is not None:
+                last_micro_batches[w] = last
         except ValueError as e:
             raise ValueError(f"window {w} of {k} (window_docs = {window_docs}): {e}") from None
     return counts
@@ -345,4 +375,5 @@ def globalise(local: Plan, ids: np.ndarray, lengths, window: WindowInfo | None =
         dropped_tokens=local.dropped_tokens,
         groups=groups,
         window=window,
+        last_micro_batches=local.last_micro_batches,
     )

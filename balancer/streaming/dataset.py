@@ -339,7 +339,8 @@ class _StreamIter:
         s, t = self.stream, win.segment.topology
         r = s.pool_rank if t.dynamic else s.dp_rank
         seg = win.segment
-        self.ks = [seg.mb_index(step, r, m) for step in range(seg.num_steps) for m in range(t.micro_batches)]
+        steps = range(seg.num_steps)  # a short last step (M' < M) has its own count
+        self.ks = [seg.mb_index(step, r, m) for step in steps for m in range(seg.step_micro_batches(step))]
         last: dict[int, int] = {}
         for j, k in enumerate(self.ks):
             for d in seg.placements(k)[0].tolist():

@@ -111,12 +111,8 @@ def receivers(seg: Segment, world: int) -> list[np.ndarray]:
             for k in range(n_mb)
         ]
     per = world // t.dp
-    return [
-        np.arange(
-            ((k % t.bins_per_step) // t.micro_batches) * per, ((k % t.bins_per_step) // t.micro_batches + 1) * per
-        )
-        for k in range(n_mb)
-    ]
+    replica = [(k % t.bins_per_step) // seg.step_micro_batches(k // t.bins_per_step) for k in range(n_mb)]
+    return [np.arange(r * per, (r + 1) * per) for r in replica]
 
 
 def resplit_cursor(cur: Cursor, world: int) -> Cursor:

@@ -18,6 +18,7 @@ _EXPORTS = {
     "Span": "balancer.training.indices",
     "SpanDataset": "balancer.training.indices",
     "Member": "balancer.training.indices",
+    "Filler": "balancer.training.indices",
     "CPGroup": "balancer.training.indices",
     "cp_groups": "balancer.training.groups",
     "loss": "balancer.training.loss",

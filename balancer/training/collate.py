@@ -118,6 +118,9 @@ class PackedCollator:
         `cu_seqlens`, counts."""
         if len(items) == 0:
             raise ValueError("empty micro-batch: no items to collate")
+        fillers = [it for it in items if isinstance(it, dict) and it.get("filler")]
+        if fillers:  # loss-masked filler rows (a plan's filler_rows): after the documents, like padding
+            items = [it for it in items if not (isinstance(it, dict) and it.get("filler"))]
         ids, labs = [], []
         for i, it in enumerate(items):
             x = self._ids(it, i, "input_ids", True)
@@ -135,17 +138,17 @@ class PackedCollator:
         lens = [len(x) for x in ids]
         seq_loss = [int((lb != self.ignore_index).sum()) for lb in labs]
         n_real = sum(lens)
+        filled = self._fillers(fillers, len(items), ids, labs, lens)
         pad = 0
         if self.pad_to_multiple_of:
-            pad = -n_real % int(self.pad_to_multiple_of)
+            pad = -(n_real + filled) % int(self.pad_to_multiple_of)
         if pad:
             ids.append(torch.full((pad,), self.pad_token_id, dtype=torch.int64))
             labs.append(torch.full((pad,), self.ignore_index, dtype=torch.int64))
             lens.append(pad)
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         seq = np.repeat(np.arange(len(lens), dtype=np.int64), lens)
-        if pad:
-            seq[n_real:] = -1
+        seq[n_real:] = -1  # filler rows and padding belong to no document
         return {
             "input_ids": torch.cat(ids),
             "labels": torch.cat(labs),
@@ -155,10 +158,23 @@ class PackedCollator:
             "num_tokens": n_real,
             "num_loss_tokens": sum(seq_loss),
             "num_pad_tokens": pad,
+            "num_filler_tokens": filled,
             "seq_loss_tokens": torch.tensor(seq_loss, dtype=torch.int64),
             "num_sequences": sum(1 for c in seq_loss if c > 0),
             "max_seqlen": int(max(lens)),
         }
+
+    def _fillers(self, fillers: list, first: int, ids: list, labs: list, lens: list) -> int:
+        """Append filler rows (items with `filler` set: `SpanDataset` for a plan's `Filler` index) to `ids`,
+        `labs` and `lens`, each its own sequence with every label `ignore_index`; their token count."""
+        count = 0
+        for j, it in enumerate(fillers):
+            x = self._ids(it, first + j, "input_ids", True)
+            ids.append(x)
+            labs.append(torch.full_like(x, self.ignore_index))
+            lens.append(len(x))
+            count += len(x)
+        return count
 
     def __call__(self, items: Sequence[Any]) -> dict:
         from attention.layout import CPLayout
@@ -176,6 +192,7 @@ class PackedCollator:
             num_tokens=full["num_tokens"],
             num_loss_tokens=full["num_loss_tokens"],
             num_pad_tokens=full["num_pad_tokens"],
+            num_filler_tokens=full["num_filler_tokens"],
             seq_loss_tokens=full["seq_loss_tokens"],
             num_sequences=full["num_sequences"],
             cp_rank=r,

@@ -2,6 +2,7 @@
 
 - :class:`Span` (doc, start, end): part of a document (the plan split or truncated it);
 - :class:`Member`: a whole document index (an int) that also carries its micro-batch's CP group;
+- :class:`Filler` (row): a loss-masked filler row (a plan's `filler_rows`), masked by the collator;
 - :class:`CPGroup` (start, size, rank): the group of pool ranks `[start, start + size)` a micro-batch runs on, and
   this rank's place in it. With dynamic CP the group changes per micro-batch; the sampler attaches it to every
   index it yields, `SpanDataset` copies it into each item (`item["cp_group"]`), and `PackedCollator` shards the
@@ -76,6 +77,38 @@ class Span:
         return (Span, (self.doc, self.start, self.end, None if self.group is None else tuple(self.group)))
 
 
+class Filler:
+    """A loss-masked filler row: a copy of row `row` that a plan made with `filler_rows=True` places so that every
+    replica gets a micro-batch; `SpanDataset` returns the row's item with `filler` set, which `PackedCollator`
+    turns into tokens of no document whose labels are all ignored. Converting it to an int raises (a plain dataset
+    would silently return the real row a second time)."""
+
+    __slots__ = ("row",)
+
+    def __init__(self, row: int) -> None:
+        self.row = int(row)
+
+    def __index__(self) -> int:
+        raise TypeError(
+            f"{self!r} is a loss-masked filler row: wrap the dataset in balancer.SpanDataset(dataset) so the collator "
+            "masks it"
+        )
+
+    __int__ = __index__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Filler) and self.row == other.row
+
+    def __hash__(self) -> int:
+        return hash(("filler", self.row))
+
+    def __repr__(self) -> str:
+        return f"Filler(row={self.row})"
+
+    def __reduce__(self):
+        return (Filler, (self.row,))
+
+
 class SpanDataset(torch.utils.data.Dataset):
     """Wraps a map-style dataset: `ds[i]` as before, `ds[Span(d, a, b)]` -> item `d` with `input_ids` (and `labels`,
     when present) cut to tokens `[a, b)`. An index carrying a CP group (:class:`Member`, or a Span with a group)
@@ -89,6 +122,11 @@ class SpanDataset(torch.utils.data.Dataset):
         return len(self.dataset)
 
     def __getitem__(self, idx):
+        if isinstance(idx, Filler):
+            item = self.dataset[idx.row]
+            if not isinstance(item, dict) and not hasattr(item, "keys"):
+                raise TypeError(f"dataset item {idx.row} is a {type(item).__name__}: filler rows need dict items")
+            return {**dict(item), "filler": True}
         group = getattr(idx, "group", None)
         if isinstance(idx, Member):
             return _with_group(self.dataset[int(idx)], group, int(idx))

@@ -25,9 +25,9 @@ def plan_micro_batches(plan: Plan, rank: int) -> list[list]:
         return out
     dp_rank = rank // t.cp
     ks = [
-        s * t.bins_per_step + dp_rank * t.micro_batches + m
+        s * t.bins_per_step + dp_rank * plan.step_micro_batches(s) + m
         for s in range(plan.num_steps)
-        for m in range(t.micro_batches)
+        for m in range(plan.step_micro_batches(s))
     ]
     return [_indices(plan, k, None) for k in ks]
 

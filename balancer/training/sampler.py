@@ -56,7 +56,7 @@ from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
 from balancer.planning.window import MAX_SEED, check_window_docs, default_window_docs
-from balancer.training.indices import CPGroup, Member, Span, SpanDataset
+from balancer.training.indices import CPGroup, Filler, Member, Span, SpanDataset
 from balancer.training.lengths import LengthsGuard, resolve_lengths, scan_lengths
 from balancer.training.ranks import resolve_pool_rank
 from balancer.training.sampler_state import STATE_FORMAT, STATE_VERSION, check_state, state_digest
@@ -91,6 +91,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             to `PackedCollator`.
         window_docs: documents per planning window (at least dp * micro_batches); None: the default, the documents
             of about 64 steps and at least 65,536 (docs/windows.md); `>= len(lengths)`: the whole epoch as one window.
+        filler_rows: `balancer.plan(..., filler_rows=True)` (whole-epoch plans): its loss-masked filler rows come as
+            :class:`Filler` indices; wrap the dataset in `SpanDataset` so `PackedCollator` masks them.
     """
 
     def __init__(
@@ -106,6 +108,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         dp_dim: str = "dp",
         rank: Optional[int] = None,
         window_docs: Optional[int] = None,
+        filler_rows: bool = False,
     ) -> None:
         check_topology_and_cost(topology, cost)
         if overflow not in OVERFLOW_POLICIES:
@@ -137,6 +140,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self._cursor = (0, 0)  # (window, position at its first micro-batch) of the last yielded micro-batch
         self._resume_pending = False
         self.monitor = None  # a balancer.BalanceMonitor attaches itself here (its models plan the windows, adapt)
+        self.filler_rows = bool(filler_rows)
         if window_docs is not None and self.window_docs < n and n <= UP_FRONT_COUNT:
             self.windows.count_all()  # a size some window of this epoch cannot fill is refused here, naming it
 
@@ -164,6 +168,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             self._windows = EpochWindows(
                 self.lengths, self.topology, self.cost, seed=self.seed, epoch=self.epoch,
                 overflow=self.overflow, window_docs=window_docs, origin=origin, history=history, guard=self._guard,
+                filler_rows=self.filler_rows,
             )  # fmt: skip
             if self.monitor is not None:
                 self.monitor.attach_windows(self._windows)
@@ -188,7 +193,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         groups = (seg.group_start, seg.group_size, seg.slot_ptr) if self.topology.dynamic else None
         p = seg.plan
         return Plan(self.lengths, seg.topology, seg.cost, seg.doc, seg.start, seg.end, seg.mb_ptr, seed=p.seed,
-                    plan_seconds=p.plan_seconds, dropped_tokens=p.dropped_tokens, groups=groups)  # fmt: skip
+                    plan_seconds=p.plan_seconds, dropped_tokens=p.dropped_tokens, groups=groups,
+                    last_micro_batches=seg.last_m)  # fmt: skip
 
     @property
     def num_steps(self) -> int:
@@ -197,7 +203,16 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         """Micro-batches this rank yields from the origin to the end of the epoch: exact (module docstring)."""
-        return self.windows.total_steps() * self.topology.micro_batches
+        return self.windows.total_micro_batches()
+
+    def step_micro_batches(self, step: int) -> int:
+        """Micro-batches every rank runs in `step`: `micro_batches`, or M' in a short last step (docs/training.md)."""
+        seg, local = self._locate(step)
+        return seg.step_micro_batches(local)
+
+    def position_of_step(self, step: int) -> int:
+        """Micro-batches from the origin before `step` (`num_steps` gives `len(sampler)`)."""
+        return self.windows.position_of_step(step)
 
     def epoch_num_steps(self, epoch: int) -> int:
         """Optimizer steps of a fresh pass over `epoch` (this sampler's topology and window size), as `num_steps`."""
@@ -205,7 +220,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             return self.num_steps
         return EpochWindows(
             self.lengths, self.topology, self.cost, seed=self.seed, epoch=int(epoch), overflow=self.overflow,
-            window_docs=self.window_docs, guard=self._guard,
+            window_docs=self.window_docs, guard=self._guard, filler_rows=self.filler_rows,
         ).total_steps()  # fmt: skip
 
     def _locate(self, step: int) -> tuple[Segment, int]:
@@ -220,6 +235,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         t = self.topology
         step, m, dp_rank, rank = check_indices(step, m, dp_rank, rank, sizes=(None, t.micro_batches, t.dp, t.pool_size))
         seg, local = self._locate(step)
+        if m >= seg.step_micro_batches(local):
+            raise IndexError(f"m={m} out of range: step {step} is a short last step of {seg.step_micro_batches(local)}")
         return self._indices(seg, local, m, dp_rank, rank)
 
     def _indices(self, seg: Segment, step: int, m: int, dp_rank=None, rank=None) -> list:
@@ -230,7 +247,11 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             k = seg.mb_index(step, dp, m)
             doc, start, end = seg.placements(k)
             full = seg.full[seg.mb_ptr[k] : seg.mb_ptr[k + 1]]
-            return [int(d) if (s == 0 and e == f) else Span(d, s, e) for d, s, e, f in zip(doc, start, end, full)]
+            out = [int(d) if (s == 0 and e == f) else Span(d, s, e) for d, s, e, f in zip(doc, start, end, full)]
+            if seg.filler is not None:  # loss-masked filler rows (filler_rows=True): last in the micro-batch
+                fill = seg.filler[seg.mb_ptr[k] : seg.mb_ptr[k + 1]]
+                out = [Filler(int(d)) if f else x for x, d, f in zip(out, doc, fill)]
+            return out
         rank = self.pool_rank if rank is None else rank
         k = seg.mb_index(step, rank, m)
         group = seg.group(k, rank)
@@ -251,7 +272,9 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
 
     def step_of(self, index: int) -> tuple[int, int]:
         """(step, m) of the `index`-th micro-batch this rank yields from the origin."""
-        return divmod(int(index), self.topology.micro_batches)
+        _, local, steps = self.windows.locate_micro_batch(int(index))
+        step, m = divmod(local, self.topology.micro_batches)
+        return steps + step, m
 
     # ---- per-step information -----------------------------------------------------------------------------------
     def step_info(self, step: int) -> StepInfo:
@@ -259,9 +282,11 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         return step_info(self, step)
 
     def _step_sizes(self, step: int) -> np.ndarray:
+        """Token counts of `step`'s documents (filler rows left out)."""
         seg, local = self._locate(step)
         sl = seg.step_slice(local)
-        return seg.end[sl] - seg.start[sl]
+        sizes = seg.end[sl] - seg.start[sl]
+        return sizes if seg.filler is None else sizes[~seg.filler[sl]]
 
     def step_loss_tokens(self, step: int) -> int:
         """Global number of loss tokens of `step` (all DP ranks, all micro-batches): sum over its documents (or
@@ -279,15 +304,16 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         return int((self._step_sizes(step) > 1).sum())
 
     def predicted_times(self, step: int) -> np.ndarray:
-        """[dp, M] predicted time (cost-model units) of every micro-batch of `step` on one CP rank: cost / cp.
-        Dynamic CP: [M] the time of this rank's group in every slot, cost / size."""
+        """[dp, M] predicted time (cost-model units) of every micro-batch of `step` on one CP rank: cost / cp
+        ([dp, M'] for a short last step). Dynamic CP: [M] the time of this rank's group in every slot, cost / size."""
         seg, local = self._locate(step)
         if seg.plan is None:
             raise IndexError("nothing left to plan in this epoch")
+        ms = seg.step_micro_batches(local)
         if self.topology.dynamic:
-            ks = [seg.mb_index(local, self.pool_rank, m) for m in range(self.topology.micro_batches)]
+            ks = [seg.mb_index(local, self.pool_rank, m) for m in range(ms)]
             return seg.plan.micro_batch_costs()[ks] / seg.group_size[ks]
-        return seg.plan.micro_batch_costs()[local] / self.topology.cp
+        return seg.plan.micro_batch_costs()[local][:, :ms] / self.topology.cp
 
     def predicted_step(self, step: int) -> dict:
         """Telemetry of `step`: predicted per-replica 1F1B times (`replica_times`, [dp]), the step time (max), the
@@ -300,7 +326,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         else:
             rep = one_f_one_b(mb.max(axis=1), mb.sum(axis=1), t.pp)
         c = self.cost.cost(self._step_sizes(step))
-        lb = float(lower_bound(c.sum(), c.max(), t, self.cost.fixed))
+        lb = float(lower_bound(c.sum(), c.max(), t, self.cost.fixed, micro_batches=self.step_micro_batches(step)))
         return {
             "replica_times": rep,
             "step_time": float(rep.max()),
@@ -344,7 +370,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             w, first = self._cursor
             if w >= ew.count:
                 raise StopIteration
-            n = ew.steps(w) * m_per_step
+            n = ew.micro_batches(w)
             local = self.position - first
             if local < n:
                 break
@@ -364,10 +390,10 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             position = self.position
         elif isinstance(position, bool) or not isinstance(position, (int, np.integer)) or position < 0:
             raise ValueError(f"position must be a non-negative integer, got {position!r}")
-        ew, m_per_step = self.windows, self.topology.micro_batches
+        ew = self.windows
         w, first = ew.origin, 0
         while True:
-            n = ew.steps(w) * m_per_step
+            n = ew.micro_batches(w)
             if position - first < n or w == ew.count - 1:
                 break
             w, first = w + 1, first + n
@@ -436,13 +462,14 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         windows = EpochWindows(
             self.lengths, self.topology, self.cost, seed=self.seed, epoch=state["epoch"], overflow=self.overflow,
             window_docs=window_docs, origin=state["window"], history=history, guard=self._guard,
+            filler_rows=self.filler_rows,
         )  # fmt: skip
         if self.monitor is not None:
             self.monitor.attach_windows(windows)
-        if position > windows.steps(state["window"]) * self.topology.micro_batches:
+        if position > windows.micro_batches(state["window"]):
             raise ValueError(
                 f"the state's position {position} is past window {state['window']}'s "
-                f"{windows.steps(state['window']) * self.topology.micro_batches} micro-batches"
+                f"{windows.micro_batches(state['window'])} micro-batches"
             )
         self.epoch, self._windows = state["epoch"], windows
         self._epoch_setup = (windows.window_docs, windows.origin, history)

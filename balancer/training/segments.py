@@ -29,7 +29,7 @@ from balancer.planning.cost.model import CostModel
 from balancer.planning.planner import plan as make_plan
 from balancer.planning.shuffle import num_windows, window_ids
 from balancer.planning.topology import Topology
-from balancer.planning.window import window_seed, window_step_count, window_step_counts
+from balancer.planning.window import window_cut, window_seed, window_step_count, window_step_counts
 from balancer.training import lengths as training_lengths
 from balancer.training.indices import CPGroup
 
@@ -54,24 +54,37 @@ class Segment:
     slot_ptr: Optional[np.ndarray] = None
     ids: Optional[np.ndarray] = None  # the window's global ids (local plan id -> global id); None: identity
     full: Optional[np.ndarray] = None  # each placement's document length, read with the window (a span or whole)
+    last_m: Optional[int] = None  # micro-batches (slots) of the last step: M' < M when it is short; None: M
+    filler: Optional[np.ndarray] = None  # per placement: a loss-masked filler row (plan(..., filler_rows=True))
 
     @property
     def num_steps(self) -> int:
-        if self.topology.dynamic:
-            return (len(self.slot_ptr) - 1) // self.topology.micro_batches
-        return (len(self.mb_ptr) - 1) // self.topology.bins_per_step
+        t = self.topology
+        count = len(self.slot_ptr) - 1 if t.dynamic else len(self.mb_ptr) - 1
+        return -(-count // (t.micro_batches if t.dynamic else t.bins_per_step))
+
+    def step_micro_batches(self, step: int) -> int:
+        """Micro-batches every rank runs in `step`: M, or M' for a short last step."""
+        m = self.topology.micro_batches
+        return m if self.last_m is None or step < self.num_steps - 1 else self.last_m
+
+    @property
+    def total_micro_batches(self) -> int:
+        """Micro-batches every rank runs in this segment."""
+        n = self.num_steps
+        return 0 if n == 0 else (n - 1) * self.topology.micro_batches + self.step_micro_batches(n - 1)
 
     def first_mb(self, step: int) -> int:
         """Index of the first micro-batch of `step` (`num_steps` gives the end)."""
         if self.topology.dynamic:
-            return int(self.slot_ptr[step * self.topology.micro_batches])
-        return step * self.topology.bins_per_step
+            return int(self.slot_ptr[min(step * self.topology.micro_batches, len(self.slot_ptr) - 1)])
+        return min(step * self.topology.bins_per_step, len(self.mb_ptr) - 1)
 
     def mb_index(self, step: int, rank: int, m: int) -> int:
         """The micro-batch of slot `m` of `step` for `rank` (static: the DP rank; dynamic: the pool rank)."""
         t = self.topology
         if not t.dynamic:
-            return step * t.bins_per_step + rank * t.micro_batches + m
+            return step * t.bins_per_step + rank * self.step_micro_batches(step) + m
         slot = step * t.micro_batches + m
         first, last = int(self.slot_ptr[slot]), int(self.slot_ptr[slot + 1])
         return first + int(np.searchsorted(self.group_start[first:last], rank, side="right")) - 1
@@ -97,8 +110,9 @@ class Segment:
 
 
 def plan_units(
-    u_doc, u_start, u_end, topology: Topology, cost: CostModel, seed: int, overflow: str, lengths=None, fixed=False
-):
+    u_doc, u_start, u_end, topology: Topology, cost: CostModel, seed: int, overflow: str, lengths=None, fixed=False,
+    filler_rows: bool = False,
+):  # fmt: skip
     """Plan units (doc, start, end) - each planned as a document of end-start tokens - and map back. `lengths`
     instead: the units are exactly the whole documents of `lengths` (the whole-epoch plan, no remapping). `fixed`:
     into exactly `window_step_count` steps (a window of several)."""
@@ -108,15 +122,16 @@ def plan_units(
         return Segment(topology, cost, e, e, e, np.zeros(1, dtype=np.int64), None, *groups)
     docs = lengths if lengths is not None else (u_end - u_start)
     steps = window_step_count(docs, topology, overflow) if fixed else None
-    p = make_plan(docs, topology, cost, seed=seed, overflow=overflow, num_steps=steps)
+    p = make_plan(docs, topology, cost, seed=seed, overflow=overflow, num_steps=steps, filler_rows=filler_rows)
     if steps is not None and p.num_steps != steps:  # never a silently wrong len(sampler)
         raise RuntimeError(f"the planner made {p.num_steps} steps of a window fixed at {steps}")
     groups = (p.group_start, p.group_size, p.slot_ptr)
     p.natural_step = None  # per document of the window: not needed by the sampler
+    last = p.last_micro_batches
     if lengths is not None:
-        return Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p, *groups)
+        return Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p, *groups, last_m=last, filler=p.filler)
     doc, start, end = u_doc[p.doc], u_start[p.doc] + p.start, u_start[p.doc] + p.end
-    return Segment(topology, cost, doc, start, end, p.mb_ptr, p, *groups, ids=u_doc)
+    return Segment(topology, cost, doc, start, end, p.mb_ptr, p, *groups, ids=u_doc, last_m=last, filler=p.filler)
 
 
 class EpochWindows:
@@ -137,6 +152,7 @@ class EpochWindows:
         origin=0,
         history=(),
         guard=None,
+        filler_rows: bool = False,
     ) -> None:
         self.lengths, self.topology, self.cost = lengths, topology, cost
         self.seed, self.epoch, self.overflow = seed, epoch, overflow
@@ -147,8 +163,10 @@ class EpochWindows:
             raise ValueError(f"window {origin} out of range: this epoch has {self.count} windows")
         self.origin, self.history = int(origin), list(history)
         self.guard = guard  # LengthsGuard: the files behind the lengths checked before each window's read
+        self.filler_rows = bool(filler_rows)  # the whole-epoch plan may add loss-masked filler rows
         self._segments: dict[int, Segment] = {}
         self._steps: dict[int, int] = {}  # planned or counted windows' step counts
+        self._micro: dict[int, int] = {}  # planned windows' micro-batch counts (a short last step: fewer than M each)
         self._all_counted = False
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
@@ -212,7 +230,10 @@ class EpochWindows:
         history = self.history if w == self.origin else []
         topology, cost = self.model(w)
         if self.count == 1 and not history:
-            return plan_units(None, None, None, topology, cost, seed, self.overflow, lengths=self.lengths)
+            return plan_units(
+                None, None, None, topology, cost, seed, self.overflow, lengths=self.lengths,
+                filler_rows=self.filler_rows,
+            )  # fmt: skip
         ids = window_ids(self.num_docs, self.seed, self.epoch, w, self.window_docs)
         u_doc, u_start = ids, np.zeros(len(ids), dtype=np.int64)
         u_end = np.asarray(self.lengths[ids], dtype=np.int64)
@@ -225,10 +246,14 @@ class EpochWindows:
                     f"{seg.num_steps}"
                 )
             left = ~seg.consumed_mask(h["steps"])
+            if seg.filler is not None:  # filler rows are no documents: never re-planned as ones
+                left &= ~seg.filler
             u_doc, u_start, u_end = seg.doc[left], seg.start[left], seg.end[left]
             order = np.lexsort((u_start, u_doc))
             u_doc, u_start, u_end = u_doc[order], u_start[order], u_end[order]
-        return plan_units(u_doc, u_start, u_end, topology, cost, seed, self.overflow, fixed=fixed)
+        return plan_units(
+            u_doc, u_start, u_end, topology, cost, seed, self.overflow, fixed=fixed, filler_rows=self.filler_rows
+        )
 
     def segment(self, w: int) -> Segment:
         """The plan segment of window `w` (planned now unless kept or planned ahead)."""
@@ -243,9 +268,14 @@ class EpochWindows:
                 f"window {w} planned with the model {self.model(w)[1]} has {seg.num_steps} steps, {self._steps[w]} "
                 "before: a window's step count must not depend on the cost model or the rank speeds"
             )
+        if self._micro.get(w, seg.total_micro_batches) != seg.total_micro_batches:
+            raise RuntimeError(
+                f"window {w} planned has {seg.total_micro_batches} micro-batches per rank, {self._micro[w]} counted"
+            )
         with self._lock:
             self._segments[w] = seg
             self._steps[w] = seg.num_steps
+            self._micro[w] = seg.total_micro_batches
             for old in sorted(self._segments)[:-KEEP_WINDOWS]:
                 if old != w:
                     del self._segments[old]
@@ -273,10 +303,11 @@ class EpochWindows:
             ids = window_ids(self.num_docs, self.seed, self.epoch, w, self.window_docs)
             self._check(w)
             try:
-                count = window_step_count(np.asarray(self.lengths[ids], dtype=np.int64), self.topology, self.overflow)
+                count, last = window_cut(np.asarray(self.lengths[ids], dtype=np.int64), self.topology, self.overflow)
             except ValueError as e:
                 raise ValueError(f"window {w} of {self.count} (window_docs = {self.window_docs}): {e}") from None
             self._steps[w] = count
+            self._micro[w] = (count - 1) * self.topology.micro_batches + last
         else:
             self.count_all()
         return self._steps[w]
@@ -285,14 +316,46 @@ class EpochWindows:
         """Every window's fixed count in one pass over the lengths (`window_step_counts`), kept (one int each)."""
         if not self._all_counted and self.count > 1:
             self._check(self.origin)
+            last = np.zeros(self.count, dtype=np.int64)
             counts = window_step_counts(
                 self.lengths, self.topology, seed=self.seed, epoch=self.epoch, window_docs=self.window_docs,
-                overflow=self.overflow, chunk=max(1, training_lengths.CHUNK // 8),
+                overflow=self.overflow, chunk=max(1, training_lengths.CHUNK // 8), last_micro_batches=last,
             )  # fmt: skip
+            m = self.topology.micro_batches
             for w in range(self.origin, self.count):
                 if not (w == self.origin and self.history):
                     self._steps.setdefault(w, int(counts[w]))
+                    self._micro.setdefault(w, (int(counts[w]) - 1) * m + int(last[w]))
         self._all_counted = True
+
+    def micro_batches(self, w: int) -> int:
+        """Micro-batches every rank runs in window `w`: `steps(w) * micro_batches`, less a short last step's
+        missing ones (known once the window is planned; a window counted without planning never has one)."""
+        steps = self.steps(w)
+        return self._micro.get(w, steps * self.topology.micro_batches)
+
+    def total_micro_batches(self) -> int:
+        """Exact micro-batches of windows origin.. (`len(sampler)`)."""
+        if self.count - self.origin > 2:
+            self.count_all()
+        return sum(self.micro_batches(w) for w in range(self.origin, self.count))
+
+    def locate_micro_batch(self, index: int) -> tuple[int, int, int]:
+        """(window, micro-batch inside it, steps before it) of the `index`-th micro-batch from the origin."""
+        w, first, steps = self.origin, 0, 0
+        while w < self.count:
+            n = self.micro_batches(w)
+            if index < first + n:
+                return w, index - first, steps
+            first, steps, w = first + n, steps + self.steps(w), w + 1
+        return self.count, index - first, steps
+
+    def position_of_step(self, step: int) -> int:
+        """Micro-batches from the origin before the `step`-th step from the origin."""
+        w, first, position = self.origin, 0, 0
+        while w < self.count and step >= first + self.steps(w):
+            first, position, w = first + self.steps(w), position + self.micro_batches(w), w + 1
+        return position + (step - first) * self.topology.micro_batches
 
     def total_steps(self) -> int:
         """Exact steps of windows origin.. (plans at most a lone or re-planned origin window)."""

@@ -12,9 +12,10 @@ import numpy as np
 class StepInfo:
     """One step as planned. `loss_tokens` and `num_sequences` are the global normalisers of
     `balancer.loss.token_loss` (token and sequence reductions; valid when every token is a target), `tokens` the
-    step's real tokens, `micro_batches` the micro-batches every rank runs in it, `predicted_times` this rank's
-    view of the micro-batches' predicted times (`sampler.predicted_times`) and `predicted` the step's predicted
-    telemetry (`sampler.predicted_step`: replica times, step time, lower bound, imbalance)."""
+    step's real tokens, `micro_batches` the micro-batches every rank runs in it (M' for a short last step),
+    `predicted_times` this rank's view of the micro-batches' predicted times (`sampler.predicted_times`) and
+    `predicted` the step's predicted telemetry (`sampler.predicted_step`: replica times, step time, lower bound,
+    imbalance)."""
 
     step: int
     micro_batches: int
@@ -30,7 +31,7 @@ def step_info(sampler, step: int) -> StepInfo:
     sizes = sampler._step_sizes(step)
     return StepInfo(
         step=int(step),
-        micro_batches=sampler.topology.micro_batches,
+        micro_batches=sampler.step_micro_batches(step),
         tokens=int(sizes.sum()),
         loss_tokens=int((sizes - 1).sum()),
         num_sequences=int((sizes > 1).sum()),

@@ -120,6 +120,7 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         attention_backend: str,
         seed: Optional[int],
         max_length: Optional[int] = None,
+        filler_rows: bool = False,
     ) -> None:
         import attention.hf as ahf
 
@@ -160,14 +161,15 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
                 rank=self.dp_rank * topology.cp + self.cp_rank,
                 seed=self._plan_seed,
                 overflow=overflow,
+                filler_rows=filler_rows,
             )
         # dynamic CP: every batch names its own group (carried by the sampler's indices through SpanDataset)
         cp_rank, cp_size = (0, 1) if topology.dynamic else (self.cp_rank, topology.cp)
         self.packed_collator = PackedCollator(cp_rank=cp_rank, cp_size=cp_size, layout=layout, dp_rank=self.dp_rank)
-        if stream is None and (overflow != "error" or topology.dynamic):
+        if stream is None and (overflow != "error" or topology.dynamic or filler_rows):
             self.train_dataset = SpanDataset(self.train_dataset)
         self._resume_epoch: Optional[int] = None
-        self._epoch_start = (0, 0)  # (sampler position, global step) when the current epoch's loop began
+        self._epoch_start = (0, 0)  # (sampler step, global step) when the current epoch's loop began
         self._steps_per_epoch: dict[int, int] = {}
         if self.args.per_device_train_batch_size != 1 and given:
             logger.info("per_device_train_batch_size is not used: the plan's micro-batches are the batches")
@@ -228,16 +230,18 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         )
         sampler = self.balanced_sampler
         sampler.load_state_dict(state)
-        if sampler.position % self.topology.micro_batches:  # the loop counts whole optimizer steps
+        end = len(sampler)
+        done, mid = sampler.step_of(sampler.position) if sampler.position < end else (sampler.num_steps, 0)
+        if mid:  # the loop counts whole optimizer steps
             raise ValueError(
                 f"{path}: the sampler state's position {sampler.position} is not at a step boundary (a multiple of "
                 f"micro_batches = {self.topology.micro_batches} micro-batches per step): the checkpoint was not "
                 "written by this trainer at the end of an optimizer step"
             )
         if self.args.max_steps <= 0:  # what is left of this epoch (re-planned after a topology change) and the rest
-            left = sampler.num_steps - sampler.position // self.topology.micro_batches
+            left = sampler.num_steps - done
             self.state.max_steps = self.state.global_step + left + self._planned_steps(sampler.epoch + 1)
-        if sampler.position >= sampler.num_steps * self.topology.micro_batches:  # saved at the end: next epoch
+        if sampler.position >= end:  # saved at the end: next epoch
             return sampler.epoch + 1, 0
         self._resume_epoch = sampler.epoch
         return sampler.epoch, 0
@@ -251,22 +255,23 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         sampler.set_epoch(epoch)  # keeps a loaded resume position when it is this epoch's
         start = sampler.position if epoch == self._resume_epoch else 0
         self._resume_epoch = None
-        m = self.topology.micro_batches
-        remaining = sampler.num_steps * m - start  # exact (len(sampler) bounds it with several windows)
-        self._epoch_start = (start, self.state.global_step)
-        kwargs.update(
+        remaining = len(sampler) - start  # exact; a short last step (M' micro-batches) included
+        first_step = sampler.step_of(start)[0] if start else 0
+        _check_short_steps(sampler, first_step, remaining, epoch)
+        self._epoch_start = (first_step, self.state.global_step)
+        kwargs.update(  # the stock loop runs a last update of `steps_in_epoch % accumulation` micro-batches
             steps_in_epoch=remaining,
-            num_update_steps_per_epoch=remaining // m,
+            num_update_steps_per_epoch=sampler.num_steps - first_step,
             steps_trained_in_current_epoch=0,
         )
         return super()._run_epoch(**kwargs)
 
     def sampler_state(self) -> dict:
         """The sampler's resume state at the last finished optimizer step (what a checkpoint saves)."""
-        start, step0 = self._epoch_start
-        position = start + (self.state.global_step - step0) * self.topology.micro_batches
-        end = self.balanced_sampler.num_steps * self.topology.micro_batches
-        return self.balanced_sampler.state_dict(position=min(position, end))
+        first_step, step0 = self._epoch_start
+        sampler = self.balanced_sampler
+        step = min(first_step + self.state.global_step - step0, sampler.num_steps)
+        return sampler.state_dict(position=sampler.position_of_step(step))
 
     def _save_checkpoint(self, model, trial) -> None:
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
@@ -322,6 +327,22 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         # DDP (and FSDP) average the gradients over the processes; the loss is normalised globally, so undo that
         loss = token_loss(outputs.logits, inputs["labels"], n) * self.accelerator.num_processes
         return (loss, outputs) if return_outputs else loss
+
+
+def _check_short_steps(sampler, first_step: int, remaining: int, epoch: int) -> None:
+    """The stock loop accumulates `micro_batches` micro-batches per optimizer step and runs a shorter update only
+    at the end of an epoch: refuse an epoch with a short step (M' < M) anywhere else (windowed planning of
+    fixed-length rows whose windows cannot fill their last steps) instead of mixing steps."""
+    m, steps = sampler.topology.micro_batches, sampler.num_steps
+    if steps <= first_step:
+        return
+    last = sampler.step_micro_batches(steps - 1)
+    if remaining != (steps - first_step - 1) * m + last:
+        raise ValueError(
+            f"epoch {epoch}: a planning window's fixed-length rows cannot fill its last step, which runs fewer than "
+            f"micro_batches = {m} micro-batches inside the epoch; the Trainer runs a short optimizer step only at the "
+            "end of an epoch: choose Topology.dp and Topology.micro_batches so that every window's rows fill its steps"
+        )
 
 
 def _process_mean(t: torch.Tensor) -> torch.Tensor:
@@ -407,6 +428,8 @@ class BalancedTrainer(BalancedTrainingMixin, Trainer):
         overflow: the planner's policy for documents longer than ``max_tokens * cp`` ("error", "split", "truncate").
         layout: the CP layout kind of ``PackedCollator``; cp_method: "ring" or "allgather"; attention_backend: as for
             ``attention.cp_attention``; seed: the plan's seed (default ``args.seed``).
+        filler_rows: fixed-length rows that no short last step splits equally over the replicas get loss-masked
+            filler rows (``BalancedBatchSampler(filler_rows=True)``) instead of an error.
     """
 
     def __init__(
@@ -423,6 +446,7 @@ class BalancedTrainer(BalancedTrainingMixin, Trainer):
         cp_method: str = "ring",
         attention_backend: str = "auto",
         seed: Optional[int] = None,
+        filler_rows: bool = False,
         **kwargs,
     ) -> None:
         if topology is not None:
@@ -434,4 +458,6 @@ class BalancedTrainer(BalancedTrainingMixin, Trainer):
             topology = train_dataset.topology
         args = balanced_args(args if args is not None else TrainingArguments(output_dir="trainer_output"), topology)
         super().__init__(model=model, args=args, train_dataset=_dataset_for_packing(train_dataset), **kwargs)
-        self._balanced_setup(topology, cost, lengths, overflow, layout, cp_method, attention_backend, seed)
+        self._balanced_setup(
+            topology, cost, lengths, overflow, layout, cp_method, attention_backend, seed, filler_rows=filler_rows
+        )

@@ -192,9 +192,9 @@ def test_bad_input_one_line_exit_2(tok, tmp_path, capsys):
     row_no = int(re.search(r"row (\d+) \(source record \d+\) has (\d+) tokens", err).group(1))
     assert ShardDataset(tok).lengths[row_no] > 512
     assert not (tmp_path / "o").exists() or not os.listdir(tmp_path / "o")  # refused before writing anything
-    assert cli_main([base[0], str(tok), "--output", str(tmp_path / "o"), "--dp", "64", "--micro-batches", "8"]) == 2
-    err = capsys.readouterr().err.strip()  # the planner refuses: too few rows for 512 micro-batches a step
-    assert err.count("\n") == 0 and "--micro-batches" in err, err  # the flag on the CLI
+    assert cli_main([base[0], str(tok), "--output", str(tmp_path / "o"), "--dp", "4096", "--micro-batches", "8"]) == 2
+    err = capsys.readouterr().err.strip()  # the planner refuses: too few rows for one micro-batch on each replica
+    assert err.count("\n") == 0 and "lower --dp or --micro-batches (--dp to at most" in err, err
     assert not (tmp_path / "o").exists()  # the folder it created is removed again
 
     with pytest.raises(PackError, match="cp_sizes=.*dynamic CP"):

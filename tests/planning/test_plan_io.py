@@ -283,7 +283,7 @@ def test_dynamic_plan_slots_per_step_must_match(tmp_path):
 @pytest.mark.parametrize(
     "edit, needle",
     [
-        (lambda d: d.__setitem__("format_version", 5), '"format_version": 5 is newer than this balancer reads'),
+        (lambda d: d.__setitem__("format_version", 6), '"format_version": 6 is newer than this balancer reads'),
         (lambda d: d.__setitem__("format_version", 2), '"window": not part of format_version 2 (added in 3)'),
         (lambda d: d.__setitem__("format", "balancer.pln"), '"format": not a balancer.plan file'),
         (lambda d: d.__setitem__("seeed", 1), '"seeed": unknown key (did you mean "seed"?)'),

@@ -151,8 +151,11 @@ def test_bad_lengths(lengths, match):
 
 
 def test_too_few_documents_for_topology():
-    with pytest.raises(ValueError, match=r"3 documents cannot fill dp\*micro_batches = 2\*2 = 4"):
-        balancer.plan([1, 2, 3], Topology(dp=2, micro_batches=2, max_tokens=10), COST)
+    # fewer documents than a step's micro-batches: one short step (M' = 1 on each replica), not an error
+    p = balancer.plan([1, 2, 3], Topology(dp=2, micro_batches=2, max_tokens=10), COST)
+    assert (p.num_steps, p.last_micro_batches) == (1, 1)
+    with pytest.raises(ValueError, match=r"3 documents cannot fill dp\*micro_batches = 4\*2 = 8 .*dp = 4"):
+        balancer.plan([1, 2, 3], Topology(dp=4, micro_batches=2, max_tokens=10), COST)
 
 
 def test_integer_valued_floats_accepted():
@@ -221,30 +224,46 @@ def equal_rows(draw):
     return np.full(n, row), topo, draw(st.integers(0, 100))
 
 
+def _short_step_split(n: int, per_mb: int, topo: Topology):
+    """What a short last step can take: (rows of the full steps, rest, M') or None when no M' splits the rest."""
+    high = topo.bins_per_step * per_mb
+    rest = n - (n // high) * high
+    m_last = min(rest // topo.dp, topo.micro_batches - 1)
+    return m_last if m_last >= 1 and rest <= topo.dp * m_last * per_mb else None
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(equal_rows())
 def test_fixed_length_rows_plan_whenever_a_cut_exists(inst):
     """Equal rows plan with any tokens_per_step (the default 0.85 of capacity included) whenever the rows can be cut
-    into steps of at least one row per micro-batch; otherwise the error names the numbers and the arguments."""
+    into steps of at least one row per micro-batch, the last step possibly short (M' < M micro-batches on every
+    replica); otherwise the error names the numbers and the arguments."""
     lengths, topo, seed = inst
     n, nb = len(lengths), topo.bins_per_step
     per_mb = topo.micro_batch_tokens // int(lengths[0])
-    feasible = n >= nb and -(-n // (nb * per_mb)) <= n // nb
-    if not feasible:
+    whole = -(-n // (nb * per_mb)) <= n // nb
+    if not whole and _short_step_split(n, per_mb, topo) is None:
         with pytest.raises(ValueError) as err:
             balancer.plan(lengths, topo, COST, seed=seed)
         message = str(err.value)
-        assert f"{n} documents" in message and str(nb) in message
-        assert "Topology.max_tokens" in message or "lower dp or micro_batches" in message
+        assert f"{n} rows" in message and f"dp = {topo.dp}" in message
+        assert "Topology.dp" in message and ("Topology.max_tokens" in message or f"at most {n}" in message)
         return
     p = balancer.plan(lengths, topo, COST, seed=seed)
     p.validate()
     assert np.all(np.diff(p.mb_ptr) > 0) and sorted(p.doc.tolist()) == list(range(n))
     assert np.all(p.micro_batch_tokens() <= topo.micro_batch_tokens)
-    counts = np.diff(p.mb_ptr).reshape(p.num_steps, topo.dp, topo.micro_batches)
-    assert np.all(counts.max(axis=(1, 2)) - counts.min(axis=(1, 2)) <= 1)  # dealt evenly
-    per_step = counts.sum(axis=(1, 2))
-    assert np.all(per_step >= nb) and np.all(per_step[:-1] >= per_step[-1])  # only the last step is smaller
+    m_last = p.last_micro_batches
+    assert m_last == (topo.micro_batches if whole else _short_step_split(n, per_mb, topo))
+    full = (p.num_steps - 1) * nb
+    counts = np.diff(p.mb_ptr)
+    steps = [counts[s * nb : (s + 1) * nb].reshape(topo.dp, topo.micro_batches) for s in range(p.num_steps - 1)]
+    steps.append(counts[full:].reshape(topo.dp, m_last))
+    assert len(counts) == full + topo.dp * m_last
+    assert all(c.max() - c.min() <= 1 for c in steps)  # dealt evenly
+    per_step = np.array([c.sum() for c in steps])
+    assert np.all(per_step[:-1] >= nb) and per_step[-1] >= topo.dp * m_last
+    assert np.all(per_step[:-1] >= per_step[-1])  # only the last step is smaller
     tokens = per_step * int(lengths[0])
     rows_asked = topo.tokens_per_step / int(lengths[0])
     # tokens_per_step can be met (a row is a small part of it, and a short last step borrows one row per step): +-10%
@@ -255,26 +274,33 @@ def test_fixed_length_rows_plan_whenever_a_cut_exists(inst):
 
 
 def test_fixed_length_rows_with_default_flags_on_the_cli(tmp_path):
-    """`balancer plan` on 4,096-token rows with default flags (max_tokens 4,096, 85% fill: 27.8 rows per step for 32
-    micro-batches); a row count no step cut can serve is refused naming the flags that fix it."""
+    """`balancer plan` on 4,096-token rows with default flags (dp 8 x 4 micro-batches, max_tokens 4,096, 85% fill):
+    a count that is a multiple of dp*micro_batches, one whose rest is a multiple of dp (a short last step of 3
+    micro-batches, said in the output), and one no cut can serve: refused in one line naming the flags that fix
+    it."""
     import subprocess
     import sys
 
-    for n, code in ((32 * 40, 0), (32 * 40 + 5, 2)):
+    for n, code, steps in ((32 * 40, 0, 40), (32 * 40 + 24, 0, 41), (32 * 40 + 5, 2, 0)):
         src = tmp_path / f"rows{n}.npy"
         np.save(src, np.full(n, 4096, dtype=np.int64))
         out = tmp_path / f"plan{n}.json"
         r = subprocess.run(
-            [sys.executable, "-m", "balancer", "plan", str(src), "-o", str(out), "--no-baseline", "-q"],
+            [sys.executable, "-m", "balancer", "plan", str(src), "-o", str(out), "-q"],
             capture_output=True,
             text=True,
         )
         assert r.returncode == code, r.stderr
         if code:
             assert "--max-tokens" in r.stderr and "8192" in r.stderr and "--dp" in r.stderr, r.stderr
-            assert "Traceback" not in r.stderr
+            assert "1285 rows" in r.stderr and "leave 5 rows" in r.stderr, r.stderr
+            last = r.stderr.strip().splitlines()[-1]  # the error: one line, after the input and cost lines
+            assert "Traceback" not in r.stderr and "cannot be split equally" in last and "--dp" in last, r.stderr
         else:
-            assert balancer.Plan.load(out).num_steps == 40
+            back = balancer.Plan.load(out)
+            assert back.num_steps == steps and sorted(back.doc.tolist()) == list(range(n))
+            assert back.last_micro_batches == (4 if n % 32 == 0 else 3)
+            assert ("runs 3 of micro_batches = 4" in r.stdout) == (n % 32 != 0), r.stdout
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

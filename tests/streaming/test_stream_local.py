@@ -158,8 +158,8 @@ def test_bad_inputs():
     ]:
         with pytest.raises(RuntimeError, match=match):
             list(BalancedStream(rows * 10, TOPO, COST, window_docs=8))
-    with pytest.raises(ValueError, match="cannot fill"):
-        list(BalancedStream(doc_rows(3, 0), balancer.Topology(dp=1, micro_batches=4), COST, window_docs=4))
+    # 3 documents cannot fill 4 micro-batches: one short step of 3 (the same on every rank), not an error
+    assert len(list(BalancedStream(doc_rows(3, 0), balancer.Topology(dp=1, micro_batches=4), COST, window_docs=4))) == 3
 
 
 def test_update_model_from_a_window_on():

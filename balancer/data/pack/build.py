@@ -354,6 +354,12 @@ def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, 
             f"{out}: {c['rows']} rows ({c['rows'] // topology.dp} per DP rank), {c['tokens']} tokens, "
             f"{len(plans)} epoch(s), {len(manifest['shards'])} shard(s)"
         )
+        for epoch, plan in enumerate(plans):
+            if plan.last_micro_batches < topology.micro_batches:  # its rows: dp * M' in the last step
+                _say(
+                    f"epoch {epoch}: the last step runs {plan.last_micro_batches} of micro_batches = "
+                    f"{topology.micro_batches} micro-batches per DP rank (the documents cannot fill it)"
+                )
         return manifest
 
 

@@ -182,8 +182,8 @@ def plan_epoch(source: SourceTokens, topology: Topology, cost: CostModel, seed: 
     """The plan of epoch `epoch` (seed `seed + epoch`) over the source folder's rows."""
     try:
         plan = make_plan(source.lengths, topology, cost, seed=seed + epoch, overflow=overflow)
-    except ValueError as exc:
-        raise PackError(f"epoch {epoch}: {exc}") from None
+    except ValueError as exc:  # pack writes no filler rows: the planner's opt-in does not apply here
+        raise PackError(f"epoch {epoch}: {str(exc).split('; or pass filler_rows=True')[0]}") from None
     plan.plan_seconds = 0.0  # timing is not part of the (byte-identical) output
     return plan
 
@@ -193,7 +193,8 @@ def plan_epoch(source: SourceTokens, topology: Topology, cost: CostModel, seed: 
 
 
 def rows_per_epoch(plan: Plan) -> int:
-    return plan.num_steps * plan.topology.bins_per_step
+    """One row per micro-batch and DP rank: `dp * micro_batches` per step, `dp * M'` in a short last step."""
+    return len(plan.mb_ptr) - 1
 
 
 def row_keys(plan: Plan, first: int, count: int) -> np.ndarray:
@@ -201,9 +202,10 @@ def row_keys(plan: Plan, first: int, count: int) -> np.ndarray:
     the epoch, in row order (step, micro-batch, DP rank)."""
     t = plan.topology
     i = np.arange(first, first + count, dtype=np.int64)
-    step, rest = np.divmod(i, t.bins_per_step)
-    micro_batch, dp_rank = np.divmod(rest, t.dp)
-    flat = step * t.bins_per_step + dp_rank * t.micro_batches + micro_batch
+    step = np.minimum(i // t.bins_per_step, plan.num_steps - 1)  # a short last step has dp * M' rows
+    micro_batch, dp_rank = np.divmod(i - step * t.bins_per_step, t.dp)
+    per_replica = np.where(step == plan.num_steps - 1, plan.last_micro_batches, t.micro_batches)
+    flat = step * t.bins_per_step + dp_rank * per_replica + micro_batch
     return np.stack([step, micro_batch, dp_rank, flat], axis=1)
 
 
@@ -252,7 +254,7 @@ def build_rows(source: SourceTokens, plan: Plan, epoch: int, first: int, count: 
 def row_tokens(plan: Plan) -> np.ndarray:
     """Tokens of every row of the epoch, in row order."""
     keys = row_keys(plan, 0, rows_per_epoch(plan))
-    return plan.micro_batch_tokens().ravel()[keys[:, 3]]
+    return plan.flat_micro_batch_tokens()[keys[:, 3]]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -293,4 +295,5 @@ def row_metrics(
         cost,
         total_tokens=total,
         dropped_tokens=0 if source_tokens is None else int(source_tokens) - total,
+        micro_batches=np.bincount(step, minlength=steps) // t.dp,  # a short last step: M' rows per DP rank
     )

@@ -88,12 +88,12 @@ def predict_plan(
         pieces += terms.pieces.sum()
         if topo.cp > 1:
             moved += ring_moved(terms).sum() if method == "ring" else (topo.cp - 1) * terms.travel.max() * topo.cp
-    mb_times = times.reshape(plan.num_steps, topo.dp, topo.micro_batches)
+    mb_times = plan.by_step(times)  # [steps, dp, M]; a short last step's missing micro-batches 0
     # replica_times takes per-micro-batch costs before the division by cp; these are already per rank
     step = metrics.step_times(mb_times * topo.cp, topo)
     entry = cost.cost(sizes)
     mb_cost = np.add.reduceat(np.append(entry, 0.0), plan.mb_ptr[:-1]) + cost.fixed
-    section3 = float(metrics.step_times(mb_cost.reshape(mb_times.shape), topo).sum())
+    section3 = float(metrics.step_times(plan.by_step(mb_cost), topo).sum())
     return {
         "layout": {"kind": layout, **layout_options},
         "method": method,

@@ -22,6 +22,7 @@ is a deterministic function of (lengths, topology, cost, seed).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
@@ -171,7 +172,9 @@ def _plan_on(
     communication-aware cost model, its predicted step time total (`Plan.predict`), else 0."""
     virtual = largest_group_topology(topology, size)
     base = static_plan(lengths, virtual, cost, seed=seed, overflow=overflow, progress=progress, num_steps=num_steps)
-    order, group_start, group_size, sizes, slot_ptr, group_times = split_groups(base, virtual, topology, cost)
+    if base.filler_rows:
+        raise ValueError("filler rows are not planned with dynamic CP (cp_sizes): plan without filler_rows")
+    order, group_start, group_size, sizes, slot_ptr, group_times = _split_all(base, virtual, topology, cost)
     predicted = 0.0
     if cost.has_comm:  # the slot model over the layout-aware group times, as Plan.predict assembles them
         work = group_times * group_size  # the cuts' times are divided by the group's speed; the slot model divides
@@ -190,8 +193,45 @@ def _plan_on(
         natural_step=base.natural_step,
         dropped_tokens=base.dropped_tokens,
         groups=(group_start, group_size, slot_ptr),
+        last_micro_batches=base.last_micro_batches,
     )
     return plan, predicted
+
+
+def _split_all(base: Plan, virtual: Topology, topology: Topology, cost: CostModel):
+    """`split_groups` of the whole balancing plan; a short last step (M' < M slots) is cut on its own, with M' as
+    the micro-batch count, and appended."""
+    m_last = base.last_micro_batches
+    if m_last == topology.micro_batches:
+        return split_groups(base, virtual, topology, cost)
+    first = (base.num_steps - 1) * virtual.bins_per_step  # the short step's first micro-batch
+    parts = []
+    for lo, hi, t_v, t in (
+        (0, first, virtual, topology),
+        (first, len(base.mb_ptr) - 1, replace_m(virtual, m_last), replace_m(topology, m_last)),
+    ):
+        if hi > lo:
+            a, b = int(base.mb_ptr[lo]), int(base.mb_ptr[hi])
+            part = Plan(
+                base.lengths, t_v, cost, base.doc[a:b], base.start[a:b], base.end[a:b], base.mb_ptr[lo : hi + 1] - a,
+                dropped_tokens=0,
+            )  # fmt: skip
+            parts.append((a, split_groups(part, t_v, t, cost)))
+    if len(parts) == 1:
+        return parts[0][1]
+    (_, full), (offset, short) = parts
+    return (
+        np.concatenate([full[0], short[0] + offset]),
+        *(np.concatenate([full[i], short[i]]) for i in (1, 2, 3)),
+        np.concatenate([full[4], short[4][1:] + full[4][-1]]),
+        np.concatenate([full[5], short[5]]),
+    )
+
+
+def replace_m(topology: Topology, m: int) -> Topology:
+    """`topology` with `m` micro-batches per step (the budget kept within the smaller capacity)."""
+    small = dataclasses.replace(topology, micro_batches=m, tokens_per_step=None)
+    return dataclasses.replace(small, tokens_per_step=min(topology.tokens_per_step, small.capacity))
 
 
 def split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostModel):

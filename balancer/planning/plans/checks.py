@@ -15,9 +15,9 @@ def micro_batch_name(plan, k: int) -> str:
     """'step s, replica r, micro-batch m' (dynamic: 'step s, slot j, group g (ranks start+size)') of micro-batch k."""
     t = plan.topology
     if not plan.dynamic:
-        return (
-            f"step {k // t.bins_per_step}, replica {(k // t.micro_batches) % t.dp}, micro-batch {k % t.micro_batches}"
-        )
+        step = min(k // t.bins_per_step, max(plan.num_steps - 1, 0))
+        ms, local = plan.step_micro_batches(step), k - step * t.bins_per_step
+        return f"step {step}, replica {local // ms}, micro-batch {local % ms}"
     slot = int(np.searchsorted(plan.slot_ptr, k, side="right") - 1)
     group = k - int(plan.slot_ptr[slot])
     ranks = f"{int(plan.group_start[k])}+{int(plan.group_size[k])}"
@@ -35,7 +35,7 @@ def check_placements(plan) -> None:
     counts = np.diff(plan.mb_ptr)
     if np.any(counts == 0):
         raise ValueError(f"empty micro-batch: {micro_batch_name(plan, int(np.flatnonzero(counts == 0)[0]))}")
-    tokens = np.ravel(plan.micro_batch_tokens())
+    tokens = plan.flat_micro_batch_tokens()
     caps = t.max_tokens * plan.group_size if plan.dynamic else t.micro_batch_tokens
     if np.any(tokens > caps):
         k = int(np.argmax(tokens - caps))
@@ -52,17 +52,18 @@ def check_coverage(plan) -> None:
     consecutive (no gap, no overlap) and ending at its length, or, for a plan with dropped tokens
     (overflow='truncate'), at one truncation cut shared by every document longer than it; the tokens short of the
     lengths add up to `dropped_tokens`. Vectorised: one sort."""
-    doc, start, end, lengths = plan.doc, plan.start, plan.end, plan.lengths
-    outside = (doc < 0) | (doc >= plan.num_docs)
+    lengths = plan.lengths
+    outside = (plan.doc < 0) | (plan.doc >= plan.num_docs)
     if np.any(outside):
         i = int(np.argmax(outside))
-        raise ValueError(f"{_entry_name(plan, i)}: a placement names document {int(doc[i])}, outside the plan")
+        raise ValueError(f"{_entry_name(plan, i)}: a placement names document {int(plan.doc[i])}, outside the plan")
+    doc, start, end, entries = _real_entries(plan)
     bad = (start < 0) | (end <= start) | (end > lengths[doc])
     if np.any(bad):
         i = int(np.argmax(bad))
         raise ValueError(
-            f"{_entry_name(plan, i)}: document {int(doc[i])} ({int(lengths[doc[i]])} tokens) has an invalid token "
-            f"range [{int(start[i])}, {int(end[i])})"
+            f"{_entry_name(plan, entries[i])}: document {int(doc[i])} ({int(lengths[doc[i]])} tokens) has an invalid "
+            f"token range [{int(start[i])}, {int(end[i])})"
         )
     order = np.lexsort((start, doc))
     d, s, e = doc[order], start[order], end[order]
@@ -86,11 +87,28 @@ def check_coverage(plan) -> None:
         j = int(np.argmax(broken))
         what = "does not start at token 0" if first[j] else f"has a gap or overlap at token {int(np.roll(e, 1)[j])}"
         raise ValueError(
-            f"{_entry_name(plan, int(order[j]))}: document {int(d[j])}: its span [{int(s[j])}, {int(e[j])}) {what}"
+            f"{_entry_name(plan, int(entries[order[j]]))}: document {int(d[j])}: its span [{int(s[j])}, "
+            f"{int(e[j])}) {what}"
         )
     last = np.append(first[1:], True)
     # per placed document (every document, or a window's), the end of its last span
-    _check_shortfall(plan, d[last], e[last], order[last])
+    _check_shortfall(plan, d[last], e[last], entries[order[last]])
+
+
+def _real_entries(plan):
+    """(doc, start, end, entry index) of the placements that are documents: filler rows (whole copies of real rows,
+    checked to be so) left out of the coverage."""
+    doc, start, end = plan.doc, plan.start, plan.end
+    entries = np.arange(len(doc))
+    if plan.filler is None:
+        return doc, start, end, entries
+    f = np.flatnonzero(plan.filler)
+    bad = (start[f] != 0) | (end[f] != plan.lengths[doc[f]])
+    if np.any(bad):
+        i = int(f[np.argmax(bad)])
+        raise ValueError(f"{_entry_name(plan, i)}: a filler row must copy a whole row (document {int(doc[i])})")
+    keep = ~plan.filler
+    return doc[keep], start[keep], end[keep], entries[keep]
 
 
 def _check_shortfall(plan, docs: np.ndarray, covered: np.ndarray, last_entry: np.ndarray) -> None:
@@ -144,3 +162,24 @@ def check_partition(group_start: np.ndarray, group_size: np.ndarray, slot_ptr: n
     if np.any(wrong | short) or np.any(np.diff(slot_ptr) == 0):
         slot = int(np.searchsorted(slot_ptr, int(np.argmax(wrong | short)), side="right") - 1)
         raise ValueError(f"slot {slot}: the groups do not cover the pool of {topology.pool_size} ranks exactly once")
+
+
+def check_last(topology: Topology, last) -> int:
+    """`last_micro_batches` as an int in 1..micro_batches (None: micro_batches), else a ValueError naming it."""
+    m = topology.micro_batches
+    if last is None:
+        return m
+    if isinstance(last, bool) or not isinstance(last, (int, np.integer)) or not 1 <= last <= m:
+        raise ValueError(f"last_micro_batches must be an integer in 1..micro_batches = {m}, got {last!r}")
+    return int(last)
+
+
+def check_shape(count: int, per: int, last: int, what: str, name: str) -> None:
+    """`count` micro-batches (or slots) must be whole steps of `per`, the last one of `last`."""
+    if count % per == 0 and last == per:
+        return
+    if last < per and count >= last and (count - last) % per == 0:
+        return
+    raise ValueError(
+        f"plan has {count} {what}, not steps of {name} = {per}" + (f" and a last step of {last}" if last < per else "")
+    )

@@ -37,9 +37,11 @@ from balancer.strict_json import (
 # Version history (docs/plan-format.md): 1 = "format": "balancer.plan/1"; 2 = "format": "balancer.plan" with
 # "format_version", plan_seconds null instead of NaN, keys checked strictly (nothing else changed); 3 = "window" (a
 # window plan of balancer.plan_window records which window of which shuffle it places); 4 = "rank_speeds" in the
-# topology (uneven ranks). A plan without rank speeds is written as version 3, byte for byte what it was.
-PLAN_FORMAT = FormatSpec("balancer.plan", 4, {"balancer.plan/1": 1})
+# topology (uneven ranks); 5 = "last_micro_batches" (M' < micro_batches: the last step's micro-batches per replica,
+# or slots). A plan is written at the oldest version whose keys it uses: older readers load it, byte for byte.
+PLAN_FORMAT = FormatSpec("balancer.plan", 5, {"balancer.plan/1": 1})
 SPEEDS_VERSION = 4
+SHORT_STEP_VERSION = 5
 WINDOW_RECORD = obj(
     {
         "seed": integer(min=0),
@@ -72,12 +74,14 @@ HEADER_KEYS = {
     "dropped_tokens": integer(min=0, nullable=True, required=False),
     "layout": obj(required=False),  # {"kind": ..., options}: the CP layout the plan is sharded with
     "window": WINDOW_RECORD,
+    "last_micro_batches": integer(min=1, required=False, since=SHORT_STEP_VERSION),
+    "filler_rows": integer(min=0, required=False, since=SHORT_STEP_VERSION),
 }
 JSON_PLAN = obj(
     {**HEADER_KEYS, "lengths": array(required=False), "steps": array(), "natural_step": array(required=False)}
 )
 NPZ_ARRAYS = ("lengths", "doc", "start", "end", "mb_ptr", "header", "group_start", "group_size", "slot_ptr")
-NPZ_ARRAYS += ("natural_step",)
+NPZ_ARRAYS += ("natural_step", "filler")
 
 
 class PlanFileError(ValueError):
@@ -86,7 +90,8 @@ class PlanFileError(ValueError):
 
 # ---------------------------------------------------------------------------------------------------- writing
 def _micro_batch_record(mb) -> dict:
-    return {"docs": mb.docs, "spans": [list(x) for x in mb.spans]} if mb.spans else {"docs": mb.docs}
+    record = {"docs": mb.docs, "spans": [list(x) for x in mb.spans]} if mb.spans else {"docs": mb.docs}
+    return {**record, "fillers": mb.fillers} if mb.fillers else record
 
 
 def _step_record(step) -> dict:
@@ -103,8 +108,10 @@ def _step_record(step) -> dict:
 def header(plan) -> dict:
     seconds = plan.plan_seconds
     version = PLAN_FORMAT.header()
-    if plan.topology.rank_speeds is None:  # the newest version whose keys the plan uses: older readers load it
-        version["format_version"] = SPEEDS_VERSION - 1
+    short = plan.last_micro_batches < plan.topology.micro_batches
+    # the oldest version whose keys the plan uses: older readers load it
+    if not short and not plan.filler_rows:
+        version["format_version"] = SPEEDS_VERSION if plan.topology.rank_speeds is not None else SPEEDS_VERSION - 1
     return {
         **version,
         "topology": plan.topology.to_dict(),
@@ -115,12 +122,15 @@ def header(plan) -> dict:
         "dropped_tokens": plan.dropped_tokens,
         "window": None if plan.window is None else dataclasses.asdict(plan.window),
         **({} if plan.layout is None else {"layout": plan.layout}),
+        **({"last_micro_batches": plan.last_micro_batches} if short else {}),
+        **({"filler_rows": plan.filler_rows} if plan.filler_rows else {}),
     }
 
 
 def plan_to_dict(plan) -> dict:
     head = header(plan)
     keys = ("format", "format_version", "topology", "cost_model", "num_docs", "seed", "window", "layout")
+    keys += ("last_micro_batches", "filler_rows")
     data = {k: head[k] for k in keys if k in head}
     data["lengths"] = plan.lengths.tolist()
     data["steps"] = [_step_record(st) for st in plan.steps]
@@ -142,6 +152,8 @@ def save_plan(plan, path) -> None:
             arrays.update(group_start=plan.group_start, group_size=plan.group_size, slot_ptr=plan.slot_ptr)
         if plan.natural_step is not None:
             arrays["natural_step"] = plan.natural_step
+        if plan.filler is not None:
+            arrays["filler"] = plan.filler.astype(np.int64)
         atomic_write(path, lambda f: np.savez_compressed(f, **arrays))
     else:
         data = plan_to_dict(plan)
@@ -271,7 +283,11 @@ def _load_npz(cls, path: Path, lengths):
     elif any(k in arrays for k in group_keys):
         raise PlanFileError(f"{path}: a static-CP plan (no cp_sizes) holds dynamic-CP group arrays")
     natural = _int_array(path, "natural_step", arrays["natural_step"]) if "natural_step" in arrays else None
-    return _build(cls, path, head, lengths, topology, cost, (doc, start, end, mb_ptr), groups, natural)
+    filler = _int_array(path, "filler", arrays["filler"]) if "filler" in arrays else None
+    if filler is not None and (len(filler) != len(doc) or filler.max(initial=0) > 1):
+        raise PlanFileError(f"{path}: field 'filler' must hold one 0/1 per placement ({len(doc)})")
+    flat = (doc, start, end, mb_ptr, None if filler is None else filler.astype(bool))
+    return _build(cls, path, head, lengths, topology, cost, flat, groups, natural)
 
 
 def _load_json(cls, path: Path, lengths):
@@ -283,22 +299,23 @@ def _load_json(cls, path: Path, lengths):
             raise PlanFileError(f"{path}: plan JSON has no '{key}'")
     topology, cost = _parse_header(path, data, JSON_PLAN)
     lengths = _check_lengths(path, data.get("lengths"), lengths)
-    flat, groups = _json_steps(path, data["steps"], lengths, topology)
+    last = _last_micro_batches(path, data, topology)
+    flat, groups = _json_steps(path, data["steps"], lengths, topology, last)
     natural = data.get("natural_step")
     natural = None if natural is None else _int_array(path, "natural_step", natural)
     return _build(cls, path, data, lengths, topology, cost, flat, groups, natural)
 
 
 def _json_micro_batch(path, where: str, mb, lengths, out, extra: tuple = ()) -> None:
-    doc, start, end = out
+    doc, start, end, filler = out
     if not isinstance(mb, dict) or not isinstance(mb.get("docs"), list):
         raise PlanFileError(f"{path}: {where} must be an object with a 'docs' list")
-    _no_unknown_keys(path, where, mb, ("docs", "spans", *extra))
+    _no_unknown_keys(path, where, mb, ("docs", "spans", "fillers", *extra))
     for d in mb["docs"]:
         d = _int(path, f"{where}.docs", d)
         if not 0 <= d < len(lengths):
             raise PlanFileError(f"{path}: {where}.docs holds document {d}, outside 0..{len(lengths) - 1}")
-        doc.append(d), start.append(0), end.append(int(lengths[d]))
+        doc.append(d), start.append(0), end.append(int(lengths[d])), filler.append(False)
     spans = mb.get("spans", [])
     if not isinstance(spans, list):
         raise PlanFileError(f"{path}: {where}.spans must be a list of [doc, start, end]")
@@ -308,7 +325,15 @@ def _json_micro_batch(path, where: str, mb, lengths, out, extra: tuple = ()) -> 
         d, a, b = (_int(path, f"{where}.spans", x) for x in span)
         if not 0 <= d < len(lengths):
             raise PlanFileError(f"{path}: {where}.spans holds document {d}, outside 0..{len(lengths) - 1}")
-        doc.append(d), start.append(a), end.append(b)
+        doc.append(d), start.append(a), end.append(b), filler.append(False)
+    fillers = mb.get("fillers", [])
+    if not isinstance(fillers, list):
+        raise PlanFileError(f"{path}: {where}.fillers must be a list of row ids")
+    for d in fillers:
+        d = _int(path, f"{where}.fillers", d)
+        if not 0 <= d < len(lengths):
+            raise PlanFileError(f"{path}: {where}.fillers holds row {d}, outside 0..{len(lengths) - 1}")
+        doc.append(d), start.append(0), end.append(int(lengths[d])), filler.append(True)
 
 
 def _no_unknown_keys(path, where: str, record: dict, known: tuple) -> None:
@@ -349,16 +374,28 @@ def _json_groups(path, where: str, slot, lengths, flat, ptr, groups) -> None:
     slot_ptr.append(len(group_start))
 
 
-def _json_steps(path, steps, lengths, topology: Topology):
+def _last_micro_batches(path, head: dict, topology: Topology) -> int:
+    """The header's `last_micro_batches` (M' of a short last step), checked against the topology; M if absent."""
+    last = head.get("last_micro_batches", topology.micro_batches)
+    if last > topology.micro_batches:
+        raise PlanFileError(
+            f"{path}: field 'last_micro_batches' = {last} exceeds the topology's micro_batches = "
+            f"{topology.micro_batches}"
+        )
+    return last
+
+
+def _json_steps(path, steps, lengths, topology: Topology, last: int):
     """The flat arrays of the nested `steps`, whose nesting must match the topology: `dp` replicas of
-    `micro_batches` micro-batches per step (dynamic: `micro_batches` slots); nothing is re-sliced."""
+    `micro_batches` micro-batches per step (dynamic: `micro_batches` slots), the last step `last` of them;
+    nothing is re-sliced."""
     if not isinstance(steps, list):
         raise PlanFileError(f"{path}: field 'steps' must be a list")
-    flat = ([], [], [])
+    flat = ([], [], [], [])
     ptr = [0]
     groups = ([], [], [0])
-    m = topology.micro_batches
     for s, st in enumerate(steps):
+        m = last if s == len(steps) - 1 else topology.micro_batches
         if topology.dynamic:
             for k, slot in enumerate(_json_list(path, f"steps[{s}]", st, "slots", m, "micro_batches")):
                 _json_groups(path, f"steps[{s}].slots[{k}]", slot, lengths, flat, ptr, groups)
@@ -368,14 +405,18 @@ def _json_steps(path, steps, lengths, topology: Topology):
                 for i, mb in enumerate(_json_list(path, where, rep, "micro_batches", m, "micro_batches")):
                     _json_micro_batch(path, f"{where}.micro_batches[{i}]", mb, lengths, flat)
                     ptr.append(len(flat[0]))
-    arrays = tuple(np.asarray(a, dtype=np.int64) for a in flat) + (np.asarray(ptr, dtype=np.int64),)
+    arrays = tuple(np.asarray(a, dtype=np.int64) for a in flat[:3]) + (np.asarray(ptr, dtype=np.int64),)
+    arrays += (np.asarray(flat[3], dtype=bool) if any(flat[3]) else None,)
     if not topology.dynamic:
         return arrays, None
     return arrays, tuple(np.asarray(a, dtype=np.int64) for a in groups)
 
 
 def _build(cls, path, head, lengths, topology, cost, flat, groups, natural):
-    doc, start, end, mb_ptr = flat
+    doc, start, end, mb_ptr, filler = flat
+    count = 0 if filler is None else int(filler.sum())
+    if head.get("filler_rows", 0) != count:
+        raise PlanFileError(f"{path}: field 'filler_rows' = {head.get('filler_rows', 0)} but the plan holds {count}")
     if "num_docs" in head and _int(path, "num_docs", head["num_docs"]) != len(lengths):
         raise PlanFileError(f"{path}: field 'num_docs' = {head['num_docs']} but the plan has {len(lengths)} lengths")
     if not (len(doc) == len(start) == len(end)):
@@ -395,7 +436,7 @@ def _build(cls, path, head, lengths, topology, cost, flat, groups, natural):
         return cls(
             lengths, topology, cost, doc, start, end, mb_ptr, seed=seed, natural_step=natural,
             plan_seconds=float(plan_seconds), dropped_tokens=dropped, groups=groups, window=window,
-            layout=head.get("layout"),
+            layout=head.get("layout"), last_micro_batches=_last_micro_batches(path, head, topology), filler=filler,
         )  # fmt: skip
     except ValueError as e:
         raise PlanFileError(f"{path}: {e}") from None

@@ -28,7 +28,7 @@ from balancer.planning import metrics as _metrics
 from balancer.planning.cost.model import CostModel
 from balancer.planning.cost.predict import micro_batch_time, predict_plan
 from balancer.planning.plans import layout as layout_record
-from balancer.planning.plans.checks import check_placements
+from balancer.planning.plans.checks import check_last, check_placements, check_shape
 from balancer.planning.plans.files import load_plan, plan_to_dict, save_plan
 from balancer.planning.shuffle import WindowInfo
 from balancer.planning.topology import Topology
@@ -40,6 +40,7 @@ class MicroBatch:
 
     docs: list[int]
     spans: list[tuple[int, int, int]] = field(default_factory=list)
+    fillers: list[int] = field(default_factory=list)  # loss-masked filler rows: copies of these rows, not documents
 
     @property
     def ids(self) -> list[int]:
@@ -129,6 +130,8 @@ class Plan:
         groups: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
         window: WindowInfo | None = None,
         layout: dict | None = None,
+        last_micro_batches: int | None = None,
+        filler: np.ndarray | None = None,
     ) -> None:
         self.lengths = _int64_lengths(lengths)
         self.topology = topology
@@ -140,6 +143,7 @@ class Plan:
         self.seed = seed
         self.natural_step = None if natural_step is None else np.asarray(natural_step, dtype=np.int64)
         self.plan_seconds = plan_seconds
+        self.last_micro_batches = check_last(topology, last_micro_batches)
         if topology.dynamic != (groups is not None):
             raise ValueError("a plan has CP groups (group_start, group_size, slot_ptr) exactly when cp_sizes is set")
         self.group_start = self.group_size = self.slot_ptr = None
@@ -147,14 +151,15 @@ class Plan:
             self.group_start, self.group_size, self.slot_ptr = (np.asarray(a, dtype=np.int64) for a in groups)
             if len(self.group_start) != len(self.mb_ptr) - 1 or len(self.group_size) != len(self.group_start):
                 raise ValueError("a dynamic plan needs one (group_start, group_size) per micro-batch")
-            if (len(self.slot_ptr) - 1) % topology.micro_batches:
-                raise ValueError(f"plan has {len(self.slot_ptr) - 1} slots, not a multiple of M")
+            check_shape(len(self.slot_ptr) - 1, topology.micro_batches, self.last_micro_batches, "slots", "M")
         else:
-            per = topology.bins_per_step
-            if (len(self.mb_ptr) - 1) % per:
-                raise ValueError(f"plan has {len(self.mb_ptr) - 1} micro-batches, not a multiple of dp*M = {per}")
+            per, last = topology.bins_per_step, topology.dp * self.last_micro_batches
+            check_shape(len(self.mb_ptr) - 1, per, last, "micro-batches", "dp*M")
+        self.filler = None if filler is None or not np.any(filler) else np.asarray(filler, dtype=bool)
+        if self.filler is not None and len(self.filler) != len(self.doc):
+            raise ValueError(f"filler has {len(self.filler)} entries for {len(self.doc)} placements")
         if dropped_tokens is None:
-            dropped_tokens = int(self.lengths.sum() - (self.end - self.start).sum())
+            dropped_tokens = int(self.lengths.sum() - self.real_tokens)
         self.dropped_tokens = dropped_tokens
         self.window = window  # a window plan (balancer.plan_window) places only its window's documents
         self._window_ids: np.ndarray | None = None
@@ -221,27 +226,67 @@ class Plan:
 
     @property
     def num_steps(self) -> int:
+        t, short = self.topology, self.last_micro_batches < self.topology.micro_batches
         if self.dynamic:
-            return (len(self.slot_ptr) - 1) // self.topology.micro_batches
-        return (len(self.mb_ptr) - 1) // self.topology.bins_per_step
+            return -(-(len(self.slot_ptr) - 1) // t.micro_batches)
+        return -(-(len(self.mb_ptr) - 1) // t.bins_per_step) if short else (len(self.mb_ptr) - 1) // t.bins_per_step
+
+    def step_micro_batches(self, s: int) -> int:
+        """Micro-batches every replica (dynamic: slots) runs in step `s`: `micro_batches`, or for the last step of
+        a plan whose documents cannot fill it `last_micro_batches` (M')."""
+        return self.last_micro_batches if s == self.num_steps - 1 else self.topology.micro_batches
+
+    def micro_batch_counts(self) -> np.ndarray:
+        """[steps] the micro-batches every replica runs in each step (M, the last maybe M')."""
+        counts = np.full(self.num_steps, self.topology.micro_batches, dtype=np.int64)
+        if len(counts):
+            counts[-1] = self.last_micro_batches
+        return counts
+
+    def by_step(self, flat: np.ndarray) -> np.ndarray:
+        """Flat per-micro-batch values (plan order) of a static plan as [steps, dp, M], the micro-batches a
+        short last step does not run 0."""
+        t = self.topology
+        out = np.zeros((self.num_steps, t.dp, t.micro_batches), dtype=flat.dtype)
+        full = (self.num_steps - 1) * t.bins_per_step if self.num_steps else 0
+        if self.last_micro_batches == t.micro_batches:
+            return flat.reshape(out.shape)
+        out[:-1] = flat[:full].reshape(self.num_steps - 1, t.dp, t.micro_batches)
+        out[-1, :, : self.last_micro_batches] = flat[full:].reshape(t.dp, self.last_micro_batches)
+        return out
 
     def __len__(self) -> int:
         return self.num_steps
 
+    @property
+    def filler_rows(self) -> int:
+        """Loss-masked filler rows the plan holds (`plan(..., filler_rows=True)`): copies of real rows placed so
+        that every replica gets a micro-batch in a last step the real rows cannot split equally; 0 without."""
+        return 0 if self.filler is None else int(self.filler.sum())
+
+    @property
+    def real_tokens(self) -> int:
+        """Tokens of the documents placed (filler rows left out)."""
+        sizes = self.end - self.start
+        return int(sizes.sum() if self.filler is None else sizes[~self.filler].sum())
+
     def _micro_batch(self, k: int, cls=MicroBatch, **extra) -> MicroBatch:
         a, b = self.mb_ptr[k], self.mb_ptr[k + 1]
         doc, start, end = self.doc[a:b], self.start[a:b], self.end[a:b]
-        whole = (start == 0) & (end == self.lengths[doc])
-        spans = [(int(d), int(s), int(e)) for d, s, e in zip(doc[~whole], start[~whole], end[~whole])]
-        return cls(docs=doc[whole].tolist(), spans=spans, **extra)
+        fill = np.zeros(b - a, dtype=bool) if self.filler is None else self.filler[a:b]
+        whole = (start == 0) & (end == self.lengths[doc]) & ~fill
+        part = ~whole & ~fill
+        spans = [(int(d), int(s), int(e)) for d, s, e in zip(doc[part], start[part], end[part])]
+        return cls(docs=doc[whole].tolist(), spans=spans, fillers=doc[fill].tolist(), **extra)
 
     def _group(self, k: int) -> Group:
         return self._micro_batch(k, Group, ranks=(int(self.group_start[k]), int(self.group_size[k])))
 
     def step(self, s: int) -> Step:
         t = self.topology
+        ms = self.step_micro_batches(s)
         if self.dynamic:
-            slots = range(s * t.micro_batches, (s + 1) * t.micro_batches)
+            slots = range(s * t.micro_batches, s * t.micro_batches + ms)
             return Step(
                 slots=[
                     Slot([self._group(k) for k in range(self.slot_ptr[slot], self.slot_ptr[slot + 1])])
@@ -249,12 +294,7 @@ class Plan:
                 ]
             )
         base = s * t.bins_per_step
-        return Step(
-            [
-                Replica([self._micro_batch(base + r * t.micro_batches + m) for m in range(t.micro_batches)])
-                for r in range(t.dp)
-            ]
-        )
+        return Step([Replica([self._micro_batch(base + r * ms + m) for m in range(ms)]) for r in range(t.dp)])
 
     @property
     def steps(self) -> list[Step]:
@@ -270,11 +310,15 @@ class Plan:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp={t.dp}")
         out = []
         for s in range(self.num_steps):
-            base = s * t.bins_per_step + dp_rank * t.micro_batches
-            out.append(
-                [self.doc[self.mb_ptr[k] : self.mb_ptr[k + 1]].tolist() for k in range(base, base + t.micro_batches)]
-            )
+            ms = self.step_micro_batches(s)
+            base = s * t.bins_per_step + dp_rank * ms
+            out.append([self._documents(k) for k in range(base, base + ms)])
         return out
+
+    def _documents(self, k: int) -> list[int]:
+        """Document ids of micro-batch `k` in packing order, filler rows left out."""
+        a, b = self.mb_ptr[k], self.mb_ptr[k + 1]
+        return (self.doc[a:b] if self.filler is None else self.doc[a:b][~self.filler[a:b]]).tolist()
 
     def rank_groups(self, pool_rank: int) -> np.ndarray:
         """Dynamic CP: [steps * M] index of the micro-batch (group) holding `pool_rank` in every slot."""
@@ -308,25 +352,28 @@ class Plan:
         return np.where(np.diff(ptr) > 0, sums, 0.0) + self.cost_model.fixed
 
     def micro_batch_costs(self) -> np.ndarray:
-        """[steps, dp, M] cost of each micro-batch (fixed included), before dividing by cp; dynamic plans: the
-        flat [micro-batches] cost of every group's micro-batch."""
+        """[steps, dp, M] cost of each micro-batch (fixed included), before dividing by cp (a short last step's
+        missing micro-batches: 0); dynamic plans: the flat [micro-batches] cost of every group's micro-batch."""
         if self.dynamic:
             return self._mb_cost_flat()
-        t = self.topology
-        return self._mb_cost_flat().reshape(self.num_steps, t.dp, t.micro_batches)
+        return self.by_step(self._mb_cost_flat())
+
+    def flat_micro_batch_tokens(self) -> np.ndarray:
+        """[micro-batches] tokens of each micro-batch in plan order."""
+        return np.diff(np.concatenate([[0], np.cumsum(self.end - self.start)])[self.mb_ptr])
 
     def micro_batch_tokens(self) -> np.ndarray:
-        """[steps, dp, M] tokens of each micro-batch (dynamic plans: flat [micro-batches])."""
-        t = self.topology
-        tok = np.diff(np.concatenate([[0], np.cumsum(self.end - self.start)])[self.mb_ptr])
-        return tok if self.dynamic else tok.reshape(self.num_steps, t.dp, t.micro_batches)
+        """[steps, dp, M] tokens of each micro-batch (a short last step's missing micro-batches: 0; dynamic plans:
+        flat [micro-batches])."""
+        tok = self.flat_micro_batch_tokens()
+        return tok if self.dynamic else self.by_step(tok)
 
     def step_of_micro_batch(self) -> np.ndarray:
         """[micro-batches] the step of each micro-batch."""
         if self.dynamic:
             slot = np.repeat(np.arange(len(self.slot_ptr) - 1), np.diff(self.slot_ptr))
             return slot // self.topology.micro_batches
-        return np.arange(len(self.mb_ptr) - 1) // self.topology.bins_per_step
+        return np.minimum(np.arange(len(self.mb_ptr) - 1) // self.topology.bins_per_step, self.num_steps - 1)
 
     def step_of_entry(self) -> np.ndarray:
         return np.repeat(self.step_of_micro_batch(), np.diff(self.mb_ptr))
@@ -355,10 +402,12 @@ class Plan:
             largest,
             self.topology,
             self.cost_model,
-            total_tokens=int((self.end - self.start).sum()),
+            total_tokens=self.real_tokens,
+            padding_tokens=int((self.end - self.start).sum()) - self.real_tokens,  # filler rows
             dropped_tokens=self.dropped_tokens,
             delay_steps=delay,
             plan_seconds=self.plan_seconds,
+            micro_batches=self.micro_batch_counts(),
         )
 
     def with_layout(self, spec: dict) -> Plan:
