@@ -9,6 +9,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import balancer
+from balancer.data.traces import load_trace
 from balancer.planning.packing.across import STEP_ROOM, move_across
 from balancer.planning.packing.step import fill_empty, pack_step, place_rest
 
@@ -109,22 +110,18 @@ def test_uneven_speeds_pipelines_and_tiny_epochs_are_left_alone():
 
 
 def test_a_token_bound_step_does_not_pile_light_documents_onto_its_heavy_replica():
-    """One document far heavier per token than the rest, on 4 replicas whose other micro-batches fill up with light
-    documents: what does not fit them moves on (or into the last step) instead of onto the heavy replica, which the
-    old spill limit (re-derived at every one-unit spill, +0.1% each) and backfill (least-loaded micro-batch) did."""
-    rng = np.random.default_rng(0)
-    cap = 1 << 16
-    heavy = np.array([40_000])
-    light = rng.integers(500, 3000, size=400)
-    lengths = np.concatenate([heavy, light, heavy, rng.integers(500, 3000, size=400)])
-    topo = balancer.Topology(dp=4, micro_batches=4, max_tokens=cap)
+    """The prolong trace (100M tokens of it) on dp4 x M4 at cp = 1: a step with a 335K-token document, whose other
+    replicas fill up with light documents, used to pile what they could not hold onto the giant's replica (the
+    spill limit was re-derived at every one-unit spill, +0.1% each, and backfill took the least-loaded
+    micro-batch): 3.24% over the epoch bound, 19% on those steps. Now what does not fit moves on."""
+    full = load_trace("prolong", seed=0)
+    perm = np.random.default_rng([0, 6]).permutation(len(full))
+    keep = int(np.searchsorted(np.cumsum(full[perm]), 100e6, side="right"))
+    lengths = full[np.sort(perm[:keep])]  # benchmarks/compare.py's corpus
+    topo = balancer.Topology(dp=4, micro_batches=4, max_tokens=1 << 19)
     plan = balancer.plan(lengths, topo, COST, seed=0)
     plan.validate()
     m = plan.metrics()
     assert m["dropped_tokens"] == 0
-    times = plan.micro_batch_costs().sum(axis=2)  # [steps, dp]
-    heavy_cost = float(COST.cost(heavy)[0])
-    for s in range(plan.num_steps):
-        entries = plan.doc[plan.step_of_entry() == s]
-        if np.any(lengths[entries] == 40_000):
-            assert times[s].max() <= max(heavy_cost, times[s].mean()) * 1.02
+    assert 1 / m["epoch_efficiency"] - 1 < 0.015
+    assert m["worst_step"] < 1.1
