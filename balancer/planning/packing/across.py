@@ -41,15 +41,15 @@ def move_across(packed: list, u_cost: np.ndarray, u_tok: np.ndarray, topology: T
     steps = sum(len(sz) for _, sz in packed)
     if t.pp != 1 or t.dynamic or t.dp < 2 or uneven(t) or steps < 3 or t.tokens_per_step is None:
         return packed
+    budget = move_budget(sum(len(u) for u, _ in packed), steps, t.dp)
+    if budget == 0:
+        return packed
     units = np.concatenate([u for u, _ in packed])
     sizes = np.concatenate([sz for _, sz in packed])  # [steps, nb]
     nb, dp, m = t.bins_per_step, t.dp, t.micro_batches
     mb = np.repeat(np.arange(steps * nb), sizes.ravel())  # flat micro-batch (step * nb + bin) of every unit
     state = _Epoch(mb, u_cost[units].astype(np.float64), u_tok[units].astype(np.int64), steps, dp, m)
     lo, hi = (1 - STEP_ROOM) * t.tokens_per_step, (1 + STEP_ROOM) * t.tokens_per_step
-    budget = move_budget(len(units), steps, t.dp)
-    if budget == 0:
-        return packed
     heap = [(-e, s) for s, e in enumerate(state.excess().tolist()) if e > 0 and s < steps - 1]
     heapq.heapify(heap)
     while heap and budget > 0:
