@@ -364,8 +364,8 @@ def _spill(
     but only while the step's time stays within SPILL_SLACK of what it was at the step's first spill (`limit`,
     None at the first call); the others stay unplaced (the caller moves them to the next step, which keeps
     token-full steps from piling their overflow on one replica), as long as `may_move` tokens allow. The limit is
-    anchored (even ranks), not re-derived at every call: hundreds of one-unit spills (a step whose other replicas
-    are token-full) would each add SPILL_SLACK. Returns the tokens that may still move and the limit."""
+    anchored (even ranks, pp = 1), not re-derived at every call: hundreds of one-unit spills (a step whose other
+    replicas are token-full) would each add SPILL_SLACK. Returns the tokens that may still move and the limit."""
     dp, m, pp, cap = topology.dp, topology.micro_batches, topology.pp, topology.micro_batch_tokens
     rep = bins.replica_of_bin
     per_replica = bins.cost.reshape(dp, m)
@@ -375,7 +375,7 @@ def _spill(
     reached = float((now if speeds is None else now / speeds).max())
     # uneven ranks keep the limit re-derived at every call: what spills decides the step count, which must not
     # depend on the speeds (the uneven paths keep their own rule for the last step, settle.py)
-    anchored = limit is not None and speeds is None
+    anchored = limit is not None and speeds is None and pp == 1  # measured on pp = 1; pipelines keep the old rule
     limit = max(limit, reached) if anchored else reached * (1 + SPILL_SLACK)
     for i in units:
         new_time = one_f_one_b(np.maximum(largest[rep], bins.cost + cost[i]), total[rep], pp, cost[i])
