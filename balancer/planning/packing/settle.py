@@ -200,11 +200,11 @@ def _backfill(
 ):
     """Units that fit nowhere move to the next step; pull up to as many tokens of small light units of the next
     step into the leftover room, so the step keeps its size (in place on groups). An empty micro-batch takes one
-    first; every other unit goes to the micro-batch where its replica's new time is least, and (even ranks,
-    pp = 1) only while that stays within the step's time, unless the step would otherwise hold under
-    BACKFILL_FLOOR of tokens_per_step (a step whose other replicas are token-full must not pile the pulled units
-    onto its slowest replica). With pipelines and uneven ranks every unit that fits is taken (by tokens alone:
-    with uneven ranks the step count must never depend on the speeds)."""
+    first; every other unit goes to the micro-batch where its replica's new time is least; with even ranks and
+    pp = 1 backfilling stops when that is the step's slowest replica and the unit would raise the step's time
+    (the other replicas are token-full: the pulled units must not pile onto the slowest), unless the step would
+    otherwise hold under BACKFILL_FLOOR of tokens_per_step. With pipelines and uneven ranks every unit that fits
+    is taken (by tokens alone: with uneven ranks the step count must never depend on the speeds)."""
     nb, cap, m, dp = topology.bins_per_step, topology.micro_batch_tokens, topology.micro_batches, topology.dp
     tok = np.bincount(bins, weights=u_tok[placed], minlength=nb)
     load = np.bincount(bins, weights=u_cost[placed], minlength=nb)
@@ -234,8 +234,9 @@ def _backfill(
             j = int(np.flatnonzero(room & ~filled)[0])  # an empty micro-batch first
         else:
             j = int(np.argmin(np.where(room, new_time, np.inf)))
-            if speeds is None and topology.pp == 1 and new_time[j] > step_time * (1 + 1e-12) and moved >= floor:
-                break  # larger units raise the step's time at least as much
+            slowest = int(np.argmax(one_f_one_b(per.max(axis=1), per.sum(axis=1), topology.pp) / speed))
+            if speeds is None and topology.pp == 1 and rep[j] == slowest and new_time[j] > step_time and moved >= floor:
+                break  # only the slowest replica has room: the step is token-bound, the units stay in the next step
         taken.append(k)
         new_bins.append(j)
         tok[j] += t
