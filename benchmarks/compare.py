@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -408,7 +409,7 @@ def main(argv=None) -> int:
             # the project first: the count-based peers of peers_pkg get as many steps as its plan has
             for p in ("balancer",) + tuple(q for q in peer_order if q != "balancer"):
                 if p not in run_now:  # the stored run's record, marked with that run
-                    row["peers"][p] = dict(stored["peers"][p], run=reused["date"])
+                    row["peers"][p] = dict(stored["peers"][p], run=stored["peers"][p].get("run", reused["date"]))
                     continue
                 if p in peers_pkg.PKG_PEERS:
                     # the slices of the count-based peers follow balancer's step count; with reused peers, that of
@@ -486,7 +487,7 @@ def main(argv=None) -> int:
     )
     if reused is not None:
         result["reused"] = dict(
-            path=str(reused["path"].relative_to(HERE.parent)), date=reused["date"], command=reused["command"],
+            path=os.path.relpath(reused["path"], HERE.parent), date=reused["date"], command=reused["command"],
             machine=reused["machine"], runtime_seconds=reused.get("runtime_seconds"),
             peers=[p for p in peer_order if p not in run_now], run_now=[p for p in peer_order if p in run_now],
         )  # fmt: skip
