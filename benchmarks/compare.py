@@ -2,6 +2,9 @@
 
     .venv/bin/python benchmarks/compare.py            # full run, a few minutes on 2 cores
     .venv/bin/python benchmarks/compare.py --quick    # 20M tokens per distribution instead of 200M
+    .venv/bin/python benchmarks/compare.py --suite peers2026 --peers balancer,balancer_slices
+        # only the project's rows; every other peer's record reused from the stored run (checked: same documents,
+        # seed, topologies), each record marked with the run it came from
 
 For each length distribution (wlbllm, prolong, sft, heavy) and topology, every peer of benchmarks/peers.py (TRL BFD
 packing + trainer dealing, multipack, verl, WLB-LLM, balancer) plans one epoch of the same documents with the same
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import time
@@ -293,6 +297,36 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _load_reused(args, run_now: set, peer_order) -> dict | None:
+    """The stored results whose records the peers not run now take (None when every peer runs)."""
+    if run_now >= set(peer_order):
+        return None
+    path = Path(args.reuse) if args.reuse else RESULTS / f"{args.name}.json"
+    data = json.loads(path.read_text())
+    data["path"] = path
+    return data
+
+
+def _check_reused_corpus(reused: dict, dist: str, mine: dict, budget_tokens: int, seed: int) -> None:
+    """Reused peers must have planned the same documents: same seed, token budget and corpus."""
+    cfg = reused["config"]
+    theirs = cfg["corpora"].get(dist)
+    if (
+        cfg["seed"] != seed
+        or cfg["tokens_per_distribution"] != budget_tokens
+        or theirs is None
+        or any(theirs[k] != mine[k] for k in ("num_docs", "tokens", "max_length"))
+    ):
+        raise SystemExit(f"compare.py: --reuse {reused['path']}: not a run of the same {dist} documents and seed")
+
+
+def _reused_row(reused: dict, dist: str, label: str, topo) -> dict:
+    for row in reused["rows"]:
+        if row["distribution"] == dist and row["topology"] == label and row["topology_spec"] == topo.to_dict():
+            return row
+    raise SystemExit(f"compare.py: --reuse {reused['path']}: has no row {dist} / {label} for this topology")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="20M tokens per distribution (default 200M)")
@@ -308,9 +342,23 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default=None, help="result name: benchmarks/results/NAME.json and NAME.png")
     suites = "default: the 24 rows against TRL; peers2026: cp = pp = 1 against the package peers"
     ap.add_argument("--suite", choices=sorted(SUITES), default="default", help=suites)
+    ap.add_argument(
+        "--peers",
+        default=None,
+        help="comma-separated peers to run now (default: all); the others' records are reused from --reuse, "
+        "which must be a run of the same documents, seed and topologies",
+    )
+    ap.add_argument("--reuse", default=None, help="results JSON to reuse (default: the stored NAME.json)")
     args = ap.parse_args(argv)
     topologies, peer_order = SUITES[args.suite]
     args.name = args.name or ("compare" if args.suite == "default" else "compare_peers")
+    run_now = set(peer_order) if args.peers is None else set(args.peers.split(","))
+    unknown = run_now - set(peer_order)
+    if unknown:
+        known = ", ".join(peer_order)
+        print(f"compare.py: --peers: unknown peer(s) {sorted(unknown)}; known: {known}", file=sys.stderr)
+        return 2
+    reused = _load_reused(args, run_now, peer_order)
     full = 200e6 if args.suite == "default" else 100e6  # peers2026: 16 rows x 8 peers, 100M tokens per distribution
     budget_tokens = int(args.tokens if args.tokens else (20e6 if args.quick else full))
     png = RESULTS / f"{args.name}.png"
@@ -326,6 +374,8 @@ def main(argv=None) -> int:
             max_length=int(lengths.max()),
             median_length=float(np.median(lengths)),
         )
+        if reused is not None:
+            _check_reused_corpus(reused, dist, corpora[dist], budget_tokens, args.seed)
         print(
             f"== {dist}: {len(lengths):,} of {n_full:,} documents, {lengths.sum() / 1e6:.0f}M tokens, "
             f"max {lengths.max():,}",
@@ -345,7 +395,8 @@ def main(argv=None) -> int:
                 peers={},
             )
             seq = topo.micro_batch_tokens
-            if seq not in trl_cache:  # seq_length = max_tokens * cp: pack once per value
+            stored = _reused_row(reused, dist, spec["label"], topo) if reused is not None else None
+            if "trl" in run_now and seq not in trl_cache:  # seq_length = max_tokens * cp: pack once per value
                 t0 = time.perf_counter()
                 try:
                     order = peers.shuffled_order(len(lengths), args.seed)
@@ -357,8 +408,13 @@ def main(argv=None) -> int:
                 print(f"   trl.pack_dataset(seq_length={seq:,}): {time.perf_counter() - t0:.1f} s", flush=True)
             # the project first: the count-based peers of peers_pkg get as many steps as its plan has
             for p in ("balancer",) + tuple(q for q in peer_order if q != "balancer"):
+                if p not in run_now:  # the stored run's record, marked with that run
+                    row["peers"][p] = dict(stored["peers"][p], run=stored["peers"][p].get("run", reused["date"]))
+                    continue
                 if p in peers_pkg.PKG_PEERS:
-                    steps = row["peers"]["balancer"].get("steps") or 1
+                    # the slices of the count-based peers follow balancer's step count; with reused peers, that of
+                    # the run they came from, so that balancer_slices sees their slices
+                    steps = (stored or row)["peers"]["balancer"].get("steps") or 1
                     rec, _ = run_peer(peers_pkg.PKG_PEERS[p], lengths, topo, cost, args.seed, args.budget, steps=steps)
                 elif p == "trl":
                     if isinstance(trl_cache[seq], str):
@@ -369,7 +425,7 @@ def main(argv=None) -> int:
                         )
                 else:
                     rec, _ = run_peer(peers.PEERS[p], lengths, topo, cost, args.seed, args.budget)
-                row["peers"][p] = rec
+                row["peers"][p] = dict(rec, run="this run")
             row["peers"] = {p: row["peers"][p] for p in peer_order}
             if args.suite == "peers2026":
                 peers_pkg.score_row(row)
@@ -429,6 +485,12 @@ def main(argv=None) -> int:
         goal=goal,
         rows=rows,
     )
+    if reused is not None:
+        result["reused"] = dict(
+            path=os.path.relpath(reused["path"], HERE.parent), date=reused["date"], command=reused["command"],
+            machine=reused["machine"], runtime_seconds=reused.get("runtime_seconds"),
+            peers=[p for p in peer_order if p not in run_now], run_now=[p for p in peer_order if p in run_now],
+        )  # fmt: skip
     if args.suite == "peers2026":
         result["goal"] = dict(
             goal_ratio=peers_pkg.GOAL_RATIO,

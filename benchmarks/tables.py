@@ -206,6 +206,14 @@ def compare_peers() -> str:
         f"; nothing dropped by any valid plan: {fmt(goal['zero_drop_all'])}. * = the plan has micro-batches above "
         "max_tokens (the peer takes no token cap, or needs more than M micro-batches to keep it)."
     )
+    reused = data.get("reused")
+    if reused:  # the peers' columns come from an earlier run of the same documents (compare.py --peers)
+        la = reused["machine"]["load_average_start"][0], reused["machine"]["load_average_end"][0]
+        note += (
+            f"\n\nColumns {', '.join(reused['peers'])} come from the run of {reused['date']} UTC "
+            f"(`{reused['command']}`, 1-minute load {la[0]} at start and {la[1]} at end) on the same documents, "
+            f"seed and topologies; {', '.join(reused['run_now'])} from this run:"
+        )
     return markdown(header, rows) + note + _record_line(data)
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from balancer.planning.cost.model import CostModel
 from balancer.planning.dynamic.plan import plan_dynamic
 from balancer.planning.metrics import natural_steps, step_times
+from balancer.planning.packing.across import move_across
 from balancer.planning.packing.epoch import LazySteps, pack_light_steps, steps_to_repack
 from balancer.planning.packing.refine import refine_packed
 from balancer.planning.packing.settle import Batched, Settling, hold_step_tokens, settle
@@ -120,6 +121,7 @@ def plan(
         rng = np.random.default_rng([seed, 1])
         packed = _pack_epoch(u_cost, u_tok, attn_heavy, targets, topology, rng, progress, fixed=num_steps is not None)
         packed = refine_packed(packed, u_cost, u_tok, topology)
+        packed = move_across(packed, u_cost, u_tok, topology)
     units = (u_doc, u_start, u_end, shuffled, doc_order)
     return _assemble(lengths, topology, cost, seed, packed, units, targets, m_last, started)
 

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from balancer.planning.metrics import one_f_one_b
 from balancer.planning.packing.epoch import LazySteps
 from balancer.planning.packing.step import fill_empty, pack_step, place_rest, step_time
-from balancer.planning.speeds import bin_speeds
+from balancer.planning.speeds import bin_speeds, replica_speeds
 from balancer.planning.topology import Topology
 
 PROGRESS_AFTER = 2.0  # seconds before a progress bar (progress=True) appears
+BACKFILL_FLOOR = 0.92  # a step backfills past its time only while it holds under this share of tokens_per_step
 
 
 @dataclass
@@ -197,12 +199,22 @@ def _backfill(
     topology: Topology,
 ):
     """Units that fit nowhere move to the next step; pull up to as many tokens of small light units of the next
-    step into the leftover room (neediest micro-batch first), so the step keeps its size (in place on groups)."""
-    nb, cap = topology.bins_per_step, topology.micro_batch_tokens
+    step into the leftover room, so the step keeps its size (in place on groups). An empty micro-batch takes one
+    first; every other unit goes to the micro-batch where its replica's new time is least; with even ranks and
+    pp = 1 backfilling stops when that is the step's slowest replica and the unit would raise the step's time
+    (the other replicas are token-full: the pulled units must not pile onto the slowest), unless the step would
+    otherwise hold under BACKFILL_FLOOR of tokens_per_step. With pipelines and uneven ranks every unit that fits
+    is taken (by tokens alone: with uneven ranks the step count must never depend on the speeds)."""
+    nb, cap, m, dp = topology.bins_per_step, topology.micro_batch_tokens, topology.micro_batches, topology.dp
     tok = np.bincount(bins, weights=u_tok[placed], minlength=nb)
     load = np.bincount(bins, weights=u_cost[placed], minlength=nb)
-    speed = bin_speeds(topology)  # uneven ranks: the micro-batch whose replica would finish it first
+    speeds = replica_speeds(topology)
+    speed = np.ones(dp) if speeds is None else speeds
+    rep = np.arange(nb) // m
     filled = np.bincount(bins, minlength=nb) > 0
+    per = load.reshape(dp, m)
+    step_time = float((one_f_one_b(per.max(axis=1), per.sum(axis=1), topology.pp) / speed).max())
+    floor = BACKFILL_FLOOR * topology.tokens_per_step - float(tok.sum())  # tokens the step must still take
     nxt = groups[s + 1]
     cand = np.flatnonzero(~attn_heavy[nxt])
     cand = cand[np.argsort(u_tok[nxt[cand]], kind="stable")]
@@ -211,20 +223,27 @@ def _backfill(
         if moved >= gap or len(nxt) - len(taken) <= nb:
             break
         u = nxt[k]
-        if speed is None:
-            room = np.where(tok + u_tok[u] <= cap, -load, -np.inf)
-        else:  # an empty micro-batch first (even ranks reach it as the least loaded), then the earliest finish
-            key = np.where(filled, -(load + u_cost[u]) / speed, 1.0)
-            room = np.where(tok + u_tok[u] <= cap, key, -np.inf)
-        j = int(np.argmax(room))
-        if not np.isfinite(room[j]):
-            break  # smallest remaining unit fits nowhere
+        c, t = float(u_cost[u]), float(u_tok[u])
+        per = load.reshape(dp, m)
+        new_time = one_f_one_b(np.maximum(per.max(axis=1)[rep], load + c), per.sum(axis=1)[rep], topology.pp, c)
+        new_time = new_time / speed[rep]
+        room = tok + t <= cap
+        if not room.any():
+            break  # the smallest remaining unit fits nowhere
+        if not filled.all() and (room & ~filled).any():
+            j = int(np.flatnonzero(room & ~filled)[0])  # an empty micro-batch first
+        else:
+            j = int(np.argmin(np.where(room, new_time, np.inf)))
+            slowest = int(np.argmax(one_f_one_b(per.max(axis=1), per.sum(axis=1), topology.pp) / speed))
+            if speeds is None and topology.pp == 1 and rep[j] == slowest and new_time[j] > step_time and moved >= floor:
+                break  # only the slowest replica has room: the step is token-bound, the units stay in the next step
         taken.append(k)
         new_bins.append(j)
-        tok[j] += u_tok[u]
-        load[j] += u_cost[u]
+        tok[j] += t
+        load[j] += c
         filled[j] = True
-        moved += u_tok[u]
+        moved += t
+        step_time = max(step_time, float(new_time[j]))
     if not taken:
         return placed, bins
     keep = np.ones(len(nxt), dtype=bool)

@@ -195,10 +195,11 @@ def _place_light(light: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: 
         bins.cost.reshape(dp, m), float(cost[light].sum()), topology.pp, replica_speeds(topology)
     ).ravel()
     may_move = SPILL_MOVE * float(tokens.sum())  # tokens of this step that may move on to the next one
+    limit = None  # the step time spilled units may reach, set at the first spill (then only what is reached)
 
     def spill(units: np.ndarray) -> None:
-        nonlocal may_move
-        may_move = _spill(units, cost, tokens, bins, topology, may_move)
+        nonlocal may_move, limit
+        may_move, limit = _spill(units, cost, tokens, bins, topology, may_move, limit)
 
     rounds = _rounds_few_bins if len(deficit) <= FEW_BINS else _rounds
     done = rounds(light, cost, tokens, bins, deficit, cap, spill, uneven=replica_speeds(topology) is not None)
@@ -351,19 +352,31 @@ def _place_heavy_pipelined(
 
 
 def _spill(
-    units: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: _Bins, topology: Topology, may_move: float
-) -> float:
+    units: np.ndarray,
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    bins: _Bins,
+    topology: Topology,
+    may_move: float,
+    limit: float | None = None,
+) -> tuple[float, float]:
     """Place units once every micro-batch has met its target: each goes where it raises its replica's time least,
-    but only while the step's time stays within SPILL_SLACK of what it is; the others stay unplaced (the caller
-    moves them to the next step, which keeps token-full steps from piling their overflow on one replica), as long
-    as `may_move` tokens allow. Returns the tokens that may still move."""
+    but only while the step's time stays within SPILL_SLACK of what it was at the step's first spill (`limit`,
+    None at the first call); the others stay unplaced (the caller moves them to the next step, which keeps
+    token-full steps from piling their overflow on one replica), as long as `may_move` tokens allow. The limit is
+    anchored (even ranks, pp = 1), not re-derived at every call: hundreds of one-unit spills (a step whose other
+    replicas are token-full) would each add SPILL_SLACK. Returns the tokens that may still move and the limit."""
     dp, m, pp, cap = topology.dp, topology.micro_batches, topology.pp, topology.micro_batch_tokens
     rep = bins.replica_of_bin
     per_replica = bins.cost.reshape(dp, m)
     largest, total = per_replica.max(axis=1), per_replica.sum(axis=1)
     speeds, speed = replica_speeds(topology), bin_speeds(topology)
     now = one_f_one_b(largest, total, pp)
-    limit = float((now if speeds is None else now / speeds).max()) * (1 + SPILL_SLACK)
+    reached = float((now if speeds is None else now / speeds).max())
+    # uneven ranks keep the limit re-derived at every call: what spills decides the step count, which must not
+    # depend on the speeds (the uneven paths keep their own rule for the last step, settle.py)
+    anchored = limit is not None and speeds is None and pp == 1  # measured on pp = 1; pipelines keep the old rule
+    limit = max(limit, reached) if anchored else reached * (1 + SPILL_SLACK)
     for i in units:
         new_time = one_f_one_b(np.maximum(largest[rep], bins.cost + cost[i]), total[rep], pp, cost[i])
         if speed is not None:
@@ -377,7 +390,7 @@ def _spill(
             limit = max(limit, float(new_time[j]))
         else:
             may_move -= tokens[i]
-    return may_move
+    return may_move, limit
 
 
 def place_rest(unit_bin: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> bool:
