@@ -24,6 +24,7 @@ import numpy as np
 
 from balancer.planning.cost.microbatch import micro_batch_terms, rank_times
 from balancer.planning.cost.model import CostModel
+from balancer.planning.cost.predict import micro_batch_times
 
 ROUNDS = 4  # alternations of speeds and cost; the speeds move by well under 1% after the third on every test case
 OUTLIER_MADS = 5.0
@@ -86,12 +87,21 @@ def predict(cost: CostModel, sizes: list, cp: np.ndarray, layout: str = "zigzag"
     if terms is not None:
         return np.array([float(rank_times(cost, t).max()) for t in terms])
     out = np.empty(len(sizes))
-    for i, (d, c) in enumerate(zip(sizes, cp)):
-        d = np.asarray(d, dtype=np.int64)
+    cp = np.asarray(cp, dtype=np.int64)
+    batched = np.zeros(len(sizes), dtype=bool)
+    if layout == "zigzag" and all(len(d) for d in sizes):  # every CP size at once through the vectorised form (the same numbers, bit for bit)
+        for c in np.unique(cp[cp > 1]):
+            idx = np.flatnonzero(cp == c)
+            docs = [np.asarray(sizes[i], dtype=np.int64) for i in idx]
+            ptr = np.concatenate([[0], np.cumsum([len(d) for d in docs])])
+            out[idx] = micro_batch_times(cost, np.concatenate(docs), ptr, int(c))
+            batched[idx] = True
+    for i in np.flatnonzero(~batched):
+        d, c = np.asarray(sizes[i], dtype=np.int64), int(cp[i])
         if c == 1:  # one rank: no layout, the plain per-document cost (pieces = documents)
             out[i] = cost.micro_batch_cost(d)
         else:
-            out[i] = float(rank_times(cost, micro_batch_terms(d, int(c), layout, cost.causal, cost.window)).max())
+            out[i] = float(rank_times(cost, micro_batch_terms(d, c, layout, cost.causal, cost.window)).max())
     return out
 
 
