@@ -89,7 +89,8 @@ def predict(cost: CostModel, sizes: list, cp: np.ndarray, layout: str = "zigzag"
     out = np.empty(len(sizes))
     cp = np.asarray(cp, dtype=np.int64)
     batched = np.zeros(len(sizes), dtype=bool)
-    if layout == "zigzag" and all(len(d) for d in sizes):  # every CP size at once through the vectorised form (the same numbers, bit for bit)
+    # zigzag: every CP size at once through the vectorised form (the same numbers, bit for bit)
+    if layout == "zigzag" and all(len(d) for d in sizes):
         for c in np.unique(cp[cp > 1]):
             idx = np.flatnonzero(cp == c)
             docs = [np.asarray(sizes[i], dtype=np.int64) for i in idx]
