@@ -204,7 +204,7 @@ class BalanceMonitor:
             + [float(x[1]) for x in b[3]]
             for b in blocks
         ]
-        return torch.tensor(np.concatenate([fit, np.asarray(rows, dtype=np.float64).ravel()]), dtype=torch.float64)
+        return torch.from_numpy(np.concatenate([fit, np.asarray(rows, dtype=np.float64).ravel()]))
 
     def _gather(self, k: int) -> None:
         blocks, self._closed = self._closed[:k], self._closed[k:]

@@ -91,7 +91,7 @@ def predict(cost: CostModel, sizes: list, cp: np.ndarray, layout: str = "zigzag"
     batched = np.zeros(len(sizes), dtype=bool)
     # zigzag: every CP size at once through the vectorised form (the same numbers, bit for bit)
     if layout == "zigzag" and all(len(d) for d in sizes):
-        for c in np.unique(cp[cp > 1]):
+        for c in sorted({int(c) for c in cp if c > 1}):
             idx = np.flatnonzero(cp == c)
             docs = [np.asarray(sizes[i], dtype=np.int64) for i in idx]
             ptr = np.concatenate([[0], np.cumsum([len(d) for d in docs])])
