@@ -104,3 +104,31 @@ def test_predict_matches_one_micro_batch_at_a_time_bit_for_bit(docs, cp, causal,
            causal, window)).max()) for d, c in zip(sizes, cps)]  # fmt: skip
     got = predict(cost, sizes, cps, "zigzag")
     assert got.tobytes() == np.array(one, dtype=np.float64).tobytes()
+
+
+def _noisy(speeds, steps, noise, seed, dp=4, m=2):
+    """Micro-batches timed on a busy machine: log-normal noise per micro-batch and a machine-wide swing per step."""
+    rng = np.random.default_rng(seed)
+    n = steps * dp * m
+    sizes = [rng.integers(10, 600, rng.integers(1, 8)) for _ in range(n)]
+    replica = (np.arange(n) // m) % dp
+    step = np.arange(n) // (dp * m)
+    swing = np.exp(0.15 * rng.standard_normal(steps))[step]
+    cp = np.ones(n, dtype=np.int64)
+    seconds = predict(TRUE, sizes, cp) / np.asarray(speeds)[replica] * swing * np.exp(noise * rng.standard_normal(n))
+    return Samples(sizes, cp, replica, seconds, step)
+
+
+def test_speeds_are_supported_only_beyond_the_evidence_noise():
+    """Equal replicas on a noisy machine: the fitted speeds drift apart by noise and are not supported (planned as
+    even); a real 3x difference under the same noise is supported; so is a 1.3x one with little noise."""
+    drifts = []
+    for seed in range(6):
+        r = refit(_noisy((1, 1, 1, 1), 12, 0.25, seed), FLOPS, None, 4, current_in_seconds=False, min_samples=16)
+        assert r.speed_noise > 0 and not r.speeds_supported
+        drifts.append(max(r.speeds) / min(r.speeds))
+    assert max(drifts) > 1.1  # what EVEN_SPEEDS alone would have planned
+    fast = refit(_noisy((3, 1, 1, 1), 12, 0.25, 0), FLOPS, None, 4, current_in_seconds=False, min_samples=16)
+    assert fast.accepted and fast.speeds_supported and "planned as even" not in fast.reason
+    mild = refit(_noisy((1.3, 1, 1, 1), 12, 0.02, 0), FLOPS, None, 4, current_in_seconds=False, min_samples=16)
+    assert mild.speeds_supported
