@@ -104,6 +104,21 @@ def _step_cpu(config: str) -> float | None:
     return float(np.median(cpu)) if cpu else None
 
 
+def _table(results: list, codes: list) -> dict:
+    from _common import table
+
+    rows = []
+    for c in results:
+        for which in codes:
+            m = c["summary"][which]
+            share = m.get("share_of_step_cpu")
+            rows.append([c["config"], which, str(sum(r["code"] == which for r in c["runs"])),
+                         f"{m['median_ms']:.2f} ({m['min_ms']:.2f}-{m['max_ms']:.2f})",
+                         "-" if not share else f"{share[0]:.2%} ({share[1]:.2%}-{share[2]:.2%})"])  # fmt: skip
+    columns = ["ranks", "checkout", "worlds", "monitor CPU ms/step: median (min-max)", "share of the step's CPU"]
+    return table(columns, rows)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", type=int, default=4, help="alternating pairs of worlds per configuration")
@@ -146,7 +161,8 @@ def main(argv=None) -> int:
                                                        ("median_ms", "min_ms", "max_ms")]  # fmt: skip
         results.append({"config": config, "runs": runs, "summary": summary, "step_process_cpu_seconds": step_cpu})
         print(f"{config}: {json.dumps(summary)}")
-    payload = {"configs": results, "codes": codes, "windows": args.windows, "shapes": "measured_balance.py's"}
+    payload = {"configs": results, "codes": codes, "windows": args.windows, "shapes": "measured_balance.py's",
+               "tables": {"cost": _table(results, list(codes))}}  # fmt: skip
     path = write_result(args.output, payload, clock="process_cpu")
     print(f"wrote {path}")
     return 0
