@@ -238,10 +238,36 @@ def _summarise(name, per_rank, dp, cp):
         s = next(r for r in runs if r["pair"] == p and r["mode"] == "static")
         a = next(r for r in runs if r["pair"] == p and r["mode"] == "adapt")
         pairs.append({"pair": p, "speedup": s["mean_step_seconds"] / a["mean_step_seconds"],
-                      "static_s": s["mean_step_seconds"], "adapt_s": a["mean_step_seconds"]})  # fmt: skip
+                      "static_s": s["mean_step_seconds"], "adapt_s": a["mean_step_seconds"],
+                      **_control(s["micro_batches"], a["micro_batches"])})  # fmt: skip
     speedups = [p["speedup"] for p in pairs]
     return {"config": name, "dp": dp, "cp": cp, "runs": runs, "pairs": pairs,
             "speedup_median": float(np.median(speedups)), "speedup_min": float(np.min(speedups))}  # fmt: skip
+
+
+def _control(static: list, adapt: list) -> dict:
+    """The noise the pair's comparison lives in: the two epochs plan their first two windows alike (the first fit
+    plans from the third), so the static / adapt ratio of the slowest replica's measured compute per step there
+    should be 1, and every micro-batch of them ran twice. Gives that ratio, the same ratio from the third window on
+    (where the plans differ), and the median |log| of the two times of one micro-batch (rows: `_micro_batches`)."""
+
+    def compute(rows, early):
+        per = {}
+        for r in rows:
+            if (r[2] < 2) == early:
+                per.setdefault(r[0], {}).setdefault(r[3], 0.0)
+                per[r[0]][r[3]] += r[7]
+        return float(np.mean([max(v.values()) for v in per.values()])) if per else float("nan")
+
+    def times(rows):
+        return {(r[1], r[3], r[4]): (r[7], r[5], r[6]) for r in rows if r[2] < 2}
+
+    ts, ta = times(static), times(adapt)
+    same = [np.log(ts[k][0] / ta[k][0]) for k in ts if k in ta and ts[k][1:] == ta[k][1:]]
+    return {"same_plan_compute_ratio": compute(static, True) / compute(adapt, True),
+            "compute_ratio_after_second_window": compute(static, False) / compute(adapt, False),
+            "same_micro_batch_twice_median_abs_log": float(np.median(np.abs(same))) if same else float("nan"),
+            "same_micro_batches": len(same)}  # fmt: skip
 
 
 def _imbalance_after(run) -> float:

@@ -204,7 +204,7 @@ class BalanceMonitor:
             + [float(x[1]) for x in b[3]]
             for b in blocks
         ]
-        return torch.tensor(np.concatenate([fit, np.asarray(rows, dtype=np.float64).ravel()]), dtype=torch.float64)
+        return torch.from_numpy(np.concatenate([fit, np.asarray(rows, dtype=np.float64).ravel()]))
 
     def _gather(self, k: int) -> None:
         blocks, self._closed = self._closed[:k], self._closed[k:]
@@ -275,8 +275,9 @@ class BalanceMonitor:
                   "score_candidate": r.score_candidate, "cpu_seconds": time.thread_time() - c0}  # fmt: skip
         logger.info("balance refit after window %d of epoch %d: %s", window, epoch, r.reason)
         self.refits.append(record)
+        record["speed_noise"], record["speeds_supported"] = r.speed_noise, r.speeds_supported
         if r.accepted:
-            self._pending_fit = _pack_fit(r.cost, r.speeds, first, self.topology.dp)
+            self._pending_fit = _pack_fit(r.cost, r.speeds, first, self.topology.dp, r.speeds_supported)
         self.refit_seconds += time.thread_time() - c0
 
     def _advance(self, epoch: int, window: int, by: int) -> tuple[int, int]:
@@ -289,10 +290,10 @@ class BalanceMonitor:
         return epoch, w
 
     def _apply(self, fit: np.ndarray) -> None:
-        cost, speeds, first = _unpack_fit(fit, self.models[0].cost, self.topology.dp)
+        cost, speeds, first, supported = _unpack_fit(fit, self.models[0].cost, self.topology.dp)
         plan_speeds = speeds if (self.mode == "adapt" and _planner_takes_speeds()) else None
-        if plan_speeds is not None and max(plan_speeds) < EVEN_SPEEDS * min(plan_speeds):
-            plan_speeds = None  # within what a fit on a noisy machine tells apart: planned as even ranks
+        if plan_speeds is not None and (not supported or max(plan_speeds) < EVEN_SPEEDS * min(plan_speeds)):
+            plan_speeds = None  # within the evidence's noise or EVEN_SPEEDS: planned as even ranks
         if self.mode == "adapt" and speeds is not None and not _planner_takes_speeds() and self.rank == 0:
             logger.warning("the planner takes no rank_speeds: fitted speeds %s are reported, not planned", speeds)
         self.models.append(Model(cost, speeds, True, first, plan_speeds, len(self.ledger.steps)))
@@ -407,10 +408,12 @@ def _fit_size(dp: int) -> int:
     return 1 + len(TERMS) + 1 + 2 + dp  # flag, coefficients, comm_overlap, (epoch, first window), speeds
 
 
-def _pack_fit(cost: CostModel, speeds, first, dp: int) -> np.ndarray:
+def _pack_fit(cost: CostModel, speeds, first, dp: int, supported: bool = True) -> np.ndarray:
+    """The fit as it travels; its flag: 1 no speeds, 2 speeds the evidence supports, 3 speeds within its noise."""
     s = np.ones(dp) if speeds is None else np.asarray(speeds)
+    flag = 1.0 if speeds is None else (2.0 if supported else 3.0)
     coef = [getattr(cost, name) for name in TERMS]
-    return np.array([1.0 if speeds is None else 2.0, *coef, float(cost.comm_overlap), *first, *s], dtype=np.float64)
+    return np.array([flag, *coef, float(cost.comm_overlap), *first, *s], dtype=np.float64)
 
 
 def _unpack_fit(fit: np.ndarray, like: CostModel, dp: int):
@@ -418,5 +421,5 @@ def _unpack_fit(fit: np.ndarray, like: CostModel, dp: int):
     values = dict(zip(TERMS, (float(x) for x in fit[1 : 1 + n])))
     cost = dataclasses.replace(like, **values, comm_overlap=bool(fit[1 + n]))
     first = (int(fit[2 + n]), int(fit[3 + n]))
-    speeds = tuple(float(x) for x in fit[4 + n : 4 + n + dp]) if fit[0] == 2.0 else None
-    return cost, speeds, first
+    speeds = tuple(float(x) for x in fit[4 + n : 4 + n + dp]) if fit[0] in (2.0, 3.0) else None
+    return cost, speeds, first, fit[0] == 2.0

@@ -24,6 +24,7 @@ import numpy as np
 
 from balancer.planning.cost.microbatch import micro_batch_terms, rank_times
 from balancer.planning.cost.model import CostModel
+from balancer.planning.cost.predict import micro_batch_times
 
 ROUNDS = 4  # alternations of speeds and cost; the speeds move by well under 1% after the third on every test case
 OUTLIER_MADS = 5.0
@@ -34,6 +35,7 @@ OUTLIER_RULE = (
     f"MAD of the log ratios), a factor {OUTLIER_MIN_RATIO:g}) away from the median ratio"
 )
 HOLD_EVERY = 4  # every 4th step of the evidence is held back to judge a candidate against the model in force
+SPEED_SIGMAS = 3.0  # fitted speeds are planned only when fastest / slowest is this many standard errors above 1
 
 
 @dataclass
@@ -78,6 +80,8 @@ class Refit:
     score_candidate: float = math.nan
     outliers: list = field(default_factory=list)
     samples: int = 0
+    speed_noise: float = math.nan  # the log(fastest / slowest) that the evidence's noise alone reaches (speed_noise)
+    speeds_supported: bool = False  # log(fastest / slowest) of the fitted speeds is above speed_noise
 
 
 def predict(cost: CostModel, sizes: list, cp: np.ndarray, layout: str = "zigzag", terms=None) -> np.ndarray:
@@ -86,12 +90,22 @@ def predict(cost: CostModel, sizes: list, cp: np.ndarray, layout: str = "zigzag"
     if terms is not None:
         return np.array([float(rank_times(cost, t).max()) for t in terms])
     out = np.empty(len(sizes))
-    for i, (d, c) in enumerate(zip(sizes, cp)):
-        d = np.asarray(d, dtype=np.int64)
+    cp = np.asarray(cp, dtype=np.int64)
+    batched = np.zeros(len(sizes), dtype=bool)
+    # zigzag: every CP size at once through the vectorised form (the same numbers, bit for bit)
+    if layout == "zigzag" and all(len(d) for d in sizes):
+        for c in sorted({int(c) for c in cp if c > 1}):
+            idx = np.flatnonzero(cp == c)
+            docs = [np.asarray(sizes[i], dtype=np.int64) for i in idx]
+            ptr = np.concatenate([[0], np.cumsum([len(d) for d in docs])])
+            out[idx] = micro_batch_times(cost, np.concatenate(docs), ptr, int(c))
+            batched[idx] = True
+    for i in np.flatnonzero(~batched):
+        d, c = np.asarray(sizes[i], dtype=np.int64), int(cp[i])
         if c == 1:  # one rank: no layout, the plain per-document cost (pieces = documents)
             out[i] = cost.micro_batch_cost(d)
         else:
-            out[i] = float(rank_times(cost, micro_batch_terms(d, int(c), layout, cost.causal, cost.window)).max())
+            out[i] = float(rank_times(cost, micro_batch_terms(d, c, layout, cost.causal, cost.window)).max())
     return out
 
 
@@ -117,6 +131,24 @@ def fit_speeds(predicted: np.ndarray, seconds: np.ndarray, replica: np.ndarray, 
             speeds[r], seen[r] = math.exp(float(np.median(ratio[mine]))), True
     speeds[seen] /= speeds[seen].mean()
     return speeds
+
+
+def speed_noise(seconds: np.ndarray, predicted: np.ndarray, replica: np.ndarray, step: np.ndarray) -> float:
+    """The log(fastest / slowest) speed ratio that noise alone reaches: SPEED_SIGMAS standard errors of the
+    difference of two replicas' median log residuals (`predicted` includes the speeds). A replica's standard error
+    is 1.2533 (the median's) x 1.4826 x the MAD of its log residuals / sqrt(its steps): steps, not micro-batches,
+    because the micro-batches of one step share that step's machine-wide speed swing. The two noisiest replicas
+    are taken (the bound then holds for every pair)."""
+    res = np.log(seconds / predicted)
+    se = []
+    for r in np.unique(replica):
+        mine = res[replica == r]
+        mad = float(np.median(np.abs(mine - np.median(mine))))
+        se.append(1.2533 * 1.4826 * mad / math.sqrt(len(np.unique(step[replica == r]))))
+    if len(se) < 2:
+        return math.inf
+    a, b = sorted(se)[-2:]
+    return SPEED_SIGMAS * math.hypot(a, b)
 
 
 def outlier_mask(seconds: np.ndarray, predicted: np.ndarray) -> np.ndarray:
@@ -213,8 +245,17 @@ def refit(
     sc_cur = score(test.seconds[inliers], cur[inliers])
     outliers = [int(i) for i in np.flatnonzero(~held)[out]] + [int(i) for i in np.flatnonzero(held)[~inliers]]
     fitted = tuple(float(x) for x in s) if speeds else None
+    noise, supported = math.nan, False
+    if speeds:
+        kept = train.take(~out)
+        noise = speed_noise(kept.seconds, predict(cost, None, None, terms=kept.terms) / s[kept.replica],
+                            kept.replica, kept.step)  # fmt: skip
+        supported = bool(math.log(float(s.max()) / float(s.min())) > noise)
+    extra = (noise, supported)
     if not sc_cand < sc_cur:
         reason = f"refused: held-back error {sc_cand:.3f} (median + p90) is not below the current model's {sc_cur:.3f}"
-        return Refit(cost, fitted, False, reason, sc_cur, sc_cand, sorted(outliers), n)
+        return Refit(cost, fitted, False, reason, sc_cur, sc_cand, sorted(outliers), n, *extra)
     reason = f"accepted: held-back error {sc_cand:.3f} (median + p90) against {sc_cur:.3f} for the current model"
-    return Refit(cost, fitted, True, reason, sc_cur, sc_cand, sorted(outliers), n)
+    if speeds and not supported:
+        reason += f"; speeds {max(s) / min(s):.3f}x apart, within the noise ({math.exp(noise):.3f}x): planned as even"
+    return Refit(cost, fitted, True, reason, sc_cur, sc_cand, sorted(outliers), n, *extra)

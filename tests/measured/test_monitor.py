@@ -203,3 +203,18 @@ def test_fitted_speeds_close_to_each_other_are_planned_as_even():
     mon._apply(_pack_fit(TRUE, (1.3, 0.7), (0, 3), 2))
     assert mon.models[-1].plan_speeds == pytest.approx((1.3, 0.7))
     assert mon.model_for(0, 3)[0].rank_speeds == pytest.approx((1.3, 0.7))
+
+
+def test_fitted_speeds_within_the_evidence_noise_are_planned_as_even():
+    """A fit whose speeds the evidence does not tell apart from noise (flag 3, refit.speed_noise) is planned as even
+    ranks however far apart the fitted speeds are; the model keeps them for its predictions."""
+    from balancer.measured.monitor import _pack_fit
+
+    topo = balancer.Topology(dp=2, micro_batches=2, max_tokens=1024, tokens_per_step=1600)
+    sampler = balancer.BalancedBatchSampler(LENGTHS, topo, FLOPS, dp_rank=0, seed=0, window_docs=WINDOW)
+    mon = BalanceMonitor(sampler, mode="adapt")
+    mon._apply(_pack_fit(TRUE, (1.3, 0.7), (0, 2), 2, supported=False))
+    assert mon.models[-1].speeds == pytest.approx((1.3, 0.7)) and mon.models[-1].plan_speeds is None
+    assert mon.model_for(0, 2)[0].rank_speeds is None
+    mon._apply(_pack_fit(TRUE, (1.3, 0.7), (0, 3), 2, supported=True))
+    assert mon.model_for(0, 3)[0].rank_speeds == pytest.approx((1.3, 0.7))

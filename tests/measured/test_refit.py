@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import balancer
 from balancer.measured.refit import Samples, fit, outlier_mask, predict, refit
+from balancer.planning.cost.microbatch import micro_batch_terms, rank_times
 
 TRUE = balancer.CostModel(attn_coef=2e-7, linear_coef=3e-5, fixed=1e-3)
 FLOPS = balancer.CostModel(attn_coef=1.0, linear_coef=50.0)
@@ -76,3 +79,56 @@ def test_cp2_samples_fit_the_layout_model():
     cost, speeds, _ = fit(s, FLOPS, 1, speeds=False)
     err = np.abs(predict(cost, sizes, cp) - seconds) / seconds
     assert np.median(err) < 0.03 and speeds.tolist() == [1.0]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.lists(st.integers(1, 3000), min_size=1, max_size=12), min_size=1, max_size=10),
+    st.sampled_from([1, 2, 3, 4, 8]),
+    st.booleans(),
+    st.sampled_from([None, 64, 700]),
+    st.booleans(),
+    st.integers(0, 2**31),
+)
+def test_predict_matches_one_micro_batch_at_a_time_bit_for_bit(docs, cp, causal, window, overlap, seed):
+    # the monitor predicts a whole step's micro-batches at once: the same float64 bits as one at a time
+    rng = np.random.default_rng(seed)
+    cost = balancer.CostModel(
+        attn_coef=float(rng.uniform(1e-9, 1e-6)), linear_coef=float(rng.uniform(1e-7, 1e-4)),
+        fixed=float(rng.uniform(0, 1e-2)), causal=causal, window=window, piece_coef=float(rng.uniform(0, 1e-4)),
+        comm_coef=float(rng.uniform(0, 1e-5)), comm_latency=float(rng.uniform(0, 1e-3)), comm_overlap=overlap,
+    )  # fmt: skip
+    sizes = [np.array(d, dtype=np.int64) for d in docs]
+    cps = rng.choice([1, cp], len(sizes))
+    one = [cost.micro_batch_cost(d) if c == 1 else float(rank_times(cost, micro_batch_terms(d, int(c), "zigzag",
+           causal, window)).max()) for d, c in zip(sizes, cps)]  # fmt: skip
+    got = predict(cost, sizes, cps, "zigzag")
+    assert got.tobytes() == np.array(one, dtype=np.float64).tobytes()
+
+
+def _noisy(speeds, steps, noise, seed, dp=4, m=2):
+    """Micro-batches timed on a busy machine: log-normal noise per micro-batch and a machine-wide swing per step."""
+    rng = np.random.default_rng(seed)
+    n = steps * dp * m
+    sizes = [rng.integers(10, 600, rng.integers(1, 8)) for _ in range(n)]
+    replica = (np.arange(n) // m) % dp
+    step = np.arange(n) // (dp * m)
+    swing = np.exp(0.15 * rng.standard_normal(steps))[step]
+    cp = np.ones(n, dtype=np.int64)
+    seconds = predict(TRUE, sizes, cp) / np.asarray(speeds)[replica] * swing * np.exp(noise * rng.standard_normal(n))
+    return Samples(sizes, cp, replica, seconds, step)
+
+
+def test_speeds_are_supported_only_beyond_the_evidence_noise():
+    """Equal replicas on a noisy machine: the fitted speeds drift apart by noise and are not supported (planned as
+    even); a real 3x difference under the same noise is supported; so is a 1.3x one with little noise."""
+    drifts = []
+    for seed in range(6):
+        r = refit(_noisy((1, 1, 1, 1), 12, 0.25, seed), FLOPS, None, 4, current_in_seconds=False, min_samples=16)
+        assert r.speed_noise > 0 and not r.speeds_supported
+        drifts.append(max(r.speeds) / min(r.speeds))
+    assert max(drifts) > 1.1  # what EVEN_SPEEDS alone would have planned
+    fast = refit(_noisy((3, 1, 1, 1), 12, 0.25, 0), FLOPS, None, 4, current_in_seconds=False, min_samples=16)
+    assert fast.accepted and fast.speeds_supported and "planned as even" not in fast.reason
+    mild = refit(_noisy((1.3, 1, 1, 1), 12, 0.02, 0), FLOPS, None, 4, current_in_seconds=False, min_samples=16)
+    assert mild.speeds_supported
