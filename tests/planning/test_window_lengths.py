@@ -94,8 +94,9 @@ def test_folder_lengths_are_never_materialised(folder, monkeypatch):
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         assert len(first) > 0 and n > 0 and isinstance(s.lengths, ShardedArray)
-        # a copy of the lengths would be N_DOCS * 8 = 1.6 MB (the doc_ids as much again)
-        assert peak < N_DOCS * 8 // 3, f"peak {peak / 2**20:.2f} MiB for {N_DOCS * 8 / 2**20:.2f} MiB of lengths"
+        # a copy of the lengths would be N_DOCS * 8 = 1.6 MB (the doc_ids as much again); the rest of the peak is
+        # planning one window (about 0.6 MB with the across-steps pass), which does not grow with the corpus
+        assert peak < N_DOCS * 8 // 2, f"peak {peak / 2**20:.2f} MiB for {N_DOCS * 8 / 2**20:.2f} MiB of lengths"
 
 
 def _lengths(n=900, seed=0):
