@@ -32,18 +32,60 @@ PAIR_ROUNDS = 256  # most improving moves/swaps between the slowest and the fast
 def pack_large(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray | None:
     """Micro-batch (replica * M + m) of every unit of one large step, or None when it does not fit `topology`
     (a replica over its tokens, or with fewer units than micro-batches)."""
-    dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
-    n = len(cost)
+    dp, m = topology.dp, topology.micro_batches
     tokens = np.asarray(tokens, dtype=np.int64)
-    if dp > 1:
-        rep = _deal(cost, tokens, dp, m * cap)
-        if rep is None:
-            return None
-        _balance_pairs(rep, cost, tokens, dp, m * cap, m)
-    else:
-        rep = np.zeros(n, dtype=np.int64)
-    bins = np.empty(n, dtype=np.int64)
+    if dp == 1:
+        return _micro_batches(np.zeros(len(cost), dtype=np.int64), cost, tokens, topology)
+    best, best_top = None, np.inf
+    for rep in _replicas(cost, tokens, dp, m * topology.micro_batch_tokens, m):
+        bins = _micro_batches(rep, cost, tokens, topology)
+        if bins is None:
+            bins = _spill(rep, cost, tokens, topology)
+        if bins is not None:
+            top = float(np.bincount(bins // m, weights=cost, minlength=dp).max())
+            if top < best_top:
+                best, best_top = bins, top
+    return best
+
+
+def _spill(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray | None:
+    """Micro-batches of the replica assignment `rep` when some replica's units do not split within the cap: each
+    replica first-fit decreasing on tokens, and what does not fit goes, largest first, to the micro-batch with the
+    most room on the least loaded replica that has room for it. None when a unit fits nowhere."""
+    dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
+    bins = np.full(len(cost), -1, dtype=np.int64)
+    left = np.full(dp * m, cap, dtype=np.int64)
     for r in range(dp):
+        mine = np.flatnonzero(rep == r)
+        if len(mine) < m:
+            return None
+        local = _deal(tokens[mine], tokens[mine], m, cap)
+        if local is None:
+            local = _first_fit(tokens[mine], m, cap, partial=True)
+        placed = local >= 0
+        bins[mine[placed]] = r * m + local[placed]
+    left -= np.bincount(bins[bins >= 0], weights=tokens[bins >= 0], minlength=dp * m).astype(np.int64)
+    load = np.bincount(rep, weights=cost, minlength=dp)
+    rest = np.flatnonzero(bins < 0)
+    for i in rest[np.argsort(-tokens[rest], kind="stable")].tolist():
+        fits = left >= tokens[i]
+        if not fits.any():
+            return None
+        ok_rep = fits.reshape(dp, m).any(axis=1)
+        r = int(np.argmin(np.where(ok_rep, load, np.inf)))
+        b = r * m + int(np.argmax(np.where(fits[r * m : (r + 1) * m], left[r * m : (r + 1) * m], -1)))
+        bins[i] = b
+        left[b] -= tokens[i]
+        load[rep[i]] -= cost[i]
+        load[r] += cost[i]
+    return bins
+
+
+def _micro_batches(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray | None:
+    """Micro-batch of every unit given its replica `rep`, or None when a replica's units do not fill its M."""
+    m, cap = topology.micro_batches, topology.micro_batch_tokens
+    bins = np.empty(len(cost), dtype=np.int64)
+    for r in range(topology.dp):
         mine = np.flatnonzero(rep == r)
         if len(mine) < m:
             return None
@@ -55,6 +97,20 @@ def pack_large(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.n
             return None
         bins[mine] = r * m + local
     return bins
+
+
+def _replicas(cost: np.ndarray, tokens: np.ndarray, dp: int, room: int, keep: int) -> list[np.ndarray]:
+    """Replica of every unit, as candidates best first: the back-and-forth deal and LPT (each replica keeping
+    `keep` units), each improved by the pair search, ordered by their slowest replica (ties: the deal). The deal
+    alone fails where one unit outweighs a replica's share: its replica also gets every k-th unit after it, more
+    than the pair search's rounds move off again; LPT gives that replica nothing more. Both are kept because the
+    better one may not split into micro-batches within the cap."""
+    found = []
+    for rep in (_deal(cost, tokens, dp, room), _lpt(cost, tokens, dp, room, keep=keep)):
+        if rep is not None:
+            _balance_pairs(rep, cost, tokens, dp, room, keep)
+            found.append((float(np.bincount(rep, weights=cost, minlength=dp).max()), len(found), rep))
+    return [rep for _, _, rep in sorted(found, key=lambda f: f[:2])]
 
 
 def deal_equal_counts(cost: np.ndarray, tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
@@ -88,32 +144,42 @@ def _deal(weight: np.ndarray, tokens: np.ndarray, k: int, room: int) -> np.ndarr
     return _lpt(weight, tokens, k, room)
 
 
-def _lpt(weight: np.ndarray, tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
+def _lpt(weight: np.ndarray, tokens: np.ndarray, k: int, room: int, keep: int = 0) -> np.ndarray | None:
     """Largest `weight` first, each item to the bin of least weight (ties: the lower bin) whose tokens stay within
-    `room`; None when an item fits no bin."""
-    out = np.empty(len(weight), dtype=np.int64)
+    `room`; once the items left are just enough to give every bin `keep` items, only bins short of `keep` take
+    them. None when an item fits no bin (or there are fewer than `k * keep` items)."""
+    n = len(weight)
+    if n < k * keep:
+        return None
+    out = np.empty(n, dtype=np.int64)
     heap = [(0.0, b) for b in range(k)]
-    used = [0] * k
+    used, have = [0] * k, [0] * k
+    short = k * keep  # items still owed to bins below `keep`
     order = np.argsort(-np.asarray(weight, dtype=np.float64), kind="stable")
     w_list, t_list = np.asarray(weight, dtype=np.float64).tolist(), tokens.tolist()
-    for i in order.tolist():
+    for left, i in enumerate(order.tolist()):
         w, t = w_list[i], t_list[i]
+        only_short = n - left <= short
         skipped = []
-        while heap and used[heap[0][1]] + t > room:
+        while heap and (used[heap[0][1]] + t > room or (only_short and have[heap[0][1]] >= keep)):
             skipped.append(heapq.heappop(heap))
         if not heap:
             return None
         load, b = heapq.heappop(heap)
         out[i] = b
         used[b] += t
+        if have[b] < keep:
+            short -= 1
+        have[b] += 1
         heapq.heappush(heap, (load + w, b))
         for entry in skipped:
             heapq.heappush(heap, entry)
     return out
 
 
-def _first_fit(tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
-    """First-fit decreasing on tokens into `k` bins of `room` tokens, every bin non-empty; None when it fails."""
+def _first_fit(tokens: np.ndarray, k: int, room: int, partial: bool = False) -> np.ndarray | None:
+    """First-fit decreasing on tokens into `k` bins of `room` tokens, every bin non-empty; None when it fails (with
+    `partial`, an item that fits no bin gets -1 instead, once the k largest opened the bins)."""
     order = np.argsort(-tokens, kind="stable")
     if len(order) < k:
         return None
@@ -126,7 +192,10 @@ def _first_fit(tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
     for i in order[k:].tolist():
         b = int(np.argmax(left >= tokens[i]))
         if left[b] < tokens[i]:
-            return None
+            if not partial:
+                return None
+            out[i] = -1
+            continue
         out[i] = b
         left[b] -= tokens[i]
     return out
