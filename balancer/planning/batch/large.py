@@ -27,6 +27,7 @@ from balancer.planning.topology import Topology
 
 LARGE_UNITS = 2048  # steps with at least this many units take this path (smaller ones keep the exact search)
 PAIR_ROUNDS = 256  # most improving moves/swaps between the slowest and the fastest replica
+LPT_GAP = 1e-3  # the deal's slowest replica this far above the bound also tries LPT
 
 
 def pack_large(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray | None:
@@ -36,8 +37,13 @@ def pack_large(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.n
     tokens = np.asarray(tokens, dtype=np.int64)
     if dp == 1:
         return _micro_batches(np.zeros(len(cost), dtype=np.int64), cost, tokens, topology)
+    room = m * topology.micro_batch_tokens
+    bound = max(float(cost.max()), float(cost.sum()) / dp)  # no replica assignment has a faster slowest replica
     best, best_top = None, np.inf
-    for rep in _replicas(cost, tokens, dp, m * topology.micro_batch_tokens, m):
+    for lpt in (False, True):  # LPT only where the deal stays clearly above the bound (one unit outweighing a share)
+        rep = _replicas(cost, tokens, dp, room, m, lpt)
+        if rep is None:
+            continue
         bins = _micro_batches(rep, cost, tokens, topology)
         if bins is None:
             bins = _spill(rep, cost, tokens, topology)
@@ -45,6 +51,8 @@ def pack_large(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.n
             top = float(np.bincount(bins // m, weights=cost, minlength=dp).max())
             if top < best_top:
                 best, best_top = bins, top
+        if best_top <= bound * (1 + LPT_GAP):
+            break
     return best
 
 
@@ -99,18 +107,14 @@ def _micro_batches(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topolo
     return bins
 
 
-def _replicas(cost: np.ndarray, tokens: np.ndarray, dp: int, room: int, keep: int) -> list[np.ndarray]:
-    """Replica of every unit, as candidates best first: the back-and-forth deal and LPT (each replica keeping
-    `keep` units), each improved by the pair search, ordered by their slowest replica (ties: the deal). The deal
-    alone fails where one unit outweighs a replica's share: its replica also gets every k-th unit after it, more
-    than the pair search's rounds move off again; LPT gives that replica nothing more. Both are kept because the
-    better one may not split into micro-batches within the cap."""
-    found = []
-    for rep in (_deal(cost, tokens, dp, room), _lpt(cost, tokens, dp, room, keep=keep)):
-        if rep is not None:
-            _balance_pairs(rep, cost, tokens, dp, room, keep)
-            found.append((float(np.bincount(rep, weights=cost, minlength=dp).max()), len(found), rep))
-    return [rep for _, _, rep in sorted(found, key=lambda f: f[:2])]
+def _replicas(cost: np.ndarray, tokens: np.ndarray, dp: int, room: int, keep: int, lpt: bool) -> np.ndarray | None:
+    """Replica of every unit: the back-and-forth deal, or with `lpt` LPT (each replica keeping `keep` units), then
+    the pair search. The deal alone fails where one unit outweighs a replica's share: its replica also gets every
+    k-th unit after it, more than the pair search's rounds move off again; LPT gives that replica nothing more."""
+    rep = _lpt(cost, tokens, dp, room, keep=keep) if lpt else _deal(cost, tokens, dp, room)
+    if rep is not None:
+        _balance_pairs(rep, cost, tokens, dp, room, keep)
+    return rep
 
 
 def deal_equal_counts(cost: np.ndarray, tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
