@@ -39,20 +39,22 @@ def pack_large(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.n
         return _micro_batches(np.zeros(len(cost), dtype=np.int64), cost, tokens, topology)
     room = m * topology.micro_batch_tokens
     bound = max(float(cost.max()), float(cost.sum()) / dp)  # no replica assignment has a faster slowest replica
-    best, best_top = None, np.inf
-    for lpt in (False, True):  # LPT only where the deal stays clearly above the bound (one unit outweighing a share)
-        rep = _replicas(cost, tokens, dp, room, m, lpt)
-        if rep is None:
-            continue
-        bins = _micro_batches(rep, cost, tokens, topology)
-        if bins is None:
-            bins = _spill(rep, cost, tokens, topology)
-        if bins is not None:
-            top = float(np.bincount(bins // m, weights=cost, minlength=dp).max())
-            if top < best_top:
-                best, best_top = bins, top
-        if best_top <= bound * (1 + LPT_GAP):
-            break
+    rep = _replicas(cost, tokens, dp, room, m, lpt=False)
+    best = None if rep is None else _micro_batches(rep, cost, tokens, topology)
+    if best is None:  # the step does not fit this way (the caller may try more micro-batches): as it was
+        return None
+    top = float(np.bincount(best // m, weights=cost, minlength=dp).max())
+    if top <= bound * (1 + LPT_GAP):
+        return best
+    # a unit outweighs a replica's share: LPT, whose token-tighter replicas may need some units spilled
+    rep = _replicas(cost, tokens, dp, room, m, lpt=True)
+    if rep is None:
+        return best
+    bins = _micro_batches(rep, cost, tokens, topology)
+    if bins is None:
+        bins = _spill(rep, cost, tokens, topology)
+    if bins is not None and float(np.bincount(bins // m, weights=cost, minlength=dp).max()) < top:
+        return bins
     return best
 
 
