@@ -7,7 +7,9 @@ batch of 16K rollouts. With that many units the balance is easy to reach without
 1. *Replicas.* Units largest cost first, each to the replica with the least work that has token room
    (`M * max_tokens * cp`): LPT, which leaves the replicas apart by about one small unit. Then, while it lowers the
    slowest replica, the best single move or swap between the slowest and the fastest replica, found by binary
-   search in the fastest one's sorted costs (O(k log k) a round, not O(k^2)).
+   search in the fastest one's sorted costs (O(k log k) a round, not O(k^2)). Where that leaves the slowest
+   replica over 0.1% above its bound (one unit outweighing a replica's share: its replica got every dp-th unit
+   after it too), LPT with at least M units a replica is tried as well and the faster plan kept.
 2. *Micro-batches.* Each replica's units go to its `M` micro-batches: with one pipeline stage a replica's time is
    the sum of its micro-batches whatever the split, so tokens are balanced (LPT on tokens within the cap: the most
    headroom); with `pp > 1` the largest micro-batch also counts, so costs are balanced (LPT on cost within the cap).
