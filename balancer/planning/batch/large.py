@@ -7,7 +7,9 @@ batch of 16K rollouts. With that many units the balance is easy to reach without
 1. *Replicas.* Units largest cost first, each to the replica with the least work that has token room
    (`M * max_tokens * cp`): LPT, which leaves the replicas apart by about one small unit. Then, while it lowers the
    slowest replica, the best single move or swap between the slowest and the fastest replica, found by binary
-   search in the fastest one's sorted costs (O(k log k) a round, not O(k^2)).
+   search in the fastest one's sorted costs (O(k log k) a round, not O(k^2)). Where that leaves the slowest
+   replica over 0.1% above its bound (one unit outweighing a replica's share: its replica got every dp-th unit
+   after it too), LPT with at least M units a replica is tried as well and the faster plan kept.
 2. *Micro-batches.* Each replica's units go to its `M` micro-batches: with one pipeline stage a replica's time is
    the sum of its micro-batches whatever the split, so tokens are balanced (LPT on tokens within the cap: the most
    headroom); with `pp > 1` the largest micro-batch also counts, so costs are balanced (LPT on cost within the cap).
@@ -27,23 +29,75 @@ from balancer.planning.topology import Topology
 
 LARGE_UNITS = 2048  # steps with at least this many units take this path (smaller ones keep the exact search)
 PAIR_ROUNDS = 256  # most improving moves/swaps between the slowest and the fastest replica
+LPT_GAP = 1e-3  # the deal's slowest replica this far above the bound also tries LPT
 
 
 def pack_large(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray | None:
     """Micro-batch (replica * M + m) of every unit of one large step, or None when it does not fit `topology`
     (a replica over its tokens, or with fewer units than micro-batches)."""
-    dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
-    n = len(cost)
+    dp, m = topology.dp, topology.micro_batches
     tokens = np.asarray(tokens, dtype=np.int64)
-    if dp > 1:
-        rep = _deal(cost, tokens, dp, m * cap)
-        if rep is None:
-            return None
-        _balance_pairs(rep, cost, tokens, dp, m * cap, m)
-    else:
-        rep = np.zeros(n, dtype=np.int64)
-    bins = np.empty(n, dtype=np.int64)
+    if dp == 1:
+        return _micro_batches(np.zeros(len(cost), dtype=np.int64), cost, tokens, topology)
+    room = m * topology.micro_batch_tokens
+    bound = max(float(cost.max()), float(cost.sum()) / dp)  # no replica assignment has a faster slowest replica
+    rep = _replicas(cost, tokens, dp, room, m, lpt=False)
+    best = None if rep is None else _micro_batches(rep, cost, tokens, topology)
+    if best is None:  # the step does not fit this way (the caller may try more micro-batches): as it was
+        return None
+    top = float(np.bincount(best // m, weights=cost, minlength=dp).max())
+    if top <= bound * (1 + LPT_GAP):
+        return best
+    # a unit outweighs a replica's share: LPT, whose token-tighter replicas may need some units spilled
+    rep = _replicas(cost, tokens, dp, room, m, lpt=True)
+    if rep is None:
+        return best
+    bins = _micro_batches(rep, cost, tokens, topology)
+    if bins is None:
+        bins = _spill(rep, cost, tokens, topology)
+    if bins is not None and float(np.bincount(bins // m, weights=cost, minlength=dp).max()) < top:
+        return bins
+    return best
+
+
+def _spill(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray | None:
+    """Micro-batches of the replica assignment `rep` when some replica's units do not split within the cap: each
+    replica first-fit decreasing on tokens, and what does not fit goes, largest first, to the micro-batch with the
+    most room on the least loaded replica that has room for it. None when a unit fits nowhere."""
+    dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
+    bins = np.full(len(cost), -1, dtype=np.int64)
+    left = np.full(dp * m, cap, dtype=np.int64)
     for r in range(dp):
+        mine = np.flatnonzero(rep == r)
+        if len(mine) < m:
+            return None
+        local = _deal(tokens[mine], tokens[mine], m, cap)
+        if local is None:
+            local = _first_fit(tokens[mine], m, cap, partial=True)
+        placed = local >= 0
+        bins[mine[placed]] = r * m + local[placed]
+    left -= np.bincount(bins[bins >= 0], weights=tokens[bins >= 0], minlength=dp * m).astype(np.int64)
+    load = np.bincount(rep, weights=cost, minlength=dp)
+    rest = np.flatnonzero(bins < 0)
+    for i in rest[np.argsort(-tokens[rest], kind="stable")].tolist():
+        fits = left >= tokens[i]
+        if not fits.any():
+            return None
+        ok_rep = fits.reshape(dp, m).any(axis=1)
+        r = int(np.argmin(np.where(ok_rep, load, np.inf)))
+        b = r * m + int(np.argmax(np.where(fits[r * m : (r + 1) * m], left[r * m : (r + 1) * m], -1)))
+        bins[i] = b
+        left[b] -= tokens[i]
+        load[rep[i]] -= cost[i]
+        load[r] += cost[i]
+    return bins
+
+
+def _micro_batches(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray | None:
+    """Micro-batch of every unit given its replica `rep`, or None when a replica's units do not fill its M."""
+    m, cap = topology.micro_batches, topology.micro_batch_tokens
+    bins = np.empty(len(cost), dtype=np.int64)
+    for r in range(topology.dp):
         mine = np.flatnonzero(rep == r)
         if len(mine) < m:
             return None
@@ -55,6 +109,16 @@ def pack_large(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.n
             return None
         bins[mine] = r * m + local
     return bins
+
+
+def _replicas(cost: np.ndarray, tokens: np.ndarray, dp: int, room: int, keep: int, lpt: bool) -> np.ndarray | None:
+    """Replica of every unit: the back-and-forth deal, or with `lpt` LPT (each replica keeping `keep` units), then
+    the pair search. The deal alone fails where one unit outweighs a replica's share: its replica also gets every
+    k-th unit after it, more than the pair search's rounds move off again; LPT gives that replica nothing more."""
+    rep = _lpt(cost, tokens, dp, room, keep=keep) if lpt else _deal(cost, tokens, dp, room)
+    if rep is not None:
+        _balance_pairs(rep, cost, tokens, dp, room, keep)
+    return rep
 
 
 def deal_equal_counts(cost: np.ndarray, tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
@@ -88,32 +152,42 @@ def _deal(weight: np.ndarray, tokens: np.ndarray, k: int, room: int) -> np.ndarr
     return _lpt(weight, tokens, k, room)
 
 
-def _lpt(weight: np.ndarray, tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
+def _lpt(weight: np.ndarray, tokens: np.ndarray, k: int, room: int, keep: int = 0) -> np.ndarray | None:
     """Largest `weight` first, each item to the bin of least weight (ties: the lower bin) whose tokens stay within
-    `room`; None when an item fits no bin."""
-    out = np.empty(len(weight), dtype=np.int64)
+    `room`; once the items left are just enough to give every bin `keep` items, only bins short of `keep` take
+    them. None when an item fits no bin (or there are fewer than `k * keep` items)."""
+    n = len(weight)
+    if n < k * keep:
+        return None
+    out = np.empty(n, dtype=np.int64)
     heap = [(0.0, b) for b in range(k)]
-    used = [0] * k
+    used, have = [0] * k, [0] * k
+    short = k * keep  # items still owed to bins below `keep`
     order = np.argsort(-np.asarray(weight, dtype=np.float64), kind="stable")
     w_list, t_list = np.asarray(weight, dtype=np.float64).tolist(), tokens.tolist()
-    for i in order.tolist():
+    for left, i in enumerate(order.tolist()):
         w, t = w_list[i], t_list[i]
+        only_short = n - left <= short
         skipped = []
-        while heap and used[heap[0][1]] + t > room:
+        while heap and (used[heap[0][1]] + t > room or (only_short and have[heap[0][1]] >= keep)):
             skipped.append(heapq.heappop(heap))
         if not heap:
             return None
         load, b = heapq.heappop(heap)
         out[i] = b
         used[b] += t
+        if have[b] < keep:
+            short -= 1
+        have[b] += 1
         heapq.heappush(heap, (load + w, b))
         for entry in skipped:
             heapq.heappush(heap, entry)
     return out
 
 
-def _first_fit(tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
-    """First-fit decreasing on tokens into `k` bins of `room` tokens, every bin non-empty; None when it fails."""
+def _first_fit(tokens: np.ndarray, k: int, room: int, partial: bool = False) -> np.ndarray | None:
+    """First-fit decreasing on tokens into `k` bins of `room` tokens, every bin non-empty; None when it fails (with
+    `partial`, an item that fits no bin gets -1 instead, once the k largest opened the bins)."""
     order = np.argsort(-tokens, kind="stable")
     if len(order) < k:
         return None
@@ -126,7 +200,10 @@ def _first_fit(tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
     for i in order[k:].tolist():
         b = int(np.argmax(left >= tokens[i]))
         if left[b] < tokens[i]:
-            return None
+            if not partial:
+                return None
+            out[i] = -1
+            continue
         out[i] = b
         left[b] -= tokens[i]
     return out
