@@ -320,6 +320,17 @@ def _check_reused_corpus(reused: dict, dist: str, mine: dict, budget_tokens: int
         raise SystemExit(f"compare.py: --reuse {reused['path']}: not a run of the same {dist} documents and seed")
 
 
+def _slice_steps(stored: dict | None, row: dict, run_now: set) -> int:
+    """The step count the count-based peers cut their fixed slices from: that of the reused run when one of them is
+    reused (its `slices_from_steps`, recorded since that field exists, else that run's balancer steps), so every
+    slice peer of a row sees the same slices; else this run's balancer steps."""
+    if stored is not None:
+        for q in peers_pkg.PKG_PEERS:
+            if q not in run_now and "slices_from_steps" in stored["peers"].get(q, {}):
+                return int(stored["peers"][q]["slices_from_steps"])
+    return (stored or row)["peers"]["balancer"].get("steps") or 1
+
+
 def _reused_row(reused: dict, dist: str, label: str, topo) -> dict:
     for row in reused["rows"]:
         if row["distribution"] == dist and row["topology"] == label and row["topology_spec"] == topo.to_dict():
@@ -414,8 +425,9 @@ def main(argv=None) -> int:
                 if p in peers_pkg.PKG_PEERS:
                     # the slices of the count-based peers follow balancer's step count; with reused peers, that of
                     # the run they came from, so that balancer_slices sees their slices
-                    steps = (stored or row)["peers"]["balancer"].get("steps") or 1
+                    steps = _slice_steps(stored, row, run_now)
                     rec, _ = run_peer(peers_pkg.PKG_PEERS[p], lengths, topo, cost, args.seed, args.budget, steps=steps)
+                    rec["slices_from_steps"] = steps
                 elif p == "trl":
                     if isinstance(trl_cache[seq], str):
                         rec = {"status": trl_cache[seq]}
@@ -486,9 +498,16 @@ def main(argv=None) -> int:
         rows=rows,
     )
     if reused is not None:
+        # peers the stored run had itself reused come from the run it named (the origin travels along)
+        origin = (
+            reused.get("reused")
+            if set(reused.get("reused", {}).get("peers", ())) >= {p for p in peer_order if p not in run_now}
+            else None
+        )
+        src = origin or dict(reused, path=os.path.relpath(reused["path"], HERE.parent))
         result["reused"] = dict(
-            path=os.path.relpath(reused["path"], HERE.parent), date=reused["date"], command=reused["command"],
-            machine=reused["machine"], runtime_seconds=reused.get("runtime_seconds"),
+            path=src["path"], date=src["date"], command=src["command"],
+            machine=src["machine"], runtime_seconds=src.get("runtime_seconds"),
             peers=[p for p in peer_order if p not in run_now], run_now=[p for p in peer_order if p in run_now],
         )  # fmt: skip
     if args.suite == "peers2026":
