@@ -16,9 +16,11 @@ from __future__ import annotations
 import numpy as np
 
 from balancer.planning.cost.model import CostModel
+from balancer.planning.dynamic.plan import largest_group_topology
 from balancer.planning.planner import plan
 from balancer.planning.plans.plan import Plan
 from balancer.planning.shuffle import EpochShuffle, WindowInfo, num_windows, window_ids, window_range
+from balancer.planning.speeds import even
 from balancer.planning.steps import (
     STEP_BAND,
     effective_step_tokens,
@@ -155,15 +157,7 @@ def count_topology(topology: Topology) -> Topology:
     smallest size (the most micro-batches a step may have), whichever size the planner balances on."""
     if not topology.dynamic:
         return topology
-    size = min(topology.cp_sizes)
-    return Topology(
-        dp=topology.pool_size // size,
-        cp=size,
-        pp=topology.pp,
-        micro_batches=topology.micro_batches,
-        max_tokens=topology.max_tokens,
-        tokens_per_step=topology.tokens_per_step,
-    )
+    return largest_group_topology(even(topology), min(topology.cp_sizes))  # speeds never change a count
 
 
 def rows_per_step(length: int, topology: Topology) -> int:
