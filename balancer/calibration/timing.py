@@ -167,6 +167,11 @@ def _worker(rank: int, world: int, port: int, payload: dict, out_path: str) -> N
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Leave without interpreter finalization: gloo's C++ threads can still hold work objects whose tensors Python
+    # frees on the way out, which aborts the process ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class ProgressLines:

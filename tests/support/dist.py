@@ -37,9 +37,13 @@ def _entry(rank: int, world: int, port: int, fn, args, threads: int) -> None:
         raise
     finally:
         dist.destroy_process_group()
-    # A finished rank leaves without interpreter finalization: gloo's C++ threads can still hold work objects whose
-    # tensors are freed while Python tears down, which aborts the process (SIGABRT, "terminate called without an
-    # active exception": seen once in a clean-clone CI run after every rank had finished and checked its results).
+    leave_without_finalization()
+
+
+def leave_without_finalization() -> None:
+    """End a finished rank without interpreter finalization: gloo's C++ threads can still hold work objects whose
+    tensors are freed while Python tears down, which aborts the process (SIGABRT, "terminate called without an
+    active exception": seen in clean-clone CI runs after every rank had finished and checked its results)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

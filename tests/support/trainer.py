@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from support.dist import free_port
+from support.dist import free_port, leave_without_finalization
 
 VOCAB = 64
 
@@ -94,9 +94,12 @@ def _env_entry(rank: int, world: int, port: int, fn, args) -> None:
     torch.set_num_threads(1)
     try:
         fn(rank, world, *args)
+        if dist.is_initialized():
+            dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    leave_without_finalization()
 
 
 def run_torchrun_world(world: int, fn, *args) -> None:
