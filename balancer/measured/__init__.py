@@ -1,7 +1,8 @@
 """Measured balance: what each rank really spends per micro-batch, gathered every step, reported against the plan's
 prediction, and (adapt mode) refitted into the cost model and the replica speeds that plan the next windows.
 
-Modules: monitor.py (`BalanceMonitor`), ledger.py (the gathered records), refit.py (the fit of the cost model and
+Modules: monitor.py (`BalanceMonitor`), batches.py (`BatchSteps`: the monitor on loops planning one fixed batch at a
+time with `balance_batch`), ledger.py (the gathered records), refit.py (the fit of the cost model and
 the speeds, outliers, the held-back check), report.py (the report dict), plot.py (`plot_report`: the picture).
 """
 
@@ -9,6 +10,7 @@ from attention._lazy import lazy_exports
 
 _EXPORTS = {
     "BalanceMonitor": "balancer.measured.monitor",
+    "BatchSteps": "balancer.measured.batches",
     "plot_report": "balancer.measured.plot",
 }
 __all__ = list(_EXPORTS)

@@ -1,0 +1,150 @@
+"""`BatchSteps`: measured balance for loops that plan one fixed batch at a time (`balancer.balance_batch`: RL and
+preference batches), where no sampler holds the epoch's plan.
+
+    steps = BatchSteps(topology, cost)                              # every rank
+    monitor = balancer.BalanceMonitor(steps, mode="adapt")
+    for batch in batches:
+        topology, cost = steps.next_model()                         # the same on every rank
+        plan = balancer.balance_batch(batch_lengths, topology, cost, mini_batches=K)
+        steps.add(plan)                                             # this batch's K steps
+        for step in range(plan.num_steps):
+            for mb in plan_micro_batches_of_this_rank_in(step):
+                with monitor.timer():
+                    forward_backward(mb)
+            optimizer.step(); monitor.end_step()
+
+Each batch is one of the monitor's windows: after a batch's last step the first rank refits the cost model and the
+replica speeds, the fit travels with the next gather (the first step of the next batch, which was planned before it
+arrived), so it plans the batch after that one: `next_model()` gives batch `b` the fit of batch `b - 2` or earlier,
+the same bits on every rank. `mode="shadow"` measures and reports only (`next_model()` keeps the first model).
+This class is the step source `BalanceMonitor` reads a sampler's plan through: the topology and cost, the ranks,
+the step being closed, the piece sizes of every replica's micro-batches in it, and where the windows are.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from balancer.planning.cost.model import CostModel
+from balancer.planning.plans.plan import Plan
+from balancer.planning.topology import Topology
+from balancer.training.indices import Span
+from balancer.training.ranks import resolve_pool_rank
+
+_KEPT = 4  # batches whose plans are kept: a gather reads the plan of a step closed up to `every` steps before
+
+
+class BatchSteps:
+    """A step source for `BalanceMonitor` over fixed batches added one at a time (`add(plan)`), each planned with
+    `next_model()`. `topology` (dp, cp, micro_batches; static CP, whole plans) and `cost` are the first batch's
+    model; `dp_rank` / `rank` as in `BalancedBatchSampler` (default: from torch.distributed)."""
+
+    def __init__(
+        self, topology: Topology, cost: CostModel, *, dp_rank: Optional[int] = None, rank: Optional[int] = None
+    ) -> None:
+        if not isinstance(topology, Topology):
+            raise TypeError(f"BatchSteps: topology must be a Topology, got {type(topology).__name__}")
+        if not isinstance(cost, CostModel):
+            raise TypeError(f"BatchSteps: cost must be a CostModel, got {type(cost).__name__}")
+        if topology.dynamic:
+            raise ValueError("BatchSteps: dynamic CP (Topology(cp_sizes=...)) is not supported")
+        self.topology, self.cost = topology, cost
+        self.pool_rank = resolve_pool_rank(rank, dp_rank, topology, None, "dp")
+        self.dp_rank = self.pool_rank // topology.cp
+        self.monitor = None  # set by BalanceMonitor
+        self.epoch = 0
+        self.lengths = ()  # pieces carry their own sizes (Span); never indexed
+        self.window_docs = 1
+        self._kept: dict[int, tuple[int, Plan]] = {}  # batch index -> (its first step, its plan), the last _KEPT
+        self._batches = self._steps = 0
+
+    # ---- the loop's side ----------------------------------------------------------------------------------------
+    def add(self, plan: Plan) -> None:
+        """The next batch's plan (`balance_batch` with the topology and cost of `next_model()`): its steps follow the
+        ones added before."""
+        if self.monitor is None:
+            raise ValueError("BatchSteps.add: build the BalanceMonitor on these steps before adding the first batch")
+        if not isinstance(plan, Plan):
+            raise TypeError(f"BatchSteps.add: plan must be a balancer Plan, got {type(plan).__name__}")
+        if plan.dynamic:
+            raise ValueError("BatchSteps.add: a dynamic-CP plan; the monitor measures static CP only")
+        t, mine = plan.topology, self.topology
+        for name in ("dp", "cp", "pp", "micro_batches"):
+            if getattr(t, name) != getattr(mine, name):
+                raise ValueError(
+                    f"BatchSteps.add: the plan has {name} = {getattr(t, name)}, the monitor's topology "
+                    f"{getattr(mine, name)} (every batch keeps dp, cp, pp and micro_batches: pass micro_batches "
+                    "to balance_batch as a number, not 'auto')"
+                )
+        self._kept[self._batches] = (self._steps, plan)
+        self._kept.pop(self._batches - _KEPT, None)
+        self._batches += 1
+        self._steps += plan.num_steps
+
+    def next_model(self) -> tuple[Topology, CostModel]:
+        """(topology with the fitted `rank_speeds`, cost) to plan the next batch with: the same on every rank."""
+        if self.monitor is None:
+            return self.topology, self.cost
+        return self.monitor.model_for(0, self._batches)
+
+    @property
+    def batches(self) -> int:
+        """Batches added so far."""
+        return self._batches
+
+    def state_dict(self) -> dict:
+        """Batches and steps so far and the monitor's state (JSON-able): `load_state_dict` continues from here."""
+        return {"batches": self._batches, "steps": self._steps, "monitor": self.monitor.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume (before the next `add`): the next batch added is batch `state["batches"]`, planned with the model
+        the uninterrupted run would have used."""
+        if self.monitor is None:
+            raise ValueError("BatchSteps.load_state_dict: build the BalanceMonitor on these steps first")
+        self._batches, self._steps, self._kept = int(state["batches"]), int(state["steps"]), {}
+        self.monitor.load_state_dict(state["monitor"])
+        self.monitor.on_sampler_load()
+
+    # ---- what BalanceMonitor reads --------------------------------------------------------------------------------
+    _windows = property(lambda self: self)  # the monitor hands fitted models to `update_model`
+    windows = _windows
+    count = sys.maxsize  # batches are not known ahead: the windows never wrap into another epoch
+
+    @property
+    def position(self) -> int:
+        """Micro-batches of the batches added (the monitor starts counting steps here when built or resumed)."""
+        return self._steps * self.topology.micro_batches
+
+    @property
+    def num_steps(self) -> int:
+        return self._steps
+
+    @property
+    def _cursor(self) -> tuple[int, int]:
+        return self._batches - 1, 0
+
+    def update_model(self, cost: CostModel, rank_speeds, first_window: int) -> None:
+        """A fit for batches `first_window`..: `next_model()` reads it from the monitor; nothing to replan."""
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(batch, step within it) of global step `step` (a batch still kept)."""
+        for b, (first, plan) in self._kept.items():
+            if first <= step < first + plan.num_steps:
+                return b, step - first
+        raise ValueError(f"step {step} is not in the last {_KEPT} batches added to BatchSteps")
+
+    def steps(self, window: int) -> int:
+        return self._kept[window][1].num_steps
+
+    def step_micro_batches(self, step: int) -> int:
+        b, local = self.locate(step)
+        return self._kept[b][1].step_micro_batches(local)
+
+    def micro_batch(self, step: int, m: int, dp_rank: int) -> list[Span]:
+        """The pieces of micro-batch `m` of `step` on replica `dp_rank` (their sizes are what the monitor needs)."""
+        b, local = self.locate(step)
+        plan = self._kept[b][1]
+        k = local * plan.topology.bins_per_step + dp_rank * plan.step_micro_batches(local) + m
+        a, z = int(plan.mb_ptr[k]), int(plan.mb_ptr[k + 1])
+        return [Span(d, s, e) for d, s, e in zip(plan.doc[a:z], plan.start[a:z], plan.end[a:z])]
