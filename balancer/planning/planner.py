@@ -81,7 +81,8 @@ def plan(
     `overflow` decides what happens to a document longer than `max_tokens * cp`: "error" (default) raises,
     "split" cuts it into consecutive windows (recorded as spans), "truncate" keeps its first `max_tokens * cp`
     tokens (the rest is counted in `dropped_tokens`). `num_steps`: exactly that many steps (a window's
-    `window_step_count`), spread, never an overflow step; None: the planner's own count. `filler_rows`: fixed-length
+    `window_step_count`), spread, never an overflow step; None: the planner's own count (with uneven `rank_speeds`: the
+    even plan's count, so that speeds never change it). `filler_rows`: fixed-length
     rows that no M' splits equally over the replicas get the fewest loss-masked filler rows that make it split
     (copies of real rows, recorded in the plan as `plan.filler` / `plan.filler_rows`, never documents); without it
     such rows are refused naming the numbers.
@@ -97,6 +98,10 @@ def plan(
         )  # fmt: skip
         placed.topology = topology
         return placed
+    if num_steps is None and topology.rank_speeds is not None:
+        # uneven ranks: the even plan's count, so that no speeds change it (speed-aware packing of the last step
+        # would otherwise open an overflow step for some speeds and not for others)
+        num_steps = plan(lengths, even(topology), cost, seed, overflow).num_steps
     if topology.dynamic:
         return plan_dynamic(lengths, topology, cost, seed, overflow, progress, static_plan=plan, num_steps=num_steps)
     _log_if_token_bound(topology)
