@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from support.data_files import dir_bytes
-from support.reliability import copy_folder, in_child, make_corpus, tokenize
+from support.reliability import copy_folder, in_child, tokenize
 
 from balancer.data.pretokenize import pipeline
 from balancer.data.shards.errors import DataError
@@ -22,18 +22,6 @@ from balancer.data.shards.journal import StateJournal, journal_path, read_journa
 from balancer.data.shards.verify import verify
 
 STATE = ".pretokenize-state.json"
-
-
-@pytest.fixture(scope="module")
-def src(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("src"))
-
-
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory, src) -> Path:
-    out = tmp_path_factory.mktemp("ref") / "tok"
-    tokenize([src], out)
-    return out
 
 
 @pytest.fixture()
