@@ -109,7 +109,7 @@ def test_a_stale_journal_of_another_id_is_ignored(tmp_path):
     assert read_journal(state_path, "new") == []
     state = {"shards": [{"name": "a"}], "pending": [{"name": "b", "files": {}}]}
     assert replay(state, [{"shard": {"name": "b"}}], "x") == {"shards": [{"name": "a"}, {"name": "b"}]}
-    with pytest.raises(DataError, match="record 2 is not a pending or shard record"):
+    with pytest.raises(DataError, match="record 2 is not a pending, shard or plan record"):
         replay(state, [{"other": 1}], "x")
 
 
