@@ -52,7 +52,13 @@ from balancer.data.pack.rows import (
 from balancer.data.pack.verify import check_names, is_packed, load_packed_manifest, packed_metrics, verify_packed
 from balancer.data.shards.arrow_rows import ArrowHeaderError, stream_row_count
 from balancer.data.shards.errors import arg
-from balancer.data.shards.journal import JournaledState, journal_path, load_state, remove_our_journal
+from balancer.data.shards.journal import (
+    JournaledState,
+    journal_path,
+    load_state,
+    remove_leftover_state,
+    remove_our_journal,
+)
 from balancer.data.shards.limits import check_count, check_pack_topology
 from balancer.data.shards.manifest import MANIFEST_NAME, atomic_write_json, fsync_file, sha256_file, verify_shard_files
 from balancer.data.shards.output import is_our_record, open_output
@@ -349,9 +355,7 @@ def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, 
 
 def _already_complete(out: Path, prev: dict) -> dict:
     """The finished folder's manifest, once every file verifies (a state and journal a kill left behind it gone)."""
-    if is_our_record(out / PACK_STATE_NAME, PACK):  # killed between writing the manifest and the state removal
-        os.remove(out / PACK_STATE_NAME)
-    remove_our_journal(out / PACK_STATE_NAME)
+    remove_leftover_state(out / PACK_STATE_NAME, lambda path: is_our_record(path, PACK))
     problems = verify_packed(out)
     if problems:
         raise PackError(

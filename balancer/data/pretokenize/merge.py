@@ -14,7 +14,7 @@ from balancer.data.pretokenize.pipeline import MAX_SKIPPED_EXAMPLES, finish_outp
 from balancer.data.pretokenize.summary import log, summarize
 from balancer.data.shards.checks import open_folder
 from balancer.data.shards.errors import DataError, arg
-from balancer.data.shards.journal import JournaledState, journal_path, remove_our_journal
+from balancer.data.shards.journal import JournaledState, journal_path, remove_leftover_state
 from balancer.data.shards.manifest import STATE_NAME, create_new_file, sha256_file, shard_file_names
 from balancer.data.shards.output import clear_outputs, is_our_record, open_output, prepare_output
 from balancer.data.shards.schema import state_header
@@ -102,7 +102,7 @@ def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = Fal
     with open_output(out, parts, "parts"):
         status, prev, owned = prepare_output(out, first["job"], None, overwrite)
         if status == "complete":
-            _drop_leftover_state(out)
+            remove_leftover_state(out / STATE_NAME, is_our_record)
             log(f"{out}: already complete")
             return prev
         links = _links(by_index)
@@ -124,13 +124,6 @@ def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = Fal
         finish_output(out, manifest, np.dtype(first["tokenizer"]["dtype"]))
     summarize(out, manifest)
     return manifest
-
-
-def _drop_leftover_state(out: Path) -> None:
-    """The state and journal a merge killed between writing its manifest and removing them left behind."""
-    if is_our_record(out / STATE_NAME):
-        os.remove(out / STATE_NAME)
-    remove_our_journal(out / STATE_NAME)
 
 
 def _links(by_index: dict[int, tuple[str, dict]]) -> list[tuple[str, dict, dict]]:

@@ -21,6 +21,7 @@ import json
 import os
 import secrets
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
@@ -136,6 +137,14 @@ def _shape(state: dict, record: dict) -> Optional[str]:
     if key == "pending":
         return key if isinstance(value, list) else None
     return key if isinstance(value, dict) and isinstance(state.get(_LISTS.get(key, "")), list) else None
+
+
+def remove_leftover_state(state_path: Path, is_ours: Callable[[Path], bool]) -> None:
+    """Remove the state file (when `is_ours(state_path)`) and its journal (when ours) that a run killed between
+    writing its manifest and removing them left beside a finished output."""
+    if is_ours(state_path):
+        os.remove(state_path)
+    remove_our_journal(state_path)
 
 
 def apply_record(state: dict, record: dict) -> bool:
