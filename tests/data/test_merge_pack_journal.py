@@ -168,10 +168,18 @@ def test_pack_refuses_a_consistent_edit_of_its_journal(parts, ref, tmp_path, mon
 @pytest.mark.slow
 def test_merge_redoes_the_shards_from_a_consistent_edit_of_its_journal(parts, merged, tmp_path, monkeypatch, capsys):
     out, state = _unfinished("merge", parts, None, tmp_path, monkeypatch)
+    unfinished_merge = copy_folder(out, tmp_path / "unfinished-copy")
     _edit_journal(journal_path(out / state), 2, lambda s: s.update(rows=s["rows"] - 1))
     capsys.readouterr()
     merge([str(p) for p in parts], out)
     assert "resuming after 2 linked shard(s)" in capsys.readouterr().err  # shard 2 differs from its part's: redone
+    assert dir_bytes(out) == dir_bytes(merged) and verify(out) == []
+    # a recorded shard whose files are gone: linked again, with the shards after it
+    out = copy_folder(unfinished_merge, tmp_path / "gone")
+    (out / "shard-00001.doc_ids.npy").unlink()
+    capsys.readouterr()
+    merge([str(p) for p in parts], out)
+    assert "resuming after 1 linked shard(s)" in capsys.readouterr().err
     assert dir_bytes(out) == dir_bytes(merged) and verify(out) == []
     # an edit of a checksum: the file on disk is not the one recorded, so no run deletes or keeps it
     (tmp_path / "sha").mkdir()

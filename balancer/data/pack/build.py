@@ -7,7 +7,7 @@ with one row per (epoch, step, micro-batch, DP rank), in that order (row format:
     DIR/plan-epoch-00000.json      the plan of epoch 0 (balancer plan JSON), ... one per epoch
     DIR/state.json, dataset_info.json   `datasets.load_from_disk(DIR)` loads every shard as one Dataset
     DIR/manifest.json              written last, atomically; its presence means the job is complete
-    DIR/.pack-state.json           progress while running (plans, finished shards); written once per run
+    DIR/.pack-state.json           progress while running (plans, finished shards); written at a run's start and end
     DIR/.pack-state.json.journal   one checksummed line per file recorded since (balancer.data.shards.journal)
 
 Crash safety and resume follow `balancer pretokenize`: files are written under temporary names, fsynced, renamed

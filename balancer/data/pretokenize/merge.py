@@ -16,7 +16,7 @@ from balancer.data.shards.checks import open_folder
 from balancer.data.shards.errors import DataError, arg
 from balancer.data.shards.journal import JournaledState, journal_path, remove_leftover_state
 from balancer.data.shards.manifest import STATE_NAME, create_new_file, sha256_file, shard_file_names
-from balancer.data.shards.output import clear_outputs, is_our_record, open_output, prepare_output
+from balancer.data.shards.output import clear_outputs, is_our_record, is_regular_file, open_output, prepare_output
 from balancer.data.shards.schema import state_header
 from balancer.temporaries import note_temporary
 
@@ -106,7 +106,7 @@ def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = Fal
             log(f"{out}: already complete")
             return prev
         links = _links(by_index)
-        kept = _recorded_prefix(prev, [new for _, _, new in links])
+        kept = _recorded_prefix(out, prev, [new for _, _, new in links])
         if kept:
             log(f"{out}: resuming after {kept} linked shard(s)")
         keep = {fn for _, _, new in links[:kept] for fn in new["files"]}
@@ -136,13 +136,14 @@ def _links(by_index: dict[int, tuple[str, dict]]) -> list[tuple[str, dict, dict]
     return links
 
 
-def _recorded_prefix(prev: Optional[dict], planned: list[dict]) -> int:
-    """How many of the `planned` shards the state of a killed run (`prev`: state and journal, its files checked by
-    the ownership rules) records exactly as planned, from the first on: those files are kept, the rest redone."""
+def _recorded_prefix(out: Path, prev: Optional[dict], planned: list[dict]) -> int:
+    """How many of the `planned` shards the state of a killed run (`prev`: state and journal) records exactly as
+    planned with every file in `out`, from the first on (the ownership rules checked the size and sha256 of each
+    recorded file there): those files are kept, the rest redone."""
     recorded = prev.get("shards") if isinstance(prev, dict) else None
     n = 0
     for have, want in zip(recorded if isinstance(recorded, list) else [], planned):
-        if have != want:
+        if have != want or not all(is_regular_file(out / name) for name in want["files"]):
             break
         n += 1
     return n

@@ -1,18 +1,18 @@
 """The run state's journal: what a run of pretokenize, merge or pack records as it goes, appended instead of
 rewriting the state.
 
-The state file (`.pretokenize-state.json`, `.pack-state.json`) is written whole once per run (at its start, holding
-everything finished before) and names its journal by a random `journal` id; each finished file then appends two
-lines to the journal (the state's name + `.journal`): `{"pending": [...]}` before its renames (its files,
-checksummed) and `{"shard": entry}` (pack's epoch plans: `{"plan": entry}`) after them. So a record costs O(1), not
-a rewrite of everything before it (quadratic in the shards). A line is `<crc32 of the JSON, 8 hex digits> <JSON>\\n`,
-written in one `write` and fsynced before the run goes on. The state of the run is the state file with its
-journal's lines applied in order (`replay`): a kill at any moment leaves the old state or the new one, because a
-line that did not reach its newline (or whose checksum fails) as the *last* line is a record that was never
-committed, and the run did nothing that needed it; a bad line before the last is damage, refused naming the file
-and line. A journal whose header names another id is a stale one of an earlier run (the state was rewritten,
-holding its records, before it was removed) and is ignored. `JournaledState` is one run's side of this (merge and
-pack; pretokenize's `_ShardRun` does the same), `load_state` the resuming run's.
+The state file (`.pretokenize-state.json`, `.pack-state.json`) is written whole at the start of a run (holding
+everything finished before; once more when the run stops, the journal folded in) and names its journal by a random
+`journal` id; each finished file then appends two lines to the journal (the state's name + `.journal`): `{"pending":
+[...]}` before its renames (its files, checksummed) and `{"shard": entry}` (pack's epoch plans: `{"plan": entry}`)
+after them. So a record costs O(1), not a rewrite of everything before it (quadratic in the shards). A line is
+`<crc32 of the JSON, 8 hex digits> <JSON>\\n`, written in one `write` and fsynced before the run goes on. The state
+of the run is the state file with its journal's lines applied in order (`replay`): a kill at any moment leaves the
+old state or the new one, because a line that did not reach its newline (or whose checksum fails) as the *last* line
+is a record that was never committed, and the run did nothing that needed it; a bad line before the last is damage,
+refused naming the file and line. A journal whose header names another id is a stale one of an earlier run (the
+state was rewritten, holding its records, before it was removed) and is ignored. `JournaledState` is one run's side
+of this (merge and pack; pretokenize's `_ShardRun` does the same), `load_state` the resuming run's.
 """
 
 from __future__ import annotations
