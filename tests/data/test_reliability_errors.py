@@ -13,21 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.data_files import dir_bytes, make_texts, write_jsonl  # noqa: E402
-from support.reliability import cli, edit_manifest, in_child, make_corpus, tokenize  # noqa: E402
+from support.reliability import cli, edit_manifest, in_child, tokenize  # noqa: E402
 
 from balancer.data.shards.verify import verify  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def src(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("src"))
-
-
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory, src) -> Path:
-    out = tmp_path_factory.mktemp("ref") / "tok"
-    tokenize([src], out)
-    return out
 
 
 def one_line(code: int, lines: list[str], *needles: str) -> None:

@@ -12,24 +12,12 @@ from pathlib import Path
 
 import pytest
 from support.data_files import dir_bytes, make_texts, write_jsonl  # noqa: E402
-from support.reliability import cli, copy_folder, in_child, make_corpus, start_child, tokenize, wait_child  # noqa: E402
+from support.reliability import cli, copy_folder, in_child, start_child, tokenize, wait_child  # noqa: E402
 
 from balancer.data.pretokenize.merge import merge
 from balancer.data.shards.errors import DataError  # noqa: E402
 from balancer.data.shards.output import LOCK_NAME, OutputLock  # noqa: E402
 from balancer.data.shards.verify import verify
-
-
-@pytest.fixture(scope="module")
-def src(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("src"))
-
-
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory, src) -> Path:
-    out = tmp_path_factory.mktemp("ref") / "tok"
-    tokenize([src], out)
-    return out
 
 
 def test_overwrite_keeps_user_files_and_refuses_user_files_with_our_names(src, ref, tmp_path):

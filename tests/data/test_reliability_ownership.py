@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from support.data_files import dir_bytes, make_texts, write_jsonl  # noqa: E402
-from support.reliability import cli, copy_folder, make_corpus, tokenize  # noqa: E402
+from support.reliability import cli, copy_folder, tokenize  # noqa: E402
 
 from balancer.data.pretokenize import pipeline  # noqa: E402
 from balancer.data.shards.errors import DataError  # noqa: E402
@@ -19,18 +19,6 @@ from balancer.data.shards.output import LOCK_NAME, refuse_overwrite_of_inputs  #
 from balancer.data.shards.verify import verify  # noqa: E402
 
 STATE = ".pretokenize-state.json"
-
-
-@pytest.fixture(scope="module")
-def src(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("src"))
-
-
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory, src) -> Path:
-    out = tmp_path_factory.mktemp("ref") / "tok"
-    tokenize([src], out)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from support.data_files import make_texts, write_jsonl  # noqa: E402
-from support.reliability import cli, copy_folder, edit_manifest, make_corpus, tokenize  # noqa: E402
+from support.reliability import cli, copy_folder, edit_manifest, tokenize  # noqa: E402
 
 import balancer  # noqa: E402
 from balancer.data.pack.build import pack  # noqa: E402
@@ -23,11 +23,6 @@ from balancer.data.shards.verify import verify  # noqa: E402
 
 TOPO = balancer.Topology(dp=2, cp=1, micro_batches=2, max_tokens=2048)
 COST = balancer.CostModel(attn_coef=1 / 3000, linear_coef=1.0)
-
-
-@pytest.fixture(scope="module")
-def src(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("src"))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from support.data_files import dir_bytes
-from support.reliability import copy_folder, in_child, make_corpus, tokenize
+from support.reliability import copy_folder, in_child, tokenize
 
 from balancer.data.pretokenize.merge import merge
 from balancer.data.shards.errors import DataError
@@ -23,18 +23,6 @@ from balancer.data.shards.verify import verify
 from balancer.temporaries import note_temporary
 
 STATE = ".pretokenize-state.json"
-
-
-@pytest.fixture(scope="module")
-def src(tmp_path_factory) -> Path:
-    return make_corpus(tmp_path_factory.mktemp("src"))
-
-
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory, src) -> Path:
-    out = tmp_path_factory.mktemp("ref") / "tok"
-    tokenize([src], out)
-    return out
 
 
 def _killed_before(target: str, work, err: Path, monkeypatch) -> None:

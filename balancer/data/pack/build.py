@@ -7,10 +7,11 @@ with one row per (epoch, step, micro-batch, DP rank), in that order (row format:
     DIR/plan-epoch-00000.json      the plan of epoch 0 (balancer plan JSON), ... one per epoch
     DIR/state.json, dataset_info.json   `datasets.load_from_disk(DIR)` loads every shard as one Dataset
     DIR/manifest.json              written last, atomically; its presence means the job is complete
-    DIR/.pack-state.json           progress while running (plans, finished shards); removed at the end
+    DIR/.pack-state.json           progress while running (plans, finished shards); written at a run's start and end
+    DIR/.pack-state.json.journal   one checksummed line per file recorded since (balancer.data.shards.journal)
 
 Crash safety and resume follow `balancer pretokenize`: files are written under temporary names, fsynced, renamed
-and recorded with their checksums in the state file; a rerun of the same job keeps what verifies and continues
+and recorded with their checksums in the state's journal; a rerun of the same job keeps what verifies and continues
 after the last finished shard, so the folder ends byte-identical to an uninterrupted run.
 """
 
@@ -51,10 +52,17 @@ from balancer.data.pack.rows import (
 from balancer.data.pack.verify import check_names, is_packed, load_packed_manifest, packed_metrics, verify_packed
 from balancer.data.shards.arrow_rows import ArrowHeaderError, stream_row_count
 from balancer.data.shards.errors import arg
+from balancer.data.shards.journal import (
+    JournaledState,
+    journal_path,
+    load_state,
+    remove_leftover_state,
+    remove_our_journal,
+)
 from balancer.data.shards.limits import check_count, check_pack_topology
 from balancer.data.shards.manifest import MANIFEST_NAME, atomic_write_json, fsync_file, sha256_file, verify_shard_files
 from balancer.data.shards.output import is_our_record, open_output
-from balancer.data.shards.schema import load_record, state_header
+from balancer.data.shards.schema import state_header
 from balancer.data.shards.writer import FLUSH_ROWS, FLUSH_TOKENS, new_arrow_sink, write_datasets_metadata
 from balancer.limits import DEFAULT_SHARD_TOKENS, MAX_EPOCHS, MAX_PACK_SEED, MAX_SHARD_TOKENS
 from balancer.planning.cost.model import CostModel
@@ -84,13 +92,12 @@ def plan_file_name(epoch: int) -> str:
 # writing
 
 
-def _finish_file(tmp: Path, final: Path, out: Path, state: dict) -> dict:
-    """fsync `tmp`, record its size and checksum as pending in the state (so that the file is provably ours once
+def _finish_file(tmp: Path, final: Path, run: JournaledState) -> dict:
+    """fsync `tmp`, record its size and checksum as pending in the journal (so that the file is provably ours once
     renamed), rename it to `final`."""
     fsync_file(tmp)
     meta = {"bytes": os.path.getsize(tmp), "sha256": sha256_file(tmp)}
-    state["pending"] = [{"name": final.name, "files": {final.name: meta}}]
-    atomic_write_json(out / PACK_STATE_NAME, state)
+    run.record({"pending": [{"name": final.name, "files": {final.name: meta}}]})
     os.replace(tmp, final)
     note_temporary(tmp, False)
     return meta
@@ -111,10 +118,10 @@ class RowShardWriter:
         self.rows += batch.num_rows
         self.tokens += tokens
 
-    def close(self, state: dict) -> dict:
+    def close(self, run: JournaledState) -> dict:
         self.writer.close()
         self.sink.close()
-        meta = _finish_file(self.tmp, self.out / f"{self.name}.arrow", self.out, state)
+        meta = _finish_file(self.tmp, self.out / f"{self.name}.arrow", run)
         return {
             "name": self.name,
             "first_row": self.first_row,
@@ -143,22 +150,20 @@ def _write_rows(
     out: Path,
     source: SourceTokens,
     plans: list[Plan],
-    state: dict,
+    run: JournaledState,
     shard_tokens: int,
     progress: Optional[bool],
 ) -> None:
-    """Write every row after the state's finished shards; each finished shard is recorded in the state file."""
+    """Write every row after the state's finished shards; each finished shard is one line of the journal."""
     schema = pack_features(source.dtype).arrow_schema
-    shards = state["shards"]
+    shards = run.state["shards"]
     done = sum(s["rows"] for s in shards)
     writer: Optional[RowShardWriter] = None
 
     def close_shard() -> None:
         nonlocal writer
-        shards.append(writer.close(state))
+        run.record({"shard": writer.close(run)})
         writer = None
-        state.pop("pending", None)
-        atomic_write_json(out / PACK_STATE_NAME, state)
 
     total = sum(rows_per_epoch(p) for p in plans)
     bar = tqdm(total=total, initial=done, unit="row", desc="pack", disable=None if progress is None else not progress)
@@ -205,23 +210,24 @@ def _job_key(source: SourceTokens, topology: Topology, cost: CostModel, epochs: 
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def _plans(out: Path, source: SourceTokens, topology, cost, epochs, seed, overflow, state: dict) -> list[Plan]:
-    """Every epoch's plan: loaded when the state records it and it verifies, else planned and saved atomically."""
+def _plans(out: Path, source: SourceTokens, topology, cost, epochs, seed, overflow, run: JournaledState) -> list[Plan]:
+    """Every epoch's plan: loaded when the state records it (the first ones; it must verify), else planned, saved
+    atomically and recorded in the journal."""
     check_fits(source, topology, overflow)
-    plans, recorded = [], {p["name"]: p for p in state["plans"]}
+    plans = []
     for epoch in range(epochs):
         name = plan_file_name(epoch)
-        entry = recorded.get(name)
-        if entry is not None and verify_shard_files(out, entry) is None:
+        if epoch < len(run.state["plans"]):  # named in sequence (check_names), checksummed by the ownership rules
+            problem = verify_shard_files(out, run.state["plans"][epoch])
+            if problem is not None:
+                raise PackError(f"{problem}; pass {arg('overwrite', True)}")
             plans.append(Plan.load(out / name))
             continue
         plan = plan_epoch(source, topology, cost, seed, overflow, epoch)
         note_temporary(out / (name + ".tmp"), True)  # Plan.save's own temporary file is recorded by atomic_write
         plan.save(out / (name + ".tmp"))
-        meta = _finish_file(out / (name + ".tmp"), out / name, out, state)
-        state["plans"] = [p for p in state["plans"] if p["name"] != name] + [{"name": name, "files": {name: meta}}]
-        state.pop("pending", None)
-        atomic_write_json(out / PACK_STATE_NAME, state)
+        meta = _finish_file(out / (name + ".tmp"), out / name, run)
+        run.record({"plan": {"name": name, "files": {name: meta}}})
         plans.append(plan)
     return plans
 
@@ -267,7 +273,7 @@ def _resume_state(out: Path, job: str, prev: Optional[dict]) -> dict:
     state = {**state_header("pack_state"), "job": job, "plans": [], "shards": []}
     if prev is None:
         return state
-    prev = load_record(out / PACK_STATE_NAME, "pack_state")  # strict: exact types, no unknown keys
+    prev = load_state(out / PACK_STATE_NAME, "pack_state")  # with its journal; strict: exact types, no unknown keys
     problems = check_names(out, prev, PACK_STATE_NAME)
     if problems:
         raise PackError(f"{problems[0]}; the state disagrees with the files on disk: pass {arg('overwrite', True)}")
@@ -326,27 +332,11 @@ def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, 
     with open_output(out, [str(src.path)], "source"):
         status, prev, owned = prepare_pack_output(out, job, overwrite)
         if status == "complete":
-            if is_our_record(out / PACK_STATE_NAME, PACK):  # killed between writing the manifest and the state removal
-                os.remove(out / PACK_STATE_NAME)
-            problems = verify_packed(out)
-            if problems:
-                raise PackError(
-                    f"{out} holds this job's output but it fails verification: {problems[0]}; "
-                    f"pass {arg('overwrite', True)}"
-                )
-            _say(f"{out}: already complete ({prev['counts']['rows']} rows, {prev['counts']['tokens']} tokens)")
-            return prev
+            return _already_complete(out, prev)
         state = _resume_state(out, job, prev if status == "resume" else None)
         keep = {fn for e in state["plans"] + state["shards"] for fn in e["files"]}
-        clear_owned(out, owned, keep=keep | {PACK_STATE_NAME})
-        atomic_write_json(out / PACK_STATE_NAME, state)
-        try:
-            plans = _plans(out, src, topology, cost, epochs, seed, overflow, state)
-        except PackError:
-            if not state["plans"]:  # the planner refused the topology: leave no trace of this run
-                os.remove(out / PACK_STATE_NAME)
-            raise
-        _write_rows(out, src, plans, state, shard_tokens, progress)
+        clear_owned(out, owned, keep=keep | {PACK_STATE_NAME, journal_path(out / PACK_STATE_NAME).name})
+        plans = _write_all(out, src, topology, cost, (epochs, seed, overflow, shard_tokens), state, progress)
         manifest = _manifest(src, job, topology, cost, epochs, seed, overflow, shard_tokens, plans, state)
         _finish(out, manifest, src.dtype)
         c = manifest["counts"]
@@ -361,6 +351,40 @@ def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, 
                     f"{topology.micro_batches} micro-batches per DP rank (the documents cannot fill it)"
                 )
         return manifest
+
+
+def _already_complete(out: Path, prev: dict) -> dict:
+    """The finished folder's manifest, once every file verifies (a state and journal a kill left behind it gone)."""
+    remove_leftover_state(out / PACK_STATE_NAME, lambda path: is_our_record(path, PACK))
+    problems = verify_packed(out)
+    if problems:
+        raise PackError(
+            f"{out} holds this job's output but it fails verification: {problems[0]}; pass {arg('overwrite', True)}"
+        )
+    _say(f"{out}: already complete ({prev['counts']['rows']} rows, {prev['counts']['tokens']} tokens)")
+    return prev
+
+
+def _write_all(out: Path, src: SourceTokens, topology, cost, options: tuple, state: dict, progress) -> list[Plan]:
+    """Plan the epochs and write the rows after what `state` records (`options`: epochs, seed, overflow,
+    shard_tokens), each file one line of the state's journal; the state is written whole at the start and once
+    more, the journal folded in, when the run stops (removed instead when the planner refuses the first epoch)."""
+    epochs, seed, overflow, shard_tokens = options
+    run = JournaledState(out / PACK_STATE_NAME, state)
+    try:
+        plans = _plans(out, src, topology, cost, epochs, seed, overflow, run)
+        _write_rows(out, src, plans, run, shard_tokens, progress)
+    except PackError:
+        if not state["plans"]:  # the planner refused the topology: leave no trace of this run
+            run.discard()
+        else:
+            run.abort()
+        raise
+    except BaseException:
+        run.abort()
+        raise
+    run.compact()
+    return plans
 
 
 def _manifest(src, job, topology, cost, epochs, seed, overflow, shard_tokens, plans, state) -> dict:
@@ -415,6 +439,7 @@ def _finish(out: Path, manifest: dict, dtype: np.dtype) -> None:
         os.remove(out / PACK_STATE_NAME)
     except FileNotFoundError:
         pass
+    remove_our_journal(out / PACK_STATE_NAME)
 
 
 def _say(message: str) -> None:

@@ -1,30 +1,37 @@
-"""The run state's journal: what a pretokenize run records per shard, appended instead of rewriting the state.
+"""The run state's journal: what a run of pretokenize, merge or pack records as it goes, appended instead of
+rewriting the state.
 
-The state file (`.pretokenize-state.json`) is written whole once per run (at its start, holding every shard finished
-before) and names its journal by a random `journal` id; each shard then appends two lines to the journal
-(`.pretokenize-state.json.journal`): `{"pending": [...]}` before the shard's renames (its files, checksummed) and
-`{"shard": entry}` after them. So a shard's record costs O(1), not a rewrite of every shard before it (quadratic in
-the shards). A line is `<crc32 of the JSON, 8 hex digits> <JSON>\\n`, written in one `write` and fsynced before the
-run goes on. The state of the run is the state file with its journal's lines applied in order (`replay`): a kill at
-any moment leaves the old state or the new one, because a line that did not reach its newline (or whose checksum
-fails) as the *last* line is a record that was never committed, and the run did nothing that needed it; a bad line
-before the last is damage, refused naming the file and line. A journal whose header names another id is a stale one
-of an earlier run (the state was rewritten, holding its records, before it was removed) and is ignored.
+The state file (`.pretokenize-state.json`, `.pack-state.json`) is written whole at the start of a run (holding
+everything finished before; once more when the run stops, the journal folded in) and names its journal by a random
+`journal` id; each finished file then appends two lines to the journal (the state's name + `.journal`): `{"pending":
+[...]}` before its renames (its files, checksummed) and `{"shard": entry}` (pack's epoch plans: `{"plan": entry}`)
+after them. So a record costs O(1), not a rewrite of everything before it (quadratic in the shards). A line is
+`<crc32 of the JSON, 8 hex digits> <JSON>\\n`, written in one `write` and fsynced before the run goes on. The state
+of the run is the state file with its journal's lines applied in order (`replay`): a kill at any moment leaves the
+old state or the new one, because a line that did not reach its newline (or whose checksum fails) as the *last* line
+is a record that was never committed, and the run did nothing that needed it; a bad line before the last is damage,
+refused naming the file and line. A journal whose header names another id is a stale one of an earlier run (the
+state was rewritten, holding its records, before it was removed) and is ignored. `JournaledState` is one run's side
+of this (merge and pack; pretokenize's `_ShardRun` does the same), `load_state` the resuming run's.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Optional
 
 from balancer.data.shards.errors import DataError, arg
-from balancer.data.shards.manifest import create_new_file
+from balancer.data.shards.manifest import atomic_write_json, create_new_file
+from balancer.data.shards.schema import check_record, load_record
 
 JOURNAL_SUFFIX = ".journal"
 _HEADER_KEY = "journal"
+_LISTS = {"shard": "shards", "plan": "plans"}  # a record's key -> the list of the state it adds to
 
 
 def journal_path(state_path: Path) -> Path:
@@ -58,7 +65,8 @@ class StateJournal:
         os.fsync(self.fd)
 
     def append(self, record: dict) -> None:
-        """Append one record (`{"pending": [...]}` or `{"shard": entry}`), fsynced before it returns."""
+        """Append one record (`{"pending": [...]}`, `{"shard": entry}` or `{"plan": entry}`), fsynced before it
+        returns."""
         self._write(record)
 
     def close(self) -> None:
@@ -120,16 +128,93 @@ def remove_our_journal(state_path: Path) -> None:
         os.remove(path)
 
 
+def _shape(state: dict, record: dict) -> Optional[str]:
+    """The key of `record` when `state` can take it: "pending" (a list), "shard" or "plan" (an entry, where the
+    state has `shards` or `plans`); else None."""
+    if len(record) != 1:
+        return None
+    ((key, value),) = record.items()
+    if key == "pending":
+        return key if isinstance(value, list) else None
+    return key if isinstance(value, dict) and isinstance(state.get(_LISTS.get(key, "")), list) else None
+
+
+def remove_leftover_state(state_path: Path, is_ours: Callable[[Path], bool]) -> None:
+    """Remove the state file (when `is_ours(state_path)`) and its journal (when ours) that a run killed between
+    writing its manifest and removing them left beside a finished output."""
+    if is_ours(state_path):
+        os.remove(state_path)
+    remove_our_journal(state_path)
+
+
+def apply_record(state: dict, record: dict) -> bool:
+    """Apply one journal record to `state` in place: a pending record replaces `pending`; a shard (plan) record
+    appends its entry to `shards` (`plans`) and clears `pending`. False, `state` untouched, for a record of another
+    shape or one whose list `state` lacks."""
+    key = _shape(state, record)
+    if key == "pending":
+        state["pending"] = record[key]
+    elif key is not None:
+        state[_LISTS[key]].append(record[key])
+        state.pop("pending", None)
+    return key is not None
+
+
 def replay(state: dict, records: list[dict], file: str) -> dict:
-    """`state` with the journal's `records` applied in order: a pending record replaces `pending`, a shard record
-    appends the shard and clears `pending`. DataError naming `file` for a record of another shape."""
-    state = dict(state, shards=list(state["shards"]))
+    """`state` (not changed) with the journal's `records` applied in order (`apply_record`). DataError naming
+    `file` for a record of another shape."""
+    state = dict(state, **{k: list(state[k]) for k in _LISTS.values() if isinstance(state.get(k), list)})
     for i, record in enumerate(records):
-        if set(record) == {"pending"} and isinstance(record["pending"], list):
-            state["pending"] = record["pending"]
-        elif set(record) == {"shard"} and isinstance(record["shard"], dict):
-            state["shards"].append(record["shard"])
-            state.pop("pending", None)
-        else:
-            raise DataError(f"{file}: record {i + 2} is not a pending or shard record")
+        if not apply_record(state, record):
+            raise DataError(f"{file}: record {i + 2} is not a pending, shard or plan record of this state")
     return state
+
+
+def load_state(state_path: Path, kind: str) -> dict:
+    """The run state at `state_path` a resumed run continues from: the state file with its journal's committed
+    records applied, read strictly (`schema.load_record` of `kind`, before and after); DataError naming the file."""
+    state = load_record(state_path, kind)
+    records = read_journal(state_path, state.get("journal"))
+    return check_record(replay(state, records, str(journal_path(state_path))), str(state_path), kind)
+
+
+class JournaledState:
+    """One run's state (`state`, a dict it keeps current) in the state file at `path` and its journal: written whole
+    at the start (`__init__`), one journal line per `record`, folded in once more when the run stops (`compact`)."""
+
+    def __init__(self, path: Path, state: dict) -> None:
+        """Write `state` (everything the run keeps from before) whole under a new journal id and start the
+        journal; a kill in between leaves the state, whose id makes any journal there a stale one."""
+        self.path, self.state = path, state
+        state["journal"] = secrets.token_hex(8)
+        atomic_write_json(path, state)
+        self.journal = StateJournal(path, state["journal"])
+
+    def record(self, record: dict) -> None:
+        """Append `record` to the journal (fsynced), then apply it to `state` (`apply_record`)."""
+        if _shape(self.state, record) is None:
+            raise ValueError(f"not a record of this state: {sorted(record)}")
+        self.journal.append(record)
+        apply_record(self.state, record)
+
+    def compact(self) -> None:
+        """Fold the journal into the state file (one whole write) and remove it: a run that stops by itself,
+        finished or not, leaves one self-contained state. A kill in between leaves a state without a journal id,
+        which makes the journal a stale one of ours."""
+        self.journal.close()
+        self.state.pop("journal", None)
+        atomic_write_json(self.path, self.state)
+        remove_our_journal(self.path)
+
+    def abort(self) -> None:
+        """`compact` where it can: without space for the state, the journal stays, as valid as before."""
+        try:
+            self.compact()
+        except OSError:
+            pass
+
+    def discard(self) -> None:
+        """Remove the state file and its journal (a run that leaves no trace)."""
+        self.journal.close()
+        os.remove(self.path)
+        remove_our_journal(self.path)

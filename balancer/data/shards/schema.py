@@ -193,6 +193,7 @@ PACK_STATE_KEYS = {
     "plans": array(PLAN_ENTRY),
     "shards": array(PACK_SHARD),
     "pending": PENDING,
+    "journal": string(required=False),  # as in STATE_KEYS
 }
 
 KINDS = {
