@@ -231,3 +231,12 @@ def test_merge_killed_after_its_manifest_leaves_no_state_behind(parts, merged, t
     StateJournal(out / MERGE_STATE, "j").close()
     merge([str(p) for p in parts], out)  # already complete: the state and journal a kill left are removed
     assert dir_bytes(out) == dir_bytes(merged)
+
+
+@pytest.mark.slow
+def test_pretokenize_into_an_unfinished_merge_names_the_merge(parts, src, tmp_path, monkeypatch, capsys):
+    out, _ = _unfinished("merge", parts, None, tmp_path, monkeypatch)
+    capsys.readouterr()
+    assert _cli("pretokenize", src, "--shard-tokens", "4000", "--output", out)() == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "unfinished `balancer merge`" in err[-1] and "--overwrite" in err[-1], err

@@ -68,8 +68,8 @@ def dir_bytes(folder: Path) -> dict[str, bytes]:
 
 
 def recorded_shards(out: Path, state_name: str) -> int:
-    """Shards the run state in `out` records: its state file's and, for pretokenize, its journal's since (one line
-    per record, balancer.data.shards.journal); 0 while there is no state."""
+    """Shards the run state in `out` records: its state file's and its journal's since (pretokenize, merge and pack: one
+    line per record, balancer.data.shards.journal); 0 while there is no state."""
     try:
         recorded = len(json.loads((out / state_name).read_text())["shards"])
     except (FileNotFoundError, ValueError, KeyError):

@@ -307,9 +307,13 @@ def _resume_point(out: Path, prev: Optional[dict], cursor: Cursor) -> tuple[list
     counters = new_counters()
     if prev is None:
         return [], counters, cursor
-    prev = load_record(out / STATE_NAME, "state")  # strict: exact types, no unknown keys
-    journal = read_journal(out / STATE_NAME, prev.get("journal"))
-    prev = check_record(replay(prev, journal, str(journal_path(out / STATE_NAME))), str(out / STATE_NAME), "state")
+    try:
+        prev = load_record(out / STATE_NAME, "state")  # strict: exact types, no unknown keys
+        journal = read_journal(out / STATE_NAME, prev.get("journal"))
+        prev = check_record(replay(prev, journal, str(journal_path(out / STATE_NAME))), str(out / STATE_NAME), "state")
+    except DataError:
+        _refuse_merge_state(out / STATE_NAME)
+        raise
     check_state_against_disk(out, prev, cursor.record)
     shards = list(prev["shards"])
     if shards:
@@ -317,6 +321,21 @@ def _resume_point(out: Path, prev: Optional[dict], cursor: Cursor) -> tuple[list
         counters = json.loads(json.dumps(shards[-1]["counters"]))
     log(f"{out}: resuming after {len(shards)} finished shard(s) at record {cursor.record}")
     return shards, counters, cursor
+
+
+def _refuse_merge_state(path: Path) -> None:
+    """A state that `balancer merge` left (its shards carry no input cursor): say so, rather than name a key."""
+    try:
+        state = json.loads(path.read_text())
+        shards = list(state.get("shards", []))
+        shards += [r["shard"] for r in read_journal(path, state.get("journal")) if "shard" in r]
+    except (OSError, ValueError, TypeError, AttributeError, KeyError, DataError):
+        return
+    if state.get("slice") is None and any(isinstance(e, dict) and "cursor" not in e for e in shards):
+        raise DataError(
+            f"{path}: the state of an unfinished `balancer merge` into this folder, not of pretokenize: run that merge "
+            f"again to finish it, or pass {arg('overwrite', True)} to pretokenize into the folder anew"
+        )
 
 
 def _check_inputs_unchanged(watch: InputWatch, sources, infos, read: int, expected: int, disable) -> None:
