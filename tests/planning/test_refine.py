@@ -79,3 +79,27 @@ def test_planner_with_refinement_is_valid_on_a_heavy_tail():
     plan = balancer.plan(lengths, topo, COST, seed=0)
     plan.validate()
     assert plan.metrics()["dropped_tokens"] == 0
+
+
+def test_replicas_tied_at_the_top_come_down_one_after_the_other():
+    """Two replicas tied at 10 (4+4+2 each), a third at 2 (cost = tokens): lowering one alone keeps the step at 10,
+    yet it is the first of the moves that bring the step to 8."""
+    topo = balancer.Topology(dp=3, micro_batches=1, max_tokens=1000)
+    u_tok = np.array([4, 4, 2, 4, 4, 2, 2]) * 10
+    u_cost = u_tok.astype(np.float64)
+    packed = [(np.arange(7), np.array([[3, 3, 1]]))]
+    view = step_views(refine_packed(packed, u_cost, u_tok, topo), u_cost, u_tok, topo)[0]
+    assert view[1].max() <= 80 and view[1].sum() == 220 and (view[3] > 0).all()
+
+
+def test_a_long_unit_trades_for_shorter_ones_of_a_token_full_replica():
+    """Replica 0: units of 200 and 400 tokens costing 150 and 350 (500); replica 1 token-full with ten units of 100
+    tokens costing 40 (400). No move or single swap fits; the 200-token unit for two 100-token ones (80) does:
+    430 / 470."""
+    topo = balancer.Topology(dp=2, micro_batches=1, max_tokens=1000)
+    u_tok = np.array([200, 400] + [100] * 10)
+    u_cost = np.array([150.0, 350.0] + [40.0] * 10)
+    packed = [(np.arange(12), np.array([[2, 10]]))]
+    view = step_views(refine_packed(packed, u_cost, u_tok, topo), u_cost, u_tok, topo)[0]
+    assert sorted(view[1]) == [430, 470]
+    assert (view[2] <= 1000).all() and (view[3] > 0).all()
