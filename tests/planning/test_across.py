@@ -11,7 +11,7 @@ from support.plan_views import step_views
 
 import balancer
 from balancer.data.traces import load_trace
-from balancer.planning.packing.across import STEP_ROOM, move_across
+from balancer.planning.packing.across import DRIFT, STEP_ROOM, move_across
 from balancer.planning.packing.step import fill_empty, pack_step, place_rest
 
 COST = balancer.CostModel(attn_coef=2 / 53000, linear_coef=1.0)
@@ -71,8 +71,11 @@ def test_moves_shorten_granular_sft_likestep_views():
     topo = balancer.Topology(dp=4, micro_batches=4, max_tokens=4096, tokens_per_step=28 * 1000)
     packed, u_cost, u_tok = _packed_epoch(rng, topo, 24, 28)
     before = sum(b[1].max() for b in step_views(packed, u_cost, u_tok, topo))
-    after = sum(a[1].max() for a in step_views(move_across(packed, u_cost, u_tok, topo), u_cost, u_tok, topo))
+    views = step_views(move_across(packed, u_cost, u_tok, topo), u_cost, u_tok, topo)
+    after = sum(a[1].max() for a in views)
     bound = u_cost.sum() / topo.dp
+    for s, view in enumerate(views):  # each unit ends at most DRIFT steps from its step (28 units a step)
+        assert (np.abs(view[0] // 28 - s) <= DRIFT).all()
     assert after < before
     assert (after - bound) < 0.5 * (before - bound)
 
