@@ -42,15 +42,23 @@ def refine_packed(packed: list, u_cost: np.ndarray, u_tok: np.ndarray, topology:
     keep = max(MIN_STEPS, int(sum(len(sz) for _, sz in packed) * MAX_STEPS_SHARE))
     chosen = np.lexsort((step, piece, -excess))[:keep]  # furthest above the bound first, ties by position
     out, budget, starts = list(packed), [ROUND_BUDGET], {}
-    for p, s in zip(piece[chosen].tolist(), step[chosen].tolist()):
-        if budget[0] <= 0:
-            break
-        if p not in starts:
-            out[p] = (packed[p][0].copy(), packed[p][1].copy())
-            starts[p] = np.concatenate([[0], np.cumsum(out[p][1].sum(axis=1))])
-        units, sizes = out[p]
-        seg = slice(starts[p][s], starts[p][s + 1])
-        units[seg], sizes[s] = _refine_step(units[seg], sizes[s], u_cost, u_tok, dp, m, cap, budget)
+    # moves and swaps first; then, with the budget left, trades for shorter units on the steps they left stuck
+    # (a trade makes room where nothing else fits: it must not take the budget the other steps' moves need)
+    todo = list(zip(piece[chosen].tolist(), step[chosen].tolist()))
+    for trade in (False, True):
+        stuck = []
+        for p, s in todo:
+            if budget[0] <= 0:
+                break
+            if p not in starts:
+                out[p] = (packed[p][0].copy(), packed[p][1].copy())
+                starts[p] = np.concatenate([[0], np.cumsum(out[p][1].sum(axis=1))])
+            units, sizes = out[p]
+            seg = slice(starts[p][s], starts[p][s + 1])
+            units[seg], sizes[s], left = _refine_step(units[seg], sizes[s], u_cost, u_tok, dp, m, cap, budget, trade)
+            if left:
+                stuck.append((p, s))
+        todo = stuck
     return out
 
 
@@ -69,18 +77,21 @@ def _step_excess(cost: np.ndarray, sizes: np.ndarray, dp: int, m: int) -> np.nda
     return np.where(worst > (1 + TOLERANCE) * bound, worst - bound, 0.0)
 
 
-def _refine_step(units, sizes, u_cost, u_tok, dp: int, m: int, cap: int, budget: list):
-    """One step: best-improvement moves and swaps off the slowest replica (each counted off `budget[0]`); units
-    re-sorted by micro-batch."""
+def _refine_step(units, sizes, u_cost, u_tok, dp: int, m: int, cap: int, budget: list, trade: bool = False):
+    """One step: best-improvement moves and swaps off the slowest replica (with `trade`, also trades for shorter
+    units), each counted off `budget[0]`; (units re-sorted by micro-batch, their counts, whether the search stopped
+    with nothing left to change)."""
     mb = np.repeat(np.arange(dp * m), sizes)
     cost, tok = u_cost[units].astype(np.float64), u_tok[units].astype(np.int64)
     state = _State(mb, cost, tok, dp, m)
+    stuck = False
     for _ in range(min(MAX_ROUNDS, budget[0])):
         budget[0] -= 1
-        if not _improve(state, cap):
+        if not _improve(state, cap, trade):
+            stuck = True
             break
     order = np.argsort(state.mb, kind="stable")
-    return units[order], np.bincount(state.mb, minlength=dp * m)
+    return units[order], np.bincount(state.mb, minlength=dp * m), stuck
 
 
 class _State:
@@ -104,13 +115,13 @@ class _State:
         self.mb[unit] = to
 
 
-def _improve(st: _State, cap: int) -> bool:
+def _improve(st: _State, cap: int, trade: bool = False) -> bool:
     """Apply the single move or swap off the slowest replica that lowers the step time most (ties: the one that
     leaves the two replicas it changes lowest, so that of several replicas tied at the top one comes down and the
     next round lowers the next); False if none lowers the slowest replica without raising the step time. Each
-    change lowers the sorted replica times lexicographically, so the search ends. When no move or single swap
-    fits (the other replicas token-full), a unit is traded for the shortest units of a micro-batch elsewhere that
-    free its tokens (`_trade_for_shorter`: attention is quadratic, so they cost less)."""
+    change lowers the sorted replica times lexicographically, so the search ends. With `trade`, when no move or
+    single swap fits (the other replicas token-full), a unit is traded for the shortest units of a micro-batch
+    elsewhere that free its tokens (`_trade_for_shorter`: attention is quadratic, so they cost less)."""
     times = st.times
     hi = int(np.argmax(times))
     now = float(times[hi])
@@ -120,7 +131,7 @@ def _improve(st: _State, cap: int) -> bool:
     for found in (_best_move(st, a, hi, now, rest, cap), _best_swap(st, a, hi, now, rest, cap)):
         if found is not None and (best is None or found[:2] < best[:2]):
             best = found
-    if best is None:
+    if best is None and trade:
         best = _trade_for_shorter(st, a, hi, now, rest, cap)
     if best is None:
         return False
