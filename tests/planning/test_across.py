@@ -7,33 +7,14 @@ pile pulled units onto a token-bound step's slowest replica."""
 import numpy as np
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from support.plan_views import step_views
 
 import balancer
 from balancer.data.traces import load_trace
-from balancer.planning.packing.across import STEP_ROOM, move_across
+from balancer.planning.packing.across import DRIFT, STEP_ROOM, move_across
 from balancer.planning.packing.step import fill_empty, pack_step, place_rest
 
 COST = balancer.CostModel(attn_coef=2 / 53000, linear_coef=1.0)
-
-
-def _steps(packed, u_cost, u_tok, topo):
-    """Per step: (units, replica times, micro-batch tokens, micro-batch counts)."""
-    out = []
-    for units, sizes in packed:
-        start = 0
-        for row in sizes:
-            seg = units[start : start + row.sum()]
-            mb = np.repeat(np.arange(len(row)), row)
-            out.append(
-                (
-                    seg,
-                    np.bincount(mb // topo.micro_batches, weights=u_cost[seg], minlength=topo.dp),
-                    np.bincount(mb, weights=u_tok[seg], minlength=len(row)),
-                    row,
-                )
-            )
-            start += row.sum()
-    return out
 
 
 def _check(ok: bool) -> None:
@@ -67,9 +48,9 @@ def test_moves_keep_every_invariant_and_never_slow_the_epoch(seed, dp, m):
     cap = 4096
     topo = balancer.Topology(dp=dp, micro_batches=m, max_tokens=cap, tokens_per_step=per_step * 1000)
     packed, u_cost, u_tok = _packed_epoch(rng, topo, steps, per_step, check=assume)
-    before = _steps(packed, u_cost, u_tok, topo)
+    before = step_views(packed, u_cost, u_tok, topo)
     out = move_across(packed, u_cost, u_tok, topo)
-    after = _steps(out, u_cost, u_tok, topo)
+    after = step_views(out, u_cost, u_tok, topo)
     assert len(after) == steps
     placed = np.concatenate([a[0] for a in after])
     assert np.array_equal(np.sort(placed), np.arange(steps * per_step))  # exactly once
@@ -84,14 +65,17 @@ def test_moves_keep_every_invariant_and_never_slow_the_epoch(seed, dp, m):
     assert sum(a[1].max() for a in after) <= sum(b[1].max() for b in before) * (1 + 1e-12)
 
 
-def test_moves_shorten_granular_sft_like_steps():
+def test_moves_shorten_granular_sft_likestep_views():
     """Steps of one or two documents per micro-batch (the compare suite's SFT rows): the pass must find time."""
     rng = np.random.default_rng(3)
     topo = balancer.Topology(dp=4, micro_batches=4, max_tokens=4096, tokens_per_step=28 * 1000)
     packed, u_cost, u_tok = _packed_epoch(rng, topo, 24, 28)
-    before = sum(b[1].max() for b in _steps(packed, u_cost, u_tok, topo))
-    after = sum(a[1].max() for a in _steps(move_across(packed, u_cost, u_tok, topo), u_cost, u_tok, topo))
+    before = sum(b[1].max() for b in step_views(packed, u_cost, u_tok, topo))
+    views = step_views(move_across(packed, u_cost, u_tok, topo), u_cost, u_tok, topo)
+    after = sum(a[1].max() for a in views)
     bound = u_cost.sum() / topo.dp
+    for s, view in enumerate(views):  # each unit ends at most DRIFT steps from its step (28 units a step)
+        assert (np.abs(view[0] // 28 - s) <= DRIFT).all()
     assert after < before
     assert (after - bound) < 0.5 * (before - bound)
 

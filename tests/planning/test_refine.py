@@ -4,32 +4,12 @@ micro-batch within the cap and non-empty, never slows a step, and finds the move
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.plan_views import step_views
 
 import balancer
 from balancer.planning.packing.refine import refine_packed
 
 COST = balancer.CostModel(attn_coef=2 / 53000, linear_coef=1.0)
-
-
-def _step_view(packed, u_cost, u_tok, topo):
-    """Per step: (sorted units, replica times, micro-batch tokens, micro-batch counts)."""
-    out = []
-    for units, sizes in packed:
-        start = 0
-        for row in sizes:
-            seg = units[start : start + row.sum()]
-            mb = np.repeat(np.arange(len(row)), row)
-            rep = mb // topo.micro_batches
-            out.append(
-                (
-                    np.sort(seg),
-                    np.bincount(rep, weights=u_cost[seg], minlength=topo.dp),
-                    np.bincount(mb, weights=u_tok[seg], minlength=len(row)),
-                    row,
-                )
-            )
-            start += row.sum()
-    return out
 
 
 def _random_packing(rng, topo, steps, u_tok):
@@ -56,8 +36,8 @@ def test_refinement_keeps_units_caps_and_never_slows_a_step(seed, dp, m):
     u_tok = rng.integers(16, 1400, size=steps * dp * m * 3)
     u_cost = COST.cost(u_tok)
     packed = _random_packing(rng, topo, steps, u_tok)
-    before = _step_view(packed, u_cost, u_tok, topo)
-    after = _step_view(refine_packed(packed, u_cost, u_tok, topo), u_cost, u_tok, topo)
+    before = step_views(packed, u_cost, u_tok, topo)
+    after = step_views(refine_packed(packed, u_cost, u_tok, topo), u_cost, u_tok, topo)
     for (u0, t0, _, _), (u1, t1, tok1, n1) in zip(before, after):
         assert np.array_equal(u0, u1)  # the step keeps exactly its units
         assert (tok1 <= topo.micro_batch_tokens).all() and (n1 > 0).all()  # cap kept, no micro-batch empty
@@ -74,14 +54,14 @@ def test_hand_examples_move_and_swap():
     u_tok = np.array([900, 100, 500, 500, 300, 300])
     u_cost = u_tok.astype(np.float64)
     packed = [(np.arange(6), np.array([[1, 1, 2, 2]]))]
-    times = _step_view(refine_packed(packed, u_cost, u_tok, topo), u_cost, u_tok, topo)[0][1]
+    times = step_views(refine_packed(packed, u_cost, u_tok, topo), u_cost, u_tok, topo)[0][1]
     assert sorted(times) == [1300, 1300]
     # replica 0: 900 | 100, replica 1: 600 | 600: a move would empty a micro-batch, a swap 600 <-> 100 gives
     # 1500 / 700 (worse), 600 <-> 900 does not lower replica 1: nothing changes
     u_tok = np.array([900, 100, 600, 600])
     u_cost = u_tok.astype(np.float64)
     packed = [(np.arange(4), np.array([[1, 1, 1, 1]]))]
-    view = _step_view(refine_packed(packed, u_cost, u_tok, topo), u_cost, u_tok, topo)[0]
+    view = step_views(refine_packed(packed, u_cost, u_tok, topo), u_cost, u_tok, topo)[0]
     assert sorted(view[1]) == [1000, 1200] and (view[2] <= 1000).all()
 
 
@@ -99,3 +79,27 @@ def test_planner_with_refinement_is_valid_on_a_heavy_tail():
     plan = balancer.plan(lengths, topo, COST, seed=0)
     plan.validate()
     assert plan.metrics()["dropped_tokens"] == 0
+
+
+def test_replicas_tied_at_the_top_come_down_one_after_the_other():
+    """Two replicas tied at 10 (4+4+2 each), a third at 2 (cost = tokens): lowering one alone keeps the step at 10,
+    yet it is the first of the moves that bring the step to 8."""
+    topo = balancer.Topology(dp=3, micro_batches=1, max_tokens=1000)
+    u_tok = np.array([4, 4, 2, 4, 4, 2, 2]) * 10
+    u_cost = u_tok.astype(np.float64)
+    packed = [(np.arange(7), np.array([[3, 3, 1]]))]
+    view = step_views(refine_packed(packed, u_cost, u_tok, topo), u_cost, u_tok, topo)[0]
+    assert view[1].max() <= 80 and view[1].sum() == 220 and (view[3] > 0).all()
+
+
+def test_a_long_unit_trades_for_shorter_ones_of_a_token_full_replica():
+    """Replica 0: units of 200 and 400 tokens costing 150 and 350 (500); replica 1 token-full with ten units of 100
+    tokens costing 40 (400). No move or single swap fits; the 200-token unit for two 100-token ones (80) does:
+    430 / 470."""
+    topo = balancer.Topology(dp=2, micro_batches=1, max_tokens=1000)
+    u_tok = np.array([200, 400] + [100] * 10)
+    u_cost = np.array([150.0, 350.0] + [40.0] * 10)
+    packed = [(np.arange(12), np.array([[2, 10]]))]
+    view = step_views(refine_packed(packed, u_cost, u_tok, topo), u_cost, u_tok, topo)[0]
+    assert sorted(view[1]) == [430, 470]
+    assert (view[2] <= 1000).all() and (view[3] > 0).all()

@@ -1,7 +1,10 @@
 """Replica refinement of packed steps (cp = pp = 1 ... any static CP, pp = 1): a replica's step time is the sum of
 its micro-batches, so only which replica holds a unit matters, not which of its micro-batches. For the steps furthest
 above their bound, move or swap units from the slowest replica to others while every micro-batch stays within
-`max_tokens * cp` and non-empty, taking each time the move or swap that lowers the step time most."""
+`max_tokens * cp` and non-empty, taking each time the move or swap that lowers the step time most (of replicas tied
+at the top, one at a time). Where the other replicas are token-full, a unit trades places with the shortest units of
+a micro-batch elsewhere that free its tokens: attention is quadratic, so many short units cost less than one long
+unit of the same tokens."""
 
 from __future__ import annotations
 
@@ -39,15 +42,23 @@ def refine_packed(packed: list, u_cost: np.ndarray, u_tok: np.ndarray, topology:
     keep = max(MIN_STEPS, int(sum(len(sz) for _, sz in packed) * MAX_STEPS_SHARE))
     chosen = np.lexsort((step, piece, -excess))[:keep]  # furthest above the bound first, ties by position
     out, budget, starts = list(packed), [ROUND_BUDGET], {}
-    for p, s in zip(piece[chosen].tolist(), step[chosen].tolist()):
-        if budget[0] <= 0:
-            break
-        if p not in starts:
-            out[p] = (packed[p][0].copy(), packed[p][1].copy())
-            starts[p] = np.concatenate([[0], np.cumsum(out[p][1].sum(axis=1))])
-        units, sizes = out[p]
-        seg = slice(starts[p][s], starts[p][s + 1])
-        units[seg], sizes[s] = _refine_step(units[seg], sizes[s], u_cost, u_tok, dp, m, cap, budget)
+    # moves and swaps first; then, with the budget left, trades for shorter units on the steps they left stuck
+    # (a trade makes room where nothing else fits: it must not take the budget the other steps' moves need)
+    todo = list(zip(piece[chosen].tolist(), step[chosen].tolist()))
+    for trade in (False, True):
+        stuck = []
+        for p, s in todo:
+            if budget[0] <= 0:
+                break
+            if p not in starts:
+                out[p] = (packed[p][0].copy(), packed[p][1].copy())
+                starts[p] = np.concatenate([[0], np.cumsum(out[p][1].sum(axis=1))])
+            units, sizes = out[p]
+            seg = slice(starts[p][s], starts[p][s + 1])
+            units[seg], sizes[s], left = _refine_step(units[seg], sizes[s], u_cost, u_tok, dp, m, cap, budget, trade)
+            if left:
+                stuck.append((p, s))
+        todo = stuck
     return out
 
 
@@ -66,18 +77,21 @@ def _step_excess(cost: np.ndarray, sizes: np.ndarray, dp: int, m: int) -> np.nda
     return np.where(worst > (1 + TOLERANCE) * bound, worst - bound, 0.0)
 
 
-def _refine_step(units, sizes, u_cost, u_tok, dp: int, m: int, cap: int, budget: list):
-    """One step: best-improvement moves and swaps off the slowest replica (each counted off `budget[0]`); units
-    re-sorted by micro-batch."""
+def _refine_step(units, sizes, u_cost, u_tok, dp: int, m: int, cap: int, budget: list, trade: bool = False):
+    """One step: best-improvement moves and swaps off the slowest replica (with `trade`, also trades for shorter
+    units), each counted off `budget[0]`; (units re-sorted by micro-batch, their counts, whether the search stopped
+    with nothing left to change)."""
     mb = np.repeat(np.arange(dp * m), sizes)
     cost, tok = u_cost[units].astype(np.float64), u_tok[units].astype(np.int64)
     state = _State(mb, cost, tok, dp, m)
+    stuck = False
     for _ in range(min(MAX_ROUNDS, budget[0])):
         budget[0] -= 1
-        if not _improve(state, cap):
+        if not _improve(state, cap, trade):
+            stuck = True
             break
     order = np.argsort(state.mb, kind="stable")
-    return units[order], np.bincount(state.mb, minlength=dp * m)
+    return units[order], np.bincount(state.mb, minlength=dp * m), stuck
 
 
 class _State:
@@ -101,50 +115,112 @@ class _State:
         self.mb[unit] = to
 
 
-def _improve(st: _State, cap: int) -> bool:
-    """Apply the single move or swap off the slowest replica that lowers the step time most; False if none does."""
-    mb, cost, tok, times, mb_tok, dp, m = st.mb, st.cost, st.tok, st.times, st.mb_tok, st.dp, st.m
-    rep = mb // m
+def _improve(st: _State, cap: int, trade: bool = False) -> bool:
+    """Apply the single move or swap off the slowest replica that lowers the step time most (ties: the one that
+    leaves the two replicas it changes lowest, so that of several replicas tied at the top one comes down and the
+    next round lowers the next); False if none lowers the slowest replica without raising the step time. Each
+    change lowers the sorted replica times lexicographically, so the search ends. With `trade`, when no move or
+    single swap fits (the other replicas token-full), a unit is traded for the shortest units of a micro-batch
+    elsewhere that free its tokens (`_trade_for_shorter`: attention is quadratic, so they cost less)."""
+    times = st.times
     hi = int(np.argmax(times))
-    now = times[hi]
-    rest = np.max(np.delete(times, hi))
-    a = np.flatnonzero(rep == hi)
-    best, action = now * (1 - 1e-12), None
-    # moves: unit a -> the roomiest micro-batch of another replica (a's micro-batch keeps a unit)
-    room = cap - mb_tok.reshape(dp, m)
-    target = np.argmax(room, axis=1)
-    movable = a[st.mb_n[mb[a]] > 1]
-    if len(movable):
-        fits = tok[movable][:, None] <= room[np.arange(dp), target][None, :]
-        fits[:, hi] = False
-        new = np.maximum(np.maximum(rest, now - cost[movable])[:, None], times[None, :] + cost[movable][:, None])
-        new = np.where(fits, new, np.inf)
-        i, r = np.unravel_index(int(np.argmin(new)), new.shape)
-        if new[i, r] < best:
-            best, action = new[i, r], ("move", movable[i], r * m + target[r])
-    # swaps with the fastest replica: a <-> b lowering hi by cost[a] - cost[b] in (0, gap); for each a, the b
-    # nearest to the ideal cost[a] - gap / 2 (either side) is tried
-    lo = int(np.argmin(times))
-    b = np.flatnonzero(rep == lo)
-    if len(a) and len(b) and lo != hi:
-        b = b[np.argsort(cost[b], kind="stable")]
-        want = cost[a] - (now - times[lo]) / 2
-        at = np.searchsorted(cost[b], want)
-        for j in (np.clip(at, 0, len(b) - 1), np.clip(at - 1, 0, len(b) - 1)):
-            bj = b[j]
-            delta = cost[a] - cost[bj]
-            ok = (delta > 0) & (mb_tok[mb[a]] - tok[a] + tok[bj] <= cap) & (mb_tok[mb[bj]] - tok[bj] + tok[a] <= cap)
-            new = np.where(ok, np.maximum(rest, np.maximum(now - delta, times[lo] + delta)), np.inf)
-            i = int(np.argmin(new))
-            if new[i] < best:
-                best, action = new[i], ("swap", a[i], bj[i])
-    if action is None:
+    now = float(times[hi])
+    rest = float(np.max(np.delete(times, hi))) if st.dp > 1 else -np.inf
+    a = np.flatnonzero(st.mb // st.m == hi)
+    best = None
+    for found in (_best_move(st, a, hi, now, rest, cap), _best_swap(st, a, hi, now, rest, cap)):
+        if found is not None and (best is None or found[:2] < best[:2]):
+            best = found
+    if best is None and trade:
+        best = _trade_for_shorter(st, a, hi, now, rest, cap)
+    if best is None:
         return False
-    if action[0] == "move":
-        st.put(action[1], action[2])
-    else:
-        x, y = action[1], action[2]
-        mx, my = mb[x], mb[y]
-        st.put(x, my)
-        st.put(y, mx)
+    for unit, to in best[2]:
+        st.put(unit, to)
     return True
+
+
+def _better(new: np.ndarray, pair: np.ndarray, now: float):
+    """The cell of least step time `new` (ties: least `pair`, the larger new time of the two replicas changed),
+    as (new, pair, cell), or None when no cell lowers the slowest replica (`pair` < now) without raising the step
+    time."""
+    ok = (pair < now * (1 - 1e-12)) & (new <= now)
+    if not ok.any():
+        return None
+    new, pair = np.where(ok, new, np.inf), np.where(ok, pair, np.inf)
+    cells = np.flatnonzero(new.ravel() <= new.min())
+    cell = int(cells[np.argmin(pair.ravel()[cells])])
+    return float(new.ravel()[cell]), float(pair.ravel()[cell]), np.unravel_index(cell, new.shape)
+
+
+def _best_move(st: _State, a: np.ndarray, hi: int, now: float, rest: float, cap: int):
+    """Unit a -> the roomiest micro-batch of another replica (a's micro-batch keeps a unit)."""
+    dp, m, times, cost = st.dp, st.m, st.times, st.cost
+    room = cap - st.mb_tok.reshape(dp, m)
+    target = np.argmax(room, axis=1)
+    movable = a[st.mb_n[st.mb[a]] > 1]
+    if not len(movable):
+        return None
+    fits = st.tok[movable][:, None] <= room[np.arange(dp), target][None, :]
+    fits[:, hi] = False
+    pair = np.maximum((now - cost[movable])[:, None], times[None, :] + cost[movable][:, None])
+    pair = np.where(fits, pair, np.inf)
+    found = _better(np.maximum(rest, pair), pair, now)
+    if found is None:
+        return None
+    i, r = found[2]
+    return found[0], found[1], [(int(movable[i]), int(r * m + target[r]))]
+
+
+def _best_swap(st: _State, a: np.ndarray, hi: int, now: float, rest: float, cap: int):
+    """Swaps with the fastest replica: a <-> b lowering hi by cost[a] - cost[b] in (0, gap); for each a, the b
+    nearest to the ideal cost[a] - gap / 2 (either side) is tried."""
+    mb, cost, tok, times, mb_tok = st.mb, st.cost, st.tok, st.times, st.mb_tok
+    lo = int(np.argmin(times))
+    b = np.flatnonzero(mb // st.m == lo)
+    if not len(a) or not len(b) or lo == hi:
+        return None
+    b = b[np.argsort(cost[b], kind="stable")]
+    at = np.searchsorted(cost[b], cost[a] - (now - times[lo]) / 2)
+    best = None
+    for j in (np.clip(at, 0, len(b) - 1), np.clip(at - 1, 0, len(b) - 1)):
+        bj = b[j]
+        delta = cost[a] - cost[bj]
+        ok = (delta > 0) & (mb_tok[mb[a]] - tok[a] + tok[bj] <= cap) & (mb_tok[mb[bj]] - tok[bj] + tok[a] <= cap)
+        pair = np.where(ok, np.maximum(now - delta, times[lo] + delta), np.inf)
+        found = _better(np.maximum(rest, pair), pair, now)
+        if found is not None and (best is None or found[:2] < best[:2]):
+            i = int(found[2][0])
+            best = found[0], found[1], [(int(a[i]), int(mb[bj[i]])), (int(bj[i]), int(mb[a[i]]))]
+    return best
+
+
+def _trade_for_shorter(st: _State, a: np.ndarray, hi: int, now: float, rest: float, cap: int):
+    """Unit x of the slowest replica -> micro-batch j of another replica, and the shortest units of j that free
+    the tokens x needs there -> x's micro-batch (all of them fitting in its room). With cost convex in tokens the
+    short units cost less than x: the slowest replica sheds the difference. Every (x, j) pair at once: j's units
+    sorted by tokens, the fewest whose running sum covers the need found by one search over the running sums."""
+    mb, cost, tok, times, mb_tok, m = st.mb, st.cost, st.tok, st.times, st.mb_tok, st.m
+    nb = st.dp * m
+    if not len(a):
+        return None
+    order = np.lexsort((np.arange(len(mb)), tok, mb))  # by micro-batch, shortest first
+    run_tok, run_cost = np.cumsum(tok[order]), np.cumsum(cost[order])
+    end = np.cumsum(st.mb_n)
+    start = end - st.mb_n
+    base_tok = np.where(start > 0, run_tok[np.maximum(start - 1, 0)], 0)
+    base_cost = np.where(start > 0, run_cost[np.maximum(start - 1, 0)], 0.0)
+    need = mb_tok[None, :] + tok[a][:, None] - cap  # [A, nb] tokens j must free to take x
+    at = np.searchsorted(run_tok, base_tok[None, :] + need)  # j's last unit to leave
+    ok = (need > 0) & (at < end[None, :]) & (np.arange(nb) // m != hi)[None, :]
+    last = np.minimum(at, len(order) - 1)
+    freed = run_tok[last] - base_tok[None, :]
+    shed = cost[a][:, None] - (run_cost[last] - base_cost[None, :])  # what the slowest replica sheds
+    ok &= (shed > 0) & (mb_tok[mb[a]][:, None] - tok[a][:, None] + freed <= cap)
+    pair = np.where(ok, np.maximum(now - shed, times[np.arange(nb) // m][None, :] + shed), np.inf)
+    found = _better(np.maximum(rest, pair), pair, now)
+    if found is None:
+        return None
+    i, j = (int(x) for x in found[2])
+    x, home = int(a[i]), int(mb[a[i]])
+    return found[0], found[1], [(x, j)] + [(int(u), home) for u in order[start[j] : last[i, j] + 1]]
