@@ -17,6 +17,7 @@ from support.data_files import dir_bytes
 from support.reliability import copy_folder, in_child, tokenize
 
 from balancer.data.pretokenize import pipeline
+from balancer.data.shards import journal
 from balancer.data.shards.errors import DataError
 from balancer.data.shards.journal import StateJournal, journal_path, read_journal, replay
 from balancer.data.shards.verify import verify
@@ -34,7 +35,7 @@ def unfinished(src, tmp_path, monkeypatch) -> Path:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(pipeline, "finish_output", stop)
-    monkeypatch.setattr(pipeline._ShardRun, "compact", lambda self: self.journal.close())
+    monkeypatch.setattr(pipeline._ShardRun, "compact", lambda self: self.run.journal.close())
     with pytest.raises(KeyboardInterrupt):
         tokenize([src], out)
     monkeypatch.undo()
@@ -44,7 +45,8 @@ def unfinished(src, tmp_path, monkeypatch) -> Path:
 def test_the_state_file_is_written_once_per_run_not_per_shard(src, tmp_path, monkeypatch):
     writes = []
     real = pipeline.atomic_write_json
-    monkeypatch.setattr(pipeline, "atomic_write_json", lambda path, obj: writes.append(path.name) or real(path, obj))
+    for module in (pipeline, journal):  # the run's state goes through journal.JournaledState
+        monkeypatch.setattr(module, "atomic_write_json", lambda path, obj: writes.append(path.name) or real(path, obj))
     manifest = tokenize([src], tmp_path / "out")
     assert len(manifest["shards"]) >= 5
     assert writes.count(STATE) == 2  # at the start and when folding the journal in: the shards went to the journal

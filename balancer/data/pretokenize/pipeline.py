@@ -13,7 +13,6 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
-import secrets
 import sys
 import time
 from collections import deque
@@ -34,7 +33,12 @@ from balancer.data.pretokenize.readers import (
     iter_records,
     resolve_inputs,
 )
-from balancer.data.pretokenize.resume import InputWatch, check_state_against_disk, describe_input_change
+from balancer.data.pretokenize.resume import (
+    InputWatch,
+    check_state_against_disk,
+    describe_input_change,
+    refuse_merge_state,
+)
 from balancer.data.pretokenize.summary import ProgressLines, log, summarize
 from balancer.data.pretokenize.tokenize import (
     EncoderConfig,
@@ -45,7 +49,7 @@ from balancer.data.pretokenize.tokenize import (
     load_tokenizer,
 )
 from balancer.data.shards.errors import DataError, arg
-from balancer.data.shards.journal import StateJournal, journal_path, read_journal, remove_our_journal, replay
+from balancer.data.shards.journal import JournaledState, journal_path, load_state, remove_our_journal
 from balancer.data.shards.limits import check_count, usable_processes
 from balancer.data.shards.manifest import (
     FORMAT_NAME,
@@ -61,7 +65,7 @@ from balancer.data.shards.output import (
     open_output,
     prepare_output,
 )
-from balancer.data.shards.schema import check_record, load_record, state_header
+from balancer.data.shards.schema import state_header
 from balancer.data.shards.writer import ShardWriter, shard_features, write_datasets_metadata
 from balancer.limits import MAX_NUM_PROC, MAX_NUM_SHARDS
 
@@ -158,18 +162,18 @@ def _encode_stream(
 
 class _ShardRun:
     """Documents in, shards out: windows/truncates/drops per the options, closes a shard at the first document
-    boundary past `shard_tokens`, and records each finished shard in the state file."""
+    boundary past `shard_tokens`, and records each finished shard in the run state's journal (`run`)."""
 
-    def __init__(self, out: Path, opts: PretokenizeOptions, tok: Tokenizer, state: dict, counters: dict) -> None:
+    def __init__(self, out: Path, opts: PretokenizeOptions, tok: Tokenizer, run: JournaledState, counters: dict):
         self.out = out
         self.opts = opts
         self.dtype = tok.dtype
         self.schema = shard_features(tok.dtype).arrow_schema
-        self.state = state
-        self.shards: list[dict] = state["shards"]
+        self.run = run  # a shard's record is one journal line: O(1)
+        self.state = run.state
+        self.shards: list[dict] = run.state["shards"]
         self.counters = counters
         self.writer: Optional[ShardWriter] = None
-        self.journal = StateJournal(out / STATE_NAME, state["journal"])  # a shard's record is appended: O(1)
 
     def take_batch(self, meta: list, lengths: np.ndarray, flat: np.ndarray, errors: dict) -> None:
         """One encoded batch: `meta[j] = (doc_id, where, cursor after)`, `lengths[j] < 0` for a bad record."""
@@ -212,39 +216,28 @@ class _ShardRun:
         assert self.writer is not None
         entry = self.writer.close(before_rename=self._record_pending)
         self.writer = None
-        self.state.pop("pending", None)
         self.counters["rows"] += entry["rows"]
         self.counters["tokens"] += entry["tokens"]
         self.counters["documents"] += entry["documents"]
         entry["cursor"] = cursor.to_json()
         entry["counters"] = json.loads(json.dumps(self.counters))
-        self.shards.append(entry)
-        self.journal.append({"shard": entry})
+        self.run.record({"shard": entry})  # appended to `shards`, `pending` cleared
 
     def _record_pending(self, entry: dict) -> None:
         """The shard's files, checksummed, before they get their final names: what makes them provably ours
         should the run die between the renames and their record."""
-        self.state["pending"] = [{"name": entry["name"], "files": entry["files"]}]
-        self.journal.append({"pending": self.state["pending"]})
+        self.run.record({"pending": [{"name": entry["name"], "files": entry["files"]}]})
 
     def compact(self) -> None:
-        """Fold the journal into the state file (one whole write, once per run) and remove it: a run that stops by
-        itself, finished or not, leaves one self-contained state. A kill in between leaves a state without a journal
-        id, which makes the journal a stale one of ours."""
-        self.journal.close()
-        self.state.pop("journal", None)
-        atomic_write_json(self.out / STATE_NAME, self.state)
-        remove_our_journal(self.out / STATE_NAME)
+        """Fold the journal into the state file (`JournaledState.compact`: once per run)."""
+        self.run.compact()
 
     def abort(self) -> None:
         """Remove the open shard's temporary files; the recorded shards and the state file stay (resumable)."""
         if self.writer is not None:
             self.writer.abort()
             self.writer = None
-        try:
-            self.compact()
-        except OSError:  # no space for the state: the journal stays, as valid as before
-            pass
+        self.run.abort()  # no space for the state: the journal stays, as valid as before
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -308,11 +301,9 @@ def _resume_point(out: Path, prev: Optional[dict], cursor: Cursor) -> tuple[list
     if prev is None:
         return [], counters, cursor
     try:
-        prev = load_record(out / STATE_NAME, "state")  # strict: exact types, no unknown keys
-        journal = read_journal(out / STATE_NAME, prev.get("journal"))
-        prev = check_record(replay(prev, journal, str(journal_path(out / STATE_NAME))), str(out / STATE_NAME), "state")
+        prev = load_state(out / STATE_NAME, "state")  # strict: exact types, no unknown keys; the journal applied
     except DataError:
-        _refuse_merge_state(out / STATE_NAME)
+        refuse_merge_state(out / STATE_NAME)
         raise
     check_state_against_disk(out, prev, cursor.record)
     shards = list(prev["shards"])
@@ -321,21 +312,6 @@ def _resume_point(out: Path, prev: Optional[dict], cursor: Cursor) -> tuple[list
         counters = json.loads(json.dumps(shards[-1]["counters"]))
     log(f"{out}: resuming after {len(shards)} finished shard(s) at record {cursor.record}")
     return shards, counters, cursor
-
-
-def _refuse_merge_state(path: Path) -> None:
-    """A state that `balancer merge` left (its shards carry no input cursor): say so, rather than name a key."""
-    try:
-        state = json.loads(path.read_text())
-        shards = list(state.get("shards", []))
-        shards += [r["shard"] for r in read_journal(path, state.get("journal")) if "shard" in r]
-    except (OSError, ValueError, TypeError, AttributeError, KeyError, DataError):
-        return
-    if state.get("slice") is None and any(isinstance(e, dict) and "cursor" not in e for e in shards):
-        raise DataError(
-            f"{path}: the state of an unfinished `balancer merge` into this folder, not of pretokenize: run that merge "
-            f"again to finish it, or pass {arg('overwrite', True)} to pretokenize into the folder anew"
-        )
 
 
 def _check_inputs_unchanged(watch: InputWatch, sources, infos, read: int, expected: int, disable) -> None:
@@ -495,10 +471,7 @@ def pretokenize(
         keep = {fn for e in shards for fn in e["files"]} | {STATE_NAME, journal_path(out / STATE_NAME).name}
         clear_outputs(out, owned, keep=keep)
         state = {**state_header("state"), "job": job, "slice": slice_, "inputs": infos, "shards": shards}
-        state["journal"] = secrets.token_hex(8)  # the state holds every shard so far; a new journal follows it
-        atomic_write_json(out / STATE_NAME, state)
-
-        run = _ShardRun(out, opts, tok, state, counters)
+        run = _ShardRun(out, opts, tok, JournaledState(out / STATE_NAME, state), counters)  # every shard so far
         cfg = EncoderConfig(tokenizer, tok.hash, opts.text_field, opts.add_eos)
         workers = num_proc if engine == "ray" else usable_processes(num_proc, end - cursor.record, log)
         batches = _encoded_batches(engine_info["name"], sources, infos, cursor, end, cfg, tok, workers)

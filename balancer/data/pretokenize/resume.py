@@ -5,17 +5,20 @@ size and checksum (the ownership rules checked the sha256), each shard's index a
 cursors and counters agree with the shards (a state whose cursor or shard list was edited, or whose shard files
 were swapped, is refused naming the file and the disagreement). `InputWatch`: the inputs as they were hashed at
 the start of this run (size, modification time, inode), checked when a record fails and once more, with a second
-sha256 of every input, before the manifest calls the output complete.
+sha256 of every input, before the manifest calls the output complete. `refuse_merge_state`: a state that
+`balancer merge` left in the folder is named as such.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Optional
 
 from balancer.data.shards.checks import check_files_inside, check_shard_index
 from balancer.data.shards.errors import DataError, arg
+from balancer.data.shards.journal import read_journal
 from balancer.data.shards.manifest import STATE_NAME
 
 
@@ -100,4 +103,19 @@ class InputWatch:
         return DataError(
             f"{change}: the output is not complete and no manifest was written; run again once the input is stable "
             f"(a changed input is a new job: pass {arg('overwrite', True)})"
+        )
+
+
+def refuse_merge_state(path: Path) -> None:
+    """A state that `balancer merge` left (its shards carry no input cursor): say so, rather than name a key."""
+    try:
+        state = json.loads(path.read_text())
+        shards = list(state.get("shards", []))
+        shards += [r["shard"] for r in read_journal(path, state.get("journal")) if "shard" in r]
+    except (OSError, ValueError, TypeError, AttributeError, KeyError, DataError):
+        return
+    if state.get("slice") is None and any(isinstance(e, dict) and "cursor" not in e for e in shards):
+        raise DataError(
+            f"{path}: the state of an unfinished `balancer merge` into this folder, not of pretokenize: run that merge "
+            f"again to finish it, or pass {arg('overwrite', True)} to pretokenize into the folder anew"
         )

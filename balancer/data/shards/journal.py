@@ -12,7 +12,7 @@ old state or the new one, because a line that did not reach its newline (or whos
 is a record that was never committed, and the run did nothing that needed it; a bad line before the last is damage,
 refused naming the file and line. A journal whose header names another id is a stale one of an earlier run (the
 state was rewritten, holding its records, before it was removed) and is ignored. `JournaledState` is one run's side
-of this (merge and pack; pretokenize's `_ShardRun` does the same), `load_state` the resuming run's.
+of this (pretokenize, merge and pack), `load_state` the resuming run's.
 """
 
 from __future__ import annotations
