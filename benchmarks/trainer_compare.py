@@ -21,8 +21,8 @@ Timing: every run is timed on every rank from building the trainer (TRL packs, B
 end of `train()`: wall clock (the ranks meet at a barrier before and after) and process CPU summed over the ranks.
 Before a mix's timed runs every contender runs it once untimed (`--warmup`, recorded apart as `warmup_records`):
 the first run in a process pays for what the process does once (lazy imports of transformers / accelerate / the
-contender's own modules, torch.distributed's and DDP's first use, the attention pieces' cache), about 1 s of CPU
-on top of the run here, which would otherwise fall on whichever contender happens to run first.
+contender's own modules, torch.distributed's and DDP's first use), which would otherwise fall on whichever
+contender runs first (BalancedTrainer, first, in a run without warm-up: 9.5 s of CPU against 7.2-7.9 s later).
 Repetitions are paired and alternate their order (A B C D, then D C B A). The stock `batch_rebalance` run is
 repeated with 2 more seeds (model initialisation and data order) for the spread of its final loss; "final loss" is
 the mean next-token loss on held-out documents of the same mix, after training. Writes
