@@ -215,7 +215,8 @@ def run_job(rank: int, job: dict, tmp: Path) -> dict | None:
 
 
 def world(rank: int, size: int, tmp: str) -> None:
-    """Run every job of tmp/jobs.json in order on this rank; rank 0 writes tmp/records.json after each run."""
+    """Run every job of tmp/jobs.json in order on this rank; rank 0 writes tmp/records.json (warm-up runs:
+    tmp/warmup.json) after each run."""
     tmp = Path(tmp)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
@@ -225,14 +226,16 @@ def world(rank: int, size: int, tmp: str) -> None:
     if not dist.is_initialized():  # torchrun's environment is set: the Trainer finds this group and uses it
         dist.init_process_group("gloo")
     jobs = json.loads((tmp / "jobs.json").read_text())
-    records = []
+    records, warmups = [], []
     for i, job in enumerate(jobs):
         rec = run_job(rank, job, tmp)
         if rank == 0:
-            records.append(rec)
-            (tmp / "records.json").write_text(json.dumps(records))
+            kept, name = (warmups, "warmup.json") if job.get("warmup") else (records, "records.json")
+            kept.append(rec)
+            (tmp / name).write_text(json.dumps(kept))
+            what = "warm-up" if job.get("warmup") else f"rep {job['rep']}"
             print(
-                f"[{i + 1}/{len(jobs)}] {job['mix']:<9} {job['contender']:<13} seed {job['seed']} rep {job['rep']}: "
+                f"[{i + 1}/{len(jobs)}] {job['mix']:<9} {job['contender']:<13} seed {job['seed']} {what}: "
                 f"{rec['wall_seconds']:.1f} s wall, {rec['cpu_seconds']:.1f} s CPU, {rec['steps']} steps, "
                 f"held-out loss {rec['heldout_loss']:.4f}",
                 flush=True,

@@ -19,6 +19,10 @@ linear layers only.
 
 Timing: every run is timed on every rank from building the trainer (TRL packs, BalancedTrainer plans there) to the
 end of `train()`: wall clock (the ranks meet at a barrier before and after) and process CPU summed over the ranks.
+Before a mix's timed runs every contender runs it once untimed (`--warmup`, recorded apart as `warmup_records`):
+the first run in a process pays for what the process does once (lazy imports of transformers / accelerate / the
+contender's own modules, torch.distributed's and DDP's first use), which would otherwise fall on whichever
+contender runs first (BalancedTrainer, first, in a run without warm-up: 9.5 s of CPU against 7.2-7.9 s later).
 Repetitions are paired and alternate their order (A B C D, then D C B A). The stock `batch_rebalance` run is
 repeated with 2 more seeds (model initialisation and data order) for the spread of its final loss; "final loss" is
 the mean next-token loss on held-out documents of the same mix, after training. Writes
@@ -147,12 +151,14 @@ def prepare(tmp: Path, mixes: list[str], n_docs: dict, steps: int) -> dict:
     return setups
 
 
-def jobs_for(mixes: list[str], setups: dict, reps: int, seeds: int, lr: float) -> list[dict]:
+def jobs_for(mixes: list[str], setups: dict, reps: int, seeds: int, lr: float, warmup: int = 1) -> list[dict]:
+    """Per mix: `warmup` untimed runs of every contender, the timed repetitions (alternating order), the stock seeds."""
     jobs = []
     for mix in mixes:
         s = setups[mix]
         base = dict(mix=mix, dp=DP, micro_batches=M, model=MODEL, lr=lr, **{k: s[k] for k in (
             "batch_size", "tokens_per_step", "max_tokens", "seq_length")})  # fmt: skip
+        jobs += [dict(base, contender=c, seed=0, rep=-2, warmup=True) for _ in range(warmup) for c in CONTENDERS]
         for rep in range(reps):
             order = CONTENDERS if rep % 2 == 0 else CONTENDERS[::-1]
             jobs += [dict(base, contender=c, seed=0, rep=rep) for c in order]
@@ -279,6 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mixes", default="sft,longtail", help="comma-separated: sft, longtail")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions per contender (default 2)")
     ap.add_argument("--seeds", type=int, default=None, help="seeds of the stock batch_rebalance run (default 3)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed runs of every contender before a mix (default 1)")
     ap.add_argument("--steps", type=int, default=12, help="optimizer steps per epoch (every contender, +-1)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (constant)")
     ap.add_argument("--name", default="trainer_compare", help="results/NAME.json and NAME.png")
@@ -291,6 +298,8 @@ def main(argv=None) -> int:
     bad = [m for m in mixes if m not in GOAL]
     if bad:
         ap.error(f"--mixes: unknown mix {bad[0]!r} (choose from {', '.join(GOAL)})")
+    if args.warmup < 0:
+        ap.error(f"--warmup must be >= 0, got {args.warmup}")
     reps = args.reps if args.reps is not None else (1 if args.quick else 2)
     seeds = args.seeds if args.seeds is not None else (1 if args.quick else 3)
     per_step = args.steps * DP * M
@@ -302,9 +311,10 @@ def main(argv=None) -> int:
         for mix, s in setups.items():
             print(f"== {mix}: {json.dumps(s)}", flush=True)
         print(f"prepared in {time.perf_counter() - t0:.0f} s", flush=True)
-        (tmp / "jobs.json").write_text(json.dumps(jobs_for(mixes, setups, reps, seeds, args.lr)))
+        (tmp / "jobs.json").write_text(json.dumps(jobs_for(mixes, setups, reps, seeds, args.lr, args.warmup)))
         spawn_world(tmp)
         records = json.loads((tmp / "records.json").read_text())
+        warmups = json.loads((tmp / "warmup.json").read_text()) if args.warmup else []
     summary = summarize(records, mixes, setups)
     result = dict(
         config=dict(
@@ -316,10 +326,12 @@ def main(argv=None) -> int:
             micro_batches=M,
             threads_per_rank=1,
             quick=args.quick,
+            warmup=args.warmup,
         ),  # fmt: skip
         runtime_seconds=time.perf_counter() - t0,
         summary=summary,
         records=records,
+        warmup_records=warmups,
     )
     from _trainer_worker import build_model
 

@@ -26,7 +26,6 @@ checkpoints, DDP/FSDP through accelerate - is the stock Trainer's):
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import math
 import os
@@ -53,7 +52,7 @@ from balancer.training.sampler_state import read_checkpoint_state
 from balancer.training.trainer_balance import MeasuredBalanceMixin
 from balancer.training.trainer_defaults import default_topology
 from balancer.training.trainer_eval import BalancedEvalMixin, eval_lengths
-from balancer.training.trainer_stream import StreamTrainingMixin, is_stream, stream_settings
+from balancer.training.trainer_stream import StreamTrainingMixin, is_stream, stream_settings, write_state
 
 logger = logging.getLogger(__name__)
 
@@ -277,11 +276,7 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         # before the Trainer's own files: trainer_state.json, written last, marks it done
         if self.balanced_stream is None and self.args.should_save:
-            os.makedirs(folder, exist_ok=True)
-            tmp = os.path.join(folder, SAMPLER_STATE_NAME + ".tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(self.sampler_state(), f)
-            os.replace(tmp, os.path.join(folder, SAMPLER_STATE_NAME))
+            write_state(folder, SAMPLER_STATE_NAME, self.sampler_state())
         super()._save_checkpoint(model, trial)
 
     def _finalize_training(self, trial, num_train_samples, start_time):

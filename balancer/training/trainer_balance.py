@@ -75,12 +75,12 @@ class MeasuredBalanceMixin:
         """The Trainer's logs plus the monitor's figures under `balance/` (training logs only)."""
         monitor = self.balance_monitor
         if monitor is not None and "loss" in logs and monitor.ledger.steps:
-            report = monitor.report()
+            figures = monitor.log_figures()  # report()'s values, without rebuilding the whole report every log
             for key in LOGGED:
-                value = report[key]
+                value = figures[key]
                 if value is not None and not (isinstance(value, float) and math.isnan(value)):
                     logs[f"balance/{key}"] = value
-            if report["rank_speeds"] is not None:
-                logs.update({f"balance/rank_speed_{r}": s for r, s in enumerate(report["rank_speeds"])})
-            logs["balance/refits_accepted"] = sum(r["accepted"] for r in report["refits"])
+            if figures["rank_speeds"] is not None:
+                logs.update({f"balance/rank_speed_{r}": s for r, s in enumerate(figures["rank_speeds"])})
+            logs["balance/refits_accepted"] = figures["refits_accepted"]
         return super().log(logs, *args, **kwargs)

@@ -21,6 +21,7 @@ import os
 
 import torch
 
+from balancer.files import atomic_write
 from balancer.streaming.dataset import BalancedStream
 from balancer.training.sampler_state import read_checkpoint_state
 
@@ -29,6 +30,12 @@ STREAM_STATE_NAME = "balancer_stream.json"
 
 def is_stream(dataset) -> bool:
     return isinstance(dataset, BalancedStream)
+
+
+def write_state(folder: str, name: str, state: dict) -> None:
+    """`state` as JSON in `folder/name` through `balancer.files.atomic_write` (fsynced, renamed over the old file;
+    a symbolic link there is refused, naming it, and neither it nor its target is touched)."""
+    atomic_write(os.path.join(folder, name), lambda f: f.write(json.dumps(state).encode()))
 
 
 def stream_settings(trainer, stream: BalancedStream, topology, cost, lengths, overflow: str, seed):
@@ -154,9 +161,5 @@ class StreamTrainingMixin:
             folder = os.path.join(
                 self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             )
-            os.makedirs(folder, exist_ok=True)
-            tmp = os.path.join(folder, STREAM_STATE_NAME + ".tmp")
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(stream.state_dict(), f)
-            os.replace(tmp, os.path.join(folder, STREAM_STATE_NAME))
+            write_state(folder, STREAM_STATE_NAME, stream.state_dict())
         super()._save_checkpoint(model, trial)
