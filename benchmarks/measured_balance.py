@@ -19,7 +19,7 @@ both alike. Figures (steps after the second window, where adapt's first refit pl
 refit (fresh micro-batches), the monitor's own process CPU per step over the step's, and the refit's. The machine is
 shared with other jobs: the load average is recorded at start and end.
 
-    python benchmarks/measured_balance.py [--pairs 5] [--configs uneven,equal,cp2] [--quick]
+    python benchmarks/measured_balance.py [--pairs 5] [--configs uneven,equal,cp2] [--steps-per-window 4] [--quick]
 """
 
 from __future__ import annotations
@@ -285,6 +285,10 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", default="uneven,equal,cp2", help="comma-separated: " + ", ".join(CONFIGS))
     ap.add_argument("--quick", action="store_true", help="1 pair, 2 steps per window (a smoke run)")
     ap.add_argument("--output", default="measured_balance", help="results name (benchmarks/results/NAME.json)")
+    ap.add_argument(
+        "--steps-per-window", type=int, default=STEPS_PER_WINDOW,
+        help=f"steps per planning window (default {STEPS_PER_WINDOW}): the first refit's evidence is one window",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
 
@@ -292,7 +296,7 @@ def main(argv=None) -> int:
     from balancer.calibration.timing import _free_port
     from balancer.measured.monitor import _planner_takes_speeds
 
-    steps = 2 if args.quick else STEPS_PER_WINDOW
+    steps = 2 if args.quick else args.steps_per_window
     every = GATHER_EVERY if steps >= 4 else 1  # (see GATHER_EVERY)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     results, t0 = [], time.perf_counter()

@@ -175,7 +175,7 @@ def compare_speedup() -> str:
 
 
 def _pct(x) -> str:
-    return "-" if x is None else f"{100 * x:.2f}%"
+    return "-" if x is None else f"{100 * x + 0.0:.2f}%".replace("-0.00%", "0.00%")  # a rounding-size negative: 0
 
 
 def compare_peers() -> str:
@@ -200,9 +200,9 @@ def compare_peers() -> str:
     header = ["distribution", "topology", *names, "balancer", "of it: per-step bound", "balancer / best peer",
               "balancer_slices", "slices / best slice peer"]  # fmt: skip
     goal = data["goal"]
+    verdict = f"met on all {goal['rows']}" if goal["met_all"] else f"missed on {len(goal['not_met'])} of {goal['rows']}"
     note = (
-        f"\n\nGoal (balancer's excess <= {goal['goal_ratio']:.0%} of the best peer's on every row): "
-        f"{'met' if goal['met_all'] else 'missed on ' + str(len(goal['not_met'])) + ' of ' + str(goal['rows'])} rows"
+        f"\n\nGoal (balancer's excess <= {goal['goal_ratio']:.0%} of the best peer's on every row): {verdict} rows"
         f"; nothing dropped by any valid plan: {fmt(goal['zero_drop_all'])}. * = the plan has micro-batches above "
         "max_tokens (the peer takes no token cap, or needs more than M micro-batches to keep it)."
     )
