@@ -37,7 +37,7 @@ import torch
 
 from balancer.measured.ledger import Ledger, Model
 from balancer.measured.refit import refit
-from balancer.measured.report import _errors, _fresh_errors, _imbalance, _quantiles, build_report, token_room
+from balancer.measured.report import _errors, build_report, headline, token_room
 from balancer.planning.cost.fit import TERMS
 from balancer.planning.cost.model import CostModel
 from balancer.planning.shuffle import num_windows
@@ -353,23 +353,8 @@ class BalanceMonitor:
         if self._tables is None or not self._tables.follows(self.ledger):
             self._tables = _Tables(self.ledger)
         meas, pred, ranks, mb = self._tables.update(self.ledger)
-        med, p90 = _quantiles(_errors(mb, self.models)[0])
-        fitted = next((m for m in reversed(self.models) if m.in_seconds), None)
-        fresh = _fresh_errors(self, fitted)
-        total = ranks.max(axis=1, keepdims=True) if len(ranks) else np.zeros((0, 1))
-        idle = float((total - ranks).sum() / (total.sum() * ranks.shape[1])) if len(ranks) and total.sum() > 0 else 0.0
-        return {
-            "measured_imbalance": _imbalance(meas),
-            "predicted_imbalance": _imbalance(pred),
-            "prediction_error_median": med,
-            "prediction_error_p90": p90,
-            "fresh_error_median": fresh[0],
-            "fresh_error_p90": fresh[1],
-            "idle_fraction": idle,
-            "mean_step_seconds": float(meas.max(axis=1).mean()) if len(meas) else math.nan,
-            "rank_speeds": None if fitted is None or fitted.speeds is None else list(fitted.speeds),
-            "refits_accepted": sum(r["accepted"] for r in self.refits),
-        }
+        figures = headline(self, meas, pred, ranks, _errors(mb, self.models)[0])
+        return {**figures, "refits_accepted": sum(r["accepted"] for r in self.refits)}
 
     def state_dict(self) -> dict:
         """Everything a resumed run needs to plan and refit as the uninterrupted one (JSON-able)."""

@@ -56,8 +56,7 @@ def build_report(monitor) -> dict:
     pred = np.array([s["predicted"] for s in steps], dtype=np.float64).reshape(len(steps), dp)
     ranks = np.array([s["ranks"] for s in steps], dtype=np.float64).reshape(len(steps), world)
     e, out, mb_pred = _errors(mb, monitor.models)
-    med, p90 = _quantiles(e)
-    fitted = next((m for m in reversed(monitor.models) if m.in_seconds), None)
+    fitted = _last_fit(monitor)
     per_model = []
     for k, model in enumerate(monitor.models):
         mine = mb[:, 0] == k
@@ -65,27 +64,16 @@ def build_report(monitor) -> dict:
         per_model.append({"model": k, "from": list(model.start), "fitted": model.in_seconds,
                           "micro_batches": int(mine.sum()), "prediction_error_median": _quantiles(ek)[0],
                           "prediction_error_p90": _quantiles(ek)[1]})  # fmt: skip
-    fresh = _fresh_errors(monitor, fitted)
     listed = [
         {"epoch": int(led.steps[int(r[4])]["epoch"]), "step": int(led.steps[int(r[4])]["step"]),
          "replica": int(r[1]), "micro_batch": int(r[6]), "seconds": float(r[2]), "predicted": float(p)}
         for r, p in zip(mb[out][:MAX_LISTED], mb_pred[out][:MAX_LISTED])
     ]  # fmt: skip
-    total = ranks.max(axis=1, keepdims=True) if len(ranks) else np.zeros((0, 1))
-    idle = float((total - ranks).sum() / (total.sum() * ranks.shape[1])) if len(ranks) and total.sum() > 0 else 0.0
     return {
         "mode": monitor.mode,
         "steps": len(led.steps),
         "warmup_steps": len(led.steps) - len(steps),
-        "measured_imbalance": _imbalance(meas),
-        "predicted_imbalance": _imbalance(pred),
-        "prediction_error_median": med,
-        "prediction_error_p90": p90,
-        "fresh_error_median": fresh[0],
-        "fresh_error_p90": fresh[1],
-        "idle_fraction": idle,
-        "mean_step_seconds": float(meas.max(axis=1).mean()) if len(meas) else math.nan,
-        "rank_speeds": None if fitted is None or fitted.speeds is None else list(fitted.speeds),
+        **headline(monitor, meas, pred, ranks, e),
         "token_bound": _token_bound(monitor, fitted),
         "cost": (fitted or monitor.models[0]).cost.to_dict(),
         "outliers": {"rule": OUTLIER_RULE, "count": int(out.sum()), "micro_batches": listed},
@@ -100,6 +88,32 @@ def build_report(monitor) -> dict:
             "predicted": pred[-MAX_SERIES:].tolist(),
         },
     }
+
+
+def headline(monitor, meas: np.ndarray, pred: np.ndarray, ranks: np.ndarray, errors: np.ndarray) -> dict:
+    """The report's headline figures (the ones training logs show) from the measured and predicted step times
+    [steps, dp], each rank's own time [steps, world] and the micro-batches' relative errors."""
+    med, p90 = _quantiles(errors)
+    fitted = _last_fit(monitor)
+    fresh = _fresh_errors(monitor, fitted)
+    total = ranks.max(axis=1, keepdims=True) if len(ranks) else np.zeros((0, 1))
+    idle = float((total - ranks).sum() / (total.sum() * ranks.shape[1])) if len(ranks) and total.sum() > 0 else 0.0
+    return {
+        "measured_imbalance": _imbalance(meas),
+        "predicted_imbalance": _imbalance(pred),
+        "prediction_error_median": med,
+        "prediction_error_p90": p90,
+        "fresh_error_median": fresh[0],
+        "fresh_error_p90": fresh[1],
+        "idle_fraction": idle,
+        "mean_step_seconds": float(meas.max(axis=1).mean()) if len(meas) else math.nan,
+        "rank_speeds": None if fitted is None or fitted.speeds is None else list(fitted.speeds),
+    }
+
+
+def _last_fit(monitor):
+    """The last accepted fit (a model in seconds), or None."""
+    return next((m for m in reversed(monitor.models) if m.in_seconds), None)
 
 
 def _imbalance(times: np.ndarray) -> float:
