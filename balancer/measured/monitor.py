@@ -37,7 +37,7 @@ import torch
 
 from balancer.measured.ledger import Ledger, Model
 from balancer.measured.refit import refit
-from balancer.measured.report import _errors, build_report, headline, token_room
+from balancer.measured.report import _errors, build_report, headline, measured_steps, timed_rows, token_room
 from balancer.planning.cost.fit import TERMS
 from balancer.planning.cost.model import CostModel
 from balancer.planning.shuffle import num_windows
@@ -431,8 +431,8 @@ class _Tables:
 
     def update(self, ledger: Ledger) -> tuple:
         """(measured [n, dp], predicted [n, dp], ranks [n, world], micro-batch rows [k, 7]) so far."""
-        steps = [s for s in ledger.steps[self.n_steps :] if not s["warm"]]
-        mb = [row for row in ledger.mb[self.n_mb :] if not row[5] and row[2] > 0]
+        steps = measured_steps(ledger.steps[self.n_steps :])
+        mb = timed_rows(ledger.mb[self.n_mb :])
         self.n_steps, self.n_mb = len(ledger.steps), len(ledger.mb)
         width = len(steps[0]["ranks"]) if steps else self.rows[2].shape[1]
         for i, (key, w) in enumerate((("measured", ledger.dp), ("predicted", ledger.dp), ("ranks", width))):

@@ -49,8 +49,8 @@ def _quantiles(e: np.ndarray) -> tuple:
 
 def build_report(monitor) -> dict:
     led = monitor.ledger
-    steps = [s for s in led.steps if not s["warm"]]
-    mb = np.array([row for row in led.mb if not row[5] and row[2] > 0], dtype=np.float64).reshape(-1, 7)
+    steps = measured_steps(led.steps)
+    mb = np.array(timed_rows(led.mb), dtype=np.float64).reshape(-1, 7)
     dp, world = monitor.topology.dp, monitor.world
     meas = np.array([s["measured"] for s in steps], dtype=np.float64).reshape(len(steps), dp)
     pred = np.array([s["predicted"] for s in steps], dtype=np.float64).reshape(len(steps), dp)
@@ -109,6 +109,16 @@ def headline(monitor, meas: np.ndarray, pred: np.ndarray, ranks: np.ndarray, err
         "mean_step_seconds": float(meas.max(axis=1).mean()) if len(meas) else math.nan,
         "rank_speeds": None if fitted is None or fitted.speeds is None else list(fitted.speeds),
     }
+
+
+def measured_steps(steps: list) -> list:
+    """The ledger's step records the figures count: those after the warm-up."""
+    return [s for s in steps if not s["warm"]]
+
+
+def timed_rows(rows: list) -> list:
+    """The ledger's micro-batch rows the errors count: timed (seconds > 0), neither warm-up nor synced."""
+    return [row for row in rows if not row[5] and row[2] > 0]
 
 
 def _last_fit(monitor):
