@@ -56,8 +56,7 @@ from balancer.data.shards.journal import (
     JournaledState,
     journal_path,
     load_state,
-    remove_leftover_state,
-    remove_our_journal,
+    remove_state,
 )
 from balancer.data.shards.limits import check_count, check_pack_topology
 from balancer.data.shards.manifest import MANIFEST_NAME, atomic_write_json, fsync_file, sha256_file, verify_shard_files
@@ -355,7 +354,7 @@ def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, 
 
 def _already_complete(out: Path, prev: dict) -> dict:
     """The finished folder's manifest, once every file verifies (a state and journal a kill left behind it gone)."""
-    remove_leftover_state(out / PACK_STATE_NAME, lambda path: is_our_record(path, PACK))
+    remove_state(out / PACK_STATE_NAME, lambda path: is_our_record(path, PACK))
     problems = verify_packed(out)
     if problems:
         raise PackError(
@@ -435,11 +434,7 @@ def _finish(out: Path, manifest: dict, dtype: np.dtype) -> None:
     names = [s["name"] for s in manifest["shards"]]
     write_datasets_metadata(out, names, dtype, manifest["job"], pack_features(dtype), PACK_DESCRIPTION)
     atomic_write_json(out / MANIFEST_NAME, manifest)
-    try:
-        os.remove(out / PACK_STATE_NAME)
-    except FileNotFoundError:
-        pass
-    remove_our_journal(out / PACK_STATE_NAME)
+    remove_state(out / PACK_STATE_NAME)
 
 
 def _say(message: str) -> None:

@@ -14,7 +14,7 @@ from balancer.data.pretokenize.pipeline import MAX_SKIPPED_EXAMPLES, finish_outp
 from balancer.data.pretokenize.summary import log, summarize
 from balancer.data.shards.checks import open_folder
 from balancer.data.shards.errors import DataError, arg
-from balancer.data.shards.journal import JournaledState, journal_path, remove_leftover_state
+from balancer.data.shards.journal import JournaledState, journal_path, remove_state
 from balancer.data.shards.manifest import STATE_NAME, create_new_file, sha256_file, shard_file_names
 from balancer.data.shards.output import clear_outputs, is_our_record, is_regular_file, open_output, prepare_output
 from balancer.data.shards.schema import state_header
@@ -102,7 +102,7 @@ def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = Fal
     with open_output(out, parts, "parts"):
         status, prev, owned = prepare_output(out, first["job"], None, overwrite)
         if status == "complete":
-            remove_leftover_state(out / STATE_NAME, is_our_record)
+            remove_state(out / STATE_NAME, is_our_record)
             log(f"{out}: already complete")
             return prev
         links = _links(by_index)

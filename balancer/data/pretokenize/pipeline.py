@@ -49,7 +49,7 @@ from balancer.data.pretokenize.tokenize import (
     load_tokenizer,
 )
 from balancer.data.shards.errors import DataError, arg
-from balancer.data.shards.journal import JournaledState, journal_path, load_state, remove_our_journal
+from balancer.data.shards.journal import JournaledState, journal_path, load_state, remove_state
 from balancer.data.shards.limits import check_count, usable_processes
 from balancer.data.shards.manifest import (
     FORMAT_NAME,
@@ -116,11 +116,7 @@ def finish_output(out: Path, manifest: dict, dtype: np.dtype) -> None:
     if names:
         write_datasets_metadata(out, names, dtype, manifest["job"])
     atomic_write_json(out / MANIFEST_NAME, manifest)
-    try:
-        os.remove(out / STATE_NAME)
-    except FileNotFoundError:
-        pass
-    remove_our_journal(out / STATE_NAME)
+    remove_state(out / STATE_NAME)
 
 
 def _version() -> str:
@@ -281,9 +277,7 @@ def _slice_of(total_records: int, num_shards: int, shard_index: int) -> tuple[in
 def _already_complete(out: Path, prev: dict) -> dict:
     from balancer.data.shards.verify import verify
 
-    if is_our_record(out / STATE_NAME):  # killed between writing the manifest and removing the state file
-        os.remove(out / STATE_NAME)
-    remove_our_journal(out / STATE_NAME)
+    remove_state(out / STATE_NAME, is_our_record)  # killed between writing the manifest and removing the state
     problems = verify(out)
     if problems:
         raise DataError(

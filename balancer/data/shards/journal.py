@@ -139,9 +139,10 @@ def _shape(state: dict, record: dict) -> Optional[str]:
     return key if isinstance(value, dict) and isinstance(state.get(_LISTS.get(key, "")), list) else None
 
 
-def remove_leftover_state(state_path: Path, is_ours: Callable[[Path], bool]) -> None:
-    """Remove the state file (when `is_ours(state_path)`) and its journal (when ours) that a run killed between
-    writing its manifest and removing them left beside a finished output."""
+def remove_state(state_path: Path, is_ours: Callable[[Path], bool] = os.path.lexists) -> None:
+    """Remove a run's state file (when `is_ours(state_path)`) and its journal (when ours): by default the state of the
+    run that has just written its manifest; with an ownership check, the ones a run killed between writing its
+    manifest and removing them left beside a finished output."""
     if is_ours(state_path):
         os.remove(state_path)
     remove_our_journal(state_path)
