@@ -119,7 +119,8 @@ def _epoch(rank, dp, cp, mode, lengths, window_docs, tps, seed, groups, every=1)
     report.pop("series")
     replica = [[s["window"], s["measured"]] for s in monitor.ledger.steps]
     return {"steps": steps, "wall": walls, "cpu": cpus, "report": report, "replica_times": replica,
-            "planned_speeds": _planned_speeds(sampler), "micro_batches": _micro_batches(monitor)}  # fmt: skip
+            "planned_speeds": _planned_speeds(sampler), "micro_batches": _micro_batches(monitor),
+            "micro_batch_sizes": _micro_batch_sizes(monitor)}  # fmt: skip
 
 
 def _micro_batches(monitor) -> list:
@@ -144,6 +145,11 @@ def _micro_batches(monitor) -> list:
         fresh_from = first.fresh_from
     return [[s[0], led.steps[s[0]]["step"], led.steps[s[0]]["window"], s[1], m_of[i], sum(s[3]), len(s[3]), s[4],
              float(p), int(s[0] >= fresh_from)] for (i, s), p in zip(keep, pred)]  # fmt: skip
+
+
+def _micro_batch_sizes(monitor) -> list:
+    """The piece token counts of every row of `_micro_batches`, in the same order (for offline fits)."""
+    return [[int(x) for x in s[3]] for s in monitor.ledger.samples if not s[5] and s[4] > 0]
 
 
 def _fresh_errors(rows: list) -> dict:
@@ -231,7 +237,7 @@ def _summarise(name, per_rank, dp, cp):
                        for r in rep["refits"]],
             "monitor_cpu_fraction": float(mon / cpu.sum(axis=1).mean()),
             "refit_cpu_seconds": rep["refit_cpu_seconds"],
-            "micro_batches": run0["micro_batches"],
+            "micro_batches": run0["micro_batches"], "micro_batch_sizes": run0["micro_batch_sizes"],
         })  # fmt: skip
     pairs = []
     for p in sorted({r["pair"] for r in runs}):
@@ -289,6 +295,7 @@ def main(argv=None) -> int:
         "--steps-per-window", type=int, default=STEPS_PER_WINDOW,
         help=f"steps per planning window (default {STEPS_PER_WINDOW}): the first refit's evidence is one window",
     )  # fmt: skip
+    ap.add_argument("--windows", type=int, default=WINDOWS, help=f"planning windows per epoch (default {WINDOWS})")
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
 
@@ -303,7 +310,7 @@ def main(argv=None) -> int:
     for name in args.configs.split(","):
         dp, cp, cores, pairs = CONFIGS[name]
         pairs = 1 if args.quick else (args.pairs or pairs)
-        lengths, window_docs, tps = _documents(WINDOWS, steps, dp, cp)
+        lengths, window_docs, tps = _documents(args.windows, steps, dp, cp)
         payload = {"dp": dp, "cp": cp, "cores": cores, "lengths": lengths.tolist(), "window_docs": window_docs,
                    "tps": tps, "pairs": pairs, "every": every}  # fmt: skip
         print(f"{name}: dp{dp} x cp{cp}, cores {cores}, {len(lengths)} documents, windows of {window_docs}", flush=True)
@@ -314,7 +321,7 @@ def main(argv=None) -> int:
         results.append(_summarise(name, per_rank, dp, cp))
         payload = {"configs": results, "planner_takes_rank_speeds": _planner_takes_speeds(),
                    "documents": f"wlbllm trace lengths // {SCALE} (at least {MIN_LENGTH}), random tokens",
-                   "micro_batches": MICRO_BATCHES, "max_tokens": MAX_TOKENS, "windows": WINDOWS,
+                   "micro_batches": MICRO_BATCHES, "max_tokens": MAX_TOKENS, "windows": args.windows,
                    "steps_per_window": steps, "fill": FILL, "gather_every": every,
                    "seconds": time.perf_counter() - t0}  # fmt: skip
         # written after every configuration (a later one that fails keeps the earlier ones)
