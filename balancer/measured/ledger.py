@@ -54,23 +54,30 @@ class Ledger:
     max_samples: int
     layout: str = "zigzag"
     steps: list = field(default_factory=list)  # dicts: epoch, step, window, model, warm, measured, predicted, ranks
-    mb: list = field(default_factory=list)  # [model, replica, measured, predicted units, serial, left out, m]
-    samples: deque = None  # (serial, replica, cp, sizes, seconds, left out: warm-up or synced)
+    # [model, replica, measured, predicted units, serial, left out, m, group start, group size] (static: replica, 1)
+    mb: list = field(default_factory=list)
+    samples: deque = None  # (serial, replica, cp, sizes, seconds, left out: warm-up or synced, (group start, size))
 
     def __post_init__(self) -> None:
         if self.samples is None:
             self.samples = deque(maxlen=self.max_samples)
 
-    def add_step(self, info: dict, model_id: int, model: Model, sizes: list, cp: int, seconds, rank_seconds, synced):
-        """One gathered step: `sizes[r][m]` the piece sizes of replica r's micro-batch m, `seconds` [dp, M] the
-        slowest rank of each replica, `rank_seconds` [ranks] each rank's compute, `synced` [M] micro-batches whose
-        time includes the gradient reduction (left out of the step times, the errors and the fit)."""
+    def add_step(
+        self, info: dict, model_id: int, model: Model, sizes: list, cp, seconds, rank_seconds, synced, groups=None
+    ) -> None:
+        """One gathered step: `sizes[r][m]` the piece sizes of replica r's micro-batch m, `cp` its CP size (one
+        number, or [dp, M]), `seconds` [dp, M] the slowest rank of each replica, `rank_seconds` [ranks] each rank's
+        compute, `synced` [M] micro-batches whose time includes the gradient reduction (left out of the step times,
+        the errors and the fit). Dynamic CP: the "replicas" are the pool ranks, `groups` [pool, M, 2] the (start,
+        size) of each one's group, which runs at its slowest member's planned speed."""
         serial = len(self.steps)
         seconds = np.asarray(seconds, dtype=np.float64)
+        cps = np.broadcast_to(np.asarray(cp, dtype=np.int64), seconds.shape)
         flat = [s for per in sizes for s in per]
-        units = predict(model.cost, flat, np.full(len(flat), cp), self.layout).reshape(seconds.shape)
-        plan_cost = np.array([[model.cost.micro_batch_cost(s) / cp for s in per] for per in sizes])
-        plan_speeds = np.ones(self.dp) if model.plan_speeds is None else np.asarray(model.plan_speeds)
+        units = predict(model.cost, flat, cps.ravel(), self.layout).reshape(seconds.shape)
+        plan_cost = np.array([[model.cost.micro_batch_cost(s) / c for s, c in zip(per, cs)] for per, cs in
+                              zip(sizes, cps)]).reshape(seconds.shape)  # fmt: skip
+        plan_speeds = _plan_speeds(model.plan_speeds, self.dp, groups, seconds.shape)
         warm = bool(info["warm"])
         own = ~synced if (~synced).any() else np.ones(len(synced), dtype=bool)
         self.steps.append(
@@ -78,15 +85,17 @@ class Ledger:
                 **info,
                 "model": model_id,
                 "measured": seconds[:, own].sum(axis=1).tolist(),
-                "predicted": (plan_cost[:, own].sum(axis=1) / plan_speeds).tolist(),
+                "predicted": (plan_cost[:, own] / plan_speeds[:, own]).sum(axis=1).tolist(),
                 "ranks": [float(x) for x in rank_seconds],
             }
         )
         for r in range(seconds.shape[0]):
             for m in range(seconds.shape[1]):
                 out = warm or bool(synced[m])
-                self.mb.append([model_id, r, float(seconds[r, m]), float(units[r, m]), serial, out, m])
-                self.samples.append((serial, r, cp, tuple(int(x) for x in sizes[r][m]), float(seconds[r, m]), out))
+                g = (r, 1) if groups is None else (int(groups[r, m, 0]), int(groups[r, m, 1]))
+                self.mb.append([model_id, r, float(seconds[r, m]), float(units[r, m]), serial, out, m, *g])
+                piece_sizes = tuple(int(x) for x in sizes[r][m])
+                self.samples.append((serial, r, int(cps[r, m]), piece_sizes, float(seconds[r, m]), out, g))
 
     def evidence(self) -> Samples:
         """The refit's samples: the buffer without warm-up micro-batches and without zero times."""
@@ -97,19 +106,38 @@ class Ledger:
             np.array([s[1] for s in rows], dtype=np.int64),
             np.array([s[4] for s in rows], dtype=np.float64),
             np.array([s[0] for s in rows], dtype=np.int64),
+            group=np.array([s[6] for s in rows], dtype=np.int64).reshape(-1, 2) if self.dynamic(rows) else None,
         )
+
+    @staticmethod
+    def dynamic(rows) -> bool:
+        """Whether any of these samples ran in a CP group of several pool ranks (dynamic CP)."""
+        return any(s[6][1] > 1 for s in rows)
 
     def state_dict(self) -> dict:
         """The last STATE_STEPS steps of the report's records and the whole refit buffer (bounded)."""
         first = max(0, len(self.steps) - STATE_STEPS)
         mb = [row[:4] + [row[4] - first] + row[5:] for row in self.mb if row[4] >= first]
-        samples = [[s[0] - first, s[1], s[2], list(s[3]), s[4], s[5]] for s in self.samples]
+        samples = [[s[0] - first, s[1], s[2], list(s[3]), s[4], s[5], list(s[6])] for s in self.samples]
         return {"steps": self.steps[first:], "mb": mb, "samples": samples, "dropped": first}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`; rows saved before groups were kept (7 columns, 6 fields) get (replica, 1)."""
         self.steps = [dict(s) for s in state["steps"]]
-        self.mb = [list(x) for x in state["mb"]]
+        self.mb = [list(x) if len(x) > 7 else [*x, x[1], 1] for x in state["mb"]]
         self.samples = deque(
-            ((int(s[0]), int(s[1]), int(s[2]), tuple(int(x) for x in s[3]), float(s[4]), bool(s[5])) for s in
-             state["samples"]), maxlen=self.max_samples,
+            ((int(s[0]), int(s[1]), int(s[2]), tuple(int(x) for x in s[3]), float(s[4]), bool(s[5]),
+              (int(s[6][0]), int(s[6][1])) if len(s) > 6 else (int(s[1]), 1)) for s in state["samples"]),
+            maxlen=self.max_samples,
         )  # fmt: skip
+
+
+def _plan_speeds(speeds, dp: int, groups, shape: tuple) -> np.ndarray:
+    """[dp, M] the planned speed each micro-batch ran at: its replica's, or (dynamic CP) its group's slowest
+    member's; ones without planned speeds."""
+    if speeds is None:
+        return np.ones(shape)
+    speeds = np.asarray(speeds, dtype=np.float64)
+    if groups is None:
+        return np.repeat(speeds[:, None], shape[1], axis=1)
+    return np.array([[speeds[a : a + b].min() for a, b in per] for per in groups])

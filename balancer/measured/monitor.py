@@ -75,8 +75,6 @@ class BalanceMonitor:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         t = sampler.topology
-        if t.dynamic:
-            raise ValueError("BalanceMonitor: dynamic CP (Topology(cp_sizes=...)) is not supported yet")
         if getattr(sampler, "monitor", None) is not None:
             raise ValueError("this sampler already has a BalanceMonitor attached")
         for name, value, low in (
@@ -90,7 +88,8 @@ class BalanceMonitor:
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         self.sampler, self.mode, self.topology = sampler, mode, t
         self.layout, self.warmup_steps, self.timeout, self.every = layout, warmup_steps, float(timeout), every
-        self.min_samples = max(32, 4 * t.dp * t.micro_batches) if min_samples is None else int(min_samples)
+        self.units = t.pool_size if t.dynamic else t.dp  # what is timed and given a speed: replicas, or pool ranks
+        self.min_samples = max(32, 4 * self.units * t.micro_batches) if min_samples is None else int(min_samples)
         self.cuda = torch.cuda.is_available() if cuda is None else bool(cuda)
         self.group = group
         import torch.distributed as dist
@@ -100,7 +99,7 @@ class BalanceMonitor:
         self.rank = dist.get_rank(group) if self._dist else 0
         import scipy.optimize  # noqa: F401  (the refit's solver: imported here, not inside the first end_step)
 
-        self.ledger = Ledger(t.dp, max_samples, layout)
+        self.ledger = Ledger(self.units, max_samples, layout)
         speeds = getattr(t, "rank_speeds", None)  # the user's own speeds, if the topology has them
         self.models = [Model(sampler.cost, speeds, False, (0, 0), speeds)]
         self.refits: list[dict] = []
@@ -199,9 +198,10 @@ class BalanceMonitor:
 
     def _payload(self, blocks) -> torch.Tensor:
         t = self.topology
-        fit = self._pending_fit if self._pending_fit is not None else np.zeros(_fit_size(t.dp))
+        fit = self._pending_fit if self._pending_fit is not None else np.zeros(_fit_size(self.units))
+        unit = self.sampler.pool_rank if t.dynamic else self.sampler.dp_rank
         rows = [
-            [self.sampler.pool_rank, self.sampler.dp_rank, b[0], b[1], *self._seconds([x[0] for x in b[3]])]
+            [self.sampler.pool_rank, unit, b[0], b[1], *self._seconds([x[0] for x in b[3]])]
             + [float(x[1]) for x in b[3]]
             for b in blocks
         ]
@@ -227,7 +227,7 @@ class BalanceMonitor:
         else:
             gathered = mine.numpy()[None]
         self._pending_fit = None
-        nf = _fit_size(self.topology.dp)
+        nf = _fit_size(self.units)
         fit, rows = gathered[0, :nf], gathered[:, nf:].reshape(self.world, k, -1)
         if fit[0]:
             self._apply(fit)
@@ -237,27 +237,37 @@ class BalanceMonitor:
             self._add_step(epoch, step, warm, rows[:, j], plan)
 
     def _plan_of(self) -> tuple:
-        """(window, last step of it?, piece sizes [dp][M]) of the step being closed, read from the sampler's plan
-        now (a gather may come after the sampler moved on to another epoch)."""
+        """(window, last step of it?, piece sizes [units][M], CP groups) of the step being closed, read from the
+        sampler's plan now (a gather may come after the sampler moved on to another epoch). Dynamic CP: the units
+        are the pool ranks, each one's micro-batch in a slot its group's, and the groups [pool, M, 2] (start, size);
+        static: None."""
         t, s = self.topology, self.sampler
         window, local = s.windows.locate(self._step)
-        sizes = [[_sizes(s.micro_batch(self._step, m, dp_rank=r), s.lengths) for m in range(t.micro_batches)]
-                 for r in range(t.dp)]  # fmt: skip
-        return window, local == s.windows.steps(window) - 1, sizes
+        last = local == s.windows.steps(window) - 1
+        slots = range(t.micro_batches)
+        if not t.dynamic:
+            sizes = [[_sizes(s.micro_batch(self._step, m, dp_rank=r), s.lengths) for m in slots] for r in range(t.dp)]
+            return window, last, sizes, None
+        items = [[s.micro_batch(self._step, m, rank=r) for m in slots] for r in range(t.pool_size)]
+        groups = np.array([[_group_of(mb, r) for mb in per] for r, per in enumerate(items)], dtype=np.int64)
+        return window, last, [[_sizes(mb, s.lengths) for mb in per] for per in items], groups
 
     def _add_step(self, epoch: int, step: int, warm: bool, rows: np.ndarray, plan: tuple) -> None:
         t = self.topology
-        window, last, sizes = plan
+        window, last, sizes, groups = plan
         m = t.micro_batches
-        seconds = np.zeros((t.dp, m))
+        seconds = np.zeros((self.units, m))
         timed, synced = rows[:, _HEAD : _HEAD + m], rows[:, _HEAD + m :].max(axis=0) > 0
-        for row, mine in zip(rows, timed):  # a replica's micro-batch takes the slowest of its ranks
+        for row, mine in zip(rows, timed):  # a replica's micro-batch takes the slowest of its ranks (and stages)
             seconds[int(row[1])] = np.maximum(seconds[int(row[1])], mine)
+        if groups is not None:  # dynamic CP: a group's micro-batch takes the slowest of its members
+            seconds = _slowest_of_groups(seconds, groups)
         own = ~synced if (~synced).any() else np.ones(m, dtype=bool)  # step times: the micro-batches' own compute
         model_id = self.model_id(epoch, window)
         info = {"epoch": epoch, "step": step, "window": window, "warm": warm}
         ranks = timed[:, own].sum(axis=1)
-        self.ledger.add_step(info, model_id, self.models[model_id], sizes, t.cp, seconds, ranks, synced)
+        cp = t.cp if groups is None else groups[:, :, 1]
+        self.ledger.add_step(info, model_id, self.models[model_id], sizes, cp, seconds, ranks, synced, groups)
         if last and self.rank == 0:
             self._refit(epoch, window)
 
@@ -265,9 +275,9 @@ class BalanceMonitor:
     def _refit(self, epoch: int, window: int) -> None:
         c0 = time.thread_time()  # the whole refit (fit, bookkeeping, log) is refit_seconds, not cpu_seconds
         current = self.models[-1]
-        speeds_ok = self.topology.dp > 1
+        speeds_ok = self.units > 1
         r = refit(
-            self.ledger.evidence(), current.cost, current.speeds, self.topology.dp, layout=self.layout,
+            self.ledger.evidence(), current.cost, current.speeds, self.units, layout=self.layout,
             current_in_seconds=current.in_seconds, min_samples=self.min_samples, speeds=speeds_ok,
         )  # fmt: skip
         first = self._advance(epoch, window, 2)
@@ -278,7 +288,7 @@ class BalanceMonitor:
         self.refits.append(record)
         record["speed_noise"], record["speeds_supported"] = r.speed_noise, r.speeds_supported
         if r.accepted:
-            self._pending_fit = _pack_fit(r.cost, r.speeds, first, self.topology.dp, r.speeds_supported)
+            self._pending_fit = _pack_fit(r.cost, r.speeds, first, self.units, r.speeds_supported)
         self.refit_seconds += time.thread_time() - c0
 
     def _advance(self, epoch: int, window: int, by: int) -> tuple[int, int]:
@@ -291,7 +301,7 @@ class BalanceMonitor:
         return epoch, w
 
     def _apply(self, fit: np.ndarray) -> None:
-        cost, speeds, first, supported = _unpack_fit(fit, self.models[0].cost, self.topology.dp)
+        cost, speeds, first, supported = _unpack_fit(fit, self.models[0].cost, self.units)
         plan_speeds = speeds if (self.mode == "adapt" and _planner_takes_speeds()) else None
         if plan_speeds is not None and (not supported or max(plan_speeds) < EVEN_SPEEDS * min(plan_speeds)):
             plan_speeds = None  # within the evidence's noise or EVEN_SPEEDS: planned as even ranks
@@ -409,7 +419,7 @@ class _Tables:
 
     def __init__(self, ledger: Ledger) -> None:
         self.steps, self.mb, self.n_steps, self.n_mb = ledger.steps, ledger.mb, 0, 0
-        self.rows = [np.zeros((0, w)) for w in (ledger.dp, ledger.dp, 0, 7)]
+        self.rows = [np.zeros((0, w)) for w in (ledger.dp, ledger.dp, 0, 9)]
         self.used = [0, 0, 0, 0]
 
     def follows(self, ledger: Ledger) -> bool:
@@ -430,14 +440,14 @@ class _Tables:
         self.used[i] = used + len(block)
 
     def update(self, ledger: Ledger) -> tuple:
-        """(measured [n, dp], predicted [n, dp], ranks [n, world], micro-batch rows [k, 7]) so far."""
+        """(measured [n, dp], predicted [n, dp], ranks [n, world], micro-batch rows [k, 9]) so far."""
         steps = measured_steps(ledger.steps[self.n_steps :])
         mb = timed_rows(ledger.mb[self.n_mb :])
         self.n_steps, self.n_mb = len(ledger.steps), len(ledger.mb)
         width = len(steps[0]["ranks"]) if steps else self.rows[2].shape[1]
         for i, (key, w) in enumerate((("measured", ledger.dp), ("predicted", ledger.dp), ("ranks", width))):
             self._append(i, [s[key] for s in steps], w)
-        self._append(3, mb, 7)
+        self._append(3, mb, 9)
         return tuple(buf[:used] for buf, used in zip(self.rows, self.used))
 
 
@@ -445,6 +455,21 @@ def _sizes(items, lengths) -> np.ndarray:
     if all(type(i) is int for i in items):  # whole documents (the common case): one indexed read
         return np.asarray(lengths[np.asarray(items, dtype=np.int64)], dtype=np.int64)
     return np.array([(i.end - i.start) if hasattr(i, "end") else int(lengths[i]) for i in items], dtype=np.int64)
+
+
+def _group_of(items, rank: int) -> tuple[int, int]:
+    """(start, size) of the CP group of a dynamic plan's micro-batch (its pieces carry it); an empty one: `rank`
+    alone."""
+    return (items[0].group.start, items[0].group.size) if len(items) else (rank, 1)
+
+
+def _slowest_of_groups(seconds: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """[pool, M] seconds with every rank's entry replaced by the slowest member's of its group in that slot."""
+    out = seconds.copy()
+    for m in range(seconds.shape[1]):
+        for start, size in {(int(a), int(b)) for a, b in groups[:, m]}:
+            out[start : start + size, m] = seconds[start : start + size, m].max()
+    return out
 
 
 def _planner_takes_speeds() -> bool:

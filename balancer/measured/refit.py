@@ -9,6 +9,11 @@ exact steps: with the speeds fixed, `CostModel.fit` on the speed-corrected secon
 relative errors); with the cost fixed, each replica's speed is the median of predicted / measured over its samples.
 Speeds are normalised to a mean of 1, so the cost model is in seconds of an average replica.
 
+Dynamic CP: the "replicas" are the pool ranks and a sample is one pool rank's view of its group's micro-batch
+(every member has one: `group` is the group's (start, size)); a group runs at its slowest member's speed, so a
+sample is predicted with that speed and counts towards a rank's speed only while that rank is its group's slowest
+(by the previous round's speeds; in the first round every member counts).
+
 Outliers (a GC pause, a checkpoint write inside a timed region, a noisy neighbour): a sample whose log residual
 `log(measured * speed / predicted)` is further than `max(OUTLIER_MADS * 1.4826 * MAD, log(OUTLIER_MIN_RATIO))` from
 the median is left out and the fit repeated once without it (`OUTLIER_RULE` says it in words).
@@ -49,6 +54,7 @@ class Samples:
     seconds: np.ndarray
     step: np.ndarray
     terms: list | None = None  # per sample MicroBatchTerms for one (causal, window, layout), computed once
+    group: np.ndarray | None = None  # [n, 2] (start, size) of each sample's CP group of pool ranks; None: alone
 
     def __len__(self) -> int:
         return len(self.seconds)
@@ -57,13 +63,22 @@ class Samples:
         idx = np.flatnonzero(mask)
         terms = None if self.terms is None else [self.terms[i] for i in idx]
         pick = [self.sizes[i] for i in idx]
-        return Samples(pick, self.cp[idx], self.replica[idx], self.seconds[idx], self.step[idx], terms)
+        group = None if self.group is None else self.group[idx]
+        return Samples(pick, self.cp[idx], self.replica[idx], self.seconds[idx], self.step[idx], terms, group)
 
     def with_terms(self, like: CostModel, layout: str) -> Samples:
         """These samples with their layout terms computed (the refit's rounds reuse them)."""
         terms = [micro_batch_terms(np.asarray(d), int(c), layout, like.causal, like.window)
                  for d, c in zip(self.sizes, self.cp)]  # fmt: skip
-        return Samples(self.sizes, self.cp, self.replica, self.seconds, self.step, terms)
+        return Samples(self.sizes, self.cp, self.replica, self.seconds, self.step, terms, self.group)
+
+    def speeds(self, speeds: np.ndarray) -> np.ndarray:
+        """Each sample's speed: its replica's, or its group's slowest member's."""
+        return sample_speeds(speeds, self.replica, self.group)
+
+    def slowest(self, speeds: np.ndarray) -> np.ndarray:
+        """True for the samples whose replica is (one of) its group's slowest under `speeds`."""
+        return speeds[self.replica] <= self.speeds(speeds)
 
 
 @dataclass
@@ -82,6 +97,17 @@ class Refit:
     samples: int = 0
     speed_noise: float = math.nan  # the log(fastest / slowest) that the evidence's noise alone reaches (speed_noise)
     speeds_supported: bool = False  # log(fastest / slowest) of the fitted speeds is above speed_noise
+
+
+def sample_speeds(speeds: np.ndarray, replica: np.ndarray, group: np.ndarray | None) -> np.ndarray:
+    """The speed each sample ran at: `speeds[replica]`, or with `group` [n, 2] the slowest of its group's members."""
+    speeds = np.asarray(speeds, dtype=np.float64)
+    if group is None:
+        return speeds[replica]
+    out = np.empty(len(group))
+    for start, size in {(int(a), int(b)) for a, b in group}:
+        out[(group[:, 0] == start) & (group[:, 1] == size)] = speeds[start : start + size].min()
+    return out
 
 
 def predict(cost: CostModel, sizes: list, cp: np.ndarray, layout: str = "zigzag", terms=None) -> np.ndarray:
@@ -171,16 +197,29 @@ def fit(samples: Samples, like: CostModel, dp: int, *, layout: str = "zigzag", s
     for outlier_pass in range(2):
         sub = samples.take(keep)
         for _ in range(ROUNDS if speeds else 1):
-            cost = _fit_cost(sub, sub.seconds * s[sub.replica], like, layout)
+            cost = _fit_cost(sub, sub.seconds * sub.speeds(s), like, layout)
             if speeds:
-                s = fit_speeds(predict(cost, None, None, terms=sub.terms), sub.seconds, sub.replica, dp)
+                s = _round_speeds(cost, sub, s, dp)
         if outlier_pass == 0:
-            pred = predict(cost, None, None, terms=samples.terms) / s[samples.replica]
+            pred = predict(cost, None, None, terms=samples.terms) / samples.speeds(s)
             out = outlier_mask(samples.seconds, pred)
             if not out.any() or (~out).sum() < len(samples) // 2:
                 break
             keep = ~out
     return cost, s, ~keep
+
+
+def _round_speeds(cost: CostModel, sub: Samples, s: np.ndarray, dp: int) -> np.ndarray:
+    """One round's replica speeds under `cost` (`fit_speeds`). Dynamic CP: from the samples where the rank was its
+    group's slowest under the previous round's speeds `s`; a rank that never was keeps its speed there."""
+    pred = predict(cost, None, None, terms=sub.terms)
+    if sub.group is None:
+        return fit_speeds(pred, sub.seconds, sub.replica, dp)
+    own = sub.slowest(s)
+    new = fit_speeds(pred[own], sub.seconds[own], sub.replica[own], dp)
+    unseen = ~np.isin(np.arange(dp), sub.replica[own])
+    new[unseen] = s[unseen]
+    return new / new.mean()
 
 
 def _fit_cost(sub: Samples, seconds: np.ndarray, like: CostModel, layout: str) -> CostModel:
@@ -235,9 +274,9 @@ def refit(
         cost, s, out = fit(train, current, dp, layout=layout, speeds=speeds)
     except ValueError as e:
         return Refit(None, None, False, f"the fit failed: {e}", samples=n)
-    cand = predict(cost, None, None, terms=test.terms) / s[test.replica]
+    cand = predict(cost, None, None, terms=test.terms) / test.speeds(s)
     cur_s = np.ones(dp) if current_speeds is None else np.asarray(current_speeds, dtype=np.float64)
-    cur = predict(current, None, None, terms=test.terms) / cur_s[test.replica]
+    cur = predict(current, None, None, terms=test.terms) / test.speeds(cur_s)
     inliers = ~outlier_mask(test.seconds, cand)
     if not current_in_seconds:  # a model in FLOPs (or any unit): judged by its shape, at its best single scale
         cur = cur * float(np.median(test.seconds[inliers] / cur[inliers]))
@@ -248,7 +287,8 @@ def refit(
     noise, supported = math.nan, False
     if speeds:
         kept = train.take(~out)
-        noise = speed_noise(kept.seconds, predict(cost, None, None, terms=kept.terms) / s[kept.replica],
+        kept = kept.take(kept.slowest(s))
+        noise = speed_noise(kept.seconds, predict(cost, None, None, terms=kept.terms) / kept.speeds(s),
                             kept.replica, kept.step)  # fmt: skip
         supported = bool(math.log(float(s.max()) / float(s.min())) > noise)
     extra = (noise, supported)

@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from balancer.measured.refit import OUTLIER_RULE, outlier_mask, predict, relative_errors
+from balancer.measured.refit import OUTLIER_RULE, outlier_mask, predict, relative_errors, sample_speeds
 from balancer.planning.speeds import token_bound
 
 MAX_LISTED = 20  # outliers listed one by one in the report (all are counted)
@@ -28,14 +28,14 @@ MAX_SERIES = 2000  # steps of per-replica series kept for the picture
 
 def _errors(mb: np.ndarray, models: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(relative errors of the inliers, outlier mask, predicted seconds) of the micro-batch rows [model, replica,
-    measured, units, ...]."""
+    measured, units, serial, left out, m, group start, group size]."""
     pred = np.zeros(len(mb))
     for k, model in enumerate(models):
         mine = mb[:, 0] == k
         if not mine.any():
             continue
-        speeds = np.ones(int(mb[:, 1].max()) + 1) if model.speeds is None else np.asarray(model.speeds)
-        p = mb[mine, 3] / speeds[mb[mine, 1].astype(int)]
+        speeds = np.ones(int(mb[:, 7:9].sum(axis=1).max())) if model.speeds is None else np.asarray(model.speeds)
+        p = mb[mine, 3] / sample_speeds(speeds, mb[mine, 1].astype(int), mb[mine, 7:9].astype(int))
         if not model.in_seconds:
             p = p * float(np.median(mb[mine, 2] / p))
         pred[mine] = p
@@ -50,8 +50,8 @@ def _quantiles(e: np.ndarray) -> tuple:
 def build_report(monitor) -> dict:
     led = monitor.ledger
     steps = measured_steps(led.steps)
-    mb = np.array(timed_rows(led.mb), dtype=np.float64).reshape(-1, 7)
-    dp, world = monitor.topology.dp, monitor.world
+    mb = np.array(timed_rows(led.mb), dtype=np.float64).reshape(-1, 9)
+    dp, world = led.dp, monitor.world
     meas = np.array([s["measured"] for s in steps], dtype=np.float64).reshape(len(steps), dp)
     pred = np.array([s["predicted"] for s in steps], dtype=np.float64).reshape(len(steps), dp)
     ranks = np.array([s["ranks"] for s in steps], dtype=np.float64).reshape(len(steps), world)
@@ -143,8 +143,10 @@ def _fresh_errors(monitor, fitted) -> tuple:
         return math.nan, math.nan
     sizes = [np.array(s[3], dtype=np.int64) for s in rows]
     seconds = np.array([s[4] for s in rows])
-    speeds = np.ones(monitor.topology.dp) if fitted.speeds is None else np.asarray(fitted.speeds)
-    p = predict(fitted.cost, sizes, np.array([s[2] for s in rows]), monitor.layout) / speeds[[s[1] for s in rows]]
+    speeds = np.ones(monitor.ledger.dp) if fitted.speeds is None else np.asarray(fitted.speeds)
+    group = np.array([s[6] for s in rows], dtype=np.int64)
+    p = predict(fitted.cost, sizes, np.array([s[2] for s in rows]), monitor.layout)
+    p = p / sample_speeds(speeds, np.array([s[1] for s in rows]), group)
     keep = ~outlier_mask(seconds, p)
     return _quantiles(relative_errors(seconds[keep], p[keep]))
 

@@ -3,23 +3,21 @@
 stock `training_step`), `end_step` after every optimizer step, and the report's figures logged with the Trainer's
 own logs under `balance/`.
 
-`balance_mode`: "shadow" (the default: measure, fit and report, never change a plan; "off" with dynamic CP, which
-the monitor does not measure yet), "adapt" (plan the windows not yet planned with the refitted cost model and
-replica speeds) or "off". With several processes the last micro-batch
-of a step runs the gradient all-reduce inside its backward pass (DDP): its time waits for the slowest rank, so it
-is recorded apart (`synced`) and left out of the fit, the errors and the step times.
+`balance_mode`: "shadow" (the default: measure, fit and report, never change a plan), "adapt" (plan the windows
+not yet planned with the refitted cost model and replica speeds; pool-rank speeds with dynamic CP) or "off". With
+several processes the last micro-batch of a step runs the gradient all-reduce inside its backward pass (DDP): its
+time waits for the slowest rank, so it is recorded apart (`synced`) and left out of the fit, the errors and the
+step times.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 
 from transformers import TrainerCallback
 
 from balancer.measured.monitor import MODES, BalanceMonitor
 
-logger = logging.getLogger(__name__)
 BALANCE_MODES = (*MODES, "off")
 LOGGED = ("measured_imbalance", "predicted_imbalance", "prediction_error_median", "prediction_error_p90",
           "fresh_error_median", "fresh_error_p90", "idle_fraction", "mean_step_seconds")  # fmt: skip
@@ -49,10 +47,8 @@ class MeasuredBalanceMixin:
         self.add_callback(_EndStep(self))
 
     def _balance_attach(self) -> None:
-        if self.balance_mode is None:  # the default: shadow, where the monitor can measure
-            self.balance_mode = "off" if self.topology.dynamic else "shadow"
-            if self.topology.dynamic:
-                logger.info("balance_mode: off (the monitor does not measure dynamic CP plans yet)")
+        if self.balance_mode is None:  # the default: measure and report, change no plan
+            self.balance_mode = "shadow"
         if self.balance_mode != "off" and self.balance_monitor is None:
             layout = getattr(self.packed_collator, "kind", "zigzag")
             self.balance_monitor = BalanceMonitor(self.balanced_sampler, mode=self.balance_mode, layout=layout)
