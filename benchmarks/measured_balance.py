@@ -7,10 +7,12 @@ with the lengths of the published wlbllm trace (lengths // 16, at least 16; rand
 (`CostModel.from_config`, FLOPs). Ranks are pinned with
 `os.sched_setaffinity`: `uneven` puts rank 0 alone on core 0 and ranks 1-3 together on core 1 (a real 3x speed
 difference, not a sleep: ideal gain of planning by speed 1.5x, for which rank 0 must take half of a step's work:
-the step budget leaves it that room, see FILL); `equal` puts two ranks on each core; `cp2` is dp 2 x
-cp 2, two ranks per core, for the prediction error under CP. A step: every micro-batch of the rank's replica
-(forward + backward timed by the monitor, gradients accumulated), one all-reduce of the gradients (timed apart),
-the AdamW step, `monitor.end_step()`; its wall time runs from a barrier before it to the end of `end_step`.
+the step budget leaves it that room, see FILL); `equal` puts two ranks on each core; `cp2` is dp 2 x cp 2, two
+ranks per core, for the prediction error under CP; `dynamic` is dp 2 x cp 2 with dynamic CP (groups of 1, 2 or 4
+pool ranks per slot) on the uneven cores: speeds per pool rank, a group at its slowest member's. A step: every
+micro-batch of the rank's replica (its group's in each slot, dynamic CP; forward + backward timed by the monitor,
+gradients accumulated), one all-reduce of the gradients (timed apart), the AdamW step, `monitor.end_step()`; its
+wall time runs from a barrier before it to the end of `end_step`.
 
 One spawned world per configuration runs `--pairs` pairs of epochs, static and adapt alternating (which goes first
 alternates too), each epoch with a fresh model, sampler and monitor over the same documents, so load changes reach
@@ -42,10 +44,11 @@ from _common import write_result
 
 SCALE = 16
 MIN_LENGTH = 16  # a document alone in a micro-batch still gives every CP rank tokens (zigzag: 2 x cp chunks)
-CONFIGS = {  # name: (dp, cp, cores of the ranks, pairs)
-    "uneven": (4, 1, [0, 1, 1, 1], 3),
-    "equal": (4, 1, [0, 0, 1, 1], 5),
-    "cp2": (2, 2, [0, 1, 0, 1], 2),
+CONFIGS = {  # name: (dp, cp, cores of the ranks, pairs, cp_sizes: dynamic CP)
+    "uneven": (4, 1, [0, 1, 1, 1], 3, None),
+    "equal": (4, 1, [0, 0, 1, 1], 5, None),
+    "cp2": (2, 2, [0, 1, 0, 1], 2, None),
+    "dynamic": (2, 2, [0, 1, 1, 1], 3, (1, 2, 4)),
 }
 MAX_TOKENS, MICRO_BATCHES, WINDOWS, STEPS_PER_WINDOW = 8192, 2, 6, 4
 # tokens per step as a share of what the ranks hold: a fast rank needs room to take its speed's share of the work
@@ -68,7 +71,7 @@ def _documents(n_windows: int, steps: int, dp: int, cp: int, fill: float = FILL)
     return lengths[: n_windows * per_window].copy(), per_window, tokens_per_step
 
 
-def _epoch(rank, dp, cp, mode, lengths, window_docs, tps, seed, groups, every=1):
+def _epoch(rank, dp, cp, mode, lengths, window_docs, tps, seed, groups, every=1, cp_sizes=None):
     import torch
     import torch.distributed as dist
     from _replay_worker import _run_micro_batch
@@ -77,7 +80,8 @@ def _epoch(rank, dp, cp, mode, lengths, window_docs, tps, seed, groups, every=1)
     from balancer.calibration import TINY_LLAMA, build_model
     from balancer.measured import BalanceMonitor
 
-    topo = balancer.Topology(dp=dp, cp=cp, micro_batches=MICRO_BATCHES, max_tokens=MAX_TOKENS, tokens_per_step=tps)
+    topo = balancer.Topology(dp=dp, cp=cp, micro_batches=MICRO_BATCHES, max_tokens=MAX_TOKENS, tokens_per_step=tps,
+                             cp_sizes=cp_sizes)  # fmt: skip
     cost = balancer.CostModel.from_config(TINY_LLAMA)
     sampler = balancer.BalancedBatchSampler(lengths, topo, cost, rank=rank, seed=seed, window_docs=window_docs)
     monitor = BalanceMonitor(sampler, mode="adapt" if mode == "adapt" else "shadow", warmup_steps=1, min_samples=16,
@@ -98,8 +102,13 @@ def _epoch(rank, dp, cp, mode, lengths, window_docs, tps, seed, groups, every=1)
         tokens = sampler.step_loss_tokens(step)
         for j, mb in enumerate(batch):
             sizes = [(i.end - i.start) if hasattr(i, "end") else int(lengths[i]) for i in mb]
+            size, rank_in, group = cp, cp_rank, groups.get((replica * cp, cp))
+            if cp_sizes is not None and len(mb):  # dynamic CP: this slot's group
+                g = mb[0].group
+                size, rank_in, group = g.size, g.rank, groups.get((g.start, g.size))
             with monitor.timer():
-                _run_micro_batch(model, sizes, "zigzag", cp, cp_rank, groups[replica], 1 / tokens, seed + 97 * step + j)
+                if sizes:  # (a dynamic slot may leave a group without documents)
+                    _run_micro_batch(model, sizes, "zigzag", size, rank_in, group, 1 / tokens, seed + 97 * step + j)
         r0 = time.perf_counter()
         flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
         dist.all_reduce(flat)
@@ -126,7 +135,7 @@ def _epoch(rank, dp, cp, mode, lengths, window_docs, tps, seed, groups, every=1)
 def _micro_batches(monitor) -> list:
     """Every measured micro-batch but warm-up: [ledger step, step, window, replica, m, tokens, pieces, seconds,
     predicted by the first accepted fit, measured after that fit (0/1)] (no fit: predicted NaN, fresh 0)."""
-    from balancer.measured.refit import predict
+    from balancer.measured.refit import predict, sample_speeds
 
     led = monitor.ledger
     fitted = [m for m in monitor.models if m.in_seconds]
@@ -138,10 +147,12 @@ def _micro_batches(monitor) -> list:
     fresh_from = 10**9
     if fitted:
         first = fitted[0]
-        speeds = np.ones(monitor.topology.dp) if first.speeds is None else np.asarray(first.speeds)
+        speeds = np.ones(monitor.units) if first.speeds is None else np.asarray(first.speeds)
         sizes = [np.array(s[3]) for _, s in keep]
         cp = np.array([s[2] for _, s in keep])
-        pred = predict(first.cost, sizes, cp, monitor.layout) / speeds[[s[1] for _, s in keep]]
+        group = np.array([s[6] for _, s in keep])  # (start, size): a dynamic CP group runs at its slowest member
+        pred = predict(first.cost, sizes, cp, monitor.layout)
+        pred = pred / sample_speeds(speeds, np.array([s[1] for _, s in keep]), group)
         fresh_from = first.fresh_from
     return [[s[0], led.steps[s[0]]["step"], led.steps[s[0]]["window"], s[1], m_of[i], sum(s[3]), len(s[3]), s[4],
              float(p), int(s[0] >= fresh_from)] for (i, s), p in zip(keep, pred)]  # fmt: skip
@@ -190,7 +201,14 @@ def _worker(rank, world, port, payload, out):
                             timeout=datetime.timedelta(minutes=30))  # fmt: skip
     try:
         dp, cp = payload["dp"], payload["cp"]
-        groups = [dist.new_group(list(range(r * cp, (r + 1) * cp))) for r in range(dp)]
+        if payload["cp_sizes"] is None:  # {(start, size): group} of this rank's CP groups
+            groups = {(r * cp, cp): dist.new_group(list(range(r * cp, (r + 1) * cp))) for r in range(dp)}
+        else:
+            import balancer
+
+            topo = balancer.Topology(dp=dp, cp=cp, micro_batches=MICRO_BATCHES, max_tokens=MAX_TOKENS,
+                                     cp_sizes=tuple(payload["cp_sizes"]))  # fmt: skip
+            groups = balancer.cp_groups(topo)
         lengths = np.asarray(payload["lengths"], dtype=np.int64)
         runs = []
         for pair in range(payload["pairs"]):
@@ -198,7 +216,7 @@ def _worker(rank, world, port, payload, out):
             for mode in order:
                 load = os.getloadavg()[0]
                 result = _epoch(rank, dp, cp, mode, lengths, payload["window_docs"], payload["tps"], pair, groups,
-                                payload["every"])  # fmt: skip
+                                payload["every"], payload["cp_sizes"])  # fmt: skip
                 runs.append({"pair": pair, "mode": mode, "load_1min": load, **result})
                 if rank == 0:
                     print(f"  pair {pair} {mode}: {np.mean(result['wall']):.3f} s/step, load {load:.1f}", flush=True)
@@ -308,17 +326,17 @@ def main(argv=None) -> int:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     results, t0 = [], time.perf_counter()
     for name in args.configs.split(","):
-        dp, cp, cores, pairs = CONFIGS[name]
+        dp, cp, cores, pairs, cp_sizes = CONFIGS[name]
         pairs = 1 if args.quick else (args.pairs or pairs)
         lengths, window_docs, tps = _documents(args.windows, steps, dp, cp)
         payload = {"dp": dp, "cp": cp, "cores": cores, "lengths": lengths.tolist(), "window_docs": window_docs,
-                   "tps": tps, "pairs": pairs, "every": every}  # fmt: skip
+                   "tps": tps, "pairs": pairs, "every": every, "cp_sizes": cp_sizes}  # fmt: skip
         print(f"{name}: dp{dp} x cp{cp}, cores {cores}, {len(lengths)} documents, windows of {window_docs}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "r")
             mp.spawn(_worker, args=(dp * cp, _free_port(), payload, out), nprocs=dp * cp, join=True)
             per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(dp * cp)]
-        results.append(_summarise(name, per_rank, dp, cp))
+        results.append({**_summarise(name, per_rank, dp, cp), "cp_sizes": cp_sizes})
         payload = {"configs": results, "planner_takes_rank_speeds": _planner_takes_speeds(),
                    "documents": f"wlbllm trace lengths // {SCALE} (at least {MIN_LENGTH}), random tokens",
                    "micro_batches": MICRO_BATCHES, "max_tokens": MAX_TOKENS, "windows": args.windows,

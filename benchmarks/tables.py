@@ -712,9 +712,9 @@ def import_time() -> str:
     return markdown(header, rows) + note
 
 
-def measured_balance() -> str:
+def measured_balance(name: str = "measured_balance") -> str:
     """Static (shadow) against adapt on pinned CPU ranks (benchmarks/measured_balance.py), per configuration."""
-    data = load("measured_balance")
+    data = load(name)
     header = ["ranks", "pairs", "static s/step", "adapt s/step", "adapt speedup: median (min)",
               "measured imbalance static / adapt", "prediction error before refit: median / p90",
               "after the first refit (fresh micro-batches): median / p90", "the same within steps",
@@ -736,7 +736,7 @@ def measured_balance() -> str:
         speeds = runs["adapt"][-1]["rank_speeds_fitted"]
         loads = [r["load_1min_at_start"] for r in c["runs"]]
         rows.append([
-            f"{c['config']} (dp{c['dp']} x cp{c['cp']})", str(len(c["pairs"])),
+            f"{c['config']} (dp{c['dp']} x cp{c['cp']}{_cp_sizes(c)})", str(len(c["pairs"])),
             fmt(med("static", "mean_step_seconds")), fmt(med("adapt", "mean_step_seconds")),
             f"{c['speedup_median']:.3f}x ({c['speedup_min']:.3f}x)",
             f"{fmt(med('static', 'measured_imbalance_after_second_window'))} / "
@@ -758,8 +758,14 @@ def measured_balance() -> str:
     return markdown(header, rows) + note + _record_line(data)
 
 
+def _cp_sizes(config: dict) -> str:
+    sizes = config.get("cp_sizes")
+    return "" if not sizes else ", cp_sizes " + "/".join(str(x) for x in sizes)
+
+
 TABLES: dict[str, Callable[[], str]] = {
     "measured_balance": measured_balance,
+    "measured_balance_dynamic": lambda: measured_balance("measured_balance_dynamic"),
     "import_time": import_time,
     "plan_validate": plan_validate,
     "post_training": post_training,
