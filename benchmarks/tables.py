@@ -766,6 +766,7 @@ def _cp_sizes(config: dict) -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "measured_balance": measured_balance,
     "measured_balance_dynamic": lambda: measured_balance("measured_balance_dynamic"),
+    "measured_balance_uneven_w10": lambda: measured_balance("measured_balance_uneven_w10"),
     "import_time": import_time,
     "plan_validate": plan_validate,
     "post_training": post_training,
