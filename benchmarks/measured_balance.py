@@ -16,12 +16,15 @@ wall time runs from a barrier before it to the end of `end_step`.
 
 One spawned world per configuration runs `--pairs` pairs of epochs, static and adapt alternating (which goes first
 alternates too), each epoch with a fresh model, sampler and monitor over the same documents, so load changes reach
-both alike. Figures (steps after the second window, where adapt's first refit plans): the mean step wall time
-(slowest rank), measured imbalance, prediction error before (the sampler's model at its best scale) and after the
-refit (fresh micro-batches), the monitor's own process CPU per step over the step's, and the refit's. The machine is
-shared with other jobs: the load average is recorded at start and end.
+both alike; with `--interleave` the two epochs of a pair run step by step in alternation (which goes first
+alternates every step), so the two plans of a step are timed within a second of each other. Figures (steps after
+the second window, where adapt's first refit plans): the mean step wall time (slowest rank), measured imbalance,
+prediction error before (the sampler's model at its best scale) and after the refit (fresh micro-batches), the
+monitor's own process CPU per step over the step's, and the refit's. The machine is shared with other jobs: the
+load average is recorded at start and end.
 
-    python benchmarks/measured_balance.py [--pairs 5] [--configs uneven,equal,cp2] [--steps-per-window 4] [--quick]
+    python benchmarks/measured_balance.py [--pairs 5] [--configs uneven,equal,cp2,dynamic] [--steps-per-window 4]
+        [--windows 6] [--interleave] [--quick]
 """
 
 from __future__ import annotations
@@ -71,44 +74,54 @@ def _documents(n_windows: int, steps: int, dp: int, cp: int, fill: float = FILL)
     return lengths[: n_windows * per_window].copy(), per_window, tokens_per_step
 
 
-def _epoch(rank, dp, cp, mode, lengths, window_docs, tps, seed, groups, every=1, cp_sizes=None):
-    import torch
-    import torch.distributed as dist
-    from _replay_worker import _run_micro_batch
+class _Epoch:
+    """One epoch of one mode on this rank: a fresh model, sampler and monitor over `lengths`; `step()` runs the
+    next step (False when the epoch is over), `result()` the figures."""
 
-    import balancer
-    from balancer.calibration import TINY_LLAMA, build_model
-    from balancer.measured import BalanceMonitor
+    def __init__(self, rank, dp, cp, mode, lengths, window_docs, tps, seed, groups, every=1, cp_sizes=None):
+        import torch
 
-    topo = balancer.Topology(dp=dp, cp=cp, micro_batches=MICRO_BATCHES, max_tokens=MAX_TOKENS, tokens_per_step=tps,
-                             cp_sizes=cp_sizes)  # fmt: skip
-    cost = balancer.CostModel.from_config(TINY_LLAMA)
-    sampler = balancer.BalancedBatchSampler(lengths, topo, cost, rank=rank, seed=seed, window_docs=window_docs)
-    monitor = BalanceMonitor(sampler, mode="adapt" if mode == "adapt" else "shadow", warmup_steps=1, min_samples=16,
-                             every=every)  # fmt: skip
-    torch.manual_seed(seed)
-    model = build_model(TINY_LLAMA)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    replica, cp_rank = divmod(rank, cp)
-    steps, walls, cpus = [], [], []
-    it = iter(sampler)
-    for step in range(10**9):
-        batch = [next(it, None) for _ in range(MICRO_BATCHES)]
+        import balancer
+        from balancer.calibration import TINY_LLAMA, build_model
+        from balancer.measured import BalanceMonitor
+
+        topo = balancer.Topology(dp=dp, cp=cp, micro_batches=MICRO_BATCHES, max_tokens=MAX_TOKENS,
+                                 tokens_per_step=tps, cp_sizes=cp_sizes)  # fmt: skip
+        cost = balancer.CostModel.from_config(TINY_LLAMA)
+        self.sampler = balancer.BalancedBatchSampler(lengths, topo, cost, rank=rank, seed=seed, window_docs=window_docs)
+        self.monitor = BalanceMonitor(self.sampler, mode="adapt" if mode == "adapt" else "shadow", warmup_steps=1,
+                                      min_samples=16, every=every)  # fmt: skip
+        torch.manual_seed(seed)
+        self.model = build_model(TINY_LLAMA)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.lengths, self.cp, self.cp_sizes, self.groups, self.seed = lengths, cp, cp_sizes, groups, seed
+        self.replica, self.cp_rank = divmod(rank, cp)
+        self.steps, self.walls, self.cpus = [], [], []
+        self.it = iter(self.sampler)
+
+    def step(self) -> bool:
+        import torch
+        import torch.distributed as dist
+        from _replay_worker import _run_micro_batch
+
+        batch = [next(self.it, None) for _ in range(MICRO_BATCHES)]
         if batch[0] is None:
-            break
+            return False
+        step, sampler, monitor, model = len(self.steps), self.sampler, self.monitor, self.model
         window = sampler.windows.locate(step)[0]
         dist.barrier()
         w0, c0 = time.perf_counter(), time.process_time()
         tokens = sampler.step_loss_tokens(step)
         for j, mb in enumerate(batch):
-            sizes = [(i.end - i.start) if hasattr(i, "end") else int(lengths[i]) for i in mb]
-            size, rank_in, group = cp, cp_rank, groups.get((replica * cp, cp))
-            if cp_sizes is not None and len(mb):  # dynamic CP: this slot's group
+            sizes = [(i.end - i.start) if hasattr(i, "end") else int(self.lengths[i]) for i in mb]
+            size, rank_in, group = self.cp, self.cp_rank, self.groups.get((self.replica * self.cp, self.cp))
+            if self.cp_sizes is not None and len(mb):  # dynamic CP: this slot's group
                 g = mb[0].group
-                size, rank_in, group = g.size, g.rank, groups.get((g.start, g.size))
+                size, rank_in, group = g.size, g.rank, self.groups.get((g.start, g.size))
             with monitor.timer():
                 if sizes:  # (a dynamic slot may leave a group without documents)
-                    _run_micro_batch(model, sizes, "zigzag", size, rank_in, group, 1 / tokens, seed + 97 * step + j)
+                    seed = self.seed + 97 * step + j
+                    _run_micro_batch(model, sizes, "zigzag", size, rank_in, group, 1 / tokens, seed)
         r0 = time.perf_counter()
         flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
         dist.all_reduce(flat)
@@ -117,19 +130,43 @@ def _epoch(rank, dp, cp, mode, lengths, window_docs, tps, seed, groups, every=1,
             p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
             offset += p.numel()
         reduce = time.perf_counter() - r0
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         monitor.end_step()
-        walls.append(time.perf_counter() - w0)
-        cpus.append(time.process_time() - c0)
-        steps.append({"window": int(window), "reduce": reduce})
-    monitor.flush()  # the steps not gathered yet (every > 1)
-    report = monitor.report()
-    report.pop("series")
-    replica = [[s["window"], s["measured"]] for s in monitor.ledger.steps]
-    return {"steps": steps, "wall": walls, "cpu": cpus, "report": report, "replica_times": replica,
-            "planned_speeds": _planned_speeds(sampler), "micro_batches": _micro_batches(monitor),
-            "micro_batch_sizes": _micro_batch_sizes(monitor)}  # fmt: skip
+        self.walls.append(time.perf_counter() - w0)
+        self.cpus.append(time.process_time() - c0)
+        self.steps.append({"window": int(window), "reduce": reduce})
+        return True
+
+    def result(self) -> dict:
+        monitor = self.monitor
+        monitor.flush()  # the steps not gathered yet (every > 1)
+        report = monitor.report()
+        report.pop("series")
+        replica = [[s["window"], s["measured"]] for s in monitor.ledger.steps]
+        return {"steps": self.steps, "wall": self.walls, "cpu": self.cpus, "report": report,
+                "replica_times": replica, "planned_speeds": _planned_speeds(self.sampler),
+                "micro_batches": _micro_batches(monitor), "micro_batch_sizes": _micro_batch_sizes(monitor)}  # fmt: skip
+
+
+def _pair(order: tuple, interleave: bool, *args) -> dict:
+    """{mode: result} of one pair: the two epochs one after the other in `order`, or with `interleave` step by step
+    (the first of `order` first on even steps, the other on odd ones: both plans have the same step counts)."""
+    epochs = {mode: _Epoch(*args[:3], mode, *args[3:]) for mode in order}
+    if not interleave:
+        for mode in order:
+            while epochs[mode].step():
+                pass
+        return {mode: epochs[mode].result() for mode in order}
+    k = 0
+    while True:
+        first, second = order if k % 2 == 0 else order[::-1]
+        more = epochs[first].step()
+        if more != epochs[second].step():
+            raise RuntimeError("the static and adapt epochs have different step counts")
+        if not more:
+            return {mode: epochs[mode].result() for mode in order}
+        k += 1
 
 
 def _micro_batches(monitor) -> list:
@@ -213,13 +250,14 @@ def _worker(rank, world, port, payload, out):
         runs = []
         for pair in range(payload["pairs"]):
             order = ("static", "adapt") if pair % 2 == 0 else ("adapt", "static")
+            load = os.getloadavg()[0]
+            results = _pair(order, payload["interleave"], rank, dp, cp, lengths, payload["window_docs"],
+                            payload["tps"], pair, groups, payload["every"], payload["cp_sizes"])  # fmt: skip
             for mode in order:
-                load = os.getloadavg()[0]
-                result = _epoch(rank, dp, cp, mode, lengths, payload["window_docs"], payload["tps"], pair, groups,
-                                payload["every"], payload["cp_sizes"])  # fmt: skip
-                runs.append({"pair": pair, "mode": mode, "load_1min": load, **result})
+                runs.append({"pair": pair, "mode": mode, "load_1min": load, **results[mode]})
                 if rank == 0:
-                    print(f"  pair {pair} {mode}: {np.mean(result['wall']):.3f} s/step, load {load:.1f}", flush=True)
+                    wall = np.mean(results[mode]["wall"])
+                    print(f"  pair {pair} {mode}: {wall:.3f} s/step, load {load:.1f}", flush=True)
         Path(f"{out}.{rank}").write_text(json.dumps(runs))
         dist.barrier()
     finally:
@@ -313,6 +351,11 @@ def main(argv=None) -> int:
         "--steps-per-window", type=int, default=STEPS_PER_WINDOW,
         help=f"steps per planning window (default {STEPS_PER_WINDOW}): the first refit's evidence is one window",
     )  # fmt: skip
+    ap.add_argument(
+        "--interleave", action="store_true",
+        help="run a pair's two epochs step by step in alternation (which goes first alternates) instead of one "
+        "after the other: both see the machine of the same seconds",
+    )  # fmt: skip
     ap.add_argument("--windows", type=int, default=WINDOWS, help=f"planning windows per epoch (default {WINDOWS})")
     args = ap.parse_args(argv)
     import torch.multiprocessing as mp
@@ -330,7 +373,8 @@ def main(argv=None) -> int:
         pairs = 1 if args.quick else (args.pairs or pairs)
         lengths, window_docs, tps = _documents(args.windows, steps, dp, cp)
         payload = {"dp": dp, "cp": cp, "cores": cores, "lengths": lengths.tolist(), "window_docs": window_docs,
-                   "tps": tps, "pairs": pairs, "every": every, "cp_sizes": cp_sizes}  # fmt: skip
+                   "tps": tps, "pairs": pairs, "every": every, "cp_sizes": cp_sizes,
+                   "interleave": args.interleave}  # fmt: skip
         print(f"{name}: dp{dp} x cp{cp}, cores {cores}, {len(lengths)} documents, windows of {window_docs}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "r")
@@ -340,7 +384,7 @@ def main(argv=None) -> int:
         payload = {"configs": results, "planner_takes_rank_speeds": _planner_takes_speeds(),
                    "documents": f"wlbllm trace lengths // {SCALE} (at least {MIN_LENGTH}), random tokens",
                    "micro_batches": MICRO_BATCHES, "max_tokens": MAX_TOKENS, "windows": args.windows,
-                   "steps_per_window": steps, "fill": FILL, "gather_every": every,
+                   "steps_per_window": steps, "fill": FILL, "gather_every": every, "interleave": args.interleave,
                    "seconds": time.perf_counter() - t0}  # fmt: skip
         # written after every configuration (a later one that fails keeps the earlier ones)
         path = write_result(args.output, payload, clock="wall+process_cpu", model={"config": TINY_LLAMA, "threads": 1})
