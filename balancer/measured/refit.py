@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from balancer.planning.cost.fit import fit_cost_model
 from balancer.planning.cost.microbatch import micro_batch_terms, rank_times
 from balancer.planning.cost.model import CostModel
 from balancer.planning.cost.predict import micro_batch_times
@@ -226,10 +227,10 @@ def _fit_cost(sub: Samples, seconds: np.ndarray, like: CostModel, layout: str) -
     """`CostModel.fit` of (attention pairs, tokens, fixed, pieces; with CP also the communication terms) on relative
     errors. Without CP the features do not depend on the model: one non-negative least-squares solve on the
     precomputed terms, the same problem `CostModel.fit` solves."""
-    if np.any(sub.cp > 1):
-        cost = CostModel.fit(
-            sub.sizes, seconds, causal=like.causal, window=like.window, cp=sub.cp, layout=layout, fit_pieces=True,
-            fit_comm=True,
+    if np.any(sub.cp > 1):  # CostModel.fit on the terms computed once for the refit's rounds
+        cost = fit_cost_model(
+            CostModel, sub.sizes, seconds, causal=like.causal, window=like.window, fit_fixed=True, fit_pieces=True,
+            fit_comm=True, cp=sub.cp, layout=layout, method="ring", layout_options={}, terms=sub.terms,
         )  # fmt: skip
         return dataclasses.replace(cost, kv_bytes_per_token=like.kv_bytes_per_token)
     from scipy.optimize import nnls

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from balancer.planning.cost.microbatch import METHODS, fit_features, micro_batch_terms
+from balancer.planning.cost.microbatch import METHODS, fit_features_batch, micro_batch_terms, stack_terms
 
 TERMS = ("attn_coef", "linear_coef", "fixed", "piece_coef", "comm_coef", "comm_latency")
 COMM_STARTS = (0.25, 1.0, 4.0)
@@ -65,8 +65,10 @@ def fit_cost_model(
     layout: str | Sequence[str],
     method: str | Sequence[str],
     layout_options: dict,
+    terms: list | None = None,
 ):
-    """See `CostModel.fit`."""
+    """See `CostModel.fit`. `terms`: the samples' `micro_batch_terms` when the caller has them already (the online
+    refit fits the same samples several times)."""
     seconds = np.asarray(seconds, dtype=np.float64)
     if seconds.ndim != 1 or len(seconds) != len(lengths):
         raise ValueError(f"CostModel.fit: got {len(lengths)} samples of lengths but {seconds.shape} seconds")
@@ -82,17 +84,24 @@ def fit_cost_model(
             f"CostModel.fit needs at least {int(active.sum()) + 1} timed samples to fit {int(active.sum())} terms "
             f"({', '.join(t for t, a in zip(TERMS, active) if a)}); got {n}"
         )
-    terms = []
+    given, terms = terms, []
     for i, item in enumerate(lengths):
         d = np.atleast_1d(np.asarray(item))
         if d.size == 0 or np.any(d < 1):
             raise ValueError(f"CostModel.fit: sample {i} has an empty or non-positive length")
         if methods[i] not in METHODS:
             raise ValueError(f"CostModel.fit: sample {i} has method {methods[i]!r}, not one of {METHODS}")
-        terms.append(micro_batch_terms(d, int(cps[i]), kinds[i], causal, window, **layout_options))
+        if given is None:
+            terms.append(micro_batch_terms(d, int(cps[i]), kinds[i], causal, window, **layout_options))
+    terms = terms if given is None else list(given)
 
-    def features(model):
-        return np.array([fit_features(t, m, model) for t, m in zip(terms, methods)])
+    batches = _batches(terms, methods)
+
+    def features(model):  # [n, terms] of every sample, a batch of one (CP size, method) at a time
+        out = np.empty((n, len(TERMS)))
+        for idx, method, stacked in batches:
+            out[idx] = fit_features_batch(stacked, method, model)
+        return out
 
     coef = _solve(features(None), seconds, active)
     starts = [(coef, not fit_comm)]
@@ -114,6 +123,16 @@ def fit_cost_model(
     if best is None:
         raise failure
     return best[0]
+
+
+def _batches(terms: list, methods: list) -> list:
+    """[(sample indices, method, stacked terms)] per (CP size, method): `fit_features_batch`'s inputs, built once."""
+    keys = sorted({(t.cp, m) for t, m in zip(terms, methods)})
+    out = []
+    for cp, method in keys:
+        idx = np.array([i for i, (t, m) in enumerate(zip(terms, methods)) if t.cp == cp and m == method])
+        out.append((idx, method, stack_terms([terms[i] for i in idx])))
+    return out
 
 
 def _iterate(cls, coef, features, seconds, active, causal, window, overlap: bool):

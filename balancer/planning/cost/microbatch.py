@@ -206,21 +206,38 @@ def rank_times(cost: CostModel, terms: MicroBatchTerms, method: str = "ring") ->
     return base + (step + cost.comm_latency).sum(axis=-1)
 
 
-def fit_features(terms: MicroBatchTerms, method: str, cost: CostModel | None) -> np.ndarray:
-    """Linear features [pairs, tokens, 1, pieces, comm tokens, latency count] of the slowest rank, with each ring
-    step charged to compute or to transfer as `cost` says; both are counted when `cost` is None or does not
-    overlap (the slowest rank is then the one with the most tokens)."""
-    cp = terms.cp
+def stack_terms(terms: list) -> MicroBatchTerms:
+    """Terms of several micro-batches of one CP size stacked along a leading axis (for `fit_features_batch`)."""
+    return MicroBatchTerms(*(np.stack([getattr(t, f) for t in terms]) for f in ("tokens", "pairs", "pieces", "travel")))
+
+
+def fit_features_batch(terms: MicroBatchTerms, method: str, cost: CostModel | None) -> np.ndarray:
+    """[n, 6] `fit_features` of every micro-batch of `terms` stacked by `stack_terms` (one CP size), at once."""
+    cp, n = terms.cp, len(terms.tokens)
     times = rank_times(cost, terms, method) if cost is not None else terms.tokens
-    r = int(np.argmax(times))
+    r = np.argmax(times, axis=-1)  # [n] the slowest rank (the first of ties, as argmax one by one)
+    rows = np.arange(n)
+    tokens, ones = terms.tokens[rows, r], np.ones(n)
     if cp == 1 or method == "allgather":
-        comm = (cp - 1) * terms.travel.max() if cp > 1 else 0.0
-        return np.array([terms.pairs[r].sum(), terms.tokens[r], 1.0, terms.pieces[r].sum(), comm, float(cp > 1)])
-    held = step_blocks(cp)[r]
-    pairs, pieces, moved = terms.pairs[r, held], terms.pieces[r, held], ring_moved(terms)[r]
+        comm = (cp - 1) * terms.travel.max(axis=-1) if cp > 1 else np.zeros(n)
+        pairs, pieces = terms.pairs[rows, r].sum(axis=-1), terms.pieces[rows, r].sum(axis=-1)
+        return np.stack([pairs, tokens, ones, pieces, comm, np.full(n, float(cp > 1))], axis=1)
+    held = step_blocks(cp)[r]  # [n, cp]
+    pairs = np.take_along_axis(terms.pairs[rows, r], held, axis=-1)
+    pieces = np.take_along_axis(terms.pieces[rows, r], held, axis=-1)
+    moved = ring_moved(terms)[rows, r]
     if cost is None or not cost.comm_overlap:  # compute and transfer both counted
-        return np.array([pairs.sum(), terms.tokens[r], 1.0, pieces.sum(), moved.sum(), float(cp)])
-    on_compute = cost.attn_coef * pairs + cost.piece_coef * pieces >= cost.comm_coef * moved
-    return np.array(
-        [pairs[on_compute].sum(), terms.tokens[r], 1.0, pieces[on_compute].sum(), moved[~on_compute].sum(), float(cp)]
-    )
+        on_compute = np.ones(pairs.shape, dtype=bool)
+        comm = moved.sum(axis=-1)
+    else:
+        on_compute = cost.attn_coef * pairs + cost.piece_coef * pieces >= cost.comm_coef * moved
+        comm = np.where(on_compute, 0.0, moved).sum(axis=-1)
+    pairs, pieces = np.where(on_compute, pairs, 0.0).sum(axis=-1), np.where(on_compute, pieces, 0.0).sum(axis=-1)
+    return np.stack([pairs, tokens, ones, pieces, comm, np.full(n, float(cp))], axis=1)
+
+
+def fit_features(terms: MicroBatchTerms, method: str, cost: CostModel | None) -> np.ndarray:
+    """Linear features [pairs, tokens, 1, pieces, comm tokens, latency count] of the slowest rank of one
+    micro-batch, with each ring step charged to compute or to transfer as `cost` says; both are counted when `cost`
+    is None or does not overlap (the slowest rank is then the one with the most tokens)."""
+    return fit_features_batch(stack_terms([terms]), method, cost)[0]
