@@ -767,6 +767,8 @@ TABLES: dict[str, Callable[[], str]] = {
     "measured_balance": measured_balance,
     "measured_balance_dynamic": lambda: measured_balance("measured_balance_dynamic"),
     "measured_balance_uneven_w10": lambda: measured_balance("measured_balance_uneven_w10"),
+    "measured_balance_interleaved": lambda: measured_balance("measured_balance_interleaved"),
+    "measured_balance_interleaved_cp": lambda: measured_balance("measured_balance_interleaved_cp"),
     "import_time": import_time,
     "plan_validate": plan_validate,
     "post_training": post_training,
