@@ -18,8 +18,10 @@ A fit made after window `w` travels with the next gather (the first step of wind
 `w + 2`.. The stream hands window `w + 2` to its planning thread half-way through window `w + 1`, so a fit that
 arrives later (windows of one or two steps, a large `every`, CUDA timing's one step of delay on two-step windows) is
 an error naming the window, never a silent change of which windows it plans. A new pass (`set_epoch` to another
-epoch) plans all its windows with the latest model. The stream's `state_dict()` carries the monitor's state (under
-"monitor"), and `load_state_dict` restores it: a resumed run plans what the uninterrupted one would have.
+epoch) plans all its windows with the latest model; the fit after a pass's last window arrives in the next pass and
+the monitor does not hand it on (an earlier epoch's): that pass keeps the model before it until the next fit. The
+stream's `state_dict()` carries the monitor's state (under "monitor"), and `load_state_dict` restores it: a resumed
+run plans what the uninterrupted one would have.
 """
 
 from __future__ import annotations
