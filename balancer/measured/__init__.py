@@ -2,8 +2,9 @@
 prediction, and (adapt mode) refitted into the cost model and the replica speeds that plan the next windows.
 
 Modules: monitor.py (`BalanceMonitor`), batches.py (`BatchSteps`: the monitor on loops planning one fixed batch at a
-time with `balance_batch`), ledger.py (the gathered records), refit.py (the fit of the cost model and
-the speeds, outliers, the held-back check), report.py (the report dict), plot.py (`plot_report`: the picture).
+time with `balance_batch`), streams.py (`StreamSteps`: the monitor on a `BalancedStream`), ledger.py (the gathered
+records), refit.py (the fit of the cost model and the speeds, outliers, the held-back check), report.py (the report
+dict), plot.py (`plot_report`: the picture).
 """
 
 from attention._lazy import lazy_exports
@@ -11,6 +12,7 @@ from attention._lazy import lazy_exports
 _EXPORTS = {
     "BalanceMonitor": "balancer.measured.monitor",
     "BatchSteps": "balancer.measured.batches",
+    "StreamSteps": "balancer.measured.streams",
     "plot_report": "balancer.measured.plot",
 }
 __all__ = list(_EXPORTS)

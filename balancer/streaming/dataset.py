@@ -37,6 +37,7 @@ from balancer.training.indices import CPGroup
 
 log = logging.getLogger(__name__)
 
+KEEP_PLANS = 4  # windows whose plans a pass keeps (a monitor closes a step up to a window after the loader read it)
 WORKERS_REFUSED = (
     "BalancedStream runs in the training process: use DataLoader(..., num_workers=0) (its reading, planning and "
     "document exchange already run on a background thread there)"
@@ -118,6 +119,7 @@ class BalancedStream(torch.utils.data.IterableDataset):
         self._setup: Optional[dict] = None  # a loaded state waiting for the next iter()
         self._iter: Optional[_StreamIter] = None
         self._worker: Optional[_Worker] = None
+        self.monitor = None  # a balancer.BalanceMonitor on StreamSteps(self) (balancer.measured.streams)
 
     def __getstate__(self) -> dict:  # a DataLoader worker gets a copy that refuses to iterate
         state = dict(self.__dict__)
@@ -129,7 +131,8 @@ class BalancedStream(torch.utils.data.IterableDataset):
         """Plan windows `first_window`.. with `cost` (and `rank_speeds`, one positive float per DP replica, where
         the Topology supports them). Call it on every rank at the same micro-batch; `first_window` must not have
         been handed to the planning thread yet (`next_unplanned_window`). The windows' step counts do not depend
-        on it (the planner's contract)."""
+        on it (the planner's contract). A pass of another epoch (`set_epoch`) plans all its windows with the latest
+        model."""
         check_topology_and_cost(self.topology, cost)
         if isinstance(first_window, bool) or not isinstance(first_window, (int, np.integer)) or first_window < 0:
             raise ValueError(f"first_window must be a non-negative integer, got {first_window!r}")
@@ -170,20 +173,24 @@ class BalancedStream(torch.utils.data.IterableDataset):
         `set_epoch` (a seeded `datasets` shuffle buffer reshuffles per epoch)."""
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
-        if int(epoch) != self.epoch:
-            self._setup = None
+        if int(epoch) != self.epoch:  # a new pass: every window of it is planned with the latest model
+            self._setup, self._submitted = None, -1
+            self._models = self._models[-1:]
+            if self._models:
+                self._models[0] = (0, *self._models[0][1:])
         self.epoch = int(epoch)
         self.source.set_epoch(self.epoch)
 
     def _fresh_setup(self) -> dict:
         specs = initial_streams(self.source.num_parts, self.world)
         cursor = Cursor(specs, [0] * len(specs), [False] * len(specs))
-        return {"window": 0, "cursor": cursor, "forced": None, "history": [], "position": 0, "resplit": None}
+        return {"window": 0, "cursor": cursor, "forced": None, "history": [], "position": 0, "resplit": None, "step": 0}
 
     def __iter__(self) -> _StreamIter:
         if torch.utils.data.get_worker_info() is not None or self.meter is None:
             raise RuntimeError(WORKERS_REFUSED)
         setup, self._setup = self._setup or self._fresh_setup(), None
+        self._submitted = setup["window"] - 1  # a new pass: nothing of it handed to the thread yet
         self._iter = _StreamIter(self, setup)
         return self._iter
 
@@ -208,18 +215,23 @@ class BalancedStream(torch.utils.data.IterableDataset):
     # ---- state ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The resume state after the micro-batches yielded so far (module docstring of balancer.streaming.state);
-        no communication, the same on every rank."""
+        no communication, the same on every rank (an attached monitor's part, "monitor", but for its CPU times and
+        the refit records the first rank keeps)."""
         if self._setup is not None or self._iter is None:
-            return self._setup_state(self._setup or self._fresh_setup())
-        return self._iter.state_dict()
+            state = self._setup_state(self._setup or self._fresh_setup())
+        else:
+            state = self._iter.state_dict()
+        if self.monitor is not None:
+            state["monitor"] = self.monitor.state_dict()
+        return state
 
     def _setup_state(self, setup: dict) -> dict:
         cur, forced = setup["cursor"], setup["forced"]
         topology, cost = self.model_for(setup["window"])
         segments = [*setup["history"], {"topology": topology, "cost": cost, "steps": None}]
-        return self._state(setup["window"], cur, forced, setup["position"], segments)
+        return self._state(setup["window"], cur, forced, setup["position"], segments, setup["step"])
 
-    def _state(self, window: int, cur: Cursor, forced, position: int, segments: list) -> dict:
+    def _state(self, window: int, cur: Cursor, forced, position: int, segments: list, step: int) -> dict:
         taken, ended_after, digest = (None, None, None) if forced is None else forced
         return {
             **state_mod.header(),
@@ -234,6 +246,7 @@ class BalancedStream(torch.utils.data.IterableDataset):
             "ended_after": None if ended_after is None else [int(bool(x)) for x in ended_after],
             "digest": digest,
             "position": int(position),
+            "step": int(step),
             "segments": [
                 {"topology": h["topology"].to_dict(), "cost": h["cost"].to_dict(), "steps": h["steps"]}
                 for h in segments
@@ -253,7 +266,7 @@ class BalancedStream(torch.utils.data.IterableDataset):
         self._models = self._restore_models(st["models"])
         specs = [StreamSpec(p, s, o) for p, s, o, _, _ in st["streams"]]
         cursor = Cursor(specs, [r[3] for r in st["streams"]], [bool(r[4]) for r in st["streams"]])
-        window, position = st["window"], st["position"]
+        window, position, step = st["window"], st["position"], st.get("step", 0)
         segs = st["segments"]
         history = [dict(h) for h in segs[:-1]]
         last = segs[-1]
@@ -267,7 +280,7 @@ class BalancedStream(torch.utils.data.IterableDataset):
                     f"a step boundary to change the topology (now {topology})"
                 )
             history.append({"topology": last["topology"], "cost": last["cost"], "steps": position // m})
-            position = 0
+            step, position = step + position // m, 0
         forced = None if st["taken"] is None else (st["taken"], st["ended_after"], st["digest"])
         resplit = self.world if len(specs) < self.world else None
         if forced is None and resplit is not None:
@@ -276,9 +289,13 @@ class BalancedStream(torch.utils.data.IterableDataset):
         self.source.set_epoch(self.epoch)
         self._setup = {
             "window": window, "cursor": cursor, "forced": forced, "history": history, "position": position,
-            "resplit": resplit,
+            "resplit": resplit, "step": step,
         }  # fmt: skip
         self._submitted = window - 1
+        if self.monitor is not None:  # as the sampler: the monitor's state, then its step count from here
+            if "monitor" in state:
+                self.monitor.load_state_dict(state["monitor"])
+            self.monitor.on_sampler_load()
 
     def _restore_models(self, models) -> list:
         out = []
@@ -306,6 +323,8 @@ class _StreamIter:
         self.future: Optional[Future] = None
         self.done = False
         self.skip = setup["position"]
+        self.first_step = setup["step"]  # this pass's steps before the current window's segment
+        self.plans: dict[int, tuple[int, object]] = {}  # the last windows entered: index -> (first step, segment)
 
     def __iter__(self) -> _StreamIter:
         return self
@@ -349,6 +368,8 @@ class _StreamIter:
         for d, j in last.items():
             self.release.setdefault(j, []).append(d)
         self.win, self.local, self.skip = win, self.skip, 0
+        self.plans[win.index] = (self.first_step, seg)
+        self.plans.pop(win.index - KEEP_PLANS, None)
         if self.local > len(self.ks):
             raise ValueError(
                 f"the state's position {self.local} is past window {win.index}'s {len(self.ks)} micro-batches"
@@ -363,6 +384,7 @@ class _StreamIter:
         for row in self.win.rows.values():  # documents of other ranks' micro-batches never stay (none expected)
             s.meter.add(-len(row["input_ids"]))
         s.windows_done += 1
+        self.first_step += self.win.segment.num_steps
         self.win, self.index = None, self.index + 1
 
     def _items(self, j: int) -> list:
@@ -418,14 +440,25 @@ class _StreamIter:
                 return s._setup_state(self.setup)
             topology, cost = s.model_for(self.index)
             segments = [{"topology": topology, "cost": cost, "steps": None}]
-            return s._state(self.index, self.pipeline.cursor, None, 0, segments)
+            return s._state(self.index, self.pipeline.cursor, None, 0, segments, self.first_step)
         win = self.win
         if self.local >= len(self.ks):  # the window is done: the state of the next one, not read yet
             topology, cost = s.model_for(win.index + 1)
-            return s._state(win.index + 1, win.after, None, 0, [{"topology": topology, "cost": cost, "steps": None}])
+            segments = [{"topology": topology, "cost": cost, "steps": None}]
+            return s._state(win.index + 1, win.after, None, 0, segments, self.first_step + win.segment.num_steps)
         forced = (win.taken, win.ended_after, lengths_digest(win.lengths))
         segments = [*win.history, {"topology": win.segment.topology, "cost": win.segment.cost, "steps": None}]
-        return s._state(win.index, win.start, forced, self.local, segments)
+        return s._state(win.index, win.start, forced, self.local, segments, self.first_step)
+
+    def position(self) -> int:
+        """Micro-batches of this pass so far, counted as whole steps before the window's segment plus those of it
+        (a window finished: all its steps, a short last one as a whole step)."""
+        m = self.stream.topology.micro_batches
+        if self.win is None:
+            return self.first_step * m
+        if self.local >= len(self.ks):
+            return (self.first_step + self.win.segment.num_steps) * m
+        return self.first_step * m + self.local
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state)

@@ -11,7 +11,9 @@ everything in it was shared by the window gathers. It holds
 - `position`: micro-batches of the window's current plan segment consumed; `segments`: the chain of (topology,
   cost model, steps consumed) the window was planned with, as in the sampler's state (the last one in use, its
   `steps` null), so that a resume on another topology re-plans what is left of the window;
-- `models`: the cost models and rank speeds `update_model` scheduled, each from its `first_window` on.
+- `models`: the cost models and rank speeds `update_model` scheduled, each from its `first_window` on;
+- `step` (optional, 0 when absent): the epoch's steps before the window's current segment (what an attached
+  `BalanceMonitor` counts steps from); `monitor` (optional): that monitor's state (balancer.measured.streams).
 
 Resuming re-reads the window from the streams' positions (a stream that cannot seek reads its first `pos` items
 again and skips them) and re-plans it, so the continuation equals the uninterrupted run.
@@ -54,8 +56,10 @@ _STATE = obj(
         "ended_after": array(integer(min=0, max=1), nullable=True),
         "digest": string(nullable=True),
         "position": integer(min=0),
+        "step": integer(min=0, required=False),  # steps of the epoch before the window's current segment
         "segments": array(_SEGMENT),
         "models": array(_MODEL),
+        "monitor": anything(required=False),  # a BalanceMonitor's state (balancer.measured.streams), checked there
     }
 )
 

@@ -11,7 +11,10 @@ What changes against the sampler path (trainer.py), everything else (loss, atten
 - a Trainer epoch is one pass of the stream (`set_epoch(epoch)`); a pass ends when the stream does (every rank
   yields the same number of whole steps), and the next pass replays the source;
 - a checkpoint holds the stream's state (`balancer_stream.json`, no communication to build: the same on every
-  rank); resume loads it and continues the pass at the saved step (no batches skipped by the Trainer).
+  rank); resume loads it and continues the pass at the saved step (no batches skipped by the Trainer);
+- measured balance (`balance_mode`, default "shadow"; static CP) runs its monitor on `StreamSteps(stream)`
+  (balancer.measured.streams): the fits of adapt mode reach the stream's windows not planned yet, and the monitor's
+  state travels in `balancer_stream.json`.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def write_state(folder: str, name: str, state: dict) -> None:
 
 def stream_settings(trainer, stream: BalancedStream, topology, cost, lengths, overflow: str, seed):
     """(topology, cost, overflow, seed) of a streaming run: the stream's. Refuses a missing `max_steps`, options the
-    stream fixes that differ from it, `lengths`, and measured balance (not wired to the stream's hook yet)."""
+    stream fixes that differ from it, `lengths`, and measured balance with dynamic CP (static CP only)."""
     if trainer.args.max_steps is None or trainer.args.max_steps <= 0:
         raise ValueError(
             f"max_steps={trainer.args.max_steps}: a BalancedStream train_dataset has no length; set "
@@ -56,12 +59,13 @@ def stream_settings(trainer, stream: BalancedStream, topology, cost, lengths, ov
         raise ValueError(f"overflow={overflow!r} differs from the stream's {stream.overflow!r}")
     if seed is not None and seed != stream.seed:
         raise ValueError(f"seed={seed} differs from the stream's seed {stream.seed}")
-    if getattr(trainer, "balance_mode", None) not in (None, "off"):
-        raise ValueError(
-            f"balance_mode={trainer.balance_mode!r} is not supported with a BalancedStream train_dataset yet: "
-            "use balance_mode='off' (or None)"
-        )
-    trainer.balance_mode = "off"
+    if stream.topology.dynamic:
+        if getattr(trainer, "balance_mode", None) not in (None, "off"):
+            raise ValueError(
+                f"balance_mode={trainer.balance_mode!r}: measured balance on a stream supports static CP only "
+                "(the stream's topology has cp_sizes): use balance_mode='off'"
+            )
+        trainer.balance_mode = "off"
     if trainer.args.dataloader_num_workers > 0:
         raise ValueError(
             f"dataloader_num_workers={trainer.args.dataloader_num_workers}: a BalancedStream runs in the training "
@@ -77,6 +81,22 @@ class StreamTrainingMixin:
     balanced_stream = None
     _stream_resumed = None  # the stream epoch a checkpoint's state was loaded for
     _stream_batches = 0
+
+    def _balance_attach(self) -> None:
+        """The monitor on the stream (`StreamSteps`), before a checkpoint's stream state (which holds its state) is
+        loaded; the sampler path's otherwise."""
+        stream = self.balanced_stream
+        if stream is None:
+            return super()._balance_attach()
+        if self.balance_mode is None:  # the sampler path's default: measure and report, change no plan
+            self.balance_mode = "shadow"
+        if self.balance_mode != "off" and self.balance_monitor is None:
+            from balancer.measured.monitor import BalanceMonitor
+            from balancer.measured.streams import StreamSteps
+
+            layout = getattr(self.packed_collator, "kind", "zigzag")
+            self.balance_monitor = BalanceMonitor(StreamSteps(stream), mode=self.balance_mode, layout=layout)
+            self._balance_mbs = 0
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         """The stream's micro-batches packed by the trainer's collator (the stream is rank-aware: not re-sharded)."""

@@ -183,6 +183,30 @@ def test_update_model_from_a_window_on():
     assert state["models"][0]["first_window"] == 2
 
 
+def _costs_by_window(it) -> dict:
+    costs = {}
+    for _ in it:
+        costs[it.win.index] = it.win.segment.cost
+    return costs
+
+
+def test_a_new_pass_plans_every_window_with_the_latest_model():
+    s = BalancedStream(doc_rows(100, 0), TOPO, COST, window_docs=20)
+    new = balancer.CostModel(1.0, 5000.0)
+    s.update_model(new, first_window=3)
+    it = iter(s)
+    first = _costs_by_window(it)
+    assert first[2] == COST and first[3] == new
+    s.set_epoch(1)
+    assert s.next_unplanned_window == 0 and s.model_for(0) == (TOPO, new)
+    newer = balancer.CostModel(2.0, 50.0)
+    s.update_model(newer, first_window=1)  # nothing of the new pass is planned yet
+    it = iter(s)
+    second = _costs_by_window(it)
+    assert second[0] == new and all(c == newer for w, c in second.items() if w >= 1)
+    assert [m["first_window"] for m in s.state_dict()["models"]] == [0, 1]
+
+
 def test_step_loss_tokens_match_the_collator():
     rows = doc_rows(60, 6)
     for d, row in enumerate(rows):  # masked labels on some whole documents

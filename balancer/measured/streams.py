@@ -1,0 +1,130 @@
+"""`StreamSteps`: measured balance on a `balancer.streaming.BalancedStream` (docs/streaming.md).
+
+    stream = BalancedStream(source, topology, cost, window_docs=4096)          # every rank
+    monitor = balancer.BalanceMonitor(StreamSteps(stream), mode="adapt")
+    for j, mb in enumerate(stream):
+        with monitor.timer():
+            forward_backward(mb)
+        if (j + 1) % topology.micro_batches == 0:
+            optimizer.step(); monitor.end_step()
+
+This class is the step source `BalanceMonitor` reads the stream's plan through (as `BatchSteps` is for fixed
+batches): the step being closed, every replica's piece sizes in it (the stream's window plans are made from the
+gathered lengths with the same seed: the same on every rank), its window and whether it is the window's last step,
+and the hook a fit reaches the windows by (`BalancedStream.update_model`). Steps are numbered from the start of the
+pass; the stream keeps the plans of its last few windows only.
+
+A fit made after window `w` travels with the next gather (the first step of window `w + 1`) and plans windows
+`w + 2`.. The stream hands window `w + 2` to its planning thread half-way through window `w + 1`, so a fit that
+arrives later (windows of one or two steps, a large `every`, CUDA timing's one step of delay on two-step windows) is
+an error naming the window, never a silent change of which windows it plans. A new pass (`set_epoch` to another
+epoch) plans all its windows with the latest model; the fit after a pass's last window arrives in the next pass and
+the monitor does not hand it on (an earlier epoch's): that pass keeps the model before it until the next fit. The
+stream's `state_dict()` carries the monitor's state (under "monitor"), and `load_state_dict` restores it: a resumed
+run plans what the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from balancer.planning.cost.model import CostModel
+from balancer.training.indices import Span
+
+
+class StreamSteps:
+    """A step source for `BalanceMonitor` over `stream` (module docstring). Static CP only (dynamic CP is
+    refused); build it and the monitor before the stream's first `iter()` or `load_state_dict`."""
+
+    def __init__(self, stream) -> None:
+        from balancer.streaming.dataset import BalancedStream
+
+        if not isinstance(stream, BalancedStream):
+            raise TypeError(f"StreamSteps: stream must be a BalancedStream, got {type(stream).__name__}")
+        if stream.topology.dynamic:
+            raise ValueError("StreamSteps: dynamic CP (Topology(cp_sizes=...)) is not supported by measured balance")
+        if stream.monitor is not None:
+            raise ValueError("this stream already has a BalanceMonitor attached")
+        self.stream = stream
+        self.topology, self.cost = stream.topology, stream.cost
+        self.pool_rank, self.dp_rank = stream.pool_rank, stream.dp_rank
+        self.window_docs = stream.window_docs
+        self.lengths = ()  # pieces carry their own sizes (Span); never indexed
+
+    @property
+    def monitor(self):
+        return self.stream.monitor
+
+    @monitor.setter
+    def monitor(self, monitor) -> None:  # BalanceMonitor attaches itself here; the stream saves and loads it
+        self.stream.monitor = monitor
+
+    # ---- what BalanceMonitor reads --------------------------------------------------------------------------------
+    _windows = property(lambda self: self)  # the monitor hands fitted models to `update_model`
+    windows = _windows
+    count = sys.maxsize  # a stream's windows are not known ahead: a fit never wraps into another pass
+
+    @property
+    def epoch(self) -> int:
+        return self.stream.epoch
+
+    @property
+    def position(self) -> int:
+        """Micro-batches of this pass so far (a loaded state's, before iterating), in whole steps before the current
+        window's segment plus those of it."""
+        s = self.stream
+        if s._setup is not None or s._iter is None:
+            setup = s._setup or s._fresh_setup()
+            return setup["step"] * self.topology.micro_batches + setup["position"]
+        return s._iter.position()
+
+    def _plans(self) -> dict:
+        it = self.stream._iter
+        return {} if it is None else it.plans
+
+    @property
+    def num_steps(self) -> int:
+        """Steps of this pass up to the end of the last window entered."""
+        plans = self._plans()
+        if not plans:
+            return 0
+        first, seg = plans[max(plans)]
+        return first + seg.num_steps
+
+    @property
+    def _cursor(self) -> tuple[int, int]:
+        it = self.stream._iter
+        return (-1 if it is None or not it.plans else max(it.plans)), 0
+
+    def update_model(self, cost: CostModel, rank_speeds, first_window: int) -> None:
+        """A fit for windows `first_window`..: `BalancedStream.update_model`; a window already handed to the
+        planning thread is a RuntimeError (every rank alike: the stream plans ahead at the same micro-batch)."""
+        nxt = self.stream.next_unplanned_window
+        if first_window < nxt:
+            raise RuntimeError(
+                f"BalanceMonitor: the refit for window {first_window} of the stream arrived after window {nxt - 1} "
+                "was handed to its planning thread (it plans a window half-way through the one before): use "
+                "windows of more steps (window_docs), every=1, or fewer prefetched micro-batches"
+            )
+        self.stream.update_model(cost, rank_speeds, first_window)
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(window, step within its segment) of step `step` of this pass (a window still kept)."""
+        for w, (first, seg) in self._plans().items():
+            if first <= step < first + seg.num_steps:
+                return w, step - first
+        raise ValueError(f"step {step} is not in the stream's last windows (kept: {sorted(self._plans())})")
+
+    def steps(self, window: int) -> int:
+        return self._plans()[window][1].num_steps
+
+    def step_micro_batches(self, step: int) -> int:
+        w, local = self.locate(step)
+        return self._plans()[w][1].step_micro_batches(local)
+
+    def micro_batch(self, step: int, m: int, dp_rank: int) -> list[Span]:
+        """The pieces of micro-batch `m` of `step` on replica `dp_rank` (their sizes are what the monitor needs)."""
+        w, local = self.locate(step)
+        seg = self._plans()[w][1]
+        doc, start, end = seg.placements(seg.mb_index(local, dp_rank, m))
+        return [Span(d, a, b) for d, a, b in zip(doc.tolist(), start.tolist(), end.tolist())]
