@@ -302,6 +302,9 @@ class BalanceMonitor:
 
     def _apply(self, fit: np.ndarray) -> None:
         cost, speeds, first, supported = _unpack_fit(fit, self.models[0].cost, self.units)
+        fit_start = getattr(self.sampler, "fit_start", None)  # a source whose passes have no known window count
+        if fit_start is not None:
+            first = fit_start(first)
         plan_speeds = speeds if (self.mode == "adapt" and _planner_takes_speeds()) else None
         if plan_speeds is not None and (not supported or max(plan_speeds) < EVEN_SPEEDS * min(plan_speeds)):
             plan_speeds = None  # within the evidence's noise or EVEN_SPEEDS: planned as even ranks

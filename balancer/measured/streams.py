@@ -18,8 +18,9 @@ A fit made after window `w` travels with the next gather (the first step of wind
 `w + 2`.. The stream hands window `w + 2` to its planning thread half-way through window `w + 1`, so a fit that
 arrives later (windows of one or two steps, a large `every`, CUDA timing's one step of delay on two-step windows) is
 an error naming the window, never a silent change of which windows it plans. A new pass (`set_epoch` to another
-epoch) plans all its windows with the latest model; the fit after a pass's last window arrives in the next pass and
-the monitor does not hand it on (an earlier epoch's): that pass keeps the model before it until the next fit. The
+epoch) plans all its windows with the latest model; the fit after a pass's last window arrives in the next pass
+(a pass's window count is not known ahead) and plans that pass from its first window not handed to the planning
+thread yet (`fit_start`: the same on every rank, which all read the fit at the same gather). The
 stream's `state_dict()` carries the monitor's state (under "monitor"), and `load_state_dict` restores it: a resumed
 run plans what the uninterrupted one would have.
 """
@@ -95,6 +96,13 @@ class StreamSteps:
     def _cursor(self) -> tuple[int, int]:
         it = self.stream._iter
         return (-1 if it is None or not it.plans else max(it.plans)), 0
+
+    def fit_start(self, first: tuple[int, int]) -> tuple[int, int]:
+        """(epoch, window) a fit meant for `first` plans from: `first`, or when the stream has moved on to a new pass
+        since the fit was made (it was for a window after the last one), that pass's first window not planned yet."""
+        if first[0] < self.stream.epoch:
+            return self.stream.epoch, self.stream.next_unplanned_window
+        return first
 
     def update_model(self, cost: CostModel, rank_speeds, first_window: int) -> None:
         """A fit for windows `first_window`..: `BalancedStream.update_model`; a window already handed to the

@@ -187,3 +187,26 @@ def test_a_fit_for_a_window_already_planned_is_an_error():
             monitor.record(_seconds(mb, False))
             if j % 2 == 1:
                 monitor.end_step()
+
+
+def test_the_fit_after_a_pass_s_last_window_plans_the_next_pass():
+    """The last window's fit arrives with the next pass's first gather: it plans that pass from its first window
+    not handed to the planning thread yet (not a window of the pass that ended)."""
+    import balancer
+    from balancer.measured import BalanceMonitor, StreamSteps
+    from balancer.streaming import BalancedStream
+
+    topo = balancer.Topology(dp=1, micro_batches=2, max_tokens=4096)
+    stream = BalancedStream(doc_rows(240, 2), topo, balancer.CostModel(1.0, 50.0), window_docs=60)
+    monitor = BalanceMonitor(StreamSteps(stream), mode="adapt", warmup_steps=0, min_samples=8, cuda=False)
+    for epoch in range(2):
+        stream.set_epoch(epoch)
+        for j, mb in enumerate(stream):
+            monitor.record(_seconds(mb, False))
+            if j % 2 == 1:
+                monitor.end_step()
+    last = [r for r in monitor.refits if r["epoch"] == 0][-1]
+    assert last["accepted"]
+    moved = [m for m in monitor.models if m.start[0] == 1]
+    assert moved and moved[0].start[1] >= 1  # the first window of pass 1 was planned before the fit arrived
+    assert stream.model_for(moved[0].start[1])[1] == moved[0].cost  # later fits start later
