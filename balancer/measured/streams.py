@@ -34,16 +34,15 @@ from balancer.training.indices import Span
 
 
 class StreamSteps:
-    """A step source for `BalanceMonitor` over `stream` (module docstring). Static CP only (dynamic CP is
-    refused); build it and the monitor before the stream's first `iter()` or `load_state_dict`."""
+    """A step source for `BalanceMonitor` over `stream` (module docstring); with dynamic CP the monitor reads every
+    pool rank's micro-batch and its group. Build it and the monitor before the stream's first `iter()` or
+    `load_state_dict`."""
 
     def __init__(self, stream) -> None:
         from balancer.streaming.dataset import BalancedStream
 
         if not isinstance(stream, BalancedStream):
             raise TypeError(f"StreamSteps: stream must be a BalancedStream, got {type(stream).__name__}")
-        if stream.topology.dynamic:
-            raise ValueError("StreamSteps: dynamic CP (Topology(cp_sizes=...)) is not supported by measured balance")
         if stream.monitor is not None:
             raise ValueError("this stream already has a BalanceMonitor attached")
         self.stream = stream
@@ -130,9 +129,15 @@ class StreamSteps:
         w, local = self.locate(step)
         return self._plans()[w][1].step_micro_batches(local)
 
-    def micro_batch(self, step: int, m: int, dp_rank: int) -> list[Span]:
-        """The pieces of micro-batch `m` of `step` on replica `dp_rank` (their sizes are what the monitor needs)."""
+    def micro_batch(self, step: int, m: int, dp_rank: int | None = None, rank: int | None = None) -> list[Span]:
+        """The pieces of micro-batch `m` of `step` on replica `dp_rank` (their sizes are what the monitor needs);
+        dynamic CP: on pool rank `rank`, each piece carrying the micro-batch's CP group."""
         w, local = self.locate(step)
         seg = self._plans()[w][1]
-        doc, start, end = seg.placements(seg.mb_index(local, dp_rank, m))
-        return [Span(d, a, b) for d, a, b in zip(doc.tolist(), start.tolist(), end.tolist())]
+        if not self.topology.dynamic:
+            doc, start, end = seg.placements(seg.mb_index(local, dp_rank, m))
+            return [Span(d, a, b) for d, a, b in zip(doc.tolist(), start.tolist(), end.tolist())]
+        k = seg.mb_index(local, rank, m)
+        group = seg.group(k, rank)
+        doc, start, end = seg.placements(k)
+        return [Span(d, a, b, group) for d, a, b in zip(doc.tolist(), start.tolist(), end.tolist())]

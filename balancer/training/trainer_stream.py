@@ -12,7 +12,7 @@ What changes against the sampler path (trainer.py), everything else (loss, atten
   yields the same number of whole steps), and the next pass replays the source;
 - a checkpoint holds the stream's state (`balancer_stream.json`, no communication to build: the same on every
   rank); resume loads it and continues the pass at the saved step (no batches skipped by the Trainer);
-- measured balance (`balance_mode`, default "shadow"; static CP) runs its monitor on `StreamSteps(stream)`
+- measured balance (`balance_mode`, default "shadow") runs its monitor on `StreamSteps(stream)`
   (balancer.measured.streams): the fits of adapt mode reach the stream's windows not planned yet, and the monitor's
   state travels in `balancer_stream.json`.
 """
@@ -43,7 +43,7 @@ def write_state(folder: str, name: str, state: dict) -> None:
 
 def stream_settings(trainer, stream: BalancedStream, topology, cost, lengths, overflow: str, seed):
     """(topology, cost, overflow, seed) of a streaming run: the stream's. Refuses a missing `max_steps`, options the
-    stream fixes that differ from it, `lengths`, and measured balance with dynamic CP (static CP only)."""
+    stream fixes that differ from it, and `lengths`."""
     if trainer.args.max_steps is None or trainer.args.max_steps <= 0:
         raise ValueError(
             f"max_steps={trainer.args.max_steps}: a BalancedStream train_dataset has no length; set "
@@ -59,13 +59,6 @@ def stream_settings(trainer, stream: BalancedStream, topology, cost, lengths, ov
         raise ValueError(f"overflow={overflow!r} differs from the stream's {stream.overflow!r}")
     if seed is not None and seed != stream.seed:
         raise ValueError(f"seed={seed} differs from the stream's seed {stream.seed}")
-    if stream.topology.dynamic:
-        if getattr(trainer, "balance_mode", None) not in (None, "off"):
-            raise ValueError(
-                f"balance_mode={trainer.balance_mode!r}: measured balance on a stream supports static CP only "
-                "(the stream's topology has cp_sizes): use balance_mode='off'"
-            )
-        trainer.balance_mode = "off"
     if trainer.args.dataloader_num_workers > 0:
         raise ValueError(
             f"dataloader_num_workers={trainer.args.dataloader_num_workers}: a BalancedStream runs in the training "

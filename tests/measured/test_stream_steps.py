@@ -210,3 +210,35 @@ def test_the_fit_after_a_pass_s_last_window_plans_the_next_pass():
     moved = [m for m in monitor.models if m.start[0] == 1]
     assert moved and moved[0].start[1] >= 1  # the first window of pass 1 was planned before the fit arrived
     assert stream.model_for(moved[0].start[1])[1] == moved[0].cost  # later fits start later
+
+
+def _dynamic_body(rank: int, world: int, out: str) -> None:
+    import balancer
+    from balancer.measured import BalanceMonitor, StreamSteps
+    from balancer.streaming import BalancedStream
+
+    topo = balancer.Topology(dp=1, cp=2, micro_batches=2, max_tokens=700, cp_sizes=(1, 2))
+    rows = doc_rows(360, 4, long_every=9, long_len=1000)
+    stream = BalancedStream(rows, topo, balancer.CostModel(1.0, 50.0), window_docs=60)
+    monitor = BalanceMonitor(StreamSteps(stream), mode="adapt", warmup_steps=0, min_samples=8, cuda=False)
+    for j, mb in enumerate(stream):
+        monitor.record(_seconds(mb, stream.pool_rank == 1))  # pool rank 1 twice as slow, in its groups too
+        if j % 2 == 1:
+            monitor.end_step()
+    monitor.flush()
+    planned = [stream.model_for(w)[0].rank_speeds for w in range(stream.windows_done)]
+    models = [(list(x.start), x.cost.to_dict(), x.speeds) for x in monitor.models]
+    sizes = sorted({int(row[8]) for row in monitor.ledger.mb})
+    Path(out, f"{rank}.json").write_text(json.dumps({"models": models, "planned": planned, "sizes": sizes,
+                                                     "speeds": monitor.report()["rank_speeds"]}))  # fmt: skip
+
+
+def test_dynamic_cp_stream_measures_groups_and_plans_pool_rank_speeds(tmp_path):
+    run_world(2, _dynamic_body, str(tmp_path))
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    assert got[0] == got[1]
+    assert got[0]["sizes"] == [1, 2]  # groups of one rank and of both
+    speeds = got[0]["speeds"]
+    assert speeds[1] < 0.75 * speeds[0]
+    planned = got[0]["planned"]
+    assert planned[0] is None and planned[-1] is not None and len(planned[-1]) == 2 and planned[-1][1] < planned[-1][0]
