@@ -141,3 +141,12 @@ def _plan_speeds(speeds, dp: int, groups, shape: tuple) -> np.ndarray:
     if groups is None:
         return np.repeat(speeds[:, None], shape[1], axis=1)
     return np.array([[speeds[a : a + b].min() for a, b in per] for per in groups])
+
+
+def slowest_of_groups(seconds: np.ndarray, groups: np.ndarray) -> np.ndarray:
+    """[pool, M] seconds with every rank's entry replaced by the slowest member's of its group in that slot."""
+    out = seconds.copy()
+    for m in range(seconds.shape[1]):
+        for start, size in {(int(a), int(b)) for a, b in groups[:, m]}:
+            out[start : start + size, m] = seconds[start : start + size, m].max()
+    return out

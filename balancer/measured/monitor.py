@@ -35,7 +35,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from balancer.measured.ledger import Ledger, Model
+from balancer.measured.ledger import Ledger, Model, slowest_of_groups
 from balancer.measured.refit import refit
 from balancer.measured.report import _errors, build_report, headline, measured_steps, timed_rows, token_room
 from balancer.planning.cost.fit import TERMS
@@ -261,7 +261,7 @@ class BalanceMonitor:
         for row, mine in zip(rows, timed):  # a replica's micro-batch takes the slowest of its ranks (and stages)
             seconds[int(row[1])] = np.maximum(seconds[int(row[1])], mine)
         if groups is not None:  # dynamic CP: a group's micro-batch takes the slowest of its members
-            seconds = _slowest_of_groups(seconds, groups)
+            seconds = slowest_of_groups(seconds, groups)
         own = ~synced if (~synced).any() else np.ones(m, dtype=bool)  # step times: the micro-batches' own compute
         model_id = self.model_id(epoch, window)
         info = {"epoch": epoch, "step": step, "window": window, "warm": warm}
@@ -464,15 +464,6 @@ def _group_of(items, rank: int) -> tuple[int, int]:
     """(start, size) of the CP group of a dynamic plan's micro-batch (its pieces carry it); an empty one: `rank`
     alone."""
     return (items[0].group.start, items[0].group.size) if len(items) else (rank, 1)
-
-
-def _slowest_of_groups(seconds: np.ndarray, groups: np.ndarray) -> np.ndarray:
-    """[pool, M] seconds with every rank's entry replaced by the slowest member's of its group in that slot."""
-    out = seconds.copy()
-    for m in range(seconds.shape[1]):
-        for start, size in {(int(a), int(b)) for a, b in groups[:, m]}:
-            out[start : start + size, m] = seconds[start : start + size, m].max()
-    return out
 
 
 def _planner_takes_speeds() -> bool:
