@@ -26,10 +26,12 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+import numpy as np
+
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
-from balancer.training.indices import Span
+from balancer.training.indices import CPGroup, Span
 from balancer.training.ranks import resolve_pool_rank
 
 _KEPT = 4  # batches whose plans are kept: a gather reads the plan of a step closed up to `every` steps before
@@ -37,7 +39,7 @@ _KEPT = 4  # batches whose plans are kept: a gather reads the plan of a step clo
 
 class BatchSteps:
     """A step source for `BalanceMonitor` over fixed batches added one at a time (`add(plan)`), each planned with
-    `next_model()`. `topology` (dp, cp, micro_batches; static CP, whole plans) and `cost` are the first batch's
+    `next_model()`. `topology` (dp, cp, cp_sizes, micro_batches; whole plans) and `cost` are the first batch's
     model; `dp_rank` / `rank` as in `BalancedBatchSampler` (default: from torch.distributed)."""
 
     def __init__(
@@ -47,8 +49,6 @@ class BatchSteps:
             raise TypeError(f"BatchSteps: topology must be a Topology, got {type(topology).__name__}")
         if not isinstance(cost, CostModel):
             raise TypeError(f"BatchSteps: cost must be a CostModel, got {type(cost).__name__}")
-        if topology.dynamic:
-            raise ValueError("BatchSteps: dynamic CP (Topology(cp_sizes=...)) is not supported")
         self.topology, self.cost = topology, cost
         self.pool_rank = resolve_pool_rank(rank, dp_rank, topology, None, "dp")
         self.dp_rank = self.pool_rank // topology.cp
@@ -67,15 +67,13 @@ class BatchSteps:
             raise ValueError("BatchSteps.add: build the BalanceMonitor on these steps before adding the first batch")
         if not isinstance(plan, Plan):
             raise TypeError(f"BatchSteps.add: plan must be a balancer Plan, got {type(plan).__name__}")
-        if plan.dynamic:
-            raise ValueError("BatchSteps.add: a dynamic-CP plan; the monitor measures static CP only")
         t, mine = plan.topology, self.topology
-        for name in ("dp", "cp", "pp", "micro_batches"):
+        for name in ("dp", "cp", "pp", "micro_batches", "cp_sizes"):
             if getattr(t, name) != getattr(mine, name):
                 raise ValueError(
                     f"BatchSteps.add: the plan has {name} = {getattr(t, name)}, the monitor's topology "
-                    f"{getattr(mine, name)} (every batch keeps dp, cp, pp and micro_batches: pass micro_batches "
-                    "to balance_batch as a number, not 'auto')"
+                    f"{getattr(mine, name)} (every batch keeps dp, cp, pp, cp_sizes and micro_batches: pass "
+                    "micro_batches to balance_batch as a number, not 'auto')"
                 )
         self._kept[self._batches] = (self._steps, plan)
         self._kept.pop(self._batches - _KEPT, None)
@@ -141,10 +139,19 @@ class BatchSteps:
         b, local = self.locate(step)
         return self._kept[b][1].step_micro_batches(local)
 
-    def micro_batch(self, step: int, m: int, dp_rank: int) -> list[Span]:
-        """The pieces of micro-batch `m` of `step` on replica `dp_rank` (their sizes are what the monitor needs)."""
+    def micro_batch(self, step: int, m: int, dp_rank: int | None = None, rank: int | None = None) -> list[Span]:
+        """The pieces of micro-batch `m` of `step` on replica `dp_rank` (their sizes are what the monitor needs);
+        dynamic CP: of slot `m` on pool rank `rank`, each piece carrying its CP group."""
         b, local = self.locate(step)
         plan = self._kept[b][1]
-        k = local * plan.topology.bins_per_step + dp_rank * plan.step_micro_batches(local) + m
+        group = None
+        if plan.dynamic:  # the group of slot `m` holding `rank` (a slot's groups are sorted by their first rank)
+            slot = local * plan.topology.micro_batches + m
+            first, last = int(plan.slot_ptr[slot]), int(plan.slot_ptr[slot + 1])
+            k = first + int(np.searchsorted(plan.group_start[first:last], rank, side="right")) - 1
+            start = int(plan.group_start[k])
+            group = CPGroup(start, int(plan.group_size[k]), rank - start)
+        else:
+            k = local * plan.topology.bins_per_step + dp_rank * plan.step_micro_batches(local) + m
         a, z = int(plan.mb_ptr[k]), int(plan.mb_ptr[k + 1])
-        return [Span(d, s, e) for d, s, e in zip(plan.doc[a:z], plan.start[a:z], plan.end[a:z])]
+        return [Span(d, s, e, group) for d, s, e in zip(plan.doc[a:z], plan.start[a:z], plan.end[a:z])]

@@ -103,8 +103,11 @@ def test_bad_batches_are_refused():
         steps.add([[1, 2]])
     with pytest.raises(TypeError, match="cost must be a CostModel"):
         BatchSteps(topo, "flops", dp_rank=0)
-    with pytest.raises(ValueError, match="dynamic CP"):
-        BatchSteps(balancer.Topology(dp=2, cp_sizes=(1, 2), micro_batches=2, max_tokens=16384), FLOPS, rank=0)
+    dyn = BatchSteps(balancer.Topology(dp=2, cp_sizes=(1, 2), micro_batches=2, max_tokens=16384), FLOPS, rank=0)
+    BalanceMonitor(dyn)
+    with pytest.raises(ValueError, match="cp_sizes = None, the monitor's topology"):
+        dyn.add(balancer.balance_batch(_batch(0), balancer.Topology(dp=2, micro_batches=2, max_tokens=16384), FLOPS,
+                                       micro_batches=2))  # fmt: skip
 
 
 def _uneven(rank, world, out):
@@ -128,3 +131,47 @@ def test_every_rank_plans_each_batch_with_the_same_bits_and_the_speeds_are_found
     assert np.array(rep["rank_speeds"]) / np.mean(rep["rank_speeds"]) == pytest.approx(want / want.mean(), rel=0.05)
     if _planner_takes_speeds():
         assert got[0]["used"][-1][0] is not None  # the last batches were planned with the fitted speeds
+
+
+def _dynamic(rank, world, out):
+    from balancer.measured.refit import fit, predict
+
+    topo = balancer.Topology(dp=2, cp=2, micro_batches=2, max_tokens=4096, cp_sizes=(1, 2, 4))
+    steps = BatchSteps(topo, FLOPS)  # the pool rank from torch.distributed
+    monitor = BalanceMonitor(steps, mode="adapt", min_samples=16)
+    slow = 0.5 if rank == 3 else 1.0
+    for b in range(6):
+        topo_b, cost_b = steps.next_model()
+        rng = np.random.default_rng(2000 + b)  # long documents (above max_tokens: groups of 2 or 4) among short ones
+        lengths = np.concatenate([rng.integers(20, 400, 200), rng.integers(4200, 6000, 2)])
+        plan = balancer.balance_batch(lengths, topo_b, cost_b, mini_batches=4)
+        steps.add(plan)
+        first = steps.position // topo.micro_batches - plan.num_steps
+        for s in range(plan.num_steps):
+            for m in range(plan.step_micro_batches(s)):
+                pieces = steps.micro_batch(first + s, m, rank=rank)
+                sizes = np.array([p.end - p.start for p in pieces], dtype=np.int64)
+                size = pieces[0].group.size if pieces else 1
+                t = float(predict(TRUE, [sizes], np.array([size]))[0]) if len(sizes) else 1e-4
+                monitor.record(t * (1 + 0.01 * np.sin(7 * s + m + b)) / slow)
+            monitor.end_step()
+    models = [(x.cost.to_dict(), x.speeds) for x in monitor.models]
+    refit = fit(monitor.ledger.evidence(), FLOPS, 4)[1].tolist()  # the refit on all the evidence kept
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump({"models": models, "speeds": monitor.report()["rank_speeds"], "refit": refit,
+                   "planned": steps.next_model()[0].rank_speeds,
+                   "sizes": sorted({int(r[8]) for r in monitor.ledger.mb})}, f)  # fmt: skip
+
+
+def test_dynamic_cp_batches_fit_pool_rank_speeds(tmp_path):
+    run_world(4, _dynamic, str(tmp_path))
+    got = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(4)]
+    assert got[0] == got[1] == got[2] == got[3]
+    assert 1 in got[0]["sizes"] and max(got[0]["sizes"]) > 1  # groups of one rank and of several
+    want = np.array([1.0, 1.0, 1.0, 0.5]) / 0.875
+    assert np.array(got[0]["refit"]) == pytest.approx(want, rel=0.03)  # groups charged to their slowest member
+    speeds = np.array(got[0]["speeds"])  # the last accepted fit (later ones may be refused on few held-back steps)
+    assert speeds[3] < 0.85 * speeds[:3].min()
+    if _planner_takes_speeds():
+        planned = got[0]["planned"]
+        assert planned is not None and len(planned) == 4 and planned[3] < min(planned[:3])
