@@ -26,8 +26,6 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-import numpy as np
-
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
@@ -145,10 +143,8 @@ class BatchSteps:
         b, local = self.locate(step)
         plan = self._kept[b][1]
         group = None
-        if plan.dynamic:  # the group of slot `m` holding `rank` (a slot's groups are sorted by their first rank)
-            slot = local * plan.topology.micro_batches + m
-            first, last = int(plan.slot_ptr[slot]), int(plan.slot_ptr[slot + 1])
-            k = first + int(np.searchsorted(plan.group_start[first:last], rank, side="right")) - 1
+        if plan.dynamic:  # the group of slot `m` holding pool rank `rank`
+            k = int(plan.rank_groups(rank)[local * plan.topology.micro_batches + m])
             start = int(plan.group_start[k])
             group = CPGroup(start, int(plan.group_size[k]), rank - start)
         else:

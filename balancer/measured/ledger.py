@@ -12,6 +12,7 @@ import numpy as np
 
 from balancer.measured.refit import Samples, predict
 from balancer.planning.cost.model import CostModel
+from balancer.planning.speeds import group_speeds
 
 STATE_STEPS = 512  # steps of per-step records a saved state keeps (the report of a resumed run starts there)
 
@@ -77,7 +78,7 @@ class Ledger:
         units = predict(model.cost, flat, cps.ravel(), self.layout).reshape(seconds.shape)
         plan_cost = np.array([[model.cost.micro_batch_cost(s) / c for s, c in zip(per, cs)] for per, cs in
                               zip(sizes, cps)]).reshape(seconds.shape)  # fmt: skip
-        plan_speeds = _plan_speeds(model.plan_speeds, self.dp, groups, seconds.shape)
+        plan_speeds = _plan_speeds(model.plan_speeds, groups, seconds.shape)
         warm = bool(info["warm"])
         own = ~synced if (~synced).any() else np.ones(len(synced), dtype=bool)
         self.steps.append(
@@ -132,7 +133,7 @@ class Ledger:
         )  # fmt: skip
 
 
-def _plan_speeds(speeds, dp: int, groups, shape: tuple) -> np.ndarray:
+def _plan_speeds(speeds, groups, shape: tuple) -> np.ndarray:
     """[dp, M] the planned speed each micro-batch ran at: its replica's, or (dynamic CP) its group's slowest
     member's; ones without planned speeds."""
     if speeds is None:
@@ -140,7 +141,7 @@ def _plan_speeds(speeds, dp: int, groups, shape: tuple) -> np.ndarray:
     speeds = np.asarray(speeds, dtype=np.float64)
     if groups is None:
         return np.repeat(speeds[:, None], shape[1], axis=1)
-    return np.array([[speeds[a : a + b].min() for a, b in per] for per in groups])
+    return group_speeds(speeds, groups[..., 0].ravel(), groups[..., 1].ravel()).reshape(shape)
 
 
 def slowest_of_groups(seconds: np.ndarray, groups: np.ndarray) -> np.ndarray:

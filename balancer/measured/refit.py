@@ -31,6 +31,7 @@ from balancer.planning.cost.fit import fit_cost_model
 from balancer.planning.cost.microbatch import micro_batch_terms, rank_times
 from balancer.planning.cost.model import CostModel
 from balancer.planning.cost.predict import micro_batch_times
+from balancer.planning.speeds import group_speeds
 
 ROUNDS = 4  # alternations of speeds and cost; the speeds move by well under 1% after the third on every test case
 OUTLIER_MADS = 5.0
@@ -103,12 +104,7 @@ class Refit:
 def sample_speeds(speeds: np.ndarray, replica: np.ndarray, group: np.ndarray | None) -> np.ndarray:
     """The speed each sample ran at: `speeds[replica]`, or with `group` [n, 2] the slowest of its group's members."""
     speeds = np.asarray(speeds, dtype=np.float64)
-    if group is None:
-        return speeds[replica]
-    out = np.empty(len(group))
-    for start, size in {(int(a), int(b)) for a, b in group}:
-        out[(group[:, 0] == start) & (group[:, 1] == size)] = speeds[start : start + size].min()
-    return out
+    return speeds[replica] if group is None else group_speeds(speeds, group[:, 0], group[:, 1])
 
 
 def predict(cost: CostModel, sizes: list, cp: np.ndarray, layout: str = "zigzag", terms=None) -> np.ndarray:

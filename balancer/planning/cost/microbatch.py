@@ -212,7 +212,10 @@ def stack_terms(terms: list) -> MicroBatchTerms:
 
 
 def fit_features_batch(terms: MicroBatchTerms, method: str, cost: CostModel | None) -> np.ndarray:
-    """[n, 6] `fit_features` of every micro-batch of `terms` stacked by `stack_terms` (one CP size), at once."""
+    """[n, 6] linear features [pairs, tokens, 1, pieces, comm tokens, latency count] of the slowest rank of every
+    micro-batch of `terms` (stacked by `stack_terms`: one CP size), with each ring step charged to compute or to
+    transfer as `cost` says; both are counted when `cost` is None or does not overlap (the slowest rank is then the
+    one with the most tokens)."""
     cp, n = terms.cp, len(terms.tokens)
     times = rank_times(cost, terms, method) if cost is not None else terms.tokens
     r = np.argmax(times, axis=-1)  # [n] the slowest rank (the first of ties, as argmax one by one)
@@ -234,10 +237,3 @@ def fit_features_batch(terms: MicroBatchTerms, method: str, cost: CostModel | No
         comm = np.where(on_compute, 0.0, moved).sum(axis=-1)
     pairs, pieces = np.where(on_compute, pairs, 0.0).sum(axis=-1), np.where(on_compute, pieces, 0.0).sum(axis=-1)
     return np.stack([pairs, tokens, ones, pieces, comm, np.full(n, float(cp))], axis=1)
-
-
-def fit_features(terms: MicroBatchTerms, method: str, cost: CostModel | None) -> np.ndarray:
-    """Linear features [pairs, tokens, 1, pieces, comm tokens, latency count] of the slowest rank of one
-    micro-batch, with each ring step charged to compute or to transfer as `cost` says; both are counted when `cost`
-    is None or does not overlap (the slowest rank is then the one with the most tokens)."""
-    return fit_features_batch(stack_terms([terms]), method, cost)[0]
