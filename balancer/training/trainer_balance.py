@@ -51,8 +51,13 @@ class MeasuredBalanceMixin:
             self.balance_mode = "shadow"
         if self.balance_mode != "off" and self.balance_monitor is None:
             layout = getattr(self.packed_collator, "kind", "zigzag")
-            self.balance_monitor = BalanceMonitor(self.balanced_sampler, mode=self.balance_mode, layout=layout)
+            self.balance_monitor = BalanceMonitor(self._balance_source(), mode=self.balance_mode, layout=layout)
             self._balance_mbs = 0
+
+    def _balance_source(self):
+        """What the monitor reads the plan through: the trainer's sampler (a stream's `StreamSteps` in
+        trainer_stream.py)."""
+        return self.balanced_sampler
 
     def _init_training_state(self, *args, **kwargs):
         self._balance_attach()  # before the sampler loads a checkpoint's state (the monitor's part is in it)

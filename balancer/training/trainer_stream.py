@@ -75,21 +75,14 @@ class StreamTrainingMixin:
     _stream_resumed = None  # the stream epoch a checkpoint's state was loaded for
     _stream_batches = 0
 
-    def _balance_attach(self) -> None:
-        """The monitor on the stream (`StreamSteps`), before a checkpoint's stream state (which holds its state) is
-        loaded; the sampler path's otherwise."""
-        stream = self.balanced_stream
-        if stream is None:
-            return super()._balance_attach()
-        if self.balance_mode is None:  # the sampler path's default: measure and report, change no plan
-            self.balance_mode = "shadow"
-        if self.balance_mode != "off" and self.balance_monitor is None:
-            from balancer.measured.monitor import BalanceMonitor
-            from balancer.measured.streams import StreamSteps
+    def _balance_source(self):
+        """The monitor's step source: `StreamSteps` on the stream (built, as on the sampler path, before a
+        checkpoint's stream state, which holds the monitor's, is loaded); the sampler path's otherwise."""
+        if self.balanced_stream is None:
+            return super()._balance_source()
+        from balancer.measured.streams import StreamSteps
 
-            layout = getattr(self.packed_collator, "kind", "zigzag")
-            self.balance_monitor = BalanceMonitor(StreamSteps(stream), mode=self.balance_mode, layout=layout)
-            self._balance_mbs = 0
+        return StreamSteps(self.balanced_stream)
 
     def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         """The stream's micro-batches packed by the trainer's collator (the stream is rank-aware: not re-sharded)."""
