@@ -6,7 +6,9 @@ A sample is one micro-batch of one replica: its pieces' token counts (in packing
 the measured seconds (the slowest of the replica's ranks). The model: `seconds = micro_batch_time(cost, sizes, cp) /
 speed[replica]` (balancer.planning.cost.predict: the slowest CP rank under the layout). The fit alternates two
 exact steps: with the speeds fixed, `CostModel.fit` on the speed-corrected seconds (non-negative least squares on
-relative errors); with the cost fixed, each replica's speed is the median of predicted / measured over its samples.
+relative errors); with the cost fixed, each replica's speed is the median over its steps of predicted / measured
+step totals (its samples of one step summed: the planner balances a replica's step, so a long micro-batch weighs by
+its time; over single micro-batches a replica that is faster on short work than on long would read too fast).
 Speeds are normalised to a mean of 1, so the cost model is in seconds of an average replica.
 
 Dynamic CP: the "replicas" are the pool ranks and a sample is one pool rank's view of its group's micro-batch
@@ -142,16 +144,23 @@ def score(measured: np.ndarray, predicted: np.ndarray) -> float:
     return float(np.median(e) + np.quantile(e, 0.9)) if len(e) else math.nan
 
 
-def fit_speeds(predicted: np.ndarray, seconds: np.ndarray, replica: np.ndarray, dp: int) -> np.ndarray:
-    """Each replica's speed: exp(median log(predicted / measured)) over its samples, normalised to a mean of 1 over
-    the replicas that have samples (a replica without samples gets 1)."""
+def fit_speeds(
+    predicted: np.ndarray, seconds: np.ndarray, replica: np.ndarray, dp: int, step: np.ndarray | None = None
+) -> np.ndarray:
+    """Each replica's speed: exp(median log(predicted / measured)) over its steps (`step` given: a step's samples
+    summed first, the quantity the planner balances, so a step's long micro-batches weigh by their time) or over
+    its samples, normalised to a mean of 1 over the replicas that have samples (a replica without samples gets 1)."""
     speeds = np.ones(dp)
-    ratio = np.log(predicted / seconds)
     seen = np.zeros(dp, dtype=bool)
     for r in range(dp):
         mine = replica == r
-        if mine.any():
-            speeds[r], seen[r] = math.exp(float(np.median(ratio[mine]))), True
+        if not mine.any():
+            continue
+        pred, sec = predicted[mine], seconds[mine]
+        if step is not None:
+            ids, at = np.unique(step[mine], return_inverse=True)
+            pred, sec = np.bincount(at, pred, len(ids)), np.bincount(at, sec, len(ids))
+        speeds[r], seen[r] = math.exp(float(np.median(np.log(pred / sec)))), True
     speeds[seen] /= speeds[seen].mean()
     return speeds
 
@@ -211,9 +220,9 @@ def _round_speeds(cost: CostModel, sub: Samples, s: np.ndarray, dp: int) -> np.n
     group's slowest under the previous round's speeds `s`; a rank that never was keeps its speed there."""
     pred = predict(cost, None, None, terms=sub.terms)
     if sub.group is None:
-        return fit_speeds(pred, sub.seconds, sub.replica, dp)
+        return fit_speeds(pred, sub.seconds, sub.replica, dp, sub.step)
     own = sub.slowest(s)
-    new = fit_speeds(pred[own], sub.seconds[own], sub.replica[own], dp)
+    new = fit_speeds(pred[own], sub.seconds[own], sub.replica[own], dp, sub.step[own])
     unseen = ~np.isin(np.arange(dp), sub.replica[own])
     new[unseen] = s[unseen]
     return new / new.mean()

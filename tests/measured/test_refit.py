@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import balancer
-from balancer.measured.refit import Samples, fit, outlier_mask, predict, refit
+from balancer.measured.refit import Samples, fit, fit_speeds, outlier_mask, predict, refit
 from balancer.planning.cost.microbatch import micro_batch_terms, rank_times
 
 TRUE = balancer.CostModel(attn_coef=2e-7, linear_coef=3e-5, fixed=1e-3)
@@ -34,6 +34,22 @@ def test_fit_recovers_speeds_and_predicts_within_noise():
     err = np.abs(pred - s.seconds) / s.seconds
     assert np.median(err) < 0.03 and np.quantile(err, 0.9) < 0.06
     assert not out.any()
+
+
+def test_speeds_are_fitted_on_step_totals():
+    """The planner balances a replica's step: its speed is the median over steps of predicted / measured step
+    totals, so a step's long micro-batch weighs by its time. Replica 0 runs the long micro-batch of every step at 2x
+    replica 1 and the three short ones at 4x (a speed that differs by kind of work): by steps it is (1 + 3 * 0.01) /
+    (0.5 + 3 * 0.0025) = 2.03x, where the median over micro-batches would say 4x."""
+    steps = 6
+    predicted = np.tile([1.0, 0.01, 0.01, 0.01], 2 * steps)
+    replica = np.repeat([0, 1], 4 * steps)
+    step = np.tile(np.repeat(np.arange(steps), 4), 2)
+    seconds = predicted / np.where(replica == 1, 1.0, np.where(predicted > 0.5, 2.0, 4.0))
+    by_step = fit_speeds(predicted, seconds, replica, 2, step)
+    assert by_step[0] / by_step[1] == pytest.approx(1.03 / 0.5075)
+    assert fit_speeds(predicted, seconds, replica, 2)[0] / fit_speeds(predicted, seconds, replica, 2)[1] == 4.0
+    assert by_step.mean() == pytest.approx(1.0)
 
 
 def test_outliers_are_found_and_left_out():
