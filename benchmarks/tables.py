@@ -716,7 +716,8 @@ def measured_balance(name: str = "measured_balance") -> str:
     """Static (shadow) against adapt on pinned CPU ranks (benchmarks/measured_balance.py), per configuration."""
     data = load(name)
     header = ["ranks", "pairs", "static s/step", "adapt s/step", "adapt speedup: median (min)",
-              "measured imbalance static / adapt", "prediction error before refit: median / p90",
+              "attainable speedup: median (documents divisible)", "measured imbalance static / adapt",
+              "prediction error before refit: median / p90",
               "after the first refit (fresh micro-batches): median / p90", "the same within steps",
               "fitted speeds (last adapt run)", "monitor CPU / step CPU", "refit CPU s",
               "1-min load during runs"]  # fmt: skip
@@ -738,7 +739,7 @@ def measured_balance(name: str = "measured_balance") -> str:
         rows.append([
             f"{c['config']} (dp{c['dp']} x cp{c['cp']}{_cp_sizes(c)})", str(len(c["pairs"])),
             fmt(med("static", "mean_step_seconds")), fmt(med("adapt", "mean_step_seconds")),
-            f"{c['speedup_median']:.3f}x ({c['speedup_min']:.3f}x)",
+            f"{c['speedup_median']:.3f}x ({c['speedup_min']:.3f}x)", _attainable(c["pairs"]),
             f"{fmt(med('static', 'measured_imbalance_after_second_window'))} / "
             f"{fmt(med('adapt', 'measured_imbalance_after_second_window'))}",
             f"{fmt(med('static', 'prediction_error_before', 0), '.1%')} / "
@@ -758,6 +759,16 @@ def measured_balance(name: str = "measured_balance") -> str:
     return markdown(header, rows) + note + _record_line(data)
 
 
+def _attainable(pairs: list) -> str:
+    """Median attainable speedup of the pairs (benchmarks/measured_balance.py ATTAINABLE_RULE) and the same with
+    every document divisible; "-" where the run has none (CP > 1, or results from before it was measured)."""
+    best = sorted(p["attainable_speedup"] for p in pairs if p.get("attainable_speedup"))
+    divisible = sorted(p["divisible_speedup"] for p in pairs if p.get("divisible_speedup"))
+    if not best:
+        return "-"
+    return f"{best[len(best) // 2]:.3f}x ({divisible[len(divisible) // 2]:.3f}x)"
+
+
 def _cp_sizes(config: dict) -> str:
     sizes = config.get("cp_sizes")
     return "" if not sizes else ", cp_sizes " + "/".join(str(x) for x in sizes)
@@ -769,6 +780,9 @@ TABLES: dict[str, Callable[[], str]] = {
     "measured_balance_uneven_w10": lambda: measured_balance("measured_balance_uneven_w10"),
     "measured_balance_interleaved": lambda: measured_balance("measured_balance_interleaved"),
     "measured_balance_interleaved_cp": lambda: measured_balance("measured_balance_interleaved_cp"),
+    "measured_balance_interleaved_micro_batch_speeds": lambda: measured_balance(
+        "measured_balance_interleaved_micro_batch_speeds"
+    ),
     "import_time": import_time,
     "plan_validate": plan_validate,
     "post_training": post_training,
