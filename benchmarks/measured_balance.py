@@ -211,7 +211,7 @@ def _fresh_errors(rows: list) -> dict:
     if not len(a):
         return {"micro_batches": 0}
     seconds, pred = a[:, 7], a[:, 8]
-    out = outlier_mask(seconds, pred)
+    out = outlier_mask(seconds, pred, a[:, 3])
     raw = np.abs(pred - seconds) / seconds
     scaled = pred.copy()
     for step in np.unique(a[:, 0]):

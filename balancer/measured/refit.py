@@ -18,7 +18,7 @@ sample is predicted with that speed and counts towards a rank's speed only while
 
 Outliers (a GC pause, a checkpoint write inside a timed region, a noisy neighbour): a sample whose log residual
 `log(measured * speed / predicted)` is further than `max(OUTLIER_MADS * 1.4826 * MAD, log(OUTLIER_MIN_RATIO))` from
-the median is left out and the fit repeated once without it (`OUTLIER_RULE` says it in words).
+its replica's median is left out and the fit repeated once without it (`OUTLIER_RULE` says it in words).
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ from balancer.planning.speeds import group_speeds
 ROUNDS = 4  # alternations of speeds and cost; the speeds move by well under 1% after the third on every test case
 OUTLIER_MADS = 5.0
 OUTLIER_MIN_RATIO = 1.3
+OUTLIER_OWN_MEDIAN = 5  # a replica with this many samples is judged from its own median ratio
 OUTLIER_RULE = (
     f"warm-up: the first steps after the monitor starts or resumes; then a micro-batch whose measured / predicted "
     f"time (its replica's speed included) is more than max({OUTLIER_MADS:g} robust standard deviations (1.4826 * "
-    f"MAD of the log ratios), a factor {OUTLIER_MIN_RATIO:g}) away from the median ratio"
+    f"MAD of the log ratios), a factor {OUTLIER_MIN_RATIO:g}) away from its replica's median ratio (the median of "
+    f"all when the replica has fewer than {OUTLIER_OWN_MEDIAN} micro-batches)"
 )
 HOLD_EVERY = 4  # every 4th step of the evidence is held back to judge a candidate against the model in force
 SPEED_SIGMAS = 3.0  # fitted speeds are planned only when fastest / slowest is this many standard errors above 1
@@ -183,11 +185,19 @@ def speed_noise(seconds: np.ndarray, predicted: np.ndarray, replica: np.ndarray,
     return SPEED_SIGMAS * math.hypot(a, b)
 
 
-def outlier_mask(seconds: np.ndarray, predicted: np.ndarray) -> np.ndarray:
-    """True for samples outside the robust band of OUTLIER_RULE (`predicted` includes the replica speeds)."""
+def outlier_mask(seconds: np.ndarray, predicted: np.ndarray, unit: np.ndarray | None = None) -> np.ndarray:
+    """True for samples outside the robust band of OUTLIER_RULE (`predicted` includes the replica speeds). With
+    `unit` (each sample's replica, or pool rank) a sample is measured from its own unit's median ratio when that
+    unit has OUTLIER_OWN_MEDIAN samples or more: a replica whose speed the model does not know (the sampler's
+    model, a wrong fitted speed) is a prediction error, not a replica of outliers."""
     res = np.log(seconds / predicted)
-    mid = np.median(res)
-    mad = float(np.median(np.abs(res - mid)))
+    mid = np.full(len(res), float(np.median(res)) if len(res) else 0.0)
+    if unit is not None:
+        for u in np.unique(unit):
+            mine = unit == u
+            if mine.sum() >= OUTLIER_OWN_MEDIAN:
+                mid[mine] = np.median(res[mine])
+    mad = float(np.median(np.abs(res - mid))) if len(res) else 0.0
     band = max(OUTLIER_MADS * 1.4826 * mad, math.log(OUTLIER_MIN_RATIO))
     return np.abs(res - mid) > band
 
@@ -208,7 +218,7 @@ def fit(samples: Samples, like: CostModel, dp: int, *, layout: str = "zigzag", s
                 s = _round_speeds(cost, sub, s, dp)
         if outlier_pass == 0:
             pred = predict(cost, None, None, terms=samples.terms) / samples.speeds(s)
-            out = outlier_mask(samples.seconds, pred)
+            out = outlier_mask(samples.seconds, pred, samples.replica)
             if not out.any() or (~out).sum() < len(samples) // 2:
                 break
             keep = ~out
@@ -283,7 +293,7 @@ def refit(
     cand = predict(cost, None, None, terms=test.terms) / test.speeds(s)
     cur_s = np.ones(dp) if current_speeds is None else np.asarray(current_speeds, dtype=np.float64)
     cur = predict(current, None, None, terms=test.terms) / test.speeds(cur_s)
-    inliers = ~outlier_mask(test.seconds, cand)
+    inliers = ~outlier_mask(test.seconds, cand, test.replica)
     if not current_in_seconds:  # a model in FLOPs (or any unit): judged by its shape, at its best single scale
         cur = cur * float(np.median(test.seconds[inliers] / cur[inliers]))
     sc_cand = score(test.seconds[inliers], cand[inliers])

@@ -39,7 +39,7 @@ def _errors(mb: np.ndarray, models: list) -> tuple[np.ndarray, np.ndarray, np.nd
         if not model.in_seconds:
             p = p * float(np.median(mb[mine, 2] / p))
         pred[mine] = p
-    out = outlier_mask(mb[:, 2], pred) if len(mb) else np.zeros(0, dtype=bool)
+    out = outlier_mask(mb[:, 2], pred, mb[:, 1]) if len(mb) else np.zeros(0, dtype=bool)
     return relative_errors(mb[~out, 2], pred[~out]), out, pred
 
 
@@ -146,8 +146,9 @@ def _fresh_errors(monitor, fitted) -> tuple:
     speeds = np.ones(monitor.ledger.dp) if fitted.speeds is None else np.asarray(fitted.speeds)
     group = np.array([s[6] for s in rows], dtype=np.int64)
     p = predict(fitted.cost, sizes, np.array([s[2] for s in rows]), monitor.layout)
-    p = p / sample_speeds(speeds, np.array([s[1] for s in rows]), group)
-    keep = ~outlier_mask(seconds, p)
+    unit = np.array([s[1] for s in rows])
+    p = p / sample_speeds(speeds, unit, group)
+    keep = ~outlier_mask(seconds, p, unit)
     return _quantiles(relative_errors(seconds[keep], p[keep]))
 
 

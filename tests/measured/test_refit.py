@@ -64,6 +64,21 @@ def test_outliers_are_found_and_left_out():
     assert outlier_mask(np.array([1.0, 1.0, 1.0, 3.0]), np.ones(4)).tolist() == [False, False, False, True]
 
 
+def test_a_replica_the_model_thinks_too_fast_is_not_a_replica_of_outliers():
+    """Replica 1 runs 3x slower than a model without speeds predicts: its micro-batches are that model's errors,
+    not outliers (judged from the global median they all were); a spike inside a replica still is one."""
+    rng = np.random.default_rng(3)
+    replica = np.arange(60) % 3
+    predicted = np.ones(60)
+    seconds = np.where(replica == 1, 3.0, 1.0) * (1 + 0.02 * rng.standard_normal(60))
+    seconds[[4, 30]] *= 4.0  # replica 1's step 4 and replica 0's step 30: GC pauses
+    assert outlier_mask(seconds, predicted)[replica == 1].all()  # the global median's view: a whole replica
+    out = outlier_mask(seconds, predicted, replica)
+    assert set(np.flatnonzero(out)) == {4, 30}
+    few = np.array([0, 0, 0, 0, 0, 0, 1, 1])  # replica 1 has 2 samples: judged from the median of all
+    assert outlier_mask(np.array([1.0] * 6 + [3.0, 3.0]), np.ones(8), few)[6:].all()
+
+
 def test_refit_accepts_a_better_model_and_refuses_a_worse_one():
     s = _samples(seed=2)
     r = refit(s, FLOPS, None, 3, current_in_seconds=False)
