@@ -30,6 +30,7 @@ def _errors(mb: np.ndarray, models: list) -> tuple[np.ndarray, np.ndarray, np.nd
     """(relative errors of the inliers, outlier mask, predicted seconds) of the micro-batch rows [model, replica,
     measured, units, serial, left out, m, group start, group size]."""
     pred = np.zeros(len(mb))
+    out = np.zeros(len(mb), dtype=bool)
     for k, model in enumerate(models):
         mine = mb[:, 0] == k
         if not mine.any():
@@ -39,7 +40,7 @@ def _errors(mb: np.ndarray, models: list) -> tuple[np.ndarray, np.ndarray, np.nd
         if not model.in_seconds:
             p = p * float(np.median(mb[mine, 2] / p))
         pred[mine] = p
-    out = outlier_mask(mb[:, 2], pred, mb[:, 1]) if len(mb) else np.zeros(0, dtype=bool)
+        out[mine] = outlier_mask(mb[mine, 2], p, mb[mine, 1])  # each model's own bias per replica
     return relative_errors(mb[~out, 2], pred[~out]), out, pred
 
 

@@ -35,6 +35,7 @@ from balancer.planning.metrics import natural_steps, step_times
 from balancer.planning.packing.across import move_across
 from balancer.planning.packing.epoch import LazySteps, pack_light_steps, steps_to_repack
 from balancer.planning.packing.refine import refine_packed
+from balancer.planning.packing.replicas import permute_replicas
 from balancer.planning.packing.settle import Batched, Settling, hold_step_tokens, settle
 from balancer.planning.plans.plan import Plan
 from balancer.planning.speeds import even, planning_view, token_bound
@@ -127,6 +128,7 @@ def plan(
         packed = _pack_epoch(u_cost, u_tok, attn_heavy, targets, topology, rng, progress, fixed=num_steps is not None)
         packed = refine_packed(packed, u_cost, u_tok, topology)
         packed = move_across(packed, u_cost, u_tok, topology)
+        packed = permute_replicas(packed, topology, np.random.default_rng([seed, 2]))
     units = (u_doc, u_start, u_end, shuffled, doc_order)
     return _assemble(lengths, topology, cost, seed, packed, units, targets, m_last, started)
 

@@ -163,3 +163,25 @@ def test_speeds_are_supported_only_beyond_the_evidence_noise():
     assert fast.accepted and fast.speeds_supported and "planned as even" not in fast.reason
     mild = refit(_noisy((1.3, 1, 1, 1), 12, 0.02, 0), FLOPS, None, 4, current_in_seconds=False, min_samples=16)
     assert mild.speeds_supported
+
+
+def test_report_judges_each_models_outliers_per_replica():
+    """The report's prediction errors: replica 1 runs 3x slower than the sampler's model (no speeds) says, then a
+    fit knows it. Replica 1's micro-batches under the sampler's model are errors, not outliers, also when most of
+    replica 1's micro-batches come later under the fit (one median over both models would make them outliers)."""
+    from types import SimpleNamespace
+
+    from balancer.measured.report import _errors
+
+    rng = np.random.default_rng(4)
+    rows = []
+    for k, n in ((0, 24), (1, 120)):
+        for i in range(n):
+            replica = i % 2
+            truth = 0.1 * (3.0 if replica == 1 else 1.0) * (1 + 0.02 * rng.standard_normal())
+            units = 0.1 if k == 0 else 0.1 * (1.5 if replica == 1 else 0.5)  # model 1: speeds 2/3 and 2
+            rows.append([k, replica, truth, units, i, 0, 0, replica, 1])
+    models = [SimpleNamespace(speeds=None, in_seconds=False), SimpleNamespace(speeds=(1.0, 1.0), in_seconds=True)]
+    errors, out, _ = _errors(np.array(rows), models)
+    assert not out.any()
+    assert np.quantile(errors, 0.95) > 0.4  # the sampler's model misses replica 1 by half, and says so
