@@ -191,14 +191,16 @@ def test_a_fit_for_a_window_already_planned_is_an_error():
 
 def test_the_fit_after_a_pass_s_last_window_plans_the_next_pass():
     """The last window's fit arrives with the next pass's first gather: it plans that pass from its first window
-    not handed to the planning thread yet (not a window of the pass that ended)."""
+    not handed to the planning thread yet (not a window of the pass that ended). The evidence first suffices at
+    the last window (16 micro-batches), so that fit replaces the FLOP model (the times are noiseless: a later fit
+    of the same exact model would tie with the one in force, in the last bits, and be refused)."""
     import balancer
     from balancer.measured import BalanceMonitor, StreamSteps
     from balancer.streaming import BalancedStream
 
     topo = balancer.Topology(dp=1, micro_batches=2, max_tokens=4096)
     stream = BalancedStream(doc_rows(240, 2), topo, balancer.CostModel(1.0, 50.0), window_docs=60)
-    monitor = BalanceMonitor(StreamSteps(stream), mode="adapt", warmup_steps=0, min_samples=8, cuda=False)
+    monitor = BalanceMonitor(StreamSteps(stream), mode="adapt", warmup_steps=0, min_samples=16, cuda=False)
     for epoch in range(2):
         stream.set_epoch(epoch)
         for j, mb in enumerate(stream):
