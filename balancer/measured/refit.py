@@ -205,9 +205,10 @@ def outlier_mask(seconds: np.ndarray, predicted: np.ndarray, unit: np.ndarray | 
     return np.abs(res - mid) > band
 
 
-def fit(samples: Samples, like: CostModel, dp: int, *, layout: str = "zigzag", speeds: bool = True):
+def fit(samples: Samples, like: CostModel, dp: int, *, layout: str = "zigzag", speeds: bool = True, median_scale=True):
     """(cost, speeds, outlier mask) fitted to `samples` (module docstring). `like` gives the mask (causal, window)
-    and the fields that are not fitted; `speeds=False` keeps every replica at 1."""
+    and the fields that are not fitted; `speeds=False` keeps every replica at 1; `median_scale=False` leaves the
+    least-squares scale (benchmarks/refit_scale.py compares the two)."""
     if samples.terms is None:
         samples = samples.with_terms(like, layout)
     keep = np.ones(len(samples), dtype=bool)
@@ -219,7 +220,8 @@ def fit(samples: Samples, like: CostModel, dp: int, *, layout: str = "zigzag", s
             cost = _fit_cost(sub, sub.seconds * sub.speeds(s), like, layout)
             if speeds:
                 s = _round_speeds(cost, sub, s, dp)
-        cost = _median_scaled(cost, sub, s)
+        if median_scale:
+            cost = _median_scaled(cost, sub, s)
         if outlier_pass == 0:
             pred = predict(cost, None, None, terms=samples.terms) / samples.speeds(s)
             out = outlier_mask(samples.seconds, pred, samples.replica)
