@@ -2,15 +2,16 @@
 at `measured_balance.py`'s shapes, for this checkout against another one (`--against`, e.g. the main checkout).
 
 Every rank builds the sampler and a monitor (shadow mode, `every=2`, as measured_balance.py) at that benchmark's
-shapes (`cp1` = dp 4, `cp2` = dp 2 x cp 2; 8,192-token micro-batches, 2 per step, wlbllm lengths // 16), ranks
-pinned two per core, and walks `--windows` windows recording a synthetic time per micro-batch (no model runs: only
-the monitor's work is on the clock, measured by the monitor itself as the calling thread's CPU time). Worlds of
-the two checkouts alternate, `--pairs` times per configuration (which goes first alternates too). The figure is
-the monitor's CPU per step (mean over ranks), and its share of the step's process CPU that measured_balance.py
-recorded for the same configuration (`benchmarks/results/measured_balance.json`, the median over its runs and
-ranks of the steps after the second window).
+shapes (`cp1` = dp 4, `cp2` = dp 2 x cp 2, `dynamic` = dp 2 x cp 2 with cp_sizes 1/2/4; 8,192-token micro-batches, 2
+per step, wlbllm lengths // 16), ranks pinned two per core, and walks `--windows` windows recording a synthetic time
+per micro-batch (no model runs: only the monitor's work is on the clock, measured by the monitor itself as the
+calling thread's CPU time). Worlds of the two checkouts alternate, `--pairs` times per configuration (which goes
+first alternates too). The figure is the monitor's CPU per step (mean over ranks), and its share of the step's
+process CPU that measured_balance.py recorded for the same configuration
+(`benchmarks/results/measured_balance.json`; for `dynamic` `measured_balance_interleaved_cp.json`; the median over
+its runs and ranks of the steps after the second window).
 
-    python benchmarks/monitor_cost.py [--pairs 4] [--configs cp1,cp2] [--against /path/to/other/checkout]
+    python benchmarks/monitor_cost.py [--pairs 4] [--configs cp1,cp2,dynamic] [--against /path/to/other/checkout]
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"cp1": (4, 1, "equal"), "cp2": (2, 2, "cp2")}  # name: (dp, cp, measured_balance.py's configuration)
+# name: (dp, cp, cp_sizes, measured_balance.py's record and configuration whose step CPU the share is of)
+CONFIGS = {
+    "cp1": (4, 1, None, "measured_balance", "equal"),
+    "cp2": (2, 2, None, "measured_balance", "cp2"),
+    "dynamic": (2, 2, (1, 2, 4), "measured_balance_interleaved_cp", "dynamic"),
+}
 CORES = [0, 0, 1, 1]
 
 
@@ -48,8 +54,9 @@ def _worker(rank, world, port, payload, out):
 
         dp, cp = payload["dp"], payload["cp"]
         lengths, window_docs, tps = mb._documents(payload["windows"], mb.STEPS_PER_WINDOW, dp, cp)
+        cp_sizes = None if payload["cp_sizes"] is None else tuple(payload["cp_sizes"])
         topo = balancer.Topology(dp=dp, cp=cp, micro_batches=mb.MICRO_BATCHES, max_tokens=mb.MAX_TOKENS,
-                                 tokens_per_step=tps)  # fmt: skip
+                                 tokens_per_step=tps, cp_sizes=cp_sizes)  # fmt: skip
         cost = balancer.CostModel.from_config(TINY_LLAMA)
         sampler = balancer.BalancedBatchSampler(lengths, topo, cost, rank=rank, seed=0, window_docs=window_docs)
         monitor = BalanceMonitor(sampler, mode="shadow", warmup_steps=1, min_samples=16, every=mb.GATHER_EVERY)
@@ -87,18 +94,18 @@ def _spawn_world(code: str, config: str, windows: int, out: str) -> None:
 
     from balancer.calibration.timing import _free_port
 
-    dp, cp, _ = CONFIGS[config]
-    payload = {"dp": dp, "cp": cp, "windows": windows}
+    dp, cp, cp_sizes = CONFIGS[config][:3]
+    payload = {"dp": dp, "cp": cp, "cp_sizes": cp_sizes, "windows": windows}
     mp.spawn(_worker, args=(4, _free_port(), payload, out), nprocs=4, join=True)
 
 
 def _step_cpu(config: str) -> float | None:
     """measured_balance.py's recorded step process CPU per rank (median over runs and ranks), or None."""
-    path = ROOT / "benchmarks" / "results" / "measured_balance.json"
+    record, name = CONFIGS[config][3:]
+    path = ROOT / "benchmarks" / "results" / f"{record}.json"
     if not path.exists():
         return None
     rec = json.loads(path.read_text())
-    name = CONFIGS[config][2]
     runs = [r for c in rec["configs"] if c["config"] == name for r in c["runs"]]
     cpu = [x for r in runs for x in r["mean_step_process_cpu_per_rank"]]
     return float(np.median(cpu)) if cpu else None

@@ -26,6 +26,8 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+import numpy as np
+
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
@@ -140,14 +142,28 @@ class BatchSteps:
     def micro_batch(self, step: int, m: int, dp_rank: int | None = None, rank: int | None = None) -> list[Span]:
         """The pieces of micro-batch `m` of `step` on replica `dp_rank` (their sizes are what the monitor needs);
         dynamic CP: of slot `m` on pool rank `rank`, each piece carrying its CP group."""
-        b, local = self.locate(step)
-        plan = self._kept[b][1]
+        plan, k = self._micro_batch_at(step, m, dp_rank, rank)
         group = None
-        if plan.dynamic:  # the group of slot `m` holding pool rank `rank`
-            k = int(plan.rank_groups(rank)[local * plan.topology.micro_batches + m])
+        if plan.dynamic:
             start = int(plan.group_start[k])
             group = CPGroup(start, int(plan.group_size[k]), rank - start)
-        else:
-            k = local * plan.topology.bins_per_step + dp_rank * plan.step_micro_batches(local) + m
         a, z = int(plan.mb_ptr[k]), int(plan.mb_ptr[k + 1])
         return [Span(d, s, e, group) for d, s, e in zip(plan.doc[a:z], plan.start[a:z], plan.end[a:z])]
+
+    def piece_sizes(self, step: int, m: int, dp_rank: int | None = None, rank: int | None = None) -> tuple:
+        """(token counts of `micro_batch`'s pieces, a dynamic plan's CP group (start, size) or None)."""
+        plan, k = self._micro_batch_at(step, m, dp_rank, rank)
+        a, z = int(plan.mb_ptr[k]), int(plan.mb_ptr[k + 1])
+        sizes = (plan.end[a:z] - plan.start[a:z]).astype(np.int64)
+        if not plan.dynamic:
+            return sizes, None
+        return sizes, ((int(plan.group_start[k]), int(plan.group_size[k])) if z > a else (rank, 1))
+
+    def _micro_batch_at(self, step: int, m: int, dp_rank: int | None, rank: int | None) -> tuple[Plan, int]:
+        """The kept plan holding `step` and the index of micro-batch `m` of it on `dp_rank` (dynamic: the group of
+        slot `m` holding pool rank `rank`)."""
+        b, local = self.locate(step)
+        plan = self._kept[b][1]
+        if plan.dynamic:
+            return plan, int(plan.rank_groups(rank)[local * plan.topology.micro_batches + m])
+        return plan, local * plan.topology.bins_per_step + dp_rank * plan.step_micro_batches(local) + m

@@ -246,11 +246,11 @@ class BalanceMonitor:
         last = local == s.windows.steps(window) - 1
         slots = range(t.micro_batches)
         if not t.dynamic:
-            sizes = [[_sizes(s.micro_batch(self._step, m, dp_rank=r), s.lengths) for m in slots] for r in range(t.dp)]
+            sizes = [[s.piece_sizes(self._step, m, dp_rank=r)[0] for m in slots] for r in range(t.dp)]
             return window, last, sizes, None
-        items = [[s.micro_batch(self._step, m, rank=r) for m in slots] for r in range(t.pool_size)]
-        groups = np.array([[_group_of(mb, r) for mb in per] for r, per in enumerate(items)], dtype=np.int64)
-        return window, last, [[_sizes(mb, s.lengths) for mb in per] for per in items], groups
+        read = [[s.piece_sizes(self._step, m, rank=r) for m in slots] for r in range(t.pool_size)]
+        groups = np.array([[group for _, group in per] for per in read], dtype=np.int64)
+        return window, last, [[sizes for sizes, _ in per] for per in read], groups
 
     def _add_step(self, epoch: int, step: int, warm: bool, rows: np.ndarray, plan: tuple) -> None:
         t = self.topology
@@ -452,18 +452,6 @@ class _Tables:
             self._append(i, [s[key] for s in steps], w)
         self._append(3, mb, 9)
         return tuple(buf[:used] for buf, used in zip(self.rows, self.used))
-
-
-def _sizes(items, lengths) -> np.ndarray:
-    if all(type(i) is int for i in items):  # whole documents (the common case): one indexed read
-        return np.asarray(lengths[np.asarray(items, dtype=np.int64)], dtype=np.int64)
-    return np.array([(i.end - i.start) if hasattr(i, "end") else int(lengths[i]) for i in items], dtype=np.int64)
-
-
-def _group_of(items, rank: int) -> tuple[int, int]:
-    """(start, size) of the CP group of a dynamic plan's micro-batch (its pieces carry it); an empty one: `rank`
-    alone."""
-    return (items[0].group.start, items[0].group.size) if len(items) else (rank, 1)
 
 
 def _planner_takes_speeds() -> bool:

@@ -129,6 +129,14 @@ class StreamSteps:
         w, local = self.locate(step)
         return self._plans()[w][1].step_micro_batches(local)
 
+    def piece_sizes(self, step: int, m: int, dp_rank: int | None = None, rank: int | None = None) -> tuple:
+        """(token counts of `micro_batch`'s pieces, a dynamic plan's CP group (start, size) or None)."""
+        w, local = self.locate(step)
+        seg = self._plans()[w][1]
+        if not self.topology.dynamic:
+            return seg.piece_sizes(seg.mb_index(local, dp_rank, m), dp_rank)
+        return seg.piece_sizes(seg.mb_index(local, rank, m), rank)
+
     def micro_batch(self, step: int, m: int, dp_rank: int | None = None, rank: int | None = None) -> list[Span]:
         """The pieces of micro-batch `m` of `step` on replica `dp_rank` (their sizes are what the monitor needs);
         dynamic CP: on pool rank `rank`, each piece carrying the micro-batch's CP group."""

@@ -51,7 +51,6 @@ import torch
 
 from balancer.limits import check_indices
 from balancer.planning.cost.model import CostModel
-from balancer.planning.metrics import lower_bound, one_f_one_b
 from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
@@ -61,7 +60,7 @@ from balancer.training.lengths import LengthsGuard, resolve_lengths, scan_length
 from balancer.training.ranks import resolve_pool_rank
 from balancer.training.sampler_state import STATE_FORMAT, STATE_VERSION, check_state, state_digest
 from balancer.training.segments import EpochWindows, Segment
-from balancer.training.step_info import StepInfo, step_info
+from balancer.training.step_info import StepInfo, predicted_step, step_info
 
 UP_FRONT_COUNT = 1 << 22  # up to this many documents an explicit window_docs is checked on every window up front
 
@@ -232,19 +231,35 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
 
     def micro_batch(self, step: int, m: int, dp_rank: Optional[int] = None, rank: Optional[int] = None) -> list:
         """Indices of micro-batch (slot) `m` of `step` for `dp_rank` or pool `rank` (default: this rank)."""
+        seg, local, m, dp_rank, rank = self._slot(step, m, dp_rank, rank)
+        return self._indices(seg, local, m, dp_rank, rank)
+
+    def piece_sizes(self, step: int, m: int, dp_rank: Optional[int] = None, rank: Optional[int] = None) -> tuple:
+        """(token counts of the pieces `micro_batch` gives, the (start, size) of a dynamic plan's CP group or
+        None), read from the plan's arrays without building the indices (the monitor reads every rank's)."""
+        seg, local, m, dp_rank, rank = self._slot(step, m, dp_rank, rank)
+        t = self.topology
+        unit = (self.pool_rank if rank is None else rank) if t.dynamic else self._dp_of(dp_rank, rank)
+        return seg.piece_sizes(seg.mb_index(local, unit, m), unit)
+
+    def _slot(self, step: int, m: int, dp_rank, rank) -> tuple:
+        """(segment, step inside it, m, dp_rank, rank) of slot `m` of `step`, the arguments checked."""
         t = self.topology
         step, m, dp_rank, rank = check_indices(step, m, dp_rank, rank, sizes=(None, t.micro_batches, t.dp, t.pool_size))
         seg, local = self._locate(step)
         if m >= seg.step_micro_batches(local):
             raise IndexError(f"m={m} out of range: step {step} is a short last step of {seg.step_micro_batches(local)}")
-        return self._indices(seg, local, m, dp_rank, rank)
+        return seg, local, m, dp_rank, rank
+
+    def _dp_of(self, dp_rank, rank) -> int:
+        """The DP rank of a static plan's `dp_rank` / pool `rank` argument (default: this rank's)."""
+        if rank is not None:
+            return rank // self.topology.cp
+        return self.dp_rank if dp_rank is None else dp_rank
 
     def _indices(self, seg: Segment, step: int, m: int, dp_rank=None, rank=None) -> list:
         if not self.topology.dynamic:
-            dp = self.dp_rank if dp_rank is None else dp_rank
-            if rank is not None:
-                dp = rank // self.topology.cp
-            k = seg.mb_index(step, dp, m)
+            k = seg.mb_index(step, self._dp_of(dp_rank, rank), m)
             doc, start, end = seg.placements(k)
             full = seg.full[seg.mb_ptr[k] : seg.mb_ptr[k + 1]]
             out = [int(d) if (s == 0 and e == f) else Span(d, s, e) for d, s, e, f in zip(doc, start, end, full)]
@@ -318,23 +333,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
     def predicted_step(self, step: int) -> dict:
         """Telemetry of `step`: predicted per-replica 1F1B times (`replica_times`, [dp]), the step time (max), the
         step's lower bound (docs/design.md) and their ratio (`imbalance`), loss tokens and tokens."""
-        t = self.topology
-        mb = self.predicted_times(step)
-        if t.dynamic:  # the step time needs every rank's waits: the plan's model; no per-replica times
-            seg, local = self._locate(step)
-            rep = np.array([seg.plan.step_times()[local]])
-        else:
-            rep = one_f_one_b(mb.max(axis=1), mb.sum(axis=1), t.pp)
-        c = self.cost.cost(self._step_sizes(step))
-        lb = float(lower_bound(c.sum(), c.max(), t, self.cost.fixed, micro_batches=self.step_micro_batches(step)))
-        return {
-            "replica_times": rep,
-            "step_time": float(rep.max()),
-            "lower_bound": float(lb),
-            "imbalance": float(rep.max() / lb) if lb > 0 else 1.0,
-            "loss_tokens": self.step_loss_tokens(step),
-            "tokens": self.step_tokens(step),
-        }
+        return predicted_step(self, step)
 
     # ---- iteration ------------------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from balancer.planning.metrics import lower_bound, one_f_one_b
+
 
 @dataclass(frozen=True)
 class StepInfo:
@@ -38,3 +40,24 @@ def step_info(sampler, step: int) -> StepInfo:
         predicted_times=sampler.predicted_times(step),
         predicted=sampler.predicted_step(step),
     )
+
+
+def predicted_step(sampler, step: int) -> dict:
+    """`sampler.predicted_step(step)`: the plan's predicted replica times, step time, lower bound and imbalance."""
+    t = sampler.topology
+    mb = sampler.predicted_times(step)
+    if t.dynamic:  # the step time needs every rank's waits: the plan's model; no per-replica times
+        seg, local = sampler._locate(step)
+        rep = np.array([seg.plan.step_times()[local]])
+    else:
+        rep = one_f_one_b(mb.max(axis=1), mb.sum(axis=1), t.pp)
+    c = sampler.cost.cost(sampler._step_sizes(step))
+    lb = float(lower_bound(c.sum(), c.max(), t, sampler.cost.fixed, micro_batches=sampler.step_micro_batches(step)))
+    return {
+        "replica_times": rep,
+        "step_time": float(rep.max()),
+        "lower_bound": float(lb),
+        "imbalance": float(rep.max() / lb) if lb > 0 else 1.0,
+        "loss_tokens": sampler.step_loss_tokens(step),
+        "tokens": sampler.step_tokens(step),
+    }
