@@ -172,7 +172,7 @@ def _pair(order: tuple, interleave: bool, *args) -> dict:
 def _micro_batches(monitor) -> list:
     """Every measured micro-batch but warm-up: [ledger step, step, window, replica, m, tokens, pieces, seconds,
     predicted by the first accepted fit, measured after that fit (0/1)] (no fit: predicted NaN, fresh 0)."""
-    from balancer.measured.refit import predict, sample_speeds
+    from balancer.measured.report import sample_predictions
 
     led = monitor.ledger
     fitted = [m for m in monitor.models if m.in_seconds]
@@ -183,14 +183,8 @@ def _micro_batches(monitor) -> list:
     pred = np.full(len(keep), np.nan)
     fresh_from = 10**9
     if fitted:
-        first = fitted[0]
-        speeds = np.ones(monitor.units) if first.speeds is None else np.asarray(first.speeds)
-        sizes = [np.array(s[3]) for _, s in keep]
-        cp = np.array([s[2] for _, s in keep])
-        group = np.array([s[6] for _, s in keep])  # (start, size): a dynamic CP group runs at its slowest member
-        pred = predict(first.cost, sizes, cp, monitor.layout)
-        pred = pred / sample_speeds(speeds, np.array([s[1] for _, s in keep]), group)
-        fresh_from = first.fresh_from
+        pred = sample_predictions(monitor, fitted[0], [s for _, s in keep])
+        fresh_from = fitted[0].fresh_from
     return [[s[0], led.steps[s[0]]["step"], led.steps[s[0]]["window"], s[1], m_of[i], sum(s[3]), len(s[3]), s[4],
              float(p), int(s[0] >= fresh_from)] for (i, s), p in zip(keep, pred)]  # fmt: skip
 

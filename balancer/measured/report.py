@@ -142,15 +142,20 @@ def _fresh_errors(monitor, fitted) -> tuple:
     rows = [s for s in monitor.ledger.samples if not s[5] and s[4] > 0 and s[0] >= fitted.fresh_from]
     if not rows:
         return math.nan, math.nan
-    sizes = [np.array(s[3], dtype=np.int64) for s in rows]
-    seconds = np.array([s[4] for s in rows])
-    speeds = np.ones(monitor.ledger.dp) if fitted.speeds is None else np.asarray(fitted.speeds)
-    group = np.array([s[6] for s in rows], dtype=np.int64)
-    p = predict(fitted.cost, sizes, np.array([s[2] for s in rows]), monitor.layout)
-    unit = np.array([s[1] for s in rows])
-    p = p / sample_speeds(speeds, unit, group)
-    keep = ~outlier_mask(seconds, p, unit)
+    seconds, p = np.array([s[4] for s in rows]), sample_predictions(monitor, fitted, rows)
+    keep = ~outlier_mask(seconds, p, np.array([s[1] for s in rows]))
     return _quantiles(relative_errors(seconds[keep], p[keep]))
+
+
+def sample_predictions(monitor, model, rows: list) -> np.ndarray:
+    """Predicted seconds of the ledger's evidence rows `rows` ((serial, unit, cp, sizes, seconds, left out, group))
+    under `model` (a fit in seconds): the layout's slowest rank over the unit's fitted speed, a dynamic CP group's
+    slowest member's."""
+    sizes = [np.array(s[3], dtype=np.int64) for s in rows]
+    speeds = np.ones(monitor.ledger.dp) if model.speeds is None else np.asarray(model.speeds)
+    group = np.array([s[6] for s in rows], dtype=np.int64)
+    p = predict(model.cost, sizes, np.array([s[2] for s in rows]), monitor.layout)
+    return p / sample_speeds(speeds, np.array([s[1] for s in rows]), group)
 
 
 def _token_bound(monitor, fitted) -> dict | None:
