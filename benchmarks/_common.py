@@ -101,3 +101,18 @@ def write_result(name: str, payload: dict, *, clock: str, model: dict | None = N
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps({**record, **payload}, indent=1))
     return path
+
+
+def recorded_runs(names: list[str], configs: tuple, tool: str) -> list[tuple[str, dict, dict, dict]]:
+    """(record name, record, configuration, run) of every run of `configs` in the measured_balance.py records
+    `names` (benchmarks/results/NAME.json), for the offline analyses of recorded runs; a record that does not exist
+    ends the program with one line naming it (exit 2)."""
+    out = []
+    for name in names:
+        path = RESULTS / f"{name}.json"
+        if not path.is_file():
+            print(f"{tool}: {path} does not exist", file=sys.stderr)
+            sys.exit(2)
+        record = json.loads(path.read_text())
+        out += [(name, record, c, run) for c in record["configs"] if c["config"] in configs for run in c["runs"]]
+    return out

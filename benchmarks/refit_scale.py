@@ -15,14 +15,13 @@ run recorded (equal to the last bit where the run had the same code).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, table, write_result  # noqa: E402
+from _common import recorded_runs, table, write_result  # noqa: E402
 
 CONFIGS = ("uneven", "equal", "cp2")
 DEFAULT_INPUTS = ("measured_balance_interleaved", "measured_balance_interleaved_cp",
@@ -98,20 +97,11 @@ def main(argv=None) -> int:
     ap.add_argument("--output", default="refit_scale", help="result name (default refit_scale)")
     args = ap.parse_args(argv)
     runs = []
-    for name in args.inputs.split(","):
-        path = RESULTS / f"{name}.json"
-        if not path.is_file():
-            print(f"refit_scale: {path} does not exist", file=sys.stderr)
-            return 2
-        record = json.loads(path.read_text())
-        for c in record["configs"]:
-            if c["config"] not in CONFIGS:
-                continue
-            for run in c["runs"]:
-                got = _run(run, c["dp"], c["cp"])
-                if got is not None:
-                    runs.append({"record": name, "commit": record["git"]["commit"], "config": c["config"],
-                                 "pair": run["pair"], "mode": run["mode"], **got})  # fmt: skip
+    for name, record, c, run in recorded_runs(args.inputs.split(","), CONFIGS, "refit_scale"):
+        got = _run(run, c["dp"], c["cp"])
+        if got is not None:
+            runs.append({"record": name, "commit": record["git"]["commit"], "config": c["config"],
+                         "pair": run["pair"], "mode": run["mode"], **got})  # fmt: skip
     columns = ["record", "its commit", "ranks", "runs"]
     for name in VARIANTS:
         columns += [f"{name}: fresh error median / p90", f"{name}: median ratio evidence / fresh"]

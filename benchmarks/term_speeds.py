@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS, table, write_result  # noqa: E402
+from _common import recorded_runs, table, write_result  # noqa: E402
 
 CONFIGS = ("uneven", "equal")
 DEFAULT_INPUTS = ("measured_balance_interleaved", "measured_balance_interleaved_e524781")
@@ -126,18 +125,10 @@ def main(argv=None) -> int:
     ap.add_argument("--output", default="term_speeds", help="result name (default term_speeds)")
     args = ap.parse_args(argv)
     runs = []
-    for name in args.inputs.split(","):
-        path = RESULTS / f"{name}.json"
-        if not path.is_file():
-            print(f"term_speeds: {path} does not exist", file=sys.stderr)
-            return 2
-        record = json.loads(path.read_text())
-        for c in record["configs"]:
-            if c["config"] in CONFIGS:
-                for run in c["runs"]:
-                    got = _run(run, c["dp"], args.evidence)
-                    runs.append({"record": name, "commit": record["git"]["commit"], "config": c["config"],
-                                 "pair": run["pair"], "mode": run["mode"], **got})  # fmt: skip
+    for name, record, c, run in recorded_runs(args.inputs.split(","), CONFIGS, "term_speeds"):
+        got = _run(run, c["dp"], args.evidence)
+        runs.append({"record": name, "commit": record["git"]["commit"], "config": c["config"],
+                     "pair": run["pair"], "mode": run["mode"], **got})  # fmt: skip
     columns = ["record", "its commit", "ranks", "runs"]
     for name in ("one speed", "a model per replica"):
         columns += [f"{name}: fresh error median / p90", f"{name}: replica 0 / the others (median)",
