@@ -11,7 +11,7 @@ step totals (its samples of one step summed: the planner balances a replica's st
 its time; over single micro-batches a replica that is faster on short work than on long would read too fast).
 Speeds are normalised to a mean of 1, so the cost model is in seconds of an average replica; after the rounds
 every time coefficient is scaled by the median measured / predicted ratio (least squares on relative errors
-predicts low under noise; one common factor changes no plan).
+predicts low under noise; one common factor changes none of the fit's plans).
 
 Dynamic CP: the "replicas" are the pool ranks and a sample is one pool rank's view of its group's micro-batch
 (every member has one: `group` is the group's (start, size)); a group runs at its slowest member's speed, so a
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from balancer.planning.cost.fit import fit_cost_model
+from balancer.planning.cost.fit import TERMS, fit_cost_model
 from balancer.planning.cost.microbatch import micro_batch_terms, rank_times
 from balancer.planning.cost.model import CostModel
 from balancer.planning.cost.predict import micro_batch_times
@@ -47,7 +47,6 @@ OUTLIER_RULE = (
     f"MAD of the log ratios), a factor {OUTLIER_MIN_RATIO:g}) away from its replica's median ratio (the median of "
     f"all when the replica has fewer than {OUTLIER_OWN_MEDIAN} micro-batches)"
 )
-SCALED = ("attn_coef", "linear_coef", "fixed", "piece_coef", "comm_coef", "comm_latency")  # seconds, not bytes
 HOLD_EVERY = 4  # every 4th step of the evidence is held back to judge a candidate against the model in force
 SPEED_SIGMAS = 3.0  # fitted speeds are planned only when fastest / slowest is this many standard errors above 1
 
@@ -235,10 +234,12 @@ def _median_scaled(cost: CostModel, sub: Samples, s: np.ndarray) -> CostModel:
     """`cost` with every time coefficient times the median measured / predicted ratio of `sub` (speeds `s`).
     Least squares on relative errors predicts low under noise (for a constant model it scales by E[1/e] / E[1/e^2]
     of the noise factor e, exp(-1.5 sigma^2) when lognormal): at CP 2 on the benchmark the first fit predicted its
-    own evidence 3-19% low. The shape, and so every plan, is unchanged; the median error is the report's."""
+    own evidence 3-19% low. The fit's shape, and so every plan made with it, is unchanged (every time term is
+    linear in the coefficients, and max(k a, k b) = k max(a, b)); the median error is the report's. Which fit the
+    held-back judgment accepts can change: its score depends on the scale."""
     ratio = sub.seconds * sub.speeds(s) / predict(cost, None, None, terms=sub.terms)
     k = float(np.median(ratio))
-    return dataclasses.replace(cost, **{name: getattr(cost, name) * k for name in SCALED})
+    return dataclasses.replace(cost, **{name: getattr(cost, name) * k for name in TERMS})  # the time terms
 
 
 def _round_speeds(cost: CostModel, sub: Samples, s: np.ndarray, dp: int) -> np.ndarray:

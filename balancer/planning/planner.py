@@ -114,7 +114,7 @@ def plan(
     u_tok = (u_end - u_start)[shuffled]
     rows, m_last, fillers = _equal_rows(u_tok, topology, num_steps, filler_rows)
     if rows is not None:  # fixed-length rows: whole rows per step, dealt evenly (the last step maybe short)
-        shuffled = np.concatenate([shuffled, shuffled[np.arange(fillers) % len(shuffled)]])  # copies of the first
+        shuffled = np.concatenate([shuffled, _filler_units(shuffled, fillers, (u_doc, u_start, u_end), lengths)])
         targets = rows * float(u_tok[0])
         packed = pack_equal_rows(rows, topology, m_last)
         _log_short_step(len(u_tok), topology, m_last, fillers)
@@ -131,6 +131,22 @@ def plan(
         packed = permute_replicas(packed, topology, np.random.default_rng([seed, 2]))
     units = (u_doc, u_start, u_end, shuffled, doc_order)
     return _assemble(lengths, topology, cost, seed, packed, units, targets, m_last, started)
+
+
+def _filler_units(shuffled: np.ndarray, fillers: int, units: tuple, lengths) -> np.ndarray:
+    """The units the `fillers` filler rows copy: the first whole rows in shuffled order (a filler is read as its
+    whole row, so a copy of a cut or truncated row would hold more tokens than its place in the plan)."""
+    if not fillers:
+        return shuffled[:0]
+    u_doc, u_start, u_end = units
+    whole = shuffled[(u_start[shuffled] == 0) & (u_end[shuffled] == np.asarray(lengths)[u_doc[shuffled]])]
+    if not len(whole):
+        raise ValueError(
+            f"filler_rows=True: the last step needs {fillers} filler rows, which copy whole rows, but every row is "
+            f"cut to {int(u_end[0] - u_start[0])}-token units (rows longer than max_tokens * cp): pass rows that fit, "
+            "or leave filler_rows off"
+        )
+    return whole[np.arange(fillers) % len(whole)]
 
 
 def _assemble(lengths, topology: Topology, cost, seed, packed: list, units: tuple, targets, m_last, started) -> Plan:

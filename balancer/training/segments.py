@@ -99,14 +99,11 @@ class Segment:
         return self.doc[a:b], self.start[a:b], self.end[a:b]
 
     def piece_sizes(self, k: int, rank: int) -> tuple[np.ndarray, tuple[int, int] | None]:
-        """Token counts of micro-batch `k`'s pieces and, in a dynamic plan, the (start, size) of its CP group as
-        `rank` sees it ((rank, 1) when it holds nothing); None in a static plan. A filler row (filler_rows=True)
-        counts its whole document, as the collator reads it."""
+        """Token counts of micro-batch `k`'s pieces (a filler row copies a whole row: its row's tokens) and, in a
+        dynamic plan, the (start, size) of its CP group as `rank` sees it ((rank, 1) when it holds nothing); None
+        in a static plan."""
         a, b = self.mb_ptr[k], self.mb_ptr[k + 1]
         sizes = (self.end[a:b] - self.start[a:b]).astype(np.int64)
-        if self.filler is not None and self.filler[a:b].any():
-            fill = self.filler[a:b]
-            sizes[fill] = self.full[a:b][fill]
         if not self.topology.dynamic:
             return sizes, None
         return sizes, ((int(self.group_start[k]), int(self.group_size[k])) if b > a else (rank, 1))

@@ -1,21 +1,25 @@
 """`piece_sizes`: the token counts (and a dynamic plan's CP group) that the monitor reads from every step source
 without building the indices equal what `micro_batch`'s pieces give, for every step, slot and rank: samplers
 (static, CP with split documents, filler rows, dynamic CP), BatchSteps (static and dynamic) and StreamSteps (one
-process; its dynamic path runs in test_stream_steps.py's world). A filler row counts its row's tokens, as the
-collator reads it: the monitor read sizes from the indices before, and a filler row there stopped `end_step` with
-an IndexError (test_a_monitor_on_filler_rows_measures_the_last_step)."""
+process; its dynamic path runs in test_stream_steps.py's world). The monitor read sizes from the indices before,
+and a filler row there stopped `end_step` with an IndexError (test_a_monitor_on_filler_rows_measures_the_last_step)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
-from streaming.stream_cases import doc_rows
 from support.dist import run_world
 
-import balancer
-from balancer.measured import BalanceMonitor, StreamSteps
-from balancer.measured.batches import BatchSteps
-from balancer.streaming import BalancedStream
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "streaming"))
+from stream_cases import doc_rows  # noqa: E402
+
+import balancer  # noqa: E402
+from balancer.measured import BalanceMonitor, StreamSteps  # noqa: E402
+from balancer.measured.batches import BatchSteps  # noqa: E402
+from balancer.streaming import BalancedStream  # noqa: E402
 
 COST = balancer.CostModel(attn_coef=1.0, linear_coef=50.0)
 _rng = np.random.default_rng(5)

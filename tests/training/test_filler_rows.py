@@ -118,3 +118,23 @@ def test_stream_windows_end_in_a_short_step(window_docs):
     out = list(balancer.BalancedStream(rows, topo, COST, window_docs=window_docs, dp_rank=0))
     assert len(out) == 21  # one row per micro-batch
     assert sorted(int(r["input_ids"][0]) for mb in out for r in mb) == list(range(21))
+
+
+def test_fillers_copy_whole_rows_when_rows_are_cut():
+    """With rows longer than a micro-batch (overflow truncate or split) a filler still copies a whole row: it is read
+    as its whole row, so a copy of a cut row held more tokens than its place in the plan (rows of 9-17 tokens at
+    max_tokens 8: fillers of 14 tokens in 8-token places, a plan its own validate refused). Without a whole row
+    to copy, the plan is refused naming filler_rows."""
+    topo = balancer.Topology(dp=4, micro_batches=2, max_tokens=8)
+    lengths = np.random.default_rng(0).integers(9, 18, 21)
+    with pytest.raises(ValueError, match="filler_rows=True: the last step needs 3 filler rows"):
+        balancer.plan(lengths, topo, COST, filler_rows=True, overflow="truncate")
+    with pytest.raises(ValueError, match="every row is cut to 8-token units"):
+        balancer.plan(np.full(21, 16), topo, COST, filler_rows=True, overflow="split")  # 42 halves: 2 fillers
+    lengths[[3, 7]] = 8
+    split = np.array([16] * 20 + [8] * 3)  # 43 units of 8: one filler, a copy of a row of 8
+    for rows, overflow, whole in ((lengths, "truncate", {3, 7}), (split, "split", {20, 21, 22})):
+        p = balancer.plan(rows, topo, COST, filler_rows=True, overflow=overflow)
+        assert p.filler_rows > 0 and set(p.doc[p.filler].tolist()) <= whole
+        assert np.all(p.end[p.filler] - p.start[p.filler] == rows[p.doc[p.filler]])
+        p.validate()
