@@ -780,6 +780,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "measured_balance_uneven_w10": lambda: measured_balance("measured_balance_uneven_w10"),
     "measured_balance_interleaved": lambda: measured_balance("measured_balance_interleaved"),
     "measured_balance_interleaved_cp": lambda: measured_balance("measured_balance_interleaved_cp"),
+    "measured_balance_interleaved_cp2": lambda: measured_balance("measured_balance_interleaved_cp2"),
     "measured_balance_interleaved_e524781": lambda: measured_balance("measured_balance_interleaved_e524781"),
     "measured_balance_interleaved_cp_e524781": lambda: measured_balance("measured_balance_interleaved_cp_e524781"),
     "measured_balance_interleaved_unpermuted": lambda: measured_balance("measured_balance_interleaved_unpermuted"),
