@@ -74,9 +74,10 @@ class Ledger:
         serial = len(self.steps)
         seconds = np.asarray(seconds, dtype=np.float64)
         cps = np.broadcast_to(np.asarray(cp, dtype=np.int64), seconds.shape)
-        keys = [(int(c), tuple(int(x) for x in s)) for per, cs in zip(sizes, cps) for s, c in zip(per, cs)]
-        units, plan_cost = _predict_distinct(model.cost, keys, self.layout)
-        units, plan_cost = units.reshape(seconds.shape), plan_cost.reshape(seconds.shape)
+        flat = [s for per in sizes for s in per]
+        units = predict(model.cost, flat, cps.ravel(), self.layout).reshape(seconds.shape)
+        plan_cost = np.array([[model.cost.micro_batch_cost(s) / c for s, c in zip(per, cs)] for per, cs in
+                              zip(sizes, cps)]).reshape(seconds.shape)  # fmt: skip
         plan_speeds = _plan_speeds(model.plan_speeds, groups, seconds.shape)
         warm = bool(info["warm"])
         own = ~synced if (~synced).any() else np.ones(len(synced), dtype=bool)
@@ -94,8 +95,8 @@ class Ledger:
                 out = warm or bool(synced[m])
                 g = (r, 1) if groups is None else (int(groups[r, m, 0]), int(groups[r, m, 1]))
                 self.mb.append([model_id, r, float(seconds[r, m]), float(units[r, m]), serial, out, m, *g])
-                c, piece_sizes = keys[r * seconds.shape[1] + m]
-                self.samples.append((serial, r, c, piece_sizes, float(seconds[r, m]), out, g))
+                piece_sizes = tuple(int(x) for x in sizes[r][m])
+                self.samples.append((serial, r, int(cps[r, m]), piece_sizes, float(seconds[r, m]), out, g))
 
     def evidence(self) -> Samples:
         """The refit's samples: the buffer without warm-up micro-batches and without zero times."""
@@ -130,19 +131,6 @@ class Ledger:
               (int(s[6][0]), int(s[6][1])) if len(s) > 6 else (int(s[1]), 1)) for s in state["samples"]),
             maxlen=self.max_samples,
         )  # fmt: skip
-
-
-def _predict_distinct(cost: CostModel, keys: list, layout: str) -> tuple[np.ndarray, np.ndarray]:
-    """(layout prediction, planner cost / cp) of every (cp, piece sizes) key, each distinct one computed once: with
-    dynamic CP every member of a group reports the group's micro-batch, so a group of 4 would be predicted 4 times."""
-    distinct = list(dict.fromkeys(keys))
-    sizes = [np.array(k[1], dtype=np.int64) for k in distinct]
-    cps = np.array([k[0] for k in distinct], dtype=np.int64)
-    units = predict(cost, sizes, cps, layout)
-    plan = np.array([cost.micro_batch_cost(d) / c for d, c in zip(sizes, cps)])
-    at = {k: i for i, k in enumerate(distinct)}
-    idx = np.array([at[k] for k in keys], dtype=np.int64)
-    return units[idx], plan[idx]
 
 
 def _plan_speeds(speeds, groups, shape: tuple) -> np.ndarray:
