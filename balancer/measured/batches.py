@@ -26,13 +26,12 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-import numpy as np
-
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
 from balancer.training.indices import CPGroup, Span
 from balancer.training.ranks import resolve_pool_rank
+from balancer.training.segments import piece_sizes
 
 _KEPT = 4  # batches whose plans are kept: a gather reads the plan of a step closed up to `every` steps before
 
@@ -153,11 +152,7 @@ class BatchSteps:
     def piece_sizes(self, step: int, m: int, dp_rank: int | None = None, rank: int | None = None) -> tuple:
         """(token counts of `micro_batch`'s pieces, a dynamic plan's CP group (start, size) or None)."""
         plan, k = self._micro_batch_at(step, m, dp_rank, rank)
-        a, z = int(plan.mb_ptr[k]), int(plan.mb_ptr[k + 1])
-        sizes = (plan.end[a:z] - plan.start[a:z]).astype(np.int64)
-        if not plan.dynamic:
-            return sizes, None
-        return sizes, ((int(plan.group_start[k]), int(plan.group_size[k])) if z > a else (rank, 1))
+        return piece_sizes(plan, k, rank, plan.dynamic)
 
     def _micro_batch_at(self, step: int, m: int, dp_rank: int | None, rank: int | None) -> tuple[Plan, int]:
         """The kept plan holding `step` and the index of micro-batch `m` of it on `dp_rank` (dynamic: the group of

@@ -99,14 +99,8 @@ class Segment:
         return self.doc[a:b], self.start[a:b], self.end[a:b]
 
     def piece_sizes(self, k: int, rank: int) -> tuple[np.ndarray, tuple[int, int] | None]:
-        """Token counts of micro-batch `k`'s pieces (a filler row copies a whole row: its row's tokens) and, in a
-        dynamic plan, the (start, size) of its CP group as `rank` sees it ((rank, 1) when it holds nothing); None
-        in a static plan."""
-        a, b = self.mb_ptr[k], self.mb_ptr[k + 1]
-        sizes = (self.end[a:b] - self.start[a:b]).astype(np.int64)
-        if not self.topology.dynamic:
-            return sizes, None
-        return sizes, ((int(self.group_start[k]), int(self.group_size[k])) if b > a else (rank, 1))
+        """`piece_sizes` of micro-batch `k` of this segment."""
+        return piece_sizes(self, k, rank, self.topology.dynamic)
 
     def step_slice(self, step: int) -> slice:
         return slice(int(self.mb_ptr[self.first_mb(step)]), int(self.mb_ptr[self.first_mb(step + 1)]))
@@ -383,3 +377,14 @@ class EpochWindows:
             first += n
             w += 1
         return self.count, step - first
+
+
+def piece_sizes(arrays, k: int, rank: int, dynamic: bool) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """Token counts of micro-batch `k`'s pieces in `arrays` (a Segment or a Plan: `mb_ptr`, `start`, `end`,
+    `group_start`, `group_size`; a filler row copies a whole row: its row's tokens) and, in a dynamic plan, the
+    (start, size) of its CP group as `rank` sees it ((rank, 1) when it holds nothing); None in a static plan."""
+    a, b = int(arrays.mb_ptr[k]), int(arrays.mb_ptr[k + 1])
+    sizes = (arrays.end[a:b] - arrays.start[a:b]).astype(np.int64)
+    if not dynamic:
+        return sizes, None
+    return sizes, ((int(arrays.group_start[k]), int(arrays.group_size[k])) if b > a else (rank, 1))
