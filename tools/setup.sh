@@ -35,4 +35,12 @@ if [[ ",$EXTRAS," == *",test,"* || ",$EXTRAS," == *",peers,"* ]]; then  # peers:
     say "installing verl 0.9.1 (--no-deps) for balancer.integrations.verl"
     "$VPY" -m pip install "${PIP_OUT[@]}" --no-deps "verl==0.9.1" "tensordict==0.10.0"
 fi
+if [[ ",$EXTRAS," == *",test,"* ]]; then  # megatron: balancer.integrations.megatron, its tests and benchmark
+    # megatron-core 0.19.2 declares Python >= 3.12 (cp312 wheel only) but its sdist installs and runs on 3.11; extras
+    # cannot carry --ignore-requires-python. Beside it only what its imported modules need: triton (imported at
+    # module level by megatron.core) and einops. --no-deps: no other package's version changes.
+    say "installing megatron-core 0.19.2 (--no-deps) for balancer.integrations.megatron"
+    "$VPY" -m pip install "${PIP_OUT[@]}" --no-deps --ignore-requires-python "megatron-core==0.19.2" \
+        "triton==3.9.0" "einops==0.8.2"
+fi
 say "done: .venv/bin/balancer --help"
