@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from balancer.training.trainer import SAMPLER_STATE_NAME, BalancedTrainer, BalancedTrainingMixin
+from balancer.trainers.trainer import SAMPLER_STATE_NAME, BalancedTrainer, BalancedTrainingMixin
 
 if TYPE_CHECKING:
-    from balancer.training.sft import BalancedSFTTrainer
+    from balancer.trainers.sft import BalancedSFTTrainer
 
 __all__ = ["BalancedTrainer", "BalancedSFTTrainer", "BalancedTrainingMixin", "SAMPLER_STATE_NAME"]
 
 
 def __getattr__(name: str):
     if name == "BalancedSFTTrainer":  # TRL is imported only when the SFT trainer is asked for
-        from balancer.training.sft import BalancedSFTTrainer
+        from balancer.trainers.sft import BalancedSFTTrainer
 
         return BalancedSFTTrainer
     raise AttributeError(f"module 'balancer.hf' has no attribute {name!r}")

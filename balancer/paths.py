@@ -1,5 +1,5 @@
 """How an output path relates to a command's inputs: the one rule behind every command's refusal to overwrite
-what it reads (`balancer.files.check_output_file` for single files, `refuse_overwrite_of_inputs` in
+what it reads (`balancer.data.output_paths.check_output_file` for single files, `refuse_overwrite_of_inputs` in
 `balancer.data.shards.output` for output folders). Imports nothing of balancer, so both layers use it.
 """
 

@@ -124,7 +124,7 @@ def make_trainer(job: dict, model, dataset, tokenizer, out: Path):
         from transformers import TrainingArguments
 
         import balancer
-        from balancer.training.trainer import BalancedTrainer
+        from balancer.trainers.trainer import BalancedTrainer
 
         topo = balancer.Topology(
             dp=job["dp"], micro_batches=m, max_tokens=job["max_tokens"], tokens_per_step=job["tokens_per_step"]

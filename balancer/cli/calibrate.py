@@ -7,7 +7,7 @@ import sys
 
 from balancer.calibration.run import DEFAULTS
 from balancer.cli.flags import count, limits
-from balancer.files import check_output_file
+from balancer.data.output_paths import check_output_file
 from balancer.limits import MAX_SEED, MAX_TOKENS
 from balancer.planning.cost.model import CostModel
 from balancer.strict_json import load_json

@@ -14,9 +14,9 @@ import numpy as np
 
 from balancer.cli.flags import check_counts, limits, nonnegative
 from balancer.cli.report import check_plot_path
+from balancer.data.output_paths import check_output_file
 from balancer.data.shards.errors import describe_os_error
 from balancer.data.shards.lengths import read_lengths as read_any_lengths
-from balancer.files import check_output_file
 from balancer.limits import MAX_RANKS, MAX_SEED, MAX_STEP_TOKENS, MAX_TOKENS
 from balancer.planning.cost.model import CostModel
 from balancer.planning.topology import Topology

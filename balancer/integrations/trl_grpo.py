@@ -41,8 +41,8 @@ from balancer.integrations.packed import (
 from balancer.planning.batch.balance import balance_batch
 from balancer.planning.cost.model import CostModel
 from balancer.planning.topology import Topology
+from balancer.trainers.trainer import _process_mean
 from balancer.training.plan_batches import plan_micro_batches
-from balancer.training.trainer import _process_mean
 
 logger = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ class MeasuredBalanceMixin:
 
     def _balance_source(self):
         """What the monitor reads the plan through: the trainer's sampler (a stream's `StreamSteps` in
-        trainer_stream.py)."""
+        stream.py)."""
         return self.balanced_sampler
 
     def _init_training_state(self, *args, **kwargs):

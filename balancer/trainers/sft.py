@@ -1,6 +1,6 @@
 """TRL's ``SFTTrainer`` on balanced, packed data: TRL prepares the dataset (text or chat -> ``input_ids`` and
 ``labels`` with the prompt / non-assistant tokens masked), the balanced trainer does the rest (see
-``balancer.training.trainer``)."""
+``balancer.trainers.trainer``)."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ except ImportError as exc:  # pragma: no cover - exercised without trl only
 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.topology import Topology
-from balancer.training.trainer import (
+from balancer.trainers.stream import is_stream
+from balancer.trainers.trainer import (
     BalancedTrainingMixin,
     _dataset_for_packing,
     balanced_args,
     check_eval_kwargs,
     check_topology,
 )
-from balancer.training.trainer_stream import is_stream
 
 
 class BalancedSFTTrainer(BalancedTrainingMixin, SFTTrainer):
@@ -31,7 +31,7 @@ class BalancedSFTTrainer(BalancedTrainingMixin, SFTTrainer):
     what happens to long documents (``overflow``), so ``SFTConfig`` must have ``packing=False``,
     ``padding_free=False``. With a ``topology``, ``max_length`` must be None (its default 1024 would truncate
     every longer document behind the plan's back); without one, ``max_length`` is the token budget (a micro-batch
-    holds ``per_device_train_batch_size * max_length`` tokens, ``balancer.training.trainer_defaults``) and TRL's
+    holds ``per_device_train_batch_size * max_length`` tokens, ``balancer.trainers.defaults``) and TRL's
     truncation is turned off: a longer document follows ``overflow``. ``eval_dataset`` is tokenized by TRL and
     evaluated on packed, balanced batches. Other arguments as for ``BalancedTrainer``.
     """

@@ -16,8 +16,8 @@ checkpoints, DDP/FSDP through accelerate - is the stock Trainer's):
 - logged loss: every rank's figure is its share of the step's mean token loss; a logging step averages the
   shares over the processes (times the process count above: their sum), and so does the final ``train_loss``,
   which the stock loop would take from this rank alone: both are the true step means over all ranks;
-- evaluation: packed, balanced eval batches and a token-weighted ``eval_loss`` (trainer_eval.py); no topology
-  given: data parallel over the launched processes (trainer_defaults.py);
+- evaluation: packed, balanced eval batches and a token-weighted ``eval_loss`` (eval.py); no topology
+  given: data parallel over the launched processes (defaults.py);
 - epochs: the number of optimizer steps of every epoch comes from its own plan (plans of different seeds can differ
   by a step); resume reads the sampler state saved in the checkpoint (``balancer_sampler.json``) and continues the
   epoch at the exact micro-batch, also after a change of topology at a step boundary.
@@ -43,16 +43,16 @@ except ImportError as exc:  # pragma: no cover - exercised without transformers 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES
+from balancer.trainers.balance import MeasuredBalanceMixin
+from balancer.trainers.defaults import default_topology
+from balancer.trainers.eval import BalancedEvalMixin, eval_lengths
+from balancer.trainers.stream import StreamTrainingMixin, is_stream, stream_settings, write_state
 from balancer.training.collate import PackedCollator
 from balancer.training.indices import SpanDataset
 from balancer.training.lengths import resolve_lengths
 from balancer.training.loss import token_loss
 from balancer.training.sampler import BalancedBatchSampler
 from balancer.training.sampler_state import read_checkpoint_state
-from balancer.training.trainer_balance import MeasuredBalanceMixin
-from balancer.training.trainer_defaults import default_topology
-from balancer.training.trainer_eval import BalancedEvalMixin, eval_lengths
-from balancer.training.trainer_stream import StreamTrainingMixin, is_stream, stream_settings, write_state
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +103,7 @@ def balanced_args(args: TrainingArguments, topology: Optional[Topology]) -> Trai
 
 class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBalanceMixin):
     """The balanced data loader, loss, attention, evaluation and resume logic shared by both Trainer classes
-    (measured balance, `balance_mode=`, in trainer_balance.py; a streaming train_dataset in trainer_stream.py)."""
+    (measured balance, `balance_mode=`, in balance.py; a streaming train_dataset in stream.py)."""
 
     loss_is_scaled_for_ga = True  # compute_loss already divides by the whole step's loss-token count
 
@@ -151,7 +151,7 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         self.cp_method, self.attention_backend = cp_method, attention_backend
         self.dp_rank, self.cp_rank, self._cp_groups = _ranks(topology)
         self._overflow, self._plan_seed = overflow, self.args.seed if seed is None else seed
-        self.balanced_stream, self.balanced_sampler = stream, None  # a stream: trainer_stream.py
+        self.balanced_stream, self.balanced_sampler = stream, None  # a stream: stream.py
         if stream is None:
             self.balanced_sampler = BalancedBatchSampler(
                 lengths,
@@ -412,12 +412,12 @@ class BalancedTrainer(BalancedTrainingMixin, Trainer):
         train_dataset: rows with ``input_ids`` (and optionally ``labels``, -100 = no loss): a ``datasets.Dataset``,
             a ``balancer.ShardDataset``, or any map-style dataset (then pass ``lengths``); or a
             ``balancer.BalancedStream`` (then ``max_steps`` is required and the stream's topology, cost model, seed and
-            overflow policy are the run's: trainer_stream.py).
+            overflow policy are the run's: stream.py).
         topology: the run's ``balancer.Topology`` (dp * cp processes; pp = 1; static or dynamic CP); None: data
             parallel over the launched processes, with gradient accumulation and a token budget from ``args`` and
-            the data (``balancer.training.trainer_defaults``).
+            the data (``balancer.trainers.defaults``).
         eval_dataset: evaluated on packed, balanced batches (``eval_strategy="steps"|"epoch"`` or ``evaluate()``);
-            ``eval_loss`` is the token-weighted mean (``balancer.training.trainer_eval``).
+            ``eval_loss`` is the token-weighted mean (``balancer.trainers.eval``).
         cost: the ``CostModel``; default ``CostModel.from_config(model.config)``.
         lengths: token count per row, when the dataset cannot give them cheaply.
         overflow: the planner's policy for documents longer than ``max_tokens * cp`` ("error", "split", "truncate").

@@ -3,10 +3,8 @@
 Modules: sampler.py (`BalancedBatchSampler`; planning windows in segments.py, resume states in sampler_state.py,
 length sources in lengths.py), indices.py (`Span`, `Member`, `CPGroup`, `SpanDataset`), collate.py
 (`PackedCollator`), groups.py (`cp_groups`),
-loss.py, one rank's micro-batches of a given plan (plan_batches.py), and the Hugging Face trainers (trainer.py,
-sft.py, their evaluation in trainer_eval.py, default topology in trainer_defaults.py and a streaming
-`train_dataset` in trainer_stream.py; imported through
-`balancer.hf`).
+loss.py and one rank's micro-batches of a given plan (plan_batches.py). The Hugging Face trainers built on them live
+in `balancer.trainers` (imported through `balancer.hf`).
 """
 
 from attention._lazy import lazy_exports

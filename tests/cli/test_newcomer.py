@@ -39,7 +39,7 @@ def test_collating_a_datasets_batch_emits_no_warning():
     the collator copies them rather than letting torch warn on every SFT step."""
     import datasets
 
-    from balancer.training.trainer import _dataset_for_packing
+    from balancer.trainers.trainer import _dataset_for_packing
 
     rng = np.random.default_rng(0)
     rows = [rng.integers(0, 100, int(n)).tolist() for n in rng.integers(5, 50, 12)]

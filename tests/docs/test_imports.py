@@ -118,29 +118,71 @@ def test_function_level_imports_count():
     assert _imported_names(tree) == {"balancer.planning.cost.model"}
 
 
-LAYERS = [
-    # (modules under this prefix, must never import modules under these prefixes)
-    ("balancer.planning", ("balancer.training", "balancer.data", "balancer.cli", "balancer.calibration")),
-    ("balancer.data.shards", ("balancer.data.pretokenize", "balancer.data.pack", "balancer.training", "balancer.cli")),
-    ("balancer.data", ("balancer.training", "balancer.cli", "balancer.calibration")),
-    ("balancer.training", ("balancer.cli", "balancer.calibration")),
-    ("attention", ("balancer",)),
-]
+# Every package and top-level module, by layer: a module imports only from lower layers or its own package. The
+# sampler core (training) is below streams and measured balance, which are below the trainers and the framework
+# integrations; the command line is on top. A new package must be placed here (test_every_package_has_a_layer).
+LAYERS = {
+    "attention": 0,
+    "balancer.limits": 0,
+    "balancer.paths": 0,
+    "balancer.temporaries": 0,
+    "balancer": 1,  # the root: lazy names only
+    "balancer.strict_json": 1,
+    "balancer.files": 1,
+    "balancer.planning": 2,
+    "balancer.data": 3,
+    "balancer.distributed": 3,
+    "balancer.calibration": 4,
+    "balancer.training": 4,
+    "balancer.streaming": 5,
+    "balancer.measured": 6,
+    "balancer.trainers": 7,
+    "balancer.hf": 8,
+    "balancer.integrations": 9,
+    "balancer.cli": 10,
+    "balancer.__main__": 11,
+}
 
 
-@pytest.mark.parametrize("lower,forbidden", LAYERS, ids=[layer[0] for layer in LAYERS])
-def test_layers_point_down(lower, forbidden):
-    def under(name, prefix):
-        return name == prefix or name.startswith(prefix + ".")
+def layer_of(module: str) -> str:
+    """The LAYERS key that owns `module` (the longest prefix)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYERS:
+            return ".".join(parts[:n])
+    raise KeyError(module)
 
-    wrong = [
-        f"{module} imports {target}"
-        for module, targets in import_graph().items()
-        if under(module, lower)
-        for target in sorted(targets)
-        if any(under(target, f) for f in forbidden)
-    ]
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports that run upward (to a higher layer) or sideways (to another package of the same layer)."""
+    wrong = []
+    for module, targets in graph.items():
+        mine = layer_of(module)
+        for target in sorted(targets):
+            theirs = layer_of(target)
+            if theirs == mine or theirs == "balancer":
+                continue
+            if LAYERS[theirs] >= LAYERS[mine]:
+                wrong.append(f"{module} ({mine}, layer {LAYERS[mine]}) imports {target} (layer {LAYERS[theirs]})")
+    return wrong
+
+
+def test_every_package_has_a_layer():
+    top = {".".join(m.split(".")[:2]) for m in MODULES if m.startswith("balancer")}
+    assert sorted(top - set(LAYERS)) == [], "place every package of balancer/ and attention/ in LAYERS"
+
+
+def test_layers_point_down():
+    wrong = layering_violations(import_graph())
     assert not wrong, wrong
+
+
+def test_layering_sees_an_upward_import():
+    graph = {"balancer.training.sampler": {"balancer.trainers.trainer"}, "balancer.trainers.trainer": set()}
+    assert layering_violations(graph) == [
+        "balancer.training.sampler (balancer.training, layer 4) imports balancer.trainers.trainer (layer 7)"
+    ]
+    assert layering_violations({"balancer.calibration.run": {"balancer.training.loss"}})  # same layer, sideways
 
 
 _NO_TORCH = """

@@ -13,7 +13,7 @@ import pytest
 
 import balancer
 from balancer.measured import BalanceMonitor
-from balancer.training.trainer_balance import LOGGED
+from balancer.trainers.balance import LOGGED
 
 TRUE = balancer.CostModel(attn_coef=2e-7, linear_coef=3e-5, fixed=1e-3)
 FLOPS = balancer.CostModel(attn_coef=1.0, linear_coef=10.0)
