@@ -35,6 +35,14 @@ if [[ ",$EXTRAS," == *",test,"* || ",$EXTRAS," == *",peers,"* ]]; then  # peers:
     say "installing verl 0.9.1 (--no-deps) for balancer.integrations.verl"
     "$VPY" -m pip install "${PIP_OUT[@]}" --no-deps "verl==0.9.1" "tensordict==0.10.0"
 fi
+if [[ ",$EXTRAS," == *",test,"* ]]; then
+    # torchtitan 0.3.0 (balancer.integrations.torchtitan): its metadata pins datasets<4.8 (the project runs datasets
+    # 5.x) and pulls wandb, torch_checkpointing...: installed beside the resolver with --no-deps; what its data loader,
+    # llama3 model and Trainer import (spmd_types, tyro, einops, triton, tensorboard) is in the test extras. Its tests
+    # skip, naming the reason, when torchtitan cannot be imported.
+    say "installing torchtitan 0.3.0 (--no-deps) for balancer.integrations.torchtitan"
+    "$VPY" -m pip install "${PIP_OUT[@]}" --no-deps "torchtitan==0.3.0"
+fi
 if [[ ",$EXTRAS," == *",test,"* ]]; then  # megatron: balancer.integrations.megatron, its tests and benchmark
     # megatron-core 0.19.2 declares Python >= 3.12 (cp312 wheel only) but its sdist installs and runs on 3.11; extras
     # cannot carry --ignore-requires-python. Beside it only what its imported modules need: triton (imported at
