@@ -1,8 +1,9 @@
 """Measured balance: what each rank really spends per micro-batch, gathered every step, reported against the plan's
 prediction, and (adapt mode) refitted into the cost model and the replica speeds that plan the next windows.
 
-Modules: monitor.py (`BalanceMonitor`), batches.py (`BatchSteps`: the monitor on loops planning one fixed batch at a
-time with `balance_batch`), streams.py (`StreamSteps`: the monitor on a `BalancedStream`), ledger.py (the gathered
+Modules: source.py (`StepSource`: the Protocol every step source implements, `StepPlace`), monitor.py
+(`BalanceMonitor`), batches.py (`BatchSteps`: the monitor on loops planning one fixed batch at a time with
+`balance_batch`), streams.py (`StreamSteps`: the monitor on a `BalancedStream`), ledger.py (the gathered
 records), refit.py (the fit of the cost model and the speeds, outliers, the held-back check), report.py (the report
 dict), plot.py (`plot_report`: the picture).
 """
@@ -13,6 +14,8 @@ _EXPORTS = {
     "BalanceMonitor": "balancer.measured.monitor",
     "BatchSteps": "balancer.measured.batches",
     "StreamSteps": "balancer.measured.streams",
+    "StepSource": "balancer.measured.source",
+    "StepPlace": "balancer.planning.schedule",
     "plot_report": "balancer.measured.plot",
 }
 __all__ = list(_EXPORTS)
