@@ -104,6 +104,8 @@ class BalancedDataLoader(BaseDataLoader):
             lengths, self.topology, self.cost, rank=dp_rank, seed=config.seed, overflow=config.overflow,
             window_docs=config.window_docs,
         )  # fmt: skip
+        if config.overflow == "error":
+            _check_seq_len(self.sampler.lengths, seq_len)
         cp = self.topology.cp
         self.collator = PackedCollator(cp_rank=dp_rank % cp, cp_size=cp, layout=config.layout,
                                        pad_to_multiple_of=config.pad_to_multiple_of, dp_rank=dp_rank // cp)  # fmt: skip
@@ -152,6 +154,19 @@ class BalancedDataLoader(BaseDataLoader):
         if "balancer" not in state_dict:
             raise ValueError(f"not a BalancedDataLoader state: keys {sorted(state_dict)}")
         self._state.load_state_dict(state_dict["balancer"])
+
+
+def _check_seq_len(lengths, seq_len: int) -> None:
+    """Refuse a document longer than `seq_len`: torchtitan's RoPE holds `training.seq_len` positions."""
+    from balancer.training.lengths import scan_lengths
+
+    summary = scan_lengths(lengths)
+    if summary.longest > seq_len:
+        raise ValueError(
+            f"document {summary.longest_doc} has {summary.longest} tokens, more than seq_len {seq_len} (torchtitan's "
+            "RoPE holds training.seq_len positions): raise training.seq_len (and lower local_batch_size to keep the "
+            "memory), or pass overflow='split'"
+        )
 
 
 def _cp_group(topology, rank: int):
