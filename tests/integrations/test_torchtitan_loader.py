@@ -245,8 +245,9 @@ def test_text_dataset_tokenized_with_a_torchtitan_tokenizer(tmp_path):
 
 
 def test_pretokenized_folder(tmp_path):
-    from balancer.data.pretokenize import PretokenizeOptions, pretokenize
     from support.data_files import make_texts, write_jsonl
+
+    from balancer.data.pretokenize import PretokenizeOptions, pretokenize
 
     write_jsonl(tmp_path / "c.jsonl", make_texts(30, max_words=10))
     pretokenize([str(tmp_path / "c.jsonl")], tmp_path / "tok", options=PretokenizeOptions(), progress=False)
