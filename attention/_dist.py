@@ -51,10 +51,11 @@ class Group:
     comm_device: torch.device
 
     @classmethod
-    def of(cls, group, device: torch.device) -> Group:
+    def of(cls, group: Optional[dist.ProcessGroup], device: torch.device) -> Group:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("cp_attention needs an initialised torch.distributed process group")
         g = group if group is not None else dist.group.WORLD
+        assert g is not None, "the default group exists once torch.distributed is initialised (checked above)"
         size, rank = dist.get_world_size(g), dist.get_rank(g)
         if rank < 0:
             raise ValueError("this process is not a member of the given process group")

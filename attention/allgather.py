@@ -76,7 +76,7 @@ def allgather_forward(q, k, v, layout: CPLayout, g: Group, causal, scale: float,
         acc = Accumulator()
         for s in range(g.size):
             forward_rounds(be, qh, kvs[s][0], kvs[s][1], _rounds(layout, g.rank, s, causal), scale, acc)
-        if acc.out is not None:
+        if acc.out is not None and acc.lse is not None:
             out[:, a * grp : b * grp] = acc.out.to(q.dtype)
             lse[:, a * grp : b * grp] = acc.lse
     return out, lse

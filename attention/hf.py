@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from attention import cp_attention
+from attention.cp import cp_attention
 from attention.layout import CPLayout
 from attention.varlen import varlen_attention
 
@@ -137,7 +137,7 @@ def cp_attention_forward(
         query, key, value = (x.to(dtype) for x in (query, key, value))
     window, softcap = _masks_from_kwargs(bool(causal), kwargs)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-    outer = ctx
+    outer: Optional[_Ctx] = ctx
     while outer is not None:
         outer.ran[0] = True
         outer = outer.parent

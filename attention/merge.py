@@ -25,11 +25,11 @@ class Accumulator:
     """Running merge of partial results for ``T`` query rows; ``add`` keeps the first block without a copy-merge."""
 
     def __init__(self) -> None:
-        self.out = None
-        self.lse = None
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
 
     def add(self, blk_out: torch.Tensor, blk_lse: torch.Tensor) -> None:
-        if self.out is None:
+        if self.out is None or self.lse is None:
             self.out = blk_out.to(blk_lse.dtype, copy=True)
             self.lse = blk_lse.clone()
         else:

@@ -91,8 +91,8 @@ class Loads:
         if idx.size == 0:
             return tokens, pairs
         sizes = zigzag_sizes(np.asarray(self.lens, dtype=np.int64)[idx], self.cp)
-        tokens, pairs = rank_shares(sizes, chunk_owner(self.cp, "zigzag"), self.cp)
-        return [int(x) for x in tokens], [int(x) for x in pairs]
+        token_shares, pair_shares = rank_shares(sizes, chunk_owner(self.cp, "zigzag"), self.cp)
+        return [int(x) for x in token_shares], [int(x) for x in pair_shares]
 
 
 def _place_whole(loads: Loads, split: np.ndarray, order: list[int], max_tokens: Optional[int]):

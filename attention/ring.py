@@ -61,7 +61,7 @@ def ring_forward(q, k, v, layout: CPLayout, g: Group, causal, scale: float, be: 
         if rounds:
             kb, vb = (k, v) if i == 0 else _split_kv(kv, int(counts[s]), hk, d)
             forward_rounds(be, q, kb, vb, rounds, scale, acc)
-    if acc.out is None:
+    if acc.out is None or acc.lse is None:
         out = q.new_zeros(q.shape)
         lse = torch.full(q.shape[:2], -math.inf, dtype=acc_dtype(q.dtype), device=q.device)
         return out, lse
@@ -78,7 +78,8 @@ def ring_backward(dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal, s
     dq = torch.zeros(q.shape, dtype=a, device=q.device)
     dk = torch.zeros(k.shape, dtype=a, device=q.device)
     dv = torch.zeros(v.shape, dtype=a, device=q.device)
-    dkv_reqs, dkv_in = [], None
+    dkv_reqs: list = []
+    dkv_in = torch.empty(0, dtype=a, device=g.comm_device)  # replaced by each hop's receive buffer
     for i, s, kv in _kv_ring(_travelling_kv(k, v, layout, r), counts, 2 * hk * d, g, q.device):
         rounds = block_rounds(layout, r, s, causal)
         if rounds and i:

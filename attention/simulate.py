@@ -65,7 +65,7 @@ def _ring_like(q, k, v, layout: CPLayout, method, mask: Mask, scale, be, dout):
         for s in _kv_order(method, r, cp):
             for p in block_rounds(layout, r, s, mask):
                 acc.add(*be.forward(qs[r], ks[s], vs[s], p, scale))
-        if acc.out is None:
+        if acc.out is None or acc.lse is None:
             outs.append(qs[r].new_zeros(qs[r].shape))
             lses.append(torch.full(qs[r].shape[:2], -math.inf, dtype=acc_dtype(q.dtype), device=q.device))
         else:

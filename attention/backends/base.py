@@ -13,7 +13,7 @@ Query ranges of one call never overlap; rows no piece covers get ``out = 0`` and
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,6 +43,7 @@ class Pieces:
     lo: np.ndarray
     hi: np.ndarray
     softcap: float
+    _device_cache: dict = field(init=False, repr=False, compare=False)
 
     def __init__(self, q_start, q_len, k_start, k_len, causal=False, lo=None, hi=None, softcap: float = 0.0) -> None:
         qs, ql, ks, kl = (_i64(a) for a in (q_start, q_len, k_start, k_len))

@@ -69,7 +69,7 @@ class ArgAdapter:
             raise RuntimeError("this kernel version takes no softcap")
         values = dict(values, softcap=softcap, window_size=tuple(window))
         values.update(window_size_left=window[0], window_size_right=window[1])
-        by_param = {}
+        by_param: dict[str, object] = {}
         for ours, val in values.items():
             for name in self.aliases.get(ours, (ours,)):
                 by_param.setdefault(name, val)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+from collections.abc import Callable
 from typing import Optional
 
 import torch
@@ -64,10 +65,10 @@ def _load(modules: tuple[str, ...], fwd_names: tuple[str, ...], bwd_names: tuple
     found, failures = [], []
     for mod_name in modules:
         try:
-            spec = importlib.util.find_spec(mod_name.split(".")[0])
+            installed = importlib.util.find_spec(mod_name.split(".")[0]) is not None
         except (ImportError, ValueError):  # a broken parent package or an odd sys.modules entry
-            spec = True
-        if spec is None:
+            installed = True
+        if not installed:
             log.debug("%s is not installed", mod_name)
             continue
         try:
@@ -111,7 +112,8 @@ class _FlashPackageBackend(VarlenCUDABackend):
 
     def __init__(self, functions: Optional[tuple] = None) -> None:
         self.problem = ""
-        self._fwd_fn = self._bwd_fn = None
+        self._fwd_fn: Optional[Callable] = None
+        self._bwd_fn: Optional[Callable] = None
         self.source = ""
         failures: list = []
         if functions is not None:
@@ -181,9 +183,11 @@ class _FlashPackageBackend(VarlenCUDABackend):
         return (res[0], res[1]) if len(res) <= 4 else (res[0], res[5])
 
     def _kfwd(self, q, k, v, pk, causal, window, softcap, scale):
+        assert self._fwd_fn is not None, "kernels run only on a backend whose available() is true"
         return self.unpack_forward(self._fwd_fn(**self.fwd_kwargs(q, k, v, pk, causal, window, softcap, scale)))
 
     def _kbwd(self, do, q, k, v, o, lse, pk, causal, window, softcap, scale):
+        assert self._bwd_fn is not None, "kernels run only on a backend whose available() is true"
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self._bwd_fn(**self.bwd_kwargs(do, q, k, v, o, lse, dq, dk, dv, pk, causal, window, softcap, scale))
         return dq, dk, dv

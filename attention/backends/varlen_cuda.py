@@ -169,6 +169,12 @@ class VarlenCUDABackend(Backend):
     def available(self) -> bool:
         return True
 
+    def _kfwd(self, q, k, v, pk: Packed, causal, window, softcap, scale):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _kbwd(self, do, q, k, v, o, lse, pk: Packed, causal, window, softcap, scale):  # pragma: no cover - interface
+        raise NotImplementedError
+
     def supports(self, q, k, window: bool = False, softcap: bool = False) -> bool:
         return not self.why_not(q, k, window, softcap)
 
