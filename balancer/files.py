@@ -83,8 +83,9 @@ def _new_temporary(path: Path) -> tuple[int, str]:
 def refuse_link(path: str | os.PathLike, flag: str) -> None:
     """OutputPathError when `path` is a symbolic link: neither it nor what it points to is ever replaced."""
     if os.path.islink(path):
+        target = os.readlink(os.fspath(path))
         raise OutputPathError(
-            f"{flag + ' ' if flag else ''}{path} is a symbolic link (to {os.readlink(path)}): an output is never "
+            f"{flag + ' ' if flag else ''}{path} is a symbolic link (to {target}): an output is never "
             "written through a link nor replaces one; give another name or remove the link"
         )
 

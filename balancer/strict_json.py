@@ -163,8 +163,11 @@ def _show(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+_BOUND_NAMES: dict[float, str] = {INT64_MIN: "-2^63", INT64_MAX: "2^63-1"}
+
+
 def _bound(x: float) -> str:
-    return {INT64_MIN: "-2^63", INT64_MAX: "2^63-1"}.get(x, str(x))
+    return _BOUND_NAMES.get(x, str(x))
 
 
 def _expected(field: Field, value: Any = None) -> str:

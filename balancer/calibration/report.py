@@ -64,7 +64,7 @@ def split_errors(grid_samples: list[dict], grid, held_out: float, seeds, window,
     """Held-out error over several splits by micro-batch: each split's model is fitted on its own fit set and judged
     on its held-out micro-batches. `median_abs_error` is the median over splits of each split's median,
     `worst_p90_abs_error` the largest p90. A split whose fit fails is listed with its error and counts as a miss."""
-    per_split = []
+    per_split: list[dict] = []
     for seed in seeds:
         held = split_by_micro_batch(grid, held_out, int(seed))
         train = [s for s in grid_samples if not held[s["micro_batch"]]]

@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -37,7 +38,9 @@ from balancer.planning.cost.model import CostModel
 
 log = logging.getLogger(__name__)
 __all__ = ["CLOCKS", "Calibration", "calibrate", "error_summary"]
-DEFAULTS = dict(budgets=(4096, 8192), per_cell=4, repeats=3, max_repeats=12, splits=8, fresh_per_budget=2)
+DEFAULTS: dict[str, Any] = dict(
+    budgets=(4096, 8192), per_cell=4, repeats=3, max_repeats=12, splits=8, fresh_per_budget=2
+)
 
 
 @dataclass
@@ -181,10 +184,8 @@ def _timed(config: dict, jobs: list[dict], seed: int, **timing) -> list[dict]:
     change of load during the run does not line up with a CP size or a budget)."""
     order = np.random.default_rng([seed, 1]).permutation(len(jobs))
     timed = time_micro_batches(config, [jobs[i] for i in order], **timing)
-    runs = [None] * len(jobs)
-    for i, reps in zip(order, timed):
-        runs[i] = reps
-    return [{**job, "wall": [r[0] for r in reps], "cpu": [r[1] for r in reps]} for job, reps in zip(jobs, runs)]
+    runs = {int(i): reps for i, reps in zip(order, timed)}
+    return [{**job, "wall": [r[0] for r in runs[i]], "cpu": [r[1] for r in runs[i]]} for i, job in enumerate(jobs)]
 
 
 def _fit_and_report(samples, grid, held_out, seeds, window, method, options) -> Calibration:

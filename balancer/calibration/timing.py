@@ -105,10 +105,11 @@ def _run_jobs(model, jobs: list[dict], rank: int, groups: dict, payload: dict, b
     untimed first (allocator and kernel warm-up)."""
     import torch
 
-    from attention import CPLayout
+    from attention.layout import CPLayout
 
     vocab = int(model.config.vocab_size)
-    results, warm = [], set()
+    results: list[list[tuple[float, float]] | None] = []
+    warm = set()
     for j, job in enumerate(jobs):
         cp = int(job["cp"])
         if rank >= cp:

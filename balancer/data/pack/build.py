@@ -161,6 +161,7 @@ def _write_rows(
 
     def close_shard() -> None:
         nonlocal writer
+        assert writer is not None, "called only with a shard open"
         run.record({"shard": writer.close(run)})
         writer = None
 
@@ -171,7 +172,7 @@ def _write_rows(
         for epoch, plan in enumerate(plans):
             count = rows_per_epoch(plan)
             row = max(0, done - epoch_first)
-            tokens = row_tokens(plan) if row < count else None
+            tokens = row_tokens(plan) if row < count else np.zeros(0, dtype=np.int64)  # nothing left: no rows
             while row < count:
                 if writer is None:
                     writer = RowShardWriter(out, len(shards), schema, epoch_first + row)
@@ -331,6 +332,7 @@ def _pack(src: SourceTokens, out: Path, topology, cost, epochs, seed, overflow, 
     with open_output(out, [str(src.path)], "source"):
         status, prev, owned = prepare_pack_output(out, job, overwrite)
         if status == "complete":
+            assert prev is not None, "the folder is complete: prev is its manifest"
             return _already_complete(out, prev)
         state = _resume_state(out, job, prev if status == "resume" else None)
         keep = {fn for e in state["plans"] + state["shards"] for fn in e["files"]}

@@ -121,7 +121,7 @@ class SourceTokens:
         """Tokens `[starts[k], ends[k])` of source row `rows[k]` for every k, concatenated (a new array)."""
         lens = np.asarray(ends) - np.asarray(starts)
         out = np.empty(int(lens.sum()), dtype=self.dtype)
-        view = memoryview(out).cast("B")
+        view = out.data.cast("B")
         size = self.dtype.itemsize
         pos = 0
         byte = self.row_byte[rows] + np.asarray(starts) * size

@@ -193,7 +193,9 @@ def packed_metrics(path: str | os.PathLike) -> list[dict]:
     return [
         row_metrics(
             c["seq_lens"],
-            *(np.concatenate(c[k]) for k in ("step", "micro_batch", "dp_rank")),
+            np.concatenate(c["step"]),
+            np.concatenate(c["micro_batch"]),
+            np.concatenate(c["dp_rank"]),
             topology,
             cost,
             source_tokens=m["source"]["tokens"],

@@ -12,7 +12,7 @@ import io
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Optional
+from typing import Any, BinaryIO, Optional
 
 from balancer.data.shards.errors import DataError
 
@@ -42,7 +42,7 @@ def _zstd_module():
     return zstandard
 
 
-def _new_decompressor(fmt: str):
+def _new_decompressor(fmt: str) -> Any:
     if fmt == "gzip":
         return zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip header and CRC-32/size trailer checked
     return _zstd_module().ZstdDecompressor().decompressobj()
@@ -60,7 +60,7 @@ class DecompressedReader(io.RawIOBase):
         self._errors: tuple = (zlib.error,) if fmt == "gzip" else (zlib.error, _zstd_module().ZstdError)
         self._file = open(path, "rb")
         self._on_raw = on_raw
-        self._dec = None  # decompressor of the member / frame in progress, None between members
+        self._dec: Any = None  # decompressor of the member / frame in progress, None between members
         self._out = memoryview(b"")
         self._done = False
         self._error: Optional[str] = None  # raised once the good bytes before it have been read

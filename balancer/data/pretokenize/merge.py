@@ -104,6 +104,7 @@ def merge(parts: Sequence[str], output: str | os.PathLike, overwrite: bool = Fal
         if status == "complete":
             remove_state(out / STATE_NAME, is_our_record)
             log(f"{out}: already complete")
+            assert prev is not None, "the folder is complete: prev is its manifest"
             return prev
         links = _links(by_index)
         kept = _recorded_prefix(out, prev, [new for _, _, new in links])

@@ -460,6 +460,7 @@ def pretokenize(
             out, job, slice_, overwrite, explain=lambda old: describe_input_change(old.get("inputs"), infos)
         )
         if status == "complete":
+            assert prev is not None, "the folder is complete: prev is its manifest"
             return _already_complete(out, prev)
         shards, counters, cursor = _resume_point(out, prev, cursor_for_record(start, infos))
         keep = {fn for e in shards for fn in e["files"]} | {STATE_NAME, journal_path(out / STATE_NAME).name}

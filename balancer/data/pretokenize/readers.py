@@ -344,11 +344,11 @@ def iter_records(sources: list[InputSource], text_field: str, cursor: Cursor, en
                 yield rec, shown, Cursor(rec + 1, i, 1, None), "bytes", data
                 rec += 1
         elif src.kind == "json_array":
-            data = _load_json_array(Path(src.path))
-            for j in range(local, len(data)):
+            elements = _load_json_array(Path(src.path))
+            for j in range(local, len(elements)):
                 if end is not None and rec >= end:
                     return
-                yield rec, f"{shown} element {j}", Cursor(rec + 1, i, j + 1, None), "obj", data[j]
+                yield rec, f"{shown} element {j}", Cursor(rec + 1, i, j + 1, None), "obj", elements[j]
                 rec += 1
         elif src.kind == "parquet":
             yield from _iter_parquet(src, i, text_field, rec, local, end)

@@ -95,7 +95,12 @@ class InputWatch:
         for path, key in self.keys.items():
             now = _stat_key(path)
             if now != key:
-                size = "gone" if now is None else f"{key[0]} -> {now[0]} bytes"
+                if now is None:
+                    size = "gone"
+                elif key is None:  # missing at the start, there now
+                    size = f"appeared, {now[0]} bytes"
+                else:
+                    size = f"{key[0]} -> {now[0]} bytes"
                 return f"input {path} changed while this run read it ({size})"
         return None
 

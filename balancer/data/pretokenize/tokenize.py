@@ -270,7 +270,7 @@ def encode_payloads(payloads: list) -> tuple[np.ndarray, np.ndarray, dict]:
         text, err = _decode(kind, payload, cfg.text_field)
         if err is not None:
             errors[j] = err
-        elif text == "":
+        elif not text:  # "" (a decoded document without error is a str)
             errors[j] = ("empty", "empty document")
         else:
             texts.append(text)

@@ -81,8 +81,8 @@ def _require(ok: bool, where: str, message: str) -> None:
 def check_file_name(folder: Path, name: object, where: str) -> Optional[os.stat_result]:
     """The stat of `folder / name` (None when missing) when `name` is a plain file name whose path stays inside
     `folder`: a symlink is followed and must resolve inside the folder. DataError otherwise."""
-    plain = isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-    _require(plain and "\0" not in name, where, f"file name {name!r} is not a plain name inside the folder")
+    if not (isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")):
+        raise DataError(f"{where}: file name {name!r} is not a plain name inside the folder")
     path = folder / name
     try:
         st = os.lstat(path)  # a plain name in the folder: inside it unless it is a symlink
@@ -101,10 +101,11 @@ def check_file_name(folder: Path, name: object, where: str) -> Optional[os.stat_
 def check_manifest_structure(folder: Path, m: dict) -> None:
     """Every field a reader relies on, with its type; shard names sequential; counts add up."""
     where = str(folder / MANIFEST_NAME)
-    shards = m.get("shards")
-    _require(isinstance(shards, list), where, "no 'shards' list (damaged or not written by this tool)")
-    counts = m.get("counts")
-    _require(isinstance(counts, dict), where, "no 'counts' object")
+    shards, counts = m.get("shards"), m.get("counts")
+    if not isinstance(shards, list):
+        raise DataError(f"{where}: no 'shards' list (damaged or not written by this tool)")
+    if not isinstance(counts, dict):
+        raise DataError(f"{where}: no 'counts' object")
     _require(isinstance(m.get("options"), dict), where, "no 'options' object")
     rows = tokens = 0
     for i, entry in enumerate(shards):
@@ -135,7 +136,8 @@ def check_files_inside(folder: Path, entry: dict, record: str = MANIFEST_NAME) -
     of the recorded size."""
     for fn, meta in entry["files"].items():
         st = check_file_name(folder, fn, str(folder / record))
-        _require(st is not None and stat.S_ISREG(st.st_mode), str(folder / fn), "missing (or not a regular file)")
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise DataError(f"{folder / fn}: missing (or not a regular file)")
         size = st.st_size
         _require(size == meta["bytes"], str(folder / fn), f"size {size} != {meta['bytes']} recorded in the manifest")
 

@@ -55,10 +55,12 @@ class StateJournal:
             os.remove(self.path)
         except FileNotFoundError:
             pass
-        self.fd = create_new_file(self.path)
+        self.fd: Optional[int] = create_new_file(self.path)
         self._write({_HEADER_KEY: ident})
 
     def _write(self, record: dict) -> None:
+        if self.fd is None:
+            raise ValueError(f"{self.path}: the journal is closed")
         data = _line(record)
         if os.write(self.fd, data) != len(data):
             raise OSError(f"{self.path}: short write")

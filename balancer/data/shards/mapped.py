@@ -13,7 +13,9 @@ import ctypes
 import mmap
 import os
 import weakref
+from typing import Optional
 
+_libc: Optional[ctypes.CDLL]
 try:
     _libc = ctypes.CDLL(None, use_errno=True)
     _libc.mmap.restype = ctypes.c_void_p

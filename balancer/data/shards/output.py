@@ -268,7 +268,8 @@ def prepare_output(
     own = ownership(out, kind)
     _refuse_disputed(out, own)
     state = own.state
-    if manifest is None and state is None:
+    recorded = manifest if manifest is not None else state
+    if recorded is None:
         if own.foreign and not overwrite:
             example = sorted(own.foreign)[0]
             raise DataError(
@@ -279,9 +280,9 @@ def prepare_output(
         return "fresh", None, own.owned
     if overwrite:
         return "fresh", None, own.owned
-    if manifest is None and state.get("job") == job and state.get("slice") == slice_:
-        return "resume", state, own.owned
-    if manifest is None and _is_unstarted(state, kind):
+    if manifest is None and recorded.get("job") == job and recorded.get("slice") == slice_:
+        return "resume", recorded, own.owned
+    if manifest is None and _is_unstarted(recorded, kind):
         print(
             f"{out}: reusing the folder: it holds only the state of an unfinished `balancer {kind.command}` run "
             f"with other inputs or options that wrote nothing",
@@ -289,7 +290,7 @@ def prepare_output(
             flush=True,
         )
         return "fresh", None, own.owned
-    why = (explain(manifest or state) if explain else None) or "other inputs or options"
+    why = (explain(recorded) if explain else None) or "other inputs or options"
     raise DataError(
         f"{arg('output')} {out} holds a different job of `balancer {kind.command}` ({why}); "
         f"pass {arg('overwrite', True)} to replace it"
@@ -420,6 +421,7 @@ class OutputLock:
         leaves the old record or the new one."""
         data = (json.dumps({**self._owner, "temporary": sorted(self.temporary)}) + "\n").encode()
         data = data.ljust(self._size)
+        assert self.fd is not None, "the record is written only while the lock is held (between enter and exit)"
         os.pwrite(self.fd, data, 0)
         self._size = len(data)
 

@@ -93,18 +93,17 @@ _COUNTS_KEYS = {
     "split_documents": COUNT,
 }
 SKIPPED_RECORD = obj({"doc_id": COUNT, "where": string(), "reason": string(), "message": string()})
-SHARD = obj(
-    {
-        "name": string(),
-        "rows": COUNT,
-        "tokens": COUNT,
-        "documents": COUNT,
-        "first_doc_id": integer(min=0, nullable=True),
-        "last_doc_id": integer(min=0, nullable=True),
-        "max_length": integer(min=0, max=MAX_LENGTH),
-        "files": FILES,
-    }
-)
+_SHARD_KEYS = {
+    "name": string(),
+    "rows": COUNT,
+    "tokens": COUNT,
+    "documents": COUNT,
+    "first_doc_id": integer(min=0, nullable=True),
+    "last_doc_id": integer(min=0, nullable=True),
+    "max_length": integer(min=0, max=MAX_LENGTH),
+    "files": FILES,
+}
+SHARD = obj(_SHARD_KEYS)
 SLICE = obj(
     {
         "num_shards": integer(min=1, max=MAX_NUM_SHARDS),
@@ -135,7 +134,7 @@ MANIFEST_KEYS = {
 CURSOR = obj({"record": COUNT, "input": COUNT, "local": COUNT, "offset": integer(min=0, nullable=True)})
 STATE_SHARD = obj(
     {
-        **SHARD.keys,
+        **_SHARD_KEYS,
         "cursor": CURSOR,
         "counters": obj({**_COUNTS_KEYS, "skipped_examples": array(SKIPPED_RECORD)}),
     }

@@ -146,7 +146,9 @@ class Plan:
         self.last_micro_batches = check_last(topology, last_micro_batches)
         if topology.dynamic != (groups is not None):
             raise ValueError("a plan has CP groups (group_start, group_size, slot_ptr) exactly when cp_sizes is set")
-        self.group_start = self.group_size = self.slot_ptr = None
+        self.group_start: np.ndarray | None = None
+        self.group_size: np.ndarray | None = None
+        self.slot_ptr: np.ndarray | None = None
         if groups is not None:
             self.group_start, self.group_size, self.slot_ptr = (np.asarray(a, dtype=np.int64) for a in groups)
             if len(self.group_start) != len(self.mb_ptr) - 1 or len(self.group_size) != len(self.group_start):
@@ -176,7 +178,8 @@ class Plan:
         **kwargs,
     ) -> Plan:
         """Build from nested lists `steps[s][replica][m] -> doc ids` (whole documents only)."""
-        flat, ptr = [], [0]
+        flat: list[int] = []
+        ptr = [0]
         for s, step in enumerate(steps):
             if len(step) != topology.dp:
                 raise ValueError(f"step {s} has {len(step)} replicas, topology has dp={topology.dp}")
@@ -225,10 +228,17 @@ class Plan:
         return self._window_ids
 
     @property
+    def group_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Dynamic CP: `(group_start, group_size, slot_ptr)`; ValueError for a plan with fixed CP groups."""
+        if self.group_start is None or self.group_size is None or self.slot_ptr is None:
+            raise ValueError("this plan has fixed CP groups: group_start, group_size and slot_ptr are dynamic CP's")
+        return self.group_start, self.group_size, self.slot_ptr
+
+    @property
     def num_steps(self) -> int:
         t, short = self.topology, self.last_micro_batches < self.topology.micro_batches
         if self.dynamic:
-            return -(-(len(self.slot_ptr) - 1) // t.micro_batches)
+            return -(-(len(self.group_arrays[2]) - 1) // t.micro_batches)
         return -(-(len(self.mb_ptr) - 1) // t.bins_per_step) if short else (len(self.mb_ptr) - 1) // t.bins_per_step
 
     def step_micro_batches(self, s: int) -> int:
@@ -270,28 +280,30 @@ class Plan:
         sizes = self.end - self.start
         return int(sizes.sum() if self.filler is None else sizes[~self.filler].sum())
 
-    def _micro_batch(self, k: int, cls=MicroBatch, **extra) -> MicroBatch:
+    def _micro_batch_fields(self, k: int) -> dict[str, list]:
         a, b = self.mb_ptr[k], self.mb_ptr[k + 1]
         doc, start, end = self.doc[a:b], self.start[a:b], self.end[a:b]
         fill = np.zeros(b - a, dtype=bool) if self.filler is None else self.filler[a:b]
         whole = (start == 0) & (end == self.lengths[doc]) & ~fill
         part = ~whole & ~fill
         spans = [(int(d), int(s), int(e)) for d, s, e in zip(doc[part], start[part], end[part])]
-        return cls(docs=doc[whole].tolist(), spans=spans, fillers=doc[fill].tolist(), **extra)
+        return {"docs": doc[whole].tolist(), "spans": spans, "fillers": doc[fill].tolist()}
+
+    def _micro_batch(self, k: int) -> MicroBatch:
+        return MicroBatch(**self._micro_batch_fields(k))
 
     def _group(self, k: int) -> Group:
-        return self._micro_batch(k, Group, ranks=(int(self.group_start[k]), int(self.group_size[k])))
+        group_start, group_size, _ = self.group_arrays
+        return Group(**self._micro_batch_fields(k), ranks=(int(group_start[k]), int(group_size[k])))
 
     def step(self, s: int) -> Step:
         t = self.topology
         ms = self.step_micro_batches(s)
         if self.dynamic:
+            slot_ptr = self.group_arrays[2]
             slots = range(s * t.micro_batches, s * t.micro_batches + ms)
             return Step(
-                slots=[
-                    Slot([self._group(k) for k in range(self.slot_ptr[slot], self.slot_ptr[slot + 1])])
-                    for slot in slots
-                ]
+                slots=[Slot([self._group(k) for k in range(slot_ptr[slot], slot_ptr[slot + 1])]) for slot in slots]
             )
         base = s * t.bins_per_step
         return Step([Replica([self._micro_batch(base + r * ms + m) for m in range(ms)]) for r in range(t.dp)])
@@ -324,7 +336,8 @@ class Plan:
         """Dynamic CP: [steps * M] index of the micro-batch (group) holding `pool_rank` in every slot."""
         if not 0 <= pool_rank < self.topology.pool_size:
             raise ValueError(f"pool rank {pool_rank} out of range for a pool of dp*cp = {self.topology.pool_size}")
-        inside = (self.group_start <= pool_rank) & (pool_rank < self.group_start + self.group_size)
+        group_start, group_size, _ = self.group_arrays
+        inside = (group_start <= pool_rank) & (pool_rank < group_start + group_size)
         return np.flatnonzero(inside)
 
     def pool_view(self, pool_rank: int) -> list[list[tuple[tuple[int, int], list[int]]]]:
@@ -333,11 +346,12 @@ class Plan:
         if not self.dynamic:
             raise ValueError("Plan.pool_view is the dynamic-CP view; this plan has fixed CP groups (use rank_view)")
         m = self.topology.micro_batches
+        group_start, group_size, _ = self.group_arrays
         out: list = []
         for slot, k in enumerate(self.rank_groups(pool_rank)):
             if slot % m == 0:
                 out.append([])
-            key = (int(self.group_start[k]), int(self.group_size[k]))
+            key = (int(group_start[k]), int(group_size[k]))
             out[-1].append((key, self.doc[self.mb_ptr[k] : self.mb_ptr[k + 1]].tolist()))
         return out
 
@@ -371,7 +385,8 @@ class Plan:
     def step_of_micro_batch(self) -> np.ndarray:
         """[micro-batches] the step of each micro-batch."""
         if self.dynamic:
-            slot = np.repeat(np.arange(len(self.slot_ptr) - 1), np.diff(self.slot_ptr))
+            slot_ptr = self.group_arrays[2]
+            slot = np.repeat(np.arange(len(slot_ptr) - 1), np.diff(slot_ptr))
             return slot // self.topology.micro_batches
         return np.minimum(np.arange(len(self.mb_ptr) - 1) // self.topology.bins_per_step, self.num_steps - 1)
 
@@ -381,9 +396,7 @@ class Plan:
     def step_times(self) -> np.ndarray:
         """[steps] the modelled time of every step (per-rank cost units)."""
         if self.dynamic:
-            return _metrics.dynamic_step_times(
-                self._mb_cost_flat(), self.group_start, self.group_size, self.slot_ptr, self.topology
-            )
+            return _metrics.dynamic_step_times(self._mb_cost_flat(), *self.group_arrays, self.topology)
         return _metrics.step_times(self.micro_batch_costs(), self.topology)
 
     def metrics(self) -> dict:
@@ -429,19 +442,16 @@ class Plan:
         if not self.dynamic:
             return predict_plan(self, cost, layout, method, **layout_options)
         cost = self.cost_model if cost is None else cost
+        group_start, group_size, slot_ptr = self.group_arrays
         sizes = self.end - self.start
         ptr = self.mb_ptr
         times = np.array(
             [
-                micro_batch_time(
-                    cost, sizes[ptr[k] : ptr[k + 1]], int(self.group_size[k]), layout, method, **layout_options
-                )
+                micro_batch_time(cost, sizes[ptr[k] : ptr[k + 1]], int(group_size[k]), layout, method, **layout_options)
                 for k in range(len(ptr) - 1)
             ]
         )
-        step = _metrics.dynamic_step_times(
-            times * self.group_size, self.group_start, self.group_size, self.slot_ptr, self.topology
-        )
+        step = _metrics.dynamic_step_times(times * group_size, group_start, group_size, slot_ptr, self.topology)
         return {
             "layout": {"kind": layout, **layout_options},
             "method": method,
