@@ -100,7 +100,8 @@ class _State:
 
     def __init__(self, mb, cost, tok, dp: int, m: int) -> None:
         self.mb, self.cost, self.tok, self.dp, self.m = mb, cost, tok, dp, m
-        self.times = np.bincount(mb // m, weights=cost, minlength=dp)
+        self.rep = mb // m  # each unit's replica
+        self.times = np.bincount(self.rep, weights=cost, minlength=dp)
         self.mb_tok = np.bincount(mb, weights=tok, minlength=dp * m).astype(np.int64)
         self.mb_n = np.bincount(mb, minlength=dp * m)
 
@@ -113,6 +114,7 @@ class _State:
         self.mb_n[frm] -= 1
         self.mb_n[to] += 1
         self.mb[unit] = to
+        self.rep[unit] = to // m
 
 
 def _improve(st: _State, cap: int, trade: bool = False) -> bool:
@@ -125,8 +127,10 @@ def _improve(st: _State, cap: int, trade: bool = False) -> bool:
     times = st.times
     hi = int(np.argmax(times))
     now = float(times[hi])
-    rest = float(np.max(np.delete(times, hi))) if st.dp > 1 else -np.inf
-    a = np.flatnonzero(st.mb // st.m == hi)
+    others = times.copy()
+    others[hi] = -np.inf
+    rest = float(others.max())  # dp >= 2
+    a = np.flatnonzero(st.rep == hi)
     best = None
     for found in (_best_move(st, a, hi, now, rest, cap), _best_swap(st, a, hi, now, rest, cap)):
         if found is not None and (best is None or found[:2] < best[:2]):
@@ -154,21 +158,32 @@ def _better(new: np.ndarray, pair: np.ndarray, now: float):
 
 
 def _best_move(st: _State, a: np.ndarray, hi: int, now: float, rest: float, cap: int):
-    """Unit a -> the roomiest micro-batch of another replica (a's micro-batch keeps a unit)."""
+    """Unit a -> the roomiest micro-batch of another replica (a's micro-batch keeps a unit). A move's new time and
+    pair time only grow with the receiving replica's time, so each unit's best replica is the fastest one with room
+    for it (one search over the replicas sorted by time, not a unit x replica table); the chosen unit's row is then
+    scanned whole, so ties go to the lowest replica as in a full table."""
     dp, m, times, cost = st.dp, st.m, st.times, st.cost
     room = cap - st.mb_tok.reshape(dp, m)
     target = np.argmax(room, axis=1)
+    widest = room[np.arange(dp), target]
     movable = a[st.mb_n[st.mb[a]] > 1]
     if not len(movable):
         return None
-    fits = st.tok[movable][:, None] <= room[np.arange(dp), target][None, :]
-    fits[:, hi] = False
-    pair = np.maximum((now - cost[movable])[:, None], times[None, :] + cost[movable][:, None])
-    pair = np.where(fits, pair, np.inf)
+    by_time = np.argsort(times, kind="stable")
+    by_time = by_time[by_time != hi]
+    reach = np.maximum.accumulate(widest[by_time])  # the widest room among the fastest k replicas
+    k = np.searchsorted(reach, st.tok[movable])  # the first (fastest) replica with room for each unit
+    c = cost[movable]
+    fastest = times[by_time[np.minimum(k, len(by_time) - 1)]]
+    pair = np.where(k < len(by_time), np.maximum(now - c, fastest + c), np.inf)
     found = _better(np.maximum(rest, pair), pair, now)
     if found is None:
         return None
-    i, r = found[2]
+    i = int(found[2][0])
+    fits = st.tok[movable[i]] <= widest
+    fits[hi] = False
+    row = np.where(fits, np.maximum(now - c[i], times + c[i]), np.inf)
+    r = int(np.flatnonzero((np.maximum(rest, row) <= found[0]) & (row <= found[1]))[0])
     return found[0], found[1], [(int(movable[i]), int(r * m + target[r]))]
 
 
@@ -177,22 +192,22 @@ def _best_swap(st: _State, a: np.ndarray, hi: int, now: float, rest: float, cap:
     nearest to the ideal cost[a] - gap / 2 (either side) is tried."""
     mb, cost, tok, times, mb_tok = st.mb, st.cost, st.tok, st.times, st.mb_tok
     lo = int(np.argmin(times))
-    b = np.flatnonzero(mb // st.m == lo)
+    b = np.flatnonzero(st.rep == lo)
     if not len(a) or not len(b) or lo == hi:
         return None
     b = b[np.argsort(cost[b], kind="stable")]
     at = np.searchsorted(cost[b], cost[a] - (now - times[lo]) / 2)
-    best = None
-    for j in (np.clip(at, 0, len(b) - 1), np.clip(at - 1, 0, len(b) - 1)):
-        bj = b[j]
-        delta = cost[a] - cost[bj]
-        ok = (delta > 0) & (mb_tok[mb[a]] - tok[a] + tok[bj] <= cap) & (mb_tok[mb[bj]] - tok[bj] + tok[a] <= cap)
-        pair = np.where(ok, np.maximum(now - delta, times[lo] + delta), np.inf)
-        found = _better(np.maximum(rest, pair), pair, now)
-        if found is not None and (best is None or found[:2] < best[:2]):
-            i = int(found[2][0])
-            best = found[0], found[1], [(int(a[i]), int(mb[bj[i]])), (int(bj[i]), int(mb[a[i]]))]
-    return best
+    # both neighbours of the ideal at once: [the one at or above it for every a, then the one below]
+    a2 = np.concatenate([a, a])
+    bj = b[np.concatenate([np.minimum(at, len(b) - 1), np.maximum(at - 1, 0)])]
+    delta = cost[a2] - cost[bj]
+    ok = (delta > 0) & (mb_tok[mb[a2]] - tok[a2] + tok[bj] <= cap) & (mb_tok[mb[bj]] - tok[bj] + tok[a2] <= cap)
+    pair = np.where(ok, np.maximum(now - delta, times[lo] + delta), np.inf)
+    found = _better(np.maximum(rest, pair), pair, now)
+    if found is None:
+        return None
+    i = int(found[2][0])
+    return found[0], found[1], [(int(a2[i]), int(mb[bj[i]])), (int(bj[i]), int(mb[a2[i]]))]
 
 
 def _trade_for_shorter(st: _State, a: np.ndarray, hi: int, now: float, rest: float, cap: int):

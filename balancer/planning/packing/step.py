@@ -174,18 +174,31 @@ def _place_heavy_marginal(
         if bins.unit_bin[i] >= 0:
             continue
         per_replica = bins.cost.reshape(dp, m)
-        new_time = one_f_one_b(
-            np.maximum(per_replica.max(axis=1)[rep], bins.cost + cost[i]),
-            per_replica.sum(axis=1)[rep],
-            topology.pp,
-            cost[i],
-        )
+        if topology.pp == 1:  # the 1F1B time without stages: the replica's sum, whichever micro-batch takes it
+            new_time = per_replica.sum(axis=1)[rep] + cost[i]
+        else:
+            new_time = one_f_one_b(
+                np.maximum(per_replica.max(axis=1)[rep], bins.cost + cost[i]),
+                per_replica.sum(axis=1)[rep],
+                topology.pp,
+                cost[i],
+            )
         if speed is not None:
             new_time = new_time / speed
         new_time[bins.tokens + tokens[i] > cap] = np.inf
-        j = int(np.lexsort((bins.cost, new_time))[0])
-        if np.isfinite(new_time[j]):
+        j = least_then_cheapest(new_time, bins.cost)
+        if j >= 0:
             bins.place(i, j, cost[i], tokens[i])
+
+
+def least_then_cheapest(time: np.ndarray, bin_cost: np.ndarray) -> int:
+    """The micro-batch of least finite `time` (ties: the cheaper, then the first), -1 when none is finite: what
+    `np.lexsort((bin_cost, time))[0]` picks, without sorting."""
+    best = time.min()
+    if not np.isfinite(best):
+        return -1
+    ties = np.flatnonzero(time == best)
+    return int(ties[np.argmin(bin_cost[ties])]) if len(ties) > 1 else int(ties[0])
 
 
 def _place_light(light: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: _Bins, topology: Topology) -> None:
@@ -216,16 +229,17 @@ def _rounds(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spi
     done = 0
     while done < len(light):
         # one round: the next-largest units go to the micro-batches furthest below target, largest to neediest
-        positive = int(np.count_nonzero(deficit > 0))
-        if positive == 0:
+        below = np.flatnonzero(deficit > 0)
+        if len(below) == 0:
             break
-        k = min(len(light) - done, positive)
+        k = min(len(light) - done, len(below))
         chunk = light[done : done + k]
         done += k
         # largest units are also the densest (cost per token grows with length): send them to the micro-batches
         # that must gain the most cost per token of room left, so token-full micro-batches still reach target
-        need = np.where(deficit > 0, deficit / np.maximum(cap - bins.tokens, 1), deficit)
-        targets = np.argsort(-need, kind="stable")[:k]
+        # (k <= the micro-batches below target, so only they are ranked; ties in index order)
+        need = deficit[below] / np.maximum(cap - bins.tokens[below], 1)
+        targets = below[np.argsort(-need, kind="stable")[:k]]
         if uneven:
             k = _round_size(deficit[targets], cost[chunk])
             done += k - len(chunk)
@@ -410,8 +424,8 @@ def place_rest(unit_bin: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topol
         if speed is not None:
             new = new / speed
         new[bin_tok + tokens[i] > cap] = np.inf
-        j = int(np.lexsort((bin_cost, new))[0])
-        if not np.isfinite(new[j]):
+        j = least_then_cheapest(new, bin_cost)
+        if j < 0:
             return False
         unit_bin[i] = j
         bin_cost[j] += cost[i]
