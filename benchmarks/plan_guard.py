@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -96,15 +97,32 @@ def make_shapes(data: Path, full: bool) -> list[dict]:
     return out
 
 
-def add_worktree(ref: str, parent: Path) -> Path:
+def add_worktree(ref: str, parent: Path, folder: str | None = None) -> Path:
     """Check `ref` out (detached) into a new worktree under `parent`; exit 2 naming the ref if git refuses."""
-    path = parent / f"ref_{ref.replace('/', '_')}"
+    path = parent / (folder or f"ref_{ref.replace('/', '_')}")
     done = subprocess.run(
         ["git", "worktree", "add", "--detach", str(path), ref], cwd=REPO, capture_output=True, text=True
     )
     if done.returncode != 0:
         print(f"plan_guard: --against {ref}: git worktree add failed: {done.stderr.strip()}", file=sys.stderr)
         sys.exit(2)
+    return path
+
+
+def here_from_head(only: list[str], parent: Path) -> Path:
+    """The "here" side for `--only`: HEAD checked out, with the working tree's version of each path in `only`
+    copied over it (a shared checkout's other uncommitted edits stay out of the measurement)."""
+    path = add_worktree("HEAD", parent, "here")
+    for name in only:
+        source = REPO / name
+        if source.is_dir():
+            shutil.copytree(source, path / name, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+        elif source.is_file():
+            shutil.copy2(source, path / name)
+        else:
+            remove_worktree(path)
+            print(f"plan_guard: --only {name}: no such file or folder in the working tree", file=sys.stderr)
+            sys.exit(2)
     return path
 
 
@@ -199,6 +217,9 @@ def main() -> None:
     ap.add_argument("--quality-tolerance", type=float, default=0.01, help="allowed relative excess growth (0.01)")
     ap.add_argument("--shapes", nargs="+", help="run only these shapes (names as in the table)")
     ap.add_argument("--full", action="store_true", help="also time the whole `balancer plan sft` commands")
+    ap.add_argument(
+        "--only", nargs="+", metavar="PATH", help="here = HEAD plus the working tree's version of these paths only"
+    )
     ap.add_argument("--name", default="plan_guard", help="record name under benchmarks/results/ (plan_guard)")
     args = ap.parse_args()
     if args.reps < 1 or args.tolerance < 0 or args.quality_tolerance < 0:
@@ -216,13 +237,15 @@ def main() -> None:
         job.write_text(json.dumps({"data": str(tmp_path), "shapes": shapes}))
         sides = {"here": REPO}
         try:
+            if args.only:
+                sides["here"] = here_from_head(args.only, tmp_path)
             for ref in args.against:
                 sides[ref] = add_worktree(ref, tmp_path)
             runs = measure(sides, job, args.reps)
         finally:
-            for ref in args.against:
-                if ref in sides:
-                    remove_worktree(sides[ref])
+            for path in sides.values():
+                if path != REPO:
+                    remove_worktree(path)
     report(args, commits, shapes, runs)
 
 
@@ -241,7 +264,7 @@ def report(args, commits: dict[str, str], shapes: list[dict], runs: dict[str, li
         for row in tables[title]["rows"]:
             print("| " + " | ".join(str(c) for c in row) + " |")
     payload = {
-        "here": git_commit(),
+        "here": git_commit() | {"only": args.only},
         "reps": args.reps,
         "tolerance": args.tolerance,
         "quality_tolerance": args.quality_tolerance,
