@@ -9,7 +9,7 @@ Every move keeps each micro-batch within `max_tokens * cp` and non-empty, and bo
 and ends at most DRIFT steps from the step it was packed in, so its delay stays small. Steps are taken furthest
 above their mean replica time first, and a budget of moves per epoch (`move_budget`) bounds the work: small epochs
 are refined through, large ones (1M documents) skip the pass and keep their planning time. A move looks only at
-the units packed within WINDOW + DRIFT steps (a slice of the epoch's units) and keeps each step's time up to date,
+the units packed within DRIFT steps (a slice of the epoch's units) and keeps each step's time up to date,
 so its cost does not grow with the epoch.
 """
 
@@ -73,6 +73,7 @@ class _Epoch:
 
     def __init__(self, mb, cost, tok, steps: int, dp: int, m: int) -> None:
         self.mb, self.cost, self.tok, self.dp, self.m, self.nb = mb, cost, tok, dp, m, dp * m
+        self.rep = mb // m  # each unit's flat replica (step * dp + replica)
         self.home = mb // self.nb
         self.start = np.searchsorted(self.home, np.arange(steps + 1))
         self.load = np.bincount(mb // m, weights=cost, minlength=steps * dp).reshape(steps, dp)
@@ -107,6 +108,7 @@ class _Epoch:
         self.step_tok[frm // nb] -= k
         self.step_tok[to // nb] += k
         self.mb[u] = to
+        self.rep[u] = to // m
         for q in {frm // nb, to // nb}:
             self.top[q] = max(self.load[q].tolist())
 
@@ -116,7 +118,7 @@ def _move_one(st: _Epoch, s: int, cap: int, lo: float, hi: float) -> bool:
     trades places with a cheaper unit of, a replica of that step that finishes early enough to take the difference
     without becoming the step's slowest. The change that lowers step s's time most is made (ties: the one that
     leaves the receiving replica least time to spare); False when none does."""
-    m, nb, dp = st.m, st.nb, st.dp
+    dp = st.dp
     row = st.load[s].tolist()
     r = row.index(max(row))
     # lowering one of several replicas tied at the top gains nothing yet, but the next move lowers the other: the
@@ -125,15 +127,19 @@ def _move_one(st: _Epoch, s: int, cap: int, lo: float, hi: float) -> bool:
     if gap <= 0:
         return False
     steps = len(st.top)
-    win = st.window(s, WINDOW + DRIFT)  # every unit now within WINDOW steps of s started in this window
-    w_mb = st.mb[win]
-    mine = win.start + np.flatnonzero(w_mb // m == s * dp + r)
+    # the units of step s, and every partner (it ends on step s after a swap, so within DRIFT of where it started),
+    # started within DRIFT of s: one slice of the epoch
+    win = st.window(s, DRIFT)
+    w_rep = st.rep[win]
+    mine = win.start + np.flatnonzero(w_rep == s * dp + r)
     if not len(mine):
         return False
-    w_step = w_mb // nb
-    w_slack = st.top[w_step] - st.flat_load[w_mb // m]  # what the partner's replica may gain without slowing
-    near = (np.abs(w_step - s) <= WINDOW) & (w_step != s) & (w_step < steps - 1)  # never the last step
-    keep = near & (w_slack > 0) & (np.abs(st.home[win] - s) <= DRIFT) & (st.cost[win] < st.cost[mine].max())
+    w_step = w_rep // dp
+    w_slack = st.top[w_step] - st.flat_load[w_rep]  # what the partner's replica may gain without slowing
+    near = np.abs(w_step - s) <= WINDOW
+    near[w_step == s] = False
+    near[w_step == steps - 1] = False  # never the last step
+    keep = near & (w_slack > 0) & (st.cost[win] < st.cost[mine].max())
     theirs = win.start + np.flatnonzero(keep)
     mine = _spread(mine, st.cost, MAX_MINE)
     best, gain, spare = None, -np.inf, np.inf
