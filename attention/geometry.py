@@ -140,7 +140,9 @@ def block_pairs(q_lo, q_hi, k_lo, k_hi, causal: bool = True, window: int | None 
     return ahead + behind - diagonal
 
 
-def attention_pairs(lengths: np.ndarray | Sequence[int], causal: bool = True, window: int | None = None) -> np.ndarray:
+def attention_pairs(
+    lengths: np.ndarray | Sequence[int] | int, causal: bool = True, window: int | None = None
+) -> np.ndarray:
     """Number of (query, key) pairs attention computes for documents of the given lengths (float64).
 
     Full attention: `d*(d+1)/2` causal, `d*d` otherwise. With a sliding window of `w` keys per query:

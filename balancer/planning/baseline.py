@@ -32,14 +32,14 @@ def token_count_plan(lengths, topology: Topology, cost: CostModel, seed: int = 0
         i = int(np.argmax(lengths))
         raise ValueError(f"document {i} has {lengths[i]} tokens > max_tokens*cp = {cap}")
     order = np.random.default_rng(seed).permutation(len(lengths))
-    mbs = _deal_steps(_step_groups(order, lengths, topology.tokens_per_step, nb), lengths.tolist(), cap, topology)
+    mbs = _deal_steps(_step_groups(order, lengths, topology.step_tokens, nb), lengths.tolist(), cap, topology)
     return Plan.from_flat_micro_batches(
         mbs,
         lengths,
         topology,
         cost,
         seed=seed,
-        natural_step=natural_steps(order, lengths, topology.tokens_per_step),
+        natural_step=natural_steps(order, lengths, topology.step_tokens),
         plan_seconds=time.perf_counter() - t0,
     )
 

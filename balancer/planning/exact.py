@@ -82,13 +82,15 @@ def _constraints(lengths: np.ndarray, c: np.ndarray, fixed: float, t: Topology) 
     nx = n * nb
     ih, it = nx, nx + dp  # h_r, T
     xi = lambda i, j: i * nb + j  # noqa: E731
-    lo, hi = [], []
+    lo: list[float] = []
+    hi: list[float] = []
     a = lil_matrix((n + 3 * nb + dp + nb, nx + dp + 1))
     r = 0
     for i in range(n):  # exactly once
         for j in range(nb):
             a[r, xi(i, j)] = 1
-        lo.append(1), hi.append(1)
+        lo.append(1)
+        hi.append(1)
         r += 1
     for j in range(nb):  # non-empty, token cap
         for i in range(n):
@@ -101,7 +103,8 @@ def _constraints(lengths: np.ndarray, c: np.ndarray, fixed: float, t: Topology) 
         for i in range(n):
             a[r, xi(i, j)] = c[i]
         a[r, ih + j // m] = -1
-        lo.append(-np.inf), hi.append(-fixed)
+        lo.append(-np.inf)
+        hi.append(-fixed)
         r += 1
     for rep in range(dp):  # (P-1) h_r + sum loads <= T
         for j in range(rep * m, (rep + 1) * m):
@@ -109,7 +112,8 @@ def _constraints(lengths: np.ndarray, c: np.ndarray, fixed: float, t: Topology) 
                 a[r, xi(i, j)] = c[i]
         a[r, ih + rep] = t.pp - 1
         a[r, it] = -1
-        lo.append(-np.inf), hi.append(-m * fixed)
+        lo.append(-np.inf)
+        hi.append(-m * fixed)
         r += 1
     for j in range(nb):  # symmetry: loads non-increasing inside a replica
         if j % m == m - 1:
@@ -117,6 +121,7 @@ def _constraints(lengths: np.ndarray, c: np.ndarray, fixed: float, t: Topology) 
         for i in range(n):
             a[r, xi(i, j)] = c[i]
             a[r, xi(i, j + 1)] = -c[i]
-        lo.append(0), hi.append(np.inf)
+        lo.append(0)
+        hi.append(np.inf)
         r += 1
     return LinearConstraint(a[:r].tocsr(), lo, hi)

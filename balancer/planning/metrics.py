@@ -75,6 +75,7 @@ def lower_bound(
         spread = work / (t.dp * t.cp) * (1.0 + (t.pp - 1) / m)
     else:
         speeds = pool_speeds(t)  # a replica's CP ranks share its speed: sum over the pool = CP * sum(s)
+        assert speeds is not None, "rank_speeds is set"
         spread = work / float(speeds.sum()) * (1.0 + (t.pp - 1) / m)
         single = single / float(speeds.max())
     return np.maximum(spread, single)

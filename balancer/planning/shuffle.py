@@ -46,7 +46,7 @@ class EpochShuffle:
         self._half = np.uint64((bits + 1) // 2)
         self._mask = np.uint64((1 << int(self._half)) - 1)
         self._keys = np.random.SeedSequence([_SHUFFLE_TAG, int(seed), int(epoch)]).generate_state(_ROUNDS, np.uint64)
-        self._tables = None
+        self._tables: list[np.ndarray] = []  # none above _TABLE_HALF_BITS: the plain walk
         self._dtype = np.int32 if int(self._half) <= 15 else np.int64
         if int(self._half) <= _TABLE_HALF_BITS:
             domain = np.arange(1 << int(self._half), dtype=np.uint64)
@@ -62,7 +62,7 @@ class EpochShuffle:
         """Cycle walking: every value is mapped (Feistel network, or its inverse) until it lands in [0, num_docs)."""
         if len(x) > _CHUNK:  # chunks that stay in cache
             return np.concatenate([self._walk(x[a : a + _CHUNK], inverse) for a in range(0, len(x), _CHUNK)])
-        step = self._tabled if self._tables is not None else self._direct
+        step = self._tabled if self._tables else self._direct
         out = step(x, inverse)
         todo = np.flatnonzero(out >= self.num_docs)
         while len(todo):
@@ -124,17 +124,18 @@ class EpochShuffle:
         waits for the next pass together with new documents, so every pass runs the Feistel rounds on a full batch
         of `batch` (the halves kept apart between passes), and nothing is scattered back into order. O(documents)
         time, O(batch) memory."""
-        if self._tables is None:  # 2**40 documents or more: no tables, the plain walk
+        if not self._tables:  # 2**40 documents or more: no tables, the plain walk
             for first, values in runs:
                 yield self.inverse(np.arange(first, first + len(values), dtype=np.uint64)), np.asarray(values)
             return
         dtype = self._tables[0].dtype
-        wait = wait_values = None  # documents still walking: where their walk is, and their values
+        # documents still walking: where their walk is, and their values
+        wait, wait_values = np.zeros(0, dtype=dtype), np.zeros(0)
         for first, values in runs:
             values = np.asarray(values)
             at = 0
             while at < len(values):
-                waiting = 0 if wait is None else len(wait)
+                waiting = len(wait)
                 take = min(len(values) - at, max(batch - waiting, batch // 4))
                 x, v = np.arange(first + at, first + at + take, dtype=dtype), values[at : at + take]
                 if waiting:
@@ -142,7 +143,7 @@ class EpochShuffle:
                 at += take
                 positions, done, wait, wait_values = self._pass_back(x, v)
                 yield positions, done
-        while wait is not None and len(wait):
+        while len(wait):
             positions, done, wait, wait_values = self._pass_back(wait, wait_values)
             yield positions, done
 
@@ -160,7 +161,7 @@ class EpochShuffle:
         inside = b < self.num_docs
         keep, wait = np.flatnonzero(inside), np.flatnonzero(~inside)
         if not len(wait):
-            return b, values, None, None
+            return b, values, b[:0], values[:0]
         # index arrays and take: several times faster than boolean masks on a random mask
         return tuple(y.take(i, mode="clip") for i in (keep, wait) for y in (b, values))
 

@@ -91,7 +91,7 @@ def token_bound(topology: Topology) -> tuple[int, int, int] | None:
     speeds = topology.rank_speeds
     if speeds is None or min(speeds) == max(speeds):
         return None
-    need = topology.tokens_per_step * max(speeds) / sum(speeds)
+    need = topology.step_tokens * max(speeds) / sum(speeds)
     if topology.dynamic:
         holds = topology.micro_batches * topology.max_tokens
     else:

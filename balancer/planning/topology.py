@@ -121,6 +121,12 @@ class Topology:
         return self.cp_sizes is not None
 
     @property
+    def step_tokens(self) -> int:
+        """`tokens_per_step` as the constructor filled it in (an int on every built Topology)."""
+        assert self.tokens_per_step is not None, "__post_init__ fills tokens_per_step in"
+        return self.tokens_per_step
+
+    @property
     def pool_size(self) -> int:
         """Ranks of one pipeline stage: dp * cp (the pool dynamic CP partitions in every slot)."""
         return self.dp * self.cp

@@ -45,7 +45,7 @@ def hybrid_split(lengths, cp: int, cost, method: str = "ring", max_tokens: int |
         return np.ones(n, dtype=bool)
     loads = Loads(lens, cp)
     order = [int(i) for i in np.argsort(-lens, kind="stable")]
-    best = None
+    best: tuple[float, np.ndarray] | None = None
     for count in candidate_counts(n):
         cand = np.zeros(n, dtype=bool)
         cand[order[:count]] = True
@@ -55,6 +55,7 @@ def hybrid_split(lengths, cp: int, cost, method: str = "ring", max_tokens: int |
         t = float(rank_times(model, terms, method).max())
         if best is None or t < best[0]:
             best = (t, split)
+    assert best is not None, "candidate_counts yields at least one count"
     return best[1]
 
 

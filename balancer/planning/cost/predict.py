@@ -74,7 +74,7 @@ def predict_plan(
     """
     if isinstance(layout, dict):  # a plan's recorded layout: {"kind": ..., options}
         layout_options = {**{k: v for k, v in layout.items() if k != "kind"}, **layout_options}
-        layout = layout.get("kind", "zigzag")
+        layout = str(layout.get("kind", "zigzag"))
     cost = plan.cost_model if cost is None else cost
     topo = plan.topology
     n_mb = len(plan.mb_ptr) - 1

@@ -182,19 +182,23 @@ def _resolve(levels: list[_Level], mbs: np.ndarray, budget: np.ndarray):
     for depth, level in enumerate(levels):
         if len(nodes) == 0:
             break
-        fin = np.zeros(len(nodes), dtype=bool) if level.fin_ok is None else level.fin_ok[nodes]
+        fin = np.zeros(len(nodes), dtype=bool)
         if level.fin_ok is not None:
-            fin &= level.fin_time[nodes] <= b
-        part = ~fin & (level.part_ok[nodes] & (level.part_time[nodes] <= b) if level.part_ok is not None else False)
-        whole = ~fin & ~part
-        if fin.any():
+            assert level.fin_time is not None, "_levels sets fin_ok and fin_time together"
+            fin = level.fin_ok[nodes] & (level.fin_time[nodes] <= b)
             np.maximum.at(taken, task[fin], level.fin_time[nodes[fin]])
+        part = np.zeros(len(nodes), dtype=bool)
+        if level.part_ok is not None:
+            assert level.part_time is not None, "_levels sets part_ok and part_time together"
+            part = ~fin & level.part_ok[nodes] & (level.part_time[nodes] <= b)
+        whole = ~fin & ~part
         np.maximum.at(taken, task[whole], level.time[nodes[whole]])
         done = fin | whole
         picks.append((task[done], np.full(int(done.sum()), depth), nodes[done], fin[done]))
         if not part.any():
             break
         parts = level.size // levels[depth + 1].size
+        assert level.child is not None, "a level with parts taken has children"
         task = np.repeat(task[part], parts)
         b = np.repeat(b[part], parts)
         nodes = (level.child[nodes[part]][:, None] + np.arange(parts)).ravel()
@@ -254,6 +258,7 @@ def _assemble(levels: list[_Level], picks: list, pool: int, m: int, replicas: in
             node = np.repeat(sel, level.ptr[sel + 1] - level.ptr[sel])
             start, size, time = level.start[node], np.full(len(pos), level.size), level.time[node]
             if finest:
+                assert level.fin_part is not None and level.fin_times is not None, "finest picks come from a deal"
                 part = level.fin_part[pos]
                 start = start + part * level.fin_size
                 size[:] = level.fin_size

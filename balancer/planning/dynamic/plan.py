@@ -72,7 +72,7 @@ def base_group_size(
     size = int(many_bins.max()) if len(many_bins) else int(sizes.min())
     if communication:  # large groups cost K/V traffic: start from the static CP size, grow only to fit
         size = int(sizes[sizes >= topology.cp].min()) if np.any(sizes >= topology.cp) else int(sizes.max())
-    steps = max(1.0, float(unit_tokens.sum()) / topology.tokens_per_step)
+    steps = max(1.0, float(unit_tokens.sum()) / topology.step_tokens)
     share = float(unit_cost.sum()) / steps / pool * (1 + (pp - 1) / m)
     no_stall = sizes[pp * float(unit_cost.max()) / sizes <= STALL_SHARE * share]
     if not communication:
@@ -120,15 +120,18 @@ def plan_dynamic(
     sizes = {base_group_size(unit_cost, unit_tokens, topology)}
     if cost.has_comm:
         sizes.add(base_group_size(unit_cost, unit_tokens, topology, communication=True))
-    if len(sizes) > 1:
-        sizes = _pick_on_sample(lengths, topology, cost, sorted(sizes), seed, overflow, static_plan)
-    best, best_time = None, np.inf
-    for size in sorted(sizes):
+    chosen = sorted(sizes)
+    if len(chosen) > 1:
+        chosen = _pick_on_sample(lengths, topology, cost, chosen, seed, overflow, static_plan)
+    best: Plan | None = None
+    best_time = np.inf
+    for size in sorted(chosen):
         candidate, time_taken = _plan_on(
             lengths, topology, cost, size, seed, overflow, progress, static_plan, num_steps=num_steps
         )
         if time_taken < best_time or best is None:
             best, best_time = candidate, time_taken
+    assert best is not None, "one plan per chosen size, and at least one size"
     best.plan_seconds = time.perf_counter() - started
     return best
 
@@ -145,9 +148,9 @@ def _pick_on_sample(
     """The balancing size whose plan of a sample of the epoch (SAMPLE_STEPS steps' worth of documents, drawn by
     `seed`) has the smaller predicted time; all `sizes` when the epoch is shorter than four samples (or the sample
     cannot be planned). Planning both sizes in full would double the work for one comparison."""
-    if lengths.sum() < 4 * SAMPLE_STEPS * topology.tokens_per_step:  # a short epoch: a sample would not tell
+    if lengths.sum() < 4 * SAMPLE_STEPS * topology.step_tokens:  # a short epoch: a sample would not tell
         return sizes
-    budget = SAMPLE_STEPS * topology.tokens_per_step
+    budget = SAMPLE_STEPS * topology.step_tokens
     order = np.random.default_rng([seed, 3]).permutation(len(lengths))
     sample = lengths[order[: int(np.searchsorted(np.cumsum(lengths[order]), budget)) + 1]]
     try:
@@ -231,7 +234,7 @@ def _split_all(base: Plan, virtual: Topology, topology: Topology, cost: CostMode
 def replace_m(topology: Topology, m: int) -> Topology:
     """`topology` with `m` micro-batches per step (the budget kept within the smaller capacity)."""
     small = dataclasses.replace(topology, micro_batches=m, tokens_per_step=None)
-    return dataclasses.replace(small, tokens_per_step=min(topology.tokens_per_step, small.capacity))
+    return dataclasses.replace(small, tokens_per_step=min(topology.step_tokens, small.capacity))
 
 
 def split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostModel):
@@ -261,6 +264,7 @@ def split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostMo
         slot_time = slot_time / np.repeat(np.tile(block_speeds(speeds, large), base.num_steps), m)
     per = slot_time.reshape(shape)
     limit = one_f_one_b(per.max(axis=2), per.sum(axis=2), topology.pp).max(axis=1) * (1 + SPLIT_SLACK)
+    assert topology.cp_sizes is not None, "split_groups plans dynamic CP: cp_sizes is set"
     cutter = Cuts(entry_cost, tokens, _smaller_sizes(topology.cp_sizes), topology.max_tokens, group_times, speeds)
     return cut_epoch(cutter, base.mb_ptr, slot_time, limit, large, shape, topology.pp)
 

@@ -142,6 +142,7 @@ def _check_shortfall(plan, docs: np.ndarray, covered: np.ndarray, last_entry: np
 
 def check_partition(group_start: np.ndarray, group_size: np.ndarray, slot_ptr: np.ndarray, topology: Topology) -> None:
     """Every slot's groups: sizes in `cp_sizes`, `start % size == 0`, sorted by start, covering the pool once."""
+    assert topology.cp_sizes is not None, "CP groups belong to dynamic plans: cp_sizes is set"
     sizes = np.asarray(topology.cp_sizes)
     bad = ~np.isin(group_size, sizes)
     if np.any(bad):

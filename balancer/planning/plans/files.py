@@ -80,7 +80,17 @@ HEADER_KEYS = {
 JSON_PLAN = obj(
     {**HEADER_KEYS, "lengths": array(required=False), "steps": array(), "natural_step": array(required=False)}
 )
-NPZ_ARRAYS = ("lengths", "doc", "start", "end", "mb_ptr", "header", "group_start", "group_size", "slot_ptr")
+NPZ_ARRAYS: tuple[str, ...] = (
+    "lengths",
+    "doc",
+    "start",
+    "end",
+    "mb_ptr",
+    "header",
+    "group_start",
+    "group_size",
+    "slot_ptr",
+)
 NPZ_ARRAYS += ("natural_step", "filler")
 
 
@@ -129,7 +139,16 @@ def header(plan) -> dict:
 
 def plan_to_dict(plan) -> dict:
     head = header(plan)
-    keys = ("format", "format_version", "topology", "cost_model", "num_docs", "seed", "window", "layout")
+    keys: tuple[str, ...] = (
+        "format",
+        "format_version",
+        "topology",
+        "cost_model",
+        "num_docs",
+        "seed",
+        "window",
+        "layout",
+    )
     keys += ("last_micro_batches", "filler_rows")
     data = {k: head[k] for k in keys if k in head}
     data["lengths"] = plan.lengths.tolist()
@@ -391,9 +410,9 @@ def _json_steps(path, steps, lengths, topology: Topology, last: int):
     nothing is re-sliced."""
     if not isinstance(steps, list):
         raise PlanFileError(f"{path}: field 'steps' must be a list")
-    flat = ([], [], [], [])
+    flat: tuple[list[int], list[int], list[int], list[bool]] = ([], [], [], [])
     ptr = [0]
-    groups = ([], [], [0])
+    groups: tuple[list[int], list[int], list[int]] = ([], [], [0])
     for s, st in enumerate(steps):
         m = last if s == len(steps) - 1 else topology.micro_batches
         if topology.dynamic:
@@ -405,7 +424,8 @@ def _json_steps(path, steps, lengths, topology: Topology, last: int):
                 for i, mb in enumerate(_json_list(path, where, rep, "micro_batches", m, "micro_batches")):
                     _json_micro_batch(path, f"{where}.micro_batches[{i}]", mb, lengths, flat)
                     ptr.append(len(flat[0]))
-    arrays = tuple(np.asarray(a, dtype=np.int64) for a in flat[:3]) + (np.asarray(ptr, dtype=np.int64),)
+    arrays: tuple[np.ndarray | None, ...] = tuple(np.asarray(a, dtype=np.int64) for a in flat[:3])
+    arrays += (np.asarray(ptr, dtype=np.int64),)
     arrays += (np.asarray(flat[3], dtype=bool) if any(flat[3]) else None,)
     if not topology.dynamic:
         return arrays, None

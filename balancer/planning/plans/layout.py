@@ -51,7 +51,7 @@ def check_record(plan, record: dict | None) -> dict | None:
     return dict(record)
 
 
-def with_explicit_splits(plan, spec: dict) -> dict:
+def with_explicit_splits(plan, spec: dict) -> dict | None:
     """The record for `spec`: a cost-driven hybrid spec becomes its explicit per-micro-batch split sets; any other
     spec is recorded as it is."""
     record = check_record(plan, spec)
