@@ -1,0 +1,96 @@
+"""One step of the failure-free run planned over the replica groups that contribute to it.
+
+The failure-free run's step (its pieces: whole documents and split documents' spans, fixed by the window plan on
+`topology`) keeps its tokens whatever the number of groups: `balancer.balance_batch` plans the pieces over the `k`
+contributors with at least `ceil(dp * M / k)` micro-batches each (fewer groups take more), every piece fitting a
+micro-batch (the window plan made them fit), each group's share in proportion to its speed when speeds are given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+
+from balancer.planning.batch.balance import balance_batch
+from balancer.planning.cost.model import CostModel
+from balancer.planning.topology import Topology
+from balancer.training.indices import Span
+
+__all__ = ["StepPieces", "StepPlan", "plan_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPieces:
+    """The pieces of one failure-free step: `doc`, `[start, end)` and each document's whole length `full`, and
+    the micro-batches every replica runs in it on the failure-free topology (`micro_batches`: M, or M' in a short
+    last step)."""
+
+    doc: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    full: np.ndarray
+    micro_batches: int
+
+    @property
+    def loss_tokens(self) -> int:
+        """Sum over the pieces of `tokens - 1` (the sampler's `step_loss_tokens`)."""
+        return int((self.end - self.start - 1).sum())
+
+    @property
+    def tokens(self) -> int:
+        return int((self.end - self.start).sum())
+
+    def item(self, i: int, a: int, b: int):
+        """The index the sampler yields for tokens `[a, b)` of piece `i`: the document id when it is the whole
+        document, else a `Span`."""
+        s, e = int(self.start[i]) + a, int(self.start[i]) + b
+        d = int(self.doc[i])
+        return d if (s == 0 and e == int(self.full[i])) else Span(d, s, e)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """`items[i]`: contributor `i`'s micro-batches (lists of sampler indices; empty micro-batches left out);
+    `times[i]`: its predicted time (cost units per CP rank, divided by its speed); `imbalance`: the plan's
+    predicted imbalance (balancer's metric: slowest over the bound); `micro_batches`: micro-batches per group."""
+
+    items: list
+    times: np.ndarray
+    costs: np.ndarray
+    imbalance: float
+    micro_batches: int
+
+
+def plan_step(
+    pieces: StepPieces,
+    topology: Topology,
+    cost: CostModel,
+    contributors: int,
+    speeds: Optional[tuple[float, ...]],
+    seed: int,
+) -> StepPlan:
+    """Plan `pieces` over `contributors` replica groups (module docstring); deterministic in its arguments."""
+    t = topology
+    m = -(-t.dp * pieces.micro_batches // contributors)
+    sub = Topology(dp=contributors, cp=t.cp, pp=t.pp, micro_batches=m, max_tokens=t.max_tokens, rank_speeds=speeds)
+    plan = balance_batch(pieces.end - pieces.start, sub, cost, micro_batches="auto", seed=seed)
+    mq = plan.step_micro_batches(0)
+    items = []
+    for r in range(contributors):
+        mine = []
+        for j in range(mq):
+            k = r * mq + j
+            a, z = int(plan.mb_ptr[k]), int(plan.mb_ptr[k + 1])
+            if z > a:
+                mine.append(
+                    [
+                        pieces.item(int(i), int(s), int(e))
+                        for i, s, e in zip(plan.doc[a:z], plan.start[a:z], plan.end[a:z])
+                    ]
+                )
+        items.append(mine)
+    costs = plan.micro_batch_costs()[0].sum(axis=1) / t.cp
+    times = costs / (np.ones(contributors) if speeds is None else np.asarray(speeds))
+    return StepPlan(items, times, costs, float(plan.metrics()["imbalance"]), mq)
