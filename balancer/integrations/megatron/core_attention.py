@@ -57,7 +57,8 @@ class CPCoreAttention(MegatronModule):
         if getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(f"CPCoreAttention supports softmax_type='vanilla' only, got {config.softmax_type!r}")
         if attn_mask_type not in CAUSAL:
-            raise ValueError(f"CPCoreAttention supports mask types {sorted(m.name for m in CAUSAL)}, got {attn_mask_type}")
+            names = sorted(m.name for m in CAUSAL)
+            raise ValueError(f"CPCoreAttention supports mask types {names}, got {attn_mask_type}")
         self.causal = CAUSAL[attn_mask_type]
         self.layer_number = max(1, layer_number)
         head_dim = config.kv_channels

@@ -107,8 +107,9 @@ class BalancedScheduler:
 
     def _micro_batches(self, n: int) -> Iterator[dict]:
         for _ in range(n):
-            yield self.batch(next(self._it))
-            self._open[0] += 1
+            batch = self.batch(next(self._it))
+            self._open[0] += 1  # counted when handed out: Megatron never resumes the iterator after the last one
+            yield batch
 
     def batch(self, indices: list) -> dict:
         """The `megatron_batch` dict of one micro-batch's indices for this rank, with ``cp_group`` and (when
