@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import platform
 import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -66,6 +68,18 @@ def git_commit() -> dict:
     if head.returncode != 0:
         return {"commit": None, "dirty": None}
     return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a benchmark's torch.distributed rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def planner_takes_rank_speeds() -> bool:
+    """Whether this checkout's planner plans uneven ranks (`Topology` has a `rank_speeds` field)."""
+    return "rank_speeds" in {f.name for f in dataclasses.fields(balancer.Topology)}
 
 
 def table(columns: list[str], rows: list[list]) -> dict:

@@ -43,7 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not an installed copy
 
-from _common import write_result
+from _common import free_port, planner_takes_rank_speeds, write_result
 
 SCALE = 16
 MIN_LENGTH = 16  # a document alone in a micro-batch still gives every CP rank tokens (zigzag: 2 x cp chunks)
@@ -408,8 +408,6 @@ def main(argv=None) -> int:
     import torch.multiprocessing as mp
 
     from balancer.calibration import TINY_LLAMA
-    from balancer.calibration.timing import _free_port
-    from balancer.measured.monitor import _planner_takes_speeds
 
     steps = 2 if args.quick else args.steps_per_window
     every = GATHER_EVERY if steps >= 4 else 1  # (see GATHER_EVERY)
@@ -425,10 +423,10 @@ def main(argv=None) -> int:
         print(f"{name}: dp{dp} x cp{cp}, cores {cores}, {len(lengths)} documents, windows of {window_docs}", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "r")
-            mp.spawn(_worker, args=(dp * cp, _free_port(), payload, out), nprocs=dp * cp, join=True)
+            mp.spawn(_worker, args=(dp * cp, free_port(), payload, out), nprocs=dp * cp, join=True)
             per_rank = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(dp * cp)]
         results.append({**_summarise(name, per_rank, dp, cp), "cp_sizes": cp_sizes})
-        payload = {"configs": results, "planner_takes_rank_speeds": _planner_takes_speeds(),
+        payload = {"configs": results, "planner_takes_rank_speeds": planner_takes_rank_speeds(),
                    "documents": f"wlbllm trace lengths // {SCALE} (at least {MIN_LENGTH}), random tokens",
                    "micro_batches": MICRO_BATCHES, "max_tokens": MAX_TOKENS, "windows": args.windows,
                    "steps_per_window": steps, "fill": FILL, "gather_every": every, "interleave": args.interleave,

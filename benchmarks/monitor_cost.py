@@ -92,11 +92,18 @@ def _spawn_world(code: str, config: str, windows: int, out: str) -> None:
     sys.path[:0] = [code, str(Path(code) / "benchmarks")]
     import torch.multiprocessing as mp
 
-    from balancer.calibration.timing import _free_port
-
     dp, cp, cp_sizes = CONFIGS[config][:3]
     payload = {"dp": dp, "cp": cp, "cp_sizes": cp_sizes, "windows": windows}
-    mp.spawn(_worker, args=(4, _free_port(), payload, out), nprocs=4, join=True)
+    mp.spawn(_worker, args=(4, _port(), payload, out), nprocs=4, join=True)
+
+
+def _port() -> int:
+    """A free TCP port on 127.0.0.1 (here, not from _common: the world may run another checkout's benchmarks)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _step_cpu(config: str) -> float | None:

@@ -38,13 +38,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not an installed copy
 
-from _common import RESULTS, write_result
+from _common import RESULTS, free_port, write_result
 from _replay_worker import worker
 from peers import trl_plan
 
 import balancer
 from balancer.calibration import TINY_LLAMA, error_summary
-from balancer.calibration.timing import _free_port
 from balancer.data.traces import load_trace
 from balancer.planning.baseline import token_count_plan
 
@@ -96,7 +95,7 @@ def train(plans: dict, dp: int, cp: int, threads: int) -> dict:
     payload = {"config": TINY_LLAMA, "dp": dp, "cp": cp, "threads": threads, "plans": plans}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "replay")
-        mp.spawn(worker, args=(world, _free_port(), payload, out), nprocs=world, join=True)
+        mp.spawn(worker, args=(world, free_port(), payload, out), nprocs=world, join=True)
         ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
     return {name: [rank[name] for rank in ranks] for name in plans}
 
