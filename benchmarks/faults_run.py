@@ -481,11 +481,14 @@ def replay(cfg: Config, steps: dict):
 
 
 def states_agree(lines: list) -> dict:
-    """{committed step count: the set of data-state digests the groups logged after it}: one digest each."""
+    """{(group rank, committed step count): the set of data-state digests the groups logged after it}: one digest
+    each. Per group rank: under async quorum torchft's first step (init_sync) heals every rank of all groups but
+    one from a source chosen per rank, so the ranks of one group may see different single contributors there (the
+    same plan: one group takes the whole step) and record different members."""
     seen: dict = {}
     for rec in lines:
         if rec["committed"]:
-            seen.setdefault(rec["committed_after"], set()).add(rec["state"])
+            seen.setdefault((rec["rank"], rec["committed_after"]), set()).add(rec["state"])
     return seen
 
 

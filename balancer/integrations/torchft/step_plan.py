@@ -2,13 +2,16 @@
 
 The failure-free run's step (its pieces: whole documents and split documents' spans, fixed by the window plan on
 `topology`) keeps its tokens whatever the number of groups: `balancer.balance_batch` plans the pieces over the `k`
-contributors with at least `ceil(dp * M / k)` micro-batches each (fewer groups take more), every piece fitting a
-micro-batch (the window plan made them fit), each group's share in proportion to its speed when speeds are given.
+contributors with at least `ceil(dp * M / k)` micro-batches each (fewer groups take more; fewer when the step has
+fewer pieces than that: none is left empty), every piece fitting a micro-batch (the window plan made them fit),
+each group's share in proportion to its speed when speeds are given (the micro-batch count, the same for every
+group, then lets the fastest hold its share: a slow group's micro-batches are emptier).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import numpy as np
@@ -19,6 +22,8 @@ from balancer.planning.topology import Topology
 from balancer.training.indices import Span
 
 __all__ = ["StepPieces", "StepPlan", "plan_step"]
+
+_PACKING_SLACK = 1.15  # micro-batches are rarely filled to the last token: room for the fastest group's share
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +78,9 @@ def plan_step(
 ) -> StepPlan:
     """Plan `pieces` over `contributors` replica groups (module docstring); deterministic in its arguments."""
     t = topology
-    m = -(-t.dp * pieces.micro_batches // contributors)
+    share = 1 / contributors if speeds is None else max(speeds) / sum(speeds)  # the fastest group's part of the step
+    room = math.ceil(_PACKING_SLACK * pieces.tokens * share / t.micro_batch_tokens)  # its tokens, with slack
+    m = max(1, min(max(math.ceil(t.dp * pieces.micro_batches * share - 1e-9), room), len(pieces.doc) // contributors))
     sub = Topology(dp=contributors, cp=t.cp, pp=t.pp, micro_batches=m, max_tokens=t.max_tokens, rank_speeds=speeds)
     plan = balance_batch(pieces.end - pieces.start, sub, cost, micro_batches="auto", seed=seed)
     mq = plan.step_micro_batches(0)
