@@ -207,14 +207,14 @@ def summary_table(rows: list[dict]) -> dict:
         cells.append([
             r["trace"], r["pool"], str(r["steps"]),
             f"{p['excess']:.2%} / {g['excess']:.2%}",
-            f"{p['pad_hybrid']} / {p['pad_zigzag']:,} / {g['pad']:,}",
+            f"{p['pad_hybrid']} / {p['pad_zigzag']:,} / {p['pad_sequence']:,} / {g['pad']:,}",
             f"{p['micro_batches_per_rank_step']:.0f} / {g['micro_batches_per_rank_step']:.1f} "
             f"(max {g['micro_batches_per_rank_step_max']})",
             f"{median(p['plan_cpu_seconds']):.2f} / {median(g['plan_cpu_seconds']):.2f}",
         ])  # fmt: skip
     columns = [
         "trace", "pool", "steps", "excess over the bound: project / Megatron",
-        "pad tokens: project hybrid / project via Megatron zigzag / Megatron",
+        "pad tokens: project hybrid / project zigzag / project sequence / Megatron",
         "micro-batches per rank per step: project / Megatron mean", "planning CPU s (epoch): project / Megatron",
     ]  # fmt: skip
     return table(columns, cells)
