@@ -6,7 +6,9 @@ ranks and divided by the step's global loss-token count (the plan's), then SGD. 
 weights in one process, every document (or piece of one) run alone as an unpacked sequence through a plain
 masked-softmax core attention written here. Float64 throughout: losses and parameters agree within 1e-9.
 
-- dp 2 x cp 2 (static plan), each layout (zigzag padded to 2 x cp, per-sequence zigzag, hybrid);
+- dp 2 x cp 2 (static plan), each layout (zigzag padded to 2 x cp, per-sequence zigzag, hybrid), each with another
+  CP method (ring, Ulysses, all-gather); and the sbhd path (no packed params, rows sliced by Megatron's own
+  `get_batch_on_this_cp_rank`) gives the THD path's logits;
 - dynamic CP over a pool of 4 (groups of 1, 2 and 4 ranks per micro-batch, the group from the plan);
 - dp 2 x pp 2 through Megatron's 1F1B schedule with variable sequence lengths.
 
@@ -35,6 +37,8 @@ pytest.importorskip(
 from support.dist import run_world  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, STEPS, LR = 48, 16, 2, 2, 0.5
+LAYOUTS = ("zigzag", "sequence", "hybrid")
+METHOD = {"zigzag": "ring", "sequence": "ulysses", "hybrid": "allgather"}  # each CP method once per world
 
 
 class _CPUTorch(types.ModuleType):
@@ -253,6 +257,29 @@ def _train_worker(rank, world, case, layouts, path):
         got = _train(sampler, docs, layout, groups, pp)
         if ps.get_data_parallel_rank() == 0 and (case != "static" or rank == 0):
             torch.save(got, f"{path}.{layout}.{got['stage']}")
+    if case == "static":
+        _check_sbhd_under_cp(docs)
+
+
+def _check_sbhd_under_cp(docs):
+    """Without packed params (sbhd, one sequence per row, sliced by Megatron's own `get_batch_on_this_cp_rank`)
+    CPCoreAttention gives each CP rank the logits the THD path gives for the same sequence."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    from balancer.integrations.megatron import CPCoreAttention, megatron_batch, packed_seq_params
+
+    group = ps.get_context_parallel_group()
+    r, cp = group.rank(), group.size()
+    model = _gpt(CPCoreAttention)
+    row = torch.cat(docs)[: 8 * cp]
+    full = {"tokens": row[None].clone(), "position_ids": torch.arange(len(row))[None]}
+    mine = get_batch_on_this_cp_rank(full, is_hybrid_cp=False, cp_group=group)
+    sbhd = model(mine["tokens"], mine["position_ids"], None)
+    b = megatron_batch([0], [row], cp_rank=r, cp_size=cp, layout="zigzag")
+    assert torch.equal(b["tokens"], mine["tokens"])
+    thd = model(b["tokens"], b["position_ids"], None, packed_seq_params=packed_seq_params(b, cp_group=group))
+    assert (sbhd - thd).abs().max() <= 1e-12
 
 
 def _train(sampler, docs, layout, groups, pp):
@@ -265,7 +292,8 @@ def _train(sampler, docs, layout, groups, pp):
     sampler.set_epoch(0)
     sched = BalancedScheduler(sampler, docs, layout=layout, groups=groups)
     stage = ps.get_pipeline_model_parallel_rank()
-    model = _gpt(CPCoreAttention, pre_process=stage == 0, post_process=stage == pp - 1, pp=pp, stage=stage)
+    attention = CPCoreAttention.using(METHOD[layout])
+    model = _gpt(attention, pre_process=stage == 0, post_process=stage == pp - 1, pp=pp, stage=stage)
     reduce_group = ps.get_data_parallel_group() if pp > 1 else None  # without PP: the whole DP x CP pool
     losses, sizes = [], set()
     for step in sched:
@@ -316,9 +344,6 @@ def _check(reference, case, path, stages=1):
             want = ref["state"][_stage_key(key, stage)]
             assert (value - want).abs().max() <= 1e-9, key
     assert ref["losses"][0] != ref["losses"][1]  # the steps trained
-
-
-LAYOUTS = ("zigzag", "sequence", "hybrid")
 
 
 @pytest.mark.slow
