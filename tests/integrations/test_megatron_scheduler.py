@@ -46,7 +46,7 @@ def test_steps_hand_out_the_plan():
         steps = 0
         for step in sched:
             assert step.step == steps and step.num_microbatches == ref.step_micro_batches(steps)
-            assert step.loss_tokens == ref.step_loss_tokens(steps)
+            assert step.loss_tokens == ref.step_loss_tokens(steps) and step.tokens == ref.step_tokens(steps)
             batches = list(step.data_iterator)
             assert len(batches) == step.num_microbatches
             for m, b in enumerate(batches):
@@ -158,3 +158,25 @@ def test_core_attention_refuses_what_it_cannot_reproduce(gpt):
         CPCoreAttention(cfg, 1, AttnMaskType.arbitrary, "self")
     with pytest.raises(ValueError, match="method must be one of"):
         CPCoreAttention.using("flash")
+
+
+def test_a_plain_packed_seq_params_is_read_as_per_document_zigzag(gpt):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from balancer.integrations.megatron import megatron_batch
+    from balancer.integrations.megatron.core_attention import thd_layout
+
+    model, _ = gpt
+    _, docs = _corpus(4, seed=5)
+    b = megatron_batch(range(4), docs)
+    cu = b["cu_seqlens"][0]
+    plain = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=40, max_seqlen_kv=40)
+    out = model(b["tokens"], b["position_ids"], None, packed_seq_params=plain)[0]
+    alone = torch.cat([model(d[None], torch.arange(len(d))[None], None)[0] for d in docs])
+    assert (out - alone).abs().max() <= 1e-12
+    padded = megatron_batch(range(4), docs, cp_rank=1, cp_size=2, layout="zigzag")
+    pcu = padded["cu_seqlens_padded"][0]
+    layout = thd_layout(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_q_padded=pcu), 2)
+    assert np.array_equal(layout.local_indices(1), padded["cp_layout"].local_indices(1))
+    with pytest.raises(ValueError, match="divisible by 2\\*cp = 4"):
+        thd_layout(PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 5, 9])), 2)

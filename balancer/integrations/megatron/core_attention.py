@@ -104,7 +104,7 @@ class CPCoreAttention(MegatronModule):
         if packed_seq_params is not None:
             raise ValueError(f"CPCoreAttention takes qkv_format 'thd' or no packed params, got {packed_seq_params}")
         s, b = query.shape[:2]
-        layout = CPLayout.build(np.arange(b + 1, dtype=np.int64) * s * size, size, kind="zigzag")
+        layout = _zigzag(tuple(range(0, (b + 1) * s * size, s * size)), size)
         flat = [x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value)]
         out = self._attend(*flat, layout, group)
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
@@ -116,10 +116,27 @@ class CPCoreAttention(MegatronModule):
         )  # fmt: skip
 
 
+_LAST: dict = {}  # "thd": (packed_seq_params, layout), "sbhd": ((boundaries, cp), layout): the last one of each
+
+
+def _zigzag(cu_seqlens: tuple, cp_size: int) -> CPLayout:
+    """The per-document zigzag layout of every row of an sbhd batch, reused while the shape stays: every layer and
+    every micro-batch of that shape use one object, so `cp_attention`'s agreement check across the group runs once.
+    One entry only: every rank of a group sees the same sequence of calls, so all reuse or all rebuild together."""
+    key = (cu_seqlens, cp_size)
+    hit = _LAST.get("sbhd")
+    if hit is None or hit[0] != key:
+        hit = _LAST["sbhd"] = (key, CPLayout.build(np.asarray(cu_seqlens, dtype=np.int64), cp_size, kind="zigzag"))
+    return hit[1]
+
+
 def thd_layout(packed_seq_params, cp_size: int) -> CPLayout:
     """The `CPLayout` of a THD micro-batch: the one `packed_seq_params` carries, else Megatron's per-document zigzag
     over ``cu_seqlens_q_padded`` (or ``cu_seqlens_q``); its CP size must be the group's."""
     layout = getattr(packed_seq_params, "cp_layout", None)
+    hit = _LAST.get("thd")
+    if layout is None and hit is not None and hit[0] is packed_seq_params:  # the other layers of this micro-batch
+        layout = hit[1]
     if layout is None:
         cu = packed_seq_params.cu_seqlens_q_padded
         cu = packed_seq_params.cu_seqlens_q if cu is None else cu
@@ -131,6 +148,7 @@ def thd_layout(packed_seq_params, cp_size: int) -> CPLayout:
                 f"padded document length divisible by 2*cp = {2 * cp_size}; got lengths {lens.tolist()[:8]}..."
             )
         layout = CPLayout.build(cu, cp_size, kind="zigzag")
+        _LAST["thd"] = (packed_seq_params, layout)
     if layout.cp_size != cp_size:
         raise ValueError(f"the batch is sharded for CP size {layout.cp_size} but the CP group has {cp_size} ranks")
     return layout

@@ -30,12 +30,14 @@ from balancer.training.sampler import BalancedBatchSampler
 class MegatronStep:
     """One optimizer step: ``step`` (from the sampler's origin), ``num_microbatches`` (what Megatron's
     ``forward_backward_func`` is called with), ``data_iterator`` (yields that many batch dicts), ``loss_tokens``
-    (global loss-token count of the step, all ranks)."""
+    (global loss-token count of the step, all ranks), ``tokens`` (the step's real tokens, all ranks: the
+    ``seqlen_sum`` of Megatron's FLOPs count)."""
 
     step: int
     num_microbatches: int
     data_iterator: Iterator[dict]
     loss_tokens: int
+    tokens: int
 
 
 class BalancedScheduler:
@@ -103,7 +105,8 @@ class BalancedScheduler:
             raise ValueError(f"the sampler stands at micro-batch {m} of step {step}: resume at a step boundary")
         n = self.sampler.step_micro_batches(step)
         self._open = [0, n]
-        return MegatronStep(step, n, self._micro_batches(n), self.sampler.step_loss_tokens(step))
+        loss_tokens, tokens = self.sampler.step_loss_tokens(step), self.sampler.step_tokens(step)
+        return MegatronStep(step, n, self._micro_batches(n), loss_tokens, tokens)
 
     def _micro_batches(self, n: int) -> Iterator[dict]:
         for _ in range(n):
