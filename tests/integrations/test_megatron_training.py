@@ -6,10 +6,11 @@ ranks and divided by the step's global loss-token count (the plan's), then SGD. 
 weights in one process, every document (or piece of one) run alone as an unpacked sequence through a plain
 masked-softmax core attention written here. Float64 throughout: losses and parameters agree within 1e-9.
 
-- dp 2 x cp 2 (static plan), each layout (zigzag padded to 2 x cp, per-sequence zigzag, hybrid), each with another
-  CP method (ring, Ulysses, all-gather); and the sbhd path (no packed params, rows sliced by Megatron's own
+- dp 2 x cp 2 (static plan), each layout (zigzag padded to 2 x cp, per-sequence zigzag, hybrid) with two CP methods
+  (ring, Ulysses, all-gather; `RUNS`), and the sbhd path (no packed params, rows sliced by Megatron's own
   `get_batch_on_this_cp_rank`) gives the THD path's logits;
-- dynamic CP over a pool of 4 (groups of 1, 2 and 4 ranks per micro-batch, the group from the plan);
+- dynamic CP over a pool of 4 (groups of 1, 2 and 4 ranks per micro-batch, the group from the plan), each layout
+  with the third method: every (layout, method) pair runs with CP > 1;
 - dp 2 x pp 2 through Megatron's 1F1B schedule with variable sequence lengths.
 
 Test-side shims of CUDA calls (`cuda_shims`): Megatron's schedules allocate their token counter with
@@ -37,8 +38,12 @@ pytest.importorskip(
 from support.dist import run_world  # noqa: E402
 
 VOCAB, HIDDEN, LAYERS, STEPS, LR = 48, 16, 2, 2, 0.5
-LAYOUTS = ("zigzag", "sequence", "hybrid")
-METHOD = {"zigzag": "ring", "sequence": "ulysses", "hybrid": "allgather"}  # each CP method once per world
+RUNS = {  # case -> the (layout, CP method) pairs its world trains: every pair of the nine with CP > 1
+    "static": [("zigzag", "ulysses"), ("zigzag", "ring"), ("sequence", "ring"), ("sequence", "allgather"),
+               ("hybrid", "allgather"), ("hybrid", "ulysses")],
+    "dynamic": [("zigzag", "allgather"), ("sequence", "ulysses"), ("hybrid", "ring")],
+    "pp": [("zigzag", "ring")],
+}  # fmt: skip
 
 
 class _CPUTorch(types.ModuleType):
@@ -240,7 +245,7 @@ def reference(tmp_path_factory):
     return torch.load(path, weights_only=False)
 
 
-def _train_worker(rank, world, case, layouts, path):
+def _train_worker(rank, world, case, path):
     """For each layout, `STEPS` steps of Megatron's schedule on this rank's `BalancedScheduler` from the same
     initial weights; saves the losses, the parameters and the CP group sizes the micro-batches ran on."""
     from megatron.core import parallel_state as ps
@@ -253,10 +258,10 @@ def _train_worker(rank, world, case, layouts, path):
     model_parallel_cuda_manual_seed(0, inference_rng_tracker=True)
     sampler, docs = _sampler(case, rank)
     groups = None if case == "pp" else balancer.cp_groups(sampler.topology)
-    for layout in layouts:
-        got = _train(sampler, docs, layout, groups, pp)
+    for layout, method in RUNS[case]:
+        got = _train(sampler, docs, layout, method, groups, pp)
         if ps.get_data_parallel_rank() == 0 and (case != "static" or rank == 0):
-            torch.save(got, f"{path}.{layout}.{got['stage']}")
+            torch.save(got, f"{path}.{layout}-{method}.{got['stage']}")
     if case == "static":
         _check_sbhd_under_cp(docs)
 
@@ -282,7 +287,7 @@ def _check_sbhd_under_cp(docs):
     assert (sbhd - thd).abs().max() <= 1e-12
 
 
-def _train(sampler, docs, layout, groups, pp):
+def _train(sampler, docs, layout, method, groups, pp):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -292,7 +297,7 @@ def _train(sampler, docs, layout, groups, pp):
     sampler.set_epoch(0)
     sched = BalancedScheduler(sampler, docs, layout=layout, groups=groups)
     stage = ps.get_pipeline_model_parallel_rank()
-    attention = CPCoreAttention.using(METHOD[layout])
+    attention = CPCoreAttention.using(method)
     model = _gpt(attention, pre_process=stage == 0, post_process=stage == pp - 1, pp=pp, stage=stage)
     reduce_group = ps.get_data_parallel_group() if pp > 1 else None  # without PP: the whole DP x CP pool
     losses, sizes = [], set()
@@ -349,19 +354,19 @@ def _check(reference, case, path, stages=1):
 @pytest.mark.slow
 def test_dp2_cp2_equals_unpacked_training(reference, tmp_path):
     """Every layout, each from the same initial weights, in one gloo world."""
-    run_world(4, _train_worker, "static", LAYOUTS, str(tmp_path / "got"))
-    for layout in LAYOUTS:
-        _check(reference, "static", tmp_path / f"got.{layout}")
+    run_world(4, _train_worker, "static", str(tmp_path / "got"))
+    for layout, method in RUNS["static"]:
+        _check(reference, "static", tmp_path / f"got.{layout}-{method}")
 
 
 @pytest.mark.slow
 def test_dynamic_cp_equals_unpacked_training(reference, tmp_path):
-    run_world(4, _train_worker, "dynamic", LAYOUTS, str(tmp_path / "got"))
-    for layout in LAYOUTS:
-        _check(reference, "dynamic", tmp_path / f"got.{layout}")
+    run_world(4, _train_worker, "dynamic", str(tmp_path / "got"))
+    for layout, method in RUNS["dynamic"]:
+        _check(reference, "dynamic", tmp_path / f"got.{layout}-{method}")
 
 
 @pytest.mark.slow
 def test_dp2_pp2_equals_unpacked_training(reference, tmp_path):
-    run_world(4, _train_worker, "pp", ("zigzag",), str(tmp_path / "got"))
-    _check(reference, "pp", tmp_path / "got.zigzag", stages=2)
+    run_world(4, _train_worker, "pp", str(tmp_path / "got"))
+    _check(reference, "pp", tmp_path / "got.zigzag-ring", stages=2)
