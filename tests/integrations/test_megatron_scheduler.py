@@ -180,3 +180,27 @@ def test_a_plain_packed_seq_params_is_read_as_per_document_zigzag(gpt):
     assert np.array_equal(layout.local_indices(1), padded["cp_layout"].local_indices(1))
     with pytest.raises(ValueError, match="divisible by 2\\*cp = 4"):
         thd_layout(PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 5, 9])), 2)
+
+
+@pytest.mark.parametrize("window", [None, (3, 0)])
+def test_core_attention_is_the_reference_attention(gpt, window):
+    """The module alone on packed THD q/k/v (GQA): the plain masked softmax, the config's sliding window included."""
+    import dataclasses
+
+    from megatron.core.transformer.enums import AttnMaskType
+    from support.attn_ref import reference
+
+    from balancer.integrations.megatron import CPCoreAttention, megatron_batch, packed_seq_params
+
+    _, cfg = gpt
+    cfg = dataclasses.replace(cfg, window_size=window)
+    module = CPCoreAttention(cfg, 1, AttnMaskType.causal, "self")
+    _, docs = _corpus(4, seed=7)
+    b = megatron_batch(range(4), docs, layout="hybrid")
+    g = torch.Generator().manual_seed(0)
+    t = b["tokens"].shape[1]
+    q = torch.randn(t, 4, 4, dtype=torch.float64, generator=g)
+    k, v = (torch.randn(t, 2, 4, dtype=torch.float64, generator=g) for _ in range(2))
+    out = module(q, k, v, None, packed_seq_params=packed_seq_params(b))
+    want = reference(q, k, v, b["cu_seqlens"][0].numpy(), True, 0.5, window_size=window or (-1, -1))
+    assert out.shape == (t, 16) and (out - want.reshape(t, 16)).abs().max() <= 1e-12
