@@ -27,7 +27,7 @@ pytest.importorskip(
 )
 
 from balancer.integrations.megatron import megatron_batch, packed_seq_params  # noqa: E402
-from balancer.training.indices import CPGroup, Member, Span  # noqa: E402
+from balancer.training import CPGroup, Member, Span  # noqa: E402
 
 LAYOUTS = ("zigzag", "sequence", "hybrid")
 

@@ -18,9 +18,8 @@ pytest.importorskip(
 )
 
 from balancer.integrations.megatron import BalancedScheduler  # noqa: E402
-from balancer.planning.cost.model import CostModel  # noqa: E402
-from balancer.planning.topology import Topology  # noqa: E402
-from balancer.training.sampler import BalancedBatchSampler  # noqa: E402
+from balancer.planning import CostModel, Topology  # noqa: E402
+from balancer.training import BalancedBatchSampler  # noqa: E402
 
 VOCAB = 40
 

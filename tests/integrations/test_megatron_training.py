@@ -149,8 +149,7 @@ def _data(seed, n, long):
 
 
 def _setup(case):
-    from balancer.planning.cost.model import CostModel
-    from balancer.planning.topology import Topology
+    from balancer.planning import CostModel, Topology
 
     if case == "dynamic":
         from balancer.planning.dynamic import plan as dynamic
@@ -166,7 +165,7 @@ def _setup(case):
 
 
 def _sampler(case, rank):
-    from balancer.training.sampler import BalancedBatchSampler
+    from balancer.training import BalancedBatchSampler
 
     lengths, docs, topo, cost = _setup(case)
     n = len(lengths)
@@ -181,7 +180,7 @@ def _sampler(case, rank):
 
 def _step_pieces(sampler, step):
     """Every (doc, start, end) of `step` over all ranks, each once (a CP group's ranks share a micro-batch)."""
-    from balancer.training.indices import Span
+    from balancer.training import Span
 
     out, seen = [], set()
     for rank in range(sampler.topology.pool_size):
@@ -214,7 +213,7 @@ def _reference_worker(rank, world, cases, path):
     result = {}
     for case in cases:
         lengths, docs, topo, cost = _setup(case)
-        from balancer.training.sampler import BalancedBatchSampler
+        from balancer.training import BalancedBatchSampler
 
         sampler = BalancedBatchSampler(lengths, topo, cost, rank=0, window_docs=len(lengths), overflow="split")
         model = _gpt(ReferenceAttention)

@@ -25,8 +25,7 @@ import numpy as np
 import torch
 
 from balancer.integrations.megatron.layouts import build_layout, check_layout, padded_lengths
-from balancer.training.collate import PackedCollator
-from balancer.training.indices import Filler, Span
+from balancer.training import Filler, PackedCollator, Span
 
 IGNORE = -100
 

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from balancer.integrations.megatron.batches import megatron_batch, packed_seq_params
 from balancer.integrations.megatron.layouts import check_layout
-from balancer.training.sampler import BalancedBatchSampler
+from balancer.training import BalancedBatchSampler
 
 
 @dataclass
