@@ -53,7 +53,7 @@ class Config:
     slow: dict = dataclasses.field(default_factory=dict)  # group -> [from committed step, extra seconds per token^2]
     batch_docs: int = 8  # torchft loader: documents per group and step
     max_steps: int = 0  # torchft loader: committed steps to run
-    work: float = 0.0  # extra busy seconds per 1e6 attention pairs (a heavier model without more memory)
+    work: float = 0.0  # device seconds (slept) per 1e6 cost-model units of a micro-batch
     dim: int = 8
     lr: float = 0.05
     timeout_s: float = 300.0
@@ -206,18 +206,20 @@ def worker(cfg: Config, group: int, life: int, rank: int) -> None:
             "loss_tokens": batches.loss_tokens(),
             "mine": [[piece_json(x) for x in mb] for mb in items],
         }
-        loss_sum, my_loss_tokens = 0.0, 0
+        loss_sum, my_loss_tokens, compute = 0.0, 0, 0.0
         for mb in items:
             batch = collate([data[x] for x in mb])
             my_loss_tokens += int(batch["num_loss_tokens"])
             if (done, "forward") in kill:
                 os.kill(os.getpid(), signal.SIGKILL)
+            c0 = time.perf_counter()
             with batches.timer():
                 if cfg.train:
                     loss = packed_loss_sum(model, batch)
                     (loss / batches.loss_tokens()).backward()
                     loss_sum += float(loss)
-                busy(cfg, lengths, mb, slow, done)
+                device_time(cfg, lengths, mb, slow, done)
+            compute += time.perf_counter() - c0
         reduce_gradients(manager, model, (done, "reduce") in kill)
         committed = manager.should_commit()
         if committed:
@@ -229,6 +231,7 @@ def worker(cfg: Config, group: int, life: int, rank: int) -> None:
             committed=committed,
             loss_sum=loss_sum,
             my_loss_tokens=my_loss_tokens,
+            compute=compute,
             seconds=time.perf_counter() - t0,
             t1=time.time(),
             state=state_digest(batches.state_dict()),
@@ -266,15 +269,15 @@ def barrier(out: Path, name: str, count: int) -> None:
         time.sleep(0.05)
 
 
-def busy(cfg: Config, lengths, mb, slow, done: int) -> None:
-    """Extra compute in proportion to the micro-batch's attention pairs (`work`; `slow` multiplies it from a step)."""
+def device_time(cfg: Config, lengths, mb, slow, done: int) -> None:
+    """A device's share of the step: `work` seconds per 1e6 cost-model units of the micro-batch, slept (the host's
+    cores stay free, as they do while an accelerator computes; 2 cores cannot run 4 replicas' compute for real);
+    `slow` = [from committed step, extra factor] makes a group slower from a step on."""
     from balancer.training.indices import Span
 
-    pairs = sum(((x.end - x.start) if isinstance(x, Span) else int(lengths[int(x)])) ** 2 for x in mb) / 2e6
+    sizes = np.array([(x.end - x.start) if isinstance(x, Span) else int(lengths[int(x)]) for x in mb])
     factor = 1.0 + (slow[1] if slow and done >= slow[0] else 0.0)
-    end = time.perf_counter() + cfg.work * pairs * factor
-    while time.perf_counter() < end:
-        pass
+    time.sleep(cfg.work * float(cost_model().cost(sizes).sum()) / 1e6 * factor)
 
 
 def reduce_gradients(manager, model, die: bool) -> None:

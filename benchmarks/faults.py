@@ -1,0 +1,203 @@
+"""Faults with torchft on CPU: 4 replica groups, one killed (SIGKILL) every `--every` committed steps and started
+again `--rejoin` seconds later, against the same run without failures; one command:
+
+    .venv/bin/python benchmarks/faults.py            # writes benchmarks/results/faults.json
+    .venv/bin/python benchmarks/faults.py --table    # the markdown table of docs/fault-tolerance.md from the record
+
+Figures: documents lost / duplicated over the committed steps (this project's FaultTolerantBatches, and torchft's
+own DistributedSampler dealt over the same run's membership: each group takes its shard's next batch in every
+committed step it contributed to, a killed group restarts its shard from the start, as torchft's example loop
+does without a data checkpoint); goodput (tokens of committed steps per second of the faulty run over the
+failure-free run's) against the replica-seconds available (group-seconds alive over the failure-free run's);
+the plans' predicted imbalance in steps with a group missing against the failure-free steps'.
+Wall clock (time.time); the machine's load is recorded at start and end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import faults_run  # noqa: E402
+
+OUT = Path(__file__).resolve().parent / "results" / "faults.json"
+
+
+def downtime(lines: list, groups: int) -> float:
+    """Group-seconds between a killed group's last line and its next life's first (or the run's end)."""
+    end = max(r["t1"] for r in lines)
+    total = 0.0
+    for g in range(groups):
+        lives = sorted({r["life"] for r in lines if r["group"] == g})
+        last = [max(r["t1"] for r in lines if r["group"] == g and r["life"] == life) for life in lives]
+        first = [min(r["t0"] for r in lines if r["group"] == g and r["life"] == life) for life in lives]
+        total += sum(b - a for a, b in zip(last[:-1], first[1:]))
+        total += max(0.0, end - last[-1] - 1.0)  # a group that did not come back before the end
+    return total
+
+
+def torchft_sampler(cfg: faults_run.Config, steps: dict, lines: list) -> dict:
+    """Lost / duplicated documents of torchft.data.DistributedSampler over the faulty run's membership."""
+    from torchft.data import DistributedSampler
+
+    lengths = cfg.lengths()
+    per = max(1, round(np.mean([sum(len(mb) for mine in s["items"] for mb in mine) for s in steps.values()])
+                       / cfg.groups))  # fmt: skip
+    life_at = {}  # (group, committed step) -> the life that contributed
+    for r in lines:
+        if r["committed"] and r["plan"] and r["rank"] == 0:
+            life_at[(r["group"], r["committed_before"])] = r["life"]
+    counts = np.zeros(len(lengths), dtype=np.int64)
+    for g in range(cfg.groups):
+        shard = list(DistributedSampler(range(len(lengths)), replica_rank=g, num_replica_groups=cfg.groups,
+                                        group_rank=0, num_replicas=1, shuffle=True, seed=cfg.seed))  # fmt: skip
+        pos, life = 0, 0
+        for k in sorted(steps):
+            if (g, k) not in life_at:
+                continue
+            if life_at[(g, k)] != life:
+                pos, life = 0, life_at[(g, k)]
+            for d in shard[pos : pos + per]:
+                counts[d] += 1
+            pos += per
+    return {"lost": int((counts == 0).sum()), "duplicated": int((counts > 1).sum()), "docs_per_group_step": per}
+
+
+def measured_imbalance(lines: list) -> list:
+    """Per committed step whose every contributor logged it: the slowest contributor's measured compute over the
+    contributors' mean (the device time of its micro-batches)."""
+    by: dict = {}
+    for r in lines:
+        if r["committed"] and r["plan"] and r["rank"] == 0:
+            by.setdefault(r["committed_before"], {})[r["group"]] = (r["compute"], len(r["plan"][0]))
+    out = []
+    for k in sorted(by):
+        times = [t for t, _ in by[k].values()]
+        if len(times) == next(iter(by[k].values()))[1] and min(times) > 0:
+            out.append(max(times) / float(np.mean(times)))
+    return out
+
+
+def summarise(cfg: faults_run.Config, result: dict) -> dict:
+    steps = faults_run.committed_steps(result["lines"])
+    cov = faults_run.coverage(steps, cfg.lengths())
+    tokens = sum(int(cfg.lengths()[p[0]]) if len(p) == 1 else p[2] - p[1]
+                 for s in steps.values() for mine in s["items"] for mb in mine for p in mb)  # fmt: skip
+    lines = [r for r in result["lines"] if r["rank"] == 0]
+    members, changes, full = None, [], []
+    for k in sorted(steps):
+        r = next(x for x in lines if x["committed"] and x["plan"] and x["committed_before"] == k)
+        if r["imbalance"] is None:
+            continue
+        if members is not None and r["plan"][0] != members:
+            changes.append({"step": k, "groups": len(r["plan"][0]), "predicted_imbalance": r["imbalance"]})
+        if len(r["plan"][0]) == cfg.groups:
+            full.append(r["imbalance"])
+        members = r["plan"][0]
+    wall = max(r["t1"] for r in lines) - min(r["t0"] for r in lines)  # first quorum to last commit
+    measured = measured_imbalance(result["lines"])
+    return {
+        "wall_seconds": wall, "committed_steps": len(steps), "tokens": tokens, "tokens_per_second": tokens / wall,
+        "lost": cov["lost"], "duplicated": cov["duplicated"],
+        "alive_fraction": 1 - downtime(lines, cfg.groups) / (cfg.groups * wall),
+        "predicted_imbalance_all_groups": float(np.mean(full)) if full else None,
+        "predicted_imbalance_after_changes": changes,
+        "measured_imbalance": float(np.mean(measured)) if measured else None,
+        "measured_steps": len(measured), "lives": result["lives"],
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--docs", type=int, default=1400)
+    ap.add_argument("--every", type=int, default=20, help="committed steps between kills")
+    ap.add_argument("--rejoin", type=float, default=2.0, help="seconds before a killed group starts again")
+    ap.add_argument("--work", type=float, default=10.0, help="device seconds (slept) per 1e6 cost units")
+    ap.add_argument("--table", action="store_true", help="print the markdown table from the record and exit")
+    args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(OUT.read_text())))
+        return
+    load0 = os.getloadavg()
+    base = dict(groups=4, docs=args.docs, work=args.work, rejoin_seconds=args.rejoin, timeout_s=900.0)
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("failure_free", "failure_free_repeat", "faulty"):
+            phases = ("forward", "reduce", "between")
+            kills = [] if name != "faulty" else [[i % 4, args.every * (i + 1), phases[i % 3]]
+                                                        for i in range(12)]  # fmt: skip
+            cfg = faults_run.Config(out=f"{tmp}/{name}", kills=kills, **base)
+            result = faults_run.run(cfg)
+            runs[name] = summarise(cfg, result)
+            if name == "faulty":
+                runs[name]["kills_done"] = sum(result["lives"].values())
+                runs["torchft_sampler"] = torchft_sampler(cfg, faults_run.committed_steps(result["lines"]),
+                                                          result["lines"])  # fmt: skip
+    ff, fy, rep = runs["failure_free"], runs["faulty"], runs["failure_free_repeat"]
+    after = [c["predicted_imbalance"] for c in fy["predicted_imbalance_after_changes"]]
+    record = {
+        "question": "faults with torchft: exactly once, goodput and balance with a group killed every ~20 steps",
+        "clock": "wall (time.time)", "machine": {"cores": os.cpu_count(), "load_start": load0,
+                                                 "load_end": os.getloadavg()},
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]), "config": {**base, "every": args.every},
+        "runs": runs,
+        "goodput": fy["tokens_per_second"] / ff["tokens_per_second"],
+        "available": fy["alive_fraction"] / ff["alive_fraction"],
+        "predicted_after_changes_minus_failure_free": (max(after) if after else None)
+        and max(after) - ff["predicted_imbalance_all_groups"],
+        "measured_minus_failure_free": fy["measured_imbalance"] - ff["measured_imbalance"],
+        "measured_noise_paired_repeat": abs(rep["measured_imbalance"] - ff["measured_imbalance"]),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }  # fmt: skip
+    OUT.write_text(json.dumps(record, indent=1) + "\n")
+    print(table(record))
+
+
+def table(r: dict) -> str:
+    """The markdown table of docs/fault-tolerance.md from a record."""
+    ff, fy, tf = r["runs"]["failure_free"], r["runs"]["faulty"], r["runs"]["torchft_sampler"]
+    rep = r["runs"]["failure_free_repeat"]
+    after = [c["predicted_imbalance"] for c in fy["predicted_imbalance_after_changes"]]
+    mean, worst = (float(np.mean(after)), max(after)) if after else (float("nan"), float("nan"))
+
+    def row(name: str, x: dict) -> str:
+        return (
+            f"| {name} | {x['committed_steps']} | {x['lost']} | {x['duplicated']} | {x['tokens_per_second']:.0f} | "
+            f"{x['alive_fraction']:.3f} | {x['predicted_imbalance_all_groups']:.4f} | {x['measured_imbalance']:.4f} |"
+        )
+
+    rows = [
+        "| run | committed steps | lost | duplicated | tokens/s | groups alive | predicted imbalance (all groups) "
+        "| measured imbalance |",
+        "|---|---|---|---|---|---|---|---|",
+        row("failure-free", ff),
+        row("failure-free, repeat", rep),
+        row("faulty, FaultTolerantBatches", fy),
+        f"| faulty, torchft DistributedSampler (same membership) | - | {tf['lost']} | {tf['duplicated']} "
+        "| - | - | - | - |",
+        "",
+        f"Goodput {r['goodput']:.3f} of the failure-free run's tokens per second with {r['available']:.3f} of its "
+        f"groups alive on average (goal: goodput >= 0.9 x that = {0.9 * r['available']:.3f}). Predicted imbalance "
+        f"in "
+        f"the {len(after)} steps right after a membership change: mean {mean:.4f}, worst {worst:.4f} "
+        f"(failure-free steps: {ff['predicted_imbalance_all_groups']:.4f}). "
+        f"Measured imbalance {fy['measured_imbalance']:.4f} against {ff['measured_imbalance']:.4f} failure-free; "
+        f"paired-repeat noise {r['measured_noise_paired_repeat']:.4f}. {r['machine']['cores']} cores, load "
+        f"{r['machine']['load_start'][0]:.2f} at the start and {r['machine']['load_end'][0]:.2f} at the end; "
+        f"commit {r['commit'][:7]}; {r['date']}; `{r['command']}`.",
+    ]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()
