@@ -144,9 +144,10 @@ def _receivers(plan: Plan, world: int) -> list[set[int]]:
             raise ValueError(
                 f"dynamic CP needs one process per pool rank: dp*cp = {t.pool_size}, the group has {world}"
             )
+        group_start, group_size, _ = plan.group_arrays
         for d, k in zip(plan.doc, mb_of_entry):
-            start = int(plan.group_start[k])
-            out[int(d)].update(range(start, start + int(plan.group_size[k])))
+            start = int(group_start[k])
+            out[int(d)].update(range(start, start + int(group_size[k])))
         return out
     if world % t.dp:
         raise ValueError(f"the process group has {world} processes, not a multiple of dp={t.dp}")

@@ -17,7 +17,7 @@ every tensor is sharded with the CP layout (`attention.CPLayout`, the only owner
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Literal, Optional, overload
 
 import numpy as np
 import torch
@@ -88,6 +88,14 @@ class PackedCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.ignore_index = int(ignore_index)
         self.pad_token_id = int(pad_token_id)
+
+    @overload
+    @staticmethod
+    def _ids(item: Any, i: int, key: str, required: Literal[True]) -> torch.Tensor: ...
+
+    @overload
+    @staticmethod
+    def _ids(item: Any, i: int, key: str, required: bool) -> Optional[torch.Tensor]: ...
 
     @staticmethod
     def _ids(item: Any, i: int, key: str, required: bool) -> Optional[torch.Tensor]:
@@ -183,7 +191,7 @@ class PackedCollator:
         full = self.pack(items)
         spec = explicit_layout(np.diff(full["cu_seqlens"]), size, self.layout_spec)
         layout = CPLayout.from_spec(full["cu_seqlens"], size, spec)
-        out = {k: layout.shard(full[k], r)[None] for k in ("input_ids", "labels", "seq_ids")}
+        out: dict[str, Any] = {k: layout.shard(full[k], r)[None] for k in ("input_ids", "labels", "seq_ids")}
         out["position_ids"] = torch.from_numpy(layout.position_ids(r))[None]
         out.update(
             cu_seqlens=torch.from_numpy(full["cu_seqlens"].astype(np.int32)),

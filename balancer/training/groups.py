@@ -12,7 +12,7 @@ from balancer.planning.topology import Topology
 def group_keys(topology: Topology) -> list[tuple[int, int]]:
     """Every `(start, size)` a plan for `topology` may use: static, one per replica `(dp_rank * cp, cp)`; dynamic,
     every aligned group of every size in `cp_sizes`."""
-    if not topology.dynamic:
+    if topology.cp_sizes is None:  # static CP
         return [(d * topology.cp, topology.cp) for d in range(topology.dp)]
     return [(start, size) for size in topology.cp_sizes for start in range(0, topology.pool_size, size)]
 

@@ -32,6 +32,8 @@ class CPGroup(NamedTuple):
 class Member(int):
     """A whole document's dataset index (it is an int) carrying the CP group of its micro-batch."""
 
+    group: CPGroup
+
     def __new__(cls, index: int, group: CPGroup) -> Member:
         obj = super().__new__(cls, index)
         obj.group = group

@@ -19,8 +19,9 @@ def plan_micro_batches(plan: Plan, rank: int) -> list[list]:
         raise ValueError(f"rank {rank} out of range for dp*cp = {t.dp}*{t.cp} = {t.pool_size} ranks")
     if plan.dynamic:
         out = []
+        group_start, group_size, _ = plan.group_arrays
         for k in plan.rank_groups(rank):
-            start, size = int(plan.group_start[k]), int(plan.group_size[k])
+            start, size = int(group_start[k]), int(group_size[k])
             out.append(_indices(plan, int(k), CPGroup(start, size, rank - start)))
         return out
     dp_rank = rank // t.cp

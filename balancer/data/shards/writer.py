@@ -174,7 +174,7 @@ def write_datasets_metadata(
     (`features`: default a pretokenized shard's)."""
     import datasets
 
-    state = {
+    state: dict[str, object] = {
         "_data_files": [{"filename": f"{n}.arrow"} for n in shard_names],
         "_fingerprint": fingerprint[:16],
         "_format_columns": None,
