@@ -17,17 +17,18 @@ Each batch is one of the monitor's windows: after a batch's last step the first 
 replica speeds, the fit travels with the next gather (the first step of the next batch, which was planned before it
 arrived), so it plans the batch after that one: `next_model()` gives batch `b` the fit of batch `b - 2` or earlier,
 the same bits on every rank. `mode="shadow"` measures and reports only (`next_model()` keeps the first model).
-This class is the step source `BalanceMonitor` reads a sampler's plan through: the topology and cost, the ranks,
-the step being closed, the piece sizes of every replica's micro-batches in it, and where the windows are.
+This class is the step source (`balancer.measured.StepSource`) `BalanceMonitor` reads the batches' plans through:
+the topology and cost, the ranks, the step being closed, the piece sizes of every replica's micro-batches in it, and
+where the windows (batches) are; its `WindowSchedule` (`schedule`) keeps the fits `next_model()` plans with.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
+from balancer.planning.schedule import StepPlace, WindowSchedule
 from balancer.planning.topology import Topology
 from balancer.training.indices import CPGroup, Span
 from balancer.training.ranks import resolve_pool_rank
@@ -53,8 +54,7 @@ class BatchSteps:
         self.dp_rank = self.pool_rank // topology.cp
         self.monitor = None  # set by BalanceMonitor
         self.epoch = 0
-        self.lengths = ()  # pieces carry their own sizes (Span); never indexed
-        self.window_docs = 1
+        self.schedule = WindowSchedule(topology, cost)  # the fits the monitor hands over (adapt mode), by batch
         self._kept: dict[int, tuple[int, Plan]] = {}  # batch index -> (its first step, its plan), the last _KEPT
         self._batches = self._steps = 0
 
@@ -81,9 +81,7 @@ class BatchSteps:
 
     def next_model(self) -> tuple[Topology, CostModel]:
         """(topology with the fitted `rank_speeds`, cost) to plan the next batch with: the same on every rank."""
-        if self.monitor is None:
-            return self.topology, self.cost
-        return self.monitor.model_for(0, self._batches)
+        return self.schedule.model(0, self._batches)
 
     @property
     def batches(self) -> int:
@@ -100,14 +98,10 @@ class BatchSteps:
         if self.monitor is None:
             raise ValueError("BatchSteps.load_state_dict: build the BalanceMonitor on these steps first")
         self._batches, self._steps, self._kept = int(state["batches"]), int(state["steps"]), {}
-        self.monitor.load_state_dict(state["monitor"])
+        self.schedule = self.monitor.resume({"monitor": state["monitor"]})
         self.monitor.on_sampler_load()
 
-    # ---- what BalanceMonitor reads --------------------------------------------------------------------------------
-    _windows = property(lambda self: self)  # the monitor hands fitted models to `update_model`
-    windows = _windows
-    count = sys.maxsize  # batches are not known ahead: the windows never wrap into another epoch
-
+    # ---- what BalanceMonitor reads (balancer.measured.StepSource) ---------------------------------------------------
     @property
     def position(self) -> int:
         """Micro-batches of the batches added (the monitor starts counting steps here when built or resumed)."""
@@ -117,12 +111,25 @@ class BatchSteps:
     def num_steps(self) -> int:
         return self._steps
 
-    @property
-    def _cursor(self) -> tuple[int, int]:
-        return self._batches - 1, 0
+    def step_place(self, step: int) -> StepPlace:
+        """(batch, last step of it?, micro-batches every rank runs in it) of global step `step`."""
+        b, local = self.locate(step)
+        plan = self._kept[b][1]
+        return StepPlace(b, local == plan.num_steps - 1, plan.step_micro_batches(local))
 
-    def update_model(self, cost: CostModel, rank_speeds, first_window: int) -> None:
-        """A fit for batches `first_window`..: `next_model()` reads it from the monitor; nothing to replan."""
+    def plan_start(self, epoch: int, window: int) -> tuple[int, int]:
+        """Batches are not known ahead: a fit for batch `window` plans from it."""
+        return epoch, window
+
+    def update_model(self, cost: CostModel, rank_speeds, first_window: int, *, epoch: int = 0) -> None:
+        """A fit for batches `first_window`..: `next_model()` plans with it; a batch already added keeps its plan
+        (a RuntimeError when `first_window` is one)."""
+        if first_window < self._batches:
+            raise RuntimeError(
+                f"BalanceMonitor: the refit for batch {first_window} arrived after it was planned and added (batches "
+                f"added: {self._batches}): gather every step (every=1) or give batches more steps"
+            )
+        self.schedule.update(cost, rank_speeds, first_window, epoch=epoch)
 
     def locate(self, step: int) -> tuple[int, int]:
         """(batch, step within it) of global step `step` (a batch still kept)."""

@@ -15,11 +15,13 @@ step's times over `group` (the default group; one float64 tensor of `2 * micro_b
 slowest of its ranks. After the last step of every window the first rank of the group refits the cost model (in
 seconds) and the replica speeds from the evidence so far (balancer.measured.refit: outliers left out, a candidate
 that predicts held-back micro-batches worse than the model in force refused); the coefficients travel with the next
-gather, so every rank gets the same bits. `mode="adapt"` then plans the windows from two windows after the fitted
-one on with them (`EpochWindows.update_model`): the next window was already planned ahead in the background and
-may be in use by prefetching loaders, so it keeps its plan. `mode="shadow"` measures, fits and reports without
-changing any plan. A gather that fails (a rank died) or does not finish within `timeout` seconds raises a
-RuntimeError naming the step.
+gather, so every rank gets the same bits. `mode="adapt"` then plans the windows from two windows after the fitted one on
+with them (the source's `update_model`; `plan_start` says where a fit starts): the next window was already planned ahead
+in the background and may be in use by prefetching loaders, so it keeps its plan. The monitor reads its source
+(`sampler`: a `BalancedBatchSampler`, `BatchSteps`, `StreamSteps` or any other) only through
+`balancer.measured.StepSource`, and keeps which fit plans which window in a `WindowSchedule` (`schedule`).
+`mode="shadow"` measures, fits and reports without changing any plan. A gather that fails (a rank died) or does not
+finish within `timeout` seconds raises a RuntimeError naming the step.
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ import torch
 from balancer.measured.ledger import Ledger, Model, slowest_of_groups
 from balancer.measured.refit import refit
 from balancer.measured.report import _errors, build_report, headline, measured_steps, timed_rows, token_room
+from balancer.measured.source import STEP_SOURCE_MEMBERS, StepSource
 from balancer.planning.cost.fit import TERMS
 from balancer.planning.cost.model import CostModel
-from balancer.planning.shuffle import num_windows
+from balancer.planning.schedule import StepPlace, WindowSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +54,12 @@ _HEAD = 4  # pool rank, dp rank, epoch, step
 
 
 class BalanceMonitor:
-    """Measured balance (and, in adapt mode, the online refit) for `sampler`'s training loop; see the module
-    docstring. `layout`: the collator's CP layout (what the refit's predictions assume); `warmup_steps`: steps
-    after the monitor starts or resumes left out of the figures and the fit; `min_samples`: measured micro-batches
-    before the first refit (default max(32, 4 * dp * micro_batches)); `max_samples`: the refit's evidence (the most
-    recent); `timeout`: seconds a gather may take; `every`: steps per gather; `cuda`: time with CUDA events (default:
-    when CUDA is available)."""
+    """Measured balance (and, in adapt mode, the online refit) for the training loop of `sampler` (any
+    `balancer.measured.StepSource`); see the module docstring. `layout`: the collator's CP layout (what the refit's
+    predictions assume); `warmup_steps`: steps after the monitor starts or resumes left out of the figures and the fit;
+    `min_samples`: measured micro-batches before the first refit (default max(32, 4 * dp * micro_batches));
+    `max_samples`: the refit's evidence (the most recent); `timeout`: seconds a gather may take; `every`: steps per
+    gather; `cuda`: time with CUDA events (default: when CUDA is available)."""
 
     def __init__(
         self,
@@ -74,8 +77,11 @@ class BalanceMonitor:
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not isinstance(sampler, StepSource):
+            missing = [name for name in STEP_SOURCE_MEMBERS if not hasattr(sampler, name)]
+            raise TypeError(f"BalanceMonitor: {type(sampler).__name__} is not a StepSource (it lacks {missing})")
         t = sampler.topology
-        if getattr(sampler, "monitor", None) is not None:
+        if sampler.monitor is not None:
             raise ValueError("this sampler already has a BalanceMonitor attached")
         for name, value, low in (
             ("warmup_steps", warmup_steps, 0),
@@ -102,6 +108,7 @@ class BalanceMonitor:
         self.ledger = Ledger(self.units, max_samples, layout)
         speeds = getattr(t, "rank_speeds", None)  # the user's own speeds, if the topology has them
         self.models = [Model(sampler.cost, speeds, False, (0, 0), speeds)]
+        self.schedule = WindowSchedule(t, sampler.cost)  # adapt mode: the fitted models, models[1:], one to one
         self.refits: list[dict] = []
         self._pending_fit: Optional[np.ndarray] = None  # first rank: a fit waiting to travel with the next gather
         self._epoch, self._step = sampler.epoch, sampler.position // t.micro_batches
@@ -113,8 +120,6 @@ class BalanceMonitor:
         self._token_warned = False
         self._tables: Optional[_Tables] = None  # log_figures' arrays of the ledger's rows
         sampler.monitor = self
-        if sampler._windows is not None:
-            self.attach_windows(sampler._windows)
 
     # ---- timing -----------------------------------------------------------------------------------------------
     def _sync_epoch(self) -> None:
@@ -167,13 +172,14 @@ class BalanceMonitor:
         c0, refits0 = time.thread_time(), self.refit_seconds
         self._sync_epoch()
         m = self.topology.micro_batches
-        short = self.sampler.step_micro_batches(self._step) if self._step < self.sampler.num_steps else m
+        place = self.sampler.step_place(self._step)
+        short = place.micro_batches
         if not (short < m and len(self._current) == short):  # a short last step (M' < M): closed, not measured
             if len(self._current) != m:
                 raise ValueError(f"end_step: step {self._step} has {len(self._current)} recorded micro-batches of {m}")
             times = [self._current[i] for i in range(m)]
             self._closed.append(
-                (self._epoch, self._step, self._since_start < self.warmup_steps, times, self._plan_of())
+                (self._epoch, self._step, self._since_start < self.warmup_steps, times, self._plan_of(place))
             )
         self._current, self._step, self._since_start = {}, self._step + 1, self._since_start + 1
         ready = len(self._closed) - (1 if self.cuda else 0)  # CUDA events are read one step later
@@ -236,14 +242,13 @@ class BalanceMonitor:
                 raise RuntimeError(f"BalanceMonitor: ranks disagree on the step gathered: {rows[:, j, 2:4].tolist()}")
             self._add_step(epoch, step, warm, rows[:, j], plan)
 
-    def _plan_of(self) -> tuple:
-        """(window, last step of it?, piece sizes [units][M], CP groups) of the step being closed, read from the
-        sampler's plan now (a gather may come after the sampler moved on to another epoch). Dynamic CP: the units
-        are the pool ranks, each one's micro-batch in a slot its group's, and the groups [pool, M, 2] (start, size);
-        static: None."""
+    def _plan_of(self, place: StepPlace) -> tuple:
+        """(window, last step of it?, piece sizes [units][M], CP groups) of the step being closed (at `place`), read
+        from the source's plan now (a gather may come after the source moved on to another epoch). Dynamic CP: the
+        units are the pool ranks, each one's micro-batch in a slot its group's, and the groups [pool, M, 2] (start,
+        size); static: None."""
         t, s = self.topology, self.sampler
-        window, local = s.windows.locate(self._step)
-        last = local == s.windows.steps(window) - 1
+        window, last = place.window, place.last
         slots = range(t.micro_batches)
         if not t.dynamic:
             sizes = [[s.piece_sizes(self._step, m, dp_rank=r)[0] for m in slots] for r in range(t.dp)]
@@ -280,7 +285,7 @@ class BalanceMonitor:
             self.ledger.evidence(), current.cost, current.speeds, self.units, layout=self.layout,
             current_in_seconds=current.in_seconds, min_samples=self.min_samples, speeds=speeds_ok,
         )  # fmt: skip
-        first = self._advance(epoch, window, 2)
+        first = self.sampler.plan_start(epoch, window + 2)  # the next window was planned ahead already
         record = {"epoch": epoch, "window": window, "first": list(first), "accepted": r.accepted, "reason": r.reason,
                   "samples": r.samples, "outliers": len(r.outliers), "score_current": r.score_current,
                   "score_candidate": r.score_candidate, "cpu_seconds": time.thread_time() - c0}  # fmt: skip
@@ -291,20 +296,9 @@ class BalanceMonitor:
             self._pending_fit = _pack_fit(r.cost, r.speeds, first, self.units, r.speeds_supported)
         self.refit_seconds += time.thread_time() - c0
 
-    def _advance(self, epoch: int, window: int, by: int) -> tuple[int, int]:
-        count = self.sampler.windows.count
-        w = window + by
-        while w >= count:
-            w -= count
-            epoch += 1
-            count = num_windows(len(self.sampler.lengths), self.sampler.window_docs)
-        return epoch, w
-
     def _apply(self, fit: np.ndarray) -> None:
         cost, speeds, first, supported = _unpack_fit(fit, self.models[0].cost, self.units)
-        fit_start = getattr(self.sampler, "fit_start", None)  # a source whose passes have no known window count
-        if fit_start is not None:
-            first = fit_start(first)
+        first = self.sampler.plan_start(*first)  # the same on every rank: the source may have moved on since the fit
         plan_speeds = speeds if (self.mode == "adapt" and _planner_takes_speeds()) else None
         if plan_speeds is not None and (not supported or max(plan_speeds) < EVEN_SPEEDS * min(plan_speeds)):
             plan_speeds = None  # within the evidence's noise or EVEN_SPEEDS: planned as even ranks
@@ -321,38 +315,16 @@ class BalanceMonitor:
             )  # fmt: skip
         if self.mode != "adapt":
             return
-        s = self.sampler
-        if first[0] == s.epoch and s._windows is not None:
-            if s._cursor[0] >= first[1] and s.position > 0:
-                raise RuntimeError(
-                    f"BalanceMonitor: the refit for window {first[1]} arrived after the sampler started it (it is "
-                    "ahead of the training loop by more than a window): use larger windows or less prefetching"
-                )
-            s._windows.update_model(cost, plan_speeds, first[1])
+        self.schedule.update(cost, plan_speeds, first[1], epoch=first[0])
+        self.sampler.update_model(cost, plan_speeds, first[1], epoch=first[0])
 
     def model_id(self, epoch: int, window: int) -> int:
-        """Index in `models` of the model window `window` of `epoch` is planned with (0: the sampler's own)."""
-        found = 0
-        for i, m in enumerate(self.models[1:], 1):
-            if self.mode == "adapt" and tuple(m.start) <= (epoch, window):
-                found = i
-        return found
-
-    def attach_windows(self, windows) -> None:
-        """Give a sampler's new `EpochWindows` the models fitted so far (adapt mode; the sampler calls this)."""
-        if self.mode != "adapt":
-            return
-        for m in self.models[1:]:
-            if m.start[0] < windows.epoch:
-                windows.update_model(m.cost, m.plan_speeds, 0)
-            elif m.start[0] == windows.epoch:
-                windows.update_model(m.cost, m.plan_speeds, m.start[1])
+        """Index in `models` of the model window `window` of `epoch` is planned with (0: the source's own)."""
+        return self.schedule.index(epoch, window)
 
     def model_for(self, epoch: int, window: int):
         """(topology, cost) window `window` of `epoch` is planned with."""
-        m = self.models[self.model_id(epoch, window)]
-        topo = self.topology if m.plan_speeds is None else dataclasses.replace(self.topology, rank_speeds=m.plan_speeds)
-        return topo, m.cost
+        return self.schedule.model(epoch, window)
 
     # ---- report and state ---------------------------------------------------------------------------------------
     def report(self) -> dict:
@@ -398,17 +370,20 @@ class BalanceMonitor:
             self.ledger.load_state_dict(state["ledger"])
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"monitor state: a malformed record ({e})") from None
+        self.schedule = WindowSchedule(self.topology, self.sampler.cost)  # the source's own model, then the fits
+        for m in self.models[1:] if self.mode == "adapt" else ():
+            self.schedule.update(m.cost, m.plan_speeds, m.start[1], epoch=m.start[0])
         self.refits = list(state["refits"])
         fit = state["pending_fit"]
         self._pending_fit = None if fit is None else np.asarray(fit, dtype=np.float64)
         self.cpu_seconds, self.refit_seconds = float(state["cpu_seconds"]), float(state["refit_seconds"])
 
-    def resume_model(self, state: dict):
-        """The sampler is loading `state`: restore its "monitor" record (if any) and return the (topology, cost)
-        this monitor plans the state's window with."""
+    def resume(self, state: dict) -> WindowSchedule:
+        """The source is loading `state`: restore its "monitor" record (if any) and return a copy of the schedule of
+        the models this monitor plans with (adapt mode's fits; the source's own model alone in shadow mode)."""
         if "monitor" in state:
             self.load_state_dict(state["monitor"])
-        return self.model_for(state["epoch"], state["window"])
+        return self.schedule.copy()
 
     def on_sampler_load(self) -> None:
         """The sampler loaded a state: count steps from its position on, warm-up again."""

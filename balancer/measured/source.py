@@ -37,7 +37,7 @@ from balancer.planning.cost.model import CostModel
 from balancer.planning.schedule import StepPlace
 from balancer.planning.topology import Topology
 
-__all__ = ["StepPlace", "StepSource"]
+__all__ = ["STEP_SOURCE_MEMBERS", "StepPlace", "StepSource"]
 
 
 @runtime_checkable
@@ -97,3 +97,9 @@ class StepSource(Protocol):
         """Plan the windows from (`epoch`, `first_window`) on with `cost` and `rank_speeds` (None: the topology's
         own); a RuntimeError when a micro-batch of that window was handed out already."""
         ...
+
+
+STEP_SOURCE_MEMBERS = (
+    "monitor", "topology", "cost", "pool_rank", "dp_rank", "epoch", "position", "step_place", "piece_sizes",
+    "plan_start", "update_model",
+)  # fmt: skip

@@ -8,28 +8,27 @@
         if (j + 1) % topology.micro_batches == 0:
             optimizer.step(); monitor.end_step()
 
-This class is the step source `BalanceMonitor` reads the stream's plan through (as `BatchSteps` is for fixed
-batches): the step being closed, every replica's piece sizes in it (the stream's window plans are made from the
-gathered lengths with the same seed: the same on every rank), its window and whether it is the window's last step,
-and the hook a fit reaches the windows by (`BalancedStream.update_model`). Steps are numbered from the start of the
-pass; the stream keeps the plans of its last few windows only.
+This class is the step source (`balancer.measured.StepSource`) `BalanceMonitor` reads the stream's plan through (as
+`BatchSteps` is for fixed batches), through the stream's public members only: the step being closed, every replica's
+piece sizes in it (the stream's window plans are made from the gathered lengths with the same seed: the same on every
+rank), its window and whether it is the window's last step, and the hook a fit reaches the windows by
+(`BalancedStream.update_model`). Steps are numbered from the start of the pass; the stream keeps the plans of its last
+few windows only.
 
-A fit made after window `w` travels with the next gather (the first step of window `w + 1`) and plans windows
-`w + 2`.. The stream hands window `w + 2` to its planning thread half-way through window `w + 1`, so a fit that
-arrives later (windows of one or two steps, a large `every`, CUDA timing's one step of delay on two-step windows) is
-an error naming the window, never a silent change of which windows it plans. A new pass (`set_epoch` to another
-epoch) plans all its windows with the latest model; the fit after a pass's last window arrives in the next pass
-(a pass's window count is not known ahead) and plans that pass from its first window not handed to the planning
-thread yet (`fit_start`: the same on every rank, which all read the fit at the same gather). The
-stream's `state_dict()` carries the monitor's state (under "monitor"), and `load_state_dict` restores it: a resumed
-run plans what the uninterrupted one would have.
+A fit made after window `w` travels with the next gather (the first step of window `w + 1`) and plans windows `w + 2`..
+The stream hands window `w + 2` to its planning thread half-way through window `w + 1`, so a fit that arrives later
+(windows of one or two steps, a large `every`, CUDA timing's one step of delay on two-step windows) is an error naming
+the window, never a silent change of which windows it plans. A new pass (`set_epoch` to another epoch) plans all its
+windows with the latest model; the fit after a pass's last window arrives in the next pass (a pass's window count is not
+known ahead) and plans that pass from its first window not handed to the planning thread yet (`plan_start`: the same on
+every rank, which all read the fit at the same gather). The stream's `state_dict()` carries the monitor's state (under
+"monitor"), and `load_state_dict` restores it: a resumed run plans what the uninterrupted one would have.
 """
 
 from __future__ import annotations
 
-import sys
-
 from balancer.planning.cost.model import CostModel
+from balancer.planning.schedule import StepPlace
 from balancer.training.indices import Span
 
 
@@ -48,8 +47,6 @@ class StreamSteps:
         self.stream = stream
         self.topology, self.cost = stream.topology, stream.cost
         self.pool_rank, self.dp_rank = stream.pool_rank, stream.dp_rank
-        self.window_docs = stream.window_docs
-        self.lengths = ()  # pieces carry their own sizes (Span); never indexed
 
     @property
     def monitor(self):
@@ -59,28 +56,18 @@ class StreamSteps:
     def monitor(self, monitor) -> None:  # BalanceMonitor attaches itself here; the stream saves and loads it
         self.stream.monitor = monitor
 
-    # ---- what BalanceMonitor reads --------------------------------------------------------------------------------
-    _windows = property(lambda self: self)  # the monitor hands fitted models to `update_model`
-    windows = _windows
-    count = sys.maxsize  # a stream's windows are not known ahead: a fit never wraps into another pass
-
+    # ---- what BalanceMonitor reads (balancer.measured.StepSource) ---------------------------------------------------
     @property
     def epoch(self) -> int:
         return self.stream.epoch
 
     @property
     def position(self) -> int:
-        """Micro-batches of this pass so far (a loaded state's, before iterating), in whole steps before the current
-        window's segment plus those of it."""
-        s = self.stream
-        if s._setup is not None or s._iter is None:
-            setup = s._setup or s._fresh_setup()
-            return setup["step"] * self.topology.micro_batches + setup["position"]
-        return s._iter.position()
+        """Micro-batches of this pass so far (`BalancedStream.position`)."""
+        return self.stream.position
 
     def _plans(self) -> dict:
-        it = self.stream._iter
-        return {} if it is None else it.plans
+        return self.stream.window_plans
 
     @property
     def num_steps(self) -> int:
@@ -91,21 +78,27 @@ class StreamSteps:
         first, seg = plans[max(plans)]
         return first + seg.num_steps
 
-    @property
-    def _cursor(self) -> tuple[int, int]:
-        it = self.stream._iter
-        return (-1 if it is None or not it.plans else max(it.plans)), 0
+    def step_place(self, step: int) -> StepPlace:
+        """(window, last step of it?, micro-batches every rank runs in it) of step `step` of this pass."""
+        w, local = self.locate(step)
+        seg = self._plans()[w][1]
+        return StepPlace(w, local == seg.num_steps - 1, seg.step_micro_batches(local))
 
-    def fit_start(self, first: tuple[int, int]) -> tuple[int, int]:
-        """(epoch, window) a fit meant for `first` plans from: `first`, or when the stream has moved on to a new pass
-        since the fit was made (it was for a window after the last one), that pass's first window not planned yet."""
-        if first[0] < self.stream.epoch:
+    def plan_start(self, epoch: int, window: int) -> tuple[int, int]:
+        """(epoch, window) a fit meant for window `window` of pass `epoch` plans from: that window (a pass's window
+        count is not known ahead: a fit never wraps into another pass), or when the stream has moved on to a new
+        pass since the fit was made (it was for a window after the last one), that pass's first window not planned
+        yet."""
+        if epoch < self.stream.epoch:
             return self.stream.epoch, self.stream.next_unplanned_window
-        return first
+        return epoch, window
 
-    def update_model(self, cost: CostModel, rank_speeds, first_window: int) -> None:
-        """A fit for windows `first_window`..: `BalancedStream.update_model`; a window already handed to the
-        planning thread is a RuntimeError (every rank alike: the stream plans ahead at the same micro-batch)."""
+    def update_model(self, cost: CostModel, rank_speeds, first_window: int, *, epoch: int) -> None:
+        """A fit for windows `first_window`.. of pass `epoch` (the stream's): `BalancedStream.update_model`; a
+        window already handed to the planning thread is a RuntimeError (every rank alike: the stream plans ahead at
+        the same micro-batch)."""
+        if epoch != self.stream.epoch:
+            raise RuntimeError(f"StreamSteps: a fit for pass {epoch} while the stream is in pass {self.stream.epoch}")
         nxt = self.stream.next_unplanned_window
         if first_window < nxt:
             raise RuntimeError(

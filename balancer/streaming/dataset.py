@@ -15,7 +15,6 @@ already shared, the same on every rank.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from balancer.planning.cost.model import CostModel
+from balancer.planning.schedule import WindowSchedule, check_seed, resume_chain, segments_state
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
 from balancer.planning.window import check_window_docs
@@ -103,10 +103,9 @@ class BalancedStream(torch.utils.data.IterableDataset):
         self.window_docs = check_window_docs(window_docs, topology)
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+        seed = check_seed(seed)
         self.source = open_source(source)
-        self.topology, self.cost, self.seed, self.overflow = topology, cost, int(seed), overflow
+        self.topology, self.cost, self.seed, self.overflow = topology, cost, seed, overflow
         self.group, self.world, self.grank = stream_group(group)
         self.pool_rank = pool_rank(topology, self.world, self.grank, dp_rank, rank)
         self.dp_rank = self.pool_rank // topology.cp
@@ -114,7 +113,7 @@ class BalancedStream(torch.utils.data.IterableDataset):
         self.meter = Meter()
         self.bytes_sent = 0
         self.windows_done = 0
-        self._models: list[tuple[int, CostModel, Optional[tuple]]] = []
+        self.schedule = WindowSchedule(topology, cost)  # which model plans each window of this pass
         self._submitted = -1  # the highest window handed to the thread
         self._setup: Optional[dict] = None  # a loaded state waiting for the next iter()
         self._iter: Optional[_StreamIter] = None
@@ -136,35 +135,38 @@ class BalancedStream(torch.utils.data.IterableDataset):
         check_topology_and_cost(self.topology, cost)
         if isinstance(first_window, bool) or not isinstance(first_window, (int, np.integer)) or first_window < 0:
             raise ValueError(f"first_window must be a non-negative integer, got {first_window!r}")
+        changes = self.schedule.changes
         if first_window < self.next_unplanned_window:
             raise ValueError(
                 f"first_window={first_window}: windows up to {self.next_unplanned_window - 1} are already planned "
                 f"or being planned; the first a new model can reach is {self.next_unplanned_window}"
             )
-        if self._models and first_window < self._models[-1][0]:
-            raise ValueError(f"first_window={first_window} is before an earlier update's ({self._models[-1][0]})")
-        speeds = None if rank_speeds is None else tuple(float(s) for s in rank_speeds)
-        self._topology_with(speeds)  # refuses speeds this Topology cannot take
-        self._models.append((int(first_window), cost, speeds))
+        if changes and first_window < changes[-1].window:
+            raise ValueError(f"first_window={first_window} is before an earlier update's ({changes[-1].window})")
+        self.schedule.update(cost, rank_speeds, first_window, epoch=self.epoch)
 
     @property
     def next_unplanned_window(self) -> int:
         return self._submitted + 1
 
-    def _topology_with(self, speeds) -> Topology:
-        if speeds is None:
-            return self.topology
-        if "rank_speeds" not in {f.name for f in dataclasses.fields(Topology)}:
-            raise ValueError("rank_speeds given, but this version's Topology has no rank_speeds")
-        return dataclasses.replace(self.topology, rank_speeds=speeds)
-
     def model_for(self, window: int) -> tuple[Topology, CostModel]:
-        """(topology, cost model) window `window` is planned with."""
-        topology, cost = self.topology, self.cost
-        for first, c, speeds in self._models:
-            if first <= window:
-                topology, cost = self._topology_with(speeds), c
-        return topology, cost
+        """(topology, cost model) window `window` of this pass is planned with."""
+        return self.schedule.model(self.epoch, window)
+
+    @property
+    def position(self) -> int:
+        """Micro-batches of this pass so far (a loaded state's, before iterating), in whole steps before the current
+        window's segment plus those of it."""
+        if self._setup is not None or self._iter is None:
+            setup = self._setup or self._fresh_setup()
+            return setup["step"] * self.topology.micro_batches + setup["position"]
+        return self._iter.position()
+
+    @property
+    def window_plans(self) -> dict:
+        """The last windows of this pass entered (at most KEEP_PLANS): window -> (its first step in the pass, its
+        plan segment); read-only."""
+        return {} if self._iter is None else self._iter.plans
 
     # ---- iteration ------------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -175,9 +177,7 @@ class BalancedStream(torch.utils.data.IterableDataset):
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         if int(epoch) != self.epoch:  # a new pass: every window of it is planned with the latest model
             self._setup, self._submitted = None, -1
-            self._models = self._models[-1:]
-            if self._models:
-                self._models[0] = (0, *self._models[0][1:])
+            self.schedule.new_pass(int(epoch))
         self.epoch = int(epoch)
         self.source.set_epoch(self.epoch)
 
@@ -247,14 +247,8 @@ class BalancedStream(torch.utils.data.IterableDataset):
             "digest": digest,
             "position": int(position),
             "step": int(step),
-            "segments": [
-                {"topology": h["topology"].to_dict(), "cost": h["cost"].to_dict(), "steps": h["steps"]}
-                for h in segments
-            ],
-            "models": [
-                {"first_window": f, "cost": c.to_dict(), "rank_speeds": None if s is None else list(s)}
-                for f, c, s in self._models
-            ],
+            "segments": segments_state(segments),
+            "models": self.schedule.changes_state(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -263,24 +257,13 @@ class BalancedStream(torch.utils.data.IterableDataset):
         seed, overflow policy, window size or source is refused naming what differs."""
         st = state_mod.check_state(state)
         state_mod.check_match(st, self)
-        self._models = self._restore_models(st["models"])
+        self.schedule.load_changes(st["models"], st["epoch"], state_mod.WHERE)
         specs = [StreamSpec(p, s, o) for p, s, o, _, _ in st["streams"]]
         cursor = Cursor(specs, [r[3] for r in st["streams"]], [bool(r[4]) for r in st["streams"]])
         window, position, step = st["window"], st["position"], st.get("step", 0)
-        segs = st["segments"]
-        history = [dict(h) for h in segs[:-1]]
-        last = segs[-1]
-        topology, cost = self.model_for(window)
-        if not (last["topology"] == topology and last["cost"] == cost):
-            m = last["topology"].micro_batches
-            if position % m:
-                raise ValueError(
-                    f"the state is mid-step (micro-batch {position % m} of step {position // m}) of window {window} "
-                    f"planned for {last['topology']}; it resumes only onto the same topology and cost model. Save at "
-                    f"a step boundary to change the topology (now {topology})"
-                )
-            history.append({"topology": last["topology"], "cost": last["cost"], "steps": position // m})
-            step, position = step + position // m, 0
+        mine = self.schedule.model(st["epoch"], window)
+        history, position, consumed = resume_chain(st["segments"], position, mine, window)
+        step += consumed
         forced = None if st["taken"] is None else (st["taken"], st["ended_after"], st["digest"])
         resplit = self.world if len(specs) < self.world else None
         if forced is None and resplit is not None:
@@ -296,19 +279,6 @@ class BalancedStream(torch.utils.data.IterableDataset):
             if "monitor" in state:
                 self.monitor.load_state_dict(state["monitor"])
             self.monitor.on_sampler_load()
-
-    def _restore_models(self, models) -> list:
-        out = []
-        for first, cost, speeds in models:
-            speeds = None if speeds is None else tuple(speeds)
-            if speeds is not None and len(speeds) != self.topology.dp:
-                log.warning(
-                    "the state's rank speeds from window %d are for %d replicas, this run has dp=%d: planning "
-                    "without them", first, len(speeds), self.topology.dp,
-                )  # fmt: skip
-                speeds = None
-            out.append((first, cost, speeds))
-        return out
 
 
 class _StreamIter:

@@ -10,8 +10,10 @@ everything in it was shared by the window gathers. It holds
   re-read the same documents: anything else means the source changed);
 - `position`: micro-batches of the window's current plan segment consumed; `segments`: the chain of (topology,
   cost model, steps consumed) the window was planned with, as in the sampler's state (the last one in use, its
-  `steps` null), so that a resume on another topology re-plans what is left of the window;
-- `models`: the cost models and rank speeds `update_model` scheduled, each from its `first_window` on;
+  `steps` null), so that a resume on another topology re-plans what is left of the window (the chain, its schema
+  and the mid-step rule: balancer.planning.schedule);
+- `models`: the cost models and rank speeds `update_model` scheduled, each from its `first_window` on (the
+  stream's `WindowSchedule`);
 - `step` (optional, 0 when absent): the epoch's steps before the window's current segment (what an attached
   `BalanceMonitor` counts steps from); `monitor` (optional): that monitor's state (balancer.measured.streams).
 
@@ -21,7 +23,7 @@ again and skips them) and re-plans it, so the continuation equals the uninterrup
 
 from __future__ import annotations
 
-from balancer.planning.cost.model import CostModel
+from balancer.planning.schedule import MODEL_CHANGE, SEED, SEGMENT, parse_segments
 from balancer.planning.units import OVERFLOW_POLICIES
 from balancer.strict_json import (
     FORMAT_KEYS,
@@ -31,22 +33,18 @@ from balancer.strict_json import (
     check,
     check_format,
     integer,
-    number,
     obj,
     string,
 )
-from balancer.training.sampler_state import parse_segments
 
 SPEC = FormatSpec("balancer.stream", 1)
 WHERE = "stream state"
 
-_SEGMENT = obj({"topology": anything(), "cost": anything(), "steps": integer(min=0, nullable=True)})
-_MODEL = obj({"first_window": integer(min=0), "cost": anything(), "rank_speeds": array(number(min=0), nullable=True)})
 _STATE = obj(
     {
         **FORMAT_KEYS,
         "epoch": integer(min=0),
-        "seed": integer(min=0),
+        "seed": SEED,
         "overflow": string(choices=OVERFLOW_POLICIES),
         "window_docs": integer(min=1),
         "source": string(),
@@ -57,16 +55,16 @@ _STATE = obj(
         "digest": string(nullable=True),
         "position": integer(min=0),
         "step": integer(min=0, required=False),  # steps of the epoch before the window's current segment
-        "segments": array(_SEGMENT),
-        "models": array(_MODEL),
+        "segments": array(SEGMENT),
+        "models": array(MODEL_CHANGE),  # WindowSchedule.changes_state: read by WindowSchedule.load_changes
         "monitor": anything(required=False),  # a BalanceMonitor's state (balancer.measured.streams), checked there
     }
 )
 
 
 def check_state(state) -> dict:
-    """Validate every field of a stream state; returns a copy with topologies and cost models parsed. Raises one
-    ValueError naming the field."""
+    """Validate every field of a stream state; returns a copy with the segments' topologies and cost models parsed
+    (the models' are read by `WindowSchedule.load_changes`). Raises one ValueError naming the field."""
     if not isinstance(state, dict):
         raise ValueError(f"not a BalancedStream state (a {type(state).__name__}, not a dict)")
     try:
@@ -90,13 +88,6 @@ def check_state(state) -> dict:
         if state[key] is not None and len(state[key]) != n:
             raise ValueError(f'{WHERE}: "{key}": {len(state[key])} entries for {n} streams')
     out["segments"] = parse_segments(state["segments"], WHERE)
-    models = []
-    for i, m in enumerate(state["models"]):
-        try:
-            models.append((m["first_window"], CostModel.from_dict(m["cost"]), m["rank_speeds"]))
-        except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f'{WHERE}: "models[{i}].cost": {e}') from None
-    out["models"] = models
     return out
 
 

@@ -52,9 +52,11 @@ import torch
 from balancer.limits import check_indices
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
+from balancer.planning.schedule import StepPlace, WindowSchedule, check_seed, resume_chain
+from balancer.planning.shuffle import num_windows
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
-from balancer.planning.window import MAX_SEED, check_window_docs, default_window_docs
+from balancer.planning.window import check_window_docs, default_window_docs
 from balancer.training.indices import CPGroup, Filler, Member, Span, SpanDataset
 from balancer.training.lengths import LengthsGuard, resolve_lengths, scan_lengths
 from balancer.training.ranks import resolve_pool_rank
@@ -112,8 +114,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         check_topology_and_cost(topology, cost)
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= MAX_SEED:
-            raise ValueError(f"seed must be an integer in 0 .. 2**63-1 (what a resume state holds), got {seed!r}")
+        seed = check_seed(seed)
         self.lengths, _ = resolve_lengths(lengths, dataset)
         summary = scan_lengths(self.lengths)
         n = summary.num_docs
@@ -126,7 +127,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self._check_fits(summary, topology, overflow)
         self.topology = topology
         self.cost = cost
-        self.seed = int(seed)
+        self.seed = seed
         self.overflow = overflow
         self.pool_rank = resolve_pool_rank(rank, dp_rank, topology, device_mesh, dp_dim)
         self.dp_rank = self.pool_rank // topology.cp
@@ -138,7 +139,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self._epoch_setup = (self.window_docs, 0, [])  # (window_docs, origin window, history) of this epoch
         self._cursor = (0, 0)  # (window, position at its first micro-batch) of the last yielded micro-batch
         self._resume_pending = False
-        self.monitor = None  # a balancer.BalanceMonitor attaches itself here (its models plan the windows, adapt)
+        self.monitor = None  # a balancer.BalanceMonitor attaches itself here (StepSource: balancer.measured.source)
+        self.schedule = WindowSchedule(topology, cost)  # which model plans each window of each epoch
         self.filler_rows = bool(filler_rows)
         if window_docs is not None and self.window_docs < n and n <= UP_FRONT_COUNT:
             self.windows.count_all()  # a size some window of this epoch cannot fill is refused here, naming it
@@ -167,10 +169,8 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             self._windows = EpochWindows(
                 self.lengths, self.topology, self.cost, seed=self.seed, epoch=self.epoch,
                 overflow=self.overflow, window_docs=window_docs, origin=origin, history=history, guard=self._guard,
-                filler_rows=self.filler_rows,
+                filler_rows=self.filler_rows, schedule=self.schedule,
             )  # fmt: skip
-            if self.monitor is not None:
-                self.monitor.attach_windows(self._windows)
         return self._windows
 
     @property
@@ -381,6 +381,41 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self.position += 1
         return out
 
+    # ---- what BalanceMonitor reads (balancer.measured.StepSource) ---------------------------------------------------
+    def step_place(self, step: int) -> StepPlace:
+        """(window, last step of it?, micro-batches every rank runs in it) of the `step`-th step from the origin."""
+        w, local = self.windows.locate(int(step))
+        if step < 0 or w >= self.windows.count:
+            raise IndexError(f"step {step} out of range: this plan has {self.num_steps} steps")
+        return StepPlace(w, local == self.windows.steps(w) - 1, self.windows.segment(w).step_micro_batches(local))
+
+    def plan_start(self, epoch: int, window: int) -> tuple[int, int]:
+        """The (epoch, window) a model for window `window` of `epoch` plans from: past the epoch's last window it
+        wraps into the next epochs (this sampler's window size); a model for an epoch this sampler has left plans
+        from the next one (the current epoch's windows may already be planned, differently on different ranks)."""
+        while True:
+            count = self.windows.count if epoch == self.epoch else num_windows(len(self.lengths), self.window_docs)
+            if window < count:
+                break
+            epoch, window = epoch + 1, window - count
+        return (self.epoch + 1, 0) if epoch < self.epoch else (epoch, window)
+
+    def update_model(self, cost: CostModel, rank_speeds, first_window: int, *, epoch: int) -> None:
+        """Plan the windows from (`epoch`, `first_window`) on with `cost` and `rank_speeds` (adapt mode's refit); a
+        window of the current epoch that this rank already started is a RuntimeError (the sampler is ahead of the
+        training loop by more than a window)."""
+        ew = self._windows
+        current = ew is not None and ew.epoch == epoch == self.epoch
+        if current and self.position > 0 and self._cursor[0] >= first_window:
+            raise RuntimeError(
+                f"BalanceMonitor: the refit for window {first_window} arrived after the sampler started it (it is "
+                "ahead of the training loop by more than a window): use larger windows or less prefetching"
+            )
+        if current:
+            ew.update_model(cost, rank_speeds, first_window)
+        else:
+            self.schedule.update(cost, rank_speeds, first_window, epoch=epoch)
+
     # ---- state ------------------------------------------------------------------------------------------------
     def state_dict(self, position: Optional[int] = None) -> dict:
         """The resume state. `position` overrides the micro-batches counted as consumed (default: those handed
@@ -442,35 +477,21 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
                 f"the state is from overflow={state['overflow']!r}, this sampler has overflow={self.overflow!r}"
             )
         window_docs = n if state["window_docs"] is None else state["window_docs"]
-        segs = state["segments"]
-        history = [{"topology": s["topology"], "cost": s["cost"], "steps": s["steps"]} for s in segs[:-1]]
-        last_topo, last_cost = segs[-1]["topology"], segs[-1]["cost"]
-        position = state["position"]
-        # the model this sampler plans the state's window with (an attached monitor's fitted one, adapt mode)
-        mine = (self.topology, self.cost) if self.monitor is None else self.monitor.resume_model(state)
-        if (last_topo, last_cost) != mine:
-            if position % last_topo.micro_batches:
-                raise ValueError(
-                    f"the state is mid-step (micro-batch {position % last_topo.micro_batches} of step "
-                    f"{position // last_topo.micro_batches}) of a plan for {last_topo}; it can resume only onto the "
-                    f"same topology and cost model. Save at a step boundary to change the topology "
-                    f"(now {self.topology})"
-                )
-            history.append({"topology": last_topo, "cost": last_cost, "steps": position // last_topo.micro_batches})
-            position = 0
+        # the models this sampler plans with: an attached monitor's fitted ones (adapt mode), restored from the state
+        schedule = WindowSchedule(self.topology, self.cost) if self.monitor is None else self.monitor.resume(state)
+        mine = schedule.model(state["epoch"], state["window"])
+        history, position, _ = resume_chain(state["segments"], state["position"], mine, state["window"])
         windows = EpochWindows(
             self.lengths, self.topology, self.cost, seed=self.seed, epoch=state["epoch"], overflow=self.overflow,
             window_docs=window_docs, origin=state["window"], history=history, guard=self._guard,
-            filler_rows=self.filler_rows,
+            filler_rows=self.filler_rows, schedule=schedule,
         )  # fmt: skip
-        if self.monitor is not None:
-            self.monitor.attach_windows(windows)
         if position > windows.micro_batches(state["window"]):
             raise ValueError(
                 f"the state's position {position} is past window {state['window']}'s "
                 f"{windows.micro_batches(state['window'])} micro-batches"
             )
-        self.epoch, self._windows = state["epoch"], windows
+        self.epoch, self._windows, self.schedule = state["epoch"], windows, schedule
         self._epoch_setup = (windows.window_docs, windows.origin, history)
         self.position, self._cursor = position, (windows.origin, 0)
         self._resume_pending = True

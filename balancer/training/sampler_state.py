@@ -7,7 +7,8 @@ no longer match its digest was edited or corrupted after it was saved and is ref
 or repeat documents. Version 2 adds the window size and the window the position is in (`window_docs`, `window`).
 Versions 1 (`{"format": "balancer.sampler/1", ...}`, no `format_version`: a whole-epoch plan, one window) and 2
 still load, without a digest to check. Exact types (a bool is not an integer), no unknown keys
-(balancer.strict_json).
+(balancer.strict_json). The segment chain's schema, the seed rule and the mid-step rule are
+balancer.planning.schedule's (the stream's states share them).
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import hashlib
 import json
 import os
 
-from balancer.planning.cost.model import CostModel
+from balancer.planning.schedule import SEED, SEGMENT, parse_segments
 from balancer.planning.shuffle import num_windows
-from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES
 from balancer.strict_json import FORMAT_KEYS, FormatSpec, anything, array, check, check_format, integer, obj, string
 
@@ -27,13 +27,12 @@ DIGESTED = ("fingerprint", "num_docs", "seed", "epoch", "overflow", "window_docs
 STATE_FORMAT, STATE_VERSION = SPEC.name, SPEC.version
 WHERE = "sampler state"
 
-_SEGMENT = obj({"topology": anything(), "cost": anything(), "steps": integer(min=0, nullable=True)})
 _STATE = obj(
     {
         **FORMAT_KEYS,
         "epoch": integer(min=0),
         "position": integer(min=0),
-        "seed": integer(min=0),
+        "seed": SEED,
         "overflow": string(choices=OVERFLOW_POLICIES),
         "fingerprint": string(),
         "num_docs": integer(min=1),
@@ -41,7 +40,7 @@ _STATE = obj(
         "rank": integer(min=0, required=False),
         "window_docs": integer(min=1, since=2),
         "window": integer(min=0, since=2),
-        "segments": array(_SEGMENT),
+        "segments": array(SEGMENT),
         "monitor": anything(required=False),  # a BalanceMonitor's state (balancer.measured), checked there
         "digest": string(since=3),
     }
@@ -75,7 +74,7 @@ def check_state(state) -> dict:
                 f'{WHERE}: "window": {out["window"]} is out of range: {out["num_docs"]} documents in windows of '
                 f"{out['window_docs']} make {windows}"
             )
-    out["segments"] = parse_segments(state["segments"])
+    out["segments"] = parse_segments(state["segments"], WHERE)
     if version >= 3 and state["digest"] != state_digest(state):
         shown = ", ".join(f"{k} {state[k]}" for k in ("epoch", "window_docs", "window", "position", "seed"))
         raise ValueError(
@@ -84,26 +83,6 @@ def check_state(state) -> dict:
             "the state the sampler wrote"
         )
     return out
-
-
-def parse_segments(segs: list, what: str = WHERE) -> list[dict]:
-    """A state's `segments` (topology and cost per segment, the steps each consumed, null for the one in use) as
-    objects; ValueError names `what` state and the segment. The sampler's and the stream's states share it."""
-    if not segs:
-        raise ValueError(f'{what}: "segments": expected a non-empty list')
-    parsed = []
-    for i, seg in enumerate(segs):
-        where = f"segments[{i}]"
-        try:
-            topology, cost = Topology.from_dict(seg["topology"]), CostModel.from_dict(seg["cost"])
-        except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f'{what}: "{where}": {e}') from None
-        last = i == len(segs) - 1
-        if last != (seg["steps"] is None):
-            expected = "null (the segment in use)" if last else "the steps consumed (an integer)"
-            raise ValueError(f'{what}: "{where}.steps": expected {expected}, got {seg["steps"]!r}')
-        parsed.append({"topology": topology, "cost": cost, "steps": seg["steps"]})
-    return parsed
 
 
 def read_checkpoint_state(checkpoint: str, name: str, writer: str, instead: str) -> tuple[str, dict]:

@@ -9,15 +9,14 @@ the lengths: `window_step_counts`), and the planner fills exactly that many step
 nothing. Only a lone window (the whole-epoch plan) and the re-planned remainder of a window after an elastic resume
 are counted by planning them (both are planned before their first micro-batch anyway).
 
-`update_model(cost, rank_speeds, first_window)` is how a refitted model reaches the windows (balancer.measured's
-adapt mode): windows from `first_window` on are planned with it, windows before keep theirs; `model(w)` says which
-model window `w` is planned with. A window's step count never depends on the model: a window whose count is known
-and whose new plan would change it is an error (nothing is silently re-counted).
+Which model plans window `w` is the epoch's `WindowSchedule` (balancer.planning.schedule: `model(w)` reads it);
+`update_model(cost, rank_speeds, first_window)` adds a refitted model to it (balancer.measured's adapt mode) and
+drops the plans made for windows from `first_window` on. A window's step count never depends on the model: a window
+whose count is known and whose new plan would change it is an error (nothing is silently re-counted).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import numpy as np
 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.planner import plan as make_plan
+from balancer.planning.schedule import WindowSchedule
 from balancer.planning.shuffle import num_windows, window_ids
 from balancer.planning.topology import Topology
 from balancer.planning.window import window_cut, window_seed, window_step_count, window_step_counts
@@ -141,7 +141,8 @@ def plan_units(
 class EpochWindows:
     """An epoch's windows from window `origin` on, as one rank walks them: window `origin` is re-planned after the
     segments in `history` (topology, cost, steps consumed: an elastic resume), every later window is planned for the
-    current topology. Thread-safe: the next window may be planned ahead (`plan_ahead`)."""
+    current topology, each with the model `schedule` gives it (default: `topology` and `cost` for every window).
+    Thread-safe: the next window may be planned ahead (`plan_ahead`)."""
 
     def __init__(
         self,
@@ -157,8 +158,10 @@ class EpochWindows:
         history=(),
         guard=None,
         filler_rows: bool = False,
+        schedule: Optional[WindowSchedule] = None,
     ) -> None:
         self.lengths, self.topology, self.cost = lengths, topology, cost
+        self.schedule = WindowSchedule(topology, cost) if schedule is None else schedule
         self.seed, self.epoch, self.overflow = seed, epoch, overflow
         self.num_docs = len(lengths)
         self.window_docs = min(int(window_docs), self.num_docs)
@@ -175,7 +178,6 @@ class EpochWindows:
         self._pending: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._executor: Optional[ThreadPoolExecutor] = None
-        self._updates: list[tuple[int, Topology, CostModel]] = []  # (first window, topology, cost), in call order
 
     def __getstate__(self) -> dict:  # pickles without the thread pool and the plans (re-planned on demand)
         state = dict(self.__dict__)
@@ -188,30 +190,18 @@ class EpochWindows:
 
     # ---- the model each window is planned with ------------------------------------------------------------
     def model(self, w: int) -> tuple[Topology, CostModel]:
-        """(topology, cost model) window `w` is planned with: the last `update_model` whose first window is at or
-        before `w`, else the epoch's own."""
-        topology, cost = self.topology, self.cost
-        for first, t, c in self._updates:
-            if first <= w:
-                topology, cost = t, c
-        return topology, cost
+        """(topology, cost model) window `w` is planned with (the schedule's for this epoch)."""
+        return self.schedule.model(self.epoch, w)
 
     def update_model(self, cost: CostModel, rank_speeds, first_window: int) -> None:
         """Plan windows `first_window`.. with `cost` and `rank_speeds` (a tuple for `Topology(rank_speeds=...)`;
-        None: the epoch topology's own). Those windows' plans already made (kept or planned ahead) are dropped and
-        made again on demand; the caller makes sure no micro-batch of them has been handed out yet. A window's step
-        count does not depend on the model (`segment` raises if a known count would change)."""
-        if not isinstance(cost, CostModel):
-            raise TypeError(f"update_model: cost must be a CostModel, got {type(cost).__name__}")
-        if isinstance(first_window, bool) or not isinstance(first_window, (int, np.integer)) or first_window < 0:
-            raise ValueError(f"update_model: first_window must be a non-negative integer, got {first_window!r}")
-        topology = self.topology
-        if rank_speeds is not None:
-            if "rank_speeds" not in {f.name for f in dataclasses.fields(Topology)}:
-                raise ValueError("update_model: this planner's Topology takes no rank_speeds (pass None)")
-            topology = dataclasses.replace(topology, rank_speeds=tuple(float(s) for s in rank_speeds))
+        None: the epoch topology's own): `WindowSchedule.update` for this epoch. Those windows' plans already made
+        (kept or planned ahead) are dropped and made again on demand; the caller makes sure no micro-batch of them
+        has been handed out yet. A window's step count does not depend on the model (`segment` raises if a known
+        count would change)."""
         with self._lock:
-            self._updates.append((int(first_window), topology, cost))
+            change = self.schedule.update(cost, rank_speeds, first_window, epoch=self.epoch)
+            first_window = change.window
             for w in [w for w in self._segments if w >= first_window]:
                 del self._segments[w]
             for w in [w for w in self._pending if w >= first_window]:
