@@ -41,7 +41,7 @@ from balancer.integrations.packed import (
 from balancer.planning.batch.balance import balance_batch
 from balancer.planning.cost.model import CostModel
 from balancer.planning.topology import Topology
-from balancer.trainers.trainer import _process_mean
+from balancer.trainers.loss_log import process_mean
 from balancer.training.plan_batches import plan_micro_batches
 
 logger = logging.getLogger(__name__)
@@ -192,5 +192,5 @@ class BalancedGRPOTrainer(GRPOTrainer):
         return torch.full_like(seq, 1.0 / n, dtype=c.dtype)  # dapo, cispo, bnpo: the step's token mean
 
     def _finalize_training(self, trial, num_train_samples, start_time):
-        self._tr_loss = _process_mean(self._tr_loss)  # see BalancedTrainer: every rank holds a share
+        self._tr_loss = process_mean(self._tr_loss)  # see BalancedTrainer: every rank holds a share
         return super()._finalize_training(trial, num_train_samples, start_time)

@@ -46,6 +46,7 @@ from balancer.planning.units import OVERFLOW_POLICIES
 from balancer.trainers.balance import MeasuredBalanceMixin
 from balancer.trainers.defaults import default_topology
 from balancer.trainers.eval import BalancedEvalMixin, eval_lengths
+from balancer.trainers.loss_log import process_mean
 from balancer.trainers.stream import StreamTrainingMixin, is_stream, stream_settings, write_state
 from balancer.training.collate import PackedCollator
 from balancer.training.indices import SpanDataset
@@ -283,7 +284,7 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         """The stock Trainer adds the loss accumulated since the last log to `train_loss` as this rank's own figure;
         here every rank holds only its share of each step's globally normalised loss, so average the shares over
         the processes first, exactly as a logging step does (all ranks reach this point: it is a collective)."""
-        self._tr_loss = _process_mean(self._tr_loss)
+        self._tr_loss = process_mean(self._tr_loss)
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     # ---- loss ------------------------------------------------------------------------------------------------
@@ -338,16 +339,6 @@ def _check_short_steps(sampler, first_step: int, remaining: int, epoch: int) -> 
             f"micro_batches = {m} micro-batches inside the epoch; the Trainer runs a short optimizer step only at the "
             "end of an epoch: choose Topology.dp and Topology.micro_batches so that every window's rows fill its steps"
         )
-
-
-def _process_mean(t: torch.Tensor) -> torch.Tensor:
-    """`t` averaged over all processes (unchanged on one)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return t
-    on = torch.device("cpu") if dist.get_backend() == "gloo" else t.device
-    x = t.detach().to(on, torch.float64).clone()
-    dist.all_reduce(x)
-    return (x / dist.get_world_size()).to(t.device, t.dtype)
 
 
 def _eval_list(eval_dataset) -> list:
