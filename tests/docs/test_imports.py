@@ -429,12 +429,25 @@ def test_functions_are_short():
     assert not long, long
 
 
-KNOWN_LONG_MODULES: set[str] = set()  # as KNOWN_LONG: modules whose owner is splitting them
+# ---- modules by idea ----------------------------------------------------------------------------------------------
+# Modules are split by idea, not by line count (there is no module length limit): each one opens with a docstring
+# whose first line says what it holds, so a module whose docstring cannot name one idea shows it.
 
 
-def test_modules_are_short():
-    long = {str(p.relative_to(ROOT)): n for p in MODULES.values() if (n := len(p.read_text().splitlines())) >= 500}
-    assert not set(long) - KNOWN_LONG_MODULES, long
+def _missing_idea(source: str) -> bool:
+    doc = ast.get_docstring(ast.parse(source))
+    return doc is None or not doc.strip()
+
+
+def test_every_module_states_its_idea():
+    missing = [str(p.relative_to(ROOT)) for p in MODULES.values() if _missing_idea(p.read_text())]
+    assert not missing, f"modules without a docstring stating their idea: {missing}"
+
+
+def test_missing_idea_sees_a_module_without_a_docstring():
+    assert _missing_idea("import os\n")
+    assert _missing_idea('"""   """\n')
+    assert not _missing_idea('"""The window schedule: which model plans window w."""\n')
 
 
 @pytest.mark.parametrize(
