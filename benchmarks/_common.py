@@ -119,14 +119,19 @@ def write_result(name: str, payload: dict, *, clock: str, model: dict | None = N
 
 def recorded_runs(names: list[str], configs: tuple, tool: str) -> list[tuple[str, dict, dict, dict]]:
     """(record name, record, configuration, run) of every run of `configs` in the measured_balance.py records
-    `names` (benchmarks/results/NAME.json), for the offline analyses of recorded runs; a record that does not exist
-    ends the program with one line naming it (exit 2)."""
+    `names` (benchmarks/results/NAME.json, or NAME@REV: that record as it was at git revision REV), for the offline
+    analyses of recorded runs; a record that does not exist ends the program with one line naming it (exit 2)."""
+    from _render import load
+
     out = []
     for name in names:
-        path = RESULTS / f"{name}.json"
-        if not path.is_file():
-            print(f"{tool}: {path} does not exist", file=sys.stderr)
+        if "@" not in name and not (RESULTS / f"{name}.json").is_file():
+            print(f"{tool}: {RESULTS / f'{name}.json'} does not exist", file=sys.stderr)
             sys.exit(2)
-        record = json.loads(path.read_text())
+        try:
+            record = load(name)
+        except SystemExit as e:
+            print(f"{tool}: {e}", file=sys.stderr)
+            sys.exit(2)
         out += [(name, record, c, run) for c in record["configs"] if c["config"] in configs for run in c["runs"]]
     return out

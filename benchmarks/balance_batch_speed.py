@@ -24,6 +24,7 @@ from io import BytesIO
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _render as tb
 from _common import write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -131,6 +132,40 @@ def main() -> None:
         "goals": goals,
     }
     print(write_result("balance_batch_speed", payload, clock="process_cpu"))
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_balance_batch_speed() -> str:
+    data = tb.load("balance_batch_speed")
+    rows = []
+    for row in data["rows"]:
+        after, before = row["after"] or {}, row["before"] or {}
+        rows.append(
+            [
+                row["option"],
+                f"{row['rollouts']:,}",
+                tb.fmt(after.get("cpu_seconds"), ".3f"),
+                tb.fmt(before.get("cpu_seconds"), ".3f") if before else "not run (quadratic)",
+                tb.fmt(after.get("imbalance") and after["imbalance"] - 1, ".1e"),
+                tb.fmt(before.get("imbalance") and before["imbalance"] - 1, ".1e") if before else "-",
+                f"{after.get('micro_batches', '-')} / {before.get('micro_batches', '-')}",
+            ]
+        )
+    header = ["option", "rollouts", "CPU s", "CPU s before", "imbalance - 1", "imbalance - 1 before"]
+    header += ["micro-batches per rank (now / before)"]
+    goals = "; ".join(f"{name}: {'met' if ok else 'missed'}" for name, ok in data["goals"].items())
+    return (
+        f"{tb.markdown(header, rows)}\n\nAt commit {data.get('commit', '?')[:10]}; before: git revision {data['ref']}; "
+        f"best of {data['repeat']} paired runs. "
+        f"Goals: {goals}.{tb.record_line(data)}"
+    )
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "balance_batch_speed": table_balance_batch_speed,
+}
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not an installed copy
 
+import _render as tb
 from _common import RESULTS, write_result
 
 from balancer.calibration import TINY_LLAMA, calibrate
@@ -57,6 +58,46 @@ def main() -> None:
         model=TINY_LLAMA,
     )
     print(f"wrote {path} and {COST_FILE}")
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_calibration() -> str:
+    data = tb.load("calibration")
+    report = data["report"]
+    rows = [
+        [
+            name.replace("_", " "),
+            str(part["count"]),
+            tb.fmt(part["median_abs_error"], ".1%"),
+            tb.fmt(part["p90_abs_error"], ".1%"),
+            tb.fmt(part["max_abs_error"], ".1%"),
+        ]
+        for name, part in report.items()
+        if isinstance(part, dict) and "p90_abs_error" in part and "max_abs_error" in part
+    ]
+    table = tb.markdown(["micro-batches", "count", "median abs error", "p90 abs error", "max abs error"], rows)
+    splits = report.get("splits")
+    if not splits or "median_abs_error" not in splits:
+        return table
+    machine = report.get("machine", {})
+    pct = {k: tb.fmt(splits[k], ".1%") for k in splits if k.endswith("abs_error")}
+    return (
+        f"{table}\n\nHeld out over {splits['count']} splits by micro-batch: median |error| {pct['median_abs_error']} "
+        f"(median over splits; worst split {pct['worst_median_abs_error']}), p90 {pct['median_p90_abs_error']} "
+        f"(median; worst split {pct['worst_p90_abs_error']}). Targets (median <= 5%, p90 <= 10%) "
+        f"{'met' if report.get('meets_targets') else 'missed'}. Clock: {report.get('clock')}, "
+        f"{machine.get('cores')} cores, load average {tb.fmt(machine['loadavg_before'][0], '.1f')} before and "
+        f"{tb.fmt(machine['loadavg_after'][0], '.1f')} after timing, "
+        f"{tb.fmt(report.get('timing_seconds'), '.0f')} s of "
+        f"timing, {tb.fmt(report.get('runs_per_micro_batch'), '.1f')} runs per micro-batch on average."
+    )
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "calibration": table_calibration,
+}
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import _render as tb
 import peers  # noqa: E402
 import peers_pkg  # noqa: E402
 from _common import RESULTS, write_result  # noqa: E402 - measures the load at start on import
@@ -535,6 +536,105 @@ def main(argv=None) -> int:
     print(f"goal: {json.dumps(goal)}")
     print(f"wrote {out}{'' if args.suite == 'peers2026' else f' and {png}'} in {runtime:.0f} s")
     return 0
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_compare_speedup() -> str:
+    data = tb.load("compare")
+    peers = ["multipack", "verl", "wlb", "balancer"]
+    rows = []
+    for row in data["rows"]:
+        cells = []
+        for peer in peers:
+            result = row["peers"][peer]
+            speedup = result.get("speedup_vs_trl")
+            cells.append(f"{speedup:.2f}x" if speedup else str(result.get("status", "-"))[:20])
+        first = f"{tb.fmt(row.get('balancer_first_imbalance'))} / {tb.fmt(row.get('balancer_first_efficiency'))}"
+        rows.append(
+            [row["distribution"], row["topology"], *cells, f"{tb.fmt(row.get('speedup_bound'), '.2f')}x", first]
+        )
+    header = ["distribution", "topology", *[f"{p} speedup" for p in peers], "bound", "balancer first (imb / eff)"]
+    return tb.markdown(header, rows) + tb.record_line(data)
+
+
+def table_compare_peers() -> str:
+    """The 2026 suite: every peer's excess over the epoch bound, the project's, its per-step bound, the ratios."""
+    data = tb.load("compare_peers")
+    project = ("balancer", "balancer_slices")
+    names = [p for p in data["rows"][0]["peers"] if p not in project]
+    rows = []
+    for row in data["rows"]:
+        cells = []
+        for p in names:
+            rec = row["peers"][p]
+            cell = tb.pct(rec.get("excess_epoch")) if rec.get("status") == "ok" else str(rec.get("status"))[:24]
+            if rec.get("notes", {}).get("over_cap_micro_batches"):
+                cell += "*"
+            cells.append(f"**{cell}**" if p == row.get("best_peer") else cell)
+        ratio = "-" if row.get("ratio") is None else f"{row['ratio']:.0%}"
+        sratio = "-" if row.get("slices_ratio") is None else f"{row['slices_ratio']:.0%}"
+        rows.append([row["distribution"], row["topology"], *cells, tb.pct(row["peers"]["balancer"].get("excess_epoch")),
+                     tb.pct(row.get("step_bound_excess")), ratio,
+                     tb.pct(row["peers"]["balancer_slices"].get("excess_epoch")), sratio])  # fmt: skip
+    header = ["distribution", "topology", *names, "balancer", "of it: per-step bound", "balancer / best peer",
+              "balancer_slices", "slices / best slice peer"]  # fmt: skip
+    goal = data["goal"]
+    verdict = f"met on all {goal['rows']}" if goal["met_all"] else f"missed on {len(goal['not_met'])} of {goal['rows']}"
+    note = (
+        f"\n\nGoal (balancer's excess <= {goal['goal_ratio']:.0%} of the best peer's on every row): {verdict} rows"
+        f"; nothing dropped by any valid plan: {tb.fmt(goal['zero_drop_all'])}. * = the plan has micro-batches above "
+        "max_tokens (the peer takes no token cap, or needs more than M micro-batches to keep it)."
+    )
+    reused = data.get("reused")
+    if reused:  # the peers' columns come from an earlier run of the same documents (compare.py --peers)
+        la = reused["machine"]["load_average_start"][0], reused["machine"]["load_average_end"][0]
+        note += (
+            f"\n\nColumns {', '.join(reused['peers'])} come from the run of {reused['date']} UTC "
+            f"(`{reused['command']}`, 1-minute load {la[0]} at start and {la[1]} at end) on the same documents, "
+            f"seed and topologies; {', '.join(reused['run_now'])} from this run:"
+        )
+    return tb.markdown(header, rows) + note + tb.record_line(data)
+
+
+def table_compare_all() -> str:
+    data = tb.load("compare")
+    rows = []
+    for row in data["rows"]:
+        for peer, result in row["peers"].items():
+            rows.append(
+                [
+                    row["distribution"],
+                    row["topology"],
+                    peer,
+                    tb.fmt(result.get("imbalance"), ".4f"),
+                    tb.fmt(result.get("epoch_efficiency"), ".4f"),
+                    tb.fmt(result.get("worst_step")),
+                    tb.fmt(result.get("steps"), "d"),
+                    tb.fmt(result.get("dropped_tokens"), "d"),
+                    tb.fmt(result.get("plan_seconds"), ".2f"),
+                ]
+            )
+    header = [
+        "distribution",
+        "topology",
+        "planner",
+        "imbalance",
+        "epoch eff.",
+        "worst step",
+        "steps",
+        "dropped",
+        "plan s",
+    ]
+    return tb.markdown(header, rows)
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "compare_speedup": table_compare_speedup,
+    "compare_all": table_compare_all,
+    "compare_peers": table_compare_peers,
+}
 
 
 if __name__ == "__main__":

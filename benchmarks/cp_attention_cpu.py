@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import _render as tb
+
 import attention  # noqa: E402
 from benchmarks._common import write_result  # noqa: E402
 
@@ -195,6 +197,28 @@ def main() -> None:
         + " | ".join(f"{summary[c + '_efficiency']:.2f} ({summary[c + '_cpu_efficiency']:.2f})" for c in cols)
         + f" | {summary['attention_fwd_gflops']:.1f} | {summary['matmul_gflops']:.1f} |"
     )
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_cp_attention_cpu() -> str:
+    data = tb.load("cp_attention_cpu")
+    cfg = data["config"]
+    keys = [k for k in data if k.endswith("_efficiency")]
+    rows = [[k.removesuffix("_efficiency").replace("_", " "), tb.fmt(data[k])] for k in keys]
+    rows.append(["attention kernel vs matmul (GFLOP/s ratio)", tb.fmt(data.get("attention_vs_matmul"))])
+    note = (
+        f"{cfg['world']} gloo ranks x {cfg['threads_per_rank']} thread, {cfg['num_docs']} documents / "
+        f"{cfg['tokens']:,} tokens (longest {cfg['max_doc']:,}), {cfg['heads']} heads ({cfg['kv_heads']} KV) x "
+        f"{cfg['head_dim']}, {cfg['dtype']}, {cfg['layout']} layout. " + tb.measured_on(data)
+    )
+    return note + "\n\n" + tb.markdown(["schedule", "parallel efficiency"], rows)
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "cp_attention_cpu": table_cp_attention_cpu,
+}
 
 
 if __name__ == "__main__":

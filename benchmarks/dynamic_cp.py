@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _render as tb
 import numpy as np
 from _common import DEFAULT_COST, TOPOLOGIES, standard_topology, write_result
 
@@ -356,6 +357,56 @@ def main() -> None:
         "rows": rows,
     }
     print(f"\nwrote {write_result('dynamic_cp', payload, clock='wall+process_cpu')}")
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_dynamic_cp() -> str:
+    data = tb.load("dynamic_cp")
+    rows = []
+    for row in data["rows"]:
+        static, dynamic = row["static"], row["dynamic"]
+        rows.append(
+            [
+                row["distribution"],
+                row["topology"],
+                ",".join(str(size) for size in row["cp_sizes"]),
+                tb.fmt(static["epoch_efficiency"], ".4f"),
+                tb.fmt(dynamic["epoch_efficiency"], ".4f"),
+                tb.fmt(static["imbalance"], ".4f"),
+                tb.fmt(dynamic["imbalance"], ".4f"),
+                tb.fmt(dynamic["plan_cpu_seconds"] / max(static["plan_cpu_seconds"], 1e-9), ".1f") + "x",
+                tb.goals_cell(row.get("goals", {})),
+            ]
+        )
+    header = ["distribution", "topology", "cp sizes", "static eff.", "dynamic eff.", "static imb.", "dynamic imb."]
+    header += ["plan CPU time dyn/static", "goals"]
+    return tb.markdown(header, rows)
+
+
+def table_dynamic_cp_communication() -> str:
+    data = tb.load("dynamic_cp")
+    rows = [
+        [
+            row["distribution"],
+            row["topology"],
+            ",".join(str(size) for size in row["cp_sizes"]),
+            tb.fmt(row["predicted_speedup"], ".3f") + "x",
+            tb.fmt(row["rank_slots_on_groups_of_1"], ".2f"),
+            tb.fmt(row["plan_cpu_seconds"]["dynamic"] / max(row["plan_cpu_seconds"]["static"], 1e-9), ".1f") + "x",
+            tb.goals_cell(row["goals"]) if "goals" in row else "",
+        ]
+        for row in data["communication_rows"]
+    ]
+    header = ["distribution", "topology", "cp sizes", "predicted speedup", "share of rank-slots in groups of 1"]
+    return tb.markdown(header + ["plan CPU time dyn/static", "goals"], rows)
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "dynamic_cp": table_dynamic_cp,
+    "dynamic_cp_communication": table_dynamic_cp_communication,
+}
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import _render as tb
+
 import attention  # noqa: E402
 import balancer  # noqa: E402
 import balancer.planning.cost.predict  # noqa: E402
@@ -380,6 +382,74 @@ def main() -> None:
         print(f"{key}: wall {wall['median']:.3f}x [{wall['min']:.3f}, {wall['max']:.3f}], "
               f"cpu {cpu['median']:.3f}x [{cpu['min']:.3f}, {cpu['max']:.3f}]")  # fmt: skip
     print(f"wrote {path}")
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_hybrid_layout(name: str = "hybrid_layout") -> str:
+    data = tb.load(name)
+    rows = []
+    for name, ratio in data["ratios_zigzag_over_hybrid"].items():
+        batch, method = name.split("/")
+        chosen = ratio.get("with_cost") or {}
+        rows.append(
+            [
+                batch,
+                method,
+                f"{ratio['zigzag_bytes'] / 2**20:,.0f}",
+                f"{ratio['hybrid_bytes'] / 2**20:,.0f}",
+                str(ratio["hybrid_split_docs"]),
+                tb.ratio_spread(ratio["speedup_cpu"]),
+                tb.ratio_spread(ratio["speedup_wall"]),
+                tb.fmt(ratio["predicted_speedup"], ".2f") + "x",
+                str(chosen["split_docs"]) if chosen else "-",
+                tb.ratio_spread(chosen["speedup_cpu"]) if chosen else "-",
+                tb.fmt(chosen.get("predicted_speedup"), ".2f") + ("x" if chosen else ""),
+            ]
+        )
+    header = ["micro-batch", "method", "zigzag MiB sent", "hybrid MiB sent", "hybrid split docs"]
+    header += ["speedup (CPU time)", "speedup (wall)", "predicted speedup", "with cost: split docs"]
+    header += ["with cost: speedup (CPU time)", "with cost: predicted"]
+    return tb.measured_on(data) + "\n\n" + tb.markdown(header, rows)
+
+
+def table_hybrid_layout_runs() -> str:
+    data = tb.load("hybrid_layout")
+    rows = []
+    for run in data["rows"]:
+        options = {k: v for k, v in run["layout"].items() if k != "kind"}
+        labels = [("cost=calibrated" if k == "cost" else f"{k}={v}") for k, v in options.items() if v is not None]
+        label = run["layout"]["kind"] + (f" ({', '.join(labels)})" if labels else "")
+        rows.append(
+            [
+                run["batch"],
+                run["method"],
+                label,
+                tb.fmt(run["fwd_bwd_cpu_s"], ".2f"),
+                tb.fmt(run["fwd_bwd_s"], ".2f"),
+                tb.fmt(run["predicted_s"], ".2f"),
+                tb.fmt(sum(run["bytes_per_rank"]) / 1e6, ".1f"),
+                str(run["split_docs"]),
+                tb.fmt(run["relative_load"]),
+            ]
+        )
+    header = ["micro-batch", "method", "layout", "fwd+bwd CPU s", "fwd+bwd wall s", "predicted s"]
+    header += ["MB sent (all ranks)", "split docs", "max relative load"]
+    cal = data["calibration"]
+    fit = (
+        f"Cost model fitted on {len(cal['samples'])} timings (zigzag and hybrid) of other micro-batches, taken "
+        f"first: median |error| "
+        f"{cal['fit_median_abs_error']:.1%}, max {cal['fit_max_abs_error']:.1%} on its own samples."
+    )
+    return tb.measured_on(data) + " " + fit + "\n\n" + tb.markdown(header, rows)
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "hybrid_layout": table_hybrid_layout,
+    "hybrid_layout_runs": table_hybrid_layout_runs,
+    "hybrid_layout_mixed": lambda: table_hybrid_layout("hybrid_layout_mixed"),
+}
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _render as tb
 from _common import write_result  # noqa: E402
 
 from balancer.data.traces import load_trace  # noqa: E402
@@ -104,6 +105,43 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:30s} cpu {r['cpu_median']:.3f} s  wall {r['wall_median']:.3f} s  {r['cpu_vs_import_torch']:.2f}x")
     print(f"balancer --help / import torch (CPU): {ratio:.3f} (goal <= {GOAL}); wrote {path}")
     return 0
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_import_time() -> str:
+    data = tb.load("import_time")
+    machine = data["machine"]
+    rows = [
+        [
+            f"`{name}`",
+            tb.fmt(r["cpu_median"], ".3f"),
+            tb.fmt(r["wall_median"], ".3f"),
+            tb.fmt(r["cpu_vs_import_torch"], ".2f"),
+        ]
+        for name, r in data["results"].items()
+    ]
+    goal = data["goal"]
+    rows.append(
+        [
+            f"goal: `balancer --help` <= {goal['balancer --help cpu / import torch cpu']}x",
+            "",
+            "",
+            f"{goal['ratio']:.2f} ({'met' if goal['met'] else 'missed'})",
+        ]
+    )
+    header = ["command (median of {} rounds)".format(data["rounds"]), "CPU s", "wall s", "CPU / import torch"]
+    note = (
+        f"\n\n{data['date']}, {machine['cpus']} cores, load average {machine['load_average_start'][0]} at start, "
+        f"{machine['load_average_end'][0]} at end; CPU = user + system time of the child process."
+    )
+    return tb.markdown(header, rows) + note
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "import_time": table_import_time,
+}
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not an installed copy
 
+import _render as tb
 from _common import free_port, planner_takes_rank_speeds, write_result
 
 SCALE = 16
@@ -437,6 +438,92 @@ def main(argv=None) -> int:
         print(f"{r['config']}: speedup median {r['speedup_median']:.3f}, min {r['speedup_min']:.3f}")
     print(f"wrote {path}")
     return 0
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_measured_balance(name: str = "measured_balance") -> str:
+    """Static (shadow) against adapt on pinned CPU ranks (benchmarks/measured_balance.py), per configuration."""
+    data = tb.load(name)
+    header = ["ranks", "pairs", "static s/step", "adapt s/step", "adapt speedup: median (min)",
+              "attainable speedup: median (documents divisible)", "measured imbalance static / adapt",
+              "prediction error before refit: median / p90",
+              "after the first refit (fresh micro-batches): median / p90", "the same within steps",
+              "fitted speeds (last adapt run)", "monitor CPU / step CPU", "refit CPU s",
+              "1-min load during runs"]  # fmt: skip
+    rows = []
+    for c in data["configs"]:
+        runs = {m: [r for r in c["runs"] if r["mode"] == m] for m in ("static", "adapt")}
+
+        def med(mode, key, i=None):
+            vals = [r[key] if i is None else r[key][i] for r in runs[mode]]
+            vals = [v for v in vals if v is not None and v == v]
+            return float(sorted(vals)[len(vals) // 2]) if vals else None
+
+        def fresh(key, i):
+            vals = sorted(r["after_first_refit"][key][i] for r in c["runs"] if key in r.get("after_first_refit", {}))
+            return float(vals[len(vals) // 2]) if vals else None
+
+        speeds = runs["adapt"][-1]["rank_speeds_fitted"]
+        loads = [r["load_1min_at_start"] for r in c["runs"]]
+        rows.append([
+            f"{c['config']} (dp{c['dp']} x cp{c['cp']}{_cp_sizes_cell(c)})", str(len(c["pairs"])),
+            tb.fmt(med("static", "mean_step_seconds")), tb.fmt(med("adapt", "mean_step_seconds")),
+            f"{c['speedup_median']:.3f}x ({c['speedup_min']:.3f}x)", _attainable_cell(c["pairs"]),
+            f"{tb.fmt(med('static', 'measured_imbalance_after_second_window'))} / "
+            f"{tb.fmt(med('adapt', 'measured_imbalance_after_second_window'))}",
+            f"{tb.fmt(med('static', 'prediction_error_before', 0), '.1%')} / "
+            f"{tb.fmt(med('static', 'prediction_error_before', 1), '.1%')}",
+            f"{tb.fmt(fresh('median_p90', 0), '.1%')} / {tb.fmt(fresh('median_p90', 1), '.1%')}",
+            f"{tb.fmt(fresh('within_step_median_p90', 0), '.1%')} / "
+            f"{tb.fmt(fresh('within_step_median_p90', 1), '.1%')}",
+            "-" if speeds is None else ", ".join(f"{x:.2f}" for x in speeds),
+            tb.fmt(max(r["monitor_cpu_fraction"] for r in c["runs"]), ".2%"),
+            tb.fmt(max(r["refit_cpu_seconds"] for r in c["runs"]), ".2f"),
+            f"{min(loads):.1f}-{max(loads):.1f}",
+        ])  # fmt: skip
+    note = (
+        f"\n\nMedians over the pairs (a run's figures: the steps after its second window; errors: median over the "
+        f"runs of each run's median and p90; monitor CPU and refit CPU: the largest run). Planner takes rank speeds: "
+        f"{tb.fmt(data['planner_takes_rank_speeds'])}."
+    )
+    return tb.markdown(header, rows) + note + tb.record_line(data)
+
+
+def _attainable_cell(pairs: list) -> str:
+    """Median attainable speedup of the pairs (benchmarks/measured_balance.py ATTAINABLE_RULE) and the same with
+    every document divisible; "-" where the run has none (CP > 1, or results from before it was measured)."""
+    best = sorted(p["attainable_speedup"] for p in pairs if p.get("attainable_speedup"))
+    divisible = sorted(p["divisible_speedup"] for p in pairs if p.get("divisible_speedup"))
+    if not best:
+        return "-"
+    return f"{best[len(best) // 2]:.3f}x ({divisible[len(divisible) // 2]:.3f}x)"
+
+
+def _cp_sizes_cell(config: dict) -> str:
+    sizes = config.get("cp_sizes")
+    return "" if not sizes else ", cp_sizes " + "/".join(str(x) for x in sizes)
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "measured_balance": table_measured_balance,
+    "measured_balance_dynamic": lambda: table_measured_balance("measured_balance_dynamic"),
+    "measured_balance_uneven_w10": lambda: table_measured_balance("measured_balance_uneven_w10"),
+    "measured_balance_interleaved": lambda: table_measured_balance("measured_balance_interleaved"),
+    "measured_balance_interleaved_cp": lambda: table_measured_balance("measured_balance_interleaved_cp"),
+    "measured_balance_interleaved_cp2": lambda: table_measured_balance("measured_balance_interleaved_cp2"),
+    "measured_balance_interleaved_e524781": lambda: table_measured_balance("measured_balance_interleaved@c02ed41"),
+    "measured_balance_interleaved_cp_e524781": lambda: table_measured_balance(
+        "measured_balance_interleaved_cp@c02ed41"
+    ),
+    "measured_balance_interleaved_unpermuted": lambda: table_measured_balance(
+        "measured_balance_interleaved_unpermuted@6db6159"
+    ),
+    "measured_balance_interleaved_micro_batch_speeds": lambda: table_measured_balance(
+        "measured_balance_interleaved_micro_batch_speeds@6db6159"
+    ),
+}
 
 
 if __name__ == "__main__":

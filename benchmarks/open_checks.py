@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _render as tb
+
 from balancer.data.pretokenize.options import PretokenizeOptions  # noqa: E402
 from balancer.data.pretokenize.pipeline import pretokenize  # noqa: E402
 from balancer.data.shards.checks import open_folder  # noqa: E402
@@ -212,6 +214,39 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     print(write_result("open_checks", result, clock="wall+process_cpu"))
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_open_checks() -> str:
+    data = tb.load("open_checks")
+    rows = []
+    for name, corpus in data["corpora"].items():
+        for cache in ("cold", "warm"):
+            result = corpus.get(cache)
+            if not result:
+                continue
+            rows.append(
+                [
+                    f"{name} ({corpus['bytes'] / 1e9:.2f} GB, {corpus['rows']:,} rows, "
+                    f"mean {corpus['mean_row_tokens']:.0f} tokens/row)",
+                    cache,
+                    tb.fmt(result["wall"]["open_checks_share_of_full_read"], ".1%"),
+                    tb.fmt(result["cpu"]["open_checks_share_of_full_read"], ".1%"),
+                    tb.fmt(result["wall"]["checks_added_share_of_full_read"], ".1%"),
+                    tb.fmt(result["wall"].get("open_checks_share_of_verify"), ".2%"),
+                ]
+            )
+    header = ["corpus", "page cache", "open / full read (wall)", "open / full read (CPU)"]
+    header += ["checks alone / full read (wall)", "open / verify (wall)"]
+    cold = f"\n\nCold runs: {data['cold_unavailable']}." if data.get("cold_unavailable") else ""
+    return tb.markdown(header, rows) + cold + tb.record_line(data)
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "open_checks": table_open_checks,
+}
 
 
 if __name__ == "__main__":

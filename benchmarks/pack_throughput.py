@@ -35,6 +35,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import _render as tb  # noqa: E402
+
 TOPOLOGY = {"dp": 8, "cp": 2, "pp": 1, "micro_batches": 4, "max_tokens": 65536}
 SHARD_TOKENS = 20_000_000
 
@@ -177,6 +179,35 @@ def main() -> None:
             f"({k['peak_rss_mib'] - k['rss_after_imports_mib']:.0f}) | {p['peak_rss_mib']:.0f} | "
             f"{min(x[0] for x in s['loadavg']):.1f}-{max(x[0] for x in s['loadavg']):.1f} |"
         )
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_pack_throughput() -> str:
+    data = tb.load("pack_throughput")
+    rows = []
+    for size in data["sizes"]:
+        pack, pretok = size["pack"], size["pretokenize"]
+        rows.append(
+            [
+                f"{size['tokens']:,}",
+                tb.fmt(pretok["mb_per_s"], ".1f"),
+                tb.fmt(pack["mb_per_s"], ".1f"),
+                ", ".join(tb.fmt(r, ".2f") for r in size["ratio_per_repeat"]),
+                tb.fmt(size["pack_vs_pretokenize_bytes_per_cpu_s"], ".2f"),
+                tb.fmt(pack["peak_rss_mib"] - pack["rss_after_imports_mib"], ".0f"),
+                "-".join(tb.fmt(f(sample[0] for sample in size["loadavg"]), ".0f") for f in (min, max)),
+            ]
+        )
+    header = ["tokens", "pretokenize MB/s", "pack MB/s", "pack/pretokenize per repeat", "per CPU s"]
+    header += ["pack peak MiB above imports", "load avg (1 min)"]
+    return tb.markdown(header, rows) + tb.record_line(data)
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "pack_throughput": table_pack_throughput,
+}
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _render as tb
 from _common import DEFAULT_COST, write_result
 
 import balancer
@@ -49,6 +50,35 @@ def main() -> None:
             row[f"load_{key}_unvalidated_s"] = cpu_best(lambda: balancer.Plan.load(path, validate=False), args.repeat)
     print(row)
     write_result("plan_validate", {"topology": str(topo), "rows": [row]}, clock="process_cpu")
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_plan_validate() -> str:
+    data = tb.load("plan_validate")
+    rows = [
+        [
+            f"{r['documents']:,} ({r['placements']:,} placements, {r['steps']:,} steps)",
+            tb.fmt(r["plan_s"], ".1f"),
+            tb.fmt(r["validate_s"], ".2f"),
+            f"{tb.fmt(r['load_npz_s'], '.2f')} ({tb.fmt(r['load_npz_unvalidated_s'], '.2f')})",
+            f"{tb.fmt(r['load_json_s'], '.2f')} ({tb.fmt(r['load_json_unvalidated_s'], '.2f')})",
+        ]
+        for r in data["rows"]
+    ]
+    load_avg = data["machine"]["load_average_start"][0]
+    header = ["documents", "plan (s)", "validate (s)", "load .npz (unvalidated)", "load JSON (unvalidated)"]
+    note = (
+        f"\n\n{data['topology']}; process CPU seconds, best of the repeats, {data['machine']['cpus']} cores, load "
+        f"average {load_avg} at start ({data['date']})."
+    )
+    return tb.markdown(header, rows) + note
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "plan_validate": table_plan_validate,
+}
 
 
 if __name__ == "__main__":

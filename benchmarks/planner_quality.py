@@ -3,8 +3,9 @@
 Issue 2's setting: max_tokens = next power of two >= longest document / cp, tokens_per_step = 0.85 x capacity,
 cost attention 2/53000 per causal pair + 1 per token; topologies dp8 (M4), dp4 x cp8 (M8), dp4 x cp2 x pp4 (M8);
 distributions: the two published traces, a near-uniform SFT mix and a generated heavy tail to 1M tokens.
-With `--before FILE` (a results file of an earlier version, e.g. planner_quality_before.json: this script run on
-the planner before issue 21's batched packing) every row also carries that version's metrics and the goal
+With `--before FILE` (a results file of an earlier version, e.g. the run on the planner before its batched packing:
+`git show 6db6159:benchmarks/results/planner_quality_before.json > before.json`; results/ keeps only the current
+record, earlier ones live in git) every row also carries that version's metrics and the goal
 "efficiency_within_0.003_of_before". Writes benchmarks/results/planner_quality.json and prints the README table.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import _render as tb
 from _common import DEFAULT_COST, TOPOLOGIES, standard_topology, write_result
 from wlb import wlb_plan
 
@@ -88,6 +90,55 @@ def main() -> None:
         payload["before"] = {"file": args.before, "command": saved.get("command"), "date": saved.get("date")}
     path = write_result("planner_quality", payload, clock="wall")
     print(f"\nwrote {path}")
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_planner_quality() -> str:
+    data = tb.load("planner_quality")
+    rows = []
+    for row in data["rows"]:
+        ours, wlb = row["balancer"], row["wlb"]
+        rows.append(
+            [
+                row["distribution"],
+                row["topology"],
+                tb.fmt(ours["imbalance"], ".4f"),
+                tb.fmt(wlb["imbalance"], ".4f"),
+                tb.fmt(ours["epoch_efficiency"], ".4f"),
+                tb.fmt(wlb["epoch_efficiency"], ".4f"),
+                tb.fmt(ours["worst_step"]),
+                tb.fmt(wlb["worst_step"]),
+                tb.fmt(ours["mean_delay_steps"], ".2f"),
+                tb.fmt(row["before"]["epoch_efficiency"], ".4f") if "before" in row else "",
+                "all met"
+                if all(row["goals"].values())
+                else "missed: " + ", ".join(k for k, v in row["goals"].items() if not v),
+            ]
+        )
+    header = [
+        "distribution",
+        "topology",
+        "imbalance",
+        "WLB imbalance",
+        "epoch efficiency",
+        "WLB efficiency",
+        "worst step",
+        "WLB worst step",
+        "delay (steps)",
+        "efficiency before",
+        "goals",
+    ]
+    if not any("before" in row for row in data["rows"]):  # run without --before: no such column
+        header.pop(-2)
+        rows = [row[:-2] + row[-1:] for row in rows]
+    return tb.markdown(header, rows)
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "planner_quality": table_planner_quality,
+}
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import argparse
 import sys
 import time
 
+import _render as tb
 import numpy as np
 from _common import DEFAULT_COST, write_result
 from wlb import wlb_plan
@@ -187,6 +188,81 @@ def main() -> None:
         clock="process_cpu",
     )
     print(f"wrote {path}", file=sys.stderr)
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_planner_speed() -> str:
+    data = tb.load("planner_speed")
+    clock = "process CPU" if data.get("clock") == "process_cpu" else data.get("clock", "wall")
+    load_avg = data.get("machine", {})
+    rows = [
+        [
+            f"{r['documents']:,}",
+            f"{r['balancer_s']:.3f} s",
+            f"{r['wlb_s']:.3f} s",
+            f"{r['speedup']:.1f}x",
+            f"{r['balancer_s'] / r['wlb_s']:.3f}x",
+            str(r["steps"]),
+        ]
+        for r in data["rows"]
+    ]
+    table = tb.markdown(["documents", "balancer", "WLB-style greedy", "speedup", "balancer / greedy", "steps"], rows)
+    out = f"dp64 x cp4 x M8 x 32,768, WLB-LLM lengths, {clock} time (best of 3):\n\n{table}"
+    out += f"\n\nTime grows {data['growth']:.1f}x for {data['size_ratio']:.0f}x the documents."
+    many = data.get("many_small_steps")
+    if many:
+        small, large = many["dp4xcp2xM4x2048"], many["dp64xcp4xM8x32768"]
+        rows = [
+            [
+                "dp4 x cp2 x M4 x 2,048",
+                str(small["steps"]),
+                f"{small['cpu_s']:.2f} s",
+                tb.fmt(small["epoch_efficiency"], ".4f"),
+            ],
+            [
+                "dp64 x cp4 x M8 x 32,768",
+                str(large["steps"]),
+                f"{large['cpu_s']:.2f} s",
+                tb.fmt(large["epoch_efficiency"], ".4f"),
+            ],
+            [
+                "dp4 x cp2 x M4 x 2,048, per-document cost greedy",
+                "",
+                f"{many['greedy_cpu_s']:.2f} s",
+                tb.fmt(many["greedy_epoch_efficiency"], ".4f"),
+            ],
+        ]
+        out += (
+            f"\n\n{many['documents']:,} SFT-like documents ({many['lengths']}), {clock} time:\n\n"
+            + tb.markdown(["topology", "steps", "plan time", "epoch efficiency"], rows)
+            + f"\n\nMany small steps take {many['vs_greedy']:.3f}x the greedy's time (goal <= 0.08x) and "
+            f"{many['vs_few_steps']:.2f}x the few-steps topology's (goal <= 3x): {tb.goals_cell(many['goals'])}."
+        )
+    if data.get("sft_trace"):
+        rows = [
+            [r["topology"], str(r["steps"]), f"{r['cpu_s']:.2f} s", tb.fmt(r["epoch_efficiency"], ".4f")]
+            for r in data["sft_trace"]
+        ]
+        out += (
+            f"\n\nThe built-in `sft` trace ({data['sft_trace'][0]['documents']:,} documents), llama3-8b cost, "
+            f"{clock} time:\n\n" + tb.markdown(["topology", "steps", "plan time", "epoch efficiency"], rows)
+        )
+    if data.get("one_step"):
+        rows = [[r["case"], f"{r['ms']:.2f} ms"] for r in data["one_step"]]
+        out += "\n\nOne step (mean of 20 calls, best of 5):\n\n" + tb.markdown(["call", "time"], rows)
+    if load_avg.get("load_average_start"):
+        out += (
+            f"\n\nMachine: {load_avg.get('cpus')} cores, load average (1/5/15 min) "
+            f"{load_avg['load_average_start']} at start, {load_avg['load_average_end']} at end."
+        )
+    return out
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "planner_speed": table_planner_speed,
+}
 
 
 if __name__ == "__main__":

@@ -89,6 +89,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _render as tb  # noqa: E402
 from _common import write_result  # noqa: E402
 
 import balancer  # noqa: E402
@@ -300,6 +301,40 @@ def main() -> None:
             + (f" pipeline saving {row['pipeline_order_saving']:.4f}" if "pipeline_order_saving" in row else "")
         )
     print(path)
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_post_training() -> str:
+    data = tb.load("post_training")
+    rows = [
+        [
+            row["case"],
+            str(row["mini_batches"]),
+            row["planner"],
+            str(row["micro_batches"]),
+            tb.fmt(row["worst_ratio"], ".4f"),
+            tb.fmt(row["mean_ratio"], ".4f"),
+            tb.fmt(row.get("pipeline_order_saving"), ".1%"),
+            tb.fmt(row["plan_cpu_ms"], ".0f"),
+        ]
+        for row in sorted(data["rows"], key=lambda r: (r["case"], r["mini_batches"], r["planner"]))
+    ]
+    header = ["batch, topology", "mini-batches", "planner", "micro-batches (max)", "worst step / bound"]
+    header += ["mean step / bound", "1F1B saving of the pipeline order", "plan CPU ms"]
+    goal = data["goal"]
+    return (
+        f"{tb.markdown(header, rows)}\n\nSeeds {', '.join(map(str, data['seeds']))} (one batch each); verl: "
+        f"{data['verl']}. Goal (balancer's worst step within 3% of the bound on "
+        f"{'; '.join(goal.get('cases', ['every case']))}): "
+        f"{'met' if goal['met'] else 'missed'}. Plan times: {tb.machine_line(data)}."
+    )
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "post_training": table_post_training,
+}
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import _render as tb
 from _common import write_result  # noqa: E402 - imported first: it measures the load at start
 
 WORDS = (
@@ -336,6 +337,35 @@ def main() -> None:
     print(f"\nwrote {out}")
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_pretokenize_throughput() -> str:
+    data = tb.load("pretokenize_throughput")
+    rows = []
+    for run in data["runs"]:
+        for name, result in run.items():
+            if not isinstance(result, dict) or "mb_per_s" not in result:
+                continue
+            rows.append(
+                [
+                    run["tokenizer"],
+                    name,
+                    tb.fmt(result["mb_per_s"], ".1f"),
+                    tb.fmt(result.get("cpu_seconds"), ".2f"),
+                    tb.fmt(result.get("overhead_vs_direct"), "+.0%") if "overhead_vs_direct" in result else "-",
+                    tb.fmt(result.get("peak_rss_mib"), ".0f"),
+                ]
+            )
+    header = ["tokenizer", "run", "MB/s", "CPU s", "wall overhead", "peak RSS MiB"]
+    return tb.markdown(header, rows) + tb.record_line(data)
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "pretokenize_throughput": table_pretokenize_throughput,
+}
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from _common import recorded_runs, table, write_result  # noqa: E402
 
 CONFIGS = ("uneven", "equal", "cp2")
 DEFAULT_INPUTS = ("measured_balance_interleaved", "measured_balance_interleaved_cp",
-                  "measured_balance_interleaved_e524781", "measured_balance_interleaved_cp_e524781")  # fmt: skip
+                  "measured_balance_interleaved@c02ed41", "measured_balance_interleaved_cp@c02ed41")  # fmt: skip
 VARIANTS = {"least squares": False, "median-scaled": True}
 
 

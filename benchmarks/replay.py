@@ -38,6 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's packages, not an installed copy
 
+import _render as tb
 from _common import RESULTS, free_port, write_result
 from _replay_worker import worker
 from peers import trl_plan
@@ -217,6 +218,57 @@ def print_table(name: str, result: dict) -> None:
             f"{r['wall_over_cpu']:5.2f}"
         )
     print(f"ranking measured {result['ranking_measured']}, predicted {result['ranking_predicted']}")
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def _replay_table(run: dict, clock: str) -> str:
+    rows = []
+    for name, row in run["rows"].items():
+        error = row.get("micro_batch_error") or {}
+        rows.append(
+            [
+                name,
+                row["layout"],
+                str(row["num_steps"]),
+                tb.fmt(row["mean_tokens_per_step"], ",.0f"),
+                tb.fmt(row["epoch_seconds"], ".1f"),
+                tb.fmt(row["compute_seconds"], ".1f"),
+                tb.fmt(row["all_reduce_seconds"] + row["optimizer_seconds"], ".2f"),
+                tb.fmt(row["measured_speedup"], ".3f") + "x",
+                tb.fmt(row["predicted_speedup"], ".3f") + "x",
+                tb.fmt(error.get("median_abs_error"), ".1%"),
+                tb.fmt(row["wall_over_cpu"], ".2f"),
+            ]
+        )
+    header = ["plan", "layout", "steps", "tokens/step", f"epoch s ({clock})", "compute s", "all-reduce + optimizer s"]
+    header += [f"measured speedup vs {run['baseline']}", "predicted speedup", "median micro-batch error", "wall/CPU"]
+    topo = run["topology"]
+    ranking = (
+        f"dp {topo['dp']} x cp {topo['cp']}, M = {topo['micro_batches']}, {run['processes']} processes at once on "
+        f"{run.get('cores', '?')} cores; "
+        f"load average {run['load_before'][0]} before, {run['load_after'][0]} after; {run['seconds']:.0f} s wall. "
+        f"Measured ranking: {', '.join(run['ranking_measured'])}; predicted: {', '.join(run['ranking_predicted'])} "
+        f"(ranking_correct: {str(run['ranking_correct']).lower()})."
+    )
+    return tb.markdown(header, rows) + "\n\n" + ranking
+
+
+def table_replay() -> str:
+    data = tb.load("replay")
+    return _replay_table(data["runs"]["dp2"], data["clock_of_figures"])
+
+
+def table_replay_layout() -> str:
+    data = tb.load("replay")
+    return _replay_table(data["runs"]["layout"], data["clock_of_figures"])
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "replay": table_replay,
+    "replay_layout": table_replay_layout,
+}
 
 
 if __name__ == "__main__":

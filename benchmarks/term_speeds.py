@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import recorded_runs, table, write_result  # noqa: E402
 
 CONFIGS = ("uneven", "equal")
-DEFAULT_INPUTS = ("measured_balance_interleaved", "measured_balance_interleaved_e524781")
+DEFAULT_INPUTS = ("measured_balance_interleaved", "measured_balance_interleaved@c02ed41")
 
 
 def _per_replica(samples, like, dp: int) -> list:

@@ -46,6 +46,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
+import _render as tb
 from _common import RESULTS, write_result  # noqa: E402 - measures the load at start on import
 
 from balancer.data.traces import heavy_tail, sft_mix  # noqa: E402
@@ -348,6 +349,41 @@ def main(argv=None) -> int:
         )
     print(f"wrote {out} and {png} in {time.perf_counter() - t0:.0f} s")
     return 0
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_trainer_compare() -> str:
+    """BalancedTrainer against the built-in trainers: measured time, throughput, padding, loss."""
+    data = tb.load("trainer_compare")
+    rows = []
+    for mix, s in data["summary"].items():
+        b = s["contenders"]["balancer"]
+        for name, r in s["contenders"].items():
+            rows.append([mix, name, tb.fmt(r["steps"], "d"), " / ".join(f"{x:.1f}" for x in r["wall_all"]),
+                         " / ".join(f"{x:.1f}" for x in r["cpu_all"]), f"{r['tokens_per_second']:,.0f}",
+                         f"{r['padding_share']:.1%}", f"{r['heldout_loss']:.4f}",
+                         f"{r['wall_seconds'] / b['wall_seconds']:.2f}x",
+                         f"{r['cpu_seconds'] / b['cpu_seconds']:.2f}x"])  # fmt: skip
+    header = ["mix", "trainer", "steps", "wall s (reps)", "CPU s (reps)", "tokens/s (wall)", "padding",
+              "held-out loss", "time / balancer (wall)", "time / balancer (CPU)"]  # fmt: skip
+    notes = []
+    for mix, s in data["summary"].items():
+        lo, hi = s["stock_spread"]
+        inside = [c for c, ok in s["loss_within_spread"].items() if ok]
+        notes.append(
+            f"{mix}: balancer {s['speedup_wall']:.2f}x the best built-in by wall clock ({s['best_builtin_wall']}), "
+            f"{s['speedup_cpu']:.2f}x by CPU ({s['best_builtin_cpu']}), goal {s['goal_speedup']}x "
+            f"{'met' if s['goal_met'] else 'missed'}; stock batch_rebalance over {len(s['stock_seed_losses'])} seeds: "
+            f"held-out loss {lo:.4f}-{hi:.4f} (inside: {', '.join(inside) or 'none'})"
+        )
+    return tb.markdown(header, rows) + "\n\n" + ".\n".join(notes) + "." + tb.record_line(data)
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "trainer_compare": table_trainer_compare,
+}
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import _render as tb
 import numpy as np
 from _common import DEFAULT_COST, RESULTS, TOPOLOGIES, standard_topology, write_result
 
@@ -220,6 +221,80 @@ def main() -> None:
     plot(result, RESULTS / "window_planning.png")
     print("goals:", result["goals"])
     print("wrote", write_result("window_planning", result, clock="process_cpu"))
+
+
+# ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
+
+
+def table_window_first_batch() -> str:
+    data = tb.load("window_planning")
+    first = data["first_micro_batch"]
+    runs = [(f"{r['window_steps']} steps", r) for r in first["windows"]] + [("default", first["default"])]
+    if "whole_epoch" in first:
+        runs.append(("whole epoch (one window)", first["whole_epoch"]))
+    rows = [
+        [name, f"{r['window_docs']:,}", f"{r['windows']:,}", f"{r['cpu_seconds']:.2f} s",
+         f"{r['peak_rss_above_lengths_mib']:,.0f} MiB"]
+        for name, r in runs
+    ]  # fmt: skip
+    table = tb.markdown(
+        ["window", "documents per window", "windows", "CPU to first micro-batch", "peak RSS above lengths"], rows
+    )
+    scan = first["scan"]
+    return (
+        f"{table}\n\n{first['documents']:,} documents ({first['default']['lengths_mib']:,.0f} MiB of int64 "
+        f"lengths, memory-mapped); the pass over the lengths every sampler makes took {scan['cpu_seconds']:.2f} s "
+        f"({scan['ns_per_document']:.1f} ns per document). Measured in a fresh process per row: "
+        f"{tb.machine_line(data)}."
+    )
+
+
+def table_window_quality(key: str = "quality") -> str:
+    data = tb.load("window_planning")
+    if key not in data:
+        return "(not measured in the last run of benchmarks/window_planning.py)"
+    steps = [r["window_steps"] for r in data["first_micro_batch"]["windows"]]
+    rows = []
+    for row in data[key]:
+        d = row["default"]
+        rows.append(
+            [row["distribution"], row["topology"], f"{row['documents']:,}", tb.fmt(row["whole_epoch"], ".4f")]
+            + [tb.fmt(row[f"steps_{s}"]["loss"], "+.4f") for s in steps]
+            + [f"{d['windows']} x {d['window_docs']:,}", tb.fmt(d["loss"], "+.4f")]
+        )
+    header = ["distribution", "topology", "documents", "whole-epoch efficiency"] + [f"loss, {s} steps" for s in steps]
+    return (
+        tb.markdown(header + ["default windows", "loss, default"], rows) + f"\n\nGoals: {tb.goals_cell(data['goals'])}."
+    )
+
+
+def table_window_billion() -> str:
+    data = tb.load("window_planning")
+    first = data["first_micro_batch"]
+    d, scan = first["default"], first["scan"]
+    plan_cpu = max(0.0, d["cpu_seconds"] - scan["cpu_seconds"])
+    n = 1_000_000_000
+    mem = f"{d['peak_rss_above_lengths_mib']:,.0f} MiB peak"
+    pages = f"{n * 8 / 2**30:.1f} / {n * 4 / 2**30:.1f} GiB file pages"
+    rows = [
+        ["pass over the lengths (check, sum, fingerprint)", f"{scan['ns_per_document']:.1f} s", "one 8 MiB chunk"],
+        ["plan the first window (same window size as at 30M)", f"{plan_cpu:.1f} s", mem],
+        ["lengths (int64 / int32 .npy, memory-mapped, shared page cache)", "-", pages],
+        ["step count per window (for len and positions)", "-", f"{n // d['window_docs'] + 1:,} ints"],
+    ]  # fmt: skip
+    total = scan["ns_per_document"] * n / 1e9 + plan_cpu
+    return tb.markdown(["per rank, 1B documents", "CPU", "memory"], rows) + (
+        f"\n\nAbout {total:.0f} s of CPU before the first micro-batch, scaled from the 30M measurement above "
+        "(the pass over the lengths grows with the corpus, the window's plan does not)."
+    )
+
+
+TABLES = {  # docs/ marker name -> the table, from the record
+    "window_first_batch": table_window_first_batch,
+    "window_quality": table_window_quality,
+    "window_quality_scaled": lambda: table_window_quality("quality_scaled"),
+    "window_billion": table_window_billion,
+}
 
 
 if __name__ == "__main__":
