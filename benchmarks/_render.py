@@ -12,18 +12,31 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 
+LOADED: dict[str, dict] = {}  # every record read by load(), for tables.py's check of what each names
+
+
 def load(name: str) -> dict:
     """The record benchmarks/results/NAME.json; `NAME@REV`: that file as it was at git revision REV (results/ keeps
     only each benchmark's current record: earlier ones live in git)."""
     if "@" not in name:
-        return json.loads((RESULTS / f"{name}.json").read_text())
+        LOADED[name] = json.loads((RESULTS / f"{name}.json").read_text())
+        return LOADED[name]
     record, rev = name.split("@", 1)
     done = subprocess.run(
         ["git", "show", f"{rev}:benchmarks/results/{record}.json"], cwd=ROOT, capture_output=True, text=True
     )
     if done.returncode != 0:
         raise SystemExit(f"record {name}: git show failed: {done.stderr.strip()}")
-    return json.loads(done.stdout)
+    LOADED[name] = json.loads(done.stdout)
+    return LOADED[name]
+
+
+def commit_and_load(record: dict) -> tuple[str | None, list | None]:
+    """The commit a record was measured at and the machine's load at its start, where it names them (None if not):
+    `git.commit` or `commit`, and `machine.load_average_start` or `machine.load_start`."""
+    commit = (record.get("git") or {}).get("commit") or record.get("commit")
+    machine = record.get("machine") or {}
+    return commit, machine.get("load_average_start") or machine.get("load_start")
 
 
 def fmt(value, spec: str = ".3f") -> str:
