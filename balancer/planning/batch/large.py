@@ -15,6 +15,11 @@ batch of 16K rollouts. With that many units the balance is easy to reach without
    headroom); with `pp > 1` the largest micro-batch also counts, so costs are balanced (LPT on cost within the cap).
    Where the cap defeats LPT, first-fit decreasing on tokens is tried before giving up.
 
+Uneven ranks (`speeds`, one per replica): a replica's time is its work over its speed. Level 1 then runs LPT by
+finish time (each unit to the replica that would finish it first, the snake deal knows no speeds) and the pair
+search between the slowest and the fastest replica by time, aiming each exchange at the cost that equalises the two
+times; level 2 is unchanged (within a replica the speed scales every micro-batch alike).
+
 Every micro-batch gets at least one unit (LPT fills the empty ones first). The result is a deterministic function
 of the inputs (stable sorts, ties to the lower index).
 """
@@ -32,21 +37,28 @@ PAIR_ROUNDS = 256  # most improving moves/swaps between the slowest and the fast
 LPT_GAP = 1e-3  # the deal's slowest replica this far above the bound also tries LPT
 
 
-def pack_large(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray | None:
+def pack_large(
+    cost: np.ndarray, tokens: np.ndarray, topology: Topology, speeds: np.ndarray | None = None
+) -> np.ndarray | None:
     """Micro-batch (replica * M + m) of every unit of one large step, or None when it does not fit `topology`
-    (a replica over its tokens, or with fewer units than micro-batches)."""
+    (a replica over its tokens, or with fewer units than micro-batches). `speeds` [dp]: the replicas' speeds (None:
+    even ranks)."""
     dp, m = topology.dp, topology.micro_batches
     tokens = np.asarray(tokens, dtype=np.int64)
     if dp == 1:
         return _micro_batches(np.zeros(len(cost), dtype=np.int64), cost, tokens, topology)
     room = m * topology.micro_batch_tokens
-    bound = max(float(cost.max()), float(cost.sum()) / dp)  # no replica assignment has a faster slowest replica
-    rep = _replicas(cost, tokens, dp, room, m, lpt=False)
+    speed = np.ones(dp) if speeds is None else speeds
+    # no replica assignment has a faster slowest replica
+    bound = max(float(cost.max()) / float(speed.max()), float(cost.sum()) / float(speed.sum()))
+    rep = _replicas(cost, tokens, dp, room, m, lpt=speeds is not None, speeds=speeds)
     best = None if rep is None else _micro_batches(rep, cost, tokens, topology)
+    if best is None and rep is not None and speeds is not None:  # the fast replicas' tokens fill their room
+        best = _spill(rep, cost, tokens, topology, speeds)
     if best is None:  # the step does not fit this way (the caller may try more micro-batches): as it was
         return None
-    top = float(np.bincount(best // m, weights=cost, minlength=dp).max())
-    if top <= bound * (1 + LPT_GAP):
+    top = float((np.bincount(best // m, weights=cost, minlength=dp) / speed).max())
+    if top <= bound * (1 + LPT_GAP) or speeds is not None:
         return best
     # a unit outweighs a replica's share: LPT, whose token-tighter replicas may need some units spilled
     rep = _replicas(cost, tokens, dp, room, m, lpt=True)
@@ -60,10 +72,13 @@ def pack_large(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.n
     return best
 
 
-def _spill(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray | None:
+def _spill(
+    rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology, speeds: np.ndarray | None = None
+) -> np.ndarray | None:
     """Micro-batches of the replica assignment `rep` when some replica's units do not split within the cap: each
     replica first-fit decreasing on tokens, and what does not fit goes, largest first, to the micro-batch with the
-    most room on the least loaded replica that has room for it. None when a unit fits nowhere."""
+    most room on the replica that would finish it first (even ranks: the least loaded) that has room for it. None
+    when a unit fits nowhere."""
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
     bins = np.full(len(cost), -1, dtype=np.int64)
     left = np.full(dp * m, cap, dtype=np.int64)
@@ -84,7 +99,7 @@ def _spill(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topo
         if not fits.any():
             return None
         ok_rep = fits.reshape(dp, m).any(axis=1)
-        r = int(np.argmin(np.where(ok_rep, load, np.inf)))
+        r = int(np.argmin(np.where(ok_rep, load if speeds is None else (load + cost[i]) / speeds, np.inf)))
         b = r * m + int(np.argmax(np.where(fits[r * m : (r + 1) * m], left[r * m : (r + 1) * m], -1)))
         bins[i] = b
         left[b] -= tokens[i]
@@ -111,14 +126,63 @@ def _micro_batches(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topolo
     return bins
 
 
-def _replicas(cost: np.ndarray, tokens: np.ndarray, dp: int, room: int, keep: int, lpt: bool) -> np.ndarray | None:
+def _replicas(
+    cost: np.ndarray, tokens: np.ndarray, dp: int, room: int, keep: int, lpt: bool, speeds: np.ndarray | None = None
+) -> np.ndarray | None:
     """Replica of every unit: the back-and-forth deal, or with `lpt` LPT (each replica keeping `keep` units), then
     the pair search. The deal alone fails where one unit outweighs a replica's share: its replica also gets every
-    k-th unit after it, more than the pair search's rounds move off again; LPT gives that replica nothing more."""
-    rep = _lpt(cost, tokens, dp, room, keep=keep) if lpt else _deal(cost, tokens, dp, room)
+    k-th unit after it, more than the pair search's rounds move off again; LPT gives that replica nothing more.
+    With `speeds`: LPT by finish time, then the pair search by time."""
+    if speeds is not None:
+        rep = lpt_timed(cost, tokens, speeds, room, keep=keep)
+    else:
+        rep = _lpt(cost, tokens, dp, room, keep=keep) if lpt else _deal(cost, tokens, dp, room)
     if rep is not None:
-        _balance_pairs(rep, cost, tokens, dp, room, keep)
+        _balance_pairs(rep, cost, tokens, dp, room, keep, speeds=speeds)
     return rep
+
+
+def lpt_timed(
+    weight: np.ndarray, tokens: np.ndarray, speeds: np.ndarray, room: int, keep: int = 0, most: np.ndarray | None = None
+) -> np.ndarray | None:
+    """LPT on uneven bins: largest `weight` first, each item to the bin that would finish it first (its weight plus
+    the item's, over its speed; ties: the lower bin) among those within `room` tokens (and below `most` items per
+    bin when given); once the items left are just enough to give every bin `keep` items, only bins short of `keep`
+    take them. None when an item fits no bin. O(n * bins), one vector step per item."""
+    k, n = len(speeds), len(weight)
+    if n < k * keep:
+        return None
+    weight = np.asarray(weight, dtype=np.float64)
+    out = np.empty(n, dtype=np.int64)
+    load, used, have = [0.0] * k, [0] * k, [0] * k
+    limit = [n] * k if most is None else [int(x) for x in most]
+    speed, bins = [float(x) for x in speeds], range(k)
+    short = k * keep  # items still owed to bins below `keep`
+    w_list, t_list = weight.tolist(), np.asarray(tokens).tolist()
+    for left, i in enumerate(np.argsort(-weight, kind="stable").tolist()):
+        w, t = w_list[i], t_list[i]
+        only_short = n - left <= short
+        best, finish = -1, float("inf")
+        for c in bins:  # plain lists: a handful of bins costs less than one numpy call
+            if used[c] + t <= room and have[c] < limit[c] and not (only_short and have[c] >= keep):
+                f = (load[c] + w) / speed[c]
+                if f < finish:
+                    best, finish = c, f
+        if best < 0:
+            return None
+        out[i] = best
+        load[best] += w
+        used[best] += t
+        if have[best] < keep:
+            short -= 1
+        have[best] += 1
+    return out
+
+
+def balance_swaps(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, room: int, speeds: np.ndarray) -> None:
+    """In place: the pair search by time (swaps only, so every bin keeps its item count) between the slowest and
+    the fastest of the `len(speeds)` bins."""
+    _balance_pairs(rep, cost, np.asarray(tokens, dtype=np.int64), len(speeds), room, len(cost), False, speeds)
 
 
 def deal_equal_counts(cost: np.ndarray, tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
@@ -210,21 +274,35 @@ def _first_fit(tokens: np.ndarray, k: int, room: int, partial: bool = False) -> 
 
 
 def _balance_pairs(
-    rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, dp: int, room: int, keep: int, moves: bool = True
+    rep: np.ndarray,
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    dp: int,
+    room: int,
+    keep: int,
+    moves: bool = True,
+    speeds: np.ndarray | None = None,
 ) -> None:
-    """In place: while it lowers the slowest replica's work, the best move or swap of units between the slowest and
+    """In place: while it lowers the slowest replica's time, the best move or swap of units between the slowest and
     the fastest replica (token room kept, a replica keeps at least `keep` units for its micro-batches); the best is
-    the one bringing the two closest to their mean."""
+    the one bringing the two closest to equal times (even ranks: to their mean work)."""
     load = np.bincount(rep, weights=cost, minlength=dp)
     used = np.bincount(rep, weights=tokens, minlength=dp).astype(np.int64)
     for _ in range(PAIR_ROUNDS):
-        r, q = int(np.argmax(load)), int(np.argmin(load))
-        gap = load[r] - load[q]
-        if r == q or gap <= 1e-12 * load[r]:
+        time = load if speeds is None else load / speeds
+        r, q = int(np.argmax(time)), int(np.argmin(time))
+        if r == q or time[r] - time[q] <= 1e-12 * time[r]:
             return
+        if speeds is None:
+            gap = load[r] - load[q]
+            target = gap / 2
+        else:  # the cost moved from r to q that equalises their times, and the most that still lowers r's time
+            s_r, s_q = float(speeds[r]), float(speeds[q])
+            target = (load[r] * s_q - load[q] * s_r) / (s_r + s_q)
+            gap = load[r] * s_q / s_r - load[q]
         mine = np.flatnonzero(rep == r)
         best = _best_exchange(
-            mine, np.flatnonzero(rep == q), cost, tokens, gap, used, r, q, room, moves and len(mine) > keep
+            mine, np.flatnonzero(rep == q), cost, tokens, (gap, target), used, r, q, room, moves and len(mine) > keep
         )
         if best is None:
             return
@@ -240,20 +318,22 @@ def _balance_pairs(
         load[q] += delta
 
 
-def _best_exchange(mine, theirs, cost, tokens, gap: float, used, r: int, q: int, room: int, may_move: bool):
+def _best_exchange(mine, theirs, cost, tokens, aim: tuple, used, r: int, q: int, room: int, may_move: bool):
     """(unit of r, unit of q or -1 for a move, cost moved) whose transfer `delta` (0 < delta < gap) is closest to
-    gap / 2, within token room (moves only when `may_move`); None when none lowers the larger of the two."""
+    the target, `aim = (gap, target)` (even ranks: target gap / 2), within token room (moves only when
+    `may_move`); None when none lowers the larger of the two."""
+    gap, target = aim
     c_mine = cost[mine]
-    candidates = []  # (|gap - 2 delta|, i, j, delta)
+    candidates = []  # (2 |target - delta|, i, j, delta): with target gap / 2 exactly |gap - 2 delta|
     fits = (used[q] + tokens[mine] <= room) & may_move
     movable = fits & (c_mine > 0) & (c_mine < gap)
     if movable.any():
-        k = int(np.argmin(np.where(movable, np.abs(gap - 2 * c_mine), np.inf)))
-        candidates.append((abs(gap - 2 * c_mine[k]), int(mine[k]), -1, float(c_mine[k])))
+        k = int(np.argmin(np.where(movable, np.abs(2 * target - 2 * c_mine), np.inf)))
+        candidates.append((abs(2 * target - 2 * c_mine[k]), int(mine[k]), -1, float(c_mine[k])))
     if len(theirs):
         order = np.argsort(cost[theirs], kind="stable")
         sorted_theirs, c_theirs = theirs[order], cost[theirs][order]
-        at = np.searchsorted(c_theirs, c_mine - gap / 2)
+        at = np.searchsorted(c_theirs, c_mine - target)
         for shift in (-1, 0):
             j = np.clip(at + shift, 0, len(c_theirs) - 1)
             partner = sorted_theirs[j]
@@ -261,8 +341,8 @@ def _best_exchange(mine, theirs, cost, tokens, gap: float, used, r: int, q: int,
             shift_tok = tokens[mine] - tokens[partner]
             ok = (delta > 0) & (delta < gap) & (used[q] + shift_tok <= room) & (used[r] - shift_tok <= room)
             if ok.any():
-                k = int(np.argmin(np.where(ok, np.abs(gap - 2 * delta), np.inf)))
-                candidates.append((abs(gap - 2 * delta[k]), int(mine[k]), int(partner[k]), float(delta[k])))
+                k = int(np.argmin(np.where(ok, np.abs(2 * target - 2 * delta), np.inf)))
+                candidates.append((abs(2 * target - 2 * delta[k]), int(mine[k]), int(partner[k]), float(delta[k])))
     if not candidates:
         return None
     _, i, j, delta = min(candidates)

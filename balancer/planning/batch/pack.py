@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from balancer.planning.batch.large import LARGE_UNITS, deal_equal_counts, pack_large
+from balancer.planning.batch.large import LARGE_UNITS, balance_swaps, deal_equal_counts, pack_large
 from balancer.planning.packing.search import polish
 from balancer.planning.packing.step import fill_empty, pack_step, place_rest
 from balancer.planning.speeds import replica_speeds, with_speeds
@@ -55,8 +55,8 @@ def pack_complete(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> n
     nb = topology.bins_per_step
     if len(cost) < nb:
         return None
-    if len(cost) >= LARGE_UNITS and replica_speeds(topology) is None:  # near-linear, for even ranks
-        return pack_large(cost, tokens, topology)
+    if len(cost) >= LARGE_UNITS:  # near-linear (the move/swap search below is quadratic in the units)
+        return pack_large(cost, tokens, topology, replica_speeds(topology))
     bins = pack_step(cost, tokens, topology)
     if np.any(bins < 0) and not place_rest(bins, cost, tokens, topology):
         return None
@@ -80,14 +80,16 @@ def assign_replicas(
     dp, m = topology.dp, topology.micro_batches
     rank_cap = m * topology.micro_batch_tokens
     speeds = replica_speeds(topology)
-    large = len(cost) >= LARGE_UNITS and speeds is None  # the near-linear large-batch paths are for even ranks
+    large = len(cost) >= LARGE_UNITS  # the near-linear large-batch paths
     uniform = large and np.all(count == count[0]) and (count[0] == 1 or len(cost) % dp == 0)
-    if equal_counts and uniform:  # dealing whole items keeps the document counts within one
+    if equal_counts and uniform and speeds is None:  # dealing whole items keeps the document counts within one
         rep = deal_equal_counts(cost, tokens, dp, rank_cap)
         if rep is None:
             rep = _equal_count_lpt(cost, tokens, count, dp, rank_cap)
     elif equal_counts:
         rep = _equal_count_lpt(cost, tokens, count, dp, rank_cap, speeds=speeds)
+        if rep is not None and uniform:  # like items: swaps keep the counts (uneven ranks; even ones were dealt)
+            balance_swaps(rep, cost, tokens, rank_cap, speeds)
     else:
         per_rank = Topology(dp=dp, micro_batches=1, max_tokens=rank_cap, rank_speeds=topology.rank_speeds)
         rep = pack_complete(cost, tokens, per_rank)

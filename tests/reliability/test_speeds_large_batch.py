@@ -1,0 +1,53 @@
+"""balance_batch on large batches with uneven rank speeds takes the near-linear path (issue: the quadratic move/swap
+search made 16K rollouts with speeds take minutes) and keeps the balance and every promise of a plan."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import balancer
+import balancer.planning.batch.pack as pack
+from balancer.planning.batch.balance import fewest_fitting
+from balancer.planning.batch.large import LARGE_UNITS
+
+COST = balancer.CostModel(attn_coef=1 / 2000, linear_coef=1.0)
+SPEEDS = (1.2, 1.0, 0.9, 1.1)
+
+
+def _batch(n: int) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return (rng.integers(200, 1500, n) + np.minimum(rng.lognormal(np.log(1500), 1.0, n), 14000)).astype(np.int64)
+
+
+@pytest.mark.parametrize("options", [{}, {"equal_counts": True}])
+def test_uneven_large_batch_skips_the_quadratic_search(monkeypatch, options):
+    calls = []
+    real = pack.polish
+    monkeypatch.setattr(pack, "polish", lambda *a, **k: calls.append(len(a[1])) or real(*a, **k))
+    lengths = _batch(4096)
+    topo = balancer.Topology(dp=4, max_tokens=16384, rank_speeds=SPEEDS)
+    plan = balancer.balance_batch(lengths, topo, COST, micro_batches=260, **options)
+    plan.validate()
+    assert plan.num_docs == len(lengths) and plan.topology.rank_speeds == SPEEDS
+    # the old code ran the move/swap search (quadratic in the units) on the whole step's 4096 units here; a rank's
+    # own micro-batches (equal_counts: 1024 units a rank) are packed as on even ranks
+    assert all(n < LARGE_UNITS for n in calls)
+    assert plan.metrics()["imbalance"] < 1.001  # the old search stopped at 1.0175 on such a batch
+    if options:
+        counts = np.diff(plan.mb_ptr).reshape(4, 260).sum(axis=1)
+        assert counts.max() - counts.min() <= 1
+
+
+def test_fewest_fitting_equals_the_linear_scan():
+    for fit_from in range(3, 40):
+        tried = []
+
+        def attempt(m, fit_from=fit_from):
+            tried.append(m)
+            return m if m >= fit_from else None
+
+        assert fewest_fitting(3, 39, 1, attempt) == (fit_from, fit_from)
+        assert len(tried) <= 12
+    assert fewest_fitting(4, 20, 4, lambda m: m if m >= 13 else None) == (16, 16)
+    assert fewest_fitting(3, 10, 1, lambda m: None)[1] is None
