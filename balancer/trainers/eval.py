@@ -14,13 +14,20 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from balancer.planning.batch.balance import balance_batch
+from balancer.planning.cost.model import CostModel
+from balancer.planning.topology import Topology
+from balancer.trainers.host import TrainerHost
+from balancer.training.collate import PackedCollator
 from balancer.training.indices import SpanDataset
 from balancer.training.lengths import resolve_lengths
 from balancer.training.loss import token_loss
@@ -38,8 +45,18 @@ def eval_lengths(dataset) -> np.ndarray:
         return np.array([len(dataset[i]["input_ids"]) for i in range(len(dataset))], dtype=np.int64)
 
 
-class BalancedEvalMixin:
+class BalancedEvalMixin(TrainerHost):
     """`get_eval_dataloader` and `evaluation_loop` of the balanced Trainers (see the module docstring)."""
+
+    # set up by the balanced Trainer (BalancedTrainingMixin)
+    topology: Topology
+    cost_model: CostModel
+    packed_collator: PackedCollator
+    dp_rank: int
+    cp_rank: int
+    _overflow: str
+    _plan_seed: int
+    _layout_context: Callable[[Any, dict], AbstractContextManager]
 
     def _eval_batches(self, dataset) -> list[list]:
         """This rank's eval micro-batches of `dataset` (planned once per dataset object, the same on every rank)."""
@@ -72,7 +89,10 @@ class BalancedEvalMixin:
         """This rank's packed, balanced eval micro-batches of `eval_dataset` (a dataset, the name of one of a dict
         `eval_dataset`, or None: the trainer's)."""
         if isinstance(eval_dataset, str):
-            dataset = self.eval_dataset[eval_dataset]
+            named = self.eval_dataset
+            if not isinstance(named, dict) or eval_dataset not in named:
+                raise ValueError(f"eval_dataset={eval_dataset!r} names no dataset of the trainer's eval_dataset dict")
+            dataset = named[eval_dataset]
         else:
             dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if dataset is None:
@@ -95,9 +115,11 @@ class BalancedEvalMixin:
         from transformers.trainer_utils import EvalLoopOutput
 
         model = self.model
+        assert model is not None, "a Trainer holds its model"
         model.eval()
-        if hasattr(self.optimizer, "eval") and callable(self.optimizer.eval):
-            self.optimizer.eval()
+        optimizer_eval = getattr(self.optimizer, "eval", None)  # schedule-free optimizers: their eval weights
+        if callable(optimizer_eval):
+            optimizer_eval()
         self.callback_handler.eval_dataloader = dataloader
         device = self.args.device
         sums = torch.zeros(2, dtype=torch.float64)  # summed cross-entropy, loss tokens
@@ -124,7 +146,10 @@ class BalancedEvalMixin:
         metrics = {f"{metric_key_prefix}_loss": loss, f"{metric_key_prefix}_loss_tokens": count}
         dataset = getattr(dataloader, "dataset", None)
         return EvalLoopOutput(
-            predictions=None, label_ids=None, metrics=metrics, num_samples=len(dataset) if dataset else 0
+            predictions=None,  # type: ignore[arg-type]  # none gathered (the stock loop passes None too)
+            label_ids=None,
+            metrics=metrics,
+            num_samples=len(dataset) if dataset else 0,
         )
 
     def predict(self, *args, **kwargs):

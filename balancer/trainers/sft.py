@@ -23,7 +23,9 @@ from balancer.trainers.trainer import (
 )
 
 
-class BalancedSFTTrainer(BalancedTrainingMixin, SFTTrainer):
+# TRL's base trainer sets loss_is_scaled_for_ga = None, which mypy reads as the type None; transformers types it
+# bool | None, and the mixin's True is what both read
+class BalancedSFTTrainer(BalancedTrainingMixin, SFTTrainer):  # type: ignore[misc]
     """``trl.SFTTrainer`` on balanced, packed data.
 
     ``train_dataset`` is what SFTTrainer takes (a ``datasets.Dataset`` of text, prompt/completion or chat messages,

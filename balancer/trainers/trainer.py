@@ -29,7 +29,7 @@ import copy
 import logging
 import math
 import os
-from typing import Optional
+from typing import Any, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -80,7 +80,10 @@ def check_eval_kwargs(kwargs: dict) -> None:
             )
 
 
-def balanced_args(args: TrainingArguments, topology: Optional[Topology]) -> TrainingArguments:
+_Args = TypeVar("_Args", bound=TrainingArguments)
+
+
+def balanced_args(args: _Args, topology: Optional[Topology]) -> _Args:
     """A copy of ``args`` whose gradient accumulation is the plan's micro-batches; a conflicting explicit value is an
     error (1, the default, is taken as unset). Without a topology the default one takes ``args``' accumulation."""
     for hook in _REQUIRED_HOOKS:
@@ -106,7 +109,7 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
     """The balanced data loader, loss, attention, evaluation and resume logic shared by both Trainer classes
     (measured balance, `balance_mode=`, in balance.py; a streaming train_dataset in stream.py)."""
 
-    loss_is_scaled_for_ga = True  # compute_loss already divides by the whole step's loss-token count
+    loss_is_scaled_for_ga: bool | None = True  # compute_loss already divides by the whole step's loss-token count
 
     # ---- set-up ----------------------------------------------------------------------------------------------
     def _balanced_setup(
@@ -131,13 +134,13 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
             lengths, _ = resolve_lengths(self.train_dataset if lengths is None else lengths, self.train_dataset)
         self.eval_dataset = _eval_datasets(self.eval_dataset)
         given = topology is not None
-        if not given:
+        if topology is None:
             longest = max((int(eval_lengths(d).max()) for d in _eval_list(self.eval_dataset) if len(d)), default=0)
             topology = default_topology(self.args, lengths, max_length, longest)
         check_topology(topology)
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
-        model = self.model
+        model: Any = self.model  # a transformers PreTrainedModel (config, set_attn_implementation)
         if cost is None:
             cost = CostModel.from_config(model.config.to_dict())
         ahf.register()
@@ -152,7 +155,8 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         self.cp_method, self.attention_backend = cp_method, attention_backend
         self.dp_rank, self.cp_rank, self._cp_groups = _ranks(topology)
         self._overflow, self._plan_seed = overflow, self.args.seed if seed is None else seed
-        self.balanced_stream, self.balanced_sampler = stream, None  # a stream: stream.py
+        self.balanced_stream = stream
+        self.balanced_sampler: Optional[BalancedBatchSampler] = None  # a stream plans itself: stream.py
         if stream is None:
             self.balanced_sampler = BalancedBatchSampler(
                 lengths,
@@ -180,22 +184,30 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         if self.balanced_stream is not None:
             return super().get_train_dataloader()
         a = self.args
-        kwargs = dict(num_workers=a.dataloader_num_workers, pin_memory=a.dataloader_pin_memory)
+        kwargs: dict[str, Any] = dict(num_workers=a.dataloader_num_workers, pin_memory=a.dataloader_pin_memory)
         if a.dataloader_num_workers > 0:
             kwargs.update(
                 persistent_workers=a.dataloader_persistent_workers,
                 prefetch_factor=a.dataloader_prefetch_factor,
                 multiprocessing_context=a.dataloader_multiprocessing_context,
             )
+        if self.train_dataset is None:
+            raise ValueError("training needs a train_dataset")
         return torch.utils.data.DataLoader(
-            self.train_dataset, batch_sampler=self.balanced_sampler, collate_fn=self.packed_collator, **kwargs
+            self.train_dataset, batch_sampler=self._fixed_sampler(), collate_fn=self.packed_collator, **kwargs
         )
+
+    def _fixed_sampler(self) -> BalancedBatchSampler:
+        """The sampler of a train_dataset that is not a stream (a stream plans itself: stream.py)."""
+        if self.balanced_sampler is None:
+            raise RuntimeError("a streaming train_dataset has no BalancedBatchSampler")
+        return self.balanced_sampler
 
     def _epoch_num_steps(self, epoch: int) -> int:
         """Optimizer steps of `epoch`'s plan (plans of different seeds may differ by a step)."""
         if epoch not in self._steps_per_epoch:
             logger.info("counting the optimizer steps of epoch %d", epoch)
-            self._steps_per_epoch[epoch] = self.balanced_sampler.epoch_num_steps(epoch)
+            self._steps_per_epoch[epoch] = self._fixed_sampler().epoch_num_steps(epoch)
         return self._steps_per_epoch[epoch]
 
     def _planned_steps(self, first_epoch: int = 0) -> int:
@@ -208,7 +220,7 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         return total
 
     def set_initial_training_values(self, args, dataloader):
-        values = list(super().set_initial_training_values(args, dataloader))
+        values: list[Any] = list(super().set_initial_training_values(args, dataloader))
         if args.max_steps > 0:  # training stops at max_steps; one epoch of margin for epochs a step shorter
             values[0] += 1
         else:  # the exact count over the epochs, each with its own plan
@@ -228,7 +240,7 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         path, state = read_checkpoint_state(
             resume_from_checkpoint, SAMPLER_STATE_NAME, "a balanced trainer", "resume at the start of the epoch"
         )
-        sampler = self.balanced_sampler
+        sampler = self._fixed_sampler()
         sampler.load_state_dict(state)
         end = len(sampler)
         done, mid = sampler.step_of(sampler.position) if sampler.position < end else (sampler.num_steps, 0)
@@ -246,12 +258,12 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         self._resume_epoch = sampler.epoch
         return sampler.epoch, 0
 
-    def _run_epoch(self, **kwargs):
+    def _run_epoch(self, **kwargs):  # type: ignore[override]  # the stock loop passes every argument by keyword
         """One epoch of the stock loop, told this epoch's own length (and, when resuming, what is left of it)."""
         if self.balanced_stream is not None:
             return super()._run_epoch(**kwargs)
         epoch = kwargs["epoch"]
-        sampler = self.balanced_sampler
+        sampler = self._fixed_sampler()
         sampler.set_epoch(epoch)  # keeps a loaded resume position when it is this epoch's
         start = sampler.position if epoch == self._resume_epoch else 0
         self._resume_epoch = None
@@ -269,7 +281,7 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
     def sampler_state(self) -> dict:
         """The sampler's resume state at the last finished optimizer step (what a checkpoint saves)."""
         first_step, step0 = self._epoch_start
-        sampler = self.balanced_sampler
+        sampler = self._fixed_sampler()
         step = min(first_step + self.state.global_step - step0, sampler.num_steps)
         return sampler.state_dict(position=sampler.position_of_step(step))
 
