@@ -43,7 +43,7 @@ def test_fewest_fitting_equals_the_linear_scan():
     for fit_from in range(3, 40):
         tried = []
 
-        def attempt(m, fit_from=fit_from):
+        def attempt(m, fit_from=fit_from, tried=tried):
             tried.append(m)
             return m if m >= fit_from else None
 
