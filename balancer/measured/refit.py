@@ -256,26 +256,16 @@ def _round_speeds(cost: CostModel, sub: Samples, s: np.ndarray, dp: int) -> np.n
 
 
 def _fit_cost(sub: Samples, seconds: np.ndarray, like: CostModel, layout: str) -> CostModel:
-    """`CostModel.fit` of (attention pairs, tokens, fixed, pieces; with CP also the communication terms) on relative
-    errors. Without CP the features do not depend on the model: one non-negative least-squares solve on the
-    precomputed terms, the same problem `CostModel.fit` solves."""
-    if np.any(sub.cp > 1):  # CostModel.fit on the terms computed once for the refit's rounds
-        cost = fit_cost_model(
-            CostModel, sub.sizes, seconds, causal=like.causal, window=like.window, fit_fixed=True, fit_pieces=True,
-            fit_comm=True, cp=sub.cp, layout=layout, method="ring", layout_options={}, terms=sub.terms,
-        )  # fmt: skip
-        return dataclasses.replace(cost, kv_bytes_per_token=like.kv_bytes_per_token)
-    from scipy.optimize import nnls
-
-    feats = np.array([[t.pairs.sum(), t.tokens.sum(), 1.0, t.pieces.sum()] for t in sub.terms]) / seconds[:, None]
-    scale = np.abs(feats).max(axis=0)
-    scale[scale == 0] = 1.0
-    coef, _ = nnls(feats / scale, np.ones(len(seconds)))
-    attn, linear, fixed, piece = (float(c) for c in coef / scale)
-    if attn == 0 and linear == 0:
-        raise ValueError("the timings fit no positive attention or linear coefficient")
-    return dataclasses.replace(like, attn_coef=attn, linear_coef=linear, fixed=fixed, piece_coef=piece,
-                               comm_coef=0.0, comm_latency=0.0)  # fmt: skip
+    """`CostModel.fit` (balancer.planning.cost.fit, on the terms computed once for the refit's rounds) of attention
+    pairs, tokens, fixed and pieces, with CP also the communication terms, on relative errors. Without CP there is
+    no communication to fit: the communication terms are 0 and `like`'s `comm_overlap` is kept."""
+    cp = bool(np.any(sub.cp > 1))
+    cost = fit_cost_model(
+        CostModel, sub.sizes, seconds, causal=like.causal, window=like.window, fit_fixed=True, fit_pieces=True,
+        fit_comm=cp, cp=sub.cp, layout=layout, method="ring", layout_options={}, terms=sub.terms,
+    )  # fmt: skip
+    overlap = cost.comm_overlap if cp else like.comm_overlap
+    return dataclasses.replace(cost, kv_bytes_per_token=like.kv_bytes_per_token, comm_overlap=overlap)
 
 
 def refit(

@@ -122,7 +122,7 @@ def plan(
         u_cost = cost.cost(u_tok)
         # only documents whose attention is a large part of their cost need spreading or grouping over the steps;
         # the rest fill the steps by tokens in shuffled order
-        attn_heavy = (u_cost - cost.linear_coef * u_tok) >= ATTN_SHARE * u_cost
+        attn_heavy = cost.attention_cost(u_tok) >= ATTN_SHARE * u_cost
         targets = _step_targets(u_cost, u_tok, attn_heavy, topology, seed, num_steps)
         rng = np.random.default_rng([seed, 1])
         packed = _pack_epoch(u_cost, u_tok, attn_heavy, targets, topology, rng, progress, fixed=num_steps is not None)

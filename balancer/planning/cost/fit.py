@@ -18,6 +18,8 @@ import numpy as np
 
 from balancer.planning.cost.microbatch import METHODS, fit_features_batch, micro_batch_terms, stack_terms
 
+# The cost model's time terms, in the order of the fit's features (`fit_features_batch`): the one list of their
+# names (CostModel's coefficients are these and `kv_bytes_per_token`; the monitor's fits travel in this order).
 TERMS = ("attn_coef", "linear_coef", "fixed", "piece_coef", "comm_coef", "comm_latency")
 COMM_STARTS = (0.25, 1.0, 4.0)
 MAX_ROUNDS = 20
@@ -87,7 +89,7 @@ def fit_cost_model(
     given, terms = terms, []
     for i, item in enumerate(lengths):
         d = np.atleast_1d(np.asarray(item))
-        if d.size == 0 or np.any(d < 1):
+        if (d.size == 0 and given is None) or np.any(d < 1):  # an empty micro-batch's terms, given: its fixed cost
             raise ValueError(f"CostModel.fit: sample {i} has an empty or non-positive length")
         if methods[i] not in METHODS:
             raise ValueError(f"CostModel.fit: sample {i} has method {methods[i]!r}, not one of {METHODS}")

@@ -16,7 +16,7 @@ import numpy as np
 
 from attention.geometry import attention_pairs
 from balancer.limits import MAX_COEFFICIENT
-from balancer.planning.cost.fit import fit_cost_model
+from balancer.planning.cost.fit import TERMS, fit_cost_model
 from balancer.strict_json import FORMAT_KEYS, FormatSpec, anything, boolean, integer, number, obj, string
 
 
@@ -102,7 +102,7 @@ HARDWARE = {
     )
 }
 
-_COEFFICIENTS = ("attn_coef", "linear_coef", "fixed", "piece_coef", "comm_coef", "comm_latency", "kv_bytes_per_token")
+_COEFFICIENTS = (*TERMS, "kv_bytes_per_token")  # the time terms (fit.TERMS), then the bytes behind a token-hop
 COST_FORMAT = FormatSpec("balancer.cost", 2, {"balancer.cost/1": 1})  # 2: format_version written (fields as in 1)
 FORMAT = COST_FORMAT.name
 COST_FIELDS = {  # the model's own keys, as `to_dict` writes them (also the `cost_model` record of a plan)
@@ -197,6 +197,13 @@ class CostModel:
         """Vectorised per-document cost (float64 array of the input's shape; `fixed` not included)."""
         d = np.asarray(lengths, dtype=np.float64)
         out = self.attn_coef * self.pairs(d) + self.linear_coef * d
+        return out + self.piece_coef * (d > 0) if self.piece_coef else out
+
+    def attention_cost(self, lengths: np.ndarray | Sequence[int] | int) -> np.ndarray:
+        """The attention terms of `cost` per document: `attn_coef * pairs(d) + piece_coef` (a document's piece is
+        one block of an attention call); the rest of `cost` is per-token work."""
+        d = np.asarray(lengths, dtype=np.float64)
+        out = self.attn_coef * self.pairs(d)
         return out + self.piece_coef * (d > 0) if self.piece_coef else out
 
     __call__ = cost
