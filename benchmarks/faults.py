@@ -2,7 +2,7 @@
 again `--rejoin` seconds later, against the same run without failures; one command:
 
     .venv/bin/python benchmarks/faults.py            # writes benchmarks/results/faults.json
-    .venv/bin/python benchmarks/faults.py --table    # the markdown table of docs/fault-tolerance.md from the record
+    .venv/bin/python benchmarks/faults.py --table    # the table of docs/fault-tolerance.md (benchmarks/tables.py)
 
 Figures: documents lost / duplicated over the committed steps (this project's FaultTolerantBatches, and torchft's
 own DistributedSampler dealt over the same run's membership: each group takes its shard's next batch in every
@@ -121,7 +121,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=1400)
     ap.add_argument("--every", type=int, default=20, help="committed steps between kills")
     ap.add_argument("--rejoin", type=float, default=2.0, help="seconds before a killed group starts again")
-    ap.add_argument("--work", type=float, default=10.0, help="device seconds (slept) per 1e6 cost units")
+    ap.add_argument("--work", type=float, default=40.0, help="device seconds (slept) per 1e6 cost units")
     ap.add_argument("--table", action="store_true", help="print the markdown table from the record and exit")
     args = ap.parse_args()
     if args.table:
@@ -198,6 +198,8 @@ def table(r: dict) -> str:
     ]
     return "\n".join(rows)
 
+
+TABLES = {"faults": lambda: table(json.loads(OUT.read_text()))}  # docs/fault-tolerance.md (benchmarks/tables.py)
 
 if __name__ == "__main__":
     main()

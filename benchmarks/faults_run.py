@@ -57,6 +57,7 @@ class Config:
     dim: int = 8
     lr: float = 0.05
     timeout_s: float = 300.0
+    comm_timeout_s: float = 3.0  # torchft's Manager and gloo timeouts: how long a reduction waits for a dead peer
     min_replicas: int = 0  # lighthouse and Manager minimum; 0: a majority of `groups` (below one: split brain)
 
     @property
@@ -167,7 +168,7 @@ def worker(cfg: Config, group: int, life: int, rank: int) -> None:
         mode=cfg.mode,
     )
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=cfg.comm_timeout_s)),
         min_replica_size=cfg.quorum_minimum,
         load_state_dict=lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"])),
         state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
@@ -178,7 +179,7 @@ def worker(cfg: Config, group: int, life: int, rank: int) -> None:
         world_size=cfg.cp,
         lighthouse_addr=os.environ["TORCHFT_LIGHTHOUSE"],
         use_async_quorum=cfg.async_quorum,
-        timeout=timedelta(seconds=10),
+        timeout=timedelta(seconds=cfg.comm_timeout_s),
         quorum_timeout=timedelta(seconds=60),
         connect_timeout=timedelta(seconds=30),
     )
