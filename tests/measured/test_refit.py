@@ -202,3 +202,19 @@ def test_the_fit_is_not_biased_low_under_heavy_noise():
         cost, _, _ = fit(s.take(evidence), FLOPS, 1, speeds=False)
         fresh_ratios.append(np.median(seconds[~evidence] / predict(cost, sizes, cp)[~evidence]))
     assert np.median(fresh_ratios) == pytest.approx(1.0, abs=0.06)
+
+
+def test_the_cp1_fit_is_the_cost_package_s_fit():
+    """Without CP the refit's cost step is `CostModel.fit` (fixed and pieces fitted, no communication): the same
+    coefficients, bit for bit, and the communication terms 0 with the model's own `comm_overlap` kept."""
+    rng = np.random.default_rng(3)
+    like = balancer.CostModel(2e-9, 3e-6, fixed=1e-4, piece_coef=2e-5, comm_overlap=False)
+    sizes = [rng.integers(1, 6000, size=int(rng.integers(1, 5))) for _ in range(60)]
+    seconds = np.array([like.micro_batch_cost(s) for s in sizes]) * rng.lognormal(0, 0.05, len(sizes))
+    one = np.ones(len(sizes), dtype=np.int64)
+    samples = Samples(sizes, one, one * 0, seconds, np.arange(len(sizes)))
+    got, _, _ = fit(samples, like, 1, speeds=False, median_scale=False)
+    want = balancer.CostModel.fit(sizes, seconds, fit_fixed=True, fit_pieces=True)
+    for name in ("attn_coef", "linear_coef", "fixed", "piece_coef"):
+        assert getattr(got, name) == getattr(want, name), name
+    assert got.comm_coef == got.comm_latency == 0 and got.comm_overlap is False
