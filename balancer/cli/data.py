@@ -200,7 +200,7 @@ def pack_balance_report(manifest: dict) -> str:
     from balancer.cli.report import metrics_table
 
     epochs = {f"epoch {e['epoch']}": e["metrics"] for e in manifest["epochs"]}
-    return f"balance of the packed rows (manifest.json: epochs[].metrics)\n{metrics_table(epochs)}"
+    return f"balance of the packed rows (manifest.json: epochs[].metrics)\n{metrics_table(epochs, timed=False)}"
 
 
 def register(subparsers) -> None:

@@ -72,6 +72,7 @@ def _plan_or_window(lengths: np.ndarray, topo: Topology, cost: CostModel, args):
     from balancer.planning.shuffle import num_windows
     from balancer.planning.window import plan_window
 
+    args.epoch = 0 if args.epoch is None else args.epoch
     if args.window_docs < 1 or args.window_index < 0 or args.epoch < 0:
         raise ValueError("--window-docs must be >= 1, --window-index and --epoch >= 0")
     k = num_windows(len(lengths), min(args.window_docs, len(lengths)))
@@ -101,6 +102,11 @@ def short_step_line(plan) -> str:
 
 
 def cmd_plan(args) -> int:
+    if args.epoch is not None and args.window_docs is None:  # a whole-epoch plan has one order: its --seed
+        raise ValueError(
+            f"--epoch {args.epoch} picks the shuffle of one window of that epoch: pass --window-docs and "
+            "--window-index with it (a whole-epoch plan's order is set by --seed)"
+        )
     check_counts(args)
     check_outputs(args, {"-o": args.output, "--plot": args.plot})
     lengths = read_lengths(args.lengths)
@@ -275,7 +281,7 @@ def _register_plan(sub) -> None:
     w.add_argument("--window-docs", type=int, metavar="N", help="documents per planning window, 1..2^62")
     w.add_argument("--window-index", type=int, metavar="I", help="which window of the epoch to plan, 0..2^62")
     w.add_argument(
-        "--epoch", type=int, default=0, help="the epoch whose shuffle the windows cut, 0..2^63-1 (default 0)"
+        "--epoch", type=int, help="the epoch whose shuffle the windows cut, 0..2^63-1 (default 0; windows only)"
     )
     p.set_defaults(func=cmd_plan)
 

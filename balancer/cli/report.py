@@ -70,14 +70,16 @@ def compare_table(plans: dict[str, Plan]) -> str:
     return metrics_table({name: p.metrics() for name, p in plans.items()}, speedup=len(plans) > 1)
 
 
-def metrics_table(metrics: dict[str, dict], speedup: bool = False) -> str:
+def metrics_table(metrics: dict[str, dict], speedup: bool = False, timed: bool = True) -> str:
     """The section-3 metrics (`Plan.metrics()` dicts, as a packed folder's manifest records them too), one column
-    per entry; with `speedup`, the predicted step-time ratio against the last column."""
+    per entry; with `speedup`, the predicted step-time ratio against the last column. `timed=False` (a packed
+    folder's manifest, which records no planning time so that its bytes repeat): no plan_seconds row, and the note
+    says so."""
     names = list(metrics)
     width = max(14, *(len(n) + 2 for n in names))
     label = max(20, len(f"predicted speedup vs {names[-1]}") + 2 if speedup else 20)
     lines = [f"{'metric':<{label}}" + "".join(f"{n:>{width}}" for n in names), "-" * (label + width * len(names))]
-    for row in ROWS:
+    for row in ROWS if timed else [r for r in ROWS if r != "plan_seconds"]:
         cells = []
         for n in names:
             v = metrics[n][row]
@@ -89,7 +91,7 @@ def metrics_table(metrics: dict[str, dict], speedup: bool = False) -> str:
             f"{'predicted speedup vs ' + names[-1]:<{label}}"
             + "".join(f"{base / metrics[n]['step_time_total']:>{width}.3f}" for n in names)
         )
-    lines.append(PREDICTED_NOTE)
+    lines.append(PREDICTED_NOTE if timed else UNTIMED_NOTE)
     return "\n".join(lines)
 
 
@@ -97,6 +99,10 @@ def metrics_table(metrics: dict[str, dict], speedup: bool = False) -> str:
 PREDICTED_NOTE = (
     "(imbalance, worst_step, epoch_efficiency and any speedup are predicted by the cost model for the plan, not "
     "timed; plan_seconds is measured)"
+)
+UNTIMED_NOTE = (
+    "(imbalance, worst_step and epoch_efficiency are predicted by the cost model for the plan, not timed; the "
+    "manifest records no planning time, so that packing the same input writes the same bytes)"
 )
 
 

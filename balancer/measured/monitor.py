@@ -30,13 +30,13 @@ import contextlib
 import dataclasses
 import datetime
 import logging
-import math
 import time
 from typing import Optional
 
 import numpy as np
 import torch
 
+from balancer.measured.arguments import checked_position, checked_seconds
 from balancer.measured.ledger import Ledger, Model, slowest_of_groups
 from balancer.measured.refit import refit
 from balancer.measured.report import _errors, build_report, headline, measured_steps, timed_rows, token_room
@@ -135,9 +135,8 @@ class BalanceMonitor:
         c0 = time.thread_time()
         self._sync_epoch()
         if not isinstance(seconds, (torch.cuda.Event, tuple)):
-            seconds = float(seconds)
-            if not (math.isfinite(seconds) and seconds >= 0):
-                raise ValueError(f"record: seconds must be a finite number >= 0, got {seconds!r}")
+            seconds = checked_seconds(seconds)  # refuses strings and bools too
+        step, micro_batch = checked_position("step", step), checked_position("micro_batch", micro_batch)
         if step is not None and step != self._step:
             if self._current:
                 raise ValueError(f"record: step {step} given while step {self._step} is not finished (end_step)")

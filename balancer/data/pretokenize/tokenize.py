@@ -112,14 +112,17 @@ class HFTokenizer(Tokenizer):
             raise TokenizerError(
                 f"tokenizer {name_or_path!r} needs transformers: pip install 'seqbalancer[hf]'"
             ) from None
+        missing = _missing_folder(name_or_path)
+        if missing and _path_like(name_or_path):  # never a hub name: say the folder is missing
+            raise TokenizerError(missing)
         try:
             self.tok = AutoTokenizer.from_pretrained(name_or_path)
         except Exception as exc:  # transformers raises OSError/ValueError/HTTP errors
             bad = _unreadable_json_in(name_or_path)
             raise TokenizerError(
                 bad
-                or f"cannot load tokenizer {name_or_path!r} with transformers.AutoTokenizer: "
-                f"{type(exc).__name__}: {exc}"
+                or (f"{missing}, and as a Hugging Face hub name: " if missing else "")
+                + f"cannot load tokenizer {name_or_path!r} with transformers.AutoTokenizer: {type(exc).__name__}: {exc}"
             ) from exc
         self.name = name_or_path
         # ids may have holes: the largest id, not the count, decides what the storage dtype must hold
@@ -163,6 +166,22 @@ def tokenizer_content_hash(tok) -> str:
         h.update(json.dumps(sorted(tok.get_vocab().items()), ensure_ascii=False).encode("utf-8"))
     h.update(json.dumps(tok.special_tokens_map, sort_keys=True, default=str).encode("utf-8"))
     return h.hexdigest()
+
+
+def _path_like(spec: str) -> bool:
+    """True when `spec` can only be a folder, never a hub name ("name" or "org/name")."""
+    return (
+        spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or spec.endswith("/") or os.sep in spec.replace("/", "")
+    )
+
+
+def _missing_folder(spec: str) -> Optional[str]:
+    """'tokenizer folder ... does not exist' (or is a file) for a spec that names no folder; None when it does."""
+    path = os.path.expanduser(spec)
+    if os.path.isdir(path):
+        return None
+    what = "is a file, not a folder" if os.path.exists(path) else "does not exist"
+    return f"--tokenizer {spec!r}: the tokenizer folder {os.path.abspath(path)} {what}"
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
