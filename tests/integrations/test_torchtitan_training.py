@@ -44,14 +44,15 @@ class DenseCausal(Module):
         return (s.softmax(-1) @ v).transpose(1, 2)
 
 
-def tiny_llama(packed: bool):
-    """A float64 llama3 of torchtitan's own building blocks: 2 layers, dim 32, 4 heads, 2 KV heads (GQA)."""
+def tiny_model_config():
+    """A llama3 config of torchtitan's own building blocks: 2 layers, dim 32, 4 heads, 2 KV heads (GQA), vocabulary
+    256, RoPE over SEQ positions (flex attention, to be replaced)."""
     from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
     from torchtitan.models.llama3 import _build_llama3_layers
     from torchtitan.models.llama3.model import Llama3Model
 
     dim = 32
-    cfg = Llama3Model.Config(
+    return Llama3Model.Config(
         dim=dim, vocab_size=VOCAB, tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim),
         norm=RMSNorm.Config(normalized_shape=dim), lm_head=Linear.Config(in_features=dim, out_features=VOCAB),
         layers=_build_llama3_layers(
@@ -59,6 +60,11 @@ def tiny_llama(packed: bool):
             rope=ComplexRoPE.Config(dim=dim // 4, max_seq_len=SEQ, theta=10000.0),
         ),
     )  # fmt: skip
+
+
+def tiny_llama(packed: bool):
+    """The tiny llama3 in float64, the same weights every call: PackedAttention (packed) or DenseCausal."""
+    cfg = tiny_model_config()
     if packed:
         use_packed_attention(cfg, method="allgather")
     else:
