@@ -262,12 +262,17 @@ def test_pretokenized_folder(tmp_path):
     assert sum(int((lab != IGNORE).sum()) for _, lab in items) == int((lengths - 1).sum())
 
 
-def test_a_monitor_attaches_to_the_step_source(hf_folder):
+def test_a_monitor_attaches_to_the_loader(hf_folder):
+    """The loader is a StepSource (the sampler's members): BalanceMonitor(loader) measures, reports and saves its
+    state with the loader's."""
     from balancer import BalanceMonitor
+    from balancer.measured.source import STEP_SOURCE_MEMBERS, StepSource
 
     path, _ = hf_folder
     ld = build(path, 1, 0, global_batch_size=4)
-    monitor = BalanceMonitor(ld.step_source, warmup_steps=0)
+    assert isinstance(ld, StepSource) and STEP_SOURCE_MEMBERS
+    monitor = BalanceMonitor(ld, warmup_steps=0)
+    assert ld.monitor is monitor and ld.sampler.monitor is monitor
     it = iter(ld)
     for _step in range(3):
         for _ in range(ld.micro_batches):
@@ -276,4 +281,7 @@ def test_a_monitor_attaches_to_the_step_source(hf_folder):
         monitor.end_step()
     report = monitor.report()
     assert report["steps"] == 3
+    assert ld.position == 3 * ld.micro_batches and ld.step_place(0).micro_batches == ld.micro_batches
     assert "monitor" in ld.state_dict()["balancer"]["sampler"]
+    with pytest.raises(ValueError, match="already has a BalanceMonitor"):
+        BalanceMonitor(ld)

@@ -17,8 +17,8 @@ micro-batches already given in a short last step), so torchtitan's checkpointer 
 resumes exactly, and a state saved after a finished step resumes onto another DP degree (the rest of the epoch is
 planned again for the new topology: every document exactly once).
 
-The loader implements the monitor's step source by handing over the sampler it wraps (`step_source`):
-`balancer.BalanceMonitor(loader.step_source)`.
+The loader is a `balancer.measured.StepSource`: every member is the sampler's it wraps, so
+`balancer.BalanceMonitor(loader)` measures the balance of a torchtitan run (and, in adapt mode, refits its plans).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from balancer.integrations.torchtitan.cost import resolve_cost
 from balancer.integrations.torchtitan.shape import plan_topology
 from balancer.integrations.torchtitan.source import open_documents
 from balancer.integrations.torchtitan.state import LoaderState
+from balancer.planning.schedule import StepPlace
 from balancer.training.collate import PackedCollator
 from balancer.training.indices import SpanDataset
 from balancer.training.sampler import BalancedBatchSampler
@@ -93,7 +94,7 @@ class BalancedDataLoader(BaseDataLoader):
         )  # fmt: skip
         if not 0 <= dp_rank < dp_world_size:
             raise ValueError(f"dp_rank {dp_rank} out of range for dp_world_size {dp_world_size}")
-        self.dp_world_size, self.dp_rank, self.seq_len = dp_world_size, dp_rank, seq_len
+        self.dp_world_size, self.batch_rank, self.seq_len = dp_world_size, dp_rank, seq_len
         self.cost = resolve_cost(config.cost, config.cost_path)
         documents, lengths = open_documents(
             config.dataset, config.dataset_path, split=config.split, column=config.column,
@@ -119,8 +120,46 @@ class BalancedDataLoader(BaseDataLoader):
 
     @property
     def step_source(self) -> BalancedBatchSampler:
-        """The sampler this loader reads its plan from: the step source a `BalanceMonitor` attaches to."""
+        """The sampler this loader reads its plan from (the step source it delegates to)."""
         return self.sampler
+
+    # ---- balancer.measured.StepSource: the wrapped sampler's members -------------------------------------------
+    @property
+    def monitor(self):
+        return self.sampler.monitor
+
+    @monitor.setter
+    def monitor(self, value) -> None:
+        self.sampler.monitor = value
+
+    @property
+    def pool_rank(self) -> int:
+        return self.sampler.pool_rank
+
+    @property
+    def dp_rank(self) -> int:
+        """The plan's DP replica of this rank (torchtitan's batch rank // cp_degree)."""
+        return self.sampler.dp_rank
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    @property
+    def position(self) -> int:
+        return self.sampler.position
+
+    def step_place(self, step: int) -> StepPlace:
+        return self.sampler.step_place(step)
+
+    def piece_sizes(self, step: int, m: int, dp_rank: Optional[int] = None, rank: Optional[int] = None) -> tuple:
+        return self.sampler.piece_sizes(step, m, dp_rank=dp_rank, rank=rank)
+
+    def plan_start(self, epoch: int, window: int) -> tuple[int, int]:
+        return self.sampler.plan_start(epoch, window)
+
+    def update_model(self, cost, rank_speeds, first_window: int, *, epoch: int) -> None:
+        self.sampler.update_model(cost, rank_speeds, first_window, epoch=epoch)
 
     def __iter__(self):
         while True:
