@@ -14,7 +14,7 @@ import torch.distributed as dist
 from attention._dist import Group, count_sent, reduce_scatter_sum
 from attention.backends import Backend, acc_dtype
 from attention.layout import CPLayout
-from attention.masks import backward_rounds, block_rounds, forward_rounds
+from attention.masks import Mask, backward_rounds, block_rounds, forward_rounds
 from attention.merge import Accumulator
 
 
@@ -63,7 +63,17 @@ def _rounds(layout: CPLayout, rank: int, s: int, causal) -> list:
     return rounds if s == rank else layout.to_travelling(rounds, s)
 
 
-def allgather_forward(q, k, v, layout: CPLayout, g: Group, causal, scale: float, be: Backend, head_chunks: int = 1):
+def allgather_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: CPLayout,
+    g: Group,
+    causal: bool | Mask,
+    scale: float,
+    be: Backend,
+    head_chunks: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
     counts = layout.kv_counts
     hk = k.shape[1]
     grp = q.shape[1] // hk
@@ -83,8 +93,19 @@ def allgather_forward(q, k, v, layout: CPLayout, g: Group, causal, scale: float,
 
 
 def allgather_backward(
-    dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal, scale: float, be: Backend, head_chunks: int = 1
-):
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    layout: CPLayout,
+    g: Group,
+    causal: bool | Mask,
+    scale: float,
+    be: Backend,
+    head_chunks: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     counts = layout.kv_counts
     hk, d = k.shape[1], k.shape[2]
     grp = q.shape[1] // hk

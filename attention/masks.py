@@ -14,10 +14,17 @@ rounds whose query ranges are disjoint within each round, merged like the ring's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from attention.backends import UNBOUNDED, Backend, Pieces
+
+if TYPE_CHECKING:
+    import torch
+
+    from attention.layout import CPLayout
+    from attention.merge import Accumulator
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,7 @@ def make_mask(causal: bool = True, window_size=(-1, -1), softcap: float = 0.0) -
     return Mask(bool(causal), (left, 0 if causal and right >= 0 else right), softcap)
 
 
-def as_mask(mask) -> Mask:
+def as_mask(mask: bool | Mask) -> Mask:
     """A bool (plain causal or full) or a :class:`Mask`."""
     return mask if isinstance(mask, Mask) else Mask(bool(mask))
 
@@ -100,7 +107,7 @@ def _windowed_rounds(layout, q_rank: int, kv_rank: int, mask: Mask) -> list[Piec
     return rounds
 
 
-def block_rounds(layout, q_rank: int, kv_rank: int, mask) -> list[Pieces]:
+def block_rounds(layout: CPLayout, q_rank: int, kv_rank: int, mask: bool | Mask) -> list[Pieces]:
     """Rounds of attention blocks between ``q_rank``'s local queries and ``kv_rank``'s local keys under ``mask``
     (a :class:`Mask` or a bool for plain causal/full); empty when the mask leaves nothing. Cached on the layout."""
     mask = as_mask(mask)
@@ -117,16 +124,30 @@ def block_rounds(layout, q_rank: int, kv_rank: int, mask) -> list[Pieces]:
     return cache[key]
 
 
-def forward_rounds(be: Backend, q, k, v, rounds: list[Pieces], scale: float, acc) -> None:
+def forward_rounds(
+    be: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rounds: list[Pieces], scale: float, acc: Accumulator
+) -> None:
     """Fold every round's partial result into the accumulator ``acc``."""
     for p in rounds:
         acc.add(*be.forward(q, k, v, p, scale))
 
 
-def backward_rounds(be: Backend, dout, q, k, v, out, lse, rounds: list[Pieces], scale: float):
-    """Summed (dq, dk, dv) of every round (accumulation dtype), or None when there is no round."""
-    total = None
-    for p in rounds:
+def backward_rounds(
+    be: Backend,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rounds: list[Pieces],
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed (dq, dk, dv) of every round (accumulation dtype); `rounds` holds at least one round."""
+    if not rounds:
+        raise ValueError("backward_rounds needs at least one round")
+    dq, dk, dv = be.backward(dout, q, k, v, out, lse, rounds[0], scale)
+    for p in rounds[1:]:
         g = be.backward(dout, q, k, v, out, lse, p, scale)
-        total = list(g) if total is None else [a + b for a, b in zip(total, g)]
-    return total
+        dq, dk, dv = dq + g[0], dk + g[1], dv + g[2]
+    return dq, dk, dv

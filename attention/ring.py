@@ -14,7 +14,7 @@ import torch
 from attention._dist import Group, sendrecv, wait_all
 from attention.backends import Backend, acc_dtype
 from attention.layout import CPLayout
-from attention.masks import backward_rounds, block_rounds, forward_rounds
+from attention.masks import Mask, backward_rounds, block_rounds, forward_rounds
 from attention.merge import Accumulator
 
 
@@ -46,7 +46,16 @@ def _travelling_kv(k, v, layout: CPLayout, rank: int) -> torch.Tensor:
     return torch.cat([layout.travelling(k, rank).reshape(-1), layout.travelling(v, rank).reshape(-1)])
 
 
-def ring_forward(q, k, v, layout: CPLayout, g: Group, causal, scale: float, be: Backend):
+def ring_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: CPLayout,
+    g: Group,
+    causal: bool | Mask,
+    scale: float,
+    be: Backend,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out in q.dtype, lse in the accumulation dtype) for this rank's queries. ``causal``: a bool or an
     :class:`attention.masks.Mask` (window, softcap). Step 0 is the local block (whole local K/V); steps 1..c-1 use
     the other ranks' travelling K/V."""
@@ -68,7 +77,19 @@ def ring_forward(q, k, v, layout: CPLayout, g: Group, causal, scale: float, be: 
     return acc.out.to(q.dtype), acc.lse
 
 
-def ring_backward(dout, q, k, v, out, lse, layout: CPLayout, g: Group, causal, scale: float, be: Backend):
+def ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    layout: CPLayout,
+    g: Group,
+    causal: bool | Mask,
+    scale: float,
+    be: Backend,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Exact gradients (dq, dk, dv) in the accumulation dtype. The local block's dK/dV stay home; the dK/dV of a
     travelling block ride the ring in that dtype behind it (c-1 hops) and are added to the owner's rows at the end."""
     c, r = g.size, g.rank

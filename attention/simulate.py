@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from attention.backends import Backend, acc_dtype, check_inputs, get_backend
+from attention.backends import Backend, Pieces, acc_dtype, check_inputs, get_backend
 from attention.layout import CPLayout
 from attention.masks import Mask, block_rounds, make_mask
 from attention.merge import Accumulator
@@ -35,16 +35,28 @@ class TimedBackend(Backend):
         self.clock = clock or time.perf_counter
         self.elapsed = elapsed or (lambda t0: time.perf_counter() - t0)
 
-    def supports(self, q, k, window=False, softcap=False) -> bool:
+    def supports(self, q: torch.Tensor, k: torch.Tensor, window: bool = False, softcap: bool = False) -> bool:
         return self.inner.supports(q, k, window, softcap)
 
-    def forward(self, q, k, v, pieces, scale):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: Pieces, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         t0 = self.clock()
         res = self.inner.forward(q, k, v, pieces, scale)
         self.record("fwd", self.elapsed(t0), pieces)
         return res
 
-    def backward(self, dout, q, k, v, out, lse, pieces, scale):
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        pieces: Pieces,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t0 = self.clock()
         res = self.inner.backward(dout, q, k, v, out, lse, pieces, scale)
         self.record("bwd", self.elapsed(t0), pieces)

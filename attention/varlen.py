@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from attention.backends import Backend, Pieces, check_inputs, get_backend
-from attention.masks import as_mask, make_mask
+from attention.masks import Mask, as_mask, make_mask
 from attention.merge import Accumulator
 
 
@@ -28,7 +28,7 @@ def _cu_numpy(cu_seqlens, total: int) -> np.ndarray:
     return cu
 
 
-def varlen_rounds(cu: np.ndarray, mask, chunk_size: Optional[int]) -> list[Pieces]:
+def varlen_rounds(cu: np.ndarray, mask: bool | Mask, chunk_size: Optional[int]) -> list[Pieces]:
     """Pieces of packed attention under ``mask`` (a :class:`Mask`, or a bool for plain causal/full), as rounds whose
     query ranges are disjoint. Without ``chunk_size``: one round, one piece per document. With it: documents are
     tiled into chunks of ``chunk_size`` tokens; round ``o`` holds the (query chunk ``i``, key chunk ``i - o``) pairs,
@@ -58,7 +58,9 @@ def varlen_rounds(cu: np.ndarray, mask, chunk_size: Optional[int]) -> list[Piece
     return [r for r in rounds if len(r)]
 
 
-def attend(q, k, v, rounds: list[Pieces], scale: float, be: Backend):
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rounds: list[Pieces], scale: float, be: Backend
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward over rounds of pieces, merged: returns (out in q.dtype, lse in the accumulation dtype)."""
     if len(rounds) == 1:
         out, lse = be.forward(q, k, v, rounds[0], scale)
@@ -66,25 +68,32 @@ def attend(q, k, v, rounds: list[Pieces], scale: float, be: Backend):
     acc = Accumulator()
     for p in rounds:
         acc.add(*be.forward(q, k, v, p, scale))
-    if acc.out is None:
+    if acc.out is None or acc.lse is None:
         out, lse = be.forward(q, k, v, Pieces.empty(), scale)
         return out.to(q.dtype), lse
     return acc.out.to(q.dtype), acc.lse
 
 
-def attend_backward(dout, q, k, v, out, lse, rounds: list[Pieces], scale: float, be: Backend):
+def attend_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rounds: list[Pieces],
+    scale: float,
+    be: Backend,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (accumulation dtype) of :func:`attend`, from the merged out/lse."""
-    dq = dk = dv = None
-    for p in rounds:
+    if not rounds:
+        return be._zero_grads(q, k, v)
+    dq, dk, dv = be.backward(dout, q, k, v, out, lse, rounds[0], scale)
+    for p in rounds[1:]:
         g = be.backward(dout, q, k, v, out, lse, p, scale)
-        if dq is None:
-            dq, dk, dv = g
-        else:
-            dq += g[0]
-            dk += g[1]
-            dv += g[2]
-    if dq is None:
-        dq, dk, dv = be._zero_grads(q, k, v)
+        dq += g[0]
+        dk += g[1]
+        dv += g[2]
     return dq, dk, dv
 
 
@@ -140,7 +149,7 @@ def varlen_attention(
 _ROUNDS: OrderedDict = OrderedDict()
 
 
-def cached_rounds(cu: np.ndarray, mask, chunk_size: Optional[int], capacity: int = 64) -> list[Pieces]:
+def cached_rounds(cu: np.ndarray, mask: bool | Mask, chunk_size: Optional[int], capacity: int = 64) -> list[Pieces]:
     """:func:`varlen_rounds`, remembered for the last ``capacity`` batches: every layer of a model sees the same
     batch, so its pieces (and their device-side index tensors) are built once, not per layer."""
     key = (cu.tobytes(), as_mask(mask).key, chunk_size)

@@ -171,10 +171,22 @@ class Backend:
         """One line saying why :meth:`supports` is False (for error messages and the selection log)."""
         return f"{self.name} cannot run {q.dtype} tensors on {q.device}"
 
-    def forward(self, q, k, v, pieces: Pieces, scale: float):  # pragma: no cover - interface
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: Pieces, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def backward(self, dout, q, k, v, out, lse, pieces: Pieces, scale: float):  # pragma: no cover - interface
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        pieces: Pieces,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # pragma: no cover - interface
         raise NotImplementedError
 
     def _empty_fwd(self, q, v):

@@ -21,7 +21,7 @@ class ReferenceBackend(Backend):
 
     name = "reference"
 
-    def supports(self, q, k, window: bool = False, softcap: bool = False) -> bool:
+    def supports(self, q: torch.Tensor, k: torch.Tensor, window: bool = False, softcap: bool = False) -> bool:
         return True
 
     @staticmethod
@@ -44,7 +44,9 @@ class ReferenceBackend(Backend):
             int(a[i]) for a in (pieces.q_start, pieces.q_len, pieces.k_start, pieces.k_len, pieces.lo, pieces.hi)
         )
 
-    def forward(self, q, k, v, pieces, scale):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: Pieces, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         a = acc_dtype(q.dtype)
         out = torch.zeros(q.shape[0], q.shape[1], v.shape[2], dtype=a, device=q.device)
         lse = torch.full((q.shape[0], q.shape[1]), -math.inf, dtype=a, device=q.device)
@@ -58,7 +60,17 @@ class ReferenceBackend(Backend):
             lse[qs : qs + ql] = piece_lse.permute(2, 0, 1).reshape(ql, q.shape[1])
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, pieces, scale):
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        pieces: Pieces,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         a = acc_dtype(q.dtype)
         dq, dk, dv = self._zero_grads(q, k, v)
         h, hk, d = q.shape[1], k.shape[1], q.shape[2]

@@ -87,7 +87,7 @@ class TorchCPUBackend(Backend):
     _fwd = staticmethod(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
     _bwd = staticmethod(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
 
-    def supports(self, q, k, window: bool = False, softcap: bool = False) -> bool:
+    def supports(self, q: torch.Tensor, k: torch.Tensor, window: bool = False, softcap: bool = False) -> bool:
         return q.device.type == "cpu" and q.dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
     @staticmethod
@@ -102,7 +102,9 @@ class TorchCPUBackend(Backend):
         _routed("window")
         return pieces.select(~band), pieces.select(band)
 
-    def forward(self, q, k, v, pieces, scale):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: Pieces, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         fused, plain = self._split(pieces)
         out, lse = self._empty_fwd(q, v) if not len(plain) else _REFERENCE.forward(q, k, v, plain, scale)
         for lq, lk, causal, sel in fused.groups():
@@ -112,7 +114,17 @@ class TorchCPUBackend(Backend):
             b.put_q(lse, piece_lse.to(lse.dtype))
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, pieces, scale):
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        pieces: Pieces,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         fused, plain = self._split(pieces)
         if len(plain):
             dq, dk, dv = _REFERENCE.backward(dout, q, k, v, out, lse, plain, scale)

@@ -175,10 +175,10 @@ class VarlenCUDABackend(Backend):
     def _kbwd(self, do, q, k, v, o, lse, pk: Packed, causal, window, softcap, scale):  # pragma: no cover - interface
         raise NotImplementedError
 
-    def supports(self, q, k, window: bool = False, softcap: bool = False) -> bool:
+    def supports(self, q: torch.Tensor, k: torch.Tensor, window: bool = False, softcap: bool = False) -> bool:
         return not self.why_not(q, k, window, softcap)
 
-    def why_not(self, q, k, window: bool = False, softcap: bool = False) -> str:
+    def why_not(self, q: torch.Tensor, k: torch.Tensor, window: bool = False, softcap: bool = False) -> str:
         if not self.available():
             return f"{self.name} is not available"
         if window and not self.has_window:
@@ -193,7 +193,7 @@ class VarlenCUDABackend(Backend):
             return f"{self.name} needs head_dim a multiple of 8 and <= {self.max_head_dim}, got {q.shape[2]}"
         return self.device_problem(q)
 
-    def device_problem(self, q) -> str:
+    def device_problem(self, q: torch.Tensor) -> str:
         """Why this kernel cannot run on ``q``'s CUDA device whatever the inputs ("" if it can, or on CPU)."""
         if q.is_cuda and not cuda_capability_ok(q):
             cap = torch.cuda.get_device_capability(q.device)
@@ -220,7 +220,9 @@ class VarlenCUDABackend(Backend):
     def _swapped(self, pk: Packed, q, k, window) -> bool:
         return self.swaps_gqa and pk.max_q == 1 and q.shape[1] > k.shape[1] and window == (-1, -1)
 
-    def forward(self, q, k, v, pieces, scale):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pieces: Pieces, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = self._empty_fwd(q, v)
         for pk, causal, window in self._calls(pieces, q.device):
             qq = Packed.take(pk.q, q).contiguous()
@@ -232,7 +234,17 @@ class VarlenCUDABackend(Backend):
             Packed.put(pk.q, lse, rows)
         return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, pieces, scale):
+    def backward(
+        self,
+        dout: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        pieces: Pieces,
+        scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dq, dk, dv = self._zero_grads(q, k, v)
         if self._lse_padded is None and len(pieces):  # learn the kernel's lse layout once
             self.forward(q, k, v, pieces.select(np.arange(1)), scale)
