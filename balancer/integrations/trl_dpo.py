@@ -17,14 +17,14 @@ on which pairs share a micro-batch: refused, as are ``ld_alpha``, ``use_weightin
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 try:
-    from trl import DPOTrainer
+    from trl import DPOConfig, DPOTrainer
 except ImportError as exc:  # pragma: no cover - exercised without trl only
     raise ImportError("balancer.integrations.trl needs TRL: pip install 'seqbalancer[trainer]'") from exc
 
@@ -184,6 +184,7 @@ class BalancedDPOTrainer(DPOTrainer):
     (default ``CostModel.from_config(model.config)``) and ``seed`` (the pair order; default ``args.seed``)."""
 
     loss_is_scaled_for_ga = True
+    args: DPOConfig  # what DPOTrainer is given
 
     def __init__(self, *args, cost: Optional[CostModel] = None, seed: Optional[int] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -191,7 +192,8 @@ class BalancedDPOTrainer(DPOTrainer):
         rank, processes = world()
         lengths = _pair_lengths(self.train_dataset, self.args.max_length)
         topology = dpo_topology(self.args, lengths, processes)
-        cost = cost or CostModel.from_config(self.model.config.to_dict())
+        model: Any = self.model  # a transformers model or a PEFT wrapper of one: both have .config
+        cost = cost or CostModel.from_config(model.config.to_dict())
         seed = self.args.seed if seed is None else seed
         per_step = self.args.per_device_train_batch_size * topology.micro_batches * processes  # the stock step
         self.pair_sampler = PairBatchSampler(lengths, topology, cost, rank, seed, per_step)

@@ -21,13 +21,13 @@ multimodal inputs, MoE auxiliary losses, ``steps_per_generation != gradient_accu
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
 try:
-    from trl import GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer
 except ImportError as exc:  # pragma: no cover - exercised without trl only
     raise ImportError("balancer.integrations.trl_grpo needs TRL: pip install 'seqbalancer[trainer]'") from exc
 
@@ -114,10 +114,14 @@ class BalancedGRPOTrainer(GRPOTrainer):
     """``trl.GRPOTrainer`` on balanced, packed micro-batches (module docstring). Extra keyword argument: ``cost``
     (default ``CostModel.from_config(model.config)``)."""
 
+    args: GRPOConfig  # what GRPOTrainer is given
+
     def __init__(self, *args, cost: Optional[CostModel] = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         check_grpo(self)
-        self.balance_cost = cost or CostModel.from_config(self.model.config.to_dict())
+        model: Any = self.model  # a transformers model or a PEFT wrapper of one: both have .config
+        self.balance_cost = cost or CostModel.from_config(model.config.to_dict())
+        self._balanced_inputs: Optional[list[dict]] = None  # the packed micro-batches of the last generation
         if self.loss_type not in MEMBERSHIP_FREE:
             logger.warning(
                 "loss_type=%r is a token mean per stock micro-batch: balanced micro-batches compute the step's token "
@@ -126,15 +130,18 @@ class BalancedGRPOTrainer(GRPOTrainer):
             )
 
     def _prepare_inputs(self, generation_batch):
+        assert self.model is not None, "a Trainer holds its model"
         if not self.model.training:
             raise ValueError("BalancedGRPOTrainer does not evaluate: set eval_strategy='no'")
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        if self._step % generate_every == 0 or self._buffered_inputs is None:
+        per_generation = self.args.steps_per_generation
+        assert per_generation is not None, "GRPOConfig fills steps_per_generation in"
+        generate_every = per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._balanced_inputs is None:
             out = self._generate_and_score_completions(generation_batch)
-            self._buffered_inputs = split_generation(
-                out, self.args.steps_per_generation, self.balance_cost, self.args.seed + self._step
+            self._balanced_inputs = split_generation(
+                out, per_generation, self.balance_cost, self.args.seed + self._step
             )
-        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+        return self._balanced_inputs[self._step % per_generation]
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Forward + backward of one packed micro-batch inside the project's attention (held through backward:
