@@ -296,7 +296,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         """Everything about `step` in one object (`StepInfo`); the accessors below give its figures one by one."""
         return step_info(self, step)
 
-    def _step_sizes(self, step: int) -> np.ndarray:
+    def step_sizes(self, step: int) -> np.ndarray:
         """Token counts of `step`'s documents (filler rows left out)."""
         seg, local = self._locate(step)
         sl = seg.step_slice(local)
@@ -308,15 +308,15 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         document windows) of `tokens - 1`, each document's last token having no target. Pass it to
         `balancer.loss.token_loss` as the normaliser (valid when every token is a training target; with masked
         labels, sum the collator's `num_loss_tokens` over the step instead)."""
-        return int((self._step_sizes(step) - 1).sum())
+        return int((self.step_sizes(step) - 1).sum())
 
     def step_tokens(self, step: int) -> int:
-        return int(self._step_sizes(step).sum())
+        return int(self.step_sizes(step).sum())
 
     def step_num_sequences(self, step: int) -> int:
         """Documents (or windows) of `step` holding at least one loss token: the normaliser of the per-sequence
         loss (`balancer.loss.token_loss(..., reduction="sequence")`)."""
-        return int((self._step_sizes(step) > 1).sum())
+        return int((self.step_sizes(step) > 1).sum())
 
     def predicted_times(self, step: int) -> np.ndarray:
         """[dp, M] predicted time (cost-model units) of every micro-batch of `step` on one CP rank: cost / cp

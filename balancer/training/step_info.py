@@ -30,7 +30,7 @@ class StepInfo:
 
 def step_info(sampler, step: int) -> StepInfo:
     """The `StepInfo` of `step` of `sampler` (global step index, as the sampler's other per-step accessors)."""
-    sizes = sampler._step_sizes(step)
+    sizes = sampler.step_sizes(step)
     return StepInfo(
         step=int(step),
         micro_batches=sampler.step_micro_batches(step),
@@ -47,11 +47,12 @@ def predicted_step(sampler, step: int) -> dict:
     t = sampler.topology
     mb = sampler.predicted_times(step)
     if t.dynamic:  # the step time needs every rank's waits: the plan's model; no per-replica times
-        seg, local = sampler._locate(step)
+        w, local = sampler.windows.locate(int(step))
+        seg = sampler.windows.segment(w)
         rep = np.array([seg.plan.step_times()[local]])
     else:
         rep = one_f_one_b(mb.max(axis=1), mb.sum(axis=1), t.pp)
-    c = sampler.cost.cost(sampler._step_sizes(step))
+    c = sampler.cost.cost(sampler.step_sizes(step))
     lb = float(lower_bound(c.sum(), c.max(), t, sampler.cost.fixed, micro_batches=sampler.step_micro_batches(step)))
     return {
         "replica_times": rep,
