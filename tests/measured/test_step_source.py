@@ -112,3 +112,24 @@ def test_the_sampler_s_plan_start_wraps_into_the_next_epoch():
     assert s.plan_start(0, count + 1) == (1, 1)
     s.set_epoch(2)
     assert s.plan_start(1, 0) == (3, 0)  # an epoch it left: from the next one
+
+
+def source_reads(source: str) -> set[str]:
+    """The attributes read of the monitor's source in `source`: of `self.sampler`, and of the names `sampler` and
+    `s` (the constructor's argument, the local alias)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        v = node.value
+        if (isinstance(v, ast.Name) and v.id in ("sampler", "s")) or (
+            isinstance(v, ast.Attribute) and v.attr == "sampler" and isinstance(v.value, ast.Name)
+        ):
+            found.add(node.attr)
+    return found
+
+
+def test_the_monitor_uses_nothing_of_its_source_but_the_protocol():
+    used = source_reads((MEASURED / "monitor.py").read_text())
+    assert used and used <= set(STEP_SOURCE_MEMBERS), sorted(used - set(STEP_SOURCE_MEMBERS))
+    assert source_reads("def f(self):\n    return self.sampler.windows.count\n") == {"windows"}
