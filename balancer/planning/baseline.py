@@ -15,6 +15,7 @@ import heapq
 import time
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.metrics import natural_steps
@@ -23,7 +24,7 @@ from balancer.planning.topology import Topology
 from balancer.planning.units import validate_lengths
 
 
-def token_count_plan(lengths, topology: Topology, cost: CostModel, seed: int = 0) -> Plan:
+def token_count_plan(lengths: ArrayLike, topology: Topology, cost: CostModel, seed: int = 0) -> Plan:
     """Plan an epoch balancing token counts only (documents must fit `max_tokens * cp`)."""
     t0 = time.perf_counter()
     lengths = validate_lengths(lengths)

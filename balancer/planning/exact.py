@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.typing import ArrayLike
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import lil_matrix
 
@@ -34,7 +35,7 @@ class ExactResult:
     optimal: bool  # True when the solver proved optimality
 
 
-def optimal_step(lengths, topology: Topology, cost: CostModel, time_limit: float = 20.0) -> ExactResult:
+def optimal_step(lengths: ArrayLike, topology: Topology, cost: CostModel, time_limit: float = 20.0) -> ExactResult:
     """Optimal assignment of one step's documents (up to ~40) to the topology's micro-batches."""
     lengths = np.asarray(lengths, dtype=np.int64)
     t = topology

@@ -9,6 +9,7 @@ The metrics divide by the speeds as given (equal speeds of 2 halve every time an
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -75,7 +76,7 @@ def even(topology: Topology) -> Topology:
     return topology if topology.rank_speeds is None else replace(topology, rank_speeds=None)
 
 
-def with_speeds(topology: Topology, speeds: np.ndarray | None, **changes) -> Topology:
+def with_speeds(topology: Topology, speeds: np.ndarray | None, **changes: Any) -> Topology:
     """`replace(topology, **changes)` with `rank_speeds` set to `speeds` (None: even ranks)."""
     return replace(topology, rank_speeds=None if speeds is None else tuple(float(x) for x in speeds), **changes)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.topology import Topology
@@ -22,7 +23,7 @@ def _log_once(key: tuple, level: int, message: str, *args) -> None:
         log.log(level, message, *args)
 
 
-def check_topology_and_cost(topology, cost) -> None:
+def check_topology_and_cost(topology: object, cost: object) -> None:
     """A TypeError naming the argument unless `topology` is a `balancer.Topology` and `cost` a `balancer.CostModel`."""
     if not isinstance(topology, Topology):
         raise TypeError(f"topology must be a balancer.Topology, got {type(topology).__name__}")
@@ -30,7 +31,7 @@ def check_topology_and_cost(topology, cost) -> None:
         raise TypeError(f"cost must be a balancer.CostModel, got {type(cost).__name__}")
 
 
-def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
+def validate_lengths(lengths: ArrayLike, name: str = "lengths") -> np.ndarray:
     """1-D positive integer lengths as int64, or a ValueError naming the first bad document."""
     arr = np.asarray(lengths)
     if arr.ndim != 1:
@@ -51,7 +52,9 @@ def validate_lengths(lengths, name: str = "lengths") -> np.ndarray:
     return arr.astype(np.int64)
 
 
-def planning_units(lengths: np.ndarray, cap: int, overflow: str, topology: Topology):
+def planning_units(
+    lengths: np.ndarray, cap: int, overflow: str, topology: Topology
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cut documents into planning units `(doc, start, end)` honouring the overflow policy."""
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")

@@ -11,6 +11,7 @@ model.
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from attention.placement import Loads, candidate_counts, check_options, place_fitting
 from balancer.planning.cost.microbatch import assignment_terms, rank_times
@@ -31,7 +32,9 @@ def _cost_model(cost) -> CostModel:
     return CostModel.from_dict(cost)
 
 
-def hybrid_split(lengths, cp: int, cost, method: str = "ring", max_tokens: int | None = None) -> np.ndarray:
+def hybrid_split(
+    lengths: ArrayLike, cp: int, cost: CostModel | dict, method: str = "ring", max_tokens: int | None = None
+) -> np.ndarray:
     """bool [n_docs]: the split set of the candidate with the least predicted slowest-rank time under `cost` (a
     `CostModel` or its dict) for attention `method` ("ring" or "allgather"); ties go to the fewer splits. Documents
     `lengths` in packing order; `max_tokens` per CP rank as the layout's option."""
@@ -74,7 +77,7 @@ def check_cost_spec(spec: dict) -> dict:
     return {"kind": "hybrid", "cost": _cost_model(spec["cost"]).to_dict(), "method": method, "max_tokens": max_tokens}
 
 
-def explicit_layout(lengths, cp: int, spec: dict) -> dict:
+def explicit_layout(lengths: ArrayLike, cp: int, spec: dict) -> dict:
     """A layout spec with any cost-driven choice made: `{"kind": "hybrid", "cost": ..., "method": ...,
     "max_tokens": ...}` (as plan files before explicit splits record it) becomes `{"kind": "hybrid", "split":
     [document indices], "max_tokens": ...}` for these documents (`lengths` in packing order); any other spec is

@@ -21,9 +21,10 @@ A micro-batch takes `max_r t_r` (`balancer.planning.cost.predict` assembles micr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from attention.geometry import KINDS, block_pairs, chunk_bounds, chunk_sizes
 from attention.placement import check_options, hybrid_assignment
@@ -61,7 +62,7 @@ def _zigzag_chunks(lengths: np.ndarray, cp: int, kind: str = "zigzag"):
     return chunk_bounds(sizes), owner
 
 
-def hybrid_placement(lengths: np.ndarray, cp: int, **layout_options) -> tuple[np.ndarray, np.ndarray]:
+def hybrid_placement(lengths: np.ndarray, cp: int, **layout_options: Any) -> tuple[np.ndarray, np.ndarray]:
     """(split bool [n], whole_rank int64 [n]) of the hybrid layout with these options, as `attention.CPLayout`
     places them. A cost-driven spec (`cost=`, `method=`) is resolved into an explicit `split` first
     (`balancer.planning.cost.hybrid.explicit_layout`; `predict.py` does it per micro-batch)."""
@@ -83,12 +84,12 @@ def hybrid_placement(lengths: np.ndarray, cp: int, **layout_options) -> tuple[np
 
 
 def micro_batch_terms(
-    lengths,
+    lengths: ArrayLike,
     cp: int,
     layout: str = "zigzag",
     causal: bool = True,
     window: int | None = None,
-    **layout_options,
+    **layout_options: Any,
 ) -> MicroBatchTerms:
     """Terms of one micro-batch of documents `lengths` (in packing order) on `cp` ranks with this layout kind.
 

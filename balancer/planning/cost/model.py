@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from attention.geometry import attention_pairs
 from balancer.limits import MAX_COEFFICIENT
@@ -351,8 +352,8 @@ class CostModel:
     @classmethod
     def fit(
         cls,
-        lengths,
-        seconds,
+        lengths: ArrayLike,
+        seconds: ArrayLike,
         causal: bool = True,
         fit_fixed: bool = True,
         *,

@@ -6,7 +6,10 @@ derivation: balancer.planning.cost.microbatch and docs/cost-model.md.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import numpy as np
+from numpy.typing import ArrayLike
 
 from balancer.planning import metrics
 from balancer.planning.cost.hybrid import explicit_layout
@@ -18,6 +21,9 @@ from balancer.planning.cost.microbatch import (
     split_document_terms,
 )
 from balancer.planning.cost.model import CostModel
+
+if TYPE_CHECKING:
+    from balancer.planning.plans.plan import Plan
 
 
 def _terms(lengths, cp: int, layout: str, cost: CostModel, layout_options: dict) -> MicroBatchTerms:
@@ -31,14 +37,16 @@ def _terms(lengths, cp: int, layout: str, cost: CostModel, layout_options: dict)
 
 
 def micro_batch_time(
-    cost: CostModel, lengths, cp: int, layout: str = "zigzag", method: str = "ring", **layout_options
+    cost: CostModel, lengths: ArrayLike, cp: int, layout: str = "zigzag", method: str = "ring", **layout_options: Any
 ) -> float:
     """Predicted time of one micro-batch: the slowest CP rank's `rank_times`."""
     terms = _terms(lengths, cp, layout, cost, layout_options)
     return float(rank_times(cost, terms, method).max())
 
 
-def micro_batch_times(cost: CostModel, lengths: np.ndarray, ptr: np.ndarray, cp: int, method: str = "ring"):
+def micro_batch_times(
+    cost: CostModel, lengths: np.ndarray, ptr: np.ndarray, cp: int, method: str = "ring"
+) -> np.ndarray:
     """`micro_batch_time` (zigzag layout) of many micro-batches at once: micro-batch k holds the documents
     `lengths[ptr[k]:ptr[k + 1]]` (none empty). Vectorised over documents, in blocks that bound the memory."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -61,9 +69,21 @@ def micro_batch_times(cost: CostModel, lengths: np.ndarray, ptr: np.ndarray, cp:
     return out
 
 
+def layout_kind(layout: str | dict, options: dict) -> tuple[str, dict]:
+    """(kind, options) of a layout given by kind or as a plan's recorded layout `{"kind": ..., options}`, whose
+    options `options` extend."""
+    if not isinstance(layout, dict):
+        return layout, options
+    return str(layout.get("kind", "zigzag")), {**{k: v for k, v in layout.items() if k != "kind"}, **options}
+
+
 def predict_plan(
-    plan, cost: CostModel | None = None, layout: str | dict = "zigzag", method: str = "ring", **layout_options
-):
+    plan: Plan,
+    cost: CostModel | None = None,
+    layout: str | dict = "zigzag",
+    method: str = "ring",
+    **layout_options: Any,
+) -> dict:
     """Layout- and communication-aware report of a Plan (its own cost model unless `cost` is given).
 
     Returns a dict: `layout` ({"kind", options}), `method`, `micro_batch_times` [steps, dp, M] (slowest CP rank),
@@ -72,9 +92,7 @@ def predict_plan(
     (K/V token-hops summed over CP ranks and ring steps; bytes when the model knows `kv_bytes_per_token`),
     `attention_pieces` (document pieces summed over ranks and steps).
     """
-    if isinstance(layout, dict):  # a plan's recorded layout: {"kind": ..., options}
-        layout_options = {**{k: v for k, v in layout.items() if k != "kind"}, **layout_options}
-        layout = str(layout.get("kind", "zigzag"))
+    layout, layout_options = layout_kind(layout, layout_options)
     cost = plan.cost_model if cost is None else cost
     topo = plan.topology
     n_mb = len(plan.mb_ptr) - 1

@@ -6,21 +6,27 @@ step, replica (or slot and group) and micro-batch, and the document."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from balancer.planning.topology import Topology
 
+if TYPE_CHECKING:
+    from balancer.planning.plans.plan import Plan
 
-def micro_batch_name(plan, k: int) -> str:
+
+def micro_batch_name(plan: Plan, k: int) -> str:
     """'step s, replica r, micro-batch m' (dynamic: 'step s, slot j, group g (ranks start+size)') of micro-batch k."""
     t = plan.topology
     if not plan.dynamic:
         step = min(k // t.bins_per_step, max(plan.num_steps - 1, 0))
         ms, local = plan.step_micro_batches(step), k - step * t.bins_per_step
         return f"step {step}, replica {local // ms}, micro-batch {local % ms}"
-    slot = int(np.searchsorted(plan.slot_ptr, k, side="right") - 1)
-    group = k - int(plan.slot_ptr[slot])
-    ranks = f"{int(plan.group_start[k])}+{int(plan.group_size[k])}"
+    group_start, group_size, slot_ptr = plan.group_arrays
+    slot = int(np.searchsorted(slot_ptr, k, side="right") - 1)
+    group = k - int(slot_ptr[slot])
+    ranks = f"{int(group_start[k])}+{int(group_size[k])}"
     return f"step {slot // t.micro_batches}, slot {slot % t.micro_batches}, group {group} (ranks {ranks})"
 
 
@@ -28,7 +34,7 @@ def _entry_name(plan, i: int) -> str:
     return micro_batch_name(plan, int(np.searchsorted(plan.mb_ptr, i, side="right") - 1))
 
 
-def check_placements(plan) -> None:
+def check_placements(plan: Plan) -> None:
     """Every micro-batch non-empty and within its token cap, dynamic groups a valid partition of the pool in every
     slot, and every document's spans cover it (`check_coverage`). Raises ValueError naming the violation."""
     t = plan.topology
@@ -36,18 +42,18 @@ def check_placements(plan) -> None:
     if np.any(counts == 0):
         raise ValueError(f"empty micro-batch: {micro_batch_name(plan, int(np.flatnonzero(counts == 0)[0]))}")
     tokens = plan.flat_micro_batch_tokens()
-    caps = t.max_tokens * plan.group_size if plan.dynamic else t.micro_batch_tokens
+    caps = t.max_tokens * plan.group_arrays[1] if plan.dynamic else t.micro_batch_tokens
     if np.any(tokens > caps):
         k = int(np.argmax(tokens - caps))
         cap = np.broadcast_to(caps, tokens.shape)[k]
         what = f"max_tokens*size = {cap}" if plan.dynamic else f"max_tokens*cp = {cap}"
         raise ValueError(f"micro-batch {k} ({micro_batch_name(plan, k)}) holds {tokens[k]} tokens > {what}")
     if plan.dynamic:
-        check_partition(plan.group_start, plan.group_size, plan.slot_ptr, t)
+        check_partition(*plan.group_arrays, t)
     check_coverage(plan)
 
 
-def check_coverage(plan) -> None:
+def check_coverage(plan: Plan) -> None:
     """Every document placed (a window plan: exactly its window's documents), its spans starting at token 0,
     consecutive (no gap, no overlap) and ending at its length, or, for a plan with dropped tokens
     (overflow='truncate'), at one truncation cut shared by every document longer than it; the tokens short of the
@@ -165,7 +171,7 @@ def check_partition(group_start: np.ndarray, group_size: np.ndarray, slot_ptr: n
         raise ValueError(f"slot {slot}: the groups do not cover the pool of {topology.pool_size} ranks exactly once")
 
 
-def check_last(topology: Topology, last) -> int:
+def check_last(topology: Topology, last: int | None) -> int:
     """`last_micro_batches` as an int in 1..micro_batches (None: micro_batches), else a ValueError naming it."""
     m = topology.micro_batches
     if last is None:

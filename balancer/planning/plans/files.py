@@ -10,9 +10,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import zipfile
 import zlib
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +35,9 @@ from balancer.strict_json import (
     obj,
     parse_json,
 )
+
+if TYPE_CHECKING:
+    from balancer.planning.plans.plan import Plan
 
 # Version history (docs/plan-format.md): 1 = "format": "balancer.plan/1"; 2 = "format": "balancer.plan" with
 # "format_version", plan_seconds null instead of NaN, keys checked strictly (nothing else changed); 3 = "window" (a
@@ -115,7 +120,7 @@ def _step_record(step) -> dict:
     return {"replicas": [{"micro_batches": [_micro_batch_record(mb) for mb in r.micro_batches]} for r in step.replicas]}
 
 
-def header(plan) -> dict:
+def header(plan: Plan) -> dict:
     seconds = plan.plan_seconds
     version = PLAN_FORMAT.header()
     short = plan.last_micro_batches < plan.topology.micro_batches
@@ -137,7 +142,7 @@ def header(plan) -> dict:
     }
 
 
-def plan_to_dict(plan) -> dict:
+def plan_to_dict(plan: Plan) -> dict:
     head = header(plan)
     keys: tuple[str, ...] = (
         "format",
@@ -156,7 +161,7 @@ def plan_to_dict(plan) -> dict:
     return data
 
 
-def save_plan(plan, path) -> None:
+def save_plan(plan: Plan, path: str | os.PathLike) -> None:
     path = Path(path)
     if path.suffix == ".npz":
         arrays = dict(

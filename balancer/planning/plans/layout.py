@@ -11,10 +11,15 @@ load unchanged and resolve per micro-batch to the same split sets (`explicit_lay
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from attention.geometry import KINDS
 from balancer.planning.cost.hybrid import check_cost_spec, explicit_layout
+
+if TYPE_CHECKING:
+    from balancer.planning.plans.plan import Plan
 
 
 def _group_sizes(plan) -> np.ndarray:
@@ -23,13 +28,13 @@ def _group_sizes(plan) -> np.ndarray:
     return plan.group_size if plan.dynamic else np.full(n_mb, plan.topology.cp, dtype=np.int64)
 
 
-def micro_batch_lengths(plan, k: int) -> np.ndarray:
+def micro_batch_lengths(plan: Plan, k: int) -> np.ndarray:
     """int64: the token counts of micro-batch `k`'s placements, in placement order."""
     a, b = plan.mb_ptr[k], plan.mb_ptr[k + 1]
     return plan.end[a:b] - plan.start[a:b]
 
 
-def check_record(plan, record: dict | None) -> dict | None:
+def check_record(plan: Plan, record: dict | None) -> dict | None:
     """`record` validated against `plan` (ValueError names the key): a known kind, and `splits` with one increasing
     list of in-range positions per micro-batch."""
     if record is None:
@@ -51,7 +56,7 @@ def check_record(plan, record: dict | None) -> dict | None:
     return dict(record)
 
 
-def with_explicit_splits(plan, spec: dict) -> dict | None:
+def with_explicit_splits(plan: Plan, spec: dict) -> dict | None:
     """The record for `spec`: a cost-driven hybrid spec becomes its explicit per-micro-batch split sets; any other
     spec is recorded as it is."""
     record = check_record(plan, spec)
@@ -65,7 +70,7 @@ def with_explicit_splits(plan, spec: dict) -> dict | None:
     return {"kind": "hybrid", "max_tokens": record["max_tokens"], "splits": splits}
 
 
-def micro_batch_layout(plan, k: int) -> dict:
+def micro_batch_layout(plan: Plan, k: int) -> dict:
     """The explicit layout spec of micro-batch `k` (`attention.CPLayout.from_spec` takes it): the record's own spec,
     its split set for `k`, or the cost-driven choice made for `k`'s documents; zigzag without a record."""
     record = plan.layout

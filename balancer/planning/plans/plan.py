@@ -21,12 +21,14 @@ import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from balancer.planning import metrics as _metrics
 from balancer.planning.cost.model import CostModel
-from balancer.planning.cost.predict import micro_batch_time, predict_plan
+from balancer.planning.cost.predict import layout_kind, micro_batch_time, predict_plan
 from balancer.planning.plans import layout as layout_record
 from balancer.planning.plans.checks import check_last, check_placements, check_shape
 from balancer.planning.plans.files import load_plan, plan_to_dict, save_plan
@@ -172,10 +174,10 @@ class Plan:
     def from_micro_batches(
         cls,
         steps: Sequence[Sequence[Sequence[Iterable[int]]]],
-        lengths,
+        lengths: ArrayLike,
         topology: Topology,
         cost_model: CostModel,
-        **kwargs,
+        **kwargs: Any,
     ) -> Plan:
         """Build from nested lists `steps[s][replica][m] -> doc ids` (whole documents only)."""
         flat: list[int] = []
@@ -198,7 +200,12 @@ class Plan:
 
     @classmethod
     def from_flat_micro_batches(
-        cls, micro_batches: Sequence[Iterable[int]], lengths, topology: Topology, cost_model: CostModel, **kwargs
+        cls,
+        micro_batches: Sequence[Iterable[int]],
+        lengths: ArrayLike,
+        topology: Topology,
+        cost_model: CostModel,
+        **kwargs: Any,
     ) -> Plan:
         """Build from micro-batches in plan order (step-major, then replica, then micro-batch: `dp * micro_batches`
         per step), whole documents only; the form token-count packers produce."""
@@ -435,13 +442,16 @@ class Plan:
         with the micro-batch's placements in order re-derives every rank's share)."""
         return layout_record.micro_batch_layout(self, k)
 
-    def predict(self, cost: CostModel | None = None, layout="zigzag", method: str = "ring", **layout_options) -> dict:
+    def predict(
+        self, cost: CostModel | None = None, layout: str | dict = "zigzag", method: str = "ring", **layout_options: Any
+    ) -> dict:
         """Layout- and communication-aware time report (`predict_plan`; docs/cost-model.md);
         `metrics()` keeps the compute-only definitions. Dynamic plans: every group's micro-batch is timed on its own
         group size and the steps assembled with the slot model (`micro_batch_times` is then flat, one per group)."""
         if not self.dynamic:
             return predict_plan(self, cost, layout, method, **layout_options)
         cost = self.cost_model if cost is None else cost
+        layout, layout_options = layout_kind(layout, layout_options)
         group_start, group_size, slot_ptr = self.group_arrays
         sizes = self.end - self.start
         ptr = self.mb_ptr
