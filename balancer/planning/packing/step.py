@@ -20,6 +20,7 @@ SPILL_MOVE = 0.1  # ... to the next step, up to this share of the step's tokens
 POLISH_MAX_UNITS = 64  # steps this small also get a move/swap local search (exact-gap territory) ...
 POLISH_ABOVE = 1.005  # ... when their time is this far above the step's lower bound
 FEW_BINS = 16  # steps of at most this many micro-batches deal their light units on Python floats
+SORT_AT_MOST = 128  # least_then_cheapest sorts up to this many micro-batches (16: a sort 1.7 us, three calls 5.7 us)
 
 
 @dataclass
@@ -193,7 +194,11 @@ def _place_heavy_marginal(
 
 def least_then_cheapest(time: np.ndarray, bin_cost: np.ndarray) -> int:
     """The micro-batch of least finite `time` (ties: the cheaper, then the first), -1 when none is finite: what
-    `np.lexsort((bin_cost, time))[0]` picks, without sorting."""
+    `np.lexsort((bin_cost, time))[0]` picks, without sorting the many micro-batches of a large step (a sort is
+    cheaper than the three NumPy calls below for few)."""
+    if len(time) <= SORT_AT_MOST:
+        j = int(np.lexsort((bin_cost, time))[0])
+        return j if np.isfinite(time[j]) else -1
     best = time.min()
     if not np.isfinite(best):
         return -1
