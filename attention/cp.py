@@ -9,6 +9,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from attention._dist import Group, consensus_check, dtype_code
 from attention.allgather import AllGatherAttention
@@ -50,7 +51,7 @@ def cp_attention(
     k_local: torch.Tensor,
     v_local: torch.Tensor,
     layout: CPLayout,
-    group=None,
+    group: Optional[dist.ProcessGroup] = None,
     causal: bool = True,
     softmax_scale: Optional[float] = None,
     method: str = "ring",

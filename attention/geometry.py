@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 KINDS = ("zigzag", "contiguous", "hybrid")
 
@@ -79,7 +80,7 @@ def chunk_bounds(sizes: np.ndarray) -> np.ndarray:
     return bounds
 
 
-def causal_pairs(lens) -> np.ndarray:
+def causal_pairs(lens: ArrayLike) -> np.ndarray:
     """int64: exact causal (query, key) pairs ``d*(d+1)/2`` of documents of lengths ``lens``."""
     d = np.asarray(lens, dtype=np.int64)
     return d * (d + 1) // 2
@@ -123,7 +124,9 @@ def _causal_block_pairs(q_lo, q_hi, k_lo, k_hi, window) -> np.ndarray:
     return below(q_hi, k_hi) - below(q_lo, k_hi) - below(q_hi, k_lo) + below(q_lo, k_lo)
 
 
-def block_pairs(q_lo, q_hi, k_lo, k_hi, causal: bool = True, window: int | None = None) -> np.ndarray:
+def block_pairs(
+    q_lo: ArrayLike, q_hi: ArrayLike, k_lo: ArrayLike, k_hi: ArrayLike, causal: bool = True, window: int | None = None
+) -> np.ndarray:
     """(query, key) pairs attention computes between query positions [q_lo, q_hi) and key positions [k_lo, k_hi)
     of one document (float64, vectorised over the arguments).
 

@@ -36,9 +36,10 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 
 from attention.cp import cp_attention
 from attention.layout import CPLayout
@@ -50,7 +51,7 @@ NAME = "cp_attention"
 @dataclass(frozen=True)
 class _Ctx:
     layout: CPLayout
-    group: object
+    group: Optional[dist.ProcessGroup]
     method: str
     backend: str
     head_chunks: int
@@ -70,7 +71,7 @@ def _attn_implementation(model) -> Optional[str]:
 @contextlib.contextmanager
 def cp_context(
     layout: CPLayout,
-    group=None,
+    group: Optional[dist.ProcessGroup] = None,
     method: str = "ring",
     backend: str = "auto",
     head_chunks: int = 1,
@@ -114,7 +115,7 @@ def cp_attention_forward(
     dropout: float = 0.0,
     scaling: Optional[float] = None,
     is_causal: Optional[bool] = None,
-    **kwargs,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: query ``[1, H, T_local, D]``, key/value ``[1, Hkv, T_local, D]`` ->
     (``[1, T_local, H, D]``, None)."""
@@ -254,7 +255,7 @@ def register(name: str = NAME) -> str:
     return name
 
 
-def padding_mask(*args, attention_mask: Optional[torch.Tensor] = None, **kwargs) -> Optional[torch.Tensor]:
+def padding_mask(*args: Any, attention_mask: Optional[torch.Tensor] = None, **kwargs: Any) -> Optional[torch.Tensor]:
     """transformers mask function for :data:`NAME`: the model's 2-D padding mask, unchanged when it has a zero
     (:func:`cp_attention_forward` then refuses it), else None. Without it transformers drops the mask of an
     attention implementation it does not know, and padding would be silently ignored."""

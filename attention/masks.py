@@ -13,6 +13,7 @@ rounds whose query ranges are disjoint within each round, merged like the ring's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -52,7 +53,7 @@ class Mask:
         return lo, hi
 
 
-def make_mask(causal: bool = True, window_size=(-1, -1), softcap: float = 0.0) -> Mask:
+def make_mask(causal: bool = True, window_size: Sequence[int] = (-1, -1), softcap: float = 0.0) -> Mask:
     """Validated :class:`Mask`; ValueError naming the argument otherwise."""
     try:
         left, right = (int(w) for w in window_size)

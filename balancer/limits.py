@@ -65,7 +65,9 @@ def check_int(name: str, value: object, low: int = 0, high: int = INT64_MAX) -> 
     return number
 
 
-def check_real(name: str, value: object, low: float = 0.0, high: float = MAX_COEFFICIENT, *, open_low=False) -> float:
+def check_real(
+    name: str, value: object, low: float = 0.0, high: float = MAX_COEFFICIENT, *, open_low: bool = False
+) -> float:
     """`value` as a finite float in [low, high] (`(low, high]` with `open_low`), or a ValueError naming `name`:
     booleans, strings, NaN and infinities are refused."""
     if isinstance(value, (bool, str, bytes)) or type(value).__name__ == "bool_":
@@ -82,7 +84,7 @@ def check_real(name: str, value: object, low: float = 0.0, high: float = MAX_COE
     return number
 
 
-def check_indices(step, m, dp_rank, rank, sizes: tuple) -> list:
+def check_indices(step: object, m: object, dp_rank: object, rank: object, sizes: tuple) -> list:
     """(step, m, dp_rank, rank) of a micro-batch, each an int in [0, size) (any int where the size is None; a None
     value stays None), or a ValueError naming it."""
     names = ("step", "m", "dp_rank", "rank")

@@ -67,35 +67,35 @@ class Field:
     since: int = 1
 
 
-def integer(min: Optional[int] = None, max: Optional[int] = None, **kw) -> Field:
+def integer(min: Optional[int] = None, max: Optional[int] = None, **kw: Any) -> Field:
     """An integer (not a bool, not 3.0) in [min, max], both defaulting to the int64 bounds."""
     return Field("int", min=INT64_MIN if min is None else min, max=INT64_MAX if max is None else max, **kw)
 
 
-def number(min: Optional[float] = None, max: Optional[float] = None, **kw) -> Field:
+def number(min: Optional[float] = None, max: Optional[float] = None, **kw: Any) -> Field:
     """A finite int or float (not a bool) in [min, max]."""
     return Field("number", min=min, max=max, **kw)
 
 
-def boolean(**kw) -> Field:
+def boolean(**kw: Any) -> Field:
     """`true` or `false` (not "false", not 0)."""
     return Field("bool", **kw)
 
 
-def string(choices: Optional[tuple] = None, **kw) -> Field:
+def string(choices: Optional[tuple] = None, **kw: Any) -> Field:
     return Field("str", choices=choices, **kw)
 
 
-def array(items: Optional[Field] = None, max_items: Optional[int] = None, **kw) -> Field:
+def array(items: Optional[Field] = None, max_items: Optional[int] = None, **kw: Any) -> Field:
     return Field("list", items=items, max_items=max_items, **kw)
 
 
-def obj(keys: Optional[Mapping[str, Field]] = None, **kw) -> Field:
+def obj(keys: Optional[Mapping[str, Field]] = None, **kw: Any) -> Field:
     """An object; with `keys`, exactly those keys (required ones present, no others)."""
     return Field("object", keys=keys, **kw)
 
 
-def anything(**kw) -> Field:
+def anything(**kw: Any) -> Field:
     """Any JSON value (free-form reports)."""
     return Field("any", **kw)
 

@@ -6,6 +6,8 @@ budgets are met without padding). Lengths are drawn from seeded generators; noth
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 KINDS = ("sft", "longtail", "mixed")
@@ -47,7 +49,7 @@ def micro_batch(kind: str, budget: int, rng: np.random.Generator, max_doc: int |
 
 
 def calibration_grid(
-    budgets, kinds=KINDS, per_cell: int = 1, seed: int = 0, max_doc: int | None = None
+    budgets: Sequence[int], kinds: Sequence[str] = KINDS, per_cell: int = 1, seed: int = 0, max_doc: int | None = None
 ) -> list[tuple[str, list[int]]]:
     """`per_cell` micro-batches of every (kind, budget): a list of (kind, lengths)."""
     rng = np.random.default_rng(seed)
@@ -65,7 +67,7 @@ def _heavy_tail_docs(rng: np.random.Generator, budget: int) -> list[int]:
     return out
 
 
-def fresh_budgets(budgets) -> list[int]:
+def fresh_budgets(budgets: Sequence[int]) -> list[int]:
     """Token budgets outside a grid: the geometric midpoint of each pair of neighbouring grid budgets and 1.5 times
     the largest (a single budget b: 0.7 b and 1.5 b), rounded to 16 tokens."""
     grid = sorted({int(b) for b in budgets})
@@ -77,7 +79,7 @@ def fresh_budgets(budgets) -> list[int]:
     return out
 
 
-def fresh_micro_batches(budgets, per_budget: int = 3, seed: int = 0) -> list[tuple[str, list[int]]]:
+def fresh_micro_batches(budgets: Sequence[int], per_budget: int = 3, seed: int = 0) -> list[tuple[str, list[int]]]:
     """`per_budget` micro-batches of Pareto-tailed documents (kind "pareto") for every budget: micro-batches a
     calibration grid never holds, for checking a fitted model on data it was not fitted to."""
     rng = np.random.default_rng([seed, 0xF7E5])  # a stream the grid's generator never produces

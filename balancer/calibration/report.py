@@ -8,6 +8,7 @@ split is measured with the model fitted on that split's other micro-batches, the
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from balancer.calibration.split import split_by_micro_batch
 from balancer.planning.cost.model import CostModel
@@ -15,7 +16,7 @@ from balancer.planning.cost.model import CostModel
 TARGETS = {"median_abs_error": 0.05, "p90_abs_error": 0.10}
 
 
-def error_summary(predicted, measured) -> dict:
+def error_summary(predicted: ArrayLike, measured: ArrayLike) -> dict:
     """Relative errors `predicted / measured - 1`: median and 90th percentile of their absolute value, max, bias."""
     rel = np.asarray(predicted, dtype=np.float64) / np.asarray(measured, dtype=np.float64) - 1.0
     if rel.size == 0:

@@ -52,7 +52,7 @@ class Calibration:
     samples: list[dict]
     report: dict = field(default_factory=dict)
 
-    def save(self, path) -> None:
+    def save(self, path: str | os.PathLike) -> None:
         """Write the cost model with the report (samples included) to JSON; `CostModel.load` reads it back."""
         self.cost.save(path, **self.report, samples=self.samples)
 

@@ -12,6 +12,11 @@ scheduled). Each micro-batch is timed `repeats` times (after one warm-up run per
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
 import datetime
 import gc
 import json
@@ -38,7 +43,7 @@ TINY_LLAMA = {
 }
 
 
-def build_model(config: dict):
+def build_model(config: dict) -> Any:
     """A randomly initialised causal LM from a transformers config dict, using the CP attention."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -57,7 +62,7 @@ def build_model(config: dict):
     return model.float().train()
 
 
-def shifted_labels(ids, cu: np.ndarray):
+def shifted_labels(ids: torch.Tensor, cu: np.ndarray) -> torch.Tensor:
     """Next-token labels of packed documents: each token predicts the next one of its document."""
     labels = ids.roll(-1).clone()
     labels[cu[1:] - 1] = -100  # a document's last token predicts nothing

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ def global_sum(values: Sequence[float]) -> list[float]:
 
 
 @contextlib.contextmanager
-def project_attention(*models) -> Iterator[None]:
+def project_attention(*models: Any) -> Iterator[None]:  # transformers models (or PEFT wrappers), or None
     """Inside the block the models run the project's packed attention (``attention.hf.NAME``); their own attention
     (what generation and the framework's padded passes use) is restored after it."""
     import attention.hf as ahf
@@ -64,7 +65,7 @@ def pack_sequences(prompts: Sequence[torch.Tensor], completions: Sequence[torch.
     return PackedCollator()(items)
 
 
-def completion_logps(model, batch: dict) -> torch.Tensor:
+def completion_logps(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """Log-probabilities of the loss tokens of a packed micro-batch, in packed order ([K]: K = loss tokens), from
     TRL's fused LM head (``model(..., shift_labels=..., fused_lm_head=True)``: its temperature and logit scaling
     included) inside the batch's layout."""

@@ -132,7 +132,7 @@ def _micro_batch_count(lengths: np.ndarray, max_token_len: int, least: int, mult
 def prepare_dynamic_batch(
     data: DataProto,
     max_token_len: int,
-    dp_group=None,
+    dp_group: Optional[dist.ProcessGroup] = None,
     num_batches_divided_by: Optional[int] = None,
     same_micro_num_in_dp: bool = True,
     min_num_micro_batch: Optional[int] = None,

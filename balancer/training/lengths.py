@@ -10,7 +10,7 @@ import hashlib
 import mmap
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from balancer.data.shards.sharded import ShardedArray
 from balancer.planning.units import validate_lengths
 
 
-def resolve_lengths(lengths, dataset=None) -> tuple[np.ndarray, Optional[int]]:
+def resolve_lengths(lengths: Any, dataset: Any = None) -> tuple[np.ndarray, Optional[int]]:
     """Lengths from an array/list, a pretokenized folder or lengths file path, a `ShardDataset` (`.lengths`), a
     `datasets.Dataset` (its `input_ids` column), or a column name of `dataset`. Returns (lengths, dataset size)."""
     src = lengths
@@ -130,7 +130,7 @@ def fingerprint_lengths(lengths: np.ndarray) -> str:
     return scan_lengths(lengths).fingerprint
 
 
-def backing_files(lengths) -> list[str]:
+def backing_files(lengths: Any) -> list[str]:
     """The files a memory-mapped lengths array reads (a `.npy` map, a folder's shard index files); [] in memory."""
     if isinstance(lengths, ShardedArray):
         return sorted({str(f) for f, _, _ in lengths._files})

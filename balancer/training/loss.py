@@ -22,14 +22,20 @@ normalisation, `sequence_logps` and `dpo_loss` give the DPO loss; docs/post-trai
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from numpy.typing import ArrayLike
 
 from balancer.limits import INT64_MAX, check_int, check_real
+
+if TYPE_CHECKING:
+    from balancer.planning.plans.plan import Plan
 
 REDUCTIONS = ("global", "sum", "sequence")
 
@@ -134,7 +140,7 @@ class StepCounts:
     group_tokens: np.ndarray
 
 
-def step_counts(plan, step: int, loss_tokens, groups=None) -> StepCounts:
+def step_counts(plan: Plan, step: int, loss_tokens: ArrayLike, groups: ArrayLike | None = None) -> StepCounts:
     """The counts of `plan`'s step `step`: `loss_tokens[d]` is document d's loss-token count (e.g. its response
     tokens), `groups[d]` its group (a GRPO prompt, a preference pair; default: every document its own group). A
     document counts whole in the step holding it (plan with overflow="error" so documents are never cut). Bad input
@@ -195,7 +201,7 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
     return torch.where(valid, picked, torch.zeros_like(picked))
 
 
-def token_doc_ids(seq_ids: torch.Tensor, docs) -> torch.Tensor:
+def token_doc_ids(seq_ids: torch.Tensor, docs: Iterable[int]) -> torch.Tensor:
     """Global document id of every token of a collated micro-batch: `seq_ids` (PackedCollator) indexes the
     micro-batch's documents `docs` (in the order the plan lists them); -1 for padding."""
     table = torch.as_tensor(list(docs), dtype=torch.int64, device=seq_ids.device)
@@ -244,7 +250,9 @@ def rl_loss(
     return torch.where(mask, per_token * w, torch.zeros_like(per_token)).sum()
 
 
-def sequence_logps(token_logps: torch.Tensor, seq_ids: torch.Tensor, num_sequences: int, cp_group=None) -> torch.Tensor:
+def sequence_logps(
+    token_logps: torch.Tensor, seq_ids: torch.Tensor, num_sequences: int, cp_group: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
     """[num_sequences] summed log-probabilities of every document of a micro-batch (padding dropped). With CP each
     rank holds part of every document: pass `cp_group` and the sums are all-reduced over it with
     `torch.distributed.nn.functional.all_reduce` (which carries the gradient back to every rank's tokens); every CP

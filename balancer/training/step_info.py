@@ -3,6 +3,11 @@ normalisers, its tokens, its micro-batch count and the plan's prediction), inste
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from balancer.training.sampler import BalancedBatchSampler
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +33,7 @@ class StepInfo:
     predicted: dict
 
 
-def step_info(sampler, step: int) -> StepInfo:
+def step_info(sampler: BalancedBatchSampler, step: int) -> StepInfo:
     """The `StepInfo` of `step` of `sampler` (global step index, as the sampler's other per-step accessors)."""
     sizes = sampler.step_sizes(step)
     return StepInfo(
@@ -42,7 +47,7 @@ def step_info(sampler, step: int) -> StepInfo:
     )
 
 
-def predicted_step(sampler, step: int) -> dict:
+def predicted_step(sampler: BalancedBatchSampler, step: int) -> dict:
     """`sampler.predicted_step(step)`: the plan's predicted replica times, step time, lower bound and imbalance."""
     t = sampler.topology
     mb = sampler.predicted_times(step)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -35,7 +35,7 @@ class PackError(DataError):
     """`balancer pack` cannot proceed: not a pretokenized folder, a topology that cannot hold a document, ..."""
 
 
-def pack_features(dtype: np.dtype):
+def pack_features(dtype: np.dtype) -> Any:
     """The `datasets.Features` of a packed row (see the module docstring)."""
     import datasets
 
@@ -227,7 +227,9 @@ def piece_positions(seq_lens: np.ndarray) -> np.ndarray:
     return (np.arange(int(np.sum(seq_lens)), dtype=np.int64) - np.repeat(piece_first, seq_lens)).astype(np.int32)
 
 
-def build_rows(source: SourceTokens, plan: Plan, epoch: int, first: int, count: int, schema: pa.Schema):
+def build_rows(
+    source: SourceTokens, plan: Plan, epoch: int, first: int, count: int, schema: pa.Schema
+) -> pa.RecordBatch:
     """Rows first..first+count-1 of the epoch as one Arrow record batch (tokens copied out of the source)."""
     keys, pieces_per_row, doc, start, stop = row_pieces(plan, first, count)
     seq_lens = stop - start

@@ -153,7 +153,7 @@ class HFTokenizer(Tokenizer):
         return lengths, flat.astype(self.dtype)
 
 
-def tokenizer_content_hash(tok) -> str:
+def tokenizer_content_hash(tok: Any) -> str:
     """sha256 of what decides the ids: the tokenizer class, its fast-tokenizer JSON (normalizer, pre-tokenizer,
     model, post-processor, added tokens) or, for a slow tokenizer, its vocabulary, plus its special tokens. It does
     not depend on the folder the tokenizer was loaded from."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import struct
+from typing import Any
 
 _CONTINUATION = 0xFFFFFFFF
 _RECORD_BATCH = 3  # MessageHeader union tag
@@ -86,7 +87,7 @@ def stream_row_count(path: str | os.PathLike) -> int:
         os.close(fd)
 
 
-def open_arrow(path: str | os.PathLike):
+def open_arrow(path: str | os.PathLike) -> Any:
     """Memory-mapped `pyarrow.Table` of a shard's Arrow IPC stream (zero-copy)."""
     import pyarrow as pa
 

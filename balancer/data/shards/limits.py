@@ -4,6 +4,12 @@ on the API and as a flag on the CLI."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from balancer.planning.topology import Topology
+
 import os
 from typing import Optional
 
@@ -20,7 +26,7 @@ def check_count(name: str, value: object, low: int, high: int) -> int:
     return value
 
 
-def check_pack_topology(topology) -> None:
+def check_pack_topology(topology: Topology) -> None:
     """The topology's counts in the ranges a packed folder can hold: a row is one micro-batch over the CP group, so
     `max_tokens * cp` fits Arrow's int32 list offsets; DataError naming the field (a flag on the CLI)."""
     for name in ("dp", "cp", "pp", "micro_batches"):
@@ -29,7 +35,7 @@ def check_pack_topology(topology) -> None:
     optional_count("tokens_per_step", topology.tokens_per_step, 1, MAX_STEP_TOKENS)
 
 
-def usable_processes(num_proc: int, records: int, log) -> int:
+def usable_processes(num_proc: int, records: int, log: Callable[[str], object]) -> int:
     """`num_proc` clipped to the CPUs this process may use and the records to encode (more workers only cost
     start-up); `log` gets one line when it was clipped."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -9,7 +9,7 @@ import os
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -33,7 +33,7 @@ SHARD_BATCH_TOKENS = 1 << 24
 SHARD_BATCH_ROWS = 1 << 16
 
 
-def shard_features(dtype: np.dtype):
+def shard_features(dtype: np.dtype) -> Any:
     """The `datasets.Features` of a shard."""
     import datasets
 
