@@ -199,19 +199,27 @@ class BalancedDPOTrainer(DPOTrainer):
         self.pair_sampler = PairBatchSampler(lengths, topology, cost, rank, seed, per_step)
         logger.info("balanced DPO: %s, %d pairs per step", topology, self.pair_sampler.pairs_per_step)
 
-    def get_train_dataloader(self):
+    def get_train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(
             _PairSequences(self.train_dataset), batch_sampler=self.pair_sampler, collate_fn=collate_pairs
         )
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
         import attention.hf as ahf
 
         # attention and layout held through backward: activation checkpointing recomputes the forward there
         with project_attention(self.model, self.ref_model), ahf.cp_context(inputs["layout"]):
             return super().training_step(model, inputs, num_items_in_batch)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         if return_outputs:
             raise ValueError("BalancedDPOTrainer does not return outputs (no evaluation or compute_metrics)")
         logps = _sequence_logps(model, inputs)

@@ -143,7 +143,9 @@ class BalancedGRPOTrainer(GRPOTrainer):
             )
         return self._balanced_inputs[self._step % per_generation]
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
         """Forward + backward of one packed micro-batch inside the project's attention (held through backward:
         activation checkpointing recomputes the forward there); the model's own attention is back for generation."""
         import attention.hf as ahf

@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 import torch
@@ -33,10 +33,13 @@ from balancer.training.lengths import resolve_lengths
 from balancer.training.loss import token_loss
 from balancer.training.plan_batches import plan_micro_batches
 
+if TYPE_CHECKING:
+    from transformers.trainer_utils import EvalLoopOutput
+
 logger = logging.getLogger(__name__)
 
 
-def eval_lengths(dataset) -> np.ndarray:
+def eval_lengths(dataset: Any) -> np.ndarray:
     """Token count of every eval row: from a `datasets.Dataset`'s `input_ids` or a `ShardDataset`'s lengths, else by
     reading each row's `input_ids`."""
     try:
@@ -85,7 +88,7 @@ class BalancedEvalMixin(TrainerHost):
             cache[key] = (dataset, batches)  # the dataset is held so its id is not reused
         return cache[key][1]
 
-    def get_eval_dataloader(self, eval_dataset=None) -> torch.utils.data.DataLoader:
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> torch.utils.data.DataLoader:
         """This rank's packed, balanced eval micro-batches of `eval_dataset` (a dataset, the name of one of a dict
         `eval_dataset`, or None: the trainer's)."""
         if isinstance(eval_dataset, str):
@@ -109,8 +112,13 @@ class BalancedEvalMixin(TrainerHost):
         )
 
     def evaluation_loop(
-        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
-    ):
+        self,
+        dataloader: torch.utils.data.DataLoader,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> EvalLoopOutput:
         """Forward passes over this rank's eval micro-batches; the token-weighted loss over all ranks."""
         from transformers.trainer_utils import EvalLoopOutput
 
@@ -152,7 +160,7 @@ class BalancedEvalMixin(TrainerHost):
             num_samples=len(dataset) if dataset else 0,
         )
 
-    def predict(self, *args, **kwargs):
+    def predict(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError(
             "predict() on balanced packed batches has no per-example outputs: use evaluate() for the loss, or a plain "
             "Trainer on the saved model for predictions"

@@ -219,7 +219,9 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
             total += math.ceil(frac * self._epoch_num_steps(whole))
         return total
 
-    def set_initial_training_values(self, args, dataloader):
+    def set_initial_training_values(
+        self, args: TrainingArguments, dataloader: torch.utils.data.DataLoader
+    ) -> tuple[int, int, int, int, int, int | None, int]:
         values: list[Any] = list(super().set_initial_training_values(args, dataloader))
         if args.max_steps > 0:  # training stops at max_steps; one epoch of margin for epochs a step shorter
             values[0] += 1
@@ -321,15 +323,24 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
             inputs["layout"], group=group, method=self.cp_method, backend=self.attention_backend, model=model
         )
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
         """The stock step (forward + backward) inside the batch's CP layout: activation checkpointing recomputes
         attention during the backward pass, which needs the layout too."""
         with self._layout_context(model, inputs):
             return super().training_step(model, inputs, num_items_in_batch)
 
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def compute_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: dict[str, Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """Packed forward; token cross-entropy over the step's global loss-token count."""
-        n = num_items_in_batch if num_items_in_batch is not None else max(int(inputs["num_loss_tokens"]), 1)
+        # _get_num_items_in_batch gives the step's global count (an int); alone, the micro-batch's own
+        n = int(num_items_in_batch) if num_items_in_batch is not None else max(int(inputs["num_loss_tokens"]), 1)
         with self._layout_context(model, inputs):
             outputs = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"], use_cache=False)
         # DDP (and FSDP) average the gradients over the processes; the loss is normalised globally, so undo that
