@@ -16,8 +16,6 @@ already shared, the same on every rank.
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from concurrent.futures import Future
 from typing import Optional
 
@@ -32,6 +30,7 @@ from balancer.planning.window import check_window_docs
 from balancer.streaming import state as state_mod
 from balancer.streaming.exchange import pool_rank, stream_group
 from balancer.streaming.sources import StreamSpec, initial_streams, open_source
+from balancer.streaming.teardown import Teardown
 from balancer.streaming.windows import Cursor, Meter, Pipeline, Window, lengths_digest, resplit_cursor
 from balancer.training.indices import CPGroup
 
@@ -42,28 +41,6 @@ WORKERS_REFUSED = (
     "BalancedStream runs in the training process: use DataLoader(..., num_workers=0) (its reading, planning and "
     "document exchange already run on a background thread there)"
 )
-
-
-class _Worker:
-    """One daemon thread running submitted calls in order: the only thread that uses the stream's process group."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="balancer-stream", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn, *args) -> Future:
-        fut: Future = Future()
-        self._jobs.put((fut, fn, args))
-        return fut
-
-    def _run(self) -> None:
-        while True:
-            fut, fn, args = self._jobs.get()
-            try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # handed to the main thread by fut.result()
-                fut.set_exception(e)
 
 
 class BalancedStream(torch.utils.data.IterableDataset):
@@ -117,12 +94,12 @@ class BalancedStream(torch.utils.data.IterableDataset):
         self._submitted = -1  # the highest window handed to the thread
         self._setup: Optional[dict] = None  # a loaded state waiting for the next iter()
         self._iter: Optional[_StreamIter] = None
-        self._worker: Optional[_Worker] = None
+        self._teardown = Teardown(self, self.group)  # close(), with, GC and exit: thread and group released
         self.monitor = None  # a balancer.BalanceMonitor on StreamSteps(self) (balancer.measured.streams)
 
     def __getstate__(self) -> dict:  # a DataLoader worker gets a copy that refuses to iterate
         state = dict(self.__dict__)
-        state.update(group=None, _worker=None, _iter=None, meter=None)
+        state.update(group=None, _teardown=None, _iter=None, meter=None)
         return state
 
     # ---- models ---------------------------------------------------------------------------------------------
@@ -189,16 +166,29 @@ class BalancedStream(torch.utils.data.IterableDataset):
     def __iter__(self) -> _StreamIter:
         if torch.utils.data.get_worker_info() is not None or self.meter is None:
             raise RuntimeError(WORKERS_REFUSED)
+        self._teardown.start_worker()  # refuses a closed stream
         setup, self._setup = self._setup or self._fresh_setup(), None
         self._submitted = setup["window"] - 1  # a new pass: nothing of it handed to the thread yet
         self._iter = _StreamIter(self, setup)
         return self._iter
 
     def _submit(self, pipeline: Pipeline, index: int) -> Future:
-        if self._worker is None:
-            self._worker = _Worker()
+        worker = self._teardown.start_worker()  # refuses after close()
         self._submitted = max(self._submitted, index)
-        return self._worker.submit(pipeline.prepare, index)
+        return worker.submit(pipeline.prepare, index)
+
+    def close(self) -> None:
+        """Stop the background thread (after the window job in flight, which every rank runs) and release the
+        stream's process group (balancer.streaming.teardown); the stream yields nothing more. Idempotent; also run
+        by `with BalancedStream(...) as stream:`, on garbage collection and at interpreter exit."""
+        if self._teardown is not None:
+            self._teardown.close()
+
+    def __enter__(self) -> BalancedStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def step_loss_tokens(self) -> int:
         """Global loss tokens (all replicas) of the step of the micro-batch yielded last: the normaliser of

@@ -12,6 +12,7 @@ What changes against the sampler path (trainer.py), everything else (loss, atten
   yields the same number of whole steps), and the next pass replays the source;
 - a checkpoint holds the stream's state (`balancer_stream.json`, no communication to build: the same on every
   rank); resume loads it and continues the pass at the saved step (no batches skipped by the Trainer);
+- `train()` closes the stream when it returns or raises (its background thread and process group released);
 - measured balance (`balance_mode`, default "shadow") runs its monitor on `StreamSteps(stream)`
   (balancer.measured.streams): the fits of adapt mode reach the stream's windows not planned yet, and the monitor's
   state travels in `balancer_stream.json`.
@@ -74,6 +75,16 @@ class StreamTrainingMixin:
     balanced_stream = None
     _stream_resumed = None  # the stream epoch a checkpoint's state was loaded for
     _stream_batches = 0
+
+    def train(self, *args, **kwargs):
+        """The stock `train`; a streaming run then closes its stream (`BalancedStream.close()`: its thread and
+        process group released, so a run stopped at `max_steps` mid-pass exits cleanly), also when training
+        raises. A stream trains once: build a new one (and resume from a checkpoint) to go on."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            if self.balanced_stream is not None:
+                self.balanced_stream.close()
 
     def _balance_source(self):
         """The monitor's step source: `StreamSteps` on the stream (built, as on the sampler path, before a

@@ -1,0 +1,122 @@
+"""Tearing a BalancedStream's background work down: its thread and its own process group.
+
+The stream's thread runs the window jobs (read, gather, plan, exchange) in order, and its collectives run on the
+stream's own gloo group. A process must never end while that thread is inside a collective: the interpreter would
+tear gloo down under it and the process dies with SIGABRT ("terminate called without an active exception").
+Every rank hands its thread the same jobs at the same micro-batch (the next window's job starts half-way through
+the current one on every rank), so a job in flight finishes on every rank once each rank lets it.
+
+`Teardown.run()` (what `BalancedStream.close()`, `with BalancedStream(...)`, garbage collection and interpreter exit
+all call, once) asks the thread to stop after its current job, waits for it (up to `CLOSE_TIMEOUT` seconds), and then
+releases the stream's group. A thread still inside a collective after that (a rank that stopped without ever
+reaching the job: the collective can never finish) is left alone with one warning naming it: destroying the group
+under it would abort the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import weakref
+from concurrent.futures import Future
+
+log = logging.getLogger(__name__)
+
+CLOSE_TIMEOUT = 300.0  # seconds close() waits for a window job in flight (it reads, gathers, plans and exchanges)
+_STOP = object()
+
+
+class StreamClosed(RuntimeError):
+    """The stream was closed: it yields nothing more."""
+
+
+class Worker:
+    """One daemon thread running submitted calls in order: the only thread that uses the stream's process group."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="balancer-stream", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args) -> Future:
+        if self._stopping:
+            raise StreamClosed("the BalancedStream is closed: build a new one to read the stream again")
+        fut: Future = Future()
+        self._jobs.put((fut, fn, args))
+        return fut
+
+    def stop(self, timeout: float) -> bool:
+        """Stop after the job in flight (jobs not started are cancelled); True when the thread has ended."""
+        self._stopping = True
+        self._jobs.put(_STOP)
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                break
+            fut, fn, args = job
+            if self._stopping or not fut.set_running_or_notify_cancel():
+                fut.cancel()
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to the main thread by fut.result()
+                fut.set_exception(e)
+        while not self._jobs.empty():  # what was queued behind the stop: never run
+            job = self._jobs.get_nowait()
+            if job is not _STOP:
+                job[0].cancel()
+
+
+class Teardown:
+    """The stream's thread (started on first use) and process group, released once (module docstring). Holds no
+    reference to the stream, so that a stream dropped without `close()` is still collected (and torn down)."""
+
+    def __init__(self, owner, group) -> None:
+        self.group = group
+        self.worker: Worker | None = None
+        self.closed = False
+        self._finalizer = weakref.finalize(owner, self.run)  # also runs at interpreter exit
+
+    def start_worker(self) -> Worker:
+        if self.closed:
+            raise StreamClosed("the BalancedStream is closed: build a new one to read the stream again")
+        if self.worker is None:
+            self.worker = Worker()
+        return self.worker
+
+    def close(self) -> None:
+        self._finalizer()  # runs `run` at most once, whoever calls first
+
+    def run(self, timeout: float | None = None) -> None:
+        self.closed = True
+        worker, self.worker = self.worker, None
+        if worker is not None and not worker.stop(CLOSE_TIMEOUT if timeout is None else timeout):
+            log.warning(
+                "BalancedStream.close: the stream's thread is still inside a window's collective after %.0f s (another "
+                "rank stopped before reaching that window); its process group is left as it is",
+                CLOSE_TIMEOUT if timeout is None else timeout,
+            )
+            return
+        release_group(self.group)
+        self.group = None
+
+
+def release_group(group) -> None:
+    """Destroy the stream's own gloo group where torch.distributed still holds it (a no-op after the user's
+    `destroy_process_group()`, which destroyed every group)."""
+    if group is None:
+        return
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group(group)
+    except (ValueError, RuntimeError) as e:  # already destroyed: nothing left to release
+        log.debug("BalancedStream.close: the stream's group was already released (%s)", e)
