@@ -147,27 +147,11 @@ def state_digest(state: dict) -> str:
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def worker(cfg: Config, group: int, life: int, rank: int) -> None:
-    import torch
+def make_manager(cfg: Config, group: int, rank: int, model, opt):
+    """torchft's Manager of this process: the lighthouse and the group's store from the driver's environment."""
     from torchft import Manager, ProcessGroupGloo
 
-    import balancer
-    from balancer.integrations.torchft import FaultTolerantBatches
-
-    torch.set_num_threads(1)
-    lengths = cfg.lengths()
-    model = make_model(cfg.dim)
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    batches = FaultTolerantBatches(
-        lengths,
-        cfg.topology(),
-        cost_model(),
-        replica_id=f"g{group}",
-        seed=cfg.seed,
-        window_docs=cfg.window_docs or None,
-        mode=cfg.mode,
-    )
-    manager = Manager(
+    return Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=cfg.comm_timeout_s)),
         min_replica_size=cfg.quorum_minimum,
         load_state_dict=lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"])),
@@ -183,83 +167,94 @@ def worker(cfg: Config, group: int, life: int, rank: int) -> None:
         quorum_timeout=timedelta(seconds=60),
         connect_timeout=timedelta(seconds=30),
     )
+
+
+def worker(cfg: Config, group: int, life: int, rank: int) -> None:
+    """One process of one replica group: steps until the epoch is done, one JSON line per step, a final line."""
+    import torch
+
+    import balancer
+    from balancer.integrations.torchft import FaultTolerantBatches
+
+    torch.set_num_threads(1)
+    lengths = cfg.lengths()
+    model = make_model(cfg.dim)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    batches = FaultTolerantBatches(lengths, cfg.topology(), cost_model(), replica_id=f"g{group}", seed=cfg.seed,
+                                   window_docs=cfg.window_docs or None, mode=cfg.mode)  # fmt: skip
+    manager = make_manager(cfg, group, rank, model, opt)
     manager.register_state_dict_fn("batches", batches.load_state_dict, batches.state_dict)
     if life == 0:
         barrier(Path(cfg.out), f"g{group}_r{rank}", cfg.groups * cfg.cp)
-    collate = balancer.PackedCollator(cp_rank=rank, cp_size=cfg.cp)
-    data = balancer.SpanDataset(TokenDocs(lengths))
-    log = open(Path(cfg.out) / f"g{group}_r{rank}_life{life}.jsonl", "a", buffering=1)
-    kill = [tuple(k[1:]) for k in cfg.kills if k[0] == group and life == 0 and rank == 0]
-    slow = cfg.slow.get(str(group))
-    while True:
-        manager.start_quorum()
-        t0 = time.perf_counter()
-        items = batches.next_step(manager)
-        if items is None:
-            break
-        done = batches.committed_steps
-        record = {
-            "group": group,
-            "rank": rank,
-            "life": life,
-            "committed_before": done,
-            "t0": time.time(),
-            "loss_tokens": batches.loss_tokens(),
-            "mine": [[piece_json(x) for x in mb] for mb in items],
-        }
-        loss_sum, my_loss_tokens, compute = 0.0, 0, 0.0
-        for mb in items:
-            batch = collate([data[x] for x in mb])
-            my_loss_tokens += int(batch["num_loss_tokens"])
-            if (done, "forward") in kill:
+    loop = _Loop(cfg, lengths, model, opt, batches, manager, balancer.PackedCollator(cp_rank=rank, cp_size=cfg.cp))
+    loop.kill = [tuple(k[1:]) for k in cfg.kills if k[0] == group and life == 0 and rank == 0]
+    loop.slow = cfg.slow.get(str(group))
+    with open(Path(cfg.out) / f"g{group}_r{rank}_life{life}.jsonl", "a", buffering=1) as log:
+        while (record := loop.step()) is not None:
+            log.write(json.dumps({"group": group, "rank": rank, "life": life, **record}) + "\n")
+            if (batches.committed_steps, "between") in loop.kill:
                 os.kill(os.getpid(), signal.SIGKILL)
-            c0 = time.perf_counter()
-            with batches.timer():
-                if cfg.train:
-                    loss = packed_loss_sum(model, batch)
-                    (loss / batches.loss_tokens()).backward()
-                    loss_sum += float(loss)
-                device_time(cfg, lengths, mb, slow, done)
-            compute += time.perf_counter() - c0
-        reduce_gradients(manager, model, (done, "reduce") in kill)
-        committed = manager.should_commit()
-        if committed:
-            opt.step()
-        opt.zero_grad(set_to_none=False)
-        plan = batches.step_plan()
-        batches.end_step(committed)
-        record.update(
-            committed=committed,
-            loss_sum=loss_sum,
-            my_loss_tokens=my_loss_tokens,
-            compute=compute,
-            seconds=time.perf_counter() - t0,
-            t1=time.time(),
-            state=state_digest(batches.state_dict()),
-            committed_after=batches.committed_steps,
-            manager_step=manager.current_step(),
-            plan=None
-            if plan is None
-            else [plan[0], [[[piece_json(x) for x in mb] for mb in mine] for mine in plan[1]]],
-            imbalance=batches.log[-1]["imbalance"] if (batches.log and plan) else None,
-        )
-        log.write(json.dumps(record) + "\n")
-        if (batches.committed_steps, "between") in kill:
-            os.kill(os.getpid(), signal.SIGKILL)
-    final = {
-        "group": group,
-        "rank": rank,
-        "life": life,
-        "final": True,
-        "state": state_digest(batches.state_dict()),
-        "report": batches.report(),
-        "log": batches.log[-200:],
-    }
+        final = {"state": state_digest(batches.state_dict()), "report": batches.report(), "log": batches.log[-200:]}
+        log.write(json.dumps({"group": group, "rank": rank, "life": life, "final": True, **final}) + "\n")
     if rank == 0:
         torch.save(model.state_dict(), Path(cfg.out) / f"final_g{group}.pt")
-    log.write(json.dumps(final) + "\n")
-    log.close()
     manager.shutdown(wait=False)
+
+
+class _Loop:
+    """The training step of a replica process (the loop of docs/fault-tolerance.md), with the kills it was given."""
+
+    def __init__(self, cfg: Config, lengths, model, opt, batches, manager, collate) -> None:
+        import balancer
+
+        self.cfg, self.lengths, self.model, self.opt = cfg, lengths, model, opt
+        self.batches, self.manager, self.collate = batches, manager, collate
+        self.data = balancer.SpanDataset(TokenDocs(lengths))
+        self.kill, self.slow = [], None
+
+    def step(self):
+        """One step; its record, or None when the epoch is done."""
+        b, manager = self.batches, self.manager
+        manager.start_quorum()
+        t0 = time.perf_counter()
+        items = b.next_step(manager)
+        if items is None:
+            return None
+        done = b.committed_steps
+        record = {"committed_before": done, "t0": time.time(), "loss_tokens": b.loss_tokens(),
+                  "mine": [[piece_json(x) for x in mb] for mb in items]}  # fmt: skip
+        record.update(self.micro_batches(items, done))
+        reduce_gradients(manager, self.model, (done, "reduce") in self.kill)
+        committed = manager.should_commit()
+        if committed:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        plan = b.step_plan()
+        b.end_step(committed)
+        pieces = None if plan is None else [plan[0], [[[piece_json(x) for x in mb] for mb in m] for m in plan[1]]]
+        record.update(committed=committed, seconds=time.perf_counter() - t0, t1=time.time(),
+                      state=state_digest(b.state_dict()), committed_after=b.committed_steps,
+                      manager_step=manager.current_step(), plan=pieces,
+                      imbalance=b.log[-1]["imbalance"] if (b.log and plan) else None)  # fmt: skip
+        return record
+
+    def micro_batches(self, items: list, done: int) -> dict:
+        """Forward + backward of this process's micro-batches (loss over the step's global loss tokens)."""
+        loss_sum, my_loss_tokens, compute = 0.0, 0, 0.0
+        for mb in items:
+            batch = self.collate([self.data[x] for x in mb])
+            my_loss_tokens += int(batch["num_loss_tokens"])
+            if (done, "forward") in self.kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+            c0 = time.perf_counter()
+            with self.batches.timer():
+                if self.cfg.train:
+                    loss = packed_loss_sum(self.model, batch)
+                    (loss / self.batches.loss_tokens()).backward()
+                    loss_sum += float(loss)
+                device_time(self.cfg, self.lengths, mb, self.slow, done)
+            compute += time.perf_counter() - c0
+        return {"loss_sum": loss_sum, "my_loss_tokens": my_loss_tokens, "compute": compute}
 
 
 def barrier(out: Path, name: str, count: int) -> None:

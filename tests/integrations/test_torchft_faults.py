@@ -67,3 +67,22 @@ def test_context_parallel_ranks_of_a_group_get_the_same_micro_batches(tmp_path):
         per_step.setdefault(step, [0, ranks[0]["loss_tokens"]])
         per_step[step][0] += ranks[0]["my_loss_tokens"]  # the collator counts a micro-batch's, all CP ranks
     assert all(total == expected for total, expected in per_step.values()), per_step
+
+
+def test_a_replica_that_slows_down_is_noticed_and_given_less_work(tmp_path):
+    """Adapt mode: group g1's device runs at half speed from committed step 8 on (benchmarks/faults_run.py sleeps
+    its device time twice as long); every group's report names it within a few steps, and the steps after that give
+    it less of the step's cost than g0."""
+    cfg = faults_run.Config(out=str(tmp_path), groups=2, docs=300, mode="adapt", work=20.0, slow={"1": [8, 1.0]},
+                            train=False)  # fmt: skip
+    result = faults_run.run(cfg)
+    check_run(cfg, result)
+    for final in result["finals"]:
+        slowed = [e for e in final["report"]["slowed"] if e["replica_id"] == "g1"]
+        assert slowed and 8 <= slowed[0]["step"] <= 8 + 5, final["report"]["slowed"]
+        assert not [e for e in final["report"]["slowed"] if e["replica_id"] == "g0"]
+        later = [s for s in final["log"] if s["committed_steps"] > slowed[0]["step"] + 1 and s["speeds"]]
+        assert later, "no step was planned with the measured speeds after the slowdown"
+        for s in later:
+            costs = dict(zip(s["contributors"], s["costs"]))
+            assert costs["g1"] < 0.8 * costs["g0"], s

@@ -195,6 +195,7 @@ class FaultTolerantBatches:
                 "micro_batches": plan.micro_batches,
                 "imbalance": plan.imbalance,
                 "times": plan.times.tolist(),
+                "costs": plan.costs.tolist(),
             }
         )
         return plan.items[mine]

@@ -76,28 +76,46 @@ def plan_step(
     speeds: Optional[tuple[float, ...]],
     seed: int,
 ) -> StepPlan:
-    """Plan `pieces` over `contributors` replica groups (module docstring); deterministic in its arguments."""
+    """Plan `pieces` over `contributors` replica groups (module docstring); deterministic in its arguments. When no
+    equal micro-batch count per group both holds the tokens and leaves no micro-batch empty (a step of few long
+    pieces over a number of groups that does not divide them), the pieces are packed into micro-batches alone and
+    dealt to the groups by finish time (`_deal`): the groups then run different numbers of micro-batches."""
     t = topology
     share = 1 / contributors if speeds is None else max(speeds) / sum(speeds)  # the fastest group's part of the step
     room = math.ceil(_PACKING_SLACK * pieces.tokens * share / t.micro_batch_tokens)  # its tokens, with slack
     m = max(1, min(max(math.ceil(t.dp * pieces.micro_batches * share - 1e-9), room), len(pieces.doc) // contributors))
     sub = Topology(dp=contributors, cp=t.cp, pp=t.pp, micro_batches=m, max_tokens=t.max_tokens, rank_speeds=speeds)
-    plan = balance_batch(pieces.end - pieces.start, sub, cost, micro_batches="auto", seed=seed)
+    try:
+        plan = balance_batch(pieces.end - pieces.start, sub, cost, micro_batches="auto", seed=seed)
+    except ValueError:
+        return _deal(pieces, t, cost, contributors, speeds, seed)
     mq = plan.step_micro_batches(0)
-    items = []
-    for r in range(contributors):
-        mine = []
-        for j in range(mq):
-            k = r * mq + j
-            a, z = int(plan.mb_ptr[k]), int(plan.mb_ptr[k + 1])
-            if z > a:
-                mine.append(
-                    [
-                        pieces.item(int(i), int(s), int(e))
-                        for i, s, e in zip(plan.doc[a:z], plan.start[a:z], plan.end[a:z])
-                    ]
-                )
-        items.append(mine)
+    bins = [_items(pieces, plan, k) for k in range(contributors * mq)]
+    items = [[mb for mb in bins[r * mq : (r + 1) * mq] if mb] for r in range(contributors)]
     costs = plan.micro_batch_costs()[0].sum(axis=1) / t.cp
     times = costs / (np.ones(contributors) if speeds is None else np.asarray(speeds))
     return StepPlan(items, times, costs, float(plan.metrics()["imbalance"]), mq)
+
+
+def _items(pieces: StepPieces, plan, k: int) -> list:
+    """Micro-batch `k` of `plan` (over the pieces) as sampler indices."""
+    a, z = int(plan.mb_ptr[k]), int(plan.mb_ptr[k + 1])
+    return [pieces.item(int(i), int(s), int(e)) for i, s, e in zip(plan.doc[a:z], plan.start[a:z], plan.end[a:z])]
+
+
+def _deal(pieces: StepPieces, t: Topology, cost: CostModel, k: int, speeds, seed: int) -> StepPlan:
+    """The pieces packed into `bins` balanced micro-batches (as many as the failure-free step has, at most one per
+    piece), dealt largest first to the group that would finish it first."""
+    bins = max(1, min(len(pieces.doc), t.dp * pieces.micro_batches))
+    flat = Topology(dp=bins, cp=t.cp, micro_batches=1, max_tokens=t.max_tokens)
+    plan = balance_batch(pieces.end - pieces.start, flat, cost, micro_batches=1, seed=seed)
+    mb_cost = plan.micro_batch_costs()[0, :, 0] / t.cp
+    s = np.ones(k) if speeds is None else np.asarray(speeds)
+    costs, items = np.zeros(k), [[] for _ in range(k)]
+    for j in np.argsort(-mb_cost, kind="stable"):
+        r = int(np.argmin((costs + mb_cost[j]) / s))
+        costs[r] += mb_cost[j]
+        items[r].append(_items(pieces, plan, int(j)))
+    times = costs / s
+    bound = max(float(mb_cost.sum() / s.sum()), float(mb_cost.max() / s.max()))
+    return StepPlan(items, times, costs, float(times.max() / bound) if bound > 0 else 1.0, max(map(len, items)))
