@@ -111,7 +111,8 @@ def _deal(pieces: StepPieces, t: Topology, cost: CostModel, k: int, speeds, seed
     plan = balance_batch(pieces.end - pieces.start, flat, cost, micro_batches=1, seed=seed)
     mb_cost = plan.micro_batch_costs()[0, :, 0] / t.cp
     s = np.ones(k) if speeds is None else np.asarray(speeds)
-    costs, items = np.zeros(k), [[] for _ in range(k)]
+    costs = np.zeros(k)
+    items: list[list] = [[] for _ in range(k)]
     for j in np.argsort(-mb_cost, kind="stable"):
         r = int(np.argmin((costs + mb_cost[j]) / s))
         costs[r] += mb_cost[j]
