@@ -34,6 +34,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
 from attention.backends import Pieces
 from attention.geometry import KINDS, chunk_bounds, chunk_pairs, chunk_sizes
@@ -158,7 +159,7 @@ class CPLayout:
         )
 
     @classmethod
-    def from_spec(cls, cu_seqlens, cp_size: int, spec: dict) -> CPLayout:
+    def from_spec(cls, cu_seqlens: ArrayLike, cp_size: int, spec: dict) -> CPLayout:
         """Build from a :meth:`layout_spec` dict (as a plan records it): ``{"kind": ..., **options}``."""
         if not isinstance(spec, dict) or "kind" not in spec:
             raise ValueError(f"a layout spec must be a dict with a 'kind', got {spec!r}")

@@ -9,6 +9,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
 from attention.backends import Backend, Pieces, check_inputs, get_backend
 from attention.masks import Mask, as_mask, make_mask
@@ -116,7 +117,7 @@ def varlen_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens,
+    cu_seqlens: ArrayLike | torch.Tensor,
     causal: bool = True,
     softmax_scale: Optional[float] = None,
     backend: str = "auto",

@@ -65,14 +65,14 @@ class TorchCUDABackend(VarlenCUDABackend):
             return False
         return self.given or torch.backends.cuda.is_flash_attention_available()
 
-    def why_not(self, q, k, window: bool = False, softcap: bool = False) -> str:
+    def why_not(self, q: torch.Tensor, k: torch.Tensor, window: bool = False, softcap: bool = False) -> str:
         if self.problem:
             return self.problem
         if q.is_cuda and not self.available():
             return self.device_problem(q)
         return super().why_not(q, k, window, softcap)
 
-    def device_problem(self, q) -> str:
+    def device_problem(self, q: torch.Tensor) -> str:
         if q.is_cuda and not self.given and not torch.backends.cuda.is_flash_attention_available():
             return "this PyTorch was built without its flash-attention kernels"
         return super().device_problem(q)

@@ -105,20 +105,20 @@ class Packed:
         return ("index", torch.from_numpy(ranges_index(starts, lens)).to(device))
 
     @staticmethod
-    def take(side, x):
+    def take(side: tuple, x: torch.Tensor) -> torch.Tensor:
         if side[0] == "slice":
             return x[side[1] : side[1] + side[2]]
         return x.index_select(0, side[1])
 
     @staticmethod
-    def put(side, dst, val):
+    def put(side: tuple, dst: torch.Tensor, val: torch.Tensor) -> None:
         if side[0] == "slice":
             dst[side[1] : side[1] + side[2]] = val.to(dst.dtype)
         else:
             dst.index_copy_(0, side[1], val.to(dst.dtype))
 
     @staticmethod
-    def add(side, dst, val):
+    def add(side: tuple, dst: torch.Tensor, val: torch.Tensor) -> None:
         if side[0] == "slice":
             dst[side[1] : side[1] + side[2]] += val.to(dst.dtype)
         else:

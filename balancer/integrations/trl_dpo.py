@@ -40,7 +40,17 @@ logger = logging.getLogger(__name__)
 PAIR_LOSSES = ("sigmoid", "hinge", "ipo", "robust", "bco_pair", "sppo_hard", "nca_pair", "apo_zero", "apo_down")
 
 
-def pair_loss(kind: str, chosen, rejected, ref_chosen, ref_rejected, c_len, r_len, beta: float, smoothing: float):
+def pair_loss(
+    kind: str,
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    c_len: torch.Tensor,
+    r_len: torch.Tensor,
+    beta: float,
+    smoothing: float,
+) -> torch.Tensor:
     """TRL 1.16's per-pair DPO loss `kind` (reverse-KL scores) from summed sequence log-probabilities."""
     cr, rr = chosen - ref_chosen, rejected - ref_rejected
     delta = cr - rr
@@ -138,7 +148,7 @@ class _PairSequences(torch.utils.data.Dataset):
         }
 
 
-def check_dpo_args(args, trainer) -> None:
+def check_dpo_args(args: DPOConfig, trainer: DPOTrainer) -> None:
     """Refuse the DPO settings whose loss depends on micro-batch membership or that this path does not implement."""
     bad = [t for t in args.loss_type if t not in PAIR_LOSSES]
     if bad:
@@ -170,7 +180,7 @@ def _pair_lengths(dataset, max_length: Optional[int]) -> np.ndarray:
     return out
 
 
-def dpo_topology(args, lengths: np.ndarray, processes: int) -> Topology:
+def dpo_topology(args: DPOConfig, lengths: np.ndarray, processes: int) -> Topology:
     """dp = processes, micro_batches = gradient accumulation; a micro-batch holds up to the stock padded batch's
     tokens (`per_device_train_batch_size` pairs of 2 sequences of the longest length)."""
     b = max(1, int(args.per_device_train_batch_size))
@@ -232,7 +242,7 @@ class BalancedDPOTrainer(DPOTrainer):
         ch, rj = torch.where(side == 0)[0], torch.where(side == 1)[0]
         ch, rj = ch[torch.argsort(pair[ch])], rj[torch.argsort(pair[rj])]
         lens = inputs["seq_loss_tokens"].to(logps)
-        total = 0.0
+        total: torch.Tensor | float = 0.0
         weights = self.loss_weights or [1.0] * len(self.loss_types)
         for kind, w in zip(self.loss_types, weights):
             per_pair = pair_loss(

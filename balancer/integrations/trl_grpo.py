@@ -50,7 +50,7 @@ LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "luspo", "cispo", "sapo")
 MEMBERSHIP_FREE = ("grpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")  # equal to the stock loss
 
 
-def check_grpo(trainer) -> None:
+def check_grpo(trainer: BalancedGRPOTrainer) -> None:
     """Refuse what the packed path does not reproduce, naming the option."""
     a = trainer.args
     if a.loss_type not in LOSS_TYPES:

@@ -3,10 +3,14 @@ or torch.distributed (DP outermost)."""
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 from balancer.planning.topology import Topology
 
 
-def resolve_pool_rank(rank, dp_rank, topology: Topology, device_mesh, dp_dim: str) -> int:
+def resolve_pool_rank(
+    rank: Optional[int], dp_rank: Optional[int], topology: Topology, device_mesh: Any, dp_dim: str
+) -> int:
     """This rank's pool rank (`dp_rank * cp + cp_rank`) from `rank`, or `dp_rank` / the device mesh /
     torch.distributed as `resolve_dp_rank` finds it (CP rank from torch.distributed when initialised, else 0)."""
     if rank is not None:
@@ -32,7 +36,7 @@ def resolve_pool_rank(rank, dp_rank, topology: Topology, device_mesh, dp_dim: st
     return dp * topology.cp
 
 
-def resolve_dp_rank(dp_rank, topology: Topology, device_mesh, dp_dim: str) -> int:
+def resolve_dp_rank(dp_rank: Optional[int], topology: Topology, device_mesh: Any, dp_dim: str) -> int:
     if dp_rank is not None:
         if isinstance(dp_rank, bool) or int(dp_rank) != dp_rank or not 0 <= int(dp_rank) < topology.dp:
             raise ValueError(f"dp_rank {dp_rank!r} out of range for dp={topology.dp}")

@@ -11,6 +11,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
+from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -220,7 +221,7 @@ class CostModel:
     def from_dict(cls, data: dict) -> CostModel:
         return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
 
-    def save(self, path: str | os.PathLike, **report) -> None:
+    def save(self, path: str | os.PathLike, **report: Any) -> None:
         """Write the model as JSON (`{"format", "format_version", fields..., "report": {...}}`, docs/cost-model.md),
         atomically (a temporary file renamed over `path`: a link at `path` is replaced, never written through);
         `report` is free-form (a calibration's errors and settings) and ignored by `load`."""
