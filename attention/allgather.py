@@ -7,6 +7,8 @@ overlapped with the current group's compute, so only one group's gathered KV is 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -141,14 +143,25 @@ class AllGatherAttention(torch.autograd.Function):
     """autograd wrapper: forward :func:`allgather_forward`, backward :func:`allgather_backward`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, g, causal, scale, be, head_chunks):
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: CPLayout,
+        g: Group,
+        causal: bool | Mask,
+        scale: float,
+        be: Backend,
+        head_chunks: int,
+    ) -> torch.Tensor:
         out, lse = allgather_forward(q, k, v, layout, g, causal, scale, be, head_chunks)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (layout, g, causal, scale, be, head_chunks)
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = allgather_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None

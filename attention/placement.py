@@ -23,6 +23,7 @@ layout its answer as an explicit ``split``; the placement of whole documents is 
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from fractions import Fraction
 from typing import Optional
 
@@ -41,7 +42,12 @@ def _check_int_option(name: str, value, lowest: int) -> Optional[int]:
     return int(value)
 
 
-def check_options(split_threshold, max_tokens, tolerance, split=None) -> dict:
+def check_options(
+    split_threshold: Optional[int],
+    max_tokens: Optional[int],
+    tolerance: Optional[float],
+    split: Optional[Sequence[int]] = None,
+) -> dict:
     """Validated hybrid options as a plain dict (the layout spec's options); ValueError names the bad option.
     ``split`` (document indices, increasing) appears in the dict only when given (specs without one are
     unchanged)."""
@@ -119,7 +125,9 @@ def _place_whole(loads: Loads, split: np.ndarray, order: list[int], max_tokens: 
     return doc_rank, [loads.key(t, p) for t, p in zip(tokens, pairs)], tokens
 
 
-def place_fitting(loads: Loads, split: np.ndarray, order: list[int], max_tokens: Optional[int]):
+def place_fitting(
+    loads: Loads, split: np.ndarray, order: list[int], max_tokens: Optional[int]
+) -> tuple[np.ndarray, list[int], list]:
     """Place whole documents, splitting each one that fits nowhere, and the longest whole one while a rank would
     be left without a token (then starting over). Returns (split, doc_rank, rank keys)."""
     split = split.copy()
@@ -135,7 +143,7 @@ def place_fitting(loads: Loads, split: np.ndarray, order: list[int], max_tokens:
         split[spare[0]] = True
 
 
-def candidate_counts(n: int):
+def candidate_counts(n: int) -> Iterator[int]:
     """The candidate split-set sizes: 0, 1, 2, 3, 4, 6, 9, 13, ... up to ``n`` (all documents)."""
     j = 0
     while j < n:

@@ -8,6 +8,7 @@ leaves empty are skipped (:func:`attention.masks.block_rounds`)."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -136,14 +137,24 @@ class RingAttention(torch.autograd.Function):
     """autograd wrapper: forward :func:`ring_forward`, backward :func:`ring_backward`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, layout, g, causal, scale, be):
+    def forward(
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layout: CPLayout,
+        g: Group,
+        causal: bool | Mask,
+        scale: float,
+        be: Backend,
+    ) -> torch.Tensor:
         out, lse = ring_forward(q, k, v, layout, g, causal, scale, be)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (layout, g, causal, scale, be)
         return out
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple:
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, *ctx.args)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None

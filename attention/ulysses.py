@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from attention._dist import Group, count_rows_sent
+from attention.backends.base import Backend
 from attention.layout import CPLayout
 from attention.masks import Mask
 from attention.varlen import varlen_attention
@@ -87,7 +88,16 @@ def _global_order(layout: CPLayout, device) -> tuple[torch.Tensor, torch.Tensor]
     return layout._cache[key]
 
 
-def ulysses_attention(q, k, v, layout: CPLayout, g: Group, mask: Mask, scale: float, backend) -> torch.Tensor:
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layout: CPLayout,
+    g: Group,
+    mask: Mask,
+    scale: float,
+    backend: Backend,
+) -> torch.Tensor:
     """This rank's ``[T_local, H, D]`` attention output; differentiable in q, k, v (see the module docstring)."""
     w = g.size
     counts = [int(c) for c in layout.local_counts]

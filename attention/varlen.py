@@ -120,7 +120,7 @@ def varlen_attention(
     cu_seqlens: ArrayLike | torch.Tensor,
     causal: bool = True,
     softmax_scale: Optional[float] = None,
-    backend: str = "auto",
+    backend: str | Backend = "auto",
     chunk_size: Optional[int] = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import Optional
 
 from attention.backends.report import report
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m attention.backends", description=__doc__)
     ap.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: CUDA device 0 if any, else cpu)")
     ap.add_argument("--head-dim", type=int, default=128, help="head dimension of the probe tensors (default 128)")

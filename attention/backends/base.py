@@ -74,7 +74,7 @@ class Pieces:
         """Trimmed pieces are never empty; kept for callers that ask."""
         return self
 
-    def select(self, sel) -> Pieces:
+    def select(self, sel: np.ndarray) -> Pieces:
         return Pieces(
             self.q_start[sel], self.q_len[sel], self.k_start[sel], self.k_len[sel], False,
             self.lo[sel], self.hi[sel], self.softcap,

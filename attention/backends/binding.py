@@ -5,6 +5,7 @@ values, and refuses a signature it cannot fill when it is built, naming the para
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 
 # our value name -> parameter names that take it, in the kernels' spellings
 ALIASES = {
@@ -14,7 +15,7 @@ ALIASES = {
 }
 
 
-def signature_params(fn) -> dict:
+def signature_params(fn: Callable) -> dict:
     """Parameters of ``fn`` (or of the Python function a ``torch.library`` custom op wraps); {} if unknown."""
     for cand in (getattr(fn, "_init_fn", None), fn):
         if cand is None:

@@ -60,7 +60,9 @@ def candidates(cuda: bool) -> tuple[str, ...]:
     return ("flash_attn3", "flash_attn", "torch") if cuda else ("torch",)
 
 
-def choose(q: torch.Tensor, k: torch.Tensor, window: bool = False, softcap: bool = False):
+def choose(
+    q: torch.Tensor, k: torch.Tensor, window: bool = False, softcap: bool = False
+) -> tuple[Optional[Backend], list[tuple[str, str]]]:
     """(the first fused backend that runs these tensors and masks, or None; [(name, why it refused)] for the
     preferred ones before it). A backend that is installed but refuses is logged once as a WARNING."""
     refused: list = []
@@ -78,7 +80,7 @@ def choose(q: torch.Tensor, k: torch.Tensor, window: bool = False, softcap: bool
 
 
 def get_backend(
-    name,
+    name: str | Backend,
     q: torch.Tensor,
     k: torch.Tensor,
     window: bool = False,
@@ -99,13 +101,13 @@ def get_backend(
         if reason:
             raise ValueError(f"backend {name!r} cannot run here: {reason}")
         return b
-    b, refused = choose(q, k, window, softcap)
+    chosen, refused = choose(q, k, window, softcap)
     notes = [f"{n}: {why}" for n, why in refused]
-    if b is not None:
+    if chosen is not None:
         why = f" (not {'; not '.join(notes)})" if notes else ""  # the preferred kernels and why they refused
-        log_once(logging.INFO, f"attention backend: {b.name} for {q.dtype} on {q.device.type}"
+        log_once(logging.INFO, f"attention backend: {chosen.name} for {q.dtype} on {q.device.type}"
                  + _masks(window, softcap) + why)  # fmt: skip
-        return b
+        return chosen
     why = "; ".join(notes)
     if q.is_cuda and max_len is not None and max_len > REFERENCE_CUDA_MAX_LEN:
         raise ValueError(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -24,7 +24,7 @@ _BWD = ("grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "c
         "dropout_p", "is_causal", "rng_state", "unused", "scale")  # fmt: skip
 
 
-def schema_params(op) -> dict:
+def schema_params(op: Any) -> dict:
     """inspect.Parameter objects for an op's schema (an OpOverloadPacket or OpOverload); {} if unreadable."""
     try:
         args = getattr(op, "default", op)._schema.arguments
