@@ -291,6 +291,7 @@ class _StreamIter:
 
     def __next__(self) -> list:
         s = self.stream
+        s._teardown.check_open()  # a closed stream yields nothing more
         while True:
             if self.win is None:
                 if self.done:

@@ -51,6 +51,8 @@ class Worker:
         """Stop after the job in flight (jobs not started are cancelled); True when the thread has ended."""
         self._stopping = True
         self._jobs.put(_STOP)
+        if threading.current_thread() is self._thread:  # collected on its own thread: it ends after this job
+            return True
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
@@ -67,6 +69,7 @@ class Worker:
                 fut.set_result(fn(*args))
             except BaseException as e:  # handed to the main thread by fut.result()
                 fut.set_exception(e)
+            del job, fut, fn, args  # an idle thread holds no job: a dropped stream can be collected
         while not self._jobs.empty():  # what was queued behind the stop: never run
             job = self._jobs.get_nowait()
             if job is not _STOP:
@@ -83,9 +86,13 @@ class Teardown:
         self.closed = False
         self._finalizer = weakref.finalize(owner, self.run)  # also runs at interpreter exit
 
-    def start_worker(self) -> Worker:
+    def check_open(self) -> None:
+        """A StreamClosed error once the stream was closed."""
         if self.closed:
             raise StreamClosed("the BalancedStream is closed: build a new one to read the stream again")
+
+    def start_worker(self) -> Worker:
+        self.check_open()
         if self.worker is None:
             self.worker = Worker()
         return self.worker
