@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -106,14 +106,14 @@ class CPLayout:
     @classmethod
     def build(
         cls,
-        cu_seqlens,
+        cu_seqlens: ArrayLike,
         cp_size: int,
         kind: str = "zigzag",
         split_threshold: Optional[int] = None,
         max_tokens: Optional[int] = None,
         tolerance: Optional[float] = None,
-        split=None,
-        **removed,
+        split: Optional[Sequence[int]] = None,
+        **removed: Any,
     ) -> CPLayout:
         """Layout of packed documents ``cu_seqlens`` (ints [n_docs+1], starting at 0, non-decreasing) over
         ``cp_size`` ranks. ``split_threshold``, ``max_tokens`` (per rank), ``tolerance`` and ``split`` (the indices
@@ -129,12 +129,12 @@ class CPLayout:
         if kind not in KINDS:
             raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
         n = lens.shape[0]
-        chosen, split = split, np.ones(n, dtype=bool)
+        chosen, split_docs = split, np.ones(n, dtype=bool)
         doc_rank = np.full(n, -1, dtype=np.int64)
         options: dict = {}
         if kind == "hybrid":
             options = check_options(split_threshold, max_tokens, tolerance, chosen)
-            split, doc_rank = hybrid_assignment(lens, cp, options)
+            split_docs, doc_rank = hybrid_assignment(lens, cp, options)
         else:
             for name, value in (
                 ("split_threshold", split_threshold),
@@ -144,7 +144,7 @@ class CPLayout:
             ):
                 if value is not None:
                     raise ValueError(f"{name} is an option of the hybrid layout only, not of kind {kind!r}")
-        sizes, owner = chunk_sizes(lens, cp, kind, split, doc_rank)
+        sizes, owner = chunk_sizes(lens, cp, kind, split_docs, doc_rank)
         nch = owner.shape[0]
         bounds = chunk_bounds(sizes)
         seg_len = np.zeros((cp, n), dtype=np.int64)
@@ -155,7 +155,7 @@ class CPLayout:
             first_len[r] = sizes[:, r]  # chunk r is rank r's first chunk
         seg_start = np.cumsum(seg_len, axis=1) - seg_len
         return cls(
-            cu, cp, kind, bounds, owner.astype(np.int64), seg_len, first_len, seg_start, split, doc_rank, options
+            cu, cp, kind, bounds, owner.astype(np.int64), seg_len, first_len, seg_start, split_docs, doc_rank, options
         )
 
     @classmethod

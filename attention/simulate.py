@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import numpy as np
 import torch
+from numpy.typing import ArrayLike
 
 from attention.backends import Backend, Pieces, acc_dtype, check_inputs, get_backend
 from attention.layout import CPLayout
@@ -130,17 +131,17 @@ def simulate(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    cu_seqlens,
+    cu_seqlens: ArrayLike | torch.Tensor,
     cp_size: int,
     method: str = "ring",
     kind: str = "zigzag",
     causal: bool = True,
     softmax_scale: Optional[float] = None,
-    window_size=(-1, -1),
+    window_size: Sequence[int] = (-1, -1),
     softcap: float = 0.0,
-    backend="auto",
+    backend: str | Backend = "auto",
     dout: Optional[torch.Tensor] = None,
-):
+) -> dict:
     """Run ``method``'s kernel sequence for all ``cp_size`` ranks in this process. q ``[T, H, D]``, k/v
     ``[T, Hkv, D]`` in global packed order; returns ``(out [T, H, D], (dq, dk, dv) or None)`` in global order,
     gradients in the accumulation dtype (given ``dout``)."""

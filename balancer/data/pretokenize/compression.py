@@ -70,7 +70,7 @@ class DecompressedReader(io.RawIOBase):
     def readable(self) -> bool:
         return True
 
-    def readinto(self, buf) -> int:
+    def readinto(self, buf: Any) -> int:
         while not len(self._out):
             if self._error is not None:
                 raise DataError(self._error)

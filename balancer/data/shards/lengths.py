@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -108,7 +109,7 @@ def _read_text(path: Path, text: str) -> np.ndarray:
     return _from_python_ints(values, str(path))
 
 
-def map_lengths(source: str | os.PathLike):
+def map_lengths(source: str | os.PathLike) -> Any:
     """Lengths from the sources of `read_lengths`, without a whole copy for a pretokenized folder (a `ShardedArray`,
     checked on open) or a `.npy` file (memory-mapped, values unchecked); other sources as `read_lengths`."""
     path = Path(source)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from balancer.data.shards.mapped import map_readonly
 
@@ -128,7 +129,7 @@ class ShardedArray(np.lib.mixins.NDArrayOperatorsMixin):
     def tolist(self) -> list[int]:
         return [v for part in self.chunks() for v in part.tolist()]
 
-    def astype(self, dtype, copy: bool = True) -> np.ndarray:
+    def astype(self, dtype: npt.DTypeLike, copy: bool = True) -> np.ndarray:
         return np.asarray(self).astype(dtype, copy=False)
 
     def sum(self) -> np.int64:

@@ -167,7 +167,7 @@ def write_datasets_metadata(
     shard_names: list[str],
     dtype: np.dtype,
     fingerprint: str,
-    features=None,
+    features: Any = None,
     description: str = DATASETS_DESCRIPTION,
 ) -> None:
     """state.json + dataset_info.json so that `datasets.load_from_disk(out)` loads every shard as one Dataset

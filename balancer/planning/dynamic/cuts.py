@@ -213,7 +213,15 @@ def _not_root(picks, k: int) -> np.ndarray:
     return ~root_whole
 
 
-def cut_epoch(cuts: Cuts, mb_ptr: np.ndarray, slot_time: np.ndarray, limit: np.ndarray, large: int, shape, pp: int):
+def cut_epoch(
+    cuts: Cuts,
+    mb_ptr: np.ndarray,
+    slot_time: np.ndarray,
+    limit: np.ndarray,
+    large: int,
+    shape: tuple[int, int, int],
+    pp: int,
+) -> tuple:
     """Cut every micro-batch (`mb_ptr`, time `slot_time` on its `large` group; `shape` = (steps, replicas, M)) such
     that each large group's ranks finish within its step's `limit` (1F1B over `pp` stages: see
     dynamic.split_groups). Returns the entry order, each group's first rank, size and entry count, the slot pointer

@@ -14,6 +14,8 @@ models return None from `zigzag_sums`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Optional
 
 import numpy as np
 
@@ -52,7 +54,7 @@ def _tables(cp: int, causal: bool):
     return quad, lin, const, slope, t_const, short_pieces
 
 
-def zigzag_sums(cost: CostModel, cp: int):
+def zigzag_sums(cost: CostModel, cp: int) -> Optional[Callable[[np.ndarray, np.ndarray, int], np.ndarray]]:
     """A function `times(lengths, group, n_groups) -> [n_groups]` giving, for documents `lengths` (int64) assigned to
     groups `group` (int64 in [0, n_groups), every group non-empty), each group's `micro_batch_time` on `cp` ranks
     (zigzag layout, ring); None when this cost model's mask has no closed form here (a window)."""

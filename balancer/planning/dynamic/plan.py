@@ -237,7 +237,7 @@ def replace_m(topology: Topology, m: int) -> Topology:
     return dataclasses.replace(small, tokens_per_step=min(topology.step_tokens, small.capacity))
 
 
-def split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostModel):
+def split_groups(base: Plan, virtual: Topology, topology: Topology, cost: CostModel) -> tuple:
     """Cut every micro-batch of the largest-group plan into aligned smaller groups where that costs (almost) no time.
 
     Returns the entry order of the new plan, each group's first rank, size and entry count, the slot pointer and
