@@ -6,11 +6,12 @@ tear gloo down under it and the process dies with SIGABRT ("terminate called wit
 Every rank hands its thread the same jobs at the same micro-batch (the next window's job starts half-way through
 the current one on every rank), so a job in flight finishes on every rank once each rank lets it.
 
-`Teardown.run()` (what `BalancedStream.close()`, `with BalancedStream(...)`, garbage collection and interpreter exit
-all call, once) asks the thread to stop after its current job, waits for it (up to `CLOSE_TIMEOUT` seconds), and then
-releases the stream's group. A thread still inside a collective after that (a rank that stopped without ever
-reaching the job: the collective can never finish) is left alone with one warning naming it: destroying the group
-under it would abort the process.
+`Teardown.run()` (what `BalancedStream.close()`, `with BalancedStream(...)`, garbage collection, interpreter exit
+and `torch.distributed.destroy_process_group()` all call, once: a stream built in a distributed world wraps that
+function so that it closes the open streams before destroying every group) asks the thread to stop after its current
+job, waits for it (up to `CLOSE_TIMEOUT` seconds), and then releases the stream's group. A thread still inside a
+collective after that (a rank that stopped without ever reaching the job: the collective can never finish) is left
+alone with one warning naming it: destroying the group under it would abort the process.
 """
 
 from __future__ import annotations
@@ -76,6 +77,37 @@ class Worker:
                 job[0].cancel()
 
 
+_OPEN: weakref.WeakSet = weakref.WeakSet()  # the Teardowns of streams not yet closed, in this process
+
+
+def close_open_streams() -> None:
+    """Close every stream of this process that is still open (their jobs in flight finish first)."""
+    for teardown in list(_OPEN):
+        teardown.close()
+
+
+def _closing_first(destroy):
+    """`torch.distributed.destroy_process_group` that first closes the open streams: destroying every group while a
+    stream's thread is inside a collective on its own group aborts the process (the early-stop world's SIGABRT)."""
+
+    def destroy_process_group(group=None):
+        if group is None:
+            close_open_streams()
+        return destroy(group)
+
+    destroy_process_group.__wrapped__ = destroy
+    destroy_process_group.__doc__ = destroy.__doc__
+    return destroy_process_group
+
+
+def guard_destroy() -> None:
+    """Install `_closing_first` on `torch.distributed.destroy_process_group` (once per process)."""
+    import torch.distributed as dist
+
+    if not hasattr(dist.destroy_process_group, "__wrapped__"):
+        dist.destroy_process_group = _closing_first(dist.destroy_process_group)
+
+
 class Teardown:
     """The stream's thread (started on first use) and process group, released once (module docstring). Holds no
     reference to the stream, so that a stream dropped without `close()` is still collected (and torn down)."""
@@ -85,6 +117,9 @@ class Teardown:
         self.worker: Worker | None = None
         self.closed = False
         self._finalizer = weakref.finalize(owner, self.run)  # also runs at interpreter exit
+        _OPEN.add(self)
+        if group is not None:
+            guard_destroy()
 
     def check_open(self) -> None:
         """A StreamClosed error once the stream was closed."""
@@ -102,6 +137,7 @@ class Teardown:
 
     def run(self, timeout: float | None = None) -> None:
         self.closed = True
+        _OPEN.discard(self)
         worker, self.worker = self.worker, None
         if worker is not None and not worker.stop(CLOSE_TIMEOUT if timeout is None else timeout):
             log.warning(
