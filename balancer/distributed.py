@@ -17,18 +17,29 @@ torch is imported inside the functions (`import balancer.distributed` stays ligh
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
 from balancer.planning.topology import Topology
 
+if TYPE_CHECKING:  # torch is imported inside the functions
+    import torch.distributed as dist
+
 METHODS = ("auto", "all_to_all", "p2p")
 
 
 def balance_batch(
-    local_lengths, topology: Topology, cost: CostModel, *, group=None, groups=None, **options
+    local_lengths: ArrayLike,
+    topology: Topology,
+    cost: CostModel,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    groups: Optional[ArrayLike] = None,
+    **options: Any,
 ) -> tuple[Plan, list[list[int]], list[list[int]]]:
     """All-gather the lengths (and the document `groups`, ids shared by all ranks) of every rank's documents, plan
     the whole batch with `balancer.balance_batch(..., **options)` on every rank, and return `(plan, send, recv)`:
@@ -159,7 +170,13 @@ def _receivers(plan: Plan, world: int) -> list[set[int]]:
 
 
 def exchange(
-    local_tensors: Sequence, send: list[list[int]], recv: list[list[int]], lengths, *, group=None, method="auto"
+    local_tensors: Sequence,
+    send: list[list[int]],
+    recv: list[list[int]],
+    lengths: ArrayLike,
+    *,
+    group: Optional[dist.ProcessGroup] = None,
+    method: str = "auto",
 ) -> dict:
     """Move documents as `balance_batch` planned: `local_tensors[i]` is this rank's document i (a tensor whose
     first dimension is its `lengths[global id]` tokens; all of one dtype and trailing shape). Returns

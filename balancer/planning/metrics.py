@@ -54,7 +54,7 @@ def lower_bound(
     topology: Topology,
     fixed: float = 0.0,
     steps: int = 1,
-    micro_batches=None,
+    micro_batches: np.ndarray | int | None = None,
 ) -> np.ndarray:
     """`max(W / (DP*CP) * (1 + (P-1)/M), P * max_d cost(d) / C)` for each step (or, with `steps`, the epoch), C
     being the largest CP group: `cp`, or with dynamic CP `max(cp_sizes)`. `fixed` is counted once per micro-batch

@@ -148,7 +148,9 @@ def assignment_terms(
     return MicroBatchTerms(tokens, pairs, pieces, travel)
 
 
-def split_document_terms(lengths: np.ndarray, cp: int, kind: str, causal: bool, window: int | None):
+def split_document_terms(
+    lengths: np.ndarray, cp: int, kind: str, causal: bool, window: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per split document (zigzag or contiguous chunks): pairs [n, cp, cp] of rank r's queries against rank s's keys,
     pieces [n, cp, cp] (1 where there are such pairs) and tokens [n, cp] on each rank."""
     bounds, owner = _zigzag_chunks(lengths, cp, kind)

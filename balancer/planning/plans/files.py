@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from balancer.files import atomic_write
 from balancer.planning.cost.model import COST_FIELDS, CostModel
@@ -253,7 +254,7 @@ def _check_lengths(path, stored, given) -> np.ndarray:
     return stored
 
 
-def load_plan(cls, path, lengths, validate: bool):
+def load_plan(cls: type[Plan], path: str | os.PathLike, lengths: ArrayLike | None, validate: bool) -> Plan:
     path = Path(path)
     try:
         if path.suffix == ".npz":
