@@ -7,6 +7,8 @@ split is measured with the model fitted on that split's other micro-batches, the
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 import numpy as np
 from numpy.typing import ArrayLike
 
@@ -61,7 +63,15 @@ def by_config(samples: list[dict], prefix: str) -> dict:
     return out
 
 
-def split_errors(grid_samples: list[dict], grid, held_out: float, seeds, window, method, options) -> dict:
+def split_errors(
+    grid_samples: list[dict],
+    grid: Sequence[tuple[str, Sequence[int]]],
+    held_out: float,
+    seeds: Iterable[int],
+    window: int | None,
+    method: str,
+    options: dict,
+) -> dict:
     """Held-out error over several splits by micro-batch: each split's model is fitted on its own fit set and judged
     on its held-out micro-batches. `median_abs_error` is the median over splits of each split's median,
     `worst_p90_abs_error` the largest p90. A split whose fit fails is listed with its error and counts as a miss."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,11 +102,11 @@ def _check_enough(grid, held: np.ndarray, configs: int, cp_sizes) -> None:
 def calibrate(
     config: dict | None = None,
     *,
-    cp_sizes=(1, 2),
-    layouts=("zigzag", "hybrid"),
+    cp_sizes: Sequence[int] = (1, 2),
+    layouts: Sequence[str] = ("zigzag", "hybrid"),
     method: str = "ring",
-    budgets=DEFAULTS["budgets"],
-    kinds=KINDS,
+    budgets: Sequence[int] = DEFAULTS["budgets"],
+    kinds: Sequence[str] = KINDS,
     per_cell: int = DEFAULTS["per_cell"],
     repeats: int = DEFAULTS["repeats"],
     max_repeats: int = DEFAULTS["max_repeats"],

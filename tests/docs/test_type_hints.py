@@ -15,8 +15,6 @@ PACKAGES = ("balancer", "attention")
 KNOWN_UNHINTED: set[str] = {
     "attention/backends/base.py:Pieces.device_cached",
     "attention/backends/base.py:Pieces.groups",
-    "balancer/calibration/report.py:split_errors",
-    "balancer/calibration/run.py:calibrate",
     "balancer/cli/backends.py:register",
     "balancer/cli/calibrate.py:cmd_calibrate",
     "balancer/cli/calibrate.py:register",
@@ -66,6 +64,8 @@ KNOWN_UNHINTED: set[str] = {
     "balancer/measured/report.py:headline",
     "balancer/measured/report.py:sample_predictions",
     "balancer/measured/report.py:token_room",
+    "balancer/measured/settings.py:check_settings_agree",
+    "balancer/measured/settings.py:plan_settings",
     "balancer/measured/streams.py:StreamSteps.monitor",
     "balancer/measured/streams.py:StreamSteps.update_model",
     "balancer/planning/batch/balance.py:balance_batch",
