@@ -7,7 +7,8 @@ the next window's read, gather, plan and exchange is in flight on the stream's t
 is a process killed by a signal (SIGABRT: "terminate called without an active exception") or any other non-zero exit.
 "baseline" is the same world reading the same dataset without the stream (`split_dataset_by_node`); "before" is the
 stream world on git revision `--ref` (the tree before the stream's teardown, extracted into a temporary folder).
-The variants alternate run by run. Writes benchmarks/results/stream_exit.json (clock: wall, the run times are only
+The variants alternate run by run; "after" is the committed HEAD (extracted like "before").
+Writes benchmarks/results/stream_exit.json (clock: wall, the run times are only
 reported, nothing is timed against anything).
 
 Run: `python benchmarks/stream_exit.py` (50 runs of each variant at 2 and 4 ranks; about 30 minutes on 2 shared
@@ -117,7 +118,9 @@ def measure(runs: int, ranks_list: list[int], variants: list[str], ref: str) -> 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data = write_dataset(Path(tmp))
-        trees = {"after": REPO, "baseline": REPO}
+        # committed trees (HEAD and --ref), never the working tree: edits made while it runs change nothing
+        trees = {"after": extract("HEAD", Path(tmp) / "after")}
+        trees["baseline"] = trees["after"]
         if "before" in variants:
             trees["before"] = extract(ref, Path(tmp) / "before")
         for ranks in ranks_list:

@@ -40,6 +40,7 @@ from balancer.measured.arguments import checked_position, checked_seconds
 from balancer.measured.ledger import Ledger, Model, slowest_of_groups
 from balancer.measured.refit import refit
 from balancer.measured.report import _errors, build_report, headline, measured_steps, timed_rows, token_room
+from balancer.measured.settings import check_settings_agree, plan_settings
 from balancer.measured.source import STEP_SOURCE_MEMBERS, StepSource
 from balancer.planning.cost.fit import TERMS
 from balancer.planning.cost.model import CostModel
@@ -118,6 +119,7 @@ class BalanceMonitor:
         self.cpu_seconds = 0.0  # CPU time of the calling thread in record / end_step (refits apart)
         self.refit_seconds = 0.0
         self._token_warned = False
+        self._settings_checked = False  # measured.settings: checked equal on every rank at the first end_step
         self._tables: Optional[_Tables] = None  # log_figures' arrays of the ledger's rows
         sampler.monitor = self
 
@@ -172,6 +174,9 @@ class BalanceMonitor:
         self._sync_epoch()
         m = self.topology.micro_batches
         place = self.sampler.step_place(self._step)
+        if not self._settings_checked:  # collective, once: every rank reaches its first end_step together
+            check_settings_agree(plan_settings(self, self._plan_of(place)), self.group, self.world, self.timeout)
+            self._settings_checked = True
         short = place.micro_batches
         if not (short < m and len(self._current) == short):  # a short last step (M' < M): closed, not measured
             if len(self._current) != m:
