@@ -8,17 +8,35 @@ not yet planned with the refitted cost model and replica speeds; pool-rank speed
 several processes the last micro-batch of a step runs the gradient all-reduce inside its backward pass (DDP): its
 time waits for the slowest rank, so it is recorded apart (`synced`) and left out of the fit, the errors and the
 step times.
+
+With gradient accumulation 1 on several processes every micro-batch is such a synced one: the monitor then holds
+no micro-batch's own compute, only times that include the wait for the slowest rank (a balanced-looking figure
+whatever the balance). The trainer then logs no measured figure (only the plan's predicted imbalance) and warns
+once, naming `gradient_accumulation_steps`; "adapt" says once that it cannot adapt (no evidence, or an epoch planned
+as one window).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 from transformers import TrainerCallback
 
 from balancer.measured.monitor import MODES, BalanceMonitor
 
+logger = logging.getLogger(__name__)
+
 BALANCE_MODES = (*MODES, "off")
+MEASURED = (
+    "measured_imbalance",
+    "prediction_error_median",
+    "prediction_error_p90",
+    "fresh_error_median",
+    "fresh_error_p90",
+    "idle_fraction",
+    "mean_step_seconds",
+)  # fmt: skip  (figures of measured times)
 LOGGED = ("measured_imbalance", "predicted_imbalance", "prediction_error_median", "prediction_error_p90",
           "fresh_error_median", "fresh_error_p90", "idle_fraction", "mean_step_seconds")  # fmt: skip
 
@@ -53,6 +71,9 @@ class MeasuredBalanceMixin:
             layout = getattr(self.packed_collator, "kind", "zigzag")
             self.balance_monitor = BalanceMonitor(self._balance_source(), mode=self.balance_mode, layout=layout)
             self._balance_mbs = 0
+            for line in blind_spots(self.balance_mode, self.topology.micro_batches, self.accelerator.num_processes,
+                                    getattr(self.balance_monitor.sampler, "num_windows", None)):  # fmt: skip
+                logger.warning(line)
 
     def _balance_source(self):
         """What the monitor reads the plan through: the trainer's sampler (a stream's `StreamSteps` in
@@ -77,11 +98,34 @@ class MeasuredBalanceMixin:
         monitor = self.balance_monitor
         if monitor is not None and "loss" in logs and monitor.ledger.steps:
             figures = monitor.log_figures()  # report()'s values, without rebuilding the whole report every log
+            blind = self.topology.micro_batches == 1 and self.accelerator.num_processes > 1
             for key in LOGGED:
+                if blind and key in MEASURED:  # only wait-included times: no measured figure (warned at attach)
+                    continue
                 value = figures[key]
                 if value is not None and not (isinstance(value, float) and math.isnan(value)):
                     logs[f"balance/{key}"] = value
-            if figures["rank_speeds"] is not None:
+            if figures["rank_speeds"] is not None and not blind:
                 logs.update({f"balance/rank_speed_{r}": s for r, s in enumerate(figures["rank_speeds"])})
             logs["balance/refits_accepted"] = figures["refits_accepted"]
         return super().log(logs, *args, **kwargs)
+
+
+def blind_spots(mode: str, micro_batches: int, processes: int, windows) -> list[str]:
+    """The warnings (one line each) of a monitor that cannot measure or cannot adapt: every micro-batch synced
+    (`micro_batches` = gradient_accumulation_steps 1 on several `processes`), or adapt on an epoch of one window."""
+    out = []
+    if micro_batches == 1 and processes > 1:
+        out.append(
+            f"balance: gradient_accumulation_steps=1 on {processes} processes: every micro-batch runs the gradient "
+            "all-reduce and waits for the slowest rank, so the monitor measures no micro-batch's own compute; "
+            "balance/measured_imbalance, idle_fraction and the prediction errors are not logged"
+            + (" and balance_mode='adapt' cannot adapt" if mode == "adapt" else "")
+            + "; set gradient_accumulation_steps >= 2 to measure"
+        )
+    if mode == "adapt" and windows == 1:
+        out.append(
+            "balance: balance_mode='adapt' with the epoch planned as one window: every step is planned before the "
+            "first measurement, so adapt changes no plan this epoch; pass window_docs to plan window by window"
+        )
+    return out

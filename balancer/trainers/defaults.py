@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import warnings
 from typing import Optional
 
 import numpy as np
@@ -63,4 +64,23 @@ def default_topology(args, lengths, max_length: Optional[int] = None, eval_longe
         float(lengths.mean()),
         math.ceil(float(lengths.sum()) / tokens_per_step),
     )
+    warn_short_step(topo, lengths, world, m, bs)
     return topo
+
+
+def warn_short_step(topo: Topology, lengths: np.ndarray, world: int, m: int, bs: int) -> None:
+    """Warn (once, naming the document and the setting) when the derived step holds fewer tokens than the longest
+    training document: every step holding that document is that document alone on one replica (the other replicas
+    idle for it), and the step budget is not kept."""
+    longest = int(np.argmax(lengths))
+    if int(lengths[longest]) <= topo.tokens_per_step:
+        return
+    message = (
+        f"the default topology's step holds {topo.tokens_per_step:,} tokens (tokens_per_step = "
+        f"per_device_train_batch_size {bs} x gradient_accumulation_steps {m} x world size {world} documents x the "
+        f"mean length), fewer than training document {longest} ({int(lengths[longest]):,} tokens): its steps are "
+        "that document alone and the other replicas idle for it; raise gradient_accumulation_steps or "
+        "per_device_train_batch_size, or pass topology=Topology(..., tokens_per_step=...)"
+    )
+    logger.warning(message)
+    warnings.warn(message, UserWarning, stacklevel=3)
