@@ -19,8 +19,9 @@ loader's default), a replica's step time the sum of its micro-batches, a step th
 steps of the step time / the lower bound of the documents the method trained (max(W / dp, costliest piece)) - 1;
 0 is perfect. goal: balanced's excess <= 25% of the better of torchtitan and lpt.
 
-    python benchmarks/torchtitan_packing.py            # writes results/torchtitan_packing.json (+ its table)
-    python benchmarks/tables.py                        # renders it into docs/torchtitan.md
+    python benchmarks/torchtitan_packing.py            # writes results/torchtitan_packing.json, renders its table
+                                                       # into docs/torchtitan.md (as benchmarks/tables.py does)
+    python benchmarks/torchtitan_packing.py --render   # only renders the table from the record
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from balancer.integrations.torchtitan.shape import plan_topology
 from balancer.planning.cost.model import CostModel
 from balancer.training.sampler import BalancedBatchSampler
 
+DOC = Path(__file__).resolve().parents[1] / "docs" / "torchtitan.md"
 ROWS = [("wlbllm", 32768, 8, 4), ("wlbllm", 65536, 4, 8), ("prolong", 65536, 8, 4), ("prolong", 131072, 4, 4)]
 
 
@@ -153,7 +155,10 @@ def run_row(trace: str, seq_len: int, dp: int, m: int, docs: int, cost: CostMode
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--docs", type=int, default=20000, help="documents resampled from each trace (seed 0)")
+    parser.add_argument("--render", action="store_true", help="only render the recorded table into the page")
     args = parser.parse_args()
+    if args.render:
+        return render_page()
     cost = CostModel.from_model(**DEFAULT_SHAPE)
     results = []
     for row in ROWS:
@@ -173,6 +178,16 @@ def main() -> None:
     write_result("torchtitan_packing", {"cost_model": cost.to_dict(), "cost_shape": DEFAULT_SHAPE, "rows": results,
                                         "tables": {"packing": table(cols, body)}},
                  clock="process_cpu")  # fmt: skip
+    render_page()
+
+
+def render_page() -> None:
+    """docs/torchtitan.md with the recorded table regenerated (benchmarks/tables.py's renderer, this page only)."""
+    import tables
+
+    page = DOC.read_text()
+    DOC.write_text(tables.render(page, DOC, {}))
+    print(f"wrote {DOC}")
 
 
 if __name__ == "__main__":

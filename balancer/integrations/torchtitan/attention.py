@@ -12,6 +12,7 @@ torchtitan `Decoder.Config`; the model then reads the micro-batch's layout from 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torchtitan.protocols.module import Module
@@ -73,7 +74,7 @@ class PackedAttention(Module):
         return out[None]
 
 
-def use_packed_attention(model_config, method: str = "allgather", backend: str = "auto"):
+def use_packed_attention(model_config: Any, method: str = "allgather", backend: str = "auto") -> Any:
     """`model_config` (a torchtitan `Decoder.Config`, e.g. `model_registry("debugmodel").model`) with every attention
     layer's `inner_attention` replaced by `PackedAttention.Config(method, backend)`; changed in place and returned."""
     layers = getattr(model_config, "layers", None)

@@ -4,7 +4,7 @@ analytic model of a torchtitan model config (`cost_for`), or, when none is given
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 from balancer.planning.cost.model import CostModel
 
@@ -15,7 +15,7 @@ DEFAULT_SHAPE = dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads
                      vocab_size=128256)  # fmt: skip
 
 
-def cost_for(model_config) -> dict:
+def cost_for(model_config: Any) -> dict:
     """`CostModel.from_model(...)` of a torchtitan `Decoder.Config` (dim, layers, heads, KV heads, feed-forward width,
     vocabulary), as the dict `BalancedDataLoader.Config.cost` takes."""
     layers = [layer for layer in model_config.layers if getattr(layer, "attention", None) is not None]

@@ -23,6 +23,7 @@ The loader is a `balancer.measured.StepSource`: every member is the sampler's it
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -35,6 +36,7 @@ from balancer.integrations.torchtitan.shape import plan_topology
 from balancer.integrations.torchtitan.source import open_documents
 from balancer.integrations.torchtitan.state import LoaderState
 from balancer.planning.schedule import StepPlace
+from balancer.planning.topology import Topology
 from balancer.training.collate import PackedCollator
 from balancer.training.indices import SpanDataset
 from balancer.training.sampler import BalancedBatchSampler
@@ -125,11 +127,11 @@ class BalancedDataLoader(BaseDataLoader):
 
     # ---- balancer.measured.StepSource: the wrapped sampler's members -------------------------------------------
     @property
-    def monitor(self):
+    def monitor(self) -> Any:
         return self.sampler.monitor
 
     @monitor.setter
-    def monitor(self, value) -> None:
+    def monitor(self, value: Any) -> None:
         self.sampler.monitor = value
 
     @property
@@ -158,10 +160,10 @@ class BalancedDataLoader(BaseDataLoader):
     def plan_start(self, epoch: int, window: int) -> tuple[int, int]:
         return self.sampler.plan_start(epoch, window)
 
-    def update_model(self, cost, rank_speeds, first_window: int, *, epoch: int) -> None:
+    def update_model(self, cost: Any, rank_speeds: Any, first_window: int, *, epoch: int) -> None:
         self.sampler.update_model(cost, rank_speeds, first_window, epoch=epoch)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple[dict, torch.Tensor]]:
         while True:
             for kind, indices in self._state.items():
                 yield self._item(kind, indices)
@@ -208,7 +210,7 @@ def _check_seq_len(lengths, seq_len: int) -> None:
         )
 
 
-def _cp_group(topology, rank: int):
+def _cp_group(topology: Topology, rank: int) -> Any:
     """This rank's CP process group (every rank creates every group, collectively); None without torch.distributed
     (a single process runs no CP)."""
     import dataclasses
