@@ -150,7 +150,7 @@ def _check_step_budget(topology: Topology, lengths: np.ndarray, args, flag: str)
     at least one) and makes about one step per document: minutes of planning for nothing. Refused up front."""
     unit = float(np.minimum(lengths, topology.max_tokens * topology.largest_group).mean())
     floor = topology.bins_per_step * unit / 2
-    if topology.tokens_per_step < floor:
+    if topology.step_tokens < floor:
         raise ValueError(
             f"{flag} gives {topology.tokens_per_step:,} tokens per step, less than half an average document "
             f"({unit:,.0f} tokens) for each of the dp*micro_batches = {topology.bins_per_step} micro-batches (at "

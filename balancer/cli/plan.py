@@ -31,7 +31,7 @@ def default_plan_path(source: str, topo: Topology) -> Path:
     """Where `balancer plan` writes without -o: beside the input (for a folder: next to it, not inside), named after
     the input and the topology; for a built-in trace name: in the current folder."""
     src = Path(source)
-    sizes = f"_cps{'-'.join(map(str, topo.cp_sizes))}" if topo.dynamic else ""
+    sizes = f"_cps{'-'.join(map(str, topo.group_sizes))}" if topo.dynamic else ""
     tag = f"plan_dp{topo.dp}_cp{topo.cp}{sizes}_pp{topo.pp}_m{topo.micro_batches}.json"
     if not src.exists():
         return Path(f"{source}.{tag}")

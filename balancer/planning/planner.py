@@ -257,7 +257,7 @@ def _one_short_step(lengths, topology: Topology, cost, seed, overflow, units: in
             max(0, topology.dp - units),
         )
     small = replace(topology, micro_batches=m_last, tokens_per_step=None)
-    small = replace(small, tokens_per_step=min(topology.tokens_per_step, small.capacity))
+    small = replace(small, tokens_per_step=min(topology.step_tokens, small.capacity))
     placed = plan(lengths, small, cost, seed, overflow, num_steps=1)
     _log_short_step(units, topology, m_last)
     return Plan(
@@ -389,7 +389,7 @@ def _choose_step_tokens(
     (bigger steps). When they disagree, both sizes are tried on a sample of the epoch (the first ~12 steps of the
     shuffled order) and the faster one is kept.
     """
-    tps = topology.tokens_per_step
+    tps = topology.step_tokens
     shrunk = effective_step_tokens(u_cost, u_tok, topology)
     steps = max(1.0, float(u_tok.sum()) / tps)
     t = topology

@@ -54,7 +54,7 @@ def fixed_step_count(
             "non-empty micro-batches; lower dp or micro_batches"
         )
     floor = int(1.25 * nb * total_tokens / num_units)
-    tps = topology.tokens_per_step
+    tps = topology.step_tokens
     steps = len(step_token_targets(total_tokens, tps, topology.capacity, tps, floor))
     steps = max(steps, -(-big_units // nb), -(-num_units // rows_per_step) if rows_per_step else 1)
     return max(1, min(steps, num_units // nb))
@@ -63,7 +63,7 @@ def fixed_step_count(
 def fixed_step_targets(total_tokens: int, num_units: int, steps: int, topology: Topology) -> np.ndarray:
     """Token targets of exactly `steps` steps (`fixed_step_count`'s count): `step_token_targets`' cut when it has
     that many steps, otherwise equal steps."""
-    tps, nb = topology.tokens_per_step, topology.bins_per_step
+    tps, nb = topology.step_tokens, topology.bins_per_step
     floor = int(1.25 * nb * total_tokens / num_units)
     targets = step_token_targets(total_tokens, tps, topology.capacity, tps, floor)
     return targets if len(targets) == steps else np.full(steps, total_tokens / steps)
@@ -85,7 +85,7 @@ def effective_step_tokens(unit_cost: np.ndarray, unit_tokens: np.ndarray, topolo
     `capacity - excess` (less a little for packing loss); otherwise token-full micro-batches can't reach the
     replicas that hold heavy documents.
     """
-    tps, capacity, nb = topology.tokens_per_step, topology.capacity, topology.bins_per_step
+    tps, capacity, nb = topology.step_tokens, topology.capacity, topology.bins_per_step
     total, total_cost = float(unit_tokens.sum()), float(unit_cost.sum())
     target = float(tps)
     for _ in range(3):
@@ -236,7 +236,7 @@ def equal_row_cut(num_rows: int, row_tokens: int, topology: Topology) -> tuple[n
     fewest, most = -(-num_rows // high), num_rows // low  # step counts that keep every step within [low, high]
     if fewest > most:
         return short_last_step(num_rows, per_mb, topology, row_tokens)
-    target = t.tokens_per_step / row_tokens  # rows
+    target = t.step_tokens / row_tokens  # rows
     full = int(np.clip(round(target), low, high))
 
     def in_band(rows: float) -> bool:

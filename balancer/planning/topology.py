@@ -127,6 +127,11 @@ class Topology:
         return self.tokens_per_step
 
     @property
+    def group_sizes(self) -> tuple[int, ...]:
+        """The CP group sizes a plan may use: `cp_sizes` with dynamic CP, else `(cp,)`."""
+        return self.cp_sizes if self.cp_sizes is not None else (self.cp,)
+
+    @property
     def pool_size(self) -> int:
         """Ranks of one pipeline stage: dp * cp (the pool dynamic CP partitions in every slot)."""
         return self.dp * self.cp

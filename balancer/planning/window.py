@@ -99,7 +99,7 @@ def window_seed(seed: int, epoch: int, index: int, windows: int) -> int:
 def default_window_docs(num_docs: int, total_tokens: int, topology: Topology) -> int:
     """The default window: the documents of about DEFAULT_WINDOW_STEPS steps (at the mean document length), at least
     MIN_DEFAULT_WINDOW_DOCS, at most the epoch."""
-    per_step = topology.tokens_per_step * num_docs / max(1, total_tokens)
+    per_step = topology.step_tokens * num_docs / max(1, total_tokens)
     return int(min(num_docs, max(MIN_DEFAULT_WINDOW_DOCS, np.ceil(DEFAULT_WINDOW_STEPS * per_step))))
 
 
@@ -157,12 +157,14 @@ def count_topology(topology: Topology) -> Topology:
     smallest size (the most micro-batches a step may have), whichever size the planner balances on."""
     if not topology.dynamic:
         return topology
-    return largest_group_topology(even(topology), min(topology.cp_sizes))  # speeds never change a count
+    return largest_group_topology(even(topology), min(topology.group_sizes))  # speeds never change a count
 
 
 def rows_per_step(length: int, topology: Topology) -> int:
     """The most units of `length` tokens a step holds whole (with dynamic CP: on the size that holds fewest)."""
-    sizes = [c for c in topology.cp_sizes if c * topology.max_tokens >= length] if topology.dynamic else [topology.cp]
+    sizes = (
+        [c for c in topology.group_sizes if c * topology.max_tokens >= length] if topology.dynamic else [topology.cp]
+    )
     per = [(topology.pool_size // c if topology.dynamic else topology.dp) * topology.micro_batches
            * (c * topology.max_tokens // length) for c in sizes]  # fmt: skip
     return max(1, min(per)) if per else 1
@@ -328,7 +330,7 @@ def plan_steps_bound(lengths, topology: Topology, cost: CostModel, overflow: str
         from balancer.planning.dynamic.plan import largest_group_topology
 
         bounds = []
-        for size in topology.cp_sizes:
+        for size in topology.group_sizes:
             try:
                 bounds.append(plan_steps_bound(lengths, largest_group_topology(topology, size), cost, overflow))
             except ValueError:  # a document this size cannot hold: the planner does not pick it
@@ -341,7 +343,7 @@ def plan_steps_bound(lengths, topology: Topology, cost: CostModel, overflow: str
     if u_tok.min() == u_tok.max():  # fixed-length rows: dealt into exactly these steps, no settling
         return len(equal_row_steps(len(u_tok), int(u_tok[0]), topology))
     t, total = topology, int(u_tok.sum())
-    tps, cap = t.tokens_per_step, t.capacity
+    tps, cap = t.step_tokens, t.capacity
     u_cost = cost.cost(u_tok)
     shrunk = effective_step_tokens(u_cost, u_tok, t)
     candidates = {shrunk - 1, shrunk, shrunk + 1}
@@ -355,7 +357,7 @@ def plan_steps_bound(lengths, topology: Topology, cost: CostModel, overflow: str
 
 def globalise(local: Plan, ids: np.ndarray, lengths, window: WindowInfo | None = None) -> Plan:
     """A plan over documents `ids` (local ids 0..len(ids)-1) as a plan with global ids over all of `lengths`."""
-    groups = (local.group_start, local.group_size, local.slot_ptr) if local.dynamic else None
+    groups = local.group_arrays if local.dynamic else None
     return Plan(
         lengths,
         local.topology,

@@ -26,7 +26,9 @@ dynamic CP regroups the ranks of a static plan exactly as `balancer.plan` does. 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Optional
 
 import numpy as np
 
@@ -209,10 +211,13 @@ def balance_static(lengths: np.ndarray, topology: Topology, cost: CostModel, gro
                 f"mini_batches*dp*M = {k}*{topology.dp}*{max(first, last + step)} micro-batches within "
                 f"max_tokens*cp = {cap} tokens"
             )
-    return _to_plan(lengths, topology, cost, m, u_doc, u_start, u_end, *attempt, options)
+    step_units, packed = attempt
+    return _to_plan(lengths, topology, cost, m, u_doc, u_start, u_end, step_units, packed, options)
 
 
-def fewest_fitting(first: int, last: int, step: int, attempt_at) -> tuple[int, object]:
+def fewest_fitting(
+    first: int, last: int, step: int, attempt_at: Callable[[int], Optional[tuple]]
+) -> tuple[int, Optional[tuple]]:
     """(M, attempt_at(M)) for the fewest M in first, first + step, ..., last whose attempt is not None, found by
     doubling strides from `first` and then halving back between the last miss and the first fit (the packers fit
     at every count above one that fits, so this is the linear scan's answer in O(log) attempts, where the linear
@@ -246,8 +251,8 @@ def _pack_by_ranks(g_cost, g_tok, u_group, u_cost, u_tok, g_perm, topology: Topo
     g_count = np.bincount(u_group, minlength=len(g_cost))
     try:
         speeds = replica_speeds(topology)  # (step, rank) bin s * dp + r runs at rank r's speed
-        bins = replace(topology, dp=dp * k, rank_speeds=None if speeds is None else tuple(np.tile(speeds, k)))
-        g_bin = _assign(np.arange(len(g_cost)), g_cost, g_tok, g_count, g_perm, bins, options)
+        bin_ranks = replace(topology, dp=dp * k, rank_speeds=None if speeds is None else tuple(np.tile(speeds, k)))
+        g_bin = _assign(np.arange(len(g_cost)), g_cost, g_tok, g_count, g_perm, bin_ranks, options)
         if g_bin is None:
             return None
         heaviest = np.zeros(len(g_cost))

@@ -35,7 +35,7 @@ def balance_dynamic(
     size = base_group_size(cost.cost(unit_tokens), unit_tokens, per_step)
     if options["has_groups"] and options["keep"] == "micro_batch":  # a group needs a CP group that holds it
         group_tokens = np.bincount(group_of_doc, weights=unit_tokens)
-        holds = [s for s in topology.cp_sizes if s * topology.max_tokens >= group_tokens.max()]
+        holds = [s for s in topology.group_sizes if s * topology.max_tokens >= group_tokens.max()]
         size = max(size, min(holds) if holds else topology.largest_group)
     virtual = replace(largest_group_topology(topology, size), tokens_per_step=None)
     base = static(lengths, virtual, cost, group_of_doc, options)

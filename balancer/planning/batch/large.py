@@ -89,6 +89,8 @@ def _spill(
         local = _deal(tokens[mine], tokens[mine], m, cap)
         if local is None:
             local = _first_fit(tokens[mine], m, cap, partial=True)
+        if local is None:  # the m largest overflow a micro-batch: no deal of this replica
+            return None
         placed = local >= 0
         bins[mine[placed]] = r * m + local[placed]
     left -= np.bincount(bins[bins >= 0], weights=tokens[bins >= 0], minlength=dp * m).astype(np.int64)

@@ -88,7 +88,9 @@ def assign_replicas(
             rep = _equal_count_lpt(cost, tokens, count, dp, rank_cap)
     elif equal_counts:
         rep = _equal_count_lpt(cost, tokens, count, dp, rank_cap, speeds=speeds)
-        if rep is not None and uniform:  # like items: swaps keep the counts (uneven ranks; even ones were dealt)
+        if (
+            rep is not None and uniform and speeds is not None
+        ):  # like items: swaps keep the counts (uneven ranks; even ones were dealt)
             balance_swaps(rep, cost, tokens, rank_cap, speeds)
     else:
         per_rank = Topology(dp=dp, micro_batches=1, max_tokens=rank_cap, rank_speeds=topology.rank_speeds)

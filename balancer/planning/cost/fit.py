@@ -113,7 +113,8 @@ def fit_cost_model(
             start = coef.copy()
             start[TERMS.index("comm_coef")] = ratio * compute_per_token
             starts.append((start, True))
-    best, failure = None, None
+    best = None
+    failure: ValueError | None = None
     for start, overlap in starts:
         try:
             candidate = _iterate(cls, start, features, seconds, active, causal, window, overlap=overlap)
@@ -123,6 +124,7 @@ def fit_cost_model(
         if best is None or candidate[1] < best[1]:
             best = candidate
     if best is None:
+        assert failure is not None, "starts is never empty: each one failed"
         raise failure
     return best[0]
 

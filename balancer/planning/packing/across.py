@@ -152,6 +152,7 @@ def _move_one(st: _Epoch, s: int, cap: int, lo: float, hi: float) -> bool:
     if move is not None and (best is None or move[0] > gain or (move[0] == gain and move[1] < spare)):
         st.put(move[2], move[3])
         return True
+    assert best is not None, "without a swap the move returned above"
     a, b = best
     to_a, to_b = int(st.mb[b]), int(st.mb[a])
     st.put(a, to_a)

@@ -71,6 +71,7 @@ def _pack_steps_uneven(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, to
     (module docstring). Every step advances through its own units (rounds of different sizes), all steps at once."""
     nb, cap = topology.bins_per_step, topology.micro_batch_tokens
     speed = bin_speeds(topology)
+    assert speed is not None, "the uneven path: rank speeds are set"
     steps, counts = len(ptr) - 1, np.diff(ptr)
     grid = by_step_grid(-cost, ptr)
     width = grid.shape[1]

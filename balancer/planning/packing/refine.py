@@ -28,17 +28,19 @@ def refine_packed(packed: list, u_cost: np.ndarray, u_tok: np.ndarray, topology:
     if topology.pp != 1 or topology.dynamic or topology.dp < 2 or uneven(topology):
         return packed
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
-    excess, piece, step = [], [], []
+    excess_parts: list[np.ndarray] = []
+    piece_parts: list[np.ndarray] = []
+    step_parts: list[np.ndarray] = []
     for p, (units, sizes) in enumerate(packed):
         if len(sizes):
             e = _step_excess(u_cost[units], sizes, dp, m)
             hit = np.flatnonzero(e > 0)
-            excess.append(e[hit])
-            piece.append(np.full(len(hit), p))
-            step.append(hit)
-    if not excess:
+            excess_parts.append(e[hit])
+            piece_parts.append(np.full(len(hit), p))
+            step_parts.append(hit)
+    if not excess_parts:
         return packed
-    excess, piece, step = np.concatenate(excess), np.concatenate(piece), np.concatenate(step)
+    excess, piece, step = np.concatenate(excess_parts), np.concatenate(piece_parts), np.concatenate(step_parts)
     keep = max(MIN_STEPS, int(sum(len(sz) for _, sz in packed) * MAX_STEPS_SHARE))
     chosen = np.lexsort((step, piece, -excess))[:keep]  # furthest above the bound first, ties by position
     out, budget, starts = list(packed), [ROUND_BUDGET], {}

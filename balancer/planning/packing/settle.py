@@ -160,7 +160,7 @@ def hold_step_tokens(
     else:
         pool, budget, room = np.flatnonzero(~attn_heavy[nxt]), target - total, len(nxt) - nb
     src = units if total > target else nxt
-    chosen = []
+    chosen: list[int] = []
     for k, t in zip(pool.tolist(), u_tok[src[pool]].tolist()):
         if budget <= tol or len(chosen) >= room:
             break
@@ -214,11 +214,13 @@ def _backfill(
     filled = np.bincount(bins, minlength=nb) > 0
     per = load.reshape(dp, m)
     step_time = float((one_f_one_b(per.max(axis=1), per.sum(axis=1), topology.pp) / speed).max())
-    floor = BACKFILL_FLOOR * topology.tokens_per_step - float(tok.sum())  # tokens the step must still take
+    floor = BACKFILL_FLOOR * topology.step_tokens - float(tok.sum())  # tokens the step must still take
     nxt = groups[s + 1]
     cand = np.flatnonzero(~attn_heavy[nxt])
     cand = cand[np.argsort(u_tok[nxt[cand]], kind="stable")]
-    taken, new_bins, moved = [], [], 0.0
+    taken: list = []  # unit positions (numpy integers)
+    new_bins: list[int] = []
+    moved = 0.0
     for k in cand:
         if moved >= gap or len(nxt) - len(taken) <= nb:
             break
@@ -345,7 +347,7 @@ def _reopen_last_step(packed: list, units: np.ndarray, u_cost: np.ndarray, nb: i
         flat, sizes = packed[back]
         mb_of = np.repeat(np.arange(nb), sizes[0])
         left = sizes[0].copy()
-        take = []
+        take: list[int] = []
         for k in np.argsort(u_cost[flat], kind="stable"):
             if len(take) == need:
                 break

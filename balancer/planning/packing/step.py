@@ -67,11 +67,11 @@ def _water_fill(loads: np.ndarray, work: float, pp: int, speeds: np.ndarray | No
     rows = np.arange(dp)
 
     def levels(time: float) -> np.ndarray:
-        time = time if speeds is None else time * speeds  # each replica's own work-time at the common time
-        below = (curve <= (time if speeds is None else time[:, None])).sum(axis=1)
+        own = np.full(dp, float(time)) if speeds is None else time * speeds  # each replica's own work-time
+        below = (curve <= own[:, None]).sum(axis=1)
         idx = np.maximum(below - 1, 0)
-        level = (time - (pp - 1) * largest - above[rows, idx]) / np.maximum(below, 1)
-        level = np.where(below == m, time / (pp - 1 + m), level)
+        level = (own - (pp - 1) * largest - above[rows, idx]) / np.maximum(below, 1)
+        level = np.where(below == m, own / (pp - 1 + m), level)
         return np.where(below == 0, -np.inf, level)
 
     def room(time: float) -> float:
@@ -108,12 +108,8 @@ def pack_step(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.nd
     if topology.pp == 1:
         best = _pack(cost, tokens, topology, share_heavy=False)
     else:
-        best, best_time = None, np.inf
-        for share in (False, True):
-            unit_bin = _pack(cost, tokens, topology, share_heavy=share)
-            time = step_time(unit_bin, cost, topology)
-            if time < best_time:
-                best, best_time = unit_bin, time
+        candidates = [_pack(cost, tokens, topology, share_heavy=share) for share in (False, True)]
+        best = min(candidates, key=lambda unit_bin: step_time(unit_bin, cost, topology))  # the first on a tie
     if len(cost) <= POLISH_MAX_UNITS and np.all(best >= 0):
         if step_time(best, cost, topology) > POLISH_ABOVE * float(lower_bound(cost.sum(), cost.max(), topology)):
             polish(best, cost, tokens, topology)
@@ -395,7 +391,7 @@ def _spill(
     # uneven ranks keep the limit re-derived at every call: what spills decides the step count, which must not
     # depend on the speeds (the uneven paths keep their own rule for the last step, settle.py)
     anchored = limit is not None and speeds is None and pp == 1  # measured on pp = 1; pipelines keep the old rule
-    limit = max(limit, reached) if anchored else reached * (1 + SPILL_SLACK)
+    limit = max(limit, reached) if anchored and limit is not None else reached * (1 + SPILL_SLACK)
     for i in units:
         new_time = one_f_one_b(np.maximum(largest[rep], bins.cost + cost[i]), total[rep], pp, cost[i])
         if speed is not None:
