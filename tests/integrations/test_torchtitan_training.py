@@ -82,18 +82,19 @@ def tiny_llama(packed: bool):
     return model
 
 
-def loader_config(path: str, cp_degree: int) -> BalancedDataLoader.Config:
-    return BalancedDataLoader.Config(dataset_path=path, global_batch_size=8, cp_degree=cp_degree, cost=COST, seed=1)
+def loader_config(path: str, cp_degree: int, layout: str) -> BalancedDataLoader.Config:
+    return BalancedDataLoader.Config(dataset_path=path, global_batch_size=8, cp_degree=cp_degree, layout=layout,
+                                     cost=COST, seed=1)  # fmt: skip
 
 
-def packed_worker(rank: int, world: int, path: str, cp_degree: int, out: str) -> None:
+def packed_worker(rank: int, world: int, path: str, cp_degree: int, layout: str, out: str) -> None:
     """One rank: the loader built by torchtitan's Config.build, the model's forward on its items, the loss summed
     and divided by the step's global count of labels that are not ignored (as torchtitan's trainer does), the
     gradients summed over every rank, SGD."""
     import torch.distributed as dist
 
     model = tiny_llama(packed=True)
-    loader = loader_config(path, cp_degree).build(
+    loader = loader_config(path, cp_degree, layout).build(
         dp_world_size=world, dp_rank=rank, tokenizer=None, seq_len=SEQ, local_batch_size=LBS, snapshot_every_n_steps=1
     )
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -150,10 +151,11 @@ def corpus(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp_degree", [1, 2], ids=["dp2", "cp2"])
-def test_packed_training_equals_unpacked(corpus, cp_degree, tmp_path):
+@pytest.mark.parametrize("cp_degree,layout", [(1, "zigzag"), (2, "zigzag"), (2, "hybrid")],
+                         ids=["dp2", "cp2", "cp2-hybrid"])  # fmt: skip
+def test_packed_training_equals_unpacked(corpus, cp_degree, layout, tmp_path):
     out = str(tmp_path / "packed.pt")
-    run_world(2, packed_worker, corpus, cp_degree, out)
+    run_world(2, packed_worker, corpus, cp_degree, layout, out)
     got = torch.load(out)
     steps = json.loads(got["steps"])
     assert len(steps) == STEPS and all(steps)
@@ -163,3 +165,18 @@ def test_packed_training_equals_unpacked(corpus, cp_degree, tmp_path):
     assert moved > 1e-3  # the steps changed the weights: the comparison below is not trivially true
     worst = max(float((got["params"][k] - want[k]).detach().abs().max()) for k in want)
     assert worst <= 1e-9, worst
+
+
+def test_use_packed_attention_replaces_every_layer_and_checks_its_input():
+    from balancer.integrations.torchtitan import PackedAttention
+
+    cfg = use_packed_attention(tiny_model_config(), method="ring")
+    assert all(isinstance(layer.attention.inner_attention, PackedAttention.Config) for layer in cfg.layers)
+    attn = cfg.layers[0].attention.inner_attention.build()
+    q = torch.zeros(1, 4, 4, 8)
+    with pytest.raises(TypeError, match="PackedDocuments"):
+        attn(q, q, q, attention_masks=None)
+    with pytest.raises(ValueError, match="method must be one of"):
+        PackedAttention.Config(method="flash").build()
+    with pytest.raises(TypeError, match="Decoder.Config"):
+        use_packed_attention(object())
