@@ -1,4 +1,4 @@
-"""torchtitan's own Trainer (0.3.0) running on CPU gloo, float32, DP 2, fed by BalancedDataLoader (its
+"""torchtitan's own Trainer (0.3.0) running on CPU gloo, float32, at DP 2 and at CP 2, fed by BalancedDataLoader (its
 `config.dataloader`) with PackedAttention in the llama3 model: it trains to the end of the data, every document
 exactly once, and its loss is normalised by its own global token count, which equals the plan's loss tokens of the
 step.
@@ -89,7 +89,7 @@ def sum_reduction(parallelize_fn):
     return parallelize
 
 
-def trainer_config(path: str, tokenizer: str, out: str):
+def trainer_config(path: str, tokenizer: str, out: str, cp_degree: int):
     from test_torchtitan_training import tiny_model_config
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
@@ -106,15 +106,15 @@ def trainer_config(path: str, tokenizer: str, out: str):
         loss=CrossEntropyLoss.Config(global_vocab_size=VOCAB), optimizer=default_adamw(lr=1e-3),
         training=TrainingConfig(local_batch_size=LBS, seq_len=SEQ, steps=1000, global_batch_size=8,
                                 mixed_precision_param="float32", dtype="float32"),
-        dataloader=BalancedDataLoader.Config(dataset_path=path, global_batch_size=8, cost={"attn_coef": 1.0,
-                                                                                         "linear_coef": 40.0}),
+        dataloader=BalancedDataLoader.Config(dataset_path=path, global_batch_size=8, cp_degree=cp_degree,
+                                             cost={"attn_coef": 1.0, "linear_coef": 40.0}),
         metrics=MetricsProcessor.Config(log_freq=1),
         parallelism=ParallelismConfig(spmd_backend="partial_dtensor"),
         activation_checkpoint=None,
     )  # fmt: skip
 
 
-def trainer_worker(rank: int, world: int, path: str, tokenizer: str, out: str) -> None:
+def trainer_worker(rank: int, world: int, path: str, tokenizer: str, out: str, cp_degree: int) -> None:
     """torchtitan's Trainer (shims 1-4) trained to the end of the data; each rank records what it was fed and the
     trainer's global token count of every step."""
     import os
@@ -138,7 +138,7 @@ def trainer_worker(rank: int, world: int, path: str, tokenizer: str, out: str) -
             return super().forward_backward_step(input_dict=input_dict, labels=labels,
                                                  global_valid_tokens=global_valid_tokens)  # fmt: skip
 
-    trainer = Recording(trainer_config(path, tokenizer, f"{out}/dump"))
+    trainer = Recording(trainer_config(path, tokenizer, f"{out}/dump", cp_degree))
     try:
         trainer.train()
     finally:
@@ -175,14 +175,21 @@ def documents(fed: list) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_torchtitan_trainer_on_the_balanced_loader(corpus, tmp_path):
+@pytest.mark.parametrize("cp_degree", [1, 2], ids=["dp2", "cp2"])
+def test_torchtitan_trainer_on_the_balanced_loader(corpus, cp_degree, tmp_path):
+    """DP 2: two replicas; CP 2: one replica whose micro-batches are split over both ranks (zigzag) and attended
+    by PackedAttention over the CP group the loader made."""
     path, tokenizer, rows = corpus
-    run_world(2, trainer_worker, path, tokenizer, str(tmp_path))
+    run_world(2, trainer_worker, path, tokenizer, str(tmp_path), cp_degree)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     plan = ranks[0]["plan"]
     for rec in ranks:
         assert rec["steps"] == len(plan) + 1  # the last step found the data exhausted ("Ran out of data")
         assert rec["counts"] == [c for c in plan for _ in range(rec["m"])]  # torchtitan's count = the plan's
         assert len(rec["fed"]) == len(plan) * rec["m"]
-    assert sorted(documents(ranks[0]["fed"]) + documents(ranks[1]["fed"])) == sorted(rows)
-    assert sum(plan) == sum(len(r) - 1 for r in rows)
+    assert sum(n for rec in ranks for _, _, n in rec["fed"]) == sum(plan) == sum(len(r) - 1 for r in rows)
+    if cp_degree == 1:
+        assert sorted(documents(ranks[0]["fed"]) + documents(ranks[1]["fed"])) == sorted(rows)
+    else:  # both ranks hold shares of the same micro-batches: together, every token of every document once
+        tokens = sorted(t for rec in ranks for ids, _, n in rec["fed"] if n for t in ids)
+        assert tokens == sorted(t for r in rows for t in r)
