@@ -27,3 +27,21 @@ def checked_position(name: str, value) -> Optional[int]:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
         raise ValueError(f"record: {name} must be an integer >= 0, got {type(value).__name__} {value!r}")
     return int(value)
+
+
+def check_monitor_options(timeout, min_samples, layout, cuda) -> None:
+    """`BalanceMonitor`'s options that its own checks let through: a finite positive `timeout` (not a bool; an
+    infinite one overflowed at the first gather), `min_samples` None or an integer >= 1, `layout` one of the CP
+    layouts, `cuda` None or a bool. A ValueError naming the argument otherwise."""
+    from attention.geometry import KINDS
+
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (0 < float(timeout) < math.inf):
+        raise ValueError(f"timeout must be a finite positive number of seconds, got {timeout!r}")
+    if min_samples is not None and (
+        isinstance(min_samples, bool) or not isinstance(min_samples, numbers.Integral) or min_samples < 1
+    ):
+        raise ValueError(f"min_samples must be None or an integer >= 1, got {min_samples!r}")
+    if layout not in KINDS:
+        raise ValueError(f"layout must be one of {KINDS} (the collator's kind), got {layout!r}")
+    if cuda is not None and not isinstance(cuda, bool):
+        raise ValueError(f"cuda must be None, True or False, got {cuda!r}")

@@ -31,12 +31,12 @@ import dataclasses
 import datetime
 import logging
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from balancer.measured.arguments import checked_position, checked_seconds
+from balancer.measured.arguments import check_monitor_options, checked_position, checked_seconds
 from balancer.measured.ledger import Ledger, Model, slowest_of_groups
 from balancer.measured.refit import refit
 from balancer.measured.report import _errors, build_report, headline, measured_steps, timed_rows, token_room
@@ -91,8 +91,7 @@ class BalanceMonitor:
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        check_monitor_options(timeout, min_samples, layout, cuda)  # measured.arguments
         self.sampler, self.mode, self.topology = sampler, mode, t
         self.layout, self.warmup_steps, self.timeout, self.every = layout, warmup_steps, float(timeout), every
         self.units = t.pool_size if t.dynamic else t.dp  # what is timed and given a speed: replicas, or pool ranks
@@ -297,6 +296,7 @@ class BalanceMonitor:
         self.refits.append(record)
         record["speed_noise"], record["speeds_supported"] = r.speed_noise, r.speeds_supported
         if r.accepted:
+            assert r.cost is not None, "an accepted refit carries its cost model"
             self._pending_fit = _pack_fit(r.cost, r.speeds, first, self.units, r.speeds_supported)
         self.refit_seconds += time.thread_time() - c0
 
@@ -453,7 +453,7 @@ def _pack_fit(cost: CostModel, speeds, first, dp: int, supported: bool = True) -
 
 def _unpack_fit(fit: np.ndarray, like: CostModel, dp: int):
     n = len(TERMS)
-    values = dict(zip(TERMS, (float(x) for x in fit[1 : 1 + n])))
+    values: dict[str, Any] = dict(zip(TERMS, (float(x) for x in fit[1 : 1 + n])))
     cost = dataclasses.replace(like, **values, comm_overlap=bool(fit[1 + n]))
     first = (int(fit[2 + n]), int(fit[3 + n]))
     speeds = tuple(float(x) for x in fit[4 + n : 4 + n + dp]) if fit[0] in (2.0, 3.0) else None

@@ -72,3 +72,27 @@ def test_record_takes_numpy_and_int_times():
     mon = _monitor()
     mon.record(np.float32(0.25))
     mon.record(1, micro_batch=np.int64(1))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"timeout": True},  # old: accepted as 1 s
+        {"timeout": float("inf")},  # old: accepted, then an OverflowError at the first gather
+        {"min_samples": 0},
+        {"min_samples": -3},
+        {"min_samples": "5"},
+        {"min_samples": 2.5},
+        {"min_samples": True},
+        {"layout": "bogus"},
+        {"cuda": "no"},
+    ],
+)
+def test_monitor_refuses_bad_options_naming_them(options):
+    topo = balancer.Topology(dp=1, micro_batches=2, max_tokens=4096)
+    lengths = np.random.default_rng(0).integers(100, 2000, 200)
+    cost = balancer.CostModel(attn_coef=0.0, linear_coef=1.0)
+    sampler = balancer.BalancedBatchSampler(lengths, topo, cost, dp_rank=0, seed=0)
+    with pytest.raises(ValueError, match=next(iter(options))):
+        BalanceMonitor(sampler, **options)
+    assert sampler.monitor is None  # nothing attached by a refused monitor
