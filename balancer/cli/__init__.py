@@ -11,7 +11,9 @@ transformers (`balancer --help` starts light).
 from __future__ import annotations
 
 import argparse
+import io
 import sys
+from typing import cast
 
 from balancer import __version__
 from balancer.cli import backends as cli_backends
@@ -44,7 +46,7 @@ def _escape_undecodable_names() -> None:
     strict stream it would raise UnicodeEncodeError instead of the one-line error, so both streams escape it."""
     for stream in (sys.stdout, sys.stderr):
         try:
-            stream.reconfigure(errors="backslashreplace")
+            cast(io.TextIOWrapper, stream).reconfigure(errors="backslashreplace")
         except (AttributeError, ValueError, OSError):  # not a TextIOWrapper (a test's replacement): leave it
             pass
 

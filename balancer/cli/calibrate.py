@@ -45,7 +45,7 @@ def _config(args) -> dict | None:
 
 
 def cmd_calibrate(args) -> int:
-    from balancer.calibration import calibrate
+    from balancer.calibration.run import calibrate
 
     check_output_file(args.output, [args.model_config], "-o")
     _check_work(args)

@@ -9,6 +9,7 @@ import os
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -65,8 +66,9 @@ def cost_from_args(args) -> CostModel:
             config = flag_file("--model-config", args.model_config, load_json)
             cost = CostModel.from_config(config, source=args.model_config)
         else:
-            cost = CostModel.from_model(**MODELS[args.model])
-        changes = {"fixed": fixed, "causal": not args.non_causal}
+            model: dict[str, Any] = MODELS[args.model]
+            cost = CostModel.from_model(**model)
+        changes: dict[str, Any] = {"fixed": fixed, "causal": not args.non_causal}
         return replace(cost, **changes, **({} if window is None else {"window": window}))
     attn, lin = DEFAULT_COST
     return CostModel(
@@ -215,7 +217,7 @@ def check_outputs(args, outputs: dict[str, str | Path | None]) -> None:
     """Before any work: every output (`flag -> path`) may be written: not an input (LENGTHS, --cost,
     --model-config), not inside an input folder or a balancer data folder, not the same file as another output;
     `--plot` has matplotlib and a picture suffix."""
-    inputs = [getattr(args, name, None) for name in ("lengths", "cost", "model_config")]
+    inputs = [p for name in ("lengths", "cost", "model_config") if (p := getattr(args, name, None)) is not None]
     seen: dict[str, str] = {}
     for flag, path in outputs.items():
         if path is None:
@@ -225,8 +227,9 @@ def check_outputs(args, outputs: dict[str, str | Path | None]) -> None:
         if real in seen:
             raise ValueError(f"{seen[real]} and {flag} name the same file {path}: give two files")
         seen[real] = flag
-    if outputs.get("--plot"):
-        check_plot_path(outputs["--plot"])
+    plot = outputs.get("--plot")
+    if plot:
+        check_plot_path(str(plot))
 
 
 def show_progress(args) -> bool:

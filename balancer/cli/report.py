@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,7 @@ def length_stats(lengths: np.ndarray, cost: CostModel) -> dict:
     """Count, token and attention-work shares above 8K/32K/128K, and percentiles."""
     lengths = np.asarray(lengths, dtype=np.int64)
     pairs = attention_pairs(lengths, cost.causal)
-    out = {
+    out: dict[str, Any] = {
         "documents": int(len(lengths)),
         "tokens": int(lengths.sum()),
         "max": int(lengths.max()),

@@ -24,7 +24,7 @@ where the windows (batches) are; its `WindowSchedule` (`schedule`) keeps the fit
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
@@ -33,6 +33,9 @@ from balancer.planning.topology import Topology
 from balancer.training.indices import CPGroup, Span
 from balancer.training.ranks import resolve_pool_rank
 from balancer.training.segments import piece_sizes
+
+if TYPE_CHECKING:
+    from balancer.measured.monitor import BalanceMonitor
 
 _KEPT = 4  # batches whose plans are kept: a gather reads the plan of a step closed up to `every` steps before
 
@@ -52,7 +55,7 @@ class BatchSteps:
         self.topology, self.cost = topology, cost
         self.pool_rank = resolve_pool_rank(rank, dp_rank, topology, None, "dp")
         self.dp_rank = self.pool_rank // topology.cp
-        self.monitor = None  # set by BalanceMonitor
+        self.monitor: Optional[BalanceMonitor] = None  # set by BalanceMonitor
         self.epoch = 0
         self.schedule = WindowSchedule(topology, cost)  # the fits the monitor hands over (adapt mode), by batch
         self._kept: dict[int, tuple[int, Plan]] = {}  # batch index -> (its first step, its plan), the last _KEPT
@@ -90,6 +93,8 @@ class BatchSteps:
 
     def state_dict(self) -> dict:
         """Batches and steps so far and the monitor's state (JSON-able): `load_state_dict` continues from here."""
+        if self.monitor is None:
+            raise ValueError("BatchSteps.state_dict: build the BalanceMonitor on these steps first")
         return {"batches": self._batches, "steps": self._steps, "monitor": self.monitor.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -151,15 +156,17 @@ class BatchSteps:
         plan, k = self._micro_batch_at(step, m, dp_rank, rank)
         group = None
         if plan.dynamic:
-            start = int(plan.group_start[k])
-            group = CPGroup(start, int(plan.group_size[k]), rank - start)
+            assert rank is not None, "_micro_batch_at refuses a dynamic plan's micro-batch without a rank"
+            group_start, group_size, _ = plan.group_arrays
+            start = int(group_start[k])
+            group = CPGroup(start, int(group_size[k]), rank - start)
         a, z = int(plan.mb_ptr[k]), int(plan.mb_ptr[k + 1])
         return [Span(d, s, e, group) for d, s, e in zip(plan.doc[a:z], plan.start[a:z], plan.end[a:z])]
 
     def piece_sizes(self, step: int, m: int, dp_rank: int | None = None, rank: int | None = None) -> tuple:
         """(token counts of `micro_batch`'s pieces, a dynamic plan's CP group (start, size) or None)."""
         plan, k = self._micro_batch_at(step, m, dp_rank, rank)
-        return piece_sizes(plan, k, rank, plan.dynamic)
+        return piece_sizes(plan, k, 0 if rank is None else rank, plan.dynamic)  # static plans: no group, no rank
 
     def _micro_batch_at(self, step: int, m: int, dp_rank: int | None, rank: int | None) -> tuple[Plan, int]:
         """The kept plan holding `step` and the index of micro-batch `m` of it on `dp_rank` (dynamic: the group of
@@ -167,5 +174,9 @@ class BatchSteps:
         b, local = self.locate(step)
         plan = self._kept[b][1]
         if plan.dynamic:
+            if rank is None:
+                raise ValueError("a dynamic-CP plan's micro-batches are per pool rank: pass rank")
             return plan, int(plan.rank_groups(rank)[local * plan.topology.micro_batches + m])
+        if dp_rank is None:
+            raise ValueError("pass dp_rank: the micro-batch of which replica")
         return plan, local * plan.topology.bins_per_step + dp_rank * plan.step_micro_batches(local) + m

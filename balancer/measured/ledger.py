@@ -57,11 +57,11 @@ class Ledger:
     steps: list = field(default_factory=list)  # dicts: epoch, step, window, model, warm, measured, predicted, ranks
     # [model, replica, measured, predicted units, serial, left out, m, group start, group size] (static: replica, 1)
     mb: list = field(default_factory=list)
-    samples: deque = None  # (serial, replica, cp, sizes, seconds, left out: warm-up or synced, (group start, size))
+    # (serial, replica, cp, sizes, seconds, left out: warm-up or synced, (group start, size))
+    samples: deque = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.samples is None:
-            self.samples = deque(maxlen=self.max_samples)
+        self.samples = deque(maxlen=self.max_samples)
 
     def add_step(
         self, info: dict, model_id: int, model: Model, sizes: list, cp, seconds, rank_seconds, synced, groups=None

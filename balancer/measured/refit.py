@@ -113,11 +113,15 @@ def sample_speeds(speeds: np.ndarray, replica: np.ndarray, group: np.ndarray | N
     return speeds[replica] if group is None else group_speeds(speeds, group[:, 0], group[:, 1])
 
 
-def predict(cost: CostModel, sizes: list, cp: np.ndarray, layout: str = "zigzag", terms=None) -> np.ndarray:
+def predict(
+    cost: CostModel, sizes: list | None, cp: np.ndarray | None, layout: str = "zigzag", terms=None
+) -> np.ndarray:
     """Predicted seconds (cost units) of each sample on a speed-1 replica: the slowest CP rank of its layout
     (`terms`: the samples' precomputed terms, for the same mask and layout)."""
     if terms is not None:
         return np.array([float(rank_times(cost, t).max()) for t in terms])
+    if sizes is None or cp is None:
+        raise ValueError("predict needs the samples' sizes and cp, or their terms")
     out = np.empty(len(sizes))
     cp = np.asarray(cp, dtype=np.int64)
     batched = np.zeros(len(sizes), dtype=bool)

@@ -9,7 +9,7 @@ The metrics divide by the speeds as given (equal speeds of 2 halve every time an
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -51,6 +51,14 @@ def pool_speeds(topology: Topology, planning: bool = False) -> np.ndarray | None
 def block_speeds(speeds: np.ndarray, size: int) -> np.ndarray:
     """[pool / size] the speed of every aligned group of `size` pool ranks: its slowest member's."""
     return speeds.reshape(-1, size).min(axis=1)
+
+
+@overload
+def group_speeds(speeds: np.ndarray, start: np.ndarray, size: np.ndarray) -> np.ndarray: ...
+
+
+@overload
+def group_speeds(speeds: None, start: np.ndarray, size: np.ndarray) -> None: ...
 
 
 def group_speeds(speeds: np.ndarray | None, start: np.ndarray, size: np.ndarray) -> np.ndarray | None:

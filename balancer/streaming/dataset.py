@@ -310,7 +310,7 @@ class _StreamIter:
             self.future = s._submit(self.pipeline, self.index + 1)
         items = self._items(self.local)
         for d in self.release.get(self.local, ()):
-            row = self.win.rows.pop(d)
+            row = self._current().rows.pop(d)
             s.meter.add(-len(row["input_ids"]))
         self.local += 1
         return items
@@ -340,16 +340,21 @@ class _StreamIter:
                 s.meter.add(-len(win.rows.pop(d)["input_ids"]))
         s.bytes_sent += win.bytes_sent
 
+    def _current(self) -> Window:
+        """The window being read (between `_enter` and `_leave`)."""
+        assert self.win is not None, "a window is entered before its micro-batches are read"
+        return self.win
+
     def _leave(self) -> None:
         s = self.stream
-        for row in self.win.rows.values():  # documents of other ranks' micro-batches never stay (none expected)
+        for row in self._current().rows.values():  # documents of other ranks' micro-batches never stay (none expected)
             s.meter.add(-len(row["input_ids"]))
         s.windows_done += 1
-        self.first_step += self.win.segment.num_steps
+        self.first_step += self._current().segment.num_steps
         self.win, self.index = None, self.index + 1
 
     def _items(self, j: int) -> list:
-        win = self.win
+        win = self._current()
         seg = win.segment
         k = self.ks[j]
         doc, start, end = seg.placements(k)

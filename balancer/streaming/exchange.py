@@ -111,7 +111,7 @@ def stream_group(group) -> tuple:
         return None, 1, 0
     ranks = None if group is None else dist.get_process_group_ranks(group)
     own = dist.new_group(ranks=ranks, backend="gloo")
-    if group is not None and dist.get_rank(group) < 0:
+    if ranks is not None and dist.get_rank(group) < 0:  # ranks: the given group's
         return own, len(ranks), -1
     return own, dist.get_world_size(own), dist.get_rank(own)
 

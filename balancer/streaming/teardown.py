@@ -95,7 +95,7 @@ def _closing_first(destroy):
             close_open_streams()
         return destroy(group)
 
-    destroy_process_group.__wrapped__ = destroy
+    destroy_process_group.__wrapped__ = destroy  # type: ignore[attr-defined]  # a function takes attributes
     destroy_process_group.__doc__ = destroy.__doc__
     return destroy_process_group
 

@@ -106,9 +106,9 @@ def receivers(seg: Segment, world: int) -> list[np.ndarray]:
     n_mb = len(seg.mb_ptr) - 1
     if t.dynamic:
         per = world // t.pool_size
+        group_start, group_size, _ = seg.group_arrays
         return [
-            np.arange(int(seg.group_start[k]) * per, (int(seg.group_start[k]) + int(seg.group_size[k])) * per)
-            for k in range(n_mb)
+            np.arange(int(group_start[k]) * per, (int(group_start[k]) + int(group_size[k])) * per) for k in range(n_mb)
         ]
     per = world // t.dp
     replica = [(k % t.bins_per_step) // seg.step_micro_batches(k // t.bins_per_step) for k in range(n_mb)]
@@ -153,6 +153,7 @@ class Pipeline:
         comp = compose(self.reader, cur, mine, s.grank, s.window_docs, topology.bins_per_step, self.forced, gather)
         if self.forced is not None:
             self._check_forced(comp, cur, index)
+            assert self._forced_after is not None, "a forced window comes with the state after it"
             comp.ended = [bool(e) for e in self._forced_after]
             self.forced = self._forced_after = self._forced_digest = None
         after = Cursor(list(cur.specs), [p + t for p, t in zip(cur.pos, comp.taken)], list(comp.ended))
@@ -174,6 +175,7 @@ class Pipeline:
         return win
 
     def _check_forced(self, comp, cur: Cursor, index: int) -> None:
+        assert self.forced is not None, "called for a forced window"
         for v, (got, want) in enumerate(zip(comp.taken, self.forced)):
             if got != want:
                 raise ValueError(

@@ -24,6 +24,7 @@ import math
 from transformers import TrainerCallback
 
 from balancer.measured.monitor import MODES, BalanceMonitor
+from balancer.trainers.host import TrainerHost
 
 logger = logging.getLogger(__name__)
 
@@ -53,14 +54,15 @@ class _EndStep(TrainerCallback):
             monitor.end_step()
 
 
-class MeasuredBalanceMixin:
+class MeasuredBalanceMixin(TrainerHost):
     """The monitor parts of the balanced trainers (module docstring); sits between the balanced mixin and the
     stock Trainer in the class order, so `training_step` here times the stock step alone."""
 
     def __init__(self, *args, balance_mode: str | None = None, **kwargs) -> None:
         if balance_mode is not None and balance_mode not in BALANCE_MODES:
             raise ValueError(f"balance_mode must be one of {BALANCE_MODES}, got {balance_mode!r}")
-        self.balance_mode, self.balance_monitor = balance_mode, None
+        self.balance_mode = balance_mode
+        self.balance_monitor: BalanceMonitor | None = None
         super().__init__(*args, **kwargs)
         self.add_callback(_EndStep(self))
 

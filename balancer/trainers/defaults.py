@@ -73,7 +73,7 @@ def warn_short_step(topo: Topology, lengths: np.ndarray, world: int, m: int, bs:
     training document: every step holding that document is that document alone on one replica (the other replicas
     idle for it), and the step budget is not kept."""
     longest = int(np.argmax(lengths))
-    if int(lengths[longest]) <= topo.tokens_per_step:
+    if int(lengths[longest]) <= topo.step_tokens:
         return
     message = (
         f"the default topology's step holds {topo.tokens_per_step:,} tokens (tokens_per_step = "

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -24,10 +22,7 @@ import torch
 import torch.distributed as dist
 
 from balancer.planning.batch.balance import balance_batch
-from balancer.planning.cost.model import CostModel
-from balancer.planning.topology import Topology
 from balancer.trainers.host import TrainerHost
-from balancer.training.collate import PackedCollator
 from balancer.training.indices import SpanDataset
 from balancer.training.lengths import resolve_lengths
 from balancer.training.loss import token_loss
@@ -50,16 +45,6 @@ def eval_lengths(dataset: Any) -> np.ndarray:
 
 class BalancedEvalMixin(TrainerHost):
     """`get_eval_dataloader` and `evaluation_loop` of the balanced Trainers (see the module docstring)."""
-
-    # set up by the balanced Trainer (BalancedTrainingMixin)
-    topology: Topology
-    cost_model: CostModel
-    packed_collator: PackedCollator
-    dp_rank: int
-    cp_rank: int
-    _overflow: str
-    _plan_seed: int
-    _layout_context: Callable[[Any, dict], AbstractContextManager]
 
     def _eval_batches(self, dataset) -> list[list]:
         """This rank's eval micro-batches of `dataset` (planned once per dataset object, the same on every rank)."""

@@ -22,17 +22,19 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TypeGuard
 
 import torch
 
 from balancer.files import atomic_write
 from balancer.streaming.dataset import BalancedStream
+from balancer.trainers.host import TrainerHost
 from balancer.training.sampler_state import read_checkpoint_state
 
 STREAM_STATE_NAME = "balancer_stream.json"
 
 
-def is_stream(dataset) -> bool:
+def is_stream(dataset: object) -> TypeGuard[BalancedStream]:
     return isinstance(dataset, BalancedStream)
 
 
@@ -68,11 +70,11 @@ def stream_settings(trainer, stream: BalancedStream, topology, cost, lengths, ov
     return stream.topology, stream.cost, stream.overflow, stream.seed
 
 
-class StreamTrainingMixin:
+class StreamTrainingMixin(TrainerHost):
     """The streaming parts of the balanced trainer (module docstring); inactive while `balanced_stream` is None.
     Sits after `BalancedTrainingMixin` in the class order: the sampler path's overrides hand streams on to it."""
 
-    balanced_stream = None
+    balanced_stream: BalancedStream | None = None
     _stream_resumed = None  # the stream epoch a checkpoint's state was loaded for
     _stream_batches = 0
 
@@ -155,7 +157,7 @@ class StreamTrainingMixin:
         self._stream_resumed = stream.epoch
         return stream.epoch, 0
 
-    def _run_epoch(self, **kwargs):
+    def _run_epoch(self, **kwargs):  # type: ignore[override]  # the stock loop passes every argument by keyword
         """One pass of the stream (the rest of it for a resumed pass), through the stock epoch loop."""
         stream = self.balanced_stream
         if stream is None:

@@ -136,7 +136,11 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         self.epoch = 0
         self.position = 0  # micro-batches this rank has yielded since the start of window `origin`'s plan
         self._windows: Optional[EpochWindows] = None
-        self._epoch_setup = (self.window_docs, 0, [])  # (window_docs, origin window, history) of this epoch
+        self._epoch_setup: tuple[int, int, list] = (
+            self.window_docs,
+            0,
+            [],
+        )  # (window_docs, origin window, history) of this epoch
         self._cursor = (0, 0)  # (window, position at its first micro-batch) of the last yielded micro-batch
         self._resume_pending = False
         self.monitor = None  # a balancer.BalanceMonitor attaches itself here (StepSource: balancer.measured.source)
@@ -189,7 +193,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         seg = self.windows.segment(min(self._cursor[0], self.windows.count - 1))
         if seg.plan is None or seg.ids is None:
             return seg.plan
-        groups = (seg.group_start, seg.group_size, seg.slot_ptr) if self.topology.dynamic else None
+        groups = seg.group_arrays if self.topology.dynamic else None
         p = seg.plan
         return Plan(self.lengths, seg.topology, seg.cost, seg.doc, seg.start, seg.end, seg.mb_ptr, seed=p.seed,
                     plan_seconds=p.plan_seconds, dropped_tokens=p.dropped_tokens, groups=groups,
@@ -258,11 +262,12 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         return self.dp_rank if dp_rank is None else dp_rank
 
     def _indices(self, seg: Segment, step: int, m: int, dp_rank=None, rank=None) -> list:
+        assert seg.full is not None, "EpochWindows._build sets each placement's document length"
         if not self.topology.dynamic:
             k = seg.mb_index(step, self._dp_of(dp_rank, rank), m)
             doc, start, end = seg.placements(k)
             full = seg.full[seg.mb_ptr[k] : seg.mb_ptr[k + 1]]
-            out = [int(d) if (s == 0 and e == f) else Span(d, s, e) for d, s, e, f in zip(doc, start, end, full)]
+            out: list = [int(d) if (s == 0 and e == f) else Span(d, s, e) for d, s, e, f in zip(doc, start, end, full)]
             if seg.filler is not None:  # loss-masked filler rows (filler_rows=True): last in the micro-batch
                 fill = seg.filler[seg.mb_ptr[k] : seg.mb_ptr[k + 1]]
                 out = [Filler(int(d)) if f else x for x, d, f in zip(out, doc, fill)]
@@ -327,7 +332,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         ms = seg.step_micro_batches(local)
         if self.topology.dynamic:
             ks = [seg.mb_index(local, self.pool_rank, m) for m in range(ms)]
-            return seg.plan.micro_batch_costs()[ks] / seg.group_size[ks]
+            return seg.plan.micro_batch_costs()[ks] / seg.group_arrays[1][ks]
         return seg.plan.micro_batch_costs()[local][:, :ms] / self.topology.cp
 
     def predicted_step(self, step: int) -> dict:
@@ -411,7 +416,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
                 f"BalanceMonitor: the refit for window {first_window} arrived after the sampler started it (it is "
                 "ahead of the training loop by more than a window): use larger windows or less prefetching"
             )
-        if current:
+        if current and ew is not None:
             ew.update_model(cost, rank_speeds, first_window)
         else:
             self.schedule.update(cost, rank_speeds, first_window, epoch=epoch)
@@ -436,7 +441,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         topology, cost = ew.model(w)
         here = [{"topology": topology.to_dict(), "cost": cost.to_dict(), "steps": None}]
         past = ew.history if w == ew.origin else []
-        extra = {} if self.monitor is None else {"monitor": self.monitor.state_dict()}
+        extra: dict[str, dict] = {} if self.monitor is None else {"monitor": self.monitor.state_dict()}
         state = {
             "format": STATE_FORMAT,
             "format_version": STATE_VERSION,

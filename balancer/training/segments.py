@@ -58,9 +58,16 @@ class Segment:
     filler: Optional[np.ndarray] = None  # per placement: a loss-masked filler row (plan(..., filler_rows=True))
 
     @property
+    def group_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Dynamic CP: `(group_start, group_size, slot_ptr)`; ValueError for a segment with fixed CP groups."""
+        if self.group_start is None or self.group_size is None or self.slot_ptr is None:
+            raise ValueError("this segment has fixed CP groups: group_start, group_size and slot_ptr are dynamic CP's")
+        return self.group_start, self.group_size, self.slot_ptr
+
+    @property
     def num_steps(self) -> int:
         t = self.topology
-        count = len(self.slot_ptr) - 1 if t.dynamic else len(self.mb_ptr) - 1
+        count = len(self.group_arrays[2]) - 1 if t.dynamic else len(self.mb_ptr) - 1
         return -(-count // (t.micro_batches if t.dynamic else t.bins_per_step))
 
     def step_micro_batches(self, step: int) -> int:
@@ -77,7 +84,8 @@ class Segment:
     def first_mb(self, step: int) -> int:
         """Index of the first micro-batch of `step` (`num_steps` gives the end)."""
         if self.topology.dynamic:
-            return int(self.slot_ptr[min(step * self.topology.micro_batches, len(self.slot_ptr) - 1)])
+            slot_ptr = self.group_arrays[2]
+            return int(slot_ptr[min(step * self.topology.micro_batches, len(slot_ptr) - 1)])
         return min(step * self.topology.bins_per_step, len(self.mb_ptr) - 1)
 
     def mb_index(self, step: int, rank: int, m: int) -> int:
@@ -86,13 +94,15 @@ class Segment:
         if not t.dynamic:
             return step * t.bins_per_step + rank * self.step_micro_batches(step) + m
         slot = step * t.micro_batches + m
-        first, last = int(self.slot_ptr[slot]), int(self.slot_ptr[slot + 1])
-        return first + int(np.searchsorted(self.group_start[first:last], rank, side="right")) - 1
+        group_start, _, slot_ptr = self.group_arrays
+        first, last = int(slot_ptr[slot]), int(slot_ptr[slot + 1])
+        return first + int(np.searchsorted(group_start[first:last], rank, side="right")) - 1
 
     def group(self, k: int, rank: int) -> CPGroup:
         """The CP group of micro-batch `k` seen from `rank` (dynamic plans)."""
-        start = int(self.group_start[k])
-        return CPGroup(start, int(self.group_size[k]), rank - start)
+        group_start, group_size, _ = self.group_arrays
+        start = int(group_start[k])
+        return CPGroup(start, int(group_size[k]), rank - start)
 
     def placements(self, k: int):
         a, b = self.mb_ptr[k], self.mb_ptr[k + 1]
@@ -129,13 +139,13 @@ def plan_units(
     p = make_plan(docs, topology, cost, seed=seed, overflow=overflow, num_steps=steps, filler_rows=filler_rows)
     if steps is not None and p.num_steps != steps:  # never a silently wrong len(sampler)
         raise RuntimeError(f"the planner made {p.num_steps} steps of a window fixed at {steps}")
-    groups = (p.group_start, p.group_size, p.slot_ptr)
+    plan_groups = (p.group_start, p.group_size, p.slot_ptr)
     p.natural_step = None  # per document of the window: not needed by the sampler
     last = p.last_micro_batches
     if lengths is not None:
-        return Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p, *groups, last_m=last, filler=p.filler)
+        return Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p, *plan_groups, last_m=last, filler=p.filler)
     doc, start, end = u_doc[p.doc], u_start[p.doc] + p.start, u_start[p.doc] + p.end
-    return Segment(topology, cost, doc, start, end, p.mb_ptr, p, *groups, ids=u_doc, last_m=last, filler=p.filler)
+    return Segment(topology, cost, doc, start, end, p.mb_ptr, p, *plan_groups, ids=u_doc, last_m=last, filler=p.filler)
 
 
 class EpochWindows:

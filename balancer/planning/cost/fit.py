@@ -63,7 +63,7 @@ def fit_cost_model(
     fit_fixed: bool,
     fit_pieces: bool,
     fit_comm: bool,
-    cp: int | Sequence[int],
+    cp: int | Sequence[int] | np.ndarray,
     layout: str | Sequence[str],
     method: str | Sequence[str],
     layout_options: dict,
