@@ -52,7 +52,8 @@ class PackedAttention(Module):
     ) -> torch.Tensor:
         """q `[1, T_local, N, H]`, k / v `[1, T_local, N_kv, H]` -> `[1, T_local, N, H]`; `enable_gqa` is implied
         by the head counts."""
-        import attention
+        from attention.cp import cp_attention
+        from attention.varlen import varlen_attention
 
         if not isinstance(attention_masks, PackedDocuments):
             raise TypeError(
@@ -66,10 +67,10 @@ class PackedAttention(Module):
         q, k, v = q_BLNH[0], k_BLNH[0], v_BLNH[0]
         docs = attention_masks
         if docs.cp_size == 1:
-            out = attention.varlen_attention(q, k, v, docs.cu_seqlens, causal=True, softmax_scale=scale,
+            out = varlen_attention(q, k, v, docs.cu_seqlens, causal=True, softmax_scale=scale,
                                              backend=self.backend)  # fmt: skip
         else:
-            out = attention.cp_attention(q, k, v, docs.layout, group=docs.group, causal=True, softmax_scale=scale,
+            out = cp_attention(q, k, v, docs.layout, group=docs.group, causal=True, softmax_scale=scale,
                                          method=self.method, backend=self.backend, rank=docs.cp_rank)  # fmt: skip
         return out[None]
 

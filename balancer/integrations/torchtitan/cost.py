@@ -11,8 +11,8 @@ from balancer.planning.cost.model import CostModel
 logger = logging.getLogger(__name__)
 
 # Llama 3 8B: the analytic default (its attention / linear balance is what the planner needs, not the scale)
-DEFAULT_SHAPE = dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, intermediate_size=14336,
-                     vocab_size=128256)  # fmt: skip
+DEFAULT_SHAPE: dict[str, Any] = dict(hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8,
+                                     intermediate_size=14336, vocab_size=128256)  # fmt: skip
 
 
 def cost_for(model_config: Any) -> dict:

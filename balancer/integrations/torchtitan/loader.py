@@ -172,7 +172,7 @@ class BalancedDataLoader(BaseDataLoader):
             self._state.next_epoch()
 
     def _item(self, kind: str, indices: Optional[list]) -> tuple[dict, torch.Tensor]:
-        if kind == "filler":
+        if indices is None:  # a filler
             batch = filler_batch(self.collator)
         else:
             batch = self.collator([self.dataset[i] for i in indices])

@@ -18,7 +18,7 @@ from balancer.data.shards.manifest import MANIFEST_NAME
 
 def is_pretokenized(path: Optional[str]) -> bool:
     """True when `path` is a finished `balancer pretokenize` folder (its manifest is written last)."""
-    return bool(path) and (Path(path) / MANIFEST_NAME).is_file()
+    return path is not None and bool(path) and (Path(path) / MANIFEST_NAME).is_file()
 
 
 def open_documents(
@@ -35,7 +35,7 @@ def open_documents(
     Hugging Face dataset `dataset_path or dataset` (a `save_to_disk` folder or a `load_dataset` name / path, its
     `split`); a dataset without `column` but with `text_column` is tokenized with `tokenizer.encode(text,
     add_bos=True, add_eos=True)`, as torchtitan's own text loader does."""
-    if is_pretokenized(dataset_path):
+    if dataset_path is not None and is_pretokenized(dataset_path):
         from balancer.data.shards.dataset import ShardDataset
 
         ds = ShardDataset(dataset_path)
