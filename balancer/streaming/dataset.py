@@ -153,7 +153,10 @@ class BalancedStream(torch.utils.data.IterableDataset):
         if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
             raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
         if int(epoch) != self.epoch:  # a new pass: every window of it is planned with the latest model
-            self._setup, self._submitted = None, -1
+            if self._iter is not None:  # the old pass's iterator ends: its windows would take the new epoch's seeds
+                self._iter.stale = f"set_epoch({int(epoch)}) was called while this pass (epoch {self.epoch}) was read"
+            # no iterator of the new pass yet: its state is the pass's start (the old one's end lost the new pass)
+            self._setup, self._submitted, self._iter = None, -1, None
             self.schedule.new_pass(int(epoch))
         self.epoch = int(epoch)
         self.source.set_epoch(self.epoch)
@@ -285,6 +288,7 @@ class _StreamIter:
         self.skip = setup["position"]
         self.first_step = setup["step"]  # this pass's steps before the current window's segment
         self.plans: dict[int, tuple[int, object]] = {}  # the last windows entered: index -> (first step, segment)
+        self.stale: Optional[str] = None  # why this pass was ended by set_epoch (set by the stream)
 
     def __iter__(self) -> _StreamIter:
         return self
@@ -292,6 +296,8 @@ class _StreamIter:
     def __next__(self) -> list:
         s = self.stream
         s._teardown.check_open()  # a closed stream yields nothing more
+        if self.stale is not None:
+            raise RuntimeError(f"BalancedStream: {self.stale}: this iterator is over; iterate the stream again")
         while True:
             if self.win is None:
                 if self.done:
