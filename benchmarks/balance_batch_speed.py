@@ -10,6 +10,12 @@ quadratic: minutes at 16K); the two alternate, repetition by repetition (paired)
 kept. Writes benchmarks/results/balance_batch_speed.json.
 
 Run: `python benchmarks/balance_batch_speed.py` (about 4 minutes on 2 shared cores; `--quick`: 1K-16K, one repeat).
+
+`--speeds`: uneven ranks, rank speeds (1.2, 1, 1, 1, 1, 1, 1, 1): every option is timed with those speeds
+("after") and with even speeds on the same tree ("even", paired, alternating), and "before" is the speeds call on
+`--ref` (pass the revision before the near-linear path for uneven ranks, e.g. bf59c91) up to `--before-max`
+rollouts. Goals: 16K rollouts within 2x the even time, 128K within 10 s. Writes
+benchmarks/results/balance_batch_speeds.json.
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ OPTIONS = {
     "equal_counts": {"equal_counts": True},
 }
 GOALS = {16384: 0.5, 131072: 5.0}  # CPU seconds (issue 28 item 8)
+SPEEDS = [1.2] + [1.0] * 7  # --speeds: one faster rank
+SPEED_GOALS = {16384: ("within 2x the even time", None), 131072: ("<= 10 s CPU", 10.0)}
 
 CHILD = """
 import json, sys, time
@@ -48,7 +56,8 @@ lengths = (prompt[:, None] + response).ravel()
 groups = np.repeat(np.arange(n // 8), 8) if options.pop("grouped", False) else None
 cost = balancer.CostModel.from_model(hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
                                      intermediate_size=18944, vocab_size=152064)
-topo = balancer.Topology(dp=8, max_tokens=16384)
+speeds = options.pop("speeds", None)
+topo = balancer.Topology(dp=8, max_tokens=16384, rank_speeds=None if speeds is None else tuple(speeds))
 started = time.process_time()
 plan = balancer.balance_batch(lengths, topo, cost, groups=groups, micro_batches="auto", **options)
 cpu = time.process_time() - started
@@ -96,7 +105,10 @@ def main() -> None:
     ap.add_argument("--before-max", type=int, default=4096, help="largest batch timed on the 'before' tree")
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds a 'before' child may run")
     ap.add_argument("--quick", action="store_true", help="1K-16K rollouts, one repetition")
+    ap.add_argument("--speeds", action="store_true", help="uneven ranks against even ones (module docstring)")
     args = ap.parse_args()
+    if args.speeds:
+        return main_speeds(args)
     sizes = [n for n in SIZES if not args.quick or n <= 16384]
     repeat = 1 if args.quick else args.repeat
     rows = []
@@ -166,6 +178,42 @@ def table_balance_batch_speed() -> str:
 TABLES = {  # docs/ marker name -> the table, from the record
     "balance_batch_speed": table_balance_batch_speed,
 }
+
+
+def main_speeds(args) -> None:
+    """--speeds: every option with SPEEDS ("after"), with even speeds ("even") and on --ref ("before"), paired."""
+    sizes = [n for n in SIZES if not args.quick or n <= 16384]
+    repeat = 1 if args.quick else args.repeat
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        before_tree = extract(args.ref, Path(tmp))
+        for name, options in OPTIONS.items():
+            for n in sizes:
+                after, even, before = [], [], []
+                for _ in range(repeat):  # paired: the variants alternate
+                    if n <= args.before_max:
+                        before.append(run_child(before_tree, n, {**options, "speeds": SPEEDS}, args.timeout))
+                    even.append(run_child(REPO, n, dict(options), 600.0))
+                    after.append(run_child(REPO, n, {**options, "speeds": SPEEDS}, 600.0))
+                row = {"option": name, "rollouts": n, "speeds": SPEEDS, "after": best(after), "even": best(even)}
+                row["before"] = best(before) if before else None
+                if n <= args.before_max and row["before"] is None:
+                    row["before_timed_out_s"] = args.timeout
+                if row["after"] and row["even"]:
+                    row["after_over_even"] = row["after"]["cpu_seconds"] / row["even"]["cpu_seconds"]
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    goals = {}
+    for n, (text, limit) in SPEED_GOALS.items():
+        mine = [r for r in rows if r["rollouts"] == n and r["after"]]
+        if mine:
+            ok = [r["after_over_even"] <= 2.0 if limit is None else r["after"]["cpu_seconds"] <= limit for r in mine]
+            goals[f"{n} rollouts with speeds {text}"] = {r["option"]: o for r, o in zip(mine, ok)}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "balancer"], cwd=REPO, capture_output=True).stdout)
+    payload = {"commit": commit, "tree_modified": dirty, "ref": args.ref, "repeat": repeat, "rows": rows}
+    payload["goals"] = goals
+    print(write_result("balance_batch_speeds", payload, clock="process_cpu"))
 
 
 if __name__ == "__main__":
