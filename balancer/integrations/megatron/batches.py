@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from balancer.integrations.megatron.layouts import build_layout, check_layout, padded_lengths
-from balancer.training import Filler, PackedCollator, Span
+from balancer.training.collate import PackedCollator
+from balancer.training.indices import Filler, Span
 
 IGNORE = -100
 
@@ -134,7 +135,7 @@ def megatron_batch(
     cp_layout = build_layout(row.padded_cu, size, spec)
     labels = cp_layout.shard(row.labels, rank)
     mask = labels != IGNORE
-    out = {
+    out: dict[str, Any] = {
         "tokens": cp_layout.shard(row.tokens, rank)[None],
         "labels": torch.where(mask, labels, torch.zeros_like(labels))[None],
         "loss_mask": mask.to(torch.float32)[None],

@@ -105,8 +105,8 @@ class CPCoreAttention(MegatronModule):
             raise ValueError(f"CPCoreAttention takes qkv_format 'thd' or no packed params, got {packed_seq_params}")
         s, b = query.shape[:2]
         layout = _zigzag(tuple(range(0, (b + 1) * s * size, s * size)), size)
-        flat = [x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value)]
-        out = self._attend(*flat, layout, group)
+        q, k, v = (x.transpose(0, 1).reshape(b * s, *x.shape[2:]) for x in (query, key, value))
+        out = self._attend(q, k, v, layout, group)
         return out.reshape(b, s, -1).transpose(0, 1).contiguous()
 
     def _attend(self, q, k, v, layout: CPLayout, group) -> torch.Tensor:

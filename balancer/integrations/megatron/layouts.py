@@ -83,7 +83,7 @@ def build_layout(padded_cu: np.ndarray, cp_size: int, spec: dict) -> CPLayout:
         return row_chunk_layout(padded_cu, cp_size)
     if kind != "hybrid":  # zigzag, and a CP size of 1 (every token on rank 0)
         return CPLayout.build(padded_cu, cp_size, kind="zigzag")
-    from balancer.planning.cost import explicit_layout
+    from balancer.planning.cost.hybrid import explicit_layout
 
     options = explicit_layout(np.diff(padded_cu), cp_size, spec)
     return CPLayout.from_spec(padded_cu, cp_size, options)

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from balancer.integrations.megatron.batches import megatron_batch, packed_seq_params
 from balancer.integrations.megatron.layouts import check_layout
-from balancer.training import BalancedBatchSampler
+from balancer.training.sampler import BalancedBatchSampler
 
 
 @dataclass
@@ -71,7 +71,7 @@ class BalancedScheduler:
         check_layout(layout)
         self.sampler, self.tokens, self.layout = sampler, tokens, layout
         self.groups, self.with_params, self.pad_token_id = groups, bool(with_params), int(pad_token_id)
-        self._it = None
+        self._it: Optional[Iterator[list]] = None
         self._open: Optional[list] = None  # [handed out, due] of the last step's iterator
 
     @property
@@ -110,6 +110,7 @@ class BalancedScheduler:
 
     def _micro_batches(self, n: int) -> Iterator[dict]:
         for _ in range(n):
+            assert self._it is not None and self._open is not None, "set by the step that hands these out"
             batch = self.batch(next(self._it))
             self._open[0] += 1  # counted when handed out: Megatron never resumes the iterator after the last one
             yield batch
