@@ -116,7 +116,8 @@ class FaultTolerantBatches:
         self._guard = LengthsGuard(self.lengths, summary.fingerprint)
         self.speeds = ReplicaSpeeds(stall_seconds=stall_seconds)
         self.epoch, self.window, self.step, self.committed_steps = 0, 0, 0, 0
-        self._origin, self._history, self._epoch_window_docs = 0, [], self.window_docs
+        self._origin, self._epoch_window_docs = 0, self.window_docs
+        self._history: list = []
         self._windows: Optional[EpochWindows] = None
         self._pending: Optional[_Pending] = None
         self._seconds = 0.0  # this process's measured compute in the step handed out
@@ -152,6 +153,7 @@ class FaultTolerantBatches:
         if 2 * self.step >= ew.steps(self.window):
             ew.plan_ahead(self.window + 1)
         sl = seg.step_slice(self.step)
+        assert seg.full is not None, "EpochWindows._build sets each placement's document length"
         return StepPieces(seg.doc[sl], seg.start[sl], seg.end[sl], seg.full[sl], seg.step_micro_batches(self.step))
 
     def _digest(self) -> int:
@@ -213,8 +215,8 @@ class FaultTolerantBatches:
             self.step,
             self._digest(),
             done,
-            0 if done else pieces.loss_tokens,
-            0 if done else pieces.tokens,
+            0 if pieces is None else pieces.loss_tokens,  # None: done
+            0 if pieces is None else pieces.tokens,
             own or 0.0,
             seconds,
             predicted,
@@ -224,7 +226,7 @@ class FaultTolerantBatches:
         """The step handed out as every contributor planned it: (their replica_ids in plan order, each one's
         micro-batches); None when this group does not contribute (for logs and checks)."""
         p = self._pending
-        if p is None or p.plan is None:
+        if p is None or p.plan is None or p.rows is None:
             return None
         return [r.replica_id for r in p.rows], p.plan.items
 
@@ -271,7 +273,10 @@ class FaultTolerantBatches:
         for r in p.rows:
             self.speeds.observe(self.committed_steps, r.replica_id, r.predicted, r.seconds)
         self.speeds.members_at(self.committed_steps, [r.replica_id for r in p.rows])
-        self._last = None if p.mine is None or self._seconds <= 0 else (self._seconds, float(p.plan.costs[p.mine]))
+        mine, plan = p.mine, p.plan
+        self._last = (
+            None if mine is None or plan is None or self._seconds <= 0 else (self._seconds, float(plan.costs[mine]))
+        )
         self._advance()
 
     def _advance(self) -> None:

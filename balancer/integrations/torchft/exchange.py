@@ -127,7 +127,7 @@ def exchange(manager, row: Optional[Row], max_groups: int) -> Optional[list[Row]
     present = values[:, 0]
     if np.any((present != 0) & (present != 1)):
         raise RuntimeError(f"two replica groups wrote the same participating rank: {present.tolist()}")
-    return [Row.decode(i, values[i]) for i in np.flatnonzero(present == 1)]
+    return [Row.decode(int(i), values[i]) for i in np.flatnonzero(present == 1)]
 
 
 def id_digest(text: str) -> int:

@@ -83,6 +83,8 @@ class ReplicaSpeeds:
             return
         before = float(np.median(kept[-4 * self.recent : -self.recent]))
         now = self.speed(replica_id)
+        if now is None:  # no step measured yet (kept holds this replica's steps: not reached)
+            return
         if replica_id not in self.slowed and now < (1 - self.slow_drop) * before:
             record = {"step": step, "replica_id": replica_id, "before": before, "now": now}
             self.slowed[replica_id] = record
