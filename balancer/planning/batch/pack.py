@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from balancer.planning.batch.large import LARGE_UNITS, balance_swaps, deal_equal_counts, pack_large
+from balancer.planning.batch.large import LARGE_UNITS, balance_swaps, deal_equal_counts, lpt_timed, pack_large
 from balancer.planning.packing.search import polish
 from balancer.planning.packing.step import fill_empty, pack_step, place_rest
 from balancer.planning.speeds import replica_speeds, with_speeds
@@ -36,13 +36,17 @@ def pack_ranks(rank_units: list, u_cost, u_tok, u_group, topology: Topology, kee
     units concatenated in rank order: each rank's documents (`keep="rank"`) or merged groups (`"micro_batch"`)
     packed into its M micro-batches. None when a rank does not fit."""
     one_rank = with_speeds(topology, None, dp=1, tokens_per_step=None)  # one replica: its speed scales every time
+    # a large step on uneven ranks: each rank's share by the near-linear path too (uneven shares put ranks below
+    # LARGE_UNITS where even ones are above it; the exact search is quadratic in a rank's units)
+    large = replica_speeds(topology) is not None and sum(len(u) for u in rank_units) >= LARGE_UNITS
     out = []
     for r, units in enumerate(rank_units):
-        bins = (
+        bins = pack_large(u_cost[units], u_tok[units], one_rank) if large and keep == "rank" else None
+        bins = bins if bins is not None else (
             pack_complete(u_cost[units], u_tok[units], one_rank)
             if keep == "rank"
             else pack_items(units, u_cost, u_tok, u_group, one_rank)
-        )
+        )  # fmt: skip
         if bins is None:
             return None
         out.append(r * topology.micro_batches + bins)
@@ -86,12 +90,15 @@ def assign_replicas(
         rep = deal_equal_counts(cost, tokens, dp, rank_cap)
         if rep is None:
             rep = _equal_count_lpt(cost, tokens, count, dp, rank_cap)
+    elif equal_counts and uniform and speeds is not None:  # uneven ranks, like items: the fastest take one more
+        low, extra = divmod(len(cost), dp)
+        most = np.full(dp, low, dtype=np.int64)
+        most[np.argsort(-speeds, kind="stable")[:extra]] += 1
+        rep = lpt_timed(cost, tokens, speeds, rank_cap, most=most)
+        if rep is not None:  # swaps keep the counts
+            balance_swaps(rep, cost, tokens, rank_cap, speeds)
     elif equal_counts:
         rep = _equal_count_lpt(cost, tokens, count, dp, rank_cap, speeds=speeds)
-        if (
-            rep is not None and uniform and speeds is not None
-        ):  # like items: swaps keep the counts (uneven ranks; even ones were dealt)
-            balance_swaps(rep, cost, tokens, rank_cap, speeds)
     else:
         per_rank = Topology(dp=dp, micro_batches=1, max_tokens=rank_cap, rank_speeds=topology.rank_speeds)
         rep = pack_complete(cost, tokens, per_rank)
