@@ -51,3 +51,10 @@ def test_fewest_fitting_equals_the_linear_scan():
         assert len(tried) <= 12
     assert fewest_fitting(4, 20, 4, lambda m: m if m >= 13 else None) == (16, 16)
     assert fewest_fitting(3, 10, 1, lambda m: None)[1] is None
+
+
+@pytest.mark.parametrize("seed", [True, "1", -1, 1.5, 2**63])
+def test_balance_batch_refuses_a_bad_seed_naming_it(seed):
+    # old: True was taken as seed 1, the others reached numpy's generator ("SeedSequence expects int ...")
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        balancer.balance_batch(_batch(64), balancer.Topology(dp=2, max_tokens=16384), COST, seed=seed)

@@ -43,6 +43,7 @@ from balancer.planning.batch.pack import (
 )
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
+from balancer.planning.schedule import check_seed
 from balancer.planning.speeds import planning_view, replica_speeds
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost, planning_units, validate_lengths
@@ -81,6 +82,7 @@ def balance_batch(
     started = time.perf_counter()
     lengths = validate_lengths(lengths)
     check_topology_and_cost(topology, cost)
+    seed = check_seed(seed)  # a bool, a string or a negative seed reached numpy's generator (or was taken as 1)
     if planning_view(topology) is not topology:  # equal speeds: the even plan, recording the speeds
         kwargs = dict(groups=groups, keep=keep, micro_batches=micro_batches, mini_batches=mini_batches, seed=seed)
         kwargs |= dict(equal_counts=equal_counts, overflow=overflow, pipeline_order=pipeline_order)
