@@ -8,6 +8,7 @@ be the one imported (refused otherwise, so a side never silently measures the in
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import sys
@@ -52,8 +53,8 @@ def _pack_step_shape(balancer, shape: dict, data: Path) -> dict:
 
     try:
         from balancer.planning.packing import pack_step
-    except ImportError:  # commits before the packing package
-        from balancer.planning.binpack import pack_step
+    except ImportError:  # commits before the packing package had it in planning.binpack (named, not imported here)
+        pack_step = importlib.import_module("balancer.planning.binpack").pack_step
 
     lengths = np.load(data / f"{shape['data']}.npy")
     topo, cost = _topology(balancer, shape["topology"]), _cost(balancer, shape["cost"])
