@@ -13,7 +13,9 @@ Query ranges of one call never overlap; rows no piece covers get ``out = 0`` and
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -98,7 +100,7 @@ class Pieces:
             total += int((np.minimum(kl - 1, i - lo) - np.maximum(0, i - hi) + 1).clip(0).sum())
         return total
 
-    def groups(self):
+    def groups(self) -> Iterator[tuple[int, int, bool, np.ndarray]]:
         """Yield ``(q_len, k_len, causal, selector)`` for each group of same-shape full or causal pieces."""
         if len(self) == 0:
             return
@@ -112,7 +114,7 @@ class Pieces:
             sel = order[bounds[g] : bounds[g + 1]]
             yield int(self.q_len[sel[0]]), int(self.k_len[sel[0]]), bool(self.causal[sel[0]]), sel
 
-    def device_cached(self, key, build):
+    def device_cached(self, key: Hashable, build: Callable[[], Any]) -> Any:
         """``build()`` once per ``key`` (e.g. index tensors per device): pieces of a layout are cached by the
         layout, so their device-side tensors are made once, not copied host-to-device on every call."""
         cache = self._device_cache

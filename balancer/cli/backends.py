@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 
-def register(sub) -> None:
+def register(sub: Any) -> None:
     p = sub.add_parser("backends", help="attention kernels installed, chosen, and why",
                        description=__doc__)  # fmt: skip
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: CUDA device 0 if any, else cpu)")

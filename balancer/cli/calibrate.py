@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from balancer.calibration.run import DEFAULTS
 from balancer.cli.flags import count, limits
@@ -44,7 +45,7 @@ def _config(args) -> dict | None:
     return config
 
 
-def cmd_calibrate(args) -> int:
+def cmd_calibrate(args: argparse.Namespace) -> int:
     from balancer.calibration.run import calibrate
 
     check_output_file(args.output, [args.model_config], "-o")
@@ -99,7 +100,7 @@ def format_report(cost: CostModel, report: dict) -> str:
     return "\n".join(lines)
 
 
-def register(sub) -> None:
+def register(sub: Any) -> None:
     p = sub.add_parser(
         "calibrate",
         help="time a model on packed micro-batches and fit the cost model (-o cost.json)",

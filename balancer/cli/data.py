@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Any
 
 from balancer.cli.flags import count, limits, os_error_line, python_to_flags
 from balancer.cli.options import add_topology_args, cost_from_args, topology_from_args
@@ -203,7 +204,7 @@ def pack_balance_report(manifest: dict) -> str:
     return f"balance of the packed rows (manifest.json: epochs[].metrics)\n{metrics_table(epochs, timed=False)}"
 
 
-def register(subparsers) -> None:
+def register(subparsers: Any) -> None:
     """Add `pretokenize`, `verify`, `merge` and `pack` to an argparse subparsers object."""
     _register_pretokenize(subparsers)
     _register_verify_and_merge(subparsers)

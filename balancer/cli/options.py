@@ -53,7 +53,7 @@ def flag_file(flag: str, path: str, read):
         raise ValueError(f"{flag} {describe_os_error(e)}") from None
 
 
-def cost_from_args(args) -> CostModel:
+def cost_from_args(args: argparse.Namespace) -> CostModel:
     """The cost model the flags ask for (conflicting flags were refused by `flags.check_conflicts`): `--cost`, or
     `--model` / `--model-config` (with `--fixed`, `--window`, `--non-causal` applied), or the coefficients."""
     if getattr(args, "cost", None):
@@ -80,7 +80,7 @@ def cost_from_args(args) -> CostModel:
     )
 
 
-def cost_source(args, cost: CostModel) -> str:
+def cost_source(args: argparse.Namespace, cost: CostModel) -> str:
     """One line: which cost model a command uses and where it comes from."""
     if getattr(args, "cost", None):
         where = f"--cost {args.cost}"
@@ -113,7 +113,7 @@ def parse_cp_sizes(text: str | None) -> tuple[int, ...] | None:
     return sizes
 
 
-def topology_from_args(args, lengths: np.ndarray) -> Topology:
+def topology_from_args(args: argparse.Namespace, lengths: np.ndarray) -> Topology:
     check_counts(args)
     max_tokens = args.max_tokens
     cp_sizes = parse_cp_sizes(getattr(args, "cp_sizes", None))
@@ -213,7 +213,7 @@ def add_topology_args(p: argparse.ArgumentParser, dp: int = 8, micro_batches: in
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar (there is none without a terminal)")
 
 
-def check_outputs(args, outputs: dict[str, str | Path | None]) -> None:
+def check_outputs(args: argparse.Namespace, outputs: dict[str, str | Path | None]) -> None:
     """Before any work: every output (`flag -> path`) may be written: not an input (LENGTHS, --cost,
     --model-config), not inside an input folder or a balancer data folder, not the same file as another output;
     `--plot` has matplotlib and a picture suffix."""
@@ -232,5 +232,5 @@ def check_outputs(args, outputs: dict[str, str | Path | None]) -> None:
         check_plot_path(str(plot))
 
 
-def show_progress(args) -> bool:
+def show_progress(args: argparse.Namespace) -> bool:
     return not getattr(args, "quiet", False) and sys.stderr.isatty()

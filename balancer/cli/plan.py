@@ -3,9 +3,11 @@ beside token-count packing."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +27,9 @@ from balancer.planning.cost.model import CostModel
 from balancer.planning.planner import plan as make_plan
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES
+
+if TYPE_CHECKING:
+    from balancer.planning.plans.plan import Plan
 
 
 def default_plan_path(source: str, topo: Topology) -> Path:
@@ -87,7 +92,7 @@ def _plan_or_window(lengths: np.ndarray, topo: Topology, cost: CostModel, args):
         raise ValueError(str(e).replace("window_docs", "--window-docs")) from None
 
 
-def short_step_line(plan) -> str:
+def short_step_line(plan: Plan) -> str:
     """The line `plan` and `pack` print for a plan whose last step runs M' < micro_batches micro-batches."""
     t = plan.topology
     fillers = (
@@ -101,7 +106,7 @@ def short_step_line(plan) -> str:
     )
 
 
-def cmd_plan(args) -> int:
+def cmd_plan(args: argparse.Namespace) -> int:
     if args.epoch is not None and args.window_docs is None:  # a whole-epoch plan has one order: its --seed
         raise ValueError(
             f"--epoch {args.epoch} picks the shuffle of one window of that epoch: pass --window-docs and "
@@ -147,7 +152,7 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def cmd_demo(args) -> int:
+def cmd_demo(args: argparse.Namespace) -> int:
     from balancer.data.traces import load_trace
 
     check_counts(args)
@@ -194,7 +199,7 @@ def rows_note(source: str) -> str | None:
     )
 
 
-def cmd_stats(args) -> int:
+def cmd_stats(args: argparse.Namespace) -> int:
     check_counts(args)
     check_outputs(args, {"--plot": args.plot})
     lengths = read_lengths(args.lengths)
@@ -216,7 +221,7 @@ def cmd_stats(args) -> int:
     return 0
 
 
-def register(sub) -> None:
+def register(sub: Any) -> None:
     """Add `demo`, `plan` and `stats` to an argparse subparsers object."""
     _register_demo(sub)
     _register_plan(sub)

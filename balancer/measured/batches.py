@@ -24,6 +24,7 @@ where the windows (batches) are; its `WindowSchedule` (`schedule`) keeps the fit
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Optional
 
 from balancer.planning.cost.model import CostModel
@@ -126,7 +127,9 @@ class BatchSteps:
         """Batches are not known ahead: a fit for batch `window` plans from it."""
         return epoch, window
 
-    def update_model(self, cost: CostModel, rank_speeds, first_window: int, *, epoch: int = 0) -> None:
+    def update_model(
+        self, cost: CostModel, rank_speeds: Optional[Sequence[float]], first_window: int, *, epoch: int = 0
+    ) -> None:
         """A fit for batches `first_window`..: `next_model()` plans with it; a batch already added keeps its plan
         (a RuntimeError when `first_window` is one)."""
         if first_window < self._batches:

@@ -10,12 +10,14 @@ import os
 import numpy as np
 
 
-def plot_report(report, path: str | os.PathLike) -> str:
+def plot_report(report: dict | str | os.PathLike, path: str | os.PathLike) -> str:
     """Draw `report` (a dict, or the path of a JSON file holding one) to the PNG `path`; returns the path."""
     if isinstance(report, (str, os.PathLike)):
         with open(report, encoding="utf-8") as f:
             report = json.load(f)
-    series = report.get("series") if isinstance(report, dict) else None
+    if not isinstance(report, dict):
+        raise ValueError(f"plot_report: the report is a {type(report).__name__}, not a dict of measured steps")
+    series = report.get("series")
     if not series or not series.get("measured"):
         raise ValueError("plot_report: the report has no measured steps (series.measured is empty)")
     try:

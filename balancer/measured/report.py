@@ -16,11 +16,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
 from balancer.measured.refit import OUTLIER_RULE, outlier_mask, predict, relative_errors, sample_speeds
 from balancer.planning.speeds import token_bound
+
+if TYPE_CHECKING:
+    from balancer.measured.monitor import BalanceMonitor
+    from balancer.planning.topology import Topology
 
 MAX_LISTED = 20  # outliers listed one by one in the report (all are counted)
 MAX_SERIES = 2000  # steps of per-replica series kept for the picture
@@ -48,7 +54,7 @@ def _quantiles(e: np.ndarray) -> tuple:
     return (float(np.median(e)), float(np.quantile(e, 0.9))) if len(e) else (math.nan, math.nan)
 
 
-def build_report(monitor) -> dict:
+def build_report(monitor: BalanceMonitor) -> dict:
     led = monitor.ledger
     steps = measured_steps(led.steps)
     mb = np.array(timed_rows(led.mb), dtype=np.float64).reshape(-1, 9)
@@ -91,7 +97,9 @@ def build_report(monitor) -> dict:
     }
 
 
-def headline(monitor, meas: np.ndarray, pred: np.ndarray, ranks: np.ndarray, errors: np.ndarray) -> dict:
+def headline(
+    monitor: BalanceMonitor, meas: np.ndarray, pred: np.ndarray, ranks: np.ndarray, errors: np.ndarray
+) -> dict:
     """The report's headline figures (the ones training logs show) from the measured and predicted step times
     [steps, dp], each rank's own time [steps, world] and the micro-batches' relative errors."""
     med, p90 = _quantiles(errors)
@@ -147,7 +155,7 @@ def _fresh_errors(monitor, fitted) -> tuple:
     return _quantiles(relative_errors(seconds[keep], p[keep]))
 
 
-def sample_predictions(monitor, model, rows: list) -> np.ndarray:
+def sample_predictions(monitor: BalanceMonitor, model: Any, rows: list) -> np.ndarray:
     """Predicted seconds of the ledger's evidence rows `rows` ((serial, unit, cp, sizes, seconds, left out, group))
     under `model` (a fit in seconds): the layout's slowest rank over the unit's fitted speed, a dynamic CP group's
     slowest member's."""
@@ -167,6 +175,6 @@ def _token_bound(monitor, fitted) -> dict | None:
     return {"tokens_asked": bound[0], "tokens_held": bound[1], "tokens_per_step_with_room": bound[2]}
 
 
-def token_room(topology, speeds) -> tuple[int, int, int] | None:
+def token_room(topology: Topology, speeds: Optional[Sequence[float]]) -> tuple[int, int, int] | None:
     """`balancer.planning.speeds.token_bound` of `topology` with `speeds` (None: no speeds)."""
     return None if speeds is None else token_bound(dataclasses.replace(topology, rank_speeds=tuple(speeds)))

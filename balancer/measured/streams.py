@@ -27,6 +27,9 @@ every rank, which all read the fit at the same gather). The stream's `state_dict
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Optional
+
 from balancer.planning.cost.model import CostModel
 from balancer.planning.schedule import StepPlace
 from balancer.training.indices import Span
@@ -93,7 +96,9 @@ class StreamSteps:
             return self.stream.epoch, self.stream.next_unplanned_window
         return epoch, window
 
-    def update_model(self, cost: CostModel, rank_speeds, first_window: int, *, epoch: int) -> None:
+    def update_model(
+        self, cost: CostModel, rank_speeds: Optional[Sequence[float]], first_window: int, *, epoch: int
+    ) -> None:
         """A fit for windows `first_window`.. of pass `epoch` (the stream's): `BalancedStream.update_model`; a
         window already handed to the planning thread is a RuntimeError (every rank alike: the stream plans ahead at
         the same micro-batch)."""

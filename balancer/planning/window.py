@@ -62,7 +62,7 @@ def _check_int(value, name: str, minimum: int) -> int:
     return int(value)
 
 
-def check_window_docs(window_docs, topology: Topology | None = None, num_docs: int | None = None) -> int:
+def check_window_docs(window_docs: object, topology: Topology | None = None, num_docs: int | None = None) -> int:
     """`window_docs` as an int, or one error naming the argument: an integer, at least the micro-batches of one step
     (dp * micro_batches; with dynamic CP those of the smallest size) so that a window can fill a step and, given
     `num_docs`, a size whose last window can fill one too (the rest of an epoch under a quarter window joins the
@@ -104,7 +104,7 @@ def default_window_docs(num_docs: int, total_tokens: int, topology: Topology) ->
 
 
 def plan_window(
-    lengths,
+    lengths: np.ndarray,
     topology: Topology,
     cost: CostModel,
     *,
@@ -212,13 +212,13 @@ def _step_count(stats: tuple, topology: Topology) -> int:
     return steps
 
 
-def window_step_count(lengths, topology: Topology, overflow: str = "error") -> int:
+def window_step_count(lengths: np.ndarray, topology: Topology, overflow: str = "error") -> int:
     """The steps a window of documents `lengths` is planned into (`plan_window`, the sampler): from the documents
     and the token budget alone, never the cost model or rank speeds (`fixed_step_count`)."""
     return window_cut(lengths, topology, overflow)[0]
 
 
-def window_cut(lengths, topology: Topology, overflow: str = "error") -> tuple[int, int]:
+def window_cut(lengths: np.ndarray, topology: Topology, overflow: str = "error") -> tuple[int, int]:
     """(`window_step_count`, micro-batches of the window's last step: M, or M' < M when its fixed-length rows
     cannot fill it; `step_cut`)."""
     lengths = validate_lengths(lengths)
@@ -228,7 +228,7 @@ def window_cut(lengths, topology: Topology, overflow: str = "error") -> tuple[in
 
 
 def window_step_counts(
-    lengths,
+    lengths: np.ndarray,
     topology: Topology,
     *,
     seed: int,
@@ -315,7 +315,7 @@ def _sums(win: np.ndarray, values: np.ndarray, k: int) -> np.ndarray:
     return np.rint(np.bincount(win, weights=values, minlength=k)).astype(np.int64)
 
 
-def plan_steps_bound(lengths, topology: Topology, cost: CostModel, overflow: str = "error") -> int:
+def plan_steps_bound(lengths: np.ndarray, topology: Topology, cost: CostModel, overflow: str = "error") -> int:
     """An upper bound on the steps of `plan(lengths, topology, cost, overflow=overflow)`, without packing (O(n)).
 
     The planner cuts an epoch into `len(step_token_targets(...))` steps (`equal_row_steps` when every unit has the
@@ -355,7 +355,7 @@ def plan_steps_bound(lengths, topology: Topology, cost: CostModel, overflow: str
     return 1 + max(len(step_token_targets(total, max(1, x), cap, tps, floor)) for x in candidates)
 
 
-def globalise(local: Plan, ids: np.ndarray, lengths, window: WindowInfo | None = None) -> Plan:
+def globalise(local: Plan, ids: np.ndarray, lengths: np.ndarray, window: WindowInfo | None = None) -> Plan:
     """A plan over documents `ids` (local ids 0..len(ids)-1) as a plan with global ids over all of `lengths`."""
     groups = local.group_arrays if local.dynamic else None
     return Plan(

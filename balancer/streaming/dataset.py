@@ -16,6 +16,7 @@ already shared, the same on every rank.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Optional
 
@@ -103,7 +104,9 @@ class BalancedStream(torch.utils.data.IterableDataset):
         return state
 
     # ---- models ---------------------------------------------------------------------------------------------
-    def update_model(self, cost: CostModel, rank_speeds=None, first_window: int = 0) -> None:
+    def update_model(
+        self, cost: CostModel, rank_speeds: Optional[Sequence[float]] = None, first_window: int = 0
+    ) -> None:
         """Plan windows `first_window`.. with `cost` (and `rank_speeds`, one positive float per DP replica, where
         the Topology supports them). Call it on every rank at the same micro-batch; `first_window` must not have
         been handed to the planning thread yet (`next_unplanned_window`). The windows' step counts do not depend

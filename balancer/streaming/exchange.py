@@ -15,8 +15,15 @@ The bytes sent to other processes are counted and returned.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch is imported inside the functions
+    import torch.distributed as dist
+
+    from balancer.planning.topology import Topology
 
 MESSAGE_BYTES = 1024
 _HEADER = 1  # the status word
@@ -32,7 +39,13 @@ def record_size(streams: int, docs: int) -> int:
     return _HEADER + _PER_STREAM * streams + 2 * docs + MESSAGE_BYTES // 8
 
 
-def encode_record(size: int, per_stream: np.ndarray, lengths, losses, error: str | None) -> np.ndarray:
+def encode_record(
+    size: int,
+    per_stream: np.ndarray,
+    lengths: Sequence[int] | np.ndarray,
+    losses: Sequence[int] | np.ndarray,
+    error: str | None,
+) -> np.ndarray:
     """One rank's record (module docstring): `per_stream` [k, 3] (documents given, finished, documents held),
     then the given documents' lengths and loss-token counts; zero-padded to `size` words."""
     out = np.zeros(size, dtype=np.int64)
@@ -50,7 +63,7 @@ def encode_record(size: int, per_stream: np.ndarray, lengths, losses, error: str
     return out
 
 
-def decode_record(rec: np.ndarray, streams: int):
+def decode_record(rec: np.ndarray, streams: int) -> tuple:
     """(error text or None, per_stream [k, 3], lengths, losses) of a record for `streams` streams."""
     if rec[0]:
         raw = rec[len(rec) - MESSAGE_BYTES // 8 :].view(np.uint8).tobytes().rstrip(b"\0")
@@ -61,7 +74,7 @@ def decode_record(rec: np.ndarray, streams: int):
     return None, per, rec[body : body + n].copy(), rec[body + n : body + 2 * n].copy()
 
 
-def all_gather_records(record: np.ndarray, group, world: int) -> list[np.ndarray]:
+def all_gather_records(record: np.ndarray, group: Optional[dist.ProcessGroup], world: int) -> list[np.ndarray]:
     """Every rank's record (same size on every rank) in rank order: one all_gather."""
     import torch
     import torch.distributed as dist
@@ -74,7 +87,7 @@ def all_gather_records(record: np.ndarray, group, world: int) -> list[np.ndarray
     return [t.numpy() for t in out]
 
 
-def exchange_rows(outgoing: list[list], group, world: int, rank: int) -> tuple[list, int]:
+def exchange_rows(outgoing: list[list], group: Optional[dist.ProcessGroup], world: int, rank: int) -> tuple[list, int]:
     """`outgoing[dest]`: the (key, row) pairs for process `dest`. Returns (the pairs this process receives, from
     every source rank in rank order, and the bytes it sent to other processes)."""
     if world == 1:
@@ -100,7 +113,7 @@ def exchange_rows(outgoing: list[list], group, world: int, rank: int) -> tuple[l
     return got, int(send_sizes.sum())
 
 
-def stream_group(group) -> tuple:
+def stream_group(group: Optional[dist.ProcessGroup]) -> tuple:
     """(the stream's own gloo group, its size, this process's rank in it); (None, 1, 0) without torch.distributed.
     Creating the group is collective over the default group (torch.distributed.new_group)."""
     import torch.distributed as dist
@@ -116,7 +129,7 @@ def stream_group(group) -> tuple:
     return own, dist.get_world_size(own), dist.get_rank(own)
 
 
-def pool_rank(topology, world: int, grank: int, dp_rank, rank) -> int:
+def pool_rank(topology: Topology, world: int, grank: int, dp_rank: Optional[int], rank: Optional[int]) -> int:
     """This process's pool rank from its place in the group (module docstring of BalancedStream), checked against
     `dp_rank` / `rank` when given."""
     if grank < 0:

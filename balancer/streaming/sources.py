@@ -175,7 +175,7 @@ class FolderSource(Source):
             yield {"input_ids": np.array(ds.token_ids(i), dtype=np.int64), "doc_id": int(ds.doc_ids[i])}
 
 
-def open_source(source) -> Source:
+def open_source(source: object) -> Source:
     """The `Source` of what `BalancedStream` was given (module docstring); one TypeError for anything else."""
     try:
         import datasets

@@ -23,8 +23,13 @@ again and skips them) and re-plans it, so the continuation equals the uninterrup
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from balancer.planning.schedule import MODEL_CHANGE, SEED, SEGMENT, parse_segments
 from balancer.planning.units import OVERFLOW_POLICIES
+
+if TYPE_CHECKING:
+    from balancer.streaming.dataset import BalancedStream
 from balancer.strict_json import (
     FORMAT_KEYS,
     FormatSpec,
@@ -62,7 +67,7 @@ _STATE = obj(
 )
 
 
-def check_state(state) -> dict:
+def check_state(state: object) -> dict:
     """Validate every field of a stream state; returns a copy with the segments' topologies and cost models parsed
     (the models' are read by `WindowSchedule.load_changes`). Raises one ValueError naming the field."""
     if not isinstance(state, dict):
@@ -91,7 +96,7 @@ def check_state(state) -> dict:
     return out
 
 
-def check_match(state: dict, stream) -> None:
+def check_match(state: dict, stream: BalancedStream) -> None:
     """One ValueError naming the first field in which `state` (checked) and `stream` differ."""
     for key, mine in (
         ("seed", stream.seed),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import Optional
 
 from transformers import TrainerCallback
 
@@ -113,7 +114,7 @@ class MeasuredBalanceMixin(TrainerHost):
         return super().log(logs, *args, **kwargs)
 
 
-def blind_spots(mode: str, micro_batches: int, processes: int, windows) -> list[str]:
+def blind_spots(mode: str, micro_batches: int, processes: int, windows: Optional[int]) -> list[str]:
     """The warnings (one line each) of a monitor that cannot measure or cannot adapt: every micro-batch synced
     (`micro_batches` = gradient_accumulation_steps 1 on several `processes`), or adapt on an epoch of one window."""
     out = []

@@ -44,6 +44,7 @@ fixed from its documents and the token budget (`window_step_counts`: one pass ov
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 import numpy as np
@@ -187,7 +188,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         return self.windows.segment(self._cursor[0])
 
     @property
-    def plan(self):
+    def plan(self) -> Optional[Plan]:
         """The `balancer.Plan` of the window this rank is in (the last one once the epoch is done; None if nothing is
         left), document ids global. With several windows it places only that window's documents (`plan_window`)."""
         seg = self.windows.segment(min(self._cursor[0], self.windows.count - 1))
@@ -405,7 +406,9 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
             epoch, window = epoch + 1, window - count
         return (self.epoch + 1, 0) if epoch < self.epoch else (epoch, window)
 
-    def update_model(self, cost: CostModel, rank_speeds, first_window: int, *, epoch: int) -> None:
+    def update_model(
+        self, cost: CostModel, rank_speeds: Optional[Sequence[float]], first_window: int, *, epoch: int
+    ) -> None:
         """Plan the windows from (`epoch`, `first_window`) on with `cost` and `rank_speeds` (adapt mode's refit); a
         window of the current epoch that this rank already started is a RuntimeError (the sampler is ahead of the
         training loop by more than a window)."""

@@ -53,7 +53,7 @@ def state_digest(state: dict) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
-def check_state(state) -> dict:
+def check_state(state: object) -> dict:
     """Validate every field of a sampler state (types, ranges, segment records); returns a copy with topologies and
     cost models parsed and, for a version-1 state, `window_docs` None (the whole epoch) and `window` 0. Raises one
     ValueError naming the field."""

@@ -18,9 +18,10 @@ whose count is known and whose new plan would change it is an error (nothing is 
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -32,6 +33,9 @@ from balancer.planning.topology import Topology
 from balancer.planning.window import window_cut, window_seed, window_step_count, window_step_counts
 from balancer.training import lengths as training_lengths
 from balancer.training.indices import CPGroup
+
+if TYPE_CHECKING:
+    from balancer.planning.plans.plan import Plan
 
 KEEP_WINDOWS = 2  # planned windows kept in memory: the current one and the next
 
@@ -104,7 +108,7 @@ class Segment:
         start = int(group_start[k])
         return CPGroup(start, int(group_size[k]), rank - start)
 
-    def placements(self, k: int):
+    def placements(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         a, b = self.mb_ptr[k], self.mb_ptr[k + 1]
         return self.doc[a:b], self.start[a:b], self.end[a:b]
 
@@ -203,7 +207,7 @@ class EpochWindows:
         """(topology, cost model) window `w` is planned with (the schedule's for this epoch)."""
         return self.schedule.model(self.epoch, w)
 
-    def update_model(self, cost: CostModel, rank_speeds, first_window: int) -> None:
+    def update_model(self, cost: CostModel, rank_speeds: Optional[Sequence[float]], first_window: int) -> None:
         """Plan windows `first_window`.. with `cost` and `rank_speeds` (a tuple for `Topology(rank_speeds=...)`;
         None: the epoch topology's own): `WindowSchedule.update` for this epoch. Those windows' plans already made
         (kept or planned ahead) are dropped and made again on demand; the caller makes sure no micro-batch of them
@@ -379,7 +383,7 @@ class EpochWindows:
         return self.count, step - first
 
 
-def piece_sizes(arrays, k: int, rank: int, dynamic: bool) -> tuple[np.ndarray, tuple[int, int] | None]:
+def piece_sizes(arrays: Segment | Plan, k: int, rank: int, dynamic: bool) -> tuple[np.ndarray, tuple[int, int] | None]:
     """Token counts of micro-batch `k`'s pieces in `arrays` (a Segment or a Plan: `mb_ptr`, `start`, `end`,
     `group_start`, `group_size`; a filler row copies a whole row: its row's tokens) and, in a dynamic plan, the
     (start, size) of its CP group as `rank` sees it ((rank, 1) when it holds nothing); None in a static plan."""
@@ -387,4 +391,5 @@ def piece_sizes(arrays, k: int, rank: int, dynamic: bool) -> tuple[np.ndarray, t
     sizes = (arrays.end[a:b] - arrays.start[a:b]).astype(np.int64)
     if not dynamic:
         return sizes, None
-    return sizes, ((int(arrays.group_start[k]), int(arrays.group_size[k])) if b > a else (rank, 1))
+    group_start, group_size, _ = arrays.group_arrays
+    return sizes, ((int(group_start[k]), int(group_size[k])) if b > a else (rank, 1))
