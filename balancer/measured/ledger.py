@@ -111,7 +111,7 @@ class Ledger:
         )
 
     @staticmethod
-    def dynamic(rows) -> bool:
+    def dynamic(rows: list) -> bool:
         """Whether any of these samples ran in a CP group of several pool ranks (dynamic CP)."""
         return any(s[6][1] > 1 for s in rows)
 

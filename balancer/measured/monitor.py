@@ -45,6 +45,7 @@ from balancer.measured.source import STEP_SOURCE_MEMBERS, StepSource
 from balancer.planning.cost.fit import TERMS
 from balancer.planning.cost.model import CostModel
 from balancer.planning.schedule import StepPlace, WindowSchedule
+from balancer.planning.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,12 @@ class BalanceMonitor:
             self._epoch, self._step, self._current = self.sampler.epoch, 0, {}
 
     def record(
-        self, seconds, step: Optional[int] = None, micro_batch: Optional[int] = None, *, synced: bool = False
+        self,
+        seconds: Any,  # float seconds, or the (start, end) CUDA events of `timer`
+        step: Optional[int] = None,
+        micro_batch: Optional[int] = None,
+        *,
+        synced: bool = False,
     ) -> None:
         """This rank's measured seconds of one micro-batch (its forward + backward); `step` / `micro_batch` default
         to the next one of the current step. `synced=True`: the time includes the gradient reduction (DDP's last
@@ -326,7 +332,7 @@ class BalanceMonitor:
         """Index in `models` of the model window `window` of `epoch` is planned with (0: the source's own)."""
         return self.schedule.index(epoch, window)
 
-    def model_for(self, epoch: int, window: int):
+    def model_for(self, epoch: int, window: int) -> tuple[Topology, CostModel]:
         """(topology, cost) window `window` of `epoch` is planned with."""
         return self.schedule.model(epoch, window)
 

@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -114,7 +116,7 @@ def sample_speeds(speeds: np.ndarray, replica: np.ndarray, group: np.ndarray | N
 
 
 def predict(
-    cost: CostModel, sizes: list | None, cp: np.ndarray | None, layout: str = "zigzag", terms=None
+    cost: CostModel, sizes: list | None, cp: np.ndarray | None, layout: str = "zigzag", terms: Optional[list] = None
 ) -> np.ndarray:
     """Predicted seconds (cost units) of each sample on a speed-1 replica: the slowest CP rank of its layout
     (`terms`: the samples' precomputed terms, for the same mask and layout)."""
@@ -208,7 +210,15 @@ def outlier_mask(seconds: np.ndarray, predicted: np.ndarray, unit: np.ndarray | 
     return np.abs(res - mid) > band
 
 
-def fit(samples: Samples, like: CostModel, dp: int, *, layout: str = "zigzag", speeds: bool = True, median_scale=True):
+def fit(
+    samples: Samples,
+    like: CostModel,
+    dp: int,
+    *,
+    layout: str = "zigzag",
+    speeds: bool = True,
+    median_scale: bool = True,
+) -> tuple:
     """(cost, speeds, outlier mask) fitted to `samples` (module docstring). `like` gives the mask (causal, window)
     and the fields that are not fitted; `speeds=False` keeps every replica at 1; `median_scale=False` leaves the
     least-squares scale (benchmarks/refit_scale.py compares the two)."""
@@ -275,7 +285,7 @@ def _fit_cost(sub: Samples, seconds: np.ndarray, like: CostModel, layout: str) -
 def refit(
     samples: Samples,
     current: CostModel,
-    current_speeds,
+    current_speeds: Optional[Sequence[float] | np.ndarray],
     dp: int,
     *,
     current_in_seconds: bool,

@@ -154,7 +154,9 @@ def _check_options(keep, micro_batches, mini_batches, equal_counts, overflow) ->
         raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
 
 
-def balance_static(lengths: np.ndarray, topology: Topology, cost: CostModel, group_of_doc: np.ndarray, options) -> Plan:
+def balance_static(
+    lengths: np.ndarray, topology: Topology, cost: CostModel, group_of_doc: np.ndarray, options: dict
+) -> Plan:
     """The plan of a static-CP topology (see the module docstring); its topology carries the chosen M."""
     cap = topology.micro_batch_tokens
     u_doc, u_start, u_end = planning_units(lengths, cap, options["overflow"], topology)

@@ -22,7 +22,7 @@ def balance_dynamic(
     topology: Topology,
     cost: CostModel,
     group_of_doc: np.ndarray,
-    options,
+    options: dict,
     static: Callable[..., Plan],
 ) -> Plan:
     """The dynamic-CP plan of a fixed batch (module docstring); `options` as batch.balance builds them;

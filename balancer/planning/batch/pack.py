@@ -5,6 +5,9 @@ rank, equal document counts), and the pipeline order of each rank's micro-batche
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Optional
+
 import numpy as np
 
 from balancer.planning.batch.large import LARGE_UNITS, balance_swaps, deal_equal_counts, lpt_timed, pack_large
@@ -13,13 +16,18 @@ from balancer.planning.packing.step import fill_empty, pack_step, place_rest
 from balancer.planning.speeds import replica_speeds, with_speeds
 from balancer.planning.topology import Topology
 
+if TYPE_CHECKING:
+    from balancer.planning.plans.plan import Plan
+
 POLISH_ROUNDS = 500  # most rounds of binpack's move/swap search per step (it stops when a round finds nothing)
 SWAP_ROUNDS = 400  # rank-level search: rounds of the best move or swap off the slowest rank
 RESTARTS = 128  # rank rules with at most RESTART_ITEMS groups per rank: random starts of the rank search ...
 RESTART_ITEMS = 8  # ... (coarse items balance unevenly from a single start; many small ones do not need it)
 
 
-def pack_items(units, u_cost, u_tok, u_group, topology: Topology) -> np.ndarray | None:
+def pack_items(
+    units: np.ndarray, u_cost: np.ndarray, u_tok: np.ndarray, u_group: np.ndarray, topology: Topology
+) -> np.ndarray | None:
     """Micro-batch (replica * M + m) of each unit of one step, packed straight into the `dp * M` micro-batches, a
     group's units merged into one item (`keep="micro_batch"`; without groups every unit is its own group); None
     when the step does not fit `topology`."""
@@ -31,7 +39,9 @@ def pack_items(units, u_cost, u_tok, u_group, topology: Topology) -> np.ndarray 
     return None if bins is None else bins[item_of]
 
 
-def pack_ranks(rank_units: list, u_cost, u_tok, u_group, topology: Topology, keep: str) -> np.ndarray | None:
+def pack_ranks(
+    rank_units: list, u_cost: np.ndarray, u_tok: np.ndarray, u_group: np.ndarray, topology: Topology, keep: str
+) -> np.ndarray | None:
     """Micro-batch of each unit of one step whose units are already on their DP ranks (`rank_units[r]`), for the
     units concatenated in rank order: each rank's documents (`keep="rank"`) or merged groups (`"micro_batch"`)
     packed into its M micro-batches. None when a rank does not fit."""
@@ -74,7 +84,12 @@ def pack_complete(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> n
 
 
 def assign_replicas(
-    cost: np.ndarray, tokens: np.ndarray, count: np.ndarray, topology: Topology, equal_counts: bool, fill=None
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    count: np.ndarray,
+    topology: Topology,
+    equal_counts: bool,
+    fill: Optional[np.ndarray] = None,
 ) -> np.ndarray | None:
     """DP rank of every item (a group, or a unit without groups) so that the ranks' work is even, each rank within
     `M * max_tokens * cp` tokens and holding at least M of what fills micro-batches (`fill` per item: its documents
@@ -126,7 +141,17 @@ def _fill_ranks(rep, cost, tokens, fill, dp: int, m: int, rank_cap: int) -> bool
         rep[i] = r
 
 
-def restart_ranks(rep, cost, tokens, count, fill, heaviest, k: int, topology: Topology, options) -> np.ndarray:
+def restart_ranks(
+    rep: np.ndarray,
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    count: np.ndarray,
+    fill: Optional[np.ndarray],
+    heaviest: np.ndarray,
+    k: int,
+    topology: Topology,
+    options: dict,
+) -> np.ndarray:
     """Rank rules with few groups per rank: the joint (step, rank) assignment `rep` (k * dp bins) against
     RESTARTS random starts, each improved by the same move/swap search; kept is the one whose worst step, then
     summed steps, is closest to its bound (`step_ratios`). Deterministic for `options["seed"]`."""
@@ -314,7 +339,7 @@ def order_for_pipeline(costs: np.ndarray) -> np.ndarray:
     return out
 
 
-def simulate_1f1b(times, stages: int, backward_share: float = 2 / 3) -> float:
+def simulate_1f1b(times: Sequence[float] | np.ndarray, stages: int, backward_share: float = 2 / 3) -> float:
     """Makespan of one replica's 1F1B schedule: micro-batch m takes `times[m]` on every stage (forward
     `(1 - backward_share)` of it, backward the rest), in the given order. Equal times give section 3's
     `(P - 1) * t + M * t`; unequal ones depend on the order (what `order_for_pipeline` shortens)."""
@@ -353,7 +378,7 @@ def simulate_1f1b(times, stages: int, backward_share: float = 2 / 3) -> float:
     return max(clock)
 
 
-def pipeline_times(plan, backward_share: float = 2 / 3) -> np.ndarray:
+def pipeline_times(plan: Plan, backward_share: float = 2 / 3) -> np.ndarray:
     """[steps] simulated 1F1B step times of a static plan, micro-batches in the plan's order (per CP rank; with
     pp = 1 exactly `Plan.step_times`)."""
     if plan.dynamic:

@@ -259,7 +259,9 @@ def _pack_step_time(s: int, cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarra
     return step_time(pack_step(cost[units], tokens[units], topology), cost[units], topology)
 
 
-def pack_light_steps(flat, ptr, u_cost, u_tok, attn_heavy, topology: Topology) -> np.ndarray:
+def pack_light_steps(
+    flat: np.ndarray, ptr: np.ndarray, u_cost: np.ndarray, u_tok: np.ndarray, attn_heavy: np.ndarray, topology: Topology
+) -> np.ndarray:
     """The batched packing (`pack_steps`) of the steps without attention-heavy units (units `flat`, step s being
     `ptr[s]:ptr[s + 1]`); -1 for the units of the other steps, which need `pack_step`'s water-filling (a heavy
     unit costs more per token than the rest, so balancing its step takes the token room into account), and of
