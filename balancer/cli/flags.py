@@ -14,7 +14,8 @@ import argparse
 import math
 import re
 import sys
-from typing import Optional
+from collections.abc import Callable
+from typing import NoReturn, Optional
 
 from balancer.limits import (
     MAX_COEFFICIENT,
@@ -32,7 +33,7 @@ from balancer.limits import (
 class OneLineParser(argparse.ArgumentParser):
     """argparse with one-line errors (`balancer plan: error: argument --dp: ...`), exit code 2."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -61,7 +62,7 @@ def check_counts(args: argparse.Namespace, limits: dict = COUNT_LIMITS) -> None:
             raise ValueError(range_error(flag, value, lo, hi))
 
 
-def count(lo: int, hi: Optional[int]):
+def count(lo: int, hi: Optional[int]) -> Callable[[str], int]:
     """argparse type: an integer in [lo, hi] (also refuses 99999999999999999999 before any work); for the flags
     of one command only (the shared planning flags are checked by `check_counts`). `hi` None: only `lo` here, the
     command checks the maximum itself (the data commands, whose API names the argument)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ def read_lengths(source: str) -> np.ndarray:
     return validate_lengths(read_any_lengths(source), name=str(source))
 
 
-def flag_file(flag: str, path: str, read):
+def flag_file(flag: str, path: str, read: Callable[[str], Any]) -> Any:
     """`read(path)` for the file a flag names; a missing or unreadable file is a ValueError naming the flag."""
     try:
         return read(path)

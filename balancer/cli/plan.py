@@ -45,7 +45,7 @@ def default_plan_path(source: str, topo: Topology) -> Path:
     return src.parent / f"{stem}.{tag}"
 
 
-def baseline_plan(ours, topo: Topology, cost: CostModel, seed: int):
+def baseline_plan(ours: Plan, topo: Topology, cost: CostModel, seed: int) -> Plan:
     """Token-count packing of the same planning units as `ours` (with --overflow split/truncate: the same windows /
     truncated documents), so the two columns compare the same tokens."""
     return token_count_plan(ours.end - ours.start, topo, cost, seed=seed)

@@ -31,6 +31,7 @@ import dataclasses
 import datetime
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import numpy as np
@@ -158,7 +159,7 @@ class BalanceMonitor:
         self.cpu_seconds += time.thread_time() - c0
 
     @contextlib.contextmanager
-    def timer(self, synced: bool = False):
+    def timer(self, synced: bool = False) -> Iterator[None]:
         """Time the block as the next micro-batch (CUDA events when timing on CUDA, else `time.perf_counter`);
         `synced` as for `record`."""
         if self.cuda:

@@ -15,14 +15,18 @@ import datetime
 import hashlib
 import json
 from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from balancer.measured.monitor import BalanceMonitor
+
 _DIGEST_BITS = 48  # below float64's 53-bit mantissa: a digest travels exactly
 
 
-def plan_settings(monitor, first_plan) -> dict[str, str]:
+def plan_settings(monitor: BalanceMonitor, first_plan: Any) -> dict[str, str]:
     """The settings that shape plans, as text (name -> value), this rank's; `first_plan` is the first closed step's
     plan (window, last step of it?, piece sizes, CP groups) as the source gives it."""
     source, t = monitor.sampler, monitor.topology
@@ -48,7 +52,7 @@ def _digest(text: str) -> float:
     return float(int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> (64 - _DIGEST_BITS))
 
 
-def check_settings_agree(settings: dict[str, str], group, world: int, timeout: float) -> None:
+def check_settings_agree(settings: dict[str, str], group: Any, world: int, timeout: float) -> None:
     """All-gather the digests of `settings` over `group` (every rank, collective; nothing with one process) and
     raise a ValueError naming the first setting the ranks disagree on, and which ranks hold which value."""
     if world <= 1:

@@ -17,6 +17,7 @@ A resumed window reads exactly the counts its state recorded.
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,7 +70,7 @@ class Reader:
         state[2] += n
         return rows
 
-    def close_except(self, specs) -> None:
+    def close_except(self, specs: Iterable) -> None:
         keep = set(specs)
         for spec in list(self._open):
             if spec not in keep:

@@ -20,7 +20,9 @@ import logging
 import queue
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ class Worker:
         self._thread = threading.Thread(target=self._run, name="balancer-stream", daemon=True)
         self._thread.start()
 
-    def submit(self, fn, *args) -> Future:
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         if self._stopping:
             raise StreamClosed("the BalancedStream is closed: build a new one to read the stream again")
         fut: Future = Future()
@@ -150,7 +152,7 @@ class Teardown:
         self.group = None
 
 
-def release_group(group) -> None:
+def release_group(group: Any) -> None:
     """Destroy the stream's own gloo group where torch.distributed still holds it (a no-op after the user's
     `destroy_process_group()`, which destroyed every group)."""
     if group is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -22,6 +22,10 @@ from balancer.streaming.exchange import all_gather_records, exchange_rows
 from balancer.streaming.reading import Reader, compose
 from balancer.streaming.sources import StreamSpec, assign, split_streams
 from balancer.training.segments import Segment, plan_units
+
+if TYPE_CHECKING:
+    from balancer.planning.cost.model import CostModel
+    from balancer.planning.topology import Topology
 
 _NOT_WINDOWED = 0  # window_seed's "windows" argument: never the whole-epoch branch (a stream's length is unknown)
 
@@ -79,7 +83,9 @@ class Window:
         return len(self.lengths)
 
 
-def replan_units(lengths: np.ndarray, topology, cost, seed: int, overflow: str, history: list) -> Segment:
+def replan_units(
+    lengths: np.ndarray, topology: Topology, cost: CostModel, seed: int, overflow: str, history: list
+) -> Segment:
     """The window's segment: planned fresh, or (after an elastic resume) the units its `history` segments left,
     re-planned for `topology` and `cost` (the sampler's rule: balancer.training.segments)."""
     if not history:

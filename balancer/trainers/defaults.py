@@ -19,16 +19,21 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from balancer.planning.topology import Topology
 
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
+
 logger = logging.getLogger(__name__)
 
 
-def default_topology(args, lengths, max_length: Optional[int] = None, eval_longest: int = 0) -> Topology:
+def default_topology(
+    args: TrainingArguments, lengths: np.ndarray, max_length: Optional[int] = None, eval_longest: int = 0
+) -> Topology:
     """The `Topology` of the module docstring from `args` (`TrainingArguments` / `SFTConfig`) and the training
     data's document `lengths`; `max_length`: the length `L` (None: the longest document of the training data and,
     `eval_longest`, of the eval data, so that every eval document fits too). Logged once."""
