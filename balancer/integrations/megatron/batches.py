@@ -107,11 +107,11 @@ def _int32(x) -> torch.Tensor:
 
 def megatron_batch(
     items: Sequence[Any],
-    tokens,
+    tokens: Any,
     *,
     cp_rank: int = 0,
     cp_size: int = 1,
-    layout="zigzag",
+    layout: str | dict = "zigzag",
     pad_token_id: int = 0,
 ) -> dict:
     """This CP rank's share of one micro-batch in Megatron's packed-sequence contract (module docstring).
@@ -154,7 +154,7 @@ def megatron_batch(
     return out
 
 
-def packed_seq_params(batch: dict, *, cp_group: Optional[Any] = None):
+def packed_seq_params(batch: dict, *, cp_group: Optional[Any] = None) -> Any:
     """A ``megatron.core.packed_seq_params.PackedSeqParams`` (qkv_format ``"thd"``) for a `megatron_batch` dict:
     ``cu_seqlens_q/kv`` (real documents), ``cu_seqlens_q/kv_padded``, ``max_seqlen_q/kv`` (the longest padded
     document), and for a dynamic-CP micro-batch ``local_cp_size`` and ``cp_group`` (pass the micro-batch's process

@@ -18,7 +18,7 @@ type, GQA, the config's sliding window; attention dropout and non-vanilla softma
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -88,7 +88,14 @@ class CPCoreAttention(MegatronModule):
         return group
 
     def forward(
-        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Any = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Any = None,
     ) -> torch.Tensor:
         """THD ``[t, h, d]`` -> ``[t, h*d]``; sbhd ``[s, b, h, d]`` -> ``[s, b, h*d]``."""
         if attention_bias is not None:
@@ -130,7 +137,7 @@ def _zigzag(cu_seqlens: tuple, cp_size: int) -> CPLayout:
     return hit[1]
 
 
-def thd_layout(packed_seq_params, cp_size: int) -> CPLayout:
+def thd_layout(packed_seq_params: Any, cp_size: int) -> CPLayout:
     """The `CPLayout` of a THD micro-batch: the one `packed_seq_params` carries, else Megatron's per-document zigzag
     over ``cu_seqlens_q_padded`` (or ``cu_seqlens_q``); its CP size must be the group's."""
     layout = getattr(packed_seq_params, "cp_layout", None)

@@ -24,7 +24,7 @@ from attention.layout import CPLayout
 LAYOUTS = ("zigzag", "sequence", "hybrid")
 
 
-def check_layout(layout) -> dict:
+def check_layout(layout: str | dict) -> dict:
     """The layout as a spec dict ``{"kind": ...}`` (a hybrid spec may carry the hybrid options of
     `CPLayout.build`); ValueError naming ``layout`` otherwise."""
     spec = dict(layout) if isinstance(layout, dict) else {"kind": layout}

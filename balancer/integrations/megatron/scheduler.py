@@ -19,11 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from balancer.integrations.megatron.batches import megatron_batch, packed_seq_params
 from balancer.integrations.megatron.layouts import check_layout
 from balancer.training.sampler import BalancedBatchSampler
+
+if TYPE_CHECKING:
+    from balancer.planning.topology import Topology
 
 
 @dataclass
@@ -75,7 +78,7 @@ class BalancedScheduler:
         self._open: Optional[list] = None  # [handed out, due] of the last step's iterator
 
     @property
-    def topology(self):
+    def topology(self) -> Topology:
         return self.sampler.topology
 
     def set_epoch(self, epoch: int) -> None:

@@ -39,7 +39,8 @@ import hashlib
 import json
 import logging
 import time
-from typing import Optional
+from collections.abc import Iterator
+from typing import Any, Optional
 
 import numpy as np
 
@@ -164,7 +165,7 @@ class FaultTolerantBatches:
         return int.from_bytes(hashlib.sha256(text.encode()).digest()[:6], "big")
 
     # ---- the step ---------------------------------------------------------------------------------------------
-    def next_step(self, manager) -> Optional[list]:
+    def next_step(self, manager: Any) -> Optional[list]:
         """This process's micro-batches of the next step (lists of sampler indices; [] when this group does not
         contribute); None once every step of the epoch is committed. Call after `manager.start_quorum()` on every
         process of every replica group of the quorum (it runs one `manager.allreduce`)."""
@@ -245,7 +246,7 @@ class FaultTolerantBatches:
         self._seconds += seconds
 
     @contextlib.contextmanager
-    def timer(self):
+    def timer(self) -> Iterator[None]:
         """Time the block (wall clock) as one micro-batch of this step (`record`)."""
         t0 = time.perf_counter()
         yield

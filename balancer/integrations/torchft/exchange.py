@@ -12,7 +12,7 @@ must agree), the step's loss tokens (so that a group without the data state stil
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -104,7 +104,7 @@ class Row:
         )
 
 
-def exchange(manager, row: Optional[Row], max_groups: int) -> Optional[list[Row]]:
+def exchange(manager: Any, row: Optional[Row], max_groups: int) -> Optional[list[Row]]:
     """The contributing groups' rows (sorted by slot) after one `manager.allreduce` (every group of the quorum must
     call it, contributing or not); None when torchft reports an error for this step (the step will not commit).
     `row`: this group's row (None when it has no participating rank). A participating rank at or beyond

@@ -47,7 +47,7 @@ class StepPieces:
     def tokens(self) -> int:
         return int((self.end - self.start).sum())
 
-    def item(self, i: int, a: int, b: int):
+    def item(self, i: int, a: int, b: int) -> int | Span:
         """The index the sampler yields for tokens `[a, b)` of piece `i`: the document id when it is the whole
         document, else a `Span`."""
         s, e = int(self.start[i]) + a, int(self.start[i]) + b

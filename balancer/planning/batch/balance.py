@@ -28,9 +28,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from balancer.planning.batch.dynamic import balance_dynamic
 from balancer.planning.batch.pack import (
@@ -53,11 +54,11 @@ MAX_AUTO_MICRO_BATCHES = 4096  # "auto" gives up beyond this count (each try pac
 
 
 def balance_batch(
-    lengths,
+    lengths: ArrayLike,
     topology: Topology,
     cost: CostModel,
     *,
-    groups=None,
+    groups: Optional[ArrayLike] = None,
     keep: str = "rank",
     micro_batches: int | str | None = None,
     mini_batches: int = 1,
@@ -84,7 +85,9 @@ def balance_batch(
     check_topology_and_cost(topology, cost)
     seed = check_seed(seed)  # a bool, a string or a negative seed reached numpy's generator (or was taken as 1)
     if planning_view(topology) is not topology:  # equal speeds: the even plan, recording the speeds
-        kwargs = dict(groups=groups, keep=keep, micro_batches=micro_batches, mini_batches=mini_batches, seed=seed)
+        kwargs: dict[str, Any] = dict(
+            groups=groups, keep=keep, micro_batches=micro_batches, mini_batches=mini_batches, seed=seed
+        )
         kwargs |= dict(equal_counts=equal_counts, overflow=overflow, pipeline_order=pipeline_order)
         placed = balance_batch(
             lengths, planning_view(topology), cost, micro_batch_multiple=micro_batch_multiple, **kwargs

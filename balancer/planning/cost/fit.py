@@ -13,10 +13,15 @@ costing 1/4, 1 and 4 times the compute it overlaps), and keeps the best fit.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from balancer.planning.cost.microbatch import METHODS, fit_features_batch, micro_batch_terms, stack_terms
+
+if TYPE_CHECKING:
+    from balancer.planning.cost.model import CostModel
 
 # The cost model's time terms, in the order of the fit's features (`fit_features_batch`): the one list of their
 # names (CostModel's coefficients are these and `kv_bytes_per_token`; the monitor's fits travel in this order).
@@ -54,9 +59,9 @@ def _model(cls, coef: np.ndarray, causal: bool, window, overlap: bool = True):
 
 
 def fit_cost_model(
-    cls,
-    lengths,
-    seconds,
+    cls: type[CostModel],
+    lengths: Sequence,
+    seconds: ArrayLike,
     *,
     causal: bool,
     window: int | None,
@@ -68,7 +73,7 @@ def fit_cost_model(
     method: str | Sequence[str],
     layout_options: dict,
     terms: list | None = None,
-):
+) -> CostModel:
     """See `CostModel.fit`. `terms`: the samples' `micro_batch_terms` when the caller has them already (the online
     refit fits the same samples several times)."""
     seconds = np.asarray(seconds, dtype=np.float64)

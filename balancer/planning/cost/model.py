@@ -353,7 +353,7 @@ class CostModel:
     @classmethod
     def fit(
         cls,
-        lengths: ArrayLike,
+        lengths: Sequence,
         seconds: ArrayLike,
         causal: bool = True,
         fit_fixed: bool = True,
