@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -64,7 +65,16 @@ class Ledger:
         self.samples = deque(maxlen=self.max_samples)
 
     def add_step(
-        self, info: dict, model_id: int, model: Model, sizes: list, cp, seconds, rank_seconds, synced, groups=None
+        self,
+        info: dict,
+        model_id: int,
+        model: Model,
+        sizes: list,
+        cp: int | np.ndarray,
+        seconds: np.ndarray,
+        rank_seconds: np.ndarray,
+        synced: np.ndarray,
+        groups: Optional[np.ndarray] = None,
     ) -> None:
         """One gathered step: `sizes[r][m]` the piece sizes of replica r's micro-batch m, `cp` its CP size (one
         number, or [dp, M]), `seconds` [dp, M] the slowest rank of each replica, `rank_seconds` [ranks] each rank's

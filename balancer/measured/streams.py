@@ -28,7 +28,7 @@ every rank, which all read the fit at the same gather). The stream's `state_dict
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Optional
+from typing import Any, Optional
 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.schedule import StepPlace
@@ -56,7 +56,7 @@ class StreamSteps:
         return self.stream.monitor
 
     @monitor.setter
-    def monitor(self, monitor) -> None:  # BalanceMonitor attaches itself here; the stream saves and loads it
+    def monitor(self, monitor: Any) -> None:  # BalanceMonitor attaches itself here; the stream saves and loads it
         self.stream.monitor = monitor
 
     # ---- what BalanceMonitor reads (balancer.measured.StepSource) ---------------------------------------------------

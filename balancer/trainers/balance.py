@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Optional
+from typing import Any, Optional
 
+import torch
 from transformers import TrainerCallback
 
 from balancer.measured.monitor import MODES, BalanceMonitor
@@ -87,7 +88,9 @@ class MeasuredBalanceMixin(TrainerHost):
         self._balance_attach()  # before the sampler loads a checkpoint's state (the monitor's part is in it)
         return super()._init_training_state(*args, **kwargs)
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(
+        self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: torch.Tensor | int | None = None
+    ) -> torch.Tensor:
         monitor = self.balance_monitor
         if monitor is None:
             return super().training_step(model, inputs, num_items_in_batch)
@@ -96,7 +99,7 @@ class MeasuredBalanceMixin(TrainerHost):
         with monitor.timer(synced=last and self.accelerator.num_processes > 1):
             return super().training_step(model, inputs, num_items_in_batch)
 
-    def log(self, logs: dict, *args, **kwargs) -> None:
+    def log(self, logs: dict, *args: Any, **kwargs: Any) -> None:
         """The Trainer's logs plus the monitor's figures under `balance/` (training logs only)."""
         monitor = self.balance_monitor
         if monitor is not None and "loss" in logs and monitor.ledger.steps:

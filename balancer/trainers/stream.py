@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TypeGuard
+from collections.abc import Iterator
+from typing import Any, TypeGuard
 
 import torch
 
@@ -78,7 +79,7 @@ class StreamTrainingMixin(TrainerHost):
     _stream_resumed = None  # the stream epoch a checkpoint's state was loaded for
     _stream_batches = 0
 
-    def train(self, *args, **kwargs):
+    def train(self, *args: Any, **kwargs: Any) -> Any:
         """The stock `train`; a streaming run then closes its stream (`BalancedStream.close()`: its thread and
         process group released, so a run stopped at `max_steps` mid-pass exits cleanly), also when training
         raises. A stream trains once: build a new one (and resume from a checkpoint) to go on."""
@@ -111,7 +112,9 @@ class StreamTrainingMixin(TrainerHost):
             stream, batch_size=None, collate_fn=self.packed_collator, pin_memory=self.args.dataloader_pin_memory
         )
 
-    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+    def get_batch_samples(
+        self, epoch_iterator: Iterator, num_batches: int, device: torch.device
+    ) -> tuple[list, torch.Tensor | int | None]:
         """One optimizer step's micro-batches; the end of the stream's pass ends the Trainer's epoch (every rank
         reaches it at the same step, so the normaliser's all-reduce is skipped alike)."""
         if self.balanced_stream is None:

@@ -48,7 +48,7 @@ class PackedAttention(Module):
         attention_masks: PackedDocuments,
         scale: float | None = None,
         enable_gqa: bool = False,
-        **kwargs,
+        **kwargs: Any,
     ) -> torch.Tensor:
         """q `[1, T_local, N, H]`, k / v `[1, T_local, N_kv, H]` -> `[1, T_local, N, H]`; `enable_gqa` is implied
         by the head counts."""
