@@ -8,7 +8,7 @@ import numbers
 from typing import Optional
 
 
-def checked_seconds(seconds) -> float:
+def checked_seconds(seconds: object) -> float:
     """`seconds` as a float: a finite real number >= 0 that is not a bool; a ValueError naming `seconds` otherwise."""
     if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
         raise ValueError(
@@ -20,7 +20,7 @@ def checked_seconds(seconds) -> float:
     return value
 
 
-def checked_position(name: str, value) -> Optional[int]:
+def checked_position(name: str, value: object) -> Optional[int]:
     """`value` (None, or an integer >= 0 that is not a bool) as an int; a ValueError naming `name` otherwise."""
     if value is None:
         return None
@@ -29,7 +29,7 @@ def checked_position(name: str, value) -> Optional[int]:
     return int(value)
 
 
-def check_monitor_options(timeout, min_samples, layout, cuda) -> None:
+def check_monitor_options(timeout: object, min_samples: object, layout: object, cuda: object) -> None:
     """`BalanceMonitor`'s options that its own checks let through: a finite positive `timeout` (not a bool; an
     infinite one overflowed at the first gather), `min_samples` None or an integer >= 1, `layout` one of the CP
     layouts, `cuda` None or a bool. A ValueError naming the argument otherwise."""

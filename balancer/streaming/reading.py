@@ -17,13 +17,17 @@ A resumed window reads exactly the counts its state recorded.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
 from balancer.streaming.exchange import StreamSourceError, decode_record, encode_record, record_size
 from balancer.streaming.sources import Source, StreamSpec, loss_tokens
+
+if TYPE_CHECKING:
+    from balancer.streaming.windows import Cursor
 
 
 def quotas(ended: list[bool], window_docs: int) -> np.ndarray:
@@ -91,7 +95,16 @@ class Composition:
     rows: list
 
 
-def compose(reader: Reader, cur, mine: list[list[int]], rank: int, window_docs: int, reserve: int, forced, gather):
+def compose(
+    reader: Reader,
+    cur: Cursor,
+    mine: list[list[int]],
+    rank: int,
+    window_docs: int,
+    reserve: int,
+    forced: Optional[list[int]],
+    gather: Callable[[np.ndarray], list[np.ndarray]],
+):
     """The window starting at cursor `cur` (module docstring); `mine[r]` are rank r's streams, `forced` the counts
     of a resumed window (or None), `gather(record) -> records` one all-gather. A source error on any rank raises
     StreamSourceError on every rank."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, Optional, TypeGuard
 
 import torch
 
@@ -31,6 +31,10 @@ from balancer.files import atomic_write
 from balancer.streaming.dataset import BalancedStream
 from balancer.trainers.host import TrainerHost
 from balancer.training.sampler_state import read_checkpoint_state
+
+if TYPE_CHECKING:
+    from balancer.planning.cost.model import CostModel
+    from balancer.planning.topology import Topology
 
 STREAM_STATE_NAME = "balancer_stream.json"
 
@@ -45,7 +49,15 @@ def write_state(folder: str, name: str, state: dict) -> None:
     atomic_write(os.path.join(folder, name), lambda f: f.write(json.dumps(state).encode()))
 
 
-def stream_settings(trainer, stream: BalancedStream, topology, cost, lengths, overflow: str, seed):
+def stream_settings(
+    trainer: TrainerHost,
+    stream: BalancedStream,
+    topology: Optional[Topology],
+    cost: Optional[CostModel],
+    lengths: Any,
+    overflow: str,
+    seed: Optional[int],
+) -> tuple[Topology, CostModel, str, int]:
     """(topology, cost, overflow, seed) of a streaming run: the stream's. Refuses a missing `max_steps`, options the
     stream fixes that differ from it, and `lengths`."""
     if trainer.args.max_steps is None or trainer.args.max_steps <= 0:
