@@ -52,7 +52,7 @@ class StreamSteps:
         self.pool_rank, self.dp_rank = stream.pool_rank, stream.dp_rank
 
     @property
-    def monitor(self):
+    def monitor(self) -> Any:
         return self.stream.monitor
 
     @monitor.setter

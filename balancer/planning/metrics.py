@@ -12,6 +12,8 @@ dynamic-CP group's by its slowest member's, and the bounds become
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from balancer.planning.cost.model import CostModel
@@ -20,7 +22,7 @@ from balancer.planning.speeds import group_speeds, pool_speeds
 from balancer.planning.topology import Topology
 
 
-def one_f_one_b(largest, total, stages: int, *added):
+def one_f_one_b(largest: Any, total: Any, stages: int, *added: Any) -> Any:  # floats or numpy arrays alike
     """The 1F1B replica time `(P - 1) * largest + total` (+ each of `added`, in order), for scalars or arrays.
 
     `largest` is the replica's largest micro-batch time, `total` the sum of its micro-batch times (with dynamic CP:

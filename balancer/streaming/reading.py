@@ -104,7 +104,7 @@ def compose(
     reserve: int,
     forced: Optional[list[int]],
     gather: Callable[[np.ndarray], list[np.ndarray]],
-):
+) -> Composition:
     """The window starting at cursor `cur` (module docstring); `mine[r]` are rank r's streams, `forced` the counts
     of a resumed window (or None), `gather(record) -> records` one all-gather. A source error on any rank raises
     StreamSourceError on every rank."""

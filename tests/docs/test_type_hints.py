@@ -13,9 +13,6 @@ PACKAGES = ("balancer", "attention")
 # Public functions still being hinted ("path:Class.name"; remove an entry once it is hinted: the test fails for any
 # function missing from here and for an entry that is hinted already).
 KNOWN_UNHINTED: set[str] = {
-    "balancer/measured/streams.py:StreamSteps.monitor",
-    "balancer/planning/metrics.py:one_f_one_b",
-    "balancer/streaming/reading.py:compose",
     "balancer/training/segments.py:plan_units",
 }
 
