@@ -34,6 +34,8 @@ from _common import write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 BREAK_AFTER = 37  # micro-batches read before the break
+# the commit "after" measures (resolved once: others may commit while it runs)
+HEAD_AT_START = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
 CHILD = """
 import os, sys
@@ -119,7 +121,7 @@ def measure(runs: int, ranks_list: list[int], variants: list[str], ref: str) -> 
     with tempfile.TemporaryDirectory() as tmp:
         data = write_dataset(Path(tmp))
         # committed trees (HEAD and --ref), never the working tree: edits made while it runs change nothing
-        trees = {"after": extract("HEAD", Path(tmp) / "after")}
+        trees = {"after": extract(HEAD_AT_START, Path(tmp) / "after")}
         trees["baseline"] = trees["after"]
         if "before" in variants:
             trees["before"] = extract(ref, Path(tmp) / "before")
@@ -155,8 +157,8 @@ def main() -> None:
     ap.add_argument("--ref", default="62295f4", help="git revision of the 'before' tree (before the teardown)")
     args = ap.parse_args()
     rows = measure(args.runs, args.ranks, args.variants, args.ref)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "status", "--porcelain", "balancer"], cwd=REPO, capture_output=True).stdout)
+    commit = HEAD_AT_START  # the committed tree measured (never the working tree)
+    dirty = False
     goal = all(r["aborted"] == 0 for r in rows if r["variant"] == "after")
     payload = {"commit": commit, "tree_modified": dirty, "ref": args.ref, "break_after": BREAK_AFTER, "rows": rows,
                "goals": {"0 aborts in every run of the stream world": goal}}  # fmt: skip
