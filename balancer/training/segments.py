@@ -128,17 +128,23 @@ class Segment:
 
 
 def plan_units(
-    u_doc, u_start, u_end, topology: Topology, cost: CostModel, seed: int, overflow: str, lengths=None, fixed=False,
+    u_doc: Optional[np.ndarray], u_start: Optional[np.ndarray], u_end: Optional[np.ndarray], topology: Topology,
+    cost: CostModel, seed: int, overflow: str, lengths: Optional[np.ndarray] = None, fixed: bool = False,
     filler_rows: bool = False,
-):  # fmt: skip
+) -> Segment:  # fmt: skip
     """Plan units (doc, start, end) - each planned as a document of end-start tokens - and map back. `lengths`
     instead: the units are exactly the whole documents of `lengths` (the whole-epoch plan, no remapping). `fixed`:
     into exactly `window_step_count` steps (a window of several)."""
-    if lengths is None and len(u_doc) == 0:
-        e = np.zeros(0, dtype=np.int64)
-        groups = (e, e, np.zeros(1, dtype=np.int64)) if topology.dynamic else (None, None, None)
-        return Segment(topology, cost, e, e, e, np.zeros(1, dtype=np.int64), None, *groups)
-    docs = lengths if lengths is not None else (u_end - u_start)
+    if lengths is None:
+        if u_doc is None or u_start is None or u_end is None:
+            raise ValueError("plan_units: give the units (u_doc, u_start, u_end) or the documents' lengths")
+        if len(u_doc) == 0:
+            e = np.zeros(0, dtype=np.int64)
+            groups = (e, e, np.zeros(1, dtype=np.int64)) if topology.dynamic else (None, None, None)
+            return Segment(topology, cost, e, e, e, np.zeros(1, dtype=np.int64), None, *groups)
+        docs = u_end - u_start
+    else:
+        docs = lengths
     steps = window_step_count(docs, topology, overflow) if fixed else None
     p = make_plan(docs, topology, cost, seed=seed, overflow=overflow, num_steps=steps, filler_rows=filler_rows)
     if steps is not None and p.num_steps != steps:  # never a silently wrong len(sampler)
@@ -148,6 +154,7 @@ def plan_units(
     last = p.last_micro_batches
     if lengths is not None:
         return Segment(topology, cost, p.doc, p.start, p.end, p.mb_ptr, p, *plan_groups, last_m=last, filler=p.filler)
+    assert u_doc is not None and u_start is not None, "the units were checked above (lengths is None)"
     doc, start, end = u_doc[p.doc], u_start[p.doc] + p.start, u_start[p.doc] + p.end
     return Segment(topology, cost, doc, start, end, p.mb_ptr, p, *plan_groups, ids=u_doc, last_m=last, filler=p.filler)
 

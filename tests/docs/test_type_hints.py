@@ -10,12 +10,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("balancer", "attention")
 
-# Public functions still being hinted ("path:Class.name"; remove an entry once it is hinted: the test fails for any
-# function missing from here and for an entry that is hinted already).
-KNOWN_UNHINTED: set[str] = {
-    "balancer/training/segments.py:plan_units",
-}
-
 
 def _is_static(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     return any(isinstance(d, ast.Name) and d.id == "staticmethod" for d in fn.decorator_list)
@@ -55,12 +49,9 @@ def unhinted() -> dict[str, list[str]]:
 
 def test_public_functions_are_fully_hinted():
     found = unhinted()
-    new = {k: v for k, v in found.items() if k not in KNOWN_UNHINTED}
-    assert not new, "public functions lacking type hints (name: unannotated parts):\n" + "\n".join(
-        f"{k}: {', '.join(v)}" for k, v in sorted(new.items())
+    assert not found, "public functions lacking type hints (name: unannotated parts):\n" + "\n".join(
+        f"{k}: {', '.join(v)}" for k, v in sorted(found.items())
     )
-    done = KNOWN_UNHINTED - set(found)
-    assert not done, f"hinted now: remove from KNOWN_UNHINTED: {sorted(done)}"
 
 
 def test_the_check_sees_missing_hints():
