@@ -99,11 +99,13 @@ def metrics_table(metrics: dict[str, dict], speedup: bool = False, timed: bool =
 # what the table's figures are: the cost model's prediction for the plan, except the one clock reading
 PREDICTED_NOTE = (
     "(imbalance, worst_step, epoch_efficiency and any speedup are predicted by the cost model for the plan, not "
-    "timed; plan_seconds is measured)"
+    "timed; plan_seconds is measured. imbalance and worst_step are step times over their lower bound, not "
+    "BalanceMonitor's measured_imbalance, the slowest replica over the mean)"
 )
 UNTIMED_NOTE = (
     "(imbalance, worst_step and epoch_efficiency are predicted by the cost model for the plan, not timed; the "
-    "manifest records no planning time, so that packing the same input writes the same bytes)"
+    "manifest records no planning time, so that packing the same input writes the same bytes. imbalance and "
+    "worst_step are step times over their lower bound, not BalanceMonitor's slowest replica over the mean)"
 )
 
 
