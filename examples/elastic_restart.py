@@ -9,7 +9,8 @@ The checkpoint (rank 0 writes it every `--save-every` optimizer steps, atomicall
 the step and the sampler's state at a step boundary, which `load_state_dict` resumes onto any DP size: the rest of
 the window is planned again for the new topology (docs/fault-tolerance.md). `--trace DIR` writes what every rank
 trained, one JSON line per step (tests/integrations/test_torchft_restart.py checks it); `--die-at STEP` makes the
-last rank's node die (its agent and itself, SIGKILL) after that step of the first run, for the test.
+last rank's node die (its agent and itself, SIGKILL) after that step of the first run; with `--die-alone` only the
+worker dies (a job whose launcher then stops, restarted by hand or by a scheduler on fewer processes).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=2)
     ap.add_argument("--trace", default=None)
     ap.add_argument("--die-at", type=int, default=-1)
+    ap.add_argument("--die-alone", action="store_true", help="with --die-at: only the worker dies, not its agent")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -84,7 +86,8 @@ def main() -> None:
         if rank == 0 and step % args.save_every == 0:
             save(ckpt, step, model, opt, sampler)
         if step == args.die_at and restart == 0 and rank == world - 1:
-            os.kill(os.getppid(), signal.SIGKILL)  # this node's agent dies, then the node's worker
+            if not args.die_alone:
+                os.kill(os.getppid(), signal.SIGKILL)  # this node's agent dies, then the node's worker
             os.kill(os.getpid(), signal.SIGKILL)
     if rank == 0:
         save(ckpt, step, model, opt, sampler)
