@@ -48,9 +48,10 @@ from balancer.integrations.torchft.exchange import Row, exchange
 from balancer.integrations.torchft.speeds import ReplicaSpeeds, plan_speeds
 from balancer.integrations.torchft.step_plan import StepPieces, StepPlan, plan_step
 from balancer.planning.cost.model import CostModel
+from balancer.planning.schedule import check_seed
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
-from balancer.planning.window import MAX_SEED, check_window_docs, default_window_docs
+from balancer.planning.window import check_window_docs, default_window_docs
 from balancer.training.lengths import LengthsGuard, resolve_lengths, scan_lengths
 from balancer.training.segments import EpochWindows
 
@@ -358,8 +359,7 @@ def _check_args(topology, cost, replica_id, seed, overflow, mode) -> None:
         raise ValueError("FaultTolerantBatches: topology.rank_speeds must be None (speeds are measured per replica_id)")
     if not isinstance(replica_id, str) or not replica_id:
         raise ValueError(f"replica_id must be a non-empty string (the Manager's replica_id), got {replica_id!r}")
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed <= MAX_SEED:
-        raise ValueError(f"seed must be an integer in 0 .. 2**63-1, got {seed!r}")
+    check_seed(seed)
     if overflow not in OVERFLOW_POLICIES:
         raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
     if mode not in MODES:
