@@ -4,8 +4,8 @@ Question: on a fixed batch (GRPO-like rollouts: 64 prompts x 8 responses with he
 DPO-like pairs on dp4 x cp2), how close does each planner's slowest rank come to the section-3 step lower bound
 (with the heaviest group as an extra term where groups are kept), and what does each option cost?
 
-verl runs from its own virtual environment (`VERL_PYTHON`, default /work/wt/verl-env/bin/python; verl installed
-there without its dependencies, never copied here): this script calls itself with `--verl-worker` under that
+verl runs from the interpreter `VERL_PYTHON` names (default: this one when verl imports here, as tools/setup.sh
+installs verl 0.9.1 into .venv without its dependencies): this script calls itself with `--verl-worker` under that
 interpreter, and the worker calls verl 0.9.1's `get_seqlen_balanced_partitions` / `get_group_balanced_partitions`
 (the DP split of `RayPPOTrainer._balance_batch`, per mini-batch as with `keep_minibatch=True`) and
 `rearrange_micro_batches` (dynamic batch size: micro-batch count from the token budget, made equal over the DP
@@ -80,6 +80,8 @@ if __name__ == "__main__" and "--verl-worker" in sys.argv:
     verl_worker()
     sys.exit(0)
 
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import tempfile  # noqa: E402
@@ -96,7 +98,16 @@ import balancer  # noqa: E402
 from balancer.planning.batch.pack import pipeline_times, simulate_1f1b  # noqa: E402
 from balancer.planning.metrics import lower_bound, step_times  # noqa: E402
 
-VERL_PYTHON = os.environ.get("VERL_PYTHON", "/work/wt/verl-env/bin/python")
+
+def default_verl_python() -> str:
+    """VERL_PYTHON when set; else this interpreter when verl imports here (tools/setup.sh installs verl 0.9.1 into
+    .venv with --no-deps); else the separate environment verl was first measured from."""
+    if "VERL_PYTHON" in os.environ:
+        return os.environ["VERL_PYTHON"]
+    return sys.executable if importlib.util.find_spec("verl") is not None else "/work/wt/verl-env/bin/python"
+
+
+VERL_PYTHON = default_verl_python()
 QWEN_7B = dict(
     hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, intermediate_size=18944, vocab_size=152064
 )
@@ -338,4 +349,5 @@ TABLES = {  # docs/ marker name -> the table, from the record
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()
     main()
