@@ -145,9 +145,12 @@ def summarize(plan: balancer.Plan, layout: str, per_rank, cost, clock: str) -> d
 
 
 def compare(rows: dict, base: str) -> dict:
-    """Speedups over `base` (measured: epoch time; predicted: compute) and both rankings."""
+    """Speedups over `base` (measured: epoch time on the figures' clock, and by wall clock and by CPU time apart;
+    predicted: compute) and the rankings (measured on the figures' clock and by wall clock, predicted)."""
     for row in rows.values():
         row["measured_speedup"] = rows[base]["epoch_seconds"] / row["epoch_seconds"]
+        row["measured_speedup_wall"] = rows[base]["epoch_wall_seconds"] / row["epoch_wall_seconds"]
+        row["measured_speedup_cpu"] = rows[base]["epoch_cpu_seconds"] / row["epoch_cpu_seconds"]
         row["measured_compute_speedup"] = rows[base]["compute_seconds"] / row["compute_seconds"]
         row["predicted_speedup"] = rows[base]["predicted_compute_seconds"] / row["predicted_compute_seconds"]
     measured = sorted(rows, key=lambda k: rows[k]["epoch_seconds"])
@@ -156,6 +159,7 @@ def compare(rows: dict, base: str) -> dict:
         "baseline": base,
         "rows": rows,
         "ranking_measured": measured,
+        "ranking_measured_wall": sorted(rows, key=lambda k: rows[k]["epoch_wall_seconds"]),
         "ranking_predicted": predicted,
         "ranking_correct": measured == predicted,
     }
@@ -215,7 +219,7 @@ def print_table(name: str, result: dict) -> None:
         print(
             f"{label:>16} {r['num_steps']:5d} {r['mean_tokens_per_step']:8.0f} {r['epoch_seconds']:8.2f} "
             f"{r['compute_seconds']:8.2f} {r['measured_speedup']:7.3f} {r['predicted_speedup']:6.3f} "
-            f"{r['wall_over_cpu']:5.2f}"
+            f"{r['wall_over_cpu']:5.2f} wall {r['measured_speedup_wall']:.3f}x cpu {r['measured_speedup_cpu']:.3f}x"
         )
     print(f"ranking measured {result['ranking_measured']}, predicted {result['ranking_predicted']}")
 
@@ -223,7 +227,10 @@ def print_table(name: str, result: dict) -> None:
 # ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
 
 
-def _replay_table(run: dict, clock: str) -> str:
+def _replay_table(data: dict, run: dict) -> str:
+    """One run's plans: the epoch by wall clock and by CPU time (each step the slowest rank's), the speedups over
+    the baseline on both clocks, the prediction and its error (on the figures' clock), then how it was measured."""
+    clock = data["clock_of_figures"]
     rows = []
     for name, row in run["rows"].items():
         error = row.get("micro_batch_error") or {}
@@ -233,36 +240,40 @@ def _replay_table(run: dict, clock: str) -> str:
                 row["layout"],
                 str(row["num_steps"]),
                 tb.fmt(row["mean_tokens_per_step"], ",.0f"),
-                tb.fmt(row["epoch_seconds"], ".1f"),
-                tb.fmt(row["compute_seconds"], ".1f"),
-                tb.fmt(row["all_reduce_seconds"] + row["optimizer_seconds"], ".2f"),
-                tb.fmt(row["measured_speedup"], ".3f") + "x",
+                tb.fmt(row["epoch_wall_seconds"], ".1f"),
+                tb.fmt(row["epoch_cpu_seconds"], ".1f"),
+                tb.fmt(row.get("measured_speedup_wall"), ".3f") + "x",
+                tb.fmt(row.get("measured_speedup_cpu"), ".3f") + "x",
                 tb.fmt(row["predicted_speedup"], ".3f") + "x",
+                tb.fmt(row["all_reduce_seconds"] + row["optimizer_seconds"], ".2f"),
                 tb.fmt(error.get("median_abs_error"), ".1%"),
-                tb.fmt(row["wall_over_cpu"], ".2f"),
             ]
         )
-    header = ["plan", "layout", "steps", "tokens/step", f"epoch s ({clock})", "compute s", "all-reduce + optimizer s"]
-    header += [f"measured speedup vs {run['baseline']}", "predicted speedup", "median micro-batch error", "wall/CPU"]
+    base = run["baseline"]
+    header = ["plan", "layout", "steps", "tokens/step", "epoch s (wall)", "epoch s (CPU)"]
+    header += [f"speedup vs {base} (wall)", f"speedup vs {base} (CPU)", "predicted speedup"]
+    header += [f"all-reduce + optimizer s ({clock})", f"median micro-batch error ({clock})"]
     topo = run["topology"]
     ranking = (
         f"dp {topo['dp']} x cp {topo['cp']}, M = {topo['micro_batches']}, {run['processes']} processes at once on "
-        f"{run.get('cores', '?')} cores; "
-        f"load average {run['load_before'][0]} before, {run['load_after'][0]} after; {run['seconds']:.0f} s wall. "
-        f"Measured ranking: {', '.join(run['ranking_measured'])}; predicted: {', '.join(run['ranking_predicted'])} "
-        f"(ranking_correct: {str(run['ranking_correct']).lower()})."
+        f"{run.get('cores', '?')} cores; load average {run['load_before'][0]} before, {run['load_after'][0]} after; "
+        f"{run['seconds']:.0f} s wall. Measured ranking ({clock}): {', '.join(run['ranking_measured'])}; by wall "
+        f"clock: {', '.join(run.get('ranking_measured_wall', ['not recorded']))}; predicted: "
+        f"{', '.join(run['ranking_predicted'])} (ranking_correct, {clock}: {str(run['ranking_correct']).lower()})."
     )
-    return tb.markdown(header, rows) + "\n\n" + ranking
+    commit = (data.get("git") or {}).get("commit")
+    line = tb.record_line(data)[:-1] + (f"; commit {commit[:10]}." if commit else ".")
+    return tb.markdown(header, rows) + "\n\n" + ranking + line
 
 
 def table_replay() -> str:
     data = tb.load("replay")
-    return _replay_table(data["runs"]["dp2"], data["clock_of_figures"])
+    return _replay_table(data, data["runs"]["dp2"])
 
 
 def table_replay_layout() -> str:
     data = tb.load("replay")
-    return _replay_table(data["runs"]["layout"], data["clock_of_figures"])
+    return _replay_table(data, data["runs"]["layout"])
 
 
 TABLES = {  # docs/ marker name -> the table, from the record
