@@ -43,11 +43,23 @@ def test_measured_times_take_the_slowest_cp_rank_and_replica():
 
 
 def test_ranking_verdict_is_computed():
-    def row(measured, predicted):
-        return {"epoch_seconds": measured, "compute_seconds": measured, "predicted_compute_seconds": predicted}
+    def row(measured, predicted, wall=None):
+        return {
+            "epoch_seconds": measured,
+            "compute_seconds": measured,
+            "predicted_compute_seconds": predicted,
+            "epoch_cpu_seconds": measured,
+            "epoch_wall_seconds": 4 * measured if wall is None else wall,
+        }
 
     right = replay.compare({"a": row(10.0, 9.0), "b": row(12.0, 11.0), "trl-bfd": row(15.0, 14.0)}, "trl-bfd")
     assert right["ranking_correct"] and right["ranking_measured"] == ["a", "b", "trl-bfd"]
     assert right["rows"]["a"]["measured_speedup"] == 1.5
+    assert right["rows"]["a"]["measured_speedup_cpu"] == 1.5 and right["rows"]["a"]["measured_speedup_wall"] == 1.5
+    # the clocks apart: by wall clock "a" waited longest for a core, so it ranks last there and its speedup is < 1
+    clocks = replay.compare({"a": row(10.0, 9.0, wall=70.0), "trl-bfd": row(15.0, 14.0, wall=60.0)}, "trl-bfd")
+    assert clocks["rows"]["a"]["measured_speedup_cpu"] == 1.5
+    assert abs(clocks["rows"]["a"]["measured_speedup_wall"] - 60 / 70) < 1e-12
+    assert clocks["ranking_measured"] == ["a", "trl-bfd"] and clocks["ranking_measured_wall"] == ["trl-bfd", "a"]
     wrong = replay.compare({"a": row(10.0, 11.5), "b": row(12.0, 11.0), "trl-bfd": row(15.0, 14.0)}, "trl-bfd")
     assert not wrong["ranking_correct"] and wrong["ranking_predicted"] == ["b", "a", "trl-bfd"]
