@@ -77,6 +77,15 @@ def measured_on(data: dict) -> str:
     )
 
 
+def commit_note(data: dict) -> str:
+    """The commit a record names, for a table's measuring line: "commit abc1234" (with "and uncommitted changes" where
+    the tree was dirty), or "no recorded commit"."""
+    git = data.get("git") or {}
+    if not git.get("commit"):
+        return "no recorded commit"
+    return f"commit {git['commit'][:7]}" + (" and uncommitted changes" if git.get("dirty") else "")
+
+
 def ratio_spread(ratio: dict) -> str:
     return f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
 

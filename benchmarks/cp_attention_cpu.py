@@ -211,7 +211,9 @@ def table_cp_attention_cpu() -> str:
     note = (
         f"{cfg['world']} gloo ranks x {cfg['threads_per_rank']} thread, {cfg['num_docs']} documents / "
         f"{cfg['tokens']:,} tokens (longest {cfg['max_doc']:,}), {cfg['heads']} heads ({cfg['kv_heads']} KV) x "
-        f"{cfg['head_dim']}, {cfg['dtype']}, {cfg['layout']} layout. " + tb.measured_on(data)
+        f"{cfg['head_dim']}, {cfg['dtype']}, {cfg['layout']} layout. "
+        + tb.measured_on(data)[:-1]
+        + f"; {tb.commit_note(data)}."
     )
     return note + "\n\n" + tb.markdown(["schedule", "parallel efficiency"], rows)
 

@@ -411,7 +411,7 @@ def table_hybrid_layout(name: str = "hybrid_layout") -> str:
     header = ["micro-batch", "method", "zigzag MiB sent", "hybrid MiB sent", "hybrid split docs"]
     header += ["speedup (CPU time)", "speedup (wall)", "predicted speedup", "with cost: split docs"]
     header += ["with cost: speedup (CPU time)", "with cost: predicted"]
-    return tb.measured_on(data) + "\n\n" + tb.markdown(header, rows)
+    return tb.measured_on(data)[:-1] + f"; {tb.commit_note(data)}.\n\n" + tb.markdown(header, rows)
 
 
 def table_hybrid_layout_runs() -> str:
@@ -442,7 +442,7 @@ def table_hybrid_layout_runs() -> str:
         f"first: median |error| "
         f"{cal['fit_median_abs_error']:.1%}, max {cal['fit_max_abs_error']:.1%} on its own samples."
     )
-    return tb.measured_on(data) + " " + fit + "\n\n" + tb.markdown(header, rows)
+    return tb.measured_on(data)[:-1] + f"; {tb.commit_note(data)}. " + fit + "\n\n" + tb.markdown(header, rows)
 
 
 TABLES = {  # docs/ marker name -> the table, from the record

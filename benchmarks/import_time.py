@@ -134,7 +134,8 @@ def table_import_time() -> str:
     header = ["command (median of {} rounds)".format(data["rounds"]), "CPU s", "wall s", "CPU / import torch"]
     note = (
         f"\n\n{data['date']}, {machine['cpus']} cores, load average {machine['load_average_start'][0]} at start, "
-        f"{machine['load_average_end'][0]} at end; CPU = user + system time of the child process."
+        f"{machine['load_average_end'][0]} at end, {tb.commit_note(data)}; CPU = user + system time of the child "
+        "process."
     )
     return tb.markdown(header, rows) + note
 

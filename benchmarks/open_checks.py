@@ -241,7 +241,7 @@ def table_open_checks() -> str:
     header = ["corpus", "page cache", "open / full read (wall)", "open / full read (CPU)"]
     header += ["checks alone / full read (wall)", "open / verify (wall)"]
     cold = f"\n\nCold runs: {data['cold_unavailable']}." if data.get("cold_unavailable") else ""
-    return tb.markdown(header, rows) + cold + tb.record_line(data)
+    return tb.markdown(header, rows) + cold + tb.record_line(data)[:-1] + f"; {tb.commit_note(data)}."
 
 
 TABLES = {  # docs/ marker name -> the table, from the record

@@ -202,7 +202,7 @@ def table_pack_throughput() -> str:
         )
     header = ["tokens", "pretokenize MB/s", "pack MB/s", "pack/pretokenize per repeat", "per CPU s"]
     header += ["pack peak MiB above imports", "load avg (1 min)"]
-    return tb.markdown(header, rows) + tb.record_line(data)
+    return tb.markdown(header, rows) + tb.record_line(data)[:-1] + f"; {tb.commit_note(data)}."
 
 
 TABLES = {  # docs/ marker name -> the table, from the record

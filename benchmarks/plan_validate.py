@@ -71,7 +71,7 @@ def table_plan_validate() -> str:
     header = ["documents", "plan (s)", "validate (s)", "load .npz (unvalidated)", "load JSON (unvalidated)"]
     note = (
         f"\n\n{data['topology']}; process CPU seconds, best of the repeats, {data['machine']['cpus']} cores, load "
-        f"average {load_avg} at start ({data['date']})."
+        f"average {load_avg} at start ({data['date']}, {tb.commit_note(data)})."
     )
     return tb.markdown(header, rows) + note
 

@@ -339,7 +339,7 @@ def table_post_training() -> str:
         f"{tb.markdown(header, rows)}\n\nSeeds {', '.join(map(str, data['seeds']))} (one batch each); verl: "
         f"{data['verl']}. Goal (balancer's worst step within 3% of the bound on "
         f"{'; '.join(goal.get('cases', ['every case']))}): "
-        f"{'met' if goal['met'] else 'missed'}. Plan times: {tb.machine_line(data)}."
+        f"{'met' if goal['met'] else 'missed'}. Plan times: {tb.machine_line(data)}; {tb.commit_note(data)}."
     )
 
 

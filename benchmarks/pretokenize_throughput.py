@@ -360,7 +360,7 @@ def table_pretokenize_throughput() -> str:
                 ]
             )
     header = ["tokenizer", "run", "MB/s", "CPU s", "wall overhead", "peak RSS MiB"]
-    return tb.markdown(header, rows) + tb.record_line(data)
+    return tb.markdown(header, rows) + tb.record_line(data)[:-1] + f"; {tb.commit_note(data)}."
 
 
 TABLES = {  # docs/ marker name -> the table, from the record

@@ -245,7 +245,7 @@ def table_window_first_batch() -> str:
         f"{table}\n\n{first['documents']:,} documents ({first['default']['lengths_mib']:,.0f} MiB of int64 "
         f"lengths, memory-mapped); the pass over the lengths every sampler makes took {scan['cpu_seconds']:.2f} s "
         f"({scan['ns_per_document']:.1f} ns per document). Measured in a fresh process per row: "
-        f"{tb.machine_line(data)}."
+        f"{tb.machine_line(data)}; {tb.commit_note(data)}."
     )
 
 
