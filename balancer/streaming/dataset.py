@@ -29,9 +29,9 @@ from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
 from balancer.planning.window import check_window_docs
 from balancer.streaming import state as state_mod
-from balancer.streaming.exchange import pool_rank, stream_group
+from balancer.streaming.exchange import checked_seconds, pool_rank, stream_group
 from balancer.streaming.sources import StreamSpec, initial_streams, open_source
-from balancer.streaming.teardown import Teardown
+from balancer.streaming.teardown import CLOSE_TIMEOUT, Teardown
 from balancer.streaming.windows import Cursor, Meter, Pipeline, Window, lengths_digest, resplit_cursor
 from balancer.training.indices import CPGroup
 
@@ -61,6 +61,11 @@ class BalancedStream(torch.utils.data.IterableDataset):
             stream on every process, in the same order). Without torch.distributed: one process, `dp*cp == 1`.
         seed: windows are planned with seeds drawn from (seed, epoch, window).
         overflow: the planner's policy for documents over `max_tokens * cp` ("error", "split", "truncate").
+        timeout: seconds a window's collective (on the stream's own group) waits for the other processes: a process
+            that died or stalled makes the others raise `StreamPeerError` naming the window (default 1800, torch's
+            default for a gloo group).
+        close_timeout: seconds `close()` (and teardown on garbage collection or at exit) waits for the window job
+            in flight before leaving the thread with a warning (default 300).
     """
 
     def __init__(
@@ -75,6 +80,8 @@ class BalancedStream(torch.utils.data.IterableDataset):
         group=None,
         seed: int = 0,
         overflow: str = "error",
+        timeout: float = 1800.0,
+        close_timeout: float = CLOSE_TIMEOUT,
     ) -> None:
         super().__init__()
         check_topology_and_cost(topology, cost)
@@ -82,9 +89,11 @@ class BalancedStream(torch.utils.data.IterableDataset):
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
         seed = check_seed(seed)
+        self.timeout = checked_seconds("timeout", timeout)
+        close_timeout = checked_seconds("close_timeout", close_timeout)
         self.source = open_source(source)
         self.topology, self.cost, self.seed, self.overflow = topology, cost, seed, overflow
-        self.group, self.world, self.grank = stream_group(group)
+        self.group, self.world, self.grank = stream_group(group, self.timeout)
         self.pool_rank = pool_rank(topology, self.world, self.grank, dp_rank, rank)
         self.dp_rank = self.pool_rank // topology.cp
         self.epoch = 0
@@ -95,7 +104,7 @@ class BalancedStream(torch.utils.data.IterableDataset):
         self._submitted = -1  # the highest window handed to the thread
         self._setup: Optional[dict] = None  # a loaded state waiting for the next iter()
         self._iter: Optional[_StreamIter] = None
-        self._teardown = Teardown(self, self.group)  # close(), with, GC and exit: thread and group released
+        self._teardown = Teardown(self, self.group, close_timeout)  # close(), with, GC and exit: thread, group released
         self.monitor = None  # a balancer.BalanceMonitor on StreamSteps(self) (balancer.measured.streams)
 
     def __getstate__(self) -> dict:  # a DataLoader worker gets a copy that refuses to iterate
@@ -183,12 +192,15 @@ class BalancedStream(torch.utils.data.IterableDataset):
         self._submitted = max(self._submitted, index)
         return worker.submit(pipeline.prepare, index)
 
-    def close(self) -> None:
+    def close(self, timeout: Optional[float] = None) -> None:
         """Stop the background thread (after the window job in flight, which every rank runs) and release the
-        stream's process group (balancer.streaming.teardown); the stream yields nothing more. Idempotent; also run
-        by `with BalancedStream(...) as stream:`, on garbage collection and at interpreter exit."""
+        stream's process group (balancer.streaming.teardown); the stream yields nothing more. Waits at most
+        `timeout` seconds (default: the stream's `close_timeout`) for that job: a job still inside a collective then
+        (another rank never reached that window) is left with one warning. Idempotent; also run by
+        `with BalancedStream(...) as stream:`, on garbage collection and at interpreter exit."""
+        wait = None if timeout is None else checked_seconds("timeout", timeout)
         if self._teardown is not None:
-            self._teardown.close()
+            self._teardown.close(wait)
 
     def __enter__(self) -> BalancedStream:
         return self

@@ -10,12 +10,19 @@ every rank then raises the same error instead of waiting for it.
 `exchange_rows`: the documents to the processes that train them, pickled per destination, with two
 `all_to_all_single` calls (the byte counts, then the bytes); a process's own documents are not serialised.
 The bytes sent to other processes are counted and returned.
+
+A collective that fails (a process of the group died: gloo's connection reset; or one did not reach it within the
+group's timeout: the stream's `timeout`) raises `StreamPeerError`, which the window job completes with a line naming
+the window and the timeout (windows.py): the surviving ranks get that error instead of waiting forever.
 """
 
 from __future__ import annotations
 
+import datetime
+import math
+import numbers
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -32,6 +39,27 @@ _PER_STREAM = 3  # documents given, finished (0/1), documents held for the next 
 
 class StreamSourceError(RuntimeError):
     """A rank's source failed while a window was read; raised on every rank."""
+
+
+class StreamPeerError(RuntimeError):
+    """A collective of the stream's own group failed: a process of the group died, stalled past the stream's
+    `timeout`, or stopped reading before this window (raised on the ranks that reached it)."""
+
+
+def checked_seconds(name: str, value: object) -> float:
+    """`value` as float seconds: a finite real number > 0 that is not a bool; a ValueError naming `name` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < float(value) < math.inf:
+        raise ValueError(f"{name} must be a finite positive number of seconds, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _collective(what: str, call: Callable[[], object]) -> None:
+    """Run one collective of the stream's group; gloo's failure (a RuntimeError) becomes a StreamPeerError."""
+    try:
+        call()
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise StreamPeerError(f"the stream's {what} failed ({first})") from e
 
 
 def record_size(streams: int, docs: int) -> int:
@@ -83,7 +111,7 @@ def all_gather_records(record: np.ndarray, group: Optional[dist.ProcessGroup], w
         return [record]
     mine = torch.from_numpy(record)
     out = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(out, mine, group=group)
+    _collective("all_gather", lambda: dist.all_gather(out, mine, group=group))
     return [t.numpy() for t in out]
 
 
@@ -98,10 +126,11 @@ def exchange_rows(outgoing: list[list], group: Optional[dist.ProcessGroup], worl
     blobs = [b"" if dest == rank or not outgoing[dest] else pickle.dumps(outgoing[dest], 5) for dest in range(world)]
     send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
     recv_sizes = torch.empty(world, dtype=torch.int64)
-    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    _collective("all_to_all of byte counts", lambda: dist.all_to_all_single(recv_sizes, send_sizes, group=group))
     send = torch.from_numpy(np.frombuffer(b"".join(blobs), dtype=np.uint8).copy())
     recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
-    dist.all_to_all_single(recv, send, recv_sizes.tolist(), send_sizes.tolist(), group=group)
+    counts = (recv_sizes.tolist(), send_sizes.tolist())
+    _collective("all_to_all of documents", lambda: dist.all_to_all_single(recv, send, *counts, group=group))
     got, at = [], 0
     raw = recv.numpy()
     for src, size in enumerate(recv_sizes.tolist()):
@@ -113,9 +142,10 @@ def exchange_rows(outgoing: list[list], group: Optional[dist.ProcessGroup], worl
     return got, int(send_sizes.sum())
 
 
-def stream_group(group: Optional[dist.ProcessGroup]) -> tuple:
+def stream_group(group: Optional[dist.ProcessGroup], timeout: float) -> tuple:
     """(the stream's own gloo group, its size, this process's rank in it); (None, 1, 0) without torch.distributed.
-    Creating the group is collective over the default group (torch.distributed.new_group)."""
+    Creating the group is collective over the default group (torch.distributed.new_group); its collectives wait at
+    most `timeout` seconds for the other processes."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -123,7 +153,7 @@ def stream_group(group: Optional[dist.ProcessGroup]) -> tuple:
             raise ValueError("group given but torch.distributed is not initialised")
         return None, 1, 0
     ranks = None if group is None else dist.get_process_group_ranks(group)
-    own = dist.new_group(ranks=ranks, backend="gloo")
+    own = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=timeout))
     if ranks is not None and dist.get_rank(group) < 0:  # ranks: the given group's
         return own, len(ranks), -1
     return own, dist.get_world_size(own), dist.get_rank(own)

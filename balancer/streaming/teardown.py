@@ -8,10 +8,12 @@ the current one on every rank), so a job in flight finishes on every rank once e
 
 `Teardown.run()` (what `BalancedStream.close()`, `with BalancedStream(...)`, garbage collection, interpreter exit
 and `torch.distributed.destroy_process_group()` all call, once: a stream built in a distributed world wraps that
-function so that it closes the open streams before destroying every group) asks the thread to stop after its current
-job, waits for it (up to `CLOSE_TIMEOUT` seconds), and then releases the stream's group. A thread still inside a
-collective after that (a rank that stopped without ever reaching the job: the collective can never finish) is left
-alone with one warning naming it: destroying the group under it would abort the process.
+function so that it closes the open streams before destroying every group) asks the thread to stop after the job
+submitted last (run even when the thread had not picked it up yet: the other ranks' collectives wait for it), waits
+for it (up to the stream's `close_timeout`, `CLOSE_TIMEOUT` seconds by default), and then releases the
+stream's group. A thread still inside a collective after that (a rank that stopped without ever reaching the job:
+the collective waits for it until the group's `timeout`, the stream's, then fails) is left alone with one warning
+naming it: destroying the group under it would abort the process.
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ class Worker:
         return fut
 
     def stop(self, timeout: float) -> bool:
-        """Stop after the job in flight (jobs not started are cancelled); True when the thread has ended."""
+        """Stop after the jobs submitted so far, also one the thread has not picked up yet (every rank submitted it at
+        the same micro-batch, and the others' collectives wait for this rank's); refuse new ones. True when the
+        thread has ended within `timeout` seconds."""
         self._stopping = True
         self._jobs.put(_STOP)
         if threading.current_thread() is self._thread:  # collected on its own thread: it ends after this job
@@ -65,15 +69,14 @@ class Worker:
             if job is _STOP:
                 break
             fut, fn, args = job
-            if self._stopping or not fut.set_running_or_notify_cancel():
-                fut.cancel()
+            if not fut.set_running_or_notify_cancel():  # cancelled by its caller: never started
                 continue
             try:
                 fut.set_result(fn(*args))
             except BaseException as e:  # handed to the main thread by fut.result()
                 fut.set_exception(e)
             del job, fut, fn, args  # an idle thread holds no job: a dropped stream can be collected
-        while not self._jobs.empty():  # what was queued behind the stop: never run
+        while not self._jobs.empty():  # nothing is queued behind the stop (submit refuses then); kept as a guard
             job = self._jobs.get_nowait()
             if job is not _STOP:
                 job[0].cancel()
@@ -114,8 +117,9 @@ class Teardown:
     """The stream's thread (started on first use) and process group, released once (module docstring). Holds no
     reference to the stream, so that a stream dropped without `close()` is still collected (and torn down)."""
 
-    def __init__(self, owner, group) -> None:
+    def __init__(self, owner, group, close_timeout: float = CLOSE_TIMEOUT) -> None:
         self.group = group
+        self.close_timeout = close_timeout  # seconds run() waits for a job in flight (BalancedStream's close_timeout)
         self.worker: Worker | None = None
         self.closed = False
         self._finalizer = weakref.finalize(owner, self.run)  # also runs at interpreter exit
@@ -134,18 +138,22 @@ class Teardown:
             self.worker = Worker()
         return self.worker
 
-    def close(self) -> None:
-        self._finalizer()  # runs `run` at most once, whoever calls first
+    def close(self, timeout: float | None = None) -> None:
+        """`run` (at most once, whoever calls first), waiting `timeout` seconds (default `close_timeout`)."""
+        if timeout is not None:
+            self.close_timeout = timeout
+        self._finalizer()
 
-    def run(self, timeout: float | None = None) -> None:
+    def run(self) -> None:
         self.closed = True
         _OPEN.discard(self)
         worker, self.worker = self.worker, None
-        if worker is not None and not worker.stop(CLOSE_TIMEOUT if timeout is None else timeout):
+        if worker is not None and not worker.stop(self.close_timeout):
             log.warning(
-                "BalancedStream.close: the stream's thread is still inside a window's collective after %.0f s (another "
-                "rank stopped before reaching that window); its process group is left as it is",
-                CLOSE_TIMEOUT if timeout is None else timeout,
+                "BalancedStream.close: the stream's thread is still inside a window's collective after %g s "
+                "(close_timeout; another rank stopped before reaching that window, and the collective waits up to the "
+                "stream's timeout); its process group is left as it is",
+                self.close_timeout,
             )
             return
         release_group(self.group)

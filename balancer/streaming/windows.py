@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 
 from balancer.planning.window import window_seed
-from balancer.streaming.exchange import all_gather_records, exchange_rows
+from balancer.streaming.exchange import StreamPeerError, all_gather_records, exchange_rows
 from balancer.streaming.reading import Reader, compose
 from balancer.streaming.sources import StreamSpec, assign, split_streams
 from balancer.training.segments import Segment, plan_units
@@ -148,7 +148,19 @@ class Pipeline:
         self.reader = Reader(stream.source, stream.meter)
 
     def prepare(self, index: int) -> Optional[Window]:
-        """Window `index` (the next one): read, gather, plan, exchange; None at the end of the stream."""
+        """Window `index` (the next one): read, gather, plan, exchange; None at the end of the stream. A collective
+        that fails (another process died, stalled past the stream's timeout, or stopped before this window) raises
+        a StreamPeerError naming the window and the timeout."""
+        try:
+            return self._prepare(index)
+        except StreamPeerError as e:
+            raise StreamPeerError(
+                f"BalancedStream window {index}: {e}: a process of the stream's group died, did not reach this "
+                f"window within timeout={self.stream.timeout:g} s, or stopped reading before it; this rank's "
+                "micro-batches stop here (none of this window was yielded)"
+            ) from e.__cause__
+
+    def _prepare(self, index: int) -> Optional[Window]:
         s = self.stream
         cur = self.cursor
         if all(cur.ended) and self.forced is None:
