@@ -2,7 +2,10 @@
 
 Every figure here comes from a model that did not see the micro-batches it is judged on: the held-out error of a
 split is measured with the model fitted on that split's other micro-batches, the fresh error with the saved model
-(fitted on the first split), on micro-batches of another length distribution and other budgets than the grid's.
+(fitted on the first split), on micro-batches of another length distribution and other budgets than the grid's,
+timed after the fit. Held-out micro-batches are judged against `TARGETS` (median <= 5%, p90 <= 10%), fresh ones,
+which also carry the noise of a second timing on a machine whose load may have changed, against `FRESH_TARGETS`
+(median <= 10%, p90 <= 20%).
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from balancer.calibration.split import split_by_micro_batch
+from balancer.planning.cost.fit import fit_cost_model
 from balancer.planning.cost.model import CostModel
 
 TARGETS = {"median_abs_error": 0.05, "p90_abs_error": 0.10}
+FRESH_TARGETS = {"median_abs_error": 0.10, "p90_abs_error": 0.20}
 
 
 def error_summary(predicted: ArrayLike, measured: ArrayLike) -> dict:
@@ -32,18 +37,31 @@ def error_summary(predicted: ArrayLike, measured: ArrayLike) -> dict:
     }
 
 
-def fit_samples(train: list[dict], window: int | None, method: str, options: dict) -> CostModel:
-    """`CostModel.fit` of every term on these timed samples (communication terms when any has CP > 1)."""
-    return CostModel.fit(
+def fresh_check(predicted: ArrayLike, measured: ArrayLike) -> dict:
+    """`error_summary` of fresh micro-batches with the verdict against `FRESH_TARGETS`: `meets_targets` when the
+    median |error| and the p90 are both within theirs (False for no micro-batches)."""
+    out = error_summary(predicted, measured)
+    out["meets_targets"] = bool(out["count"]) and all(out[k] <= v for k, v in FRESH_TARGETS.items())
+    return out
+
+
+def fit_samples(train: list[dict], window: int | None, method: str, options: dict, loss: str = "squares") -> CostModel:
+    """`CostModel.fit` of every term on these timed samples (communication terms when any has CP > 1), with `loss`
+    "squares", "huber" or "trim" (balancer.planning.cost.fit)."""
+    return fit_cost_model(
+        CostModel,
         [s["lengths"] for s in train],
         [s["seconds"] for s in train],
+        causal=True,
         window=window,
+        fit_fixed=True,
+        fit_pieces=True,
+        fit_comm=any(s["cp"] > 1 for s in train),
         cp=[s["cp"] for s in train],
         layout=[s["layout"] for s in train],
         method=method,
-        fit_pieces=True,
-        fit_comm=any(s["cp"] > 1 for s in train),
         layout_options=options,
+        loss=loss,
     )
 
 
@@ -71,6 +89,7 @@ def split_errors(
     window: int | None,
     method: str,
     options: dict,
+    loss: str = "squares",
 ) -> dict:
     """Held-out error over several splits by micro-batch: each split's model is fitted on its own fit set and judged
     on its held-out micro-batches. `median_abs_error` is the median over splits of each split's median,
@@ -81,7 +100,7 @@ def split_errors(
         train = [s for s in grid_samples if not held[s["micro_batch"]]]
         test = [s for s in grid_samples if held[s["micro_batch"]]]
         try:
-            cost = fit_samples(train, window, method, options)
+            cost = fit_samples(train, window, method, options, loss)
         except ValueError as e:
             per_split.append({"seed": int(seed), "error": str(e)})
             continue
@@ -102,20 +121,22 @@ def split_errors(
 
 
 def target_misses(report: dict) -> list[str]:
-    """What misses the targets (median <= 5%, p90 <= 10%) on held-out splits and fresh micro-batches."""
+    """What misses the targets: held-out splits (median <= 5%, p90 <= 10%), fresh micro-batches timed after the
+    fit (median <= 10%, p90 <= 20%)."""
     misses = []
     splits, fresh = report.get("splits", {}), report.get("fresh", {})
     if splits.get("failed"):
         misses.append(f"{splits['failed']} of {splits['count']} held-out splits could not be fitted")
     checks = [
-        ("held-out median |error| (median over splits)", splits.get("median_abs_error"), "median_abs_error"),
-        ("held-out p90 |error| (worst split)", splits.get("worst_p90_abs_error"), "p90_abs_error"),
-        ("fresh micro-batches median |error|", fresh.get("median_abs_error"), "median_abs_error"),
-        ("fresh micro-batches p90 |error|", fresh.get("p90_abs_error"), "p90_abs_error"),
+        ("held-out median |error| (median over splits)", splits.get("median_abs_error"), TARGETS, "median"),
+        ("held-out p90 |error| (worst split)", splits.get("worst_p90_abs_error"), TARGETS, "p90"),
+        ("fresh micro-batches median |error|", fresh.get("median_abs_error"), FRESH_TARGETS, "median"),
+        ("fresh micro-batches p90 |error|", fresh.get("p90_abs_error"), FRESH_TARGETS, "p90"),
     ]
-    for label, value, target in checks:
-        if value is not None and value > TARGETS[target]:
-            misses.append(f"{label} {100 * value:.1f}% > {100 * TARGETS[target]:.0f}%")
+    for label, value, targets, which in checks:
+        target = targets[f"{which}_abs_error"]
+        if value is not None and value > target:
+            misses.append(f"{label} {100 * value:.1f}% > {100 * target:.0f}%")
     return misses
 
 

@@ -24,10 +24,12 @@ import numpy as np
 from balancer.calibration.clock import CLOCKS, choose_clock, quietness
 from balancer.calibration.grid import KINDS, calibration_grid, fresh_budgets, fresh_micro_batches
 from balancer.calibration.report import (
+    FRESH_TARGETS,
     TARGETS,
     by_config,
     error_summary,
     fit_samples,
+    fresh_check,
     predict_samples,
     remedy,
     split_errors,
@@ -35,13 +37,22 @@ from balancer.calibration.report import (
 )
 from balancer.calibration.split import split_by_micro_batch
 from balancer.calibration.timing import TINY_LLAMA, time_micro_batches
+from balancer.planning.cost.fit import LOSSES
 from balancer.planning.cost.model import CostModel
 
 log = logging.getLogger(__name__)
 __all__ = ["CLOCKS", "Calibration", "calibrate", "error_summary"]
 DEFAULTS: dict[str, Any] = dict(
-    budgets=(4096, 8192), per_cell=4, repeats=3, max_repeats=12, splits=8, fresh_per_budget=2
+    budgets=(4096, 8192),
+    per_cell=4,
+    repeats=3,
+    max_repeats=12,
+    splits=8,
+    fresh_per_budget=2,
+    statistic="min",
+    loss="squares",
 )
+STATISTICS = ("min", "median")
 
 
 @dataclass
@@ -118,20 +129,28 @@ def calibrate(
     split_threshold: int | None = None,
     window: int | None = None,
     clock: str = "auto",
+    statistic: str = DEFAULTS["statistic"],
+    loss: str = DEFAULTS["loss"],
     progress: bool | str | None = False,
 ) -> Calibration:
-    """Time `config`'s model (default: a tiny Llama) on `calibration_grid(budgets, kinds, per_cell)` and on
-    `fresh_per_budget` fresh micro-batches per budget of `fresh_budgets(budgets)`, every CP size (CP > 1: every
-    layout), in a seeded shuffled order: `repeats` times each, then again until the two fastest runs agree within
-    2% (`max_repeats` runs at most); the minimum is kept (the least disturbed run).
+    """Time `config`'s model (default: a tiny Llama) on `calibration_grid(budgets, kinds, per_cell)`, every CP size
+    (CP > 1: every layout), in a seeded shuffled order: `repeats` times each, then again until the two fastest runs
+    agree within 2% (`max_repeats` runs at most); a micro-batch's time is the `statistic` ("min": the least
+    disturbed run, or "median") of its runs.
 
-    The saved model is fitted (`CostModel.fit`, every term) on the grid micro-batches outside the held-out split of
-    `seed`; the report gives its error on that split's held-out micro-batches, the held-out error of `splits` splits
-    (seeds `seed`, `seed + 1`, ...; each judged with its own fit), the error on the fresh micro-batches, and
-    `warnings` when the targets (median <= 5%, p90 <= 10%) are missed. `clock` "auto" fits wall time on a quiet
-    machine and process CPU time otherwise (balancer.calibration.clock; the reason is in the report)."""
+    The saved model is fitted (`CostModel.fit`, every term, `loss` "squares", "huber" or "trim") on the grid
+    micro-batches outside the held-out split of `seed`; the report gives its error on that split's held-out
+    micro-batches and the held-out error of `splits` splits (seeds `seed`, `seed + 1`, ...; each judged with its own
+    fit). Then, after the fit, `fresh_per_budget` fresh micro-batches per budget of `fresh_budgets(budgets)` are
+    timed the same way and predicted by the saved model (`fresh`). `warnings` name the targets missed (held-out:
+    median <= 5%, p90 <= 10%; fresh: median <= 10%, p90 <= 20%). `clock` "auto" fits wall time on a quiet machine
+    and process CPU time otherwise (balancer.calibration.clock; the reason is in the report)."""
     if clock not in CLOCKS:
         raise ValueError(f"--clock must be one of {CLOCKS}, got {clock!r}")
+    if statistic not in STATISTICS:
+        raise ValueError(f"--statistic must be one of {STATISTICS}, got {statistic!r}")
+    if loss not in LOSSES:
+        raise ValueError(f"--loss must be one of {LOSSES}, got {loss!r}")
     config = dict(TINY_LLAMA if config is None else config)
     _check(cp_sizes, budgets, repeats, max_repeats, held_out, split_threshold, splits, fresh_per_budget)
     layouts = _layouts(layouts)
@@ -141,43 +160,59 @@ def calibrate(
     _check_enough(grid, held, len(configs), cp_sizes)
     fresh = fresh_micro_batches(fresh_budgets(budgets), fresh_per_budget, seed)
     options = {"split_threshold": split_threshold} if split_threshold is not None else {}
-    jobs = [
-        {"kind": k, "lengths": lengths, "cp": cp, "layout": kind, "options": options if kind == "hybrid" else {}}
-        | {"micro_batch": i, "held_out": bool(i < len(grid) and held[i]), "fresh": i >= len(grid)}
-        for cp, kind in configs
-        for i, (k, lengths) in enumerate(grid + fresh)
-    ]
-    load_before, t0 = os.getloadavg(), time.perf_counter()
     timing = dict(method=method, repeats=repeats, max_repeats=max_repeats, threads=threads, progress=progress)
-    samples = _timed(config, jobs, seed, settle_on="wall" if clock == "wall" else "cpu", **timing)
-    facts = quietness(samples, load_before)
-    facts.update(loadavg_before=list(load_before), loadavg_after=list(os.getloadavg()))
+    timing.update(settle_on="wall" if clock == "wall" else "cpu")
+    t0 = time.perf_counter()
+    grid_jobs = _jobs(grid, configs, options, held, first=0, fresh=False)
+    samples, facts = _timed_phase(config, grid_jobs, seed, timing)
     chosen, reason = choose_clock(clock, facts)
-    for s in samples:
-        s["seconds"] = min(s[chosen])
-    settings = dict(
-        clock=chosen,
-        clock_reason=reason,
-        machine=facts,
-        repeats=repeats,
-        max_repeats=max_repeats,
-        runs_per_micro_batch=float(np.mean([len(s["cpu"]) for s in samples])),
-        per_cell=per_cell,
-        budgets=[int(b) for b in budgets],
-        threads=threads,
-        timing_seconds=time.perf_counter() - t0,
-    )
+    _set_seconds(samples, chosen, statistic)
     if window is None:
         window = CostModel.from_config({k: v for k, v in config.items() if k != "model_type"}).window
-    seeds = range(seed, seed + splits)
-    result = _fit_and_report(samples, grid, held_out, seeds, window, method, options)
-    result.report.update(model_config=config, **settings)
+    fit = dict(window=window, method=method, options=options, loss=loss)
+    result = _fit_and_report(samples, grid, held_out, range(seed, seed + splits), **fit)
+    fresh_jobs = _jobs(fresh, configs, options, None, first=len(grid), fresh=True)
+    fresh_samples, fresh_facts = _timed_phase(config, fresh_jobs, seed + 1, timing) if fresh_jobs else ([], {})
+    _set_seconds(fresh_samples, chosen, statistic)
+    _judge_fresh(result, fresh_samples, method, fresh_facts)
+    runs = [len(s["cpu"]) for s in result.samples]
+    result.report.update(
+        model_config=config, clock=chosen, clock_reason=reason, machine=facts, repeats=repeats,
+        max_repeats=max_repeats, runs_per_micro_batch=float(np.mean(runs)), per_cell=per_cell,
+        budgets=[int(b) for b in budgets], threads=threads, statistic=statistic, loss=loss,
+        timing_seconds=time.perf_counter() - t0,
+    )  # fmt: skip
     misses = target_misses(result.report)
     result.report["meets_targets"] = not misses
     result.report["warnings"] = (
         [f"the fit misses its targets: {'; '.join(misses)}. Remedy: {remedy(result.report)}"] if misses else []
     )
     return result
+
+
+def _jobs(batches, configs, options: dict, held, *, first: int, fresh: bool) -> list[dict]:
+    """One timing job per (micro-batch, CP size, layout); micro-batch numbers start at `first`."""
+    return [
+        {"kind": k, "lengths": lengths, "cp": cp, "layout": kind, "options": options if kind == "hybrid" else {}}
+        | {"micro_batch": first + i, "held_out": bool(held is not None and held[i]), "fresh": fresh}
+        for cp, kind in configs
+        for i, (k, lengths) in enumerate(batches)
+    ]
+
+
+def _timed_phase(config: dict, jobs: list[dict], seed: int, timing: dict) -> tuple[list[dict], dict]:
+    """The jobs timed (`_timed`), with the machine's facts while they ran (balancer.calibration.clock)."""
+    load_before = os.getloadavg()
+    samples = _timed(config, jobs, seed, **timing)
+    facts = quietness(samples, load_before)
+    facts.update(loadavg_before=list(load_before), loadavg_after=list(os.getloadavg()))
+    return samples, facts
+
+
+def _set_seconds(samples: list[dict], clock: str, statistic: str) -> None:
+    """Each sample's `seconds`: the `statistic` of its runs on `clock`."""
+    for s in samples:
+        s["seconds"] = float(min(s[clock]) if statistic == "min" else np.median(s[clock]))
 
 
 def _timed(config: dict, jobs: list[dict], seed: int, **timing) -> list[dict]:
@@ -189,26 +224,35 @@ def _timed(config: dict, jobs: list[dict], seed: int, **timing) -> list[dict]:
     return [{**job, "wall": [r[0] for r in runs[i]], "cpu": [r[1] for r in runs[i]]} for i, job in enumerate(jobs)]
 
 
-def _fit_and_report(samples, grid, held_out, seeds, window, method, options) -> Calibration:
+def _fit_and_report(samples, grid, held_out, seeds, window, method, options, loss="squares") -> Calibration:
+    """The saved model (fitted on the first split's fit set), its held-out errors and those of every split."""
     grid_samples = [s for s in samples if not s["fresh"]]
     train = [s for s in grid_samples if not s["held_out"]]
-    cost = fit_samples(train, window, method, options)
-    for s, p in zip(samples, predict_samples(cost, samples, method)):
+    cost = fit_samples(train, window, method, options, loss)
+    for s, p in zip(grid_samples, predict_samples(cost, grid_samples, method)):
         s["predicted"] = p
     test = [s for s in grid_samples if s["held_out"]]
-    fresh = [s for s in samples if s["fresh"]]
     report = {
         "method": method,
         "layout_options": options,
         "split": {"by": "micro-batch", "held_out": held_out, "seed": seeds[0], "micro_batches": len(grid)},
         "targets": TARGETS,
+        "fresh_targets": FRESH_TARGETS,
         "train": error_summary([s["predicted"] for s in train], [s["seconds"] for s in train]),
         "held_out": error_summary([s["predicted"] for s in test], [s["seconds"] for s in test]),
         **by_config(test, "held_out"),
-        "splits": split_errors(grid_samples, grid, held_out, seeds, window, method, options),
-        "fresh": error_summary([s["predicted"] for s in fresh], [s["seconds"] for s in fresh]),
-        **by_config(fresh, "fresh"),
+        "splits": split_errors(grid_samples, grid, held_out, seeds, window, method, options, loss),
     }
     report["split"]["held_out_micro_batches"] = len({s["micro_batch"] for s in test})
     log.info("calibration: held-out median |error| %.1f%%", 100 * report["held_out"].get("median_abs_error", 0))
-    return Calibration(cost, samples, report)
+    return Calibration(cost, grid_samples, report)
+
+
+def _judge_fresh(result: Calibration, fresh: list[dict], method: str, facts: dict) -> None:
+    """Predict the fresh micro-batches (timed after the fit) with the saved model; add them and their errors."""
+    for s, p in zip(fresh, predict_samples(result.cost, fresh, method)):
+        s["predicted"] = p
+    result.samples.extend(fresh)
+    result.report["fresh"] = fresh_check([s["predicted"] for s in fresh], [s["seconds"] for s in fresh])
+    result.report.update(by_config(fresh, "fresh"))
+    result.report["fresh_machine"] = facts

@@ -96,8 +96,24 @@ def format_report(cost: CostModel, report: dict) -> str:
             f"{100 * splits['median_abs_error']:.1f}% (median over splits), worst p90 "
             f"{100 * splits['worst_p90_abs_error']:.1f}%" + (f", {splits['failed']} failed" if splits["failed"] else "")
         )
+    lines += fresh_line(report)
     lines.append(f"clock: {report.get('clock_reason', report.get('clock'))}")
     return "\n".join(lines)
+
+
+def fresh_line(report: dict) -> list[str]:
+    """The headline figure: fresh micro-batches timed after the fit, against their target, with the load."""
+    fresh = report.get("fresh", {})
+    if not fresh.get("count"):
+        return []
+    before, grid = report.get("fresh_machine", {}), report.get("machine", {})
+    verdict = "met" if fresh.get("meets_targets") else "MISSED"
+    return [
+        f"fresh micro-batches timed after the fit: {fresh['count']}, median |error| "
+        f"{100 * fresh['median_abs_error']:.1f}%, p90 {100 * fresh['p90_abs_error']:.1f}% (target 10% / 20%: "
+        f"{verdict}; load average {before['loadavg_before'][0]:.2f} on {before['cores']} cores before them, "
+        f"{grid['loadavg_before'][0]:.2f} before the grid)"
+    ]
 
 
 def register(sub: Any) -> None:

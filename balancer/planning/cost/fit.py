@@ -8,6 +8,13 @@ least-squares problem on relative errors (every row divided by its measured time
 count alike), repeat until the choices stop changing. With `fit_comm` it fits both kinds of ring step, transfers
 added to compute (`comm_overlap=False`, one linear solve) and transfers overlapped with it (started from transfer
 costing 1/4, 1 and 4 times the compute it overlaps), and keeps the best fit.
+
+`loss` "squares" (the default, what the monitor's refit uses) is that plain least squares. On timings from a shared
+machine a few disturbed samples can pull it: "huber" refits with Huber weights on the relative errors (full weight
+within `HUBER_K` robust scales of the median error, weight falling as 1/|error| beyond), "trim" refits without the
+samples further than `TRIM_K` robust scales from it (outlier rejection); the robust scale is 1.4826 x the median
+absolute deviation of the relative errors, at least `MIN_SCALE`. Both repeat until the weights settle
+(`ROBUST_ROUNDS` at most).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ if TYPE_CHECKING:
 TERMS = ("attn_coef", "linear_coef", "fixed", "piece_coef", "comm_coef", "comm_latency")
 COMM_STARTS = (0.25, 1.0, 4.0)
 MAX_ROUNDS = 20
+LOSSES = ("squares", "huber", "trim")
+HUBER_K, TRIM_K, MIN_SCALE, ROBUST_ROUNDS = 1.345, 3.0, 0.005, 10
 
 
 def _per_sample(value, n: int, name: str) -> list:
@@ -39,13 +48,15 @@ def _per_sample(value, n: int, name: str) -> list:
     return value
 
 
-def _solve(features: np.ndarray, seconds: np.ndarray, active: np.ndarray) -> np.ndarray:
+def _solve(features: np.ndarray, seconds: np.ndarray, active: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """NNLS of `sum weights * (predicted / seconds - 1) ** 2` over the active terms."""
     from scipy.optimize import nnls
 
-    a = features[:, active] / seconds[:, None]
+    root = np.sqrt(weights)
+    a = features[:, active] / seconds[:, None] * root[:, None]
     scale = np.abs(a).max(axis=0)
     scale[scale == 0] = 1.0
-    coef, _ = nnls(a / scale, np.ones(len(seconds)))
+    coef, _ = nnls(a / scale, root)
     out = np.zeros(len(TERMS))
     out[active] = coef / scale
     return out
@@ -73,9 +84,12 @@ def fit_cost_model(
     method: str | Sequence[str],
     layout_options: dict,
     terms: list | None = None,
+    loss: str = "squares",
 ) -> CostModel:
     """See `CostModel.fit`. `terms`: the samples' `micro_batch_terms` when the caller has them already (the online
-    refit fits the same samples several times)."""
+    refit fits the same samples several times). `loss`: "squares", "huber" or "trim" (module docstring)."""
+    if loss not in LOSSES:
+        raise ValueError(f"CostModel.fit: loss must be one of {LOSSES}, got {loss!r}")
     seconds = np.asarray(seconds, dtype=np.float64)
     if seconds.ndim != 1 or len(seconds) != len(lengths):
         raise ValueError(f"CostModel.fit: got {len(lengths)} samples of lengths but {seconds.shape} seconds")
@@ -110,7 +124,25 @@ def fit_cost_model(
             out[idx] = fit_features_batch(stacked, method, model)
         return out
 
-    coef = _solve(features(None), seconds, active)
+    weights = np.ones(n)
+    starts = _starts(features, seconds, active, terms, fit_comm, weights)
+    best = _best(cls, starts, features, seconds, active, causal, window, weights)
+    for _ in range(ROBUST_ROUNDS if loss != "squares" else 0):
+        new = robust_weights(_relative_errors(best, features, seconds), loss)
+        if np.allclose(new, weights, rtol=0.0, atol=1e-4):
+            break
+        weights = (
+            new  # every start again under the new weights (a disturbed sample can flip comm_overlap), and the last fit
+        )
+        starts = _starts(features, seconds, active, terms, fit_comm, weights) + [(_coef(best), best.comm_overlap)]
+        best = _best(cls, starts, features, seconds, active, causal, window, weights)
+    return best
+
+
+def _starts(features, seconds, active, terms, fit_comm: bool, weights) -> list:
+    """[(starting coefficients, comm_overlap)]: the linear solve, and with `fit_comm` overlapped transfers from
+    several starting speeds."""
+    coef = _solve(features(None), seconds, active, weights)
     starts = [(coef, not fit_comm)]
     if fit_comm:  # transfers that add to compute (above) or overlap it, from several starting speeds
         compute_per_token = _compute_per_moved_token(terms, coef)
@@ -118,11 +150,16 @@ def fit_cost_model(
             start = coef.copy()
             start[TERMS.index("comm_coef")] = ratio * compute_per_token
             starts.append((start, True))
+    return starts
+
+
+def _best(cls, starts, features, seconds, active, causal, window, weights):
+    """The fit of least weighted squared relative error over `starts` (an error only when every start fails)."""
     best = None
     failure: ValueError | None = None
     for start, overlap in starts:
         try:
-            candidate = _iterate(cls, start, features, seconds, active, causal, window, overlap=overlap)
+            candidate = _iterate(cls, start, features, seconds, active, causal, window, overlap, weights)
         except ValueError as e:  # this start ran into a degenerate solve; the others may not
             failure = e
             continue
@@ -132,6 +169,28 @@ def fit_cost_model(
         assert failure is not None, "starts is never empty: each one failed"
         raise failure
     return best[0]
+
+
+def _coef(model) -> np.ndarray:
+    return np.array([getattr(model, t) for t in TERMS])
+
+
+def _relative_errors(model, features, seconds: np.ndarray) -> np.ndarray:
+    return features(model) @ _coef(model) / seconds - 1.0
+
+
+def robust_weights(errors: ArrayLike, loss: str) -> np.ndarray:
+    """Row weights of a robust refit from the current relative errors: "huber" 1 within `HUBER_K` robust scales of
+    their median and `HUBER_K * scale / distance` beyond; "trim" 1 within `TRIM_K` scales and 0 beyond; "squares"
+    all 1. The scale is 1.4826 x the median absolute deviation, at least `MIN_SCALE`."""
+    errors = np.asarray(errors, dtype=np.float64)
+    if loss == "squares":
+        return np.ones(len(errors))
+    distance = np.abs(errors - np.median(errors))
+    scale = max(1.4826 * float(np.median(distance)), MIN_SCALE)
+    if loss == "huber":
+        return np.minimum(1.0, HUBER_K * scale / np.maximum(distance, 1e-300))
+    return (distance <= TRIM_K * scale).astype(np.float64)
 
 
 def _batches(terms: list, methods: list) -> list:
@@ -144,8 +203,8 @@ def _batches(terms: list, methods: list) -> list:
     return out
 
 
-def _iterate(cls, coef, features, seconds, active, causal, window, overlap: bool):
-    """Alternate choices and NNLS from `coef`; returns (model, sum of squared relative errors)."""
+def _iterate(cls, coef, features, seconds, active, causal, window, overlap: bool, weights: np.ndarray):
+    """Alternate choices and NNLS from `coef`; returns (model, weighted sum of squared relative errors)."""
     model = _model(cls, coef, causal, window, overlap)
     previous = None
     for _ in range(MAX_ROUNDS):
@@ -153,9 +212,8 @@ def _iterate(cls, coef, features, seconds, active, causal, window, overlap: bool
         if previous is not None and np.array_equal(feats, previous):
             break
         previous = feats
-        model = _model(cls, _solve(feats, seconds, active), causal, window, overlap)
-    predicted = features(model) @ np.array([getattr(model, t) for t in TERMS])
-    return model, float(np.sum((predicted / seconds - 1.0) ** 2))
+        model = _model(cls, _solve(feats, seconds, active, weights), causal, window, overlap)
+    return model, float(np.sum(weights * _relative_errors(model, features, seconds) ** 2))
 
 
 def _compute_per_moved_token(terms, coef) -> float:
