@@ -24,6 +24,7 @@ where the windows (batches) are; its `WindowSchedule` (`schedule`) keeps the fit
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Optional
 
@@ -103,7 +104,8 @@ class BatchSteps:
         the uninterrupted run would have used."""
         if self.monitor is None:
             raise ValueError("BatchSteps.load_state_dict: build the BalanceMonitor on these steps first")
-        self._batches, self._steps, self._kept = int(state["batches"]), int(state["steps"]), {}
+        batches, steps = _checked_counts(state)
+        self._batches, self._steps, self._kept = batches, steps, {}
         self.schedule = self.monitor.resume({"monitor": state["monitor"]})
         self.monitor.on_sampler_load()
 
@@ -183,3 +185,26 @@ class BatchSteps:
         if dp_rank is None:
             raise ValueError("pass dp_rank: the micro-batch of which replica")
         return plan, local * plan.topology.bins_per_step + dp_rank * plan.step_micro_batches(local) + m
+
+
+def _checked_counts(state: object) -> tuple[int, int]:
+    """(batches, steps) of a `BatchSteps.state_dict()`: integers >= 0 (not bools), at least one step per batch, and
+    a "monitor" part; a ValueError naming the key otherwise."""
+    if not isinstance(state, dict):
+        raise ValueError(f"BatchSteps.load_state_dict: the state must be a dict, got {type(state).__name__}")
+    for key in ("batches", "steps", "monitor"):
+        if key not in state:
+            raise ValueError(f"BatchSteps.load_state_dict: the state has no {key!r} (not a BatchSteps.state_dict())")
+    for key in ("batches", "steps"):
+        value = state[key]
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(
+                f"BatchSteps.load_state_dict: state[{key!r}] must be an integer >= 0, got {type(value).__name__} "
+                f"{value!r}"
+            )
+    if state["steps"] < state["batches"]:
+        raise ValueError(
+            f"BatchSteps.load_state_dict: state['steps'] = {state['steps']} is fewer than state['batches'] = "
+            f"{state['batches']} (every batch has at least one step)"
+        )
+    return int(state["batches"]), int(state["steps"])

@@ -47,6 +47,7 @@ from balancer.trainers.balance import MeasuredBalanceMixin
 from balancer.trainers.defaults import default_topology
 from balancer.trainers.eval import BalancedEvalMixin, eval_lengths
 from balancer.trainers.loss_log import process_mean
+from balancer.trainers.options import check_trainer_options
 from balancer.trainers.stream import StreamTrainingMixin, is_stream, stream_settings, write_state
 from balancer.training.collate import PackedCollator
 from balancer.training.indices import SpanDataset
@@ -138,6 +139,7 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
             longest = max((int(eval_lengths(d).max()) for d in _eval_list(self.eval_dataset) if len(d)), default=0)
             topology = default_topology(self.args, lengths, max_length, longest)
         check_topology(topology)
+        check_trainer_options(cp_method=cp_method, attention_backend=attention_backend, filler_rows=filler_rows)
         if overflow not in OVERFLOW_POLICIES:
             raise ValueError(f"overflow must be one of {OVERFLOW_POLICIES}, got {overflow!r}")
         model: Any = self.model  # a transformers PreTrainedModel (config, set_attn_implementation)

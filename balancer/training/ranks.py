@@ -3,9 +3,21 @@ or torch.distributed (DP outermost)."""
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional
 
 from balancer.planning.topology import Topology
+
+
+def _checked_index(name: str, value: object, bound: int, what: str) -> int:
+    """`value` as an int in 0 .. bound-1: an integer that is not a bool (numpy integers too); a ValueError naming
+    `name` otherwise (a float, NaN or inf included: `int()` of them gave other errors or silently truncated)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < bound:
+        raise ValueError(
+            f"{name} must be an integer in 0 .. {bound - 1} ({what}): {type(value).__name__} {value!r} is out of range "
+            "or not an integer"
+        )
+    return int(value)
 
 
 def resolve_pool_rank(
@@ -14,9 +26,11 @@ def resolve_pool_rank(
     """This rank's pool rank (`dp_rank * cp + cp_rank`) from `rank`, or `dp_rank` / the device mesh /
     torch.distributed as `resolve_dp_rank` finds it (CP rank from torch.distributed when initialised, else 0)."""
     if rank is not None:
-        if isinstance(rank, bool) or int(rank) != rank or not 0 <= int(rank) < topology.pool_size:
-            raise ValueError(f"rank {rank!r} out of range for a pool of dp*cp = {topology.pool_size} ranks")
-        if dp_rank is not None and int(dp_rank) != int(rank) // topology.cp:
+        rank = _checked_index("rank", rank, topology.pool_size, f"a pool of dp*cp = {topology.pool_size} ranks")
+        if (
+            dp_rank is not None
+            and _checked_index("dp_rank", dp_rank, topology.dp, f"dp={topology.dp}") != rank // topology.cp
+        ):
             raise ValueError(f"dp_rank {dp_rank} and pool rank {rank} disagree (pool rank = dp_rank*cp + cp_rank)")
         return int(rank)
     import torch.distributed as dist
@@ -38,9 +52,7 @@ def resolve_pool_rank(
 
 def resolve_dp_rank(dp_rank: Optional[int], topology: Topology, device_mesh: Any, dp_dim: str) -> int:
     if dp_rank is not None:
-        if isinstance(dp_rank, bool) or int(dp_rank) != dp_rank or not 0 <= int(dp_rank) < topology.dp:
-            raise ValueError(f"dp_rank {dp_rank!r} out of range for dp={topology.dp}")
-        return int(dp_rank)
+        return _checked_index("dp_rank", dp_rank, topology.dp, f"dp={topology.dp}")
     if device_mesh is not None:
         size = device_mesh.size(device_mesh.mesh_dim_names.index(dp_dim)) if device_mesh.mesh_dim_names else None
         if size != topology.dp:
