@@ -70,6 +70,9 @@ def git_commit() -> dict:
     return {"commit": head.stdout.strip(), "dirty": bool(dirty.stdout.strip())}
 
 
+COMMIT_AT_START = git_commit()  # the code the benchmark runs: HEAD when it imports this module, before any work
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 for a benchmark's torch.distributed rendezvous."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -91,7 +94,8 @@ def table(columns: list[str], rows: list[list]) -> dict:
 
 def write_result(name: str, payload: dict, *, clock: str, model: dict | None = None) -> Path:
     """Write benchmarks/results/NAME.json: the payload plus how it was measured (the clock of its timings, the
-    machine with its load measured at start and end, the model where one ran, the command line, the git commit).
+    machine with its load measured at start and end, the model where one ran, the command line, the git commit at the
+    start, and the one at the end where it differs).
     Nothing in the record is a fixed note: every field comes from this run. A payload may carry `tables`: {title:
     `table(columns, rows)`}, which benchmarks/tables.py renders without knowing the benchmark."""
     if clock not in CLOCKS:
@@ -108,8 +112,11 @@ def write_result(name: str, payload: dict, *, clock: str, model: dict | None = N
         "command": shlex.join(["python", str(script), *sys.argv[1:]]),
         "clock": clock,
         "machine": machine_record(),
-        "git": git_commit(),
+        "git": COMMIT_AT_START,
     }
+    at_end = git_commit()
+    if at_end != COMMIT_AT_START:  # commits landed while it ran (or the tree became clean or dirty): both named
+        record["git_at_end"] = at_end
     if model is not None:
         record["model"] = model
     path = RESULTS / f"{name}.json"

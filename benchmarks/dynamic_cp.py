@@ -382,7 +382,7 @@ def table_dynamic_cp() -> str:
         )
     header = ["distribution", "topology", "cp sizes", "static eff.", "dynamic eff.", "static imb.", "dynamic imb."]
     header += ["plan CPU time dyn/static", "goals"]
-    return tb.markdown(header, rows)
+    return tb.markdown(header, rows) + tb.record_line(data)[:-1] + f"; {tb.commit_note(data)}."
 
 
 def table_dynamic_cp_communication() -> str:
@@ -400,7 +400,8 @@ def table_dynamic_cp_communication() -> str:
         for row in data["communication_rows"]
     ]
     header = ["distribution", "topology", "cp sizes", "predicted speedup", "share of rank-slots in groups of 1"]
-    return tb.markdown(header + ["plan CPU time dyn/static", "goals"], rows)
+    line = tb.record_line(data)[:-1] + f"; {tb.commit_note(data)}."
+    return tb.markdown(header + ["plan CPU time dyn/static", "goals"], rows) + line
 
 
 TABLES = {  # docs/ marker name -> the table, from the record
