@@ -144,6 +144,7 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
         )  # (window_docs, origin window, history) of this epoch
         self._cursor = (0, 0)  # (window, position at its first micro-batch) of the last yielded micro-batch
         self._resume_pending = False
+        self._passes, self._stale = 0, ""  # passes ended by set_epoch (an iterator of an older one refuses to go on)
         self.monitor = None  # a balancer.BalanceMonitor attaches itself here (StepSource: balancer.measured.source)
         self.schedule = WindowSchedule(topology, cost)  # which model plans each window of each epoch
         self.filler_rows = bool(filler_rows)
@@ -344,10 +345,15 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
     # ---- iteration ------------------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (its plan uses seed + epoch). Setting the epoch a loaded state is in keeps the resume
-        position; any other epoch starts from its beginning."""
+        position; any other epoch starts from its beginning, and an iterator of the old pass raises on its next
+        micro-batch (it would go on with the new epoch's plan: the old pass's rest lost, unnoticed)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {type(epoch).__name__} {epoch!r}")
         epoch = int(epoch)
         if epoch == self.epoch:
             return
+        self._stale = f"set_epoch({epoch}) was called while this pass (epoch {self.epoch}) was read"
+        self._passes += 1
         self.epoch = epoch
         self._restart()
 
@@ -512,11 +518,16 @@ class _SamplerIter:
 
     def __init__(self, sampler: BalancedBatchSampler) -> None:
         self.sampler = sampler
+        self.passes = sampler._passes  # the pass this iterator reads (set_epoch to another epoch ends it)
 
     def __iter__(self) -> _SamplerIter:
         return self
 
     def __next__(self) -> list:
+        if self.passes != self.sampler._passes:
+            raise RuntimeError(
+                f"BalancedBatchSampler: {self.sampler._stale}: this iterator is over; iterate the sampler again"
+            )
         return self.sampler._next_indices()
 
     def state_dict(self) -> dict:
@@ -525,3 +536,4 @@ class _SamplerIter:
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
         self.sampler._resume_pending = False
+        self.passes = self.sampler._passes  # this iterator reads the loaded pass
