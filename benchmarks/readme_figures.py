@@ -152,13 +152,25 @@ def wrapped(text: str) -> str:
     return "\n".join(fill) + "\n"
 
 
+def paragraph(name: str) -> str:
+    """The README paragraph `name` from its records; a record whose layout it does not know is one clear error."""
+    records, build = TEXTS[name]
+    try:
+        return build()
+    except (KeyError, StopIteration, TypeError) as e:
+        raise SystemExit(
+            f"README figure {name!r}: the records {', '.join(records)} lack what it quotes ({type(e).__name__}: {e}); "
+            f"update figure_{name} in benchmarks/readme_figures.py to the records' layout"
+        ) from e
+
+
 def render_readme(check: bool) -> int:
     """Rewrite README.md's generated figures from the records (check: exit status 1 when one is out of date)."""
     page = README.read_text()
     found = {m.group("name") for m in MARKER.finditer(page)}
     if found != set(TEXTS):
         raise SystemExit(f"README.md: figure markers {sorted(found)}, expected {sorted(TEXTS)}")
-    fresh = MARKER.sub(lambda m: m.group(1) + wrapped(TEXTS[m.group("name")][1]()) + m.group(4), page)
+    fresh = MARKER.sub(lambda m: m.group(1) + wrapped(paragraph(m.group("name"))) + m.group(4), page)
     if fresh == page:
         return 0
     if check:
