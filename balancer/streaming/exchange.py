@@ -117,16 +117,25 @@ def all_gather_records(record: np.ndarray, group: Optional[dist.ProcessGroup], w
 
 def exchange_rows(outgoing: list[list], group: Optional[dist.ProcessGroup], world: int, rank: int) -> tuple[list, int]:
     """`outgoing[dest]`: the (key, row) pairs for process `dest`. Returns (the pairs this process receives, from
-    every source rank in rank order, and the bytes it sent to other processes)."""
+    every source rank in rank order, and the bytes it sent to other processes). A row this process cannot pickle
+    is announced with a byte count of -1 to every process, so every process raises a StreamSourceError naming this
+    one (none waits in the second all-to-all for bytes that never come)."""
     if world == 1:
         return list(outgoing[0]), 0
     import torch
     import torch.distributed as dist
 
-    blobs = [b"" if dest == rank or not outgoing[dest] else pickle.dumps(outgoing[dest], 5) for dest in range(world)]
-    send_sizes = torch.tensor([len(b) for b in blobs], dtype=torch.int64)
+    blobs, failure = _pickled(outgoing, world, rank)
+    send_sizes = torch.tensor([-1] * world if failure else [len(b) for b in blobs], dtype=torch.int64)
     recv_sizes = torch.empty(world, dtype=torch.int64)
     _collective("all_to_all of byte counts", lambda: dist.all_to_all_single(recv_sizes, send_sizes, group=group))
+    failed = [src for src, size in enumerate(recv_sizes.tolist()) if size < 0]
+    if failure or failed:
+        raise StreamSourceError(
+            f"rank {rank}'s documents could not be sent: {failure}"
+            if failure
+            else f"rank {failed[0]}'s documents could not be sent (a row it read cannot be pickled; its error names it)"
+        )
     send = torch.from_numpy(np.frombuffer(b"".join(blobs), dtype=np.uint8).copy())
     recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8)
     counts = (recv_sizes.tolist(), send_sizes.tolist())
@@ -140,6 +149,21 @@ def exchange_rows(outgoing: list[list], group: Optional[dist.ProcessGroup], worl
             got.extend(pickle.loads(raw[at : at + size].tobytes()))
         at += size
     return got, int(send_sizes.sum())
+
+
+def _pickled(outgoing: list[list], world: int, rank: int) -> tuple[list[bytes], str]:
+    """The pickled rows per destination (this process's own: none), or the first row that cannot be pickled
+    described in one line."""
+    blobs = []
+    for dest in range(world):
+        if dest == rank or not outgoing[dest]:
+            blobs.append(b"")
+            continue
+        try:
+            blobs.append(pickle.dumps(outgoing[dest], 5))
+        except Exception as e:  # pickle raises TypeError, PicklingError, AttributeError... by what the row holds
+            return [], f"a row for rank {dest} cannot be pickled ({type(e).__name__}: {str(e).splitlines()[0]})"
+    return blobs, ""
 
 
 def stream_group(group: Optional[dist.ProcessGroup], timeout: float) -> tuple:
