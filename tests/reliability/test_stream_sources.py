@@ -1,9 +1,9 @@
 """Hostile stream sources on two gloo processes: a source that changes between epochs (other documents, fewer, none,
-fewer than a step's micro-batches), one that raises mid-window in a later window and a later epoch on one rank,
-and one whose rows cannot be pickled on one rank. Every pass yields exactly the documents its source gave, once,
-with equal counts on both ranks, and every failure reaches both ranks as the same kind of error (old: an
-unpicklable row failed on its own rank only, and the other waited in the document exchange for the stream's whole
-timeout, 30 minutes by default)."""
+fewer than a step's micro-batches, fewer than the replicas), one that raises mid-window in a later window and a later
+epoch on one rank, and one whose rows cannot be pickled on one rank. Every pass yields exactly the documents its
+source gave, once, with equal counts on both ranks, and every failure reaches both ranks as the same kind of error
+(old: an unpicklable row failed on its own rank only, and the other waited in the document exchange until that
+process exited or for the stream group's timeout, 30 minutes)."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ class EpochRows:
             yield row
 
 
-PLAN = {0: ROWS, 1: ROWS[20:90], 2: ROWS[:3], 3: [], 4: ROWS[100:]}
+PLAN = {0: ROWS, 1: ROWS[20:90], 2: ROWS[:3], 3: [], 4: ROWS[:1], 5: ROWS[100:]}
 
 
 def _pass(stream: BalancedStream, epoch: int) -> dict:
@@ -63,7 +63,7 @@ def _pass(stream: BalancedStream, epoch: int) -> dict:
 
 
 def _changing_rank(rank: int, world: int, out: str) -> None:
-    with BalancedStream(EpochRows(PLAN, fail=(4, 1, 31)), TOPO, COST, window_docs=16, timeout=60) as stream:
+    with BalancedStream(EpochRows(PLAN, fail=(5, 1, 31)), TOPO, COST, window_docs=16, timeout=60) as stream:
         result = {epoch: _pass(stream, epoch) for epoch in PLAN}
     Path(out, f"rank{rank}.pkl").write_bytes(pickle.dumps(result))
 
@@ -78,12 +78,15 @@ def test_a_source_that_changes_between_epochs_and_fails_in_a_later_one(tmp_path)
         assert sorted(d for res in results for mb in res[epoch]["batches"] for d in mb) == want, epoch
     for res in results:
         assert res[3] == {"batches": [], "error": None}  # an empty pass: nothing, on both ranks
-        err = res[4]["error"]  # rank 1's source fails mid-window in window 1 of epoch 4: the same error on both
+        one = res[4]["error"]  # one document for two replicas: the planner's refusal, on both ranks
+        assert res[4]["batches"] == [] and "cannot give each of dp = 2 replicas a micro-batch" in one, one
+        err = res[5]["error"]  # rank 1's source fails mid-window in window 1 of epoch 5: the same error on both
         assert err.startswith("StreamSourceError: the stream's source failed on rank 1"), err
         assert "source gone at item 31 (test)" in err
-    before = [d for res in results for mb in res[4]["batches"] for d in mb]
-    assert len(before) == len(set(before)) and set(before) <= {r["doc"] for r in PLAN[4]}
-    assert len(results[0][4]["batches"]) == len(results[1][4]["batches"]) > 0  # the windows before it were yielded
+    assert results[0][4]["error"] == results[1][4]["error"]
+    before = [d for res in results for mb in res[5]["batches"] for d in mb]
+    assert len(before) == len(set(before)) and set(before) <= {r["doc"] for r in PLAN[5]}
+    assert len(results[0][5]["batches"]) == len(results[1][5]["batches"]) > 0  # the windows before it were yielded
 
 
 class LockedRows:
