@@ -50,7 +50,7 @@ DEFAULTS: dict[str, Any] = dict(
     splits=8,
     fresh_per_budget=2,
     statistic="min",
-    loss="squares",
+    loss="trim",
 )
 STATISTICS = ("min", "median")
 
@@ -131,12 +131,14 @@ def calibrate(
     clock: str = "auto",
     statistic: str = DEFAULTS["statistic"],
     loss: str = DEFAULTS["loss"],
+    spread_runs: bool = True,
     progress: bool | str | None = False,
 ) -> Calibration:
     """Time `config`'s model (default: a tiny Llama) on `calibration_grid(budgets, kinds, per_cell)`, every CP size
     (CP > 1: every layout), in a seeded shuffled order: `repeats` times each, then again until the two fastest runs
-    agree within 2% (`max_repeats` runs at most); a micro-batch's time is the `statistic` ("min": the least
-    disturbed run, or "median") of its runs.
+    agree within 2% (`max_repeats` runs at most), in rounds (`spread_runs`, balancer.calibration.timing) or, without
+    it, back to back; a micro-batch's time is the `statistic` ("min": the least disturbed run, or "median") of its
+    runs.
 
     The saved model is fitted (`CostModel.fit`, every term, `loss` "squares", "huber" or "trim") on the grid
     micro-batches outside the held-out split of `seed`; the report gives its error on that split's held-out
@@ -161,7 +163,7 @@ def calibrate(
     fresh = fresh_micro_batches(fresh_budgets(budgets), fresh_per_budget, seed)
     options = {"split_threshold": split_threshold} if split_threshold is not None else {}
     timing = dict(method=method, repeats=repeats, max_repeats=max_repeats, threads=threads, progress=progress)
-    timing.update(settle_on="wall" if clock == "wall" else "cpu")
+    timing.update(settle_on="wall" if clock == "wall" else "cpu", spread=spread_runs)
     t0 = time.perf_counter()
     grid_jobs = _jobs(grid, configs, options, held, first=0, fresh=False)
     samples, facts = _timed_phase(config, grid_jobs, seed, timing)
@@ -179,7 +181,7 @@ def calibrate(
     result.report.update(
         model_config=config, clock=chosen, clock_reason=reason, machine=facts, repeats=repeats,
         max_repeats=max_repeats, runs_per_micro_batch=float(np.mean(runs)), per_cell=per_cell,
-        budgets=[int(b) for b in budgets], threads=threads, statistic=statistic, loss=loss,
+        budgets=[int(b) for b in budgets], threads=threads, statistic=statistic, loss=loss, spread_runs=spread_runs,
         timing_seconds=time.perf_counter() - t0,
     )  # fmt: skip
     misses = target_misses(result.report)
@@ -219,7 +221,7 @@ def _timed(config: dict, jobs: list[dict], seed: int, **timing) -> list[dict]:
     """The jobs as samples with their runs' `wall` and `cpu` seconds, timed in a seeded shuffled order (so that a
     change of load during the run does not line up with a CP size or a budget)."""
     order = np.random.default_rng([seed, 1]).permutation(len(jobs))
-    timed = time_micro_batches(config, [jobs[i] for i in order], **timing)
+    timed = time_micro_batches(config, [jobs[i] for i in order], seed=seed, **timing)
     runs = {int(i): reps for i, reps in zip(order, timed)}
     return [{**job, "wall": [r[0] for r in runs[i]], "cpu": [r[1] for r in runs[i]]} for i, job in enumerate(jobs)]
 

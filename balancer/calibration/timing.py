@@ -6,8 +6,10 @@ config (same seed), and for every micro-batch shards it with `attention.CPLayout
 model under `attention.hf.cp_context`, and times forward + loss + backward between barriers. A micro-batch's time is
 the slowest rank's (all-reduced max), on two clocks: wall time and process CPU time (on a machine shared with other
 jobs, CPU time is what a rank would take alone on its core: it does not count time the process waited to be
-scheduled). Each micro-batch is timed `repeats` times (after one warm-up run per CP size), and again, up to
-`max_repeats` runs, until its two fastest runs agree within 2%.
+scheduled). The micro-batches are timed in rounds, each round every micro-batch once (after one warm-up run per CP
+size): `repeats` rounds, then more, up to `max_repeats`, for those whose two fastest runs do not agree within 2% yet.
+A micro-batch's runs are so spread over the whole timing: a burst of load from other jobs slows one of its runs
+rather than all of them, and the fastest stays an undisturbed one.
 """
 
 from __future__ import annotations
@@ -105,37 +107,62 @@ def settled(runs: list[tuple[float, float]], clocks: tuple[int, ...] = (1,)) -> 
     return True
 
 
-def _run_jobs(model, jobs: list[dict], rank: int, groups: dict, payload: dict, bar) -> list:
-    """Time every job this rank takes part in (ranks below the job's cp); the first job of each CP size runs once
-    untimed first (allocator and kernel warm-up)."""
+def _prepare(model, jobs: list[dict], rank: int, groups: dict, method: str) -> list[tuple | None]:
+    """`_time_one`'s arguments for every job this rank takes part in (ranks below the job's cp), None for others."""
     import torch
 
     from attention.layout import CPLayout
 
     vocab = int(model.config.vocab_size)
-    results: list[list[tuple[float, float]] | None] = []
-    warm = set()
+    out: list[tuple | None] = []
     for j, job in enumerate(jobs):
         cp = int(job["cp"])
         if rank >= cp:
-            results.append(None)
+            out.append(None)
             continue
         cu = np.concatenate([[0], np.cumsum(job["lengths"])]).astype(np.int64)
         layout = CPLayout.build(cu, cp, kind=job["layout"], **job.get("options", {}))
         ids = torch.randint(0, vocab, (int(cu[-1]),), generator=torch.Generator().manual_seed(j))
-        labels = shifted_labels(ids, cu)
-        args = (model, layout, rank, ids, labels, payload["method"], groups[cp])
-        if j % GC_EVERY == 0:  # automatic collection is off while timing; a full collection costs ~0.1 s
+        out.append((model, layout, rank, ids, shifted_labels(ids, cu), method, groups[cp]))
+    return out
+
+
+def _run_jobs(model, jobs: list[dict], rank: int, groups: dict, payload: dict, bar) -> list:
+    """Time every job this rank takes part in. With `spread` (the default) in rounds: each round runs every job still
+    unsettled once, in a seeded order of its own, so that a job's runs are spread over the whole timing instead of
+    back to back (a burst of other jobs' load then slows one of its runs, not all); without, each job's runs back to
+    back. Runs `repeats` and beyond are skipped for a job whose two fastest runs agree within `SETTLE`; `max_repeats`
+    runs at most. The first job of each CP size runs once untimed first (allocator and kernel warm-up)."""
+    args = _prepare(model, jobs, rank, groups, payload["method"])
+    results: list[list[tuple[float, float]] | None] = [None if a is None else [] for a in args]
+    warm: set[int] = set()
+    count = 0
+
+    def step(j: int, run: int) -> None:
+        nonlocal count
+        runs = results[j]
+        if runs is None or (run >= payload["repeats"] and settled(runs, payload["settle_on"])):
+            return  # ranks outside a job take part in none of its runs
+        if count % GC_EVERY == 0:  # automatic collection is off while timing; a full collection costs ~0.1 s
             gc.collect()
-        if cp not in warm:
-            _time_one(*args)
-            warm.add(cp)
-        runs = [_time_one(*args) for _ in range(payload["repeats"])]
-        while len(runs) < payload["max_repeats"] and not settled(runs, payload["settle_on"]):
-            runs.append(_time_one(*args))
-        results.append(runs)
-        if bar is not None:
+        count += 1
+        if int(jobs[j]["cp"]) not in warm:
+            _time_one(*args[j])
+            warm.add(int(jobs[j]["cp"]))
+        runs.append(_time_one(*args[j]))
+        finished = len(runs) >= payload["max_repeats"] or settled(runs, payload["settle_on"])
+        if bar is not None and len(runs) >= payload["repeats"] and finished:
             bar.update()
+
+    rng = np.random.default_rng([int(payload["seed"]), 2])  # the same on every rank: all take the same steps
+    if payload["spread"]:
+        for run in range(payload["max_repeats"]):
+            for j in rng.permutation(len(jobs)):
+                step(int(j), run)
+    else:
+        for j in range(len(jobs)):
+            for run in range(payload["max_repeats"]):
+                step(j, run)
     return results
 
 
@@ -225,12 +252,15 @@ def time_micro_batches(
     settle_on: str = "cpu",
     threads: int = 1,
     progress: bool = False,
+    seed: int = 0,
+    spread: bool = True,
 ) -> list[list[tuple[float, float]]]:
     """(wall, CPU) seconds of every run of every job (`{"lengths": [...], "cp": c, "layout": kind,
     "options": {...}}`), all run in one spawned gloo world of the largest `cp` (a job of CP size c runs on ranks
-    0..c-1 while the others wait). Each job runs `repeats` times, then again until its two fastest runs agree
-    within `SETTLE` on the `settle_on` clock ("cpu", "wall" or "both"), `max_repeats` runs at most (default:
-    `repeats`, no re-runs)."""
+    0..c-1 while the others wait). The jobs run in rounds (each round every job once, in an order drawn from
+    `seed`): `repeats` rounds, then further rounds for the jobs whose two fastest runs do not agree within `SETTLE`
+    on the `settle_on` clock ("cpu", "wall" or "both") yet, `max_repeats` rounds at most (default: `repeats`, no
+    re-runs). `spread=False` runs each job's runs back to back instead of in rounds."""
     import torch.multiprocessing as mp
 
     if not jobs:
@@ -240,8 +270,10 @@ def time_micro_batches(
     settle = {"cpu": (1,), "wall": (0,), "both": (0, 1)}
     if settle_on not in settle:
         raise ValueError(f"settle_on must be one of {sorted(settle)}, got {settle_on!r}")
-    payload = dict(config=config, jobs=jobs, method=method, repeats=repeats, threads=threads, progress=progress)
-    payload.update(max_repeats=max(repeats, max_repeats or repeats), settle_on=settle[settle_on])
+    payload = dict(
+        config=config, jobs=jobs, method=method, repeats=repeats, threads=threads, progress=progress, seed=seed
+    )
+    payload.update(max_repeats=max(repeats, max_repeats or repeats), settle_on=settle[settle_on], spread=bool(spread))
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.json")
         mp.spawn(_worker, args=(world, _free_port(), payload, out), nprocs=world, join=True)

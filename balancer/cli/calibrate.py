@@ -6,10 +6,11 @@ import argparse
 import sys
 from typing import Any
 
-from balancer.calibration.run import DEFAULTS
+from balancer.calibration.run import DEFAULTS, STATISTICS
 from balancer.cli.flags import count, limits
 from balancer.data.output_paths import check_output_file
 from balancer.limits import MAX_SEED, MAX_TOKENS
+from balancer.planning.cost.fit import LOSSES
 from balancer.planning.cost.model import CostModel
 from balancer.strict_json import load_json
 
@@ -66,6 +67,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         seed=args.seed,
         split_threshold=args.split_threshold,
         clock=args.clock,
+        statistic=args.statistic,
+        loss=args.loss,
         progress=None if args.quiet else "bar" if sys.stderr.isatty() else "lines",
     )
     result.save(args.output)
@@ -148,13 +151,14 @@ def register(sub: Any) -> None:
         "--repeats",
         type=count(1, MAX_REPEATS),
         default=DEFAULTS["repeats"],
-        help=f"timed runs per micro-batch (the minimum is kept), {limits(1, MAX_REPEATS)}",
+        help=f"rounds of timed runs (each round times every micro-batch once), {limits(1, MAX_REPEATS)}",
     )
     p.add_argument(
         "--max-repeats",
         type=count(1, MAX_REPEATS),
         default=DEFAULTS["max_repeats"],
-        help="re-run a micro-batch until its two fastest runs agree within 2%%, at most this many runs "
+        help="further rounds for the micro-batches whose two fastest runs do not agree within 2%% yet, at most this "
+        "many runs each "
         f"(raised to --repeats when below it), {limits(1, MAX_REPEATS)}",
     )
     p.add_argument(
@@ -189,6 +193,24 @@ def register(sub: Any) -> None:
         default="auto",
         help="wall time, process CPU time, or auto: wall time when the machine was quiet while timing, else CPU time",
     )
+    _fit_flags(p)
     p.add_argument("--seed", type=count(0, MAX_SEED), default=0, help=f"grid and held-out seed, {limits(0, MAX_SEED)}")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress (a bar, or lines without a terminal)")
     p.set_defaults(func=cmd_calibrate)
+
+
+def _fit_flags(p: argparse.ArgumentParser) -> None:
+    """How the timings become a micro-batch's time and how they are fitted."""
+    p.add_argument(
+        "--statistic",
+        choices=STATISTICS,
+        default=DEFAULTS["statistic"],
+        help="a micro-batch's time from its runs: the fastest (least disturbed) or the median",
+    )
+    p.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default=DEFAULTS["loss"],
+        help="the fit: least squares on relative errors, or robust to disturbed timings (huber: down-weighted "
+        "beyond 1.345 robust scales; trim: dropped beyond 3)",
+    )

@@ -42,6 +42,8 @@ def test_error_summary():
         (["--held-out", "1.5"], "--held-out"),
         (["--splits", "0"], "--splits"),
         (["--fresh", "-1"], "--fresh"),
+        (["--loss", "l1"], "--loss"),
+        (["--statistic", "mean"], "--statistic"),
     ],
 )
 def test_calibrate_rejects_bad_options(tmp_path, capsys, argv, match):
@@ -62,7 +64,8 @@ def test_calibrate_cli_writes_a_model_plan_reads(tmp_path, capsys):
     argv += ["--layout", "hybrid", "--fresh", "1", "--splits", "3"]
     assert main([*argv, "--held-out", "0.25", "-o", str(out), "--quiet"]) == 0
     captured = capsys.readouterr()
-    assert "held_out" in captured.out and "median |error|" in captured.out and "fresh" in captured.out
+    assert "held_out" in captured.out and "median |error|" in captured.out
+    assert "fresh micro-batches timed after the fit: 4, median |error|" in captured.out
     cost = CostModel.load(out)
     assert cost.attn_coef > 0 and cost.linear_coef > 0
     data = json.loads(out.read_text())
@@ -75,7 +78,7 @@ def test_calibrate_cli_writes_a_model_plan_reads(tmp_path, capsys):
     assert report["split"]["by"] == "micro-batch" and report["splits"]["count"] == 3
     # the written model is the fit of the fit set alone: refitting those samples gives it back
     fitted = [s for s in samples if not s["held_out"] and not s["fresh"]]
-    assert fit_samples(fitted, None, "ring", {}) == cost
+    assert report["loss"] == "trim" and fit_samples(fitted, None, "ring", {}, report["loss"]) == cost
     clock = report["clock"]
     assert clock in ("wall", "cpu") and report["clock_reason"].startswith(("wall time", "process CPU time"))
     assert all(s["seconds"] > 0 and min(s[clock]) == s["seconds"] for s in samples)
