@@ -12,6 +12,7 @@ linear layer (that is its real cost), but its attention charges the sum of d^2, 
 
 from __future__ import annotations
 
+import cProfile
 import json
 import os
 import time
@@ -185,11 +186,18 @@ def run_job(rank: int, job: dict, tmp: Path) -> dict | None:
     attn = FLAT
     model = build_model(job["model"], job["seed"], attn)
     out = tmp / f"run-{rank}"
+    profiler = cProfile.Profile(time.process_time) if job.get("profile") else None  # CPU time
     dist.barrier()
     w0, c0 = time.perf_counter(), time.process_time()
+    if profiler is not None:
+        profiler.enable()
     trainer, counter = make_trainer(job, model, dataset, tokenizer, out)
     w1 = time.perf_counter()
     trainer.train()
+    if profiler is not None:
+        profiler.disable()
+        tag = "warmup" if job.get("warmup") else f"rep{job['rep']}-seed{job['seed']}"
+        profiler.dump_stats(Path(job["profile"]) / f"{job['mix']}-{job['contender']}-{tag}-rank{rank}.prof")
     dist.barrier()
     w2, c2 = time.perf_counter(), time.process_time()
     cpu = [None] * dist.get_world_size()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -152,18 +153,31 @@ def prepare(tmp: Path, mixes: list[str], n_docs: dict, steps: int) -> dict:
     return setups
 
 
-def jobs_for(mixes: list[str], setups: dict, reps: int, seeds: int, lr: float, warmup: int = 1) -> list[dict]:
-    """Per mix: `warmup` untimed runs of every contender, the timed repetitions (alternating order), the stock seeds."""
+def jobs_for(
+    mixes: list[str],
+    setups: dict,
+    reps: int,
+    seeds: int,
+    lr: float,
+    warmup: int = 1,
+    profile: str | None = None,
+    contenders: tuple[str, ...] = CONTENDERS,
+) -> list[dict]:
+    """Per mix: `warmup` untimed runs of every contender, the timed repetitions (alternating order), the stock seeds
+    (when the stock contender runs). `profile`: a folder where every run writes one cProfile file per rank."""
     jobs = []
     for mix in mixes:
         s = setups[mix]
         base = dict(mix=mix, dp=DP, micro_batches=M, model=MODEL, lr=lr, **{k: s[k] for k in (
             "batch_size", "tokens_per_step", "max_tokens", "seq_length")})  # fmt: skip
-        jobs += [dict(base, contender=c, seed=0, rep=-2, warmup=True) for _ in range(warmup) for c in CONTENDERS]
+        if profile is not None:
+            base["profile"] = profile
+        jobs += [dict(base, contender=c, seed=0, rep=-2, warmup=True) for _ in range(warmup) for c in contenders]
         for rep in range(reps):
-            order = CONTENDERS if rep % 2 == 0 else CONTENDERS[::-1]
+            order = contenders if rep % 2 == 0 else contenders[::-1]
             jobs += [dict(base, contender=c, seed=0, rep=rep) for c in order]
-        jobs += [dict(base, contender=STOCK, seed=s_, rep=-1) for s_ in range(1, seeds)]
+        if STOCK in contenders:
+            jobs += [dict(base, contender=STOCK, seed=s_, rep=-1) for s_ in range(1, seeds)]
     return jobs
 
 
@@ -181,9 +195,11 @@ def summarize(records: list[dict], mixes: list[str], setups: dict) -> dict:
     """Per mix and contender: median wall / CPU seconds over the timed repetitions, tokens/s, padding share, steps,
     held-out loss; the stock seeds' spread; speedups over the best built-in."""
     out = {}
+    ran = [c for c in CONTENDERS if any(r["contender"] == c for r in records)]
+    builtins = [c for c in ran if c in BUILTINS]
     for mix in mixes:
         rows = {}
-        for c in CONTENDERS:
+        for c in ran:
             timed = [r for r in records if r["mix"] == mix and r["contender"] == c and r["seed"] == 0]
             wall = [r["wall_seconds"] for r in timed]
             cpu = [r["cpu_seconds"] for r in timed]
@@ -204,17 +220,17 @@ def summarize(records: list[dict], mixes: list[str], setups: dict) -> dict:
                 losses=r0["losses"],
             )
         seeds = [r["heldout_loss"] for r in records if r["mix"] == mix and r["contender"] == STOCK and r["rep"] <= 0]
-        lo, hi = min(seeds), max(seeds)
-        best = min(BUILTINS, key=lambda c: rows[c]["wall_seconds"])
-        best_cpu = min(BUILTINS, key=lambda c: rows[c]["cpu_seconds"])
+        lo, hi = (min(seeds), max(seeds)) if seeds else (-math.inf, math.inf)  # the stock contender did not run
+        best = min(builtins, key=lambda c: rows[c]["wall_seconds"])
+        best_cpu = min(builtins, key=lambda c: rows[c]["cpu_seconds"])
         b = rows["balancer"]
-        steps = [rows[c]["steps"] for c in CONTENDERS]
+        steps = [rows[c]["steps"] for c in ran]
         out[mix] = dict(
             setup=setups[mix],
             contenders=rows,
             stock_seed_losses=seeds,
-            stock_spread=[lo, hi],
-            loss_within_spread={c: lo <= rows[c]["heldout_loss"] <= hi for c in CONTENDERS},
+            stock_spread=[lo, hi] if seeds else None,
+            loss_within_spread={c: lo <= rows[c]["heldout_loss"] <= hi for c in ran} if seeds else {},
             best_builtin_wall=best,
             speedup_wall=rows[best]["wall_seconds"] / b["wall_seconds"],
             best_builtin_cpu=best_cpu,
@@ -222,9 +238,22 @@ def summarize(records: list[dict], mixes: list[str], setups: dict) -> dict:
             steps_match=max(steps) - min(steps) <= 1,
             goal_speedup=GOAL[mix],
             goal_met=rows[best]["wall_seconds"] / b["wall_seconds"] >= GOAL[mix],
-            corpus_tokens_each_once={c: rows[c]["real_tokens"] == setups[mix]["tokens"] for c in CONTENDERS},
+            corpus_tokens_each_once={c: rows[c]["real_tokens"] == setups[mix]["tokens"] for c in ran},
         )
     return out
+
+
+def print_profiles(folder: Path, top: int = 25) -> None:
+    """Per contender, the timed runs' profiles of every rank merged: the functions with the most cumulative time."""
+    import pstats
+
+    for c in CONTENDERS:
+        files = sorted(str(f) for f in folder.glob(f"*-{c}-rep*.prof"))
+        if not files:
+            continue
+        stats = pstats.Stats(*files)
+        print(f"== {c}: {len(files)} profiles (timed runs x ranks), {stats.total_tt:.2f} s in all")
+        stats.sort_stats("cumulative").print_stats(top)
 
 
 def markdown(summary: dict) -> str:
@@ -256,8 +285,8 @@ def plot(summary: dict, path: Path) -> None:
         for c, r in s["contenders"].items():
             x, y = zip(*r["losses"]) if r["losses"] else ((), ())
             ax.plot(x, y, marker="o", ms=3, label=f"{c} (held-out {r['heldout_loss']:.3f})", color=colors[c])
-        lo, hi = s["stock_spread"]
-        ax.set_title(f"{mix}: training loss per step; stock seeds' held-out {lo:.3f}-{hi:.3f}", fontsize=10)
+        spread = "; stock seeds' held-out {:.3f}-{:.3f}".format(*s["stock_spread"]) if s["stock_spread"] else ""
+        ax.set_title(f"{mix}: training loss per step{spread}", fontsize=10)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("mean token loss (step)")
         ax.grid(alpha=0.3)
@@ -290,6 +319,18 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12, help="optimizer steps per epoch (every contender, +-1)")
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (constant)")
     ap.add_argument("--name", default="trainer_compare", help="results/NAME.json and NAME.png")
+    ap.add_argument(
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help="comma-separated, balancer and at least one "
+        f"built-in (default all: {','.join(CONTENDERS)}); without {STOCK}, no seed spread",
+    )
+    ap.add_argument(
+        "--profile",
+        metavar="DIR",
+        help="cProfile every run on every rank into DIR/*.prof and print "
+        "where each contender's time goes; writes no result (profiling inflates the times)",
+    )
     redo = "recompute the summary and the plot from the runs recorded in results/NAME.json (no training)"
     ap.add_argument("--summarize-only", action="store_true", help=redo)
     args = ap.parse_args(argv)
@@ -299,6 +340,10 @@ def main(argv=None) -> int:
     bad = [m for m in mixes if m not in GOAL]
     if bad:
         ap.error(f"--mixes: unknown mix {bad[0]!r} (choose from {', '.join(GOAL)})")
+    contenders = tuple(c for c in CONTENDERS if c in args.contenders.split(","))
+    unknown = sorted(set(args.contenders.split(",")) - set(CONTENDERS))
+    if unknown or "balancer" not in contenders or len(contenders) < 2:
+        ap.error(f"--contenders: balancer and at least one of {', '.join(BUILTINS)}, got {args.contenders!r}")
     if args.warmup < 0:
         ap.error(f"--warmup must be >= 0, got {args.warmup}")
     reps = args.reps if args.reps is not None else (1 if args.quick else 2)
@@ -312,11 +357,19 @@ def main(argv=None) -> int:
         for mix, s in setups.items():
             print(f"== {mix}: {json.dumps(s)}", flush=True)
         print(f"prepared in {time.perf_counter() - t0:.0f} s", flush=True)
-        (tmp / "jobs.json").write_text(json.dumps(jobs_for(mixes, setups, reps, seeds, args.lr, args.warmup)))
+        profile = None if args.profile is None else str(Path(args.profile).resolve())
+        if profile is not None:
+            Path(profile).mkdir(parents=True, exist_ok=True)
+        jobs = jobs_for(mixes, setups, reps, seeds, args.lr, args.warmup, profile, contenders)
+        (tmp / "jobs.json").write_text(json.dumps(jobs))
         spawn_world(tmp)
         records = json.loads((tmp / "records.json").read_text())
         warmups = json.loads((tmp / "warmup.json").read_text()) if args.warmup else []
     summary = summarize(records, mixes, setups)
+    if profile is not None:
+        print(markdown(summary))
+        print_profiles(Path(profile))
+        return 0
     result = dict(
         config=dict(
             reps=reps,
@@ -328,6 +381,7 @@ def main(argv=None) -> int:
             threads_per_rank=1,
             quick=args.quick,
             warmup=args.warmup,
+            contenders=list(contenders),
         ),  # fmt: skip
         runtime_seconds=time.perf_counter() - t0,
         summary=summary,

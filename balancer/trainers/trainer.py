@@ -239,6 +239,7 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
             max_steps, num_update_steps_per_epoch, num_train_epochs, resume_from_checkpoint, trial
         )
         self._resume_epoch = None
+        self._flops_parameters = None  # counted again for every train() (the model may have changed in between)
         if self.balanced_stream is not None or resume_from_checkpoint is None or self.args.ignore_data_skip:
             return epochs_trained, skipped
         path, state = read_checkpoint_state(
@@ -302,6 +303,20 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         the processes first, exactly as a logging step does (all ranks reach this point: it is a collective)."""
         self._tr_loss = process_mean(self._tr_loss)
         return super()._finalize_training(trial, num_train_samples, start_time)
+
+    # ---- FLOPs ---------------------------------------------------------------------------------------------------
+    _flops_parameters: Optional[int] = None
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """The stock estimate, 6 x the micro-batch's input tokens x the model's non-embedding parameters, with the
+        parameter count taken once per `train()` (the stock Trainer walks every module and parameter of the model
+        for every micro-batch)."""
+        main = getattr(self.model, "main_input_name", "input_ids")
+        if main not in inputs or not hasattr(self.model, "num_parameters"):
+            return 0
+        if self._flops_parameters is None:
+            self._flops_parameters = int(self.model.num_parameters(exclude_embeddings=True))
+        return 6 * inputs[main].numel() * self._flops_parameters
 
     # ---- loss ------------------------------------------------------------------------------------------------
     def _get_num_items_in_batch(self, batch_samples: list, device) -> int:
