@@ -12,7 +12,7 @@ from balancer.planning.topology import Topology
 def _checked_index(name: str, value: object, bound: int, what: str) -> int:
     """`value` as an int in 0 .. bound-1: an integer that is not a bool (numpy integers too); a ValueError naming
     `name` otherwise (a float, NaN or inf included: `int()` of them gave other errors or silently truncated)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < bound:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= int(value) < bound:
         raise ValueError(
             f"{name} must be an integer in 0 .. {bound - 1} ({what}): {type(value).__name__} {value!r} is out of range "
             "or not an integer"
