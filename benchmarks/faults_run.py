@@ -50,6 +50,7 @@ class Config:
     cp: int = 1  # processes per replica group
     train: bool = True  # False: the data path only (CP runs)
     mode: str = "shadow"
+    monitor: str = ""  # "shadow" / "adapt": a BalanceMonitor attached to every process's FaultTolerantBatches
     slow: dict = dataclasses.field(default_factory=dict)  # group -> [from committed step, extra seconds per token^2]
     batch_docs: int = 8  # torchft loader: documents per group and step
     max_steps: int = 0  # torchft loader: committed steps to run
@@ -142,7 +143,7 @@ def piece_json(x) -> list:
 
 
 def state_digest(state: dict) -> str:
-    keep = {k: v for k, v in state.items() if k != "speeds"}
+    keep = {k: v for k, v in state.items() if k not in ("speeds", "monitor", "fit")}  # each group's own measurements
     keep["members"] = state["speeds"]["members"]
     return hashlib.sha256(json.dumps(keep, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -182,6 +183,7 @@ def worker(cfg: Config, group: int, life: int, rank: int) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     batches = FaultTolerantBatches(lengths, cfg.topology(), cost_model(), replica_id=f"g{group}", seed=cfg.seed,
                                    window_docs=cfg.window_docs or None, mode=cfg.mode)  # fmt: skip
+    monitor = balancer.BalanceMonitor(batches, mode=cfg.monitor, cuda=False, warmup_steps=1) if cfg.monitor else None
     manager = make_manager(cfg, group, rank, model, opt)
     manager.register_state_dict_fn("batches", batches.load_state_dict, batches.state_dict)
     if life == 0:
@@ -195,6 +197,9 @@ def worker(cfg: Config, group: int, life: int, rank: int) -> None:
             if (batches.committed_steps, "between") in loop.kill:
                 os.kill(os.getpid(), signal.SIGKILL)
         final = {"state": state_digest(batches.state_dict()), "report": batches.report(), "log": batches.log[-200:]}
+        if monitor is not None:
+            final["monitor"] = {"steps": [s["step"] for s in monitor.ledger.steps], "fits": len(batches.fits),
+                                "refits": [r["reason"] for r in monitor.refits]}  # fmt: skip
         log.write(json.dumps({"group": group, "rank": rank, "life": life, "final": True, **final}) + "\n")
     if rank == 0:
         torch.save(model.state_dict(), Path(cfg.out) / f"final_g{group}.pt")

@@ -70,13 +70,17 @@ def test_context_parallel_ranks_of_a_group_get_the_same_micro_batches(tmp_path):
 
 
 def test_a_replica_that_slows_down_is_noticed_and_given_less_work(tmp_path):
-    """Adapt mode: group g1's device runs at half speed from committed step 8 on (benchmarks/faults_run.py sleeps
-    its device time twice as long); every group's report names it within a few steps, and the steps after that give
-    it less of the step's cost than g0."""
+    """Adapt mode, a BalanceMonitor attached to every process: group g1's device runs at half speed from committed
+    step 8 on (benchmarks/faults_run.py sleeps its device time twice as long); every group's report names it by its
+    replica_id within a few steps, and the steps after that give it less of the step's cost than g0."""
     cfg = faults_run.Config(out=str(tmp_path), groups=2, docs=300, mode="adapt", work=20.0, slow={"1": [8, 1.0]},
-                            train=False)  # fmt: skip
+                            train=False, monitor="adapt")  # fmt: skip
     result = faults_run.run(cfg)
     check_run(cfg, result)
+    for final in result["finals"]:  # each process's BalanceMonitor measured the committed steps its group ran
+        ran = sorted(r["committed_before"] for r in result["lines"] if (r["group"], r["rank"]) == (final["group"],
+                     final["rank"]) and r["committed"] and r["mine"])  # fmt: skip
+        assert final["monitor"]["steps"] == ran and len(ran) > 10, final["monitor"]
     for final in result["finals"]:
         slowed = [e for e in final["report"]["slowed"] if e["replica_id"] == "g1"]
         assert slowed and 8 <= slowed[0]["step"] <= 8 + 5, final["report"]["slowed"]

@@ -45,10 +45,12 @@ from typing import Any, Optional
 import numpy as np
 
 from balancer.integrations.torchft.exchange import Row, exchange
+from balancer.integrations.torchft.monitored import MonitoredSteps, piece_lengths, plan_cost
 from balancer.integrations.torchft.speeds import ReplicaSpeeds, plan_speeds
 from balancer.integrations.torchft.step_plan import StepPieces, StepPlan, plan_step
 from balancer.planning.cost.model import CostModel
-from balancer.planning.schedule import check_seed
+from balancer.planning.schedule import StepPlace, check_seed
+from balancer.planning.shuffle import num_windows
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
 from balancer.planning.window import check_window_docs, default_window_docs
@@ -77,14 +79,16 @@ class _Pending:
         return self.rows[0].position if self.rows else None
 
 
-class FaultTolerantBatches:
+class FaultTolerantBatches(MonitoredSteps):
     """This process's balanced micro-batches of each step under torchft (module docstring).
 
     `lengths`, `topology`, `cost`, `seed`, `window_docs`, `overflow` as for `BalancedBatchSampler`; `topology.dp` is
     the largest number of replica groups, `topology.micro_batches` each group's micro-batches in the failure-free
     run (static CP only; no `rank_speeds`: speeds are measured). `replica_id`: the id given to torchft's `Manager`.
     `mode`: "shadow" measures speeds and reports them, "adapt" also plans every step with them. `stall_seconds`:
-    a group's measured step compute beyond this is reported as a stall (`report()`)."""
+    a group's measured step compute beyond this is reported as a stall (`report()`). `cp_rank`: this process's
+    rank in its replica group (the monitor's `pool_rank`). A `BalanceMonitor` attaches to it (`monitored`): its
+    `topology` is the monitor's view of this group, `run_topology` the failure-free run's."""
 
     def __init__(
         self,
@@ -98,6 +102,7 @@ class FaultTolerantBatches:
         overflow: str = "error",
         mode: str = "shadow",
         stall_seconds: Optional[float] = None,
+        cp_rank: int = 0,
     ) -> None:
         _check_args(topology, cost, replica_id, seed, overflow, mode)
         self.lengths, _ = resolve_lengths(lengths, None)
@@ -112,20 +117,23 @@ class FaultTolerantBatches:
             self.window_docs = default_window_docs(n, summary.total_tokens, topology)
         else:
             self.window_docs = n if window_docs >= n else check_window_docs(window_docs, topology, n)
-        self.topology, self.cost, self.replica_id = topology, cost, replica_id
+        if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < topology.cp:
+            raise ValueError(f"cp_rank must be an integer in 0 .. topology.cp - 1 = {topology.cp - 1}, got {cp_rank!r}")
+        self.run_topology, self.cost, self.replica_id, self.cp_rank = topology, cost, replica_id, cp_rank
         self.seed, self.overflow, self.mode = int(seed), overflow, mode
         self.fingerprint = summary.fingerprint
         self._guard = LengthsGuard(self.lengths, summary.fingerprint)
         self.speeds = ReplicaSpeeds(stall_seconds=stall_seconds)
-        self.epoch, self.window, self.step, self.committed_steps = 0, 0, 0, 0
+        self.epoch, self.window, self.step, self.committed_steps, self.epoch_steps = 0, 0, 0, 0, 0
         self._origin, self._epoch_window_docs = 0, self.window_docs
         self._history: list = []
         self._windows: Optional[EpochWindows] = None
         self._pending: Optional[_Pending] = None
-        self._seconds = 0.0  # this process's measured compute in the step handed out
+        self._seconds: list[float] = []  # this process's measured micro-batches in the step handed out
         self._last: Optional[tuple[float, float]] = None  # (seconds, predicted) of its last committed step
         self.stale = False
         self.log: list[dict] = []  # per step handed out: contributors, micro-batches, predicted imbalance
+        self._init_monitored()
 
     # ---- the epoch's windows ----------------------------------------------------------------------------------
     @property
@@ -133,7 +141,7 @@ class FaultTolerantBatches:
         if self._windows is None:
             self._windows = EpochWindows(
                 self.lengths,
-                self.topology,
+                self.run_topology,
                 self.cost,
                 seed=self.seed,
                 epoch=self.epoch,
@@ -174,8 +182,8 @@ class FaultTolerantBatches:
             raise RuntimeError("next_step: the step handed out before has not been closed with end_step(committed)")
         slot = manager.participating_rank()
         row = self._row(slot) if slot is not None and manager.is_participating() else None
-        rows = exchange(manager, row, self.topology.dp)
-        self._seconds = 0.0
+        rows = exchange(manager, row, self.run_topology.dp)
+        self._seconds = []
         self._pending = _Pending(rows)
         if not rows:
             return []
@@ -188,7 +196,8 @@ class FaultTolerantBatches:
             return []
         speeds = plan_speeds([r.speed for r in rows]) if self.mode == "adapt" else None
         seed = int(np.random.SeedSequence([_STEP_TAG, self.seed, *rows[0].position[:3]]).generate_state(1)[0])
-        plan = plan_step(self.pieces(), self.topology, self.cost, len(rows), speeds, seed)
+        cost = plan_cost(rows, self.cost)  # a monitor's fit proposed by the first contributor, or the run's own
+        plan = plan_step(self.pieces(), self.run_topology, cost, len(rows), speeds, seed)
         self._pending = _Pending(rows, plan, mine)
         self.log.append(
             {
@@ -196,6 +205,7 @@ class FaultTolerantBatches:
                 "position": list(rows[0].position[:3]),
                 "contributors": [r.replica_id for r in rows],
                 "speeds": speeds,
+                "fitted": cost is not self.cost,
                 "micro_batches": plan.micro_batches,
                 "imbalance": plan.imbalance,
                 "times": plan.times.tolist(),
@@ -222,6 +232,7 @@ class FaultTolerantBatches:
             own or 0.0,
             seconds,
             predicted,
+            self.fit_row(),
         )
 
     def step_plan(self) -> Optional[tuple[list[str], list]]:
@@ -244,7 +255,7 @@ class FaultTolerantBatches:
         seconds = float(seconds)
         if not (np.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"record: seconds must be a finite number >= 0, got {seconds!r}")
-        self._seconds += seconds
+        self._seconds.append(seconds)
 
     @contextlib.contextmanager
     def timer(self) -> Iterator[None]:
@@ -275,15 +286,25 @@ class FaultTolerantBatches:
         for r in p.rows:
             self.speeds.observe(self.committed_steps, r.replica_id, r.predicted, r.seconds)
         self.speeds.members_at(self.committed_steps, [r.replica_id for r in p.rows])
-        mine, plan = p.mine, p.plan
-        self._last = (
-            None if mine is None or plan is None or self._seconds <= 0 else (self._seconds, float(plan.costs[mine]))
-        )
+        items = [] if p.mine is None or p.plan is None else p.plan.items[p.mine]
+        self._last = self._measured_step(items)
+        last = self.step == self.windows.steps(self.window) - 1
+        self.measure(StepPlace(self.window, last, self.topology.micro_batches), items, self._seconds)
         self._advance()
+
+    def _measured_step(self, items: list) -> Optional[tuple[float, float]]:
+        """(seconds, predicted cost units per CP rank under the run's own `cost`) of this group's micro-batches of
+        the step (None: it had none or timed none): the same units whichever model planned the step."""
+        seconds = float(sum(self._seconds))
+        if not items or seconds <= 0:
+            return None
+        units = sum(self.cost.micro_batch_cost(piece_lengths(mb, self.lengths)) for mb in items)
+        return seconds, units / self.run_topology.cp
 
     def _advance(self) -> None:
         self.step += 1
         self.committed_steps += 1
+        self.epoch_steps += 1
         if self.step >= self.windows.steps(self.window):
             self.window, self.step = self.window + 1, 0
 
@@ -292,7 +313,7 @@ class FaultTolerantBatches:
         epoch = int(epoch)
         if epoch == self.epoch:
             return
-        self.epoch, self.window, self.step = epoch, 0, 0
+        self.epoch, self.window, self.step, self.epoch_steps = epoch, 0, 0, 0
         self._origin, self._history, self._epoch_window_docs = 0, [], self.window_docs
         self._windows = None
 
@@ -305,7 +326,7 @@ class FaultTolerantBatches:
     def state_dict(self) -> dict:
         """The committed data position and the speeds (plain Python values: torchft's transfer and checkpoints
         take it as is)."""
-        here = [{"topology": self.topology.to_dict(), "cost": self.cost.to_dict(), "steps": None}]
+        here = [{"topology": self.run_topology.to_dict(), "cost": self.cost.to_dict(), "steps": None}]
         past = self._history if self.window == self._origin else []
         return {
             "format": STATE_FORMAT,
@@ -313,6 +334,7 @@ class FaultTolerantBatches:
             "window": self.window,
             "step": self.step,
             "committed_steps": self.committed_steps,
+            "epoch_steps": self.epoch_steps,
             "window_docs": self._epoch_window_docs,
             "seed": self.seed,
             "overflow": self.overflow,
@@ -323,6 +345,8 @@ class FaultTolerantBatches:
             ]
             + here,
             "speeds": self.speeds.state_dict(),
+            "fit": self.fit_state(),
+            **({} if self.monitor is None else {"monitor": self.monitor.state_dict()}),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -336,19 +360,26 @@ class FaultTolerantBatches:
         ]
         last_topo, last_cost = Topology.from_dict(segs[-1]["topology"]), CostModel.from_dict(segs[-1]["cost"])
         window, step = int(state["window"]), int(state["step"])
-        if (last_topo, last_cost) != (self.topology, self.cost):
+        if (last_topo, last_cost) != (self.run_topology, self.cost):
             history.append({"topology": last_topo, "cost": last_cost, "steps": step})
             step = 0
         self.epoch, self.window, self.step = int(state["epoch"]), window, step
         self.committed_steps = int(state["committed_steps"])
         self._epoch_window_docs = int(state["window_docs"])
         self._origin, self._history, self._windows = window, history, None
+        if window >= num_windows(len(self.lengths), self._epoch_window_docs):  # a state at the epoch's end
+            self._origin, self._history = 0, []
         if window < self.windows.count and step > self.windows.steps(window):
             raise ValueError(f"the state's step {step} is past window {window}'s {self.windows.steps(window)} steps")
         if window < self.windows.count and step == self.windows.steps(window):
             self.window, self.step = window + 1, 0
         self.speeds.load_state_dict(state["speeds"])
+        self.epoch_steps = int(state["epoch_steps"])
+        self.load_fit_state(state["fit"])
         self.stale = False
+        if self.monitor is not None:
+            self.monitor.resume(state)
+            self.monitor.on_sampler_load()
 
 
 def _check_args(topology, cost, replica_id, seed, overflow, mode) -> None:
@@ -381,6 +412,9 @@ def _check_agree(rows: list) -> None:
 def _check_state(state, batches: FaultTolerantBatches) -> None:
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise ValueError(f"not a FaultTolerantBatches state (no 'format': {STATE_FORMAT!r})")
+    missing = [k for k in ("epoch_steps", "fit", "speeds", "segments") if k not in state]
+    if missing:
+        raise ValueError(f"the FaultTolerantBatches state lacks {missing} (saved by an older version)")
     if state["fingerprint"] != batches.fingerprint or state["num_docs"] != len(batches.lengths):
         raise ValueError(
             f"the state is from another data set: {state['num_docs']} documents, fingerprint "

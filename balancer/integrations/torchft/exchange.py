@@ -6,7 +6,8 @@ participate in the step (a group healing under async quorum: its gradients are z
 would be lost), so the rows left after the sum are exactly the contributing groups, the same on every group. A row
 carries the group's data position (which step of which window of which epoch it is about to run: all contributors
 must agree), the step's loss tokens (so that a group without the data state still learns them), the group's
-`replica_id` (UTF-8 bytes, one per float: exact), its speed estimate and its last measured step.
+`replica_id` (UTF-8 bytes, one per float: exact), its speed estimate, its last measured step and the cost model
+its `BalanceMonitor` fitted in adapt mode (coefficients and the (epoch, window) it plans from; a flag 0: none).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-__all__ = ["Row", "exchange", "ROW", "MAX_ID_BYTES"]
+from balancer.planning.cost.fit import TERMS
+
+__all__ = ["Row", "exchange", "ROW", "MAX_ID_BYTES", "FIT"]
 
 MAX_ID_BYTES = 64
 _FIELDS = (
@@ -34,7 +37,8 @@ _FIELDS = (
     "predicted",
     "id_len",
 )
-ROW = len(_FIELDS) + MAX_ID_BYTES
+FIT = 4 + len(TERMS)  # flag, epoch, window, comm_overlap, the coefficients
+ROW = len(_FIELDS) + FIT + MAX_ID_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +46,9 @@ class Row:
     """One replica group's row: `slot` (its participating rank), `replica_id`, its data position `(epoch, window,
     step)` and `digest` (of the re-planned window's history after an elastic resume, 0 without one), `done` (the
     epoch has no step left), the step's `loss_tokens` and `tokens`, `speed` (the group's speed estimate, 0: none
-    or not planned with), and its last measured step (`seconds` of compute for `predicted` cost units; 0: none)."""
+    or not planned with), its last measured step (`seconds` of compute for `predicted` cost units; 0: none), and
+    `fit`: the monitor's fitted model it proposes (`FIT` floats: flag, epoch, window, comm_overlap, coefficients
+    in `TERMS` order; all 0: none)."""
 
     slot: int
     replica_id: str
@@ -56,6 +62,7 @@ class Row:
     speed: float
     seconds: float
     predicted: float
+    fit: tuple = (0.0,) * FIT
 
     @property
     def position(self) -> tuple[int, int, int, int]:
@@ -80,14 +87,16 @@ class Row:
             self.predicted,
             len(raw),
         ]
-        out[len(_FIELDS) : len(_FIELDS) + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+        n = len(_FIELDS)
+        out[n : n + FIT] = self.fit
+        out[n + FIT : n + FIT + len(raw)] = np.frombuffer(raw, dtype=np.uint8)
         return out
 
     @classmethod
     def decode(cls, slot: int, values: np.ndarray) -> Row:
         f = dict(zip(_FIELDS, values[: len(_FIELDS)].tolist()))
-        n = int(f["id_len"])
-        raw = bytes(int(x) for x in values[len(_FIELDS) : len(_FIELDS) + n])
+        n, k = int(f["id_len"]), len(_FIELDS) + FIT
+        raw = bytes(int(x) for x in values[k : k + n])
         return cls(
             slot,
             raw.decode("utf-8"),
@@ -101,6 +110,7 @@ class Row:
             f["speed"],
             f["seconds"],
             f["predicted"],
+            tuple(values[len(_FIELDS) : len(_FIELDS) + FIT].tolist()),
         )
 
 

@@ -5,7 +5,8 @@ The failure-free run's step (its pieces: whole documents and split documents' sp
 contributors with at least `ceil(dp * M / k)` micro-batches each (fewer groups take more; fewer when the step has
 fewer pieces than that: none is left empty), every piece fitting a micro-batch (the window plan made them fit),
 each group's share in proportion to its speed when speeds are given (the micro-batch count, the same for every
-group, then lets the fastest hold its share: a slow group's micro-batches are emptier).
+group, then lets the fastest hold its share: a slow group's micro-batches are emptier). No group runs more
+micro-batches than the failure-free step has in all (`dp * M`).
 """
 
 from __future__ import annotations
@@ -90,6 +91,8 @@ def plan_step(
     except ValueError:
         return _deal(pieces, t, cost, contributors, speeds, seed)
     mq = plan.step_micro_batches(0)
+    if mq > t.dp * pieces.micro_batches:  # more than the failure-free step has in all: no group runs more
+        return _deal(pieces, t, cost, contributors, speeds, seed)
     bins = [_items(pieces, plan, k) for k in range(contributors * mq)]
     items = [[mb for mb in bins[r * mq : (r + 1) * mq] if mb] for r in range(contributors)]
     costs = plan.micro_batch_costs()[0].sum(axis=1) / t.cp
