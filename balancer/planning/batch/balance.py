@@ -211,7 +211,8 @@ def balance_static(
     else:
         first = -(-_first_auto_m(most, g_tok, topology, options) // step) * step
         last = min(MAX_AUTO_MICRO_BATCHES, len(u_doc) // (topology.dp * k)) // step * step
-        m, attempt = fewest_fitting(first, last, step, attempt_at)
+        start = _speed_start(int(u_tok.sum()), k, topology, step) if rank_rules else None
+        m, attempt = fewest_fitting(first, last, step, attempt_at, start)
         if attempt is None:
             raise ValueError(
                 f"micro_batches='auto' found no count that fits: {len(u_doc)} documents cannot fill "
@@ -223,20 +224,38 @@ def balance_static(
 
 
 def fewest_fitting(
-    first: int, last: int, step: int, attempt_at: Callable[[int], Optional[tuple]]
+    first: int, last: int, step: int, attempt_at: Callable[[int], Optional[tuple]], start: Optional[int] = None
 ) -> tuple[int, Optional[tuple]]:
     """(M, attempt_at(M)) for the fewest M in first, first + step, ..., last whose attempt is not None, found by
-    doubling strides from `first` and then halving back between the last miss and the first fit (the packers fit
-    at every count above one that fits, so this is the linear scan's answer in O(log) attempts, where the linear
-    scan took one attempt per count: seventy at 16K rollouts on uneven ranks); (last + step, None) when none fits."""
-    miss, stride, m = first - step, step, first
-    while m <= last:
-        attempt = attempt_at(m)
-        if attempt is not None:
-            break
-        miss, m, stride = m, min(m + stride, last) if m < last else last + step, stride * 2
-    else:
-        return last + step, None
+    doubling strides from `start` (default `first`; a multiple of `step`) upwards while the attempts miss, or
+    downwards while they fit, and then halving back between the last miss and the first fit (the packers fit at
+    every count above one that fits, so this is the linear scan's answer in O(log) attempts, where the linear scan
+    took one attempt per count: seventy at 16K rollouts on uneven ranks); (last + step, None) when none fits. A
+    `start` near the answer saves the attempts between `first` and it."""
+    start = first if start is None else max(first, min(start, last))
+    miss, fit = first - step, None  # counts below `first` do not fit
+    if start > first:
+        trial = attempt_at(start)
+        miss, fit = (start, None) if trial is None else (miss, (start, trial))
+    if fit is None:  # upwards from the last miss
+        m, stride = miss + step, step
+        while m <= last:
+            trial = attempt_at(m)
+            if trial is not None:
+                fit = (m, trial)
+                break
+            miss, m, stride = m, min(m + stride, last) if m < last else last + step, stride * 2
+        else:
+            return last + step, None
+    else:  # downwards from the fit until a miss
+        stride = step
+        while fit[0] - stride > miss:
+            trial = attempt_at(fit[0] - stride)
+            if trial is None:
+                miss = fit[0] - stride
+                break
+            fit, stride = (fit[0] - stride, trial), stride * 2
+    m, attempt = fit
     while m - miss > step:  # fits at m, missed at `miss`: halve the gap (on multiples of step)
         mid = miss + (m - miss) // (2 * step) * step
         trial = attempt_at(mid)
@@ -370,6 +389,17 @@ def split_mini_batches(
         tokens[s] += g_tok[g]
         held[s] += 1
     return out
+
+
+def _speed_start(tokens: int, k: int, topology: Topology, step: int) -> Optional[int]:
+    """Where "auto" starts looking with rank rules on uneven ranks: the count whose micro-batches hold the fastest
+    rank's speed share of a step's tokens (its rank keeps that share's documents, so fewer rarely fit). None on
+    even ranks."""
+    speeds = replica_speeds(topology)
+    if speeds is None:
+        return None
+    share = tokens / k * float(speeds.max()) / float(speeds.sum())
+    return -(-int(np.ceil(share / topology.micro_batch_tokens)) // step) * step
 
 
 def _first_auto_m(most: int, g_tok, topology: Topology, options) -> int:

@@ -110,6 +110,13 @@ def _spill(
     return bins
 
 
+def pack_replica(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray | None:
+    """Micro-batch of every unit of one replica (`topology.dp == 1`): level 2 alone (tokens balanced within the cap
+    with one pipeline stage, costs with several), None when the units do not fill its M micro-batches within the
+    cap. Linear-time; for a replica whose time does not depend on the split (pp = 1)."""
+    return _micro_batches(np.zeros(len(cost), dtype=np.int64), cost, np.asarray(tokens, dtype=np.int64), topology)
+
+
 def _micro_batches(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray | None:
     """Micro-batch of every unit given its replica `rep`, or None when a replica's units do not fill its M."""
     m, cap = topology.micro_batches, topology.micro_batch_tokens

@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from balancer.planning.batch.large import LARGE_UNITS, balance_swaps, deal_equal_counts, lpt_timed, pack_large
+from balancer.planning.batch.large import (
+    LARGE_UNITS,
+    balance_swaps,
+    deal_equal_counts,
+    lpt_timed,
+    pack_large,
+    pack_replica,
+)
+from balancer.planning.batch.repartition import repartition_pairs
 from balancer.planning.packing.search import polish
 from balancer.planning.packing.step import fill_empty, pack_step, place_rest
 from balancer.planning.speeds import replica_speeds, with_speeds
@@ -36,7 +44,11 @@ def pack_items(
     item_cost = np.bincount(item_of, weights=u_cost[units])
     item_tok = np.bincount(item_of, weights=u_tok[units]).astype(np.int64)
     bins = pack_complete(item_cost, item_tok, topology)
-    return None if bins is None else bins[item_of]
+    if bins is None:
+        return None
+    if len(item_cost) < LARGE_UNITS:  # a small step: its replicas' items split anew, pair by pair (bounded)
+        bins = repartition_pairs(bins, item_cost, item_tok, topology, pack_replica)
+    return bins[item_of]
 
 
 def pack_ranks(

@@ -1,0 +1,132 @@
+"""Pair repartition: a bounded refinement of one small step of a fixed batch (pp = 1, static CP).
+
+With one pipeline stage a replica's time is its summed cost over its speed, whatever the split into micro-batches,
+so the step time is set by which items each replica holds. The move/swap search that packs a step changes one or
+two items at a time and stops in a local optimum, often a few hundredths of a percent above the step's bound on
+slices of a few dozen documents. This pass takes the slowest replica and another one (the fastest first) and
+splits the items of both anew, exactly: every subset of their items (at most `MAX_UNION`, the smallest ones; the
+rest stay where they are) is scored by meet in the middle (two halves of 2^12 subset sums, each subset of one half
+matched by binary search to the sums of the other), the best splits within each replica's token room and item
+count are tried in order, and the first whose two replicas pack into their M micro-batches (`pack_complete` on one
+replica) replaces the pair. Repeated while it lowers the slowest replica, at most `ROUNDS` times.
+
+The result is never slower than its input (a split is taken only when the larger of the pair's two new times is
+below the slowest replica's), is deterministic, and keeps every rule of the input: each micro-batch within
+`max_tokens * cp` tokens and non-empty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from balancer.planning.speeds import replica_speeds, with_speeds
+from balancer.planning.topology import Topology
+
+MAX_UNION = 24  # items of a pair split anew (the smallest ones; more stay put): 2 x 2^12 subsets
+ROUNDS = 16  # most pair splits per step
+TRIES = 6  # best splits tried per pair, in order, until one packs into both replicas' micro-batches
+AT_BOUND = 1e-5  # the slowest replica this close to the bound: done
+NEIGHBOURS = 6  # matches of a half's subset looked at on each side of its binary-search position
+
+
+def repartition_pairs(
+    bins: np.ndarray,
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    topology: Topology,
+    pack_one: Callable[[np.ndarray, np.ndarray, Topology], np.ndarray | None],
+) -> np.ndarray:
+    """Micro-batch (replica * M + m) of every item after the pair splits (module docstring); `bins` is left as it
+    is. `pack_one(cost, tokens, one_replica_topology)` packs one replica's items (None: they do not fit)."""
+    dp, m = topology.dp, topology.micro_batches
+    if dp == 1 or topology.pp > 1 or topology.dynamic or len(cost) < 2 * m:
+        return bins
+    speeds = replica_speeds(topology)
+    speed = np.ones(dp) if speeds is None else speeds
+    one = with_speeds(topology, None, dp=1, tokens_per_step=None)
+    room = m * topology.micro_batch_tokens
+    bins = bins.copy()
+    cost = np.asarray(cost, dtype=np.float64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    bound = max(cost.sum() / speed.sum(), cost.max() / speed.max())  # no split of the items is faster
+    for _ in range(ROUNDS):
+        time = np.bincount(bins // m, weights=cost, minlength=dp) / speed
+        r = int(np.argmax(time))
+        if time[r] <= bound * (1 + AT_BOUND):
+            break
+        faster = [q for q in np.argsort(time, kind="stable").tolist() if time[q] < time[r] * (1 - 1e-12)]
+        pair = (r, speed[r], float(time[r]), room)
+        if not any(_split_pair(bins, cost, tokens, pair, q, float(speed[q]), one, pack_one) for q in faster):
+            break
+    return bins
+
+
+def _split_pair(bins, cost, tokens, pair: tuple, q: int, s_q: float, one: Topology, pack_one) -> bool:
+    """Split the items of the slowest replica r (`pair`: r, its speed, its time, the token room) and replica q anew
+    (in place on `bins`); False when no split lowers r's time and packs."""
+    r, s_r, slowest, room = pair
+    m = one.micro_batches
+    both = np.flatnonzero((bins // m == r) | (bins // m == q))
+    by_cost = both[np.argsort(cost[both], kind="stable")]
+    free, fixed = by_cost[:MAX_UNION], by_cost[MAX_UNION:]
+    on_r = fixed[bins[fixed] // m == r]
+    base = np.array([cost[on_r].sum(), tokens[on_r].sum(), len(on_r)], dtype=np.float64)
+    rest = np.array([cost[fixed].sum(), tokens[fixed].sum(), len(fixed)], dtype=np.float64) - base
+    for mask in _best_splits(cost[free], tokens[free], base, rest, (s_r, s_q), slowest, room, m):
+        a = np.concatenate([on_r, free[mask]])
+        b = np.setdiff1d(both, a, assume_unique=True)
+        packed_a = pack_one(cost[a], tokens[a], one)
+        packed_b = None if packed_a is None else pack_one(cost[b], tokens[b], one)
+        if packed_b is not None:
+            bins[a] = r * m + packed_a
+            bins[b] = q * m + packed_b
+            return True
+    return False
+
+
+def _best_splits(cost, tokens, base, rest, speeds, slowest: float, room: int, m: int) -> list[np.ndarray]:
+    """Up to TRIES boolean masks over the free items (True: to replica r), best first by the larger of the two
+    replicas' times, each below `slowest`, within `room` tokens and holding at least `m` items on both sides.
+    `base` / `rest`: (cost, tokens, count) of the fixed items on r / on the other replica."""
+    n = len(cost)
+    half = n // 2
+    left, right = _subsets(cost[:half], tokens[:half]), _subsets(cost[half:], tokens[half:])
+    total = cost.sum() + base[0] + rest[0]
+    s_r, s_q = speeds
+    aim = total * s_r / (s_r + s_q) - base[0]  # r's share of the free cost that equalises the two times
+    order = np.argsort(right[0], kind="stable")
+    right_sorted = right[:, order]
+    at = np.searchsorted(right_sorted[0], aim - left[0])
+    li = np.repeat(np.arange(left.shape[1]), 2 * NEIGHBOURS)
+    ri = np.clip(at[:, None] + np.arange(-NEIGHBOURS, NEIGHBOURS)[None, :], 0, right.shape[1] - 1).ravel()
+    got = left[:, li] + right_sorted[:, ri] + base[:, None]  # (cost, tokens, count) on r
+    free_total = np.array([cost.sum(), tokens.sum(), n], dtype=np.float64)[:, None]
+    away = rest[:, None] + free_total - (got - base[:, None])  # on the other replica
+    worst = np.maximum(got[0] / s_r, away[0] / s_q)
+    ok = (worst < slowest * (1 - 1e-12)) & (got[1] <= room) & (away[1] <= room) & (got[2] >= m) & (away[2] >= m)
+    if not ok.any():
+        return []
+    cand = np.flatnonzero(ok)
+    cand = cand[np.lexsort((cand, worst[cand]))]
+    out, seen = [], set()
+    for c in cand.tolist():
+        key = (int(li[c]), int(order[ri[c]]))
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(np.concatenate([_bits(key[0], half), _bits(key[1], n - half)]))
+        if len(out) == TRIES:
+            break
+    return out
+
+
+def _subsets(cost: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """[3, 2^k] (cost, tokens, count) of every subset of k items, subset s holding item i when bit i of s is set."""
+    bits = (np.arange(1 << len(cost))[:, None] >> np.arange(len(cost))[None, :]) & 1
+    return np.stack([bits @ cost, bits @ tokens.astype(np.float64), bits.sum(axis=1).astype(np.float64)])
+
+
+def _bits(subset: int, k: int) -> np.ndarray:
+    return ((subset >> np.arange(k)) & 1).astype(bool)
