@@ -28,8 +28,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import faults_run  # noqa: E402
+import faults_where  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "faults.json"
+# How fast a dead peer is noticed (measured with benchmarks/faults_where.py; docs/fault-tolerance.md)
+COMM_TIMEOUT = 3.0  # seconds a gloo reduction (and the Manager) waits for a peer
+HEARTBEAT_TIMEOUT_MS = 1500  # the lighthouse counts a replica dead after this long without a heartbeat
+JOIN_TIMEOUT_MS = 1000  # a quorum waits this long for heartbeating replicas that have not joined it
+HEARTBEAT_INTERVAL_MS = 100  # each Manager heartbeats this often (torchft's default)
 
 
 def downtime(lines: list, groups: int) -> float:
@@ -123,13 +129,19 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=20, help="committed steps between kills")
     ap.add_argument("--rejoin", type=float, default=2.0, help="seconds before a killed group starts again")
     ap.add_argument("--work", type=float, default=40.0, help="device seconds (slept) per 1e6 cost units")
+    ap.add_argument("--comm-timeout", type=float, default=COMM_TIMEOUT, help="Manager + gloo timeout (seconds)")
+    ap.add_argument("--heartbeat-timeout-ms", type=int, default=HEARTBEAT_TIMEOUT_MS, help="lighthouse: dead after")
+    ap.add_argument("--join-timeout-ms", type=int, default=JOIN_TIMEOUT_MS, help="lighthouse: wait for stragglers")
+    ap.add_argument("--heartbeat-interval-ms", type=int, default=HEARTBEAT_INTERVAL_MS, help="Manager heartbeats")
     ap.add_argument("--table", action="store_true", help="print the markdown table from the record and exit")
     args = ap.parse_args()
     if args.table:
         print(table(json.loads(OUT.read_text())))
         return
     load0 = os.getloadavg()
-    base = dict(groups=4, docs=args.docs, work=args.work, rejoin_seconds=args.rejoin, timeout_s=900.0)
+    base = dict(groups=4, docs=args.docs, work=args.work, rejoin_seconds=args.rejoin, timeout_s=900.0,
+                comm_timeout_s=args.comm_timeout, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+                join_timeout_ms=args.join_timeout_ms, heartbeat_interval_ms=args.heartbeat_interval_ms)  # fmt: skip
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in ("failure_free", "failure_free_repeat", "faulty"):
@@ -141,6 +153,8 @@ def main() -> None:
             runs[name] = summarise(cfg, result)
             if name == "faulty":
                 runs[name]["kills_done"] = sum(result["lives"].values())
+                runs[name]["where"] = faults_where.where_seconds_go(result["lines"], cfg.groups,
+                                                                    runs[name]["kills_done"])  # fmt: skip
                 runs["torchft_sampler"] = torchft_sampler(cfg, faults_run.committed_steps(result["lines"]),
                                                           result["lines"])  # fmt: skip
     ff, fy, rep = runs["failure_free"], runs["faulty"], runs["failure_free_repeat"]
@@ -179,6 +193,19 @@ def table(r: dict) -> str:
             f"{x['alive_fraction']:.3f} | {x['predicted_imbalance_all_groups']:.4f} | {x['measured_imbalance']:.4f} |"
         )
 
+    where = fy.get("where")
+    seconds = (
+        ""
+        if where is None
+        else (
+            f" Where a kill's time goes (group-seconds over the groups, per kill; steps of "
+            f"{where['median_step_seconds']:.2f} s): {where['uncommitted_steps_per_kill']:.1f} uncommitted steps "
+            f"({where['uncommitted_seconds_per_kill']:.2f} s), and in the committed steps it slowed "
+            + ", ".join(f"{k.replace('_', ' ')} +{v:.2f} s" for k, v in where["excess_seconds_per_kill"].items())
+            + f"; timeouts: gloo/Manager {r['config'].get('comm_timeout_s', 3.0):g} s, lighthouse heartbeat "
+            f"{r['config'].get('heartbeat_timeout_ms', 1500)} ms, join {r['config'].get('join_timeout_ms', 1000)} ms."
+        )
+    )
     rows = [
         "| run | committed steps | lost | duplicated | tokens/s | groups alive | predicted imbalance (all groups) "
         "| measured imbalance |",
@@ -198,7 +225,7 @@ def table(r: dict) -> str:
         f"Measured imbalance {fy['measured_imbalance']:.4f} against {ff['measured_imbalance']:.4f} failure-free; "
         f"paired-repeat noise {r['measured_noise_paired_repeat']:.4f}. {r['machine']['cores']} cores, load "
         f"{r['machine']['load_start'][0]:.2f} at the start and {r['machine']['load_end'][0]:.2f} at the end; "
-        f"commit {r['commit'][:7]}; {r['date']}; `{r['command']}`.",
+        f"commit {r['commit'][:7]}; {r['date']}; `{r['command']}`." + seconds,
     ]
     return "\n".join(rows)
 

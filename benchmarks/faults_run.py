@@ -60,6 +60,9 @@ class Config:
     timeout_s: float = 300.0
     comm_timeout_s: float = 3.0  # torchft's Manager and gloo timeouts: how long a reduction waits for a dead peer
     min_replicas: int = 0  # lighthouse and Manager minimum; 0: a majority of `groups` (below one: split brain)
+    heartbeat_timeout_ms: int = 1500  # the lighthouse: a replica silent this long is dead (left out of quorums)
+    join_timeout_ms: int = 1000  # the lighthouse: how long a quorum waits for heartbeating stragglers to join
+    heartbeat_interval_ms: int = 100  # the Manager: how often a replica heartbeats to the lighthouse
 
     @property
     def quorum_minimum(self) -> int:
@@ -167,6 +170,7 @@ def make_manager(cfg: Config, group: int, rank: int, model, opt):
         timeout=timedelta(seconds=cfg.comm_timeout_s),
         quorum_timeout=timedelta(seconds=60),
         connect_timeout=timedelta(seconds=30),
+        heartbeat_interval=timedelta(milliseconds=cfg.heartbeat_interval_ms),
     )
 
 
@@ -304,7 +308,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def lighthouse(min_replicas: int = 1) -> tuple[subprocess.Popen, str]:
+def lighthouse(min_replicas: int = 1, heartbeat_ms: int = 1500, join_ms: int = 1000) -> tuple[subprocess.Popen, str]:
     """torchft's lighthouse as a process; (process, its address)."""
     port = free_port()
     exe = str(Path(sys.executable).parent / "torchft_lighthouse")
@@ -316,9 +320,9 @@ def lighthouse(min_replicas: int = 1) -> tuple[subprocess.Popen, str]:
             "--bind",
             f"[::]:{port}",
             "--join_timeout_ms",
-            "1000",
+            str(join_ms),
             "--heartbeat_timeout_ms",
-            "1500",
+            str(heartbeat_ms),
             "--quorum_tick_ms",
             "20",
         ],
@@ -337,7 +341,7 @@ def run(cfg: Config) -> dict:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
-    lh, address = lighthouse(cfg.quorum_minimum)
+    lh, address = lighthouse(cfg.quorum_minimum, cfg.heartbeat_timeout_ms, cfg.join_timeout_ms)
     stores = [dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False) for _ in range(cfg.groups)]
     lives, procs, pending, finished = {}, {}, {}, set()
     t0 = time.time()
