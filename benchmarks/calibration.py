@@ -4,7 +4,8 @@ Runs `balancer calibrate` with its default settings (balancer.calibration.run.DE
 over gloo with one thread per rank, the zigzag and hybrid layouts, the default token budgets, each micro-batch's
 runs spread over the timing in rounds) at the load the machine has ("as found") and with two busy loops beside it
 (`python -c "while True: pass"`, started and stopped by this script); a third run, with the busy loops, times each
-micro-batch's runs back to back (as calibrate did before it spread them): the ablation of the timing order. Each
+micro-batch's runs back to back (as calibrate did before it spread them): the ablation of the timing order; a
+fourth, at the load found, runs 2 torch threads per rank instead of 1 (`--threads`): the ablation of threads. Each
 run records what the command reports: the error on fresh micro-batches (other documents, other budgets, timed
 after the fit), the held-out error over several splits by micro-batch, the clock and why, the load before the grid,
 before the fresh micro-batches and after, and the wall time the calibration took.
@@ -42,10 +43,11 @@ from balancer.cli.calibrate import format_report
 
 COST_FILE = RESULTS / "cost_tiny_llama_cpu.json"
 BUSY = "while True: pass"
-RUNS = {  # run name -> (busy loops started beside it, runs spread in rounds: the default)
-    "as found": (0, True),
-    "two busy loops": (2, True),
-    "two busy loops, runs back to back": (2, False),
+RUNS = {  # run name -> (busy loops started beside it, runs spread in rounds: the default, torch threads per rank)
+    "as found": (0, True, 1),
+    "two busy loops": (2, True, 1),
+    "two busy loops, runs back to back": (2, False, 1),
+    "as found, 2 threads per rank": (0, True, 2),
 }
 STATISTICS = {  # how a micro-batch's runs become its time
     "min": lambda runs: min(runs),
@@ -87,25 +89,27 @@ def ablation(samples: list[dict], report: dict) -> list[dict]:
     return [_variant(samples, *v, report) for v in variants]
 
 
-def run_at(name: str, busy: int, spread: bool, settings: dict) -> dict:
-    """One default calibration with `busy` busy loops running beside it (`spread`: runs in rounds, the default)."""
+def run_at(name: str, busy: int, spread: bool, threads: int, settings: dict) -> dict:
+    """One calibration with `busy` busy loops running beside it (`spread`: runs in rounds; `threads` per rank; the
+    defaults: in rounds, 1 thread)."""
     loops = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(busy)]
     try:
         time.sleep(5 if busy else 0)  # the loops are running before the timing starts
         t0, load = time.perf_counter(), os.getloadavg()
-        result = calibrate(TINY_LLAMA, **settings, spread_runs=spread, progress=sys.stderr.isatty())
+        result = calibrate(TINY_LLAMA, **settings, spread_runs=spread, threads=threads, progress=sys.stderr.isatty())
         seconds = time.perf_counter() - t0
     finally:
         for p in loops:
             p.kill()
             p.wait()
     order = "in rounds" if spread else "back to back"
-    print(f"== {name}: load average {load[0]:.1f} at start, {busy} busy loops, runs {order}")
+    print(f"== {name}: load average {load[0]:.1f} at start, {busy} busy loops, runs {order}, {threads} threads")
     print(format_report(result.cost, result.report))
     print(f"calibration took {seconds:.0f} s (wall)")
     return {
         "busy_loops": busy,
         "spread_runs": spread,
+        "threads": threads,
         "load_at_start": list(load),
         "seconds": seconds,
         "result": result,
@@ -117,7 +121,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a small grid (a test run; results not written)")
     args = ap.parse_args()
     settings = dict(budgets=(1024, 2048), per_cell=2, repeats=1, max_repeats=2, splits=3) if args.quick else {}
-    runs = {name: run_at(name, busy, spread, settings) for name, (busy, spread) in RUNS.items()}
+    runs = {name: run_at(name, *how, settings) for name, how in RUNS.items()}
     results = {name: run.pop("result") for name, run in runs.items()}
     for name, result in results.items():
         runs[name].update(cost_model=result.cost.to_dict(), report=result.report, samples=result.samples)
@@ -154,7 +158,8 @@ def _run_line(name: str, run: dict) -> str:
     splits, fresh, machine = report["splits"], report["fresh"], report["machine"]
     verdict = "met" if fresh.get("meets_targets") else "missed"
     return (
-        f"- {name} ({run['busy_loops']} busy loops; load average {tb.fmt(run['load_at_start'][0], '.1f')} at the "
+        f"- {name} ({run['busy_loops']} busy loops, {run.get('threads', 1)} thread(s) per rank; load average "
+        f"{tb.fmt(run['load_at_start'][0], '.1f')} at the "
         f"start, {tb.fmt(report['fresh_machine']['loadavg_before'][0], '.1f')} before the fresh micro-batches, "
         f"{tb.fmt(report['fresh_machine']['loadavg_after'][0], '.1f')} at the end; {machine['cores']} cores): fresh "
         f"micro-batches timed after the fit {tb.fmt(fresh['median_abs_error'], '.1%')} median, "
