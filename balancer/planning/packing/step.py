@@ -10,7 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from balancer.planning.metrics import lower_bound, one_f_one_b, step_times
+from balancer.planning.packing.order import largest_first
 from balancer.planning.packing.search import polish
+from balancer.planning.packing.waterfill import water_fill
 from balancer.planning.speeds import bin_speeds, planning_view, replica_speeds
 from balancer.planning.steps import HEAVY_PACK
 from balancer.planning.topology import Topology
@@ -46,52 +48,6 @@ class _Bins:
         self.unit_bin[unit] = bin_index
         self.cost[bin_index] += cost
         self.tokens[bin_index] += tokens
-
-
-def _water_fill(loads: np.ndarray, work: float, pp: int, speeds: np.ndarray | None = None) -> np.ndarray:
-    """Deficits [dp, M] so that adding `work` in those amounts leaves every replica at the same 1F1B time.
-
-    A replica whose micro-batches cost b_1..b_M (largest h) takes light work up to a level l on every
-    micro-batch below l; its time is (P-1)*max(h, l) + sum_j max(b_j, l) (divided by its speed with uneven
-    ranks: at a common time T a replica of speed s runs T * s of it). We solve for the common time T by
-    bisection, with each replica's level inverted exactly from its piecewise-linear time curve.
-    """
-    dp, m = loads.shape
-    if work <= 0:
-        return np.zeros_like(loads)
-    ascending = np.sort(loads, axis=1)
-    largest = ascending[:, -1]
-    rank = np.arange(1, m + 1, dtype=np.float64)
-    above = ascending.sum(axis=1, keepdims=True) - np.cumsum(ascending, axis=1)  # sum of the bins above the k-th
-    curve = one_f_one_b(largest[:, None], rank * ascending, pp, above)  # time when level = k-th smallest
-    rows = np.arange(dp)
-
-    def levels(time: float) -> np.ndarray:
-        own = np.full(dp, float(time)) if speeds is None else time * speeds  # each replica's own work-time
-        below = (curve <= own[:, None]).sum(axis=1)
-        idx = np.maximum(below - 1, 0)
-        level = (own - (pp - 1) * largest - above[rows, idx]) / np.maximum(below, 1)
-        level = np.where(below == m, own / (pp - 1 + m), level)
-        return np.where(below == 0, -np.inf, level)
-
-    def room(time: float) -> float:
-        return float(np.maximum(levels(time)[:, None] - loads, 0.0).sum())
-
-    if speeds is None:
-        lo, hi = float(curve[:, 0].min()), float(curve[:, -1].max() + work * (pp - 1 + m) / m + work)
-    else:
-        lo = float((curve[:, 0] / speeds).min())
-        slowest = speeds.min()  # the same sum as above, in the same order, when every speed is 1
-        hi = float((curve[:, -1] / speeds).max() + work * (pp - 1 + m) / m / slowest + work / slowest)
-    for _ in range(60):
-        mid = 0.5 * (lo + hi)
-        if room(mid) < work:
-            lo = mid
-        else:
-            hi = mid
-        if hi - lo <= 1e-9 * hi:
-            break
-    return np.maximum(levels(hi)[:, None] - loads, 0.0)
 
 
 def pack_step(cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray:
@@ -136,7 +92,7 @@ def _pack(cost: np.ndarray, tokens: np.ndarray, topology: Topology, share_heavy:
         return bins.unit_bin
     # largest first; a stable sort, so ties come out in the same order on every machine (unstable SIMD sorts
     # may order float ties differently on another CPU, and every rank must compute the same plan)
-    order = np.argsort(-cost, kind="stable")
+    order = largest_first(cost, tokens)
     n_heavy = int(np.sum(cost > HEAVY_PACK * (cost.sum() / topology.bins_per_step)))
     if share_heavy:
         _place_heavy_pipelined(order[:n_heavy], cost, tokens, bins, topology, float(cost.sum()))
@@ -205,7 +161,7 @@ def least_then_cheapest(time: np.ndarray, bin_cost: np.ndarray) -> int:
 def _place_light(light: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: _Bins, topology: Topology) -> None:
     """Light units, largest first, in rounds to the micro-batches furthest below their water-filling target."""
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
-    deficit = _water_fill(
+    deficit = water_fill(
         bins.cost.reshape(dp, m), float(cost[light].sum()), topology.pp, replica_speeds(topology)
     ).ravel()
     may_move = SPILL_MOVE * float(tokens.sum())  # tokens of this step that may move on to the next one
