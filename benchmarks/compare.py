@@ -361,7 +361,16 @@ def main(argv=None) -> int:
         "which must be a run of the same documents, seed and topologies",
     )
     ap.add_argument("--reuse", default=None, help="results JSON to reuse (default: the stored NAME.json)")
+    ap.add_argument(
+        "--seeds",
+        default=None,
+        help="peers2026 only: comma-separated seeds; the equal-slices comparison (balancer_slices against "
+        f"{', '.join(peers_pkg.SLICE_PEERS)}, all re-run) on each, mean and worst per row "
+        "(writes NAME_seeds.json; no reuse)",
+    )
     args = ap.parse_args(argv)
+    if args.seeds is not None:
+        return main_seeds(args)
     topologies, peer_order = SUITES[args.suite]
     args.name = args.name or ("compare" if args.suite == "default" else "compare_peers")
     run_now = set(peer_order) if args.peers is None else set(args.peers.split(","))
@@ -538,6 +547,55 @@ def main(argv=None) -> int:
     return 0
 
 
+def main_seeds(args) -> int:
+    """--seeds: per seed, every row's fixed slices planned by the slice peers and balancer_slices (the count-based
+    peers cut their slices from the whole-epoch plan's step count, so balancer runs too); the ratio of
+    balancer_slices' excess over the epoch bound to the best slice peer's, its mean and worst over the seeds."""
+    if args.suite != "peers2026":
+        raise SystemExit("compare.py: --seeds is for --suite peers2026")
+    seeds = [int(x) for x in args.seeds.split(",")]
+    names = ("balancer",) + peers_pkg.SLICE_PEERS + ("balancer_slices",)
+    budget_tokens = int(args.tokens if args.tokens else (20e6 if args.quick else 100e6))
+    t_start = time.perf_counter()
+    runs = []
+    for seed in seeds:
+        for dist in args.dists.split(","):
+            lengths, _ = corpus(dist, budget_tokens, seed)
+            for spec in TOPOLOGIES_2026:
+                topo, cost = topology_for(lengths, spec), cost_model(spec["cost"])
+                row = dict(seed=seed, distribution=dist, topology=spec["label"], num_docs=int(len(lengths)), peers={})
+                row["peers"]["balancer"], _ = run_peer(peers.PEERS["balancer"], lengths, topo, cost, seed, args.budget)
+                steps = row["peers"]["balancer"].get("steps", 1)
+                for p in names[1:]:
+                    rec, _ = run_peer(peers_pkg.PKG_PEERS[p], lengths, topo, cost, seed, args.budget, steps=steps)
+                    row["peers"][p] = dict(rec, slices_from_steps=steps)
+                peers_pkg.score_row(row)
+                runs.append(row)
+                print(f"   seed {seed} {dist} {spec['label']}: slices / best slice peer = {row['slices_ratio']}",
+                      flush=True)  # fmt: skip
+    rows = peers_pkg.seed_summary(runs)
+    result = dict(
+        config=dict(suite=args.suite, seeds=seeds, tokens_per_distribution=budget_tokens, budget_s=args.budget),
+        runtime_seconds=time.perf_counter() - t_start,
+        goal=dict(
+            goal_ratio=peers_pkg.GOAL_RATIO,
+            rows=len(rows),
+            met_all=all(r["goal_met"] for r in rows),
+            not_met=[
+                f"{r['distribution']} / {r['topology']}: worst {r['worst']:.0%}" for r in rows if not r["goal_met"]
+            ],
+            worst_ratio=max((r["worst"] for r in rows if r["worst"] is not None), default=None),
+        ),
+        rows=rows,
+        runs=runs,
+    )
+    out = write_result(f"{args.name or 'compare_peers'}_seeds", result, clock="wall")
+    print(peers_pkg.seeds_markdown(rows))
+    print(f"goal: {json.dumps(result['goal'])}")
+    print(f"wrote {out} in {result['runtime_seconds']:.0f} s")
+    return 0
+
+
 # ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
 
 
@@ -583,6 +641,10 @@ def table_compare_peers() -> str:
     goal = data["goal"]
     verdict = f"met on all {goal['rows']}" if goal["met_all"] else f"missed on {len(goal['not_met'])} of {goal['rows']}"
     note = (
+        "\n\nTwo comparisons side by side: **balancer** plans the whole epoch (it may move a document to another "
+        "step) against every peer; **balancer_slices** plans each of the peers' own fixed global batches as given "
+        "(`balance_batch` per batch), the like-for-like comparison with the peers that take a batch as given "
+        "(hf_rebalance, verl_pkg: **slices / best slice peer**)."
         f"\n\nGoal (balancer's excess <= {goal['goal_ratio']:.0%} of the best peer's on every row): {verdict} rows"
         f"; nothing dropped by any valid plan: {tb.fmt(goal['zero_drop_all'])}. * = the plan has micro-batches above "
         "max_tokens (the peer takes no token cap, or needs more than M micro-batches to keep it)."
@@ -630,10 +692,37 @@ def table_compare_all() -> str:
     return tb.markdown(header, rows)
 
 
+def _mean_pct(values: list) -> str:
+    return "-" if not values or any(v is None for v in values) else tb.pct(float(np.mean(values)))
+
+
+def table_compare_peers_seeds() -> str:
+    """--seeds: the equal-slices comparison per row, mean and worst over the seeds."""
+    data = tb.load("compare_peers_seeds")
+    rows = []
+    for r in data["rows"]:
+        per_seed = ", ".join("-" if x is None else f"{x:.0%}" for x in r["ratios"])
+        peers_ = sorted(set(p for p in r["best_slice_peer"] if p))
+        ratio = ["-" if x is None else f"{x:.0%}" for x in (r["mean"], r["worst"])]
+        rows.append([r["distribution"], r["topology"], _mean_pct(r["slices_excess"]),
+                     _mean_pct(r["best_slice_peer_excess"]), ", ".join(peers_), per_seed, *ratio])  # fmt: skip
+    header = ["distribution", "topology", "balancer_slices (mean)", "best slice peer (mean)", "best slice peer",
+              "ratio per seed", "ratio mean", "ratio worst"]  # fmt: skip
+    goal, cfg = data["goal"], data["config"]
+    verdict = f"met on all {goal['rows']}" if goal["met_all"] else f"missed on {len(goal['not_met'])} of {goal['rows']}"
+    note = (
+        f"\n\nSeeds {', '.join(map(str, cfg['seeds']))}, {cfg['tokens_per_distribution'] / 1e6:.0f}M tokens per "
+        f"distribution per seed, every column re-run in this run. Goal (balancer_slices' excess <= "
+        f"{goal['goal_ratio']:.0%} of the best slice peer's on every row, worst over the seeds): {verdict} rows."
+    )
+    return tb.markdown(header, rows) + note + tb.record_line(data)
+
+
 TABLES = {  # docs/ marker name -> the table, from the record
     "compare_speedup": table_compare_speedup,
     "compare_all": table_compare_all,
     "compare_peers": table_compare_peers,
+    "compare_peers_seeds": table_compare_peers_seeds,
 }
 
 

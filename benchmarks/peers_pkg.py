@@ -252,3 +252,54 @@ def excess_markdown(rows: list[dict]) -> str:
             f"{ratio} | {_pct(row['peers'].get('balancer_slices', {}).get('excess_epoch'))} | {sratio} |"
         )  # fmt: skip
     return head + "\n".join(lines) + "\n"
+
+
+# ---- compare.py --seeds: the equal-slices comparison over several seeds ---------------------------------------------
+
+
+def seed_summary(runs: list[dict]) -> list[dict]:
+    """Per (distribution, topology): balancer_slices' and the best slice peer's excess and their ratio for every
+    seed, the mean and worst ratio, and whether the worst is within GOAL_RATIO."""
+    keys = list(dict.fromkeys((r["distribution"], r["topology"]) for r in runs))
+    rows = []
+    for dist, topo in keys:
+        mine = [r for r in runs if (r["distribution"], r["topology"]) == (dist, topo)]
+        ratios = [r["slices_ratio"] for r in mine]
+        known = [x for x in ratios if x is not None]
+        rows.append(
+            dict(
+                distribution=dist,
+                topology=topo,
+                seeds=[r["seed"] for r in mine],
+                slices_excess=[r["peers"]["balancer_slices"].get("excess_epoch") for r in mine],
+                best_slice_peer=[r["slices_best_peer"] for r in mine],
+                best_slice_peer_excess=[r["slices_best_peer_excess"] for r in mine],
+                ratios=ratios,
+                mean=float(np.mean(known)) if known else None,
+                worst=max(known) if len(known) == len(ratios) and known else None,
+            )
+        )
+        rows[-1]["goal_met"] = rows[-1]["worst"] is not None and rows[-1]["worst"] <= GOAL_RATIO
+    return rows
+
+
+def seeds_markdown(rows: list[dict]) -> str:
+    """One line per row: balancer_slices' and the best slice peer's mean excess, the ratio's mean and worst."""
+    lines = [
+        "| distribution | topology | balancer_slices excess (mean) | best slice peer excess (mean) | "
+        "ratio mean | ratio worst |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        mean_mine = _mean_or_none(r["slices_excess"])
+        mean_peer = _mean_or_none(r["best_slice_peer_excess"])
+        ratio = ["-" if x is None else f"{x:.0%}" for x in (r["mean"], r["worst"])]
+        lines.append(
+            f"| {r['distribution']} | {r['topology']} | {_pct(mean_mine)} | {_pct(mean_peer)} | {ratio[0]} | "
+            f"{ratio[1]} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _mean_or_none(values: list) -> float | None:
+    return None if any(v is None for v in values) or not values else float(np.mean(values))
