@@ -264,6 +264,24 @@ def print_profiles(folder: Path, top: int = 25) -> None:
         stats.sort_stats("cumulative").print_stats(top)
 
 
+def write_profile(name: str, folder: Path, summary: dict, reps: int) -> int:
+    """results/NAME_profile.json: per contender, CPU seconds per rank and epoch in named parts (_trainer_profile.py)
+    and the profiled runs' own CPU medians; prints the parts."""
+    import _trainer_profile
+
+    parts = {
+        mix: {c: _trainer_profile.breakdown(folder, mix, c) for c in s["contenders"]} for mix, s in summary.items()
+    }
+    cpu = {mix: {c: r["cpu_seconds"] for c, r in s["contenders"].items()} for mix, s in summary.items()}
+    out = write_result(f"{name}_profile", dict(reps=reps, parts=parts, profiled_cpu_seconds=cpu), clock="process_cpu")
+    for mix, per in parts.items():
+        for c, b in per.items():
+            print(f"== {mix}, {c} ({b['profiles']} profiles): CPU seconds per rank and epoch")
+            print("\n".join(f"  {v:7.3f}  {k}" for k, v in b["parts"].items()))
+    print(f"wrote {out}")
+    return 0
+
+
 def markdown(summary: dict) -> str:
     head = (
         "| mix | trainer | steps | wall s (median) | CPU s (median) | tokens/s | padding | held-out loss | "
@@ -336,8 +354,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--profile",
         metavar="DIR",
-        help="cProfile every run on every rank into DIR/*.prof and print "
-        "where each contender's time goes; writes no result (profiling inflates the times)",
+        help="cProfile every run on every rank (by process CPU) into DIR/*.prof, print the top functions and write "
+        "where each contender's CPU goes to results/NAME_profile.json (not NAME.json: profiling inflates the times)",
     )
     redo = "recompute the summary and the plot from the runs recorded in results/NAME.json (no training)"
     ap.add_argument("--summarize-only", action="store_true", help=redo)
@@ -377,7 +395,7 @@ def main(argv=None) -> int:
     if profile is not None:
         print(markdown(summary))
         print_profiles(Path(profile))
-        return 0
+        return write_profile(args.name, Path(profile), summary, reps)
     result = dict(
         config=dict(
             reps=reps,
@@ -457,8 +475,24 @@ def _paired(s: dict) -> str:
     )
 
 
+def table_trainer_compare_profile() -> str:
+    """Where each contender's process CPU goes (`--profile`): CPU seconds per rank and epoch, by part."""
+    data = tb.load("trainer_compare_profile")
+    out = []
+    for mix, per in data["parts"].items():
+        names = list(per)
+        parts = list(per[names[0]]["parts"])
+        rows = [[mix if i == 0 else "", part.replace("  of it:", "- of it:")]
+                + [f"{per[c]['parts'][part]:.3f}" for c in names] for i, part in enumerate(parts)]  # fmt: skip
+        cpu = data["profiled_cpu_seconds"][mix]
+        rows.append([mix, "whole run, both ranks (process CPU, median; profiled)"] + [f"{cpu[c]:.2f}" for c in names])
+        out.append(tb.markdown(["mix", "CPU seconds per rank and epoch", *names], rows))
+    return "\n\n".join(out) + tb.record_line(data)
+
+
 TABLES = {  # docs/ marker name -> the table, from the record
     "trainer_compare": table_trainer_compare,
+    "trainer_compare_profile": table_trainer_compare_profile,
 }
 
 
