@@ -49,7 +49,7 @@ FIGURES: dict[str, tuple[str, list[str]]] = {
     "calibration": ("the calibrated model's held-out error", ["benchmarks/calibration.py"]),
     "dynamic_cp": ("dynamic CP on a memory-tight heavy-tail pipeline", ["benchmarks/dynamic_cp.py"]),
     "trainer_compare": ("BalancedTrainer against the built-in trainers",
-                        ["benchmarks/trainer_compare.py", "--reps", "4"]),
+                        ["benchmarks/trainer_compare.py", "--reps", "6"]),
     "measured_balance_interleaved": ("measured balance on uneven and equal ranks",
                                      ["benchmarks/measured_balance.py", "--configs", "uneven,equal", "--windows", "10",
                                       "--interleave", "--pairs", "5", "--output", "measured_balance_interleaved"]),
