@@ -2,6 +2,8 @@
 
     .venv/bin/python benchmarks/trainer_compare.py            # both mixes, 2 timed repetitions, 3 stock seeds
     .venv/bin/python benchmarks/trainer_compare.py --quick    # smaller corpora, 1 repetition (a smoke run)
+    .venv/bin/python benchmarks/trainer_compare.py --mixes sft --reps 2 --seeds 1 \
+        --contenders balancer,hf_rebalance,hf_group --profile DIR  # where each one's CPU goes (_trainer_profile.py)
 
 Contenders, each one epoch of the same documents on the same tiny Llama (from a config, random weights, the same
 initial weights per seed), 2 gloo ranks on CPU (one thread each), AdamW, constant learning rate:
