@@ -1,0 +1,106 @@
+"""BalancedTrainer killed on N processes and restarted on M from its last checkpoint, every document once.
+
+    torchrun --nproc-per-node 3 examples/trainer_restart.py --out run/                  # dies, or is stopped
+    torchrun --nproc-per-node 2 examples/trainer_restart.py --out run/ --resume         # from run/checkpoint-K
+
+The topology follows the world size (`dp = WORLD_SIZE`) and keeps `tokens_per_step`, so the relaunched job trains
+the same global batch with more micro-batches per rank; `trainer.train(resume_from_checkpoint=...)` loads the
+Trainer's checkpoint and the balanced sampler's state in it (`balancer_sampler.json`), which plans the rest of the
+window for the new DP size: nothing lost, nothing repeated (docs/fault-tolerance.md). The model is a tiny Llama
+built from its config (no download). `--trace DIR` writes what every rank trained, one JSON line per optimizer step
+(tests/integrations/test_trainer_restart.py checks it: document d's tokens are all `d + 1`, so a step's tokens name
+its documents); `--die-at STEP` kills the last rank (SIGKILL) at the end of that step of a first launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import signal
+from pathlib import Path
+
+import numpy as np
+
+
+def lengths_of(n: int) -> np.ndarray:
+    rng = np.random.default_rng(11)
+    return np.minimum(rng.lognormal(3.0, 0.8, n).astype(np.int64) + 2, 96)
+
+
+def rows_of(n: int) -> list[list[int]]:
+    """Document d: `lengths_of(n)[d]` tokens, each `d + 1` (token 0 is never a document's)."""
+    return [[d + 1] * int(length) for d, length in enumerate(lengths_of(n))]
+
+
+def tiny_model(vocab: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def last_checkpoint(out: Path) -> str:
+    found = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    if not found:
+        raise FileNotFoundError(f"--resume: no checkpoint-* in {out}")
+    return str(found[-1])
+
+
+def build(args, rank: int, world: int):
+    """The trainer of this world size, recording each optimizer step's tokens per document when tracing."""
+    import datasets
+    import transformers
+
+    import balancer
+    import balancer.hf
+
+    class Traced(balancer.hf.BalancedTrainer):
+        seen: collections.Counter = collections.Counter()
+
+        def compute_loss(self, model, inputs, **kwargs):
+            self.seen.update(int(t) - 1 for t in inputs["input_ids"].flatten().tolist())
+            return super().compute_loss(model, inputs, **kwargs)
+
+    class Trace(transformers.TrainerCallback):
+        def on_step_end(self, targs, state, control, **kwargs):
+            if args.trace:
+                line = {"rank": rank, "world": world, "step": state.global_step, "tokens": dict(trainer.seen)}
+                with open(Path(args.trace) / f"rank{rank}_world{world}.jsonl", "a") as f:
+                    f.write(json.dumps(line) + "\n")
+            trainer.seen.clear()
+            if state.global_step == args.die_at and not args.resume and rank == world - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    rows = rows_of(args.docs)
+    topo = balancer.Topology(dp=world, micro_batches=-(-6 // world), max_tokens=128, tokens_per_step=600)
+    targs = transformers.TrainingArguments(
+        output_dir=args.out, optim="sgd", learning_rate=0.05, lr_scheduler_type="constant", num_train_epochs=1,
+        per_device_train_batch_size=1, save_strategy="steps", save_steps=args.save_every, report_to=[],
+        use_cpu=True, disable_tqdm=True, logging_strategy="no", seed=0,
+    )  # fmt: skip
+    trainer = Traced(model=tiny_model(args.docs + 1), args=targs, topology=topo, seed=3,
+                     train_dataset=datasets.Dataset.from_dict({"input_ids": rows}), callbacks=[Trace()])  # fmt: skip
+    return trainer
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--docs", type=int, default=240)
+    ap.add_argument("--save-every", type=int, default=2)
+    ap.add_argument("--trace", default=None)
+    ap.add_argument("--die-at", type=int, default=-1)
+    ap.add_argument("--resume", action="store_true", help="resume from the last checkpoint-* in --out")
+    args = ap.parse_args()
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    trainer = build(args, rank, world)
+    trainer.train(resume_from_checkpoint=last_checkpoint(Path(args.out)) if args.resume else None)
+
+
+if __name__ == "__main__":
+    main()
