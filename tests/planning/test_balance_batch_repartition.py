@@ -96,3 +96,27 @@ def test_fewest_fitting_from_any_start_is_the_linear_scans_answer(first, span, a
     assert m == linear
     assert (attempt is None) == (linear > last)
     assert all(first <= k <= last and k % step == 0 for k in tried)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(8, 400), dp=st.sampled_from([2, 3, 8]), cap=st.floats(0.3, 1.2))
+def test_equal_counts_on_uneven_ranks_reuses_the_uncapped_assignment_only_where_the_cap_never_bound(seed, n, dp, cap):
+    from balancer.planning.batch.large import balance_swaps, lpt_timed
+    from balancer.planning.batch.pack import _timed_equal_counts
+
+    rng = np.random.default_rng(seed)
+    tokens = _sft_slice(rng, n)
+    cost = COST.cost(tokens)
+    speeds = np.concatenate([[1.2], np.ones(dp - 1)])
+    rank_cap = int(cap * tokens.sum() * 1.2 / speeds.sum())
+    for room in (rank_cap, rank_cap * 2):  # the second call finds the first one's uncapped assignment
+        low, extra = divmod(n, dp)
+        most = np.full(dp, low, dtype=np.int64)
+        most[np.argsort(-speeds, kind="stable")[:extra]] += 1
+        direct = lpt_timed(cost, tokens, speeds, room, most=most)
+        if direct is not None:
+            balance_swaps(direct, cost, tokens, room, speeds)
+        got = _timed_equal_counts(cost, tokens, speeds, room)
+        assert (got is None) == (direct is None)
+        if got is not None:
+            assert np.array_equal(got, direct)

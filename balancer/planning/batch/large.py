@@ -188,10 +188,11 @@ def lpt_timed(
     return out
 
 
-def balance_swaps(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, room: int, speeds: np.ndarray) -> None:
+def balance_swaps(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, room: int, speeds: np.ndarray) -> int:
     """In place: the pair search by time (swaps only, so every bin keeps its item count) between the slowest and
-    the fastest of the `len(speeds)` bins."""
-    _balance_pairs(rep, cost, np.asarray(tokens, dtype=np.int64), len(speeds), room, len(cost), False, speeds)
+    the fastest of the `len(speeds)` bins. Returns the most tokens a bin held at any point of the search (under any
+    `room` at least that, the search makes exactly these swaps)."""
+    return _balance_pairs(rep, cost, np.asarray(tokens, dtype=np.int64), len(speeds), room, len(cost), False, speeds)
 
 
 def deal_equal_counts(cost: np.ndarray, tokens: np.ndarray, k: int, room: int) -> np.ndarray | None:
@@ -291,17 +292,19 @@ def _balance_pairs(
     keep: int,
     moves: bool = True,
     speeds: np.ndarray | None = None,
-) -> None:
+) -> int:
     """In place: while it lowers the slowest replica's time, the best move or swap of units between the slowest and
     the fastest replica (token room kept, a replica keeps at least `keep` units for its micro-batches); the best is
-    the one bringing the two closest to equal times (even ranks: to their mean work)."""
+    the one bringing the two closest to equal times (even ranks: to their mean work). Returns the most tokens a
+    replica held at any point (the search is the same under any `room` at least that)."""
     load = np.bincount(rep, weights=cost, minlength=dp)
     used = np.bincount(rep, weights=tokens, minlength=dp).astype(np.int64)
+    peak = int(used.max())
     for _ in range(PAIR_ROUNDS):
         time = load if speeds is None else load / speeds
         r, q = int(np.argmax(time)), int(np.argmin(time))
         if r == q or time[r] - time[q] <= 1e-12 * time[r]:
-            return
+            return peak
         if speeds is None:
             gap = load[r] - load[q]
             target = gap / 2
@@ -314,7 +317,7 @@ def _balance_pairs(
             mine, np.flatnonzero(rep == q), cost, tokens, (gap, target), used, r, q, room, moves and len(mine) > keep
         )
         if best is None:
-            return
+            return peak
         i, j, delta = best
         rep[i] = q
         used[r] -= tokens[i]
@@ -325,6 +328,8 @@ def _balance_pairs(
             used[q] -= tokens[j]
         load[r] -= delta
         load[q] += delta
+        peak = max(peak, int(used[r]), int(used[q]))
+    return peak
 
 
 def _best_exchange(mine, theirs, cost, tokens, aim: tuple, used, r: int, q: int, room: int, may_move: bool):

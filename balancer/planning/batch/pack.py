@@ -118,12 +118,7 @@ def assign_replicas(
         if rep is None:
             rep = _equal_count_lpt(cost, tokens, count, dp, rank_cap)
     elif equal_counts and uniform and speeds is not None:  # uneven ranks, like items: the fastest take one more
-        low, extra = divmod(len(cost), dp)
-        most = np.full(dp, low, dtype=np.int64)
-        most[np.argsort(-speeds, kind="stable")[:extra]] += 1
-        rep = lpt_timed(cost, tokens, speeds, rank_cap, most=most)
-        if rep is not None:  # swaps keep the counts
-            balance_swaps(rep, cost, tokens, rank_cap, speeds)
+        rep = _timed_equal_counts(cost, tokens, speeds, rank_cap)
     elif equal_counts:
         rep = _equal_count_lpt(cost, tokens, count, dp, rank_cap, speeds=speeds)
     else:
@@ -133,6 +128,36 @@ def assign_replicas(
         return None
     if not large:  # large ones were balanced by pack_large's pair search (this one is quadratic)
         _improve(rep, cost, tokens, count, fill, dp, rank_cap, same_count=equal_counts, keep_items=m, speeds=speeds)
+    return rep
+
+
+_UNCAPPED: dict = {}  # the last batch's assignment without a token cap (below), and the most tokens a rank held
+
+
+def _timed_equal_counts(cost: np.ndarray, tokens: np.ndarray, speeds: np.ndarray, rank_cap: int) -> np.ndarray | None:
+    """Equal counts on uneven ranks (the fastest ranks take the one more): LPT by finish time, then swaps (which
+    keep the counts), within `rank_cap` tokens a rank. "auto" asks this of the same items at several caps: the
+    assignment without a cap is kept with the most tokens any rank held while it was made, and where that is
+    within `rank_cap` the cap never bound, so it is this cap's assignment too (the same items, decisions, ties)."""
+    dp = len(speeds)
+    low, extra = divmod(len(cost), dp)
+    most = np.full(dp, low, dtype=np.int64)
+    most[np.argsort(-speeds, kind="stable")[:extra]] += 1
+    key = (cost.tobytes(), np.asarray(tokens, dtype=np.int64).tobytes(), speeds.tobytes())
+    if key not in _UNCAPPED:
+        free = int(np.sum(tokens))  # no rank can exceed it
+        rep = lpt_timed(cost, tokens, speeds, free, most=most)
+        peak = max(
+            int(np.bincount(rep, weights=tokens, minlength=dp).max()), balance_swaps(rep, cost, tokens, free, speeds)
+        )
+        _UNCAPPED.clear()
+        _UNCAPPED[key] = (rep, peak)
+    rep, peak = _UNCAPPED[key]
+    if peak <= rank_cap:
+        return rep.copy()
+    rep = lpt_timed(cost, tokens, speeds, rank_cap, most=most)
+    if rep is not None:  # swaps keep the counts
+        balance_swaps(rep, cost, tokens, rank_cap, speeds)
     return rep
 
 
