@@ -146,10 +146,12 @@ def _run_jobs(model, jobs: list[dict], rank: int, groups: dict, payload: dict, b
         if count % GC_EVERY == 0:  # automatic collection is off while timing; a full collection costs ~0.1 s
             gc.collect()
         count += 1
+        job_args = args[j]
+        assert job_args is not None  # runs is not None only for jobs this rank takes part in
         if int(jobs[j]["cp"]) not in warm:
-            _time_one(*args[j])
+            _time_one(*job_args)
             warm.add(int(jobs[j]["cp"]))
-        runs.append(_time_one(*args[j]))
+        runs.append(_time_one(*job_args))
         finished = len(runs) >= payload["max_repeats"] or settled(runs, payload["settle_on"])
         if bar is not None and len(runs) >= payload["repeats"] and finished:
             bar.update()

@@ -315,7 +315,8 @@ class BalancedTrainingMixin(BalancedEvalMixin, StreamTrainingMixin, MeasuredBala
         if main not in inputs or not hasattr(self.model, "num_parameters"):
             return 0
         if self._flops_parameters is None:
-            self._flops_parameters = int(self.model.num_parameters(exclude_embeddings=True))
+            model: Any = self.model  # a transformers PreTrainedModel here (checked above)
+            self._flops_parameters = int(model.num_parameters(exclude_embeddings=True))
         return 6 * inputs[main].numel() * self._flops_parameters
 
     # ---- loss ------------------------------------------------------------------------------------------------

@@ -147,6 +147,7 @@ def _timed_equal_counts(cost: np.ndarray, tokens: np.ndarray, speeds: np.ndarray
     if key not in _UNCAPPED:
         free = int(np.sum(tokens))  # no rank can exceed it
         rep = lpt_timed(cost, tokens, speeds, free, most=most)
+        assert rep is not None  # uncapped (room for every token on any rank): it always places every item
         peak = max(
             int(np.bincount(rep, weights=tokens, minlength=dp).max()), balance_swaps(rep, cost, tokens, free, speeds)
         )
