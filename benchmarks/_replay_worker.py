@@ -5,7 +5,9 @@ seed, `balancer.calibration.build_model`) and AdamW optimizer. A step of a plan 
 micro-batch of the rank's replica (forward + loss + backward under the plan's CP layout, gradients accumulated),
 then the gradients summed over all ranks (one all-reduce of a flat buffer, gloo: the DP all-reduce; with CP the CP
 ranks' partial gradients are summed by the same call), then the optimizer step. Plans are interleaved step by step
-(step 0 of every plan, then step 1, ...), so a change of load during the run reaches every plan alike.
+(step 0 of every plan, then step 1, ...), so a change of load during the run reaches every plan alike, and the order
+of the plans within a step rotates from step to step (starting at `payload["offset"]`), so that no plan always runs
+first after the others' steps.
 
 Per step and rank: wall and process CPU seconds of every micro-batch, of the all-reduce and of the optimizer step,
 and the step's wall time from a barrier before it to the end of the optimizer step.
@@ -83,7 +85,8 @@ def _step(model, optimizer, step: dict, cp: int, cp_rank: int, cp_group) -> dict
 
 def worker(rank: int, world: int, port: int, payload: dict, out_path: str) -> None:
     """`payload`: config, dp, cp, threads, plans ({name: {"layout", "steps": [[replica micro-batches...]...],
-    "tokens": [label tokens per step]}}). Writes rank-wise results to `out_path`.rank."""
+    "tokens": [label tokens per step]}}), offset (where the rotation of the plans' order starts, default 0). Writes
+    rank-wise results to `out_path`.rank."""
     import torch
     import torch.distributed as dist
 
@@ -108,8 +111,11 @@ def worker(rank: int, world: int, port: int, payload: dict, out_path: str) -> No
         gc.collect()
         gc.disable()
         longest = max(len(plan["steps"]) for plan in plans.values())
+        names = list(plans)
         for k in range(longest):
-            for name, plan in plans.items():
+            shift = (k + payload.get("offset", 0)) % len(names)
+            for name in names[shift:] + names[:shift]:
+                plan = plans[name]
                 if k >= len(plan["steps"]):
                     continue
                 step = {

@@ -16,11 +16,17 @@ Two runs, each with its own question:
 - `layout`: dp 1 x cp 2, M = 4, 4096 tokens per CP rank: the planner's plan run with the zigzag and with the hybrid
   CP layout (the same micro-batches): the layout gain alone.
 
+Repetitions (`--reps`, default 5): each run's world is started afresh `reps` times, every time training every
+plan's whole epoch, the plans' order within a step rotating from step to step and from repetition to repetition.
+Each repetition gives every plan an epoch time on both clocks; a plan's speedup over another is the median of the
+per-repetition (paired) ratios with their spread (min-max), and `pairs` states, per clock, whether one plan was
+faster in every repetition or the two are within noise (each faster in some repetition).
+
 Predictions: `Plan.predict(cost, layout=...)` with the calibrated model (benchmarks/calibration.py writes it), on
 the model's clock; they cover the micro-batches' compute, not the all-reduce or the optimizer step (the report
-lists those measured). `ranking_correct` compares the measured epoch ranking with the predicted one.
+lists those measured). `ranking_correct` compares the measured epoch ranking (median epochs) with the predicted one.
 
-    python benchmarks/replay.py [--documents 6000] [--quick]
+    python benchmarks/replay.py [--documents 6000] [--reps 5] [--quick]
 """
 
 from __future__ import annotations
@@ -85,15 +91,16 @@ def step_payload(plan: balancer.Plan, layout: str) -> dict:
     return {"layout": layout, "steps": steps, "tokens": tokens}
 
 
-def train(plans: dict, dp: int, cp: int, threads: int) -> dict:
-    """Run the worker world; returns {name: [rank][step] results}."""
+def train(plans: dict, dp: int, cp: int, threads: int, offset: int = 0) -> dict:
+    """Run the worker world once (`offset`: where the rotation of the plans' order in a step starts); returns
+    {name: [rank][step] results}."""
     import torch.multiprocessing as mp
 
     world = dp * cp
     if world > (os.cpu_count() or 1):
         raise SystemExit(f"dp * cp = {world} processes > {os.cpu_count()} cores: pick a smaller topology")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    payload = {"config": TINY_LLAMA, "dp": dp, "cp": cp, "threads": threads, "plans": plans}
+    payload = {"config": TINY_LLAMA, "dp": dp, "cp": cp, "threads": threads, "plans": plans, "offset": offset}
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "replay")
         mp.spawn(worker, args=(world, free_port(), payload, out), nprocs=world, join=True)
@@ -113,27 +120,41 @@ def measured_times(per_rank: list[list[dict]], dp: int, cp: int, clock: int) -> 
     return {"step": step, "compute": mb.sum(axis=2).max(axis=1), "micro_batch": mb, "all_reduce": reduce, "opt": opt}
 
 
-def summarize(plan: balancer.Plan, layout: str, per_rank, cost, clock: str) -> dict:
+def median_times(reps: list[list[list[dict]]], dp: int, cp: int, clock: int) -> dict:
+    """measured_times of every repetition (`reps`: [rep][rank][step] results) reduced step by step to their median,
+    with `epochs`: each repetition's epoch time (the sum of its steps) on that clock."""
+    each = [measured_times(per_rank, dp, cp, clock) for per_rank in reps]
+    out = {key: np.median(np.stack([m[key] for m in each]), axis=0) for key in each[0]}
+    out["epochs"] = np.array([m["step"].sum() for m in each])
+    return out
+
+
+def summarize(plan: balancer.Plan, layout: str, reps: list[list[list[dict]]], cost, clock: str) -> dict:
+    """One plan's row: epoch times (median over the repetitions, each repetition's kept), the step by step medians
+    split into compute, all-reduce and optimizer, and the prediction's error against those medians."""
     t = plan.topology
-    wall, cpu = (measured_times(per_rank, t.dp, t.cp, c) for c in (0, 1))
+    wall, cpu = (median_times(reps, t.dp, t.cp, c) for c in (0, 1))
     main = cpu if clock == "cpu" else wall
     prediction = plan.predict(cost, layout=layout)
     tokens = int((plan.end - plan.start).sum())
     step_tokens = plan.micro_batch_tokens().sum(axis=(1, 2))
+    epoch_wall, epoch_cpu = float(np.median(wall["epochs"])), float(np.median(cpu["epochs"]))
     return {
         "layout": layout if t.cp > 1 else "none (cp 1)",
         "num_steps": plan.num_steps,
         "tokens": tokens,
         "mean_tokens_per_step": float(step_tokens[:-1].mean() if len(step_tokens) > 1 else step_tokens[0]),
-        "epoch_wall_seconds": float(wall["step"].sum()),
-        "epoch_cpu_seconds": float(cpu["step"].sum()),
-        "tokens_per_second_wall": tokens / float(wall["step"].sum()),
-        "tokens_per_second_cpu": tokens / float(cpu["step"].sum()),
-        "epoch_seconds": float(main["step"].sum()),
+        "epoch_wall_seconds": epoch_wall,
+        "epoch_cpu_seconds": epoch_cpu,
+        "reps_epoch_wall_seconds": wall["epochs"].tolist(),
+        "reps_epoch_cpu_seconds": cpu["epochs"].tolist(),
+        "tokens_per_second_wall": tokens / epoch_wall,
+        "tokens_per_second_cpu": tokens / epoch_cpu,
+        "epoch_seconds": epoch_cpu if clock == "cpu" else epoch_wall,
         "compute_seconds": float(main["compute"].sum()),
         "all_reduce_seconds": float(main["all_reduce"].sum()),
         "optimizer_seconds": float(main["opt"].sum()),
-        "wall_over_cpu": float(wall["step"].sum() / cpu["step"].sum()),
+        "wall_over_cpu": epoch_wall / epoch_cpu,
         "predicted_compute_seconds": float(prediction["step_time_total"]),
         "micro_batch_error": error_summary(prediction["micro_batch_times"].ravel(), main["micro_batch"].ravel()),
         "step_compute_error": error_summary(prediction["step_times"], main["compute"]),
@@ -144,38 +165,73 @@ def summarize(plan: balancer.Plan, layout: str, per_rank, cost, clock: str) -> d
     }
 
 
-def compare(rows: dict, base: str) -> dict:
-    """Speedups over `base` (measured: epoch time on the figures' clock, and by wall clock and by CPU time apart;
-    predicted: compute) and the rankings (measured on the figures' clock and by wall clock, predicted)."""
-    for row in rows.values():
-        row["measured_speedup"] = rows[base]["epoch_seconds"] / row["epoch_seconds"]
-        row["measured_speedup_wall"] = rows[base]["epoch_wall_seconds"] / row["epoch_wall_seconds"]
-        row["measured_speedup_cpu"] = rows[base]["epoch_cpu_seconds"] / row["epoch_cpu_seconds"]
+def paired(rows: dict, a: str, b: str, clock: str) -> dict:
+    """How much faster `a`'s epoch was than `b`'s on `clock` ("wall" or "cpu"): the median of the per-repetition
+    ratios (b / a), their min and max, and a verdict: `a` or `b` faster in every repetition, else within noise."""
+    key = f"reps_epoch_{clock}_seconds"
+    ratios = np.array(rows[b].get(key, [rows[b][f"epoch_{clock}_seconds"]])) / np.array(
+        rows[a].get(key, [rows[a][f"epoch_{clock}_seconds"]])
+    )
+    verdict = f"{a} faster" if (ratios > 1).all() else f"{b} faster" if (ratios < 1).all() else "within noise"
+    return {
+        "median": float(np.median(ratios)),
+        "min": float(ratios.min()),
+        "max": float(ratios.max()),
+        "reps": len(ratios),
+        "verdict": verdict,
+    }
+
+
+def compare(rows: dict, base: str, clock: str = "cpu") -> dict:
+    """Speedups over `base` (measured: the median of the per-repetition ratios of epoch times, on the figures'
+    clock and by wall clock and by CPU time apart, with their spread; predicted: compute), every pair of plans on both
+    clocks (`pairs`: paired ratio and verdict) and the rankings (of the median epochs: figures' clock, wall clock,
+    CPU time; predicted). `clock`: the figures' clock, "cpu" or "wall"."""
+    for name, row in rows.items():
+        for c in ("wall", "cpu"):
+            ratio = paired(rows, name, base, c)
+            row[f"measured_speedup_{c}"] = ratio["median"]
+            row[f"measured_speedup_{c}_spread"] = [ratio["min"], ratio["max"]]
+        row["measured_speedup"] = row[f"measured_speedup_{clock}"]
         row["measured_compute_speedup"] = rows[base]["compute_seconds"] / row["compute_seconds"]
         row["predicted_speedup"] = rows[base]["predicted_compute_seconds"] / row["predicted_compute_seconds"]
+    names = list(rows)
+    pairs = {
+        f"{a} vs {b}": {c: paired(rows, a, b, c) for c in ("wall", "cpu")}
+        for i, a in enumerate(names)
+        for b in names[i + 1 :]
+    }
     measured = sorted(rows, key=lambda k: rows[k]["epoch_seconds"])
     predicted = sorted(rows, key=lambda k: rows[k]["predicted_compute_seconds"])
     return {
         "baseline": base,
         "rows": rows,
+        "pairs": pairs,
         "ranking_measured": measured,
         "ranking_measured_wall": sorted(rows, key=lambda k: rows[k]["epoch_wall_seconds"]),
+        "ranking_measured_cpu": sorted(rows, key=lambda k: rows[k]["epoch_cpu_seconds"]),
         "ranking_predicted": predicted,
         "ranking_correct": measured == predicted,
     }
 
 
 def run(name: str, lengths: np.ndarray, cost, clock: str, args) -> dict:
+    """One run of RUNS: plan, then train every plan's epoch `args.reps` times (a fresh world each, the order of the
+    plans within a step rotating), then the rows and comparisons over the repetitions."""
     dp, cp, max_tokens, configs = RUNS[name]
     topo = balancer.Topology(dp=dp, cp=cp, micro_batches=args.micro_batches, max_tokens=max_tokens)
     plans = {p: PLANNERS[p](lengths, topo, cost, seed=args.seed) for p in {c[1] for c in configs}}
     payload = {label: step_payload(plans[p], layout) for label, p, layout in configs}
     load_before, t0 = [round(x, 2) for x in os.getloadavg()], time.perf_counter()
-    results = train(payload, dp, cp, args.threads)
-    info = {"seconds": time.perf_counter() - t0, "load_before": load_before}
+    reps, loads = [], []
+    for rep in range(args.reps):
+        reps.append(train(payload, dp, cp, args.threads, offset=rep))
+        loads.append(round(os.getloadavg()[0], 2))
+        print(f"{name}: repetition {rep + 1}/{args.reps} done, load {loads[-1]}", flush=True)
+    info = {"seconds": time.perf_counter() - t0, "load_before": load_before, "reps": args.reps, "rep_loads": loads}
     info["load_after"] = [round(x, 2) for x in os.getloadavg()]
-    rows = {label: summarize(plans[p], layout, results[label], cost, clock) for label, p, layout in configs}
-    out = compare(rows, configs[0][0] if name == "layout" else "trl-bfd")
+    rows = {label: summarize(plans[p], layout, [r[label] for r in reps], cost, clock) for label, p, layout in configs}
+    out = compare(rows, configs[0][0] if name == "layout" else "trl-bfd", "cpu" if clock == "cpu" else "wall")
     return {"topology": topo.to_dict(), "processes": dp * cp, "cores": os.cpu_count(), **info, **out}
 
 
@@ -185,9 +241,13 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reps", type=int, default=5, help="repetitions of every run (paired: all plans in each)")
     ap.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
-    ap.add_argument("--quick", action="store_true", help="300 documents (a test run; results not written)")
+    ap.add_argument("--quick", action="store_true", help="300 documents, 2 repetitions (a test run; not written)")
     args = ap.parse_args()
+    if args.reps < 1:
+        ap.error(f"--reps must be at least 1, got {args.reps}")
+    args.reps = 2 if args.quick else args.reps
     if not COST_FILE.exists():
         sys.exit(f"{COST_FILE} is missing: run benchmarks/calibration.py first")
     cost = balancer.CostModel.load(COST_FILE)
@@ -222,6 +282,14 @@ def print_table(name: str, result: dict) -> None:
             f"{r['wall_over_cpu']:5.2f} wall {r['measured_speedup_wall']:.3f}x cpu {r['measured_speedup_cpu']:.3f}x"
         )
     print(f"ranking measured {result['ranking_measured']}, predicted {result['ranking_predicted']}")
+    for pair, clocks in result["pairs"].items():
+        print(
+            f"  {pair}: "
+            + "; ".join(
+                f"{c} {r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f}, {r['reps']} reps): {r['verdict']}"
+                for c, r in clocks.items()
+            )
+        )
 
 
 # ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
