@@ -396,6 +396,15 @@ class BalanceMonitor:
             self.load_state_dict(state["monitor"])
         return self.schedule.copy()
 
+    def restart(self) -> None:
+        """A new run over the source from the start of a pass (a second `Trainer.train()`; collective: every rank
+        calls it): the steps closed before are gathered, then steps count from 0 of the source's epoch again, with a
+        warm-up again. The ledger, the models and the refits are kept. A run resumed from a state then calls
+        `on_sampler_load` as usual."""
+        self.flush()
+        self._epoch, self._step = self.sampler.epoch, 0
+        self._since_start, self._current = 0, {}
+
     def on_sampler_load(self) -> None:
         """The sampler loaded a state: count steps from its position on, warm-up again."""
         self._epoch, self._step = self.sampler.epoch, self.sampler.position // self.topology.micro_batches

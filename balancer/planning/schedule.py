@@ -168,6 +168,24 @@ class WindowSchedule:
         self.changes = changes
 
 
+def plan_start(
+    epoch: int, window: int, *, current_epoch: int, current_windows: int, epoch_windows: int
+) -> tuple[int, int]:
+    """The window-wrapping rule: the (epoch, window) a model fitted for window `window` of `epoch` plans from, for a
+    holder at pass `current_epoch` whose pass has `current_windows` windows and whose other passes have
+    `epoch_windows` each. Past an epoch's last window it wraps into the next epochs; a model for an epoch the holder
+    has left plans from the next one (the current epoch's windows may already be planned, differently on different
+    ranks)."""
+    if current_windows < 1 or epoch_windows < 1:
+        raise ValueError(f"plan_start: window counts must be positive, got {current_windows} and {epoch_windows}")
+    while True:
+        count = current_windows if epoch == current_epoch else epoch_windows
+        if window < count:
+            break
+        epoch, window = epoch + 1, window - count
+    return (current_epoch + 1, 0) if epoch < current_epoch else (epoch, window)
+
+
 # ---- the segment chain ---------------------------------------------------------------------------------------------
 def segments_state(chain: Sequence[dict]) -> list[dict]:
     """A chain of segments (`topology`, `cost`, `steps`) as a state holds it (`SEGMENT`)."""
@@ -225,6 +243,7 @@ __all__ = [
     "WindowSchedule",
     "check_seed",
     "parse_segments",
+    "plan_start",
     "resume_chain",
     "segments_state",
 ]

@@ -85,6 +85,9 @@ class MeasuredBalanceMixin(TrainerHost):
         return self.balanced_sampler
 
     def _init_training_state(self, *args, **kwargs):
+        if self.balance_monitor is not None:  # a second train(): its steps count from the start of a pass again
+            self.balance_monitor.restart()
+            self._balance_mbs = 0
         self._balance_attach()  # before the sampler loads a checkpoint's state (the monitor's part is in it)
         return super()._init_training_state(*args, **kwargs)
 

@@ -54,6 +54,7 @@ from balancer.limits import check_indices
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
 from balancer.planning.schedule import StepPlace, WindowSchedule, check_seed, resume_chain
+from balancer.planning.schedule import plan_start as wrap_plan_start
 from balancer.planning.shuffle import num_windows
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost
@@ -404,13 +405,12 @@ class BalancedBatchSampler(torch.utils.data.Sampler):
     def plan_start(self, epoch: int, window: int) -> tuple[int, int]:
         """The (epoch, window) a model for window `window` of `epoch` plans from: past the epoch's last window it
         wraps into the next epochs (this sampler's window size); a model for an epoch this sampler has left plans
-        from the next one (the current epoch's windows may already be planned, differently on different ranks)."""
-        while True:
-            count = self.windows.count if epoch == self.epoch else num_windows(len(self.lengths), self.window_docs)
-            if window < count:
-                break
-            epoch, window = epoch + 1, window - count
-        return (self.epoch + 1, 0) if epoch < self.epoch else (epoch, window)
+        from the next one (the current epoch's windows may already be planned, differently on different ranks):
+        `balancer.planning.schedule.plan_start`."""
+        return wrap_plan_start(
+            epoch, window, current_epoch=self.epoch, current_windows=self.windows.count,
+            epoch_windows=num_windows(len(self.lengths), self.window_docs),
+        )  # fmt: skip
 
     def update_model(
         self, cost: CostModel, rank_speeds: Optional[Sequence[float]], first_window: int, *, epoch: int

@@ -32,7 +32,7 @@ import numpy as np
 from balancer.integrations.torchft.exchange import FIT, Row
 from balancer.planning.cost.fit import TERMS
 from balancer.planning.cost.model import CostModel
-from balancer.planning.schedule import StepPlace
+from balancer.planning.schedule import StepPlace, plan_start
 from balancer.planning.shuffle import num_windows
 from balancer.planning.topology import Topology
 from balancer.training.indices import Span
@@ -130,14 +130,11 @@ class MonitoredSteps:
 
     def plan_start(self, epoch: int, window: int) -> tuple[int, int]:
         """As `BalancedBatchSampler.plan_start`: past the epoch's last window into the next epochs; an epoch left
-        behind plans from the next one."""
-        while True:
-            here = epoch == self.epoch
-            count = self.windows.count if here else num_windows(len(self.lengths), self.window_docs)
-            if window < count:
-                break
-            epoch, window = epoch + 1, window - count
-        return (self.epoch + 1, 0) if epoch < self.epoch else (epoch, window)
+        behind plans from the next one (`balancer.planning.schedule.plan_start`)."""
+        return plan_start(
+            epoch, window, current_epoch=self.epoch, current_windows=self.windows.count,
+            epoch_windows=num_windows(len(self.lengths), self.window_docs),
+        )  # fmt: skip
 
     def update_model(
         self, cost: CostModel, rank_speeds: Optional[Sequence[float]], first_window: int, *, epoch: int
