@@ -31,10 +31,10 @@ import faults_run  # noqa: E402
 import faults_where  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "faults.json"
-# How fast a dead peer is noticed (measured with benchmarks/faults_where.py; docs/fault-tolerance.md)
-COMM_TIMEOUT = 3.0  # seconds a gloo reduction (and the Manager) waits for a peer
+# The recommended settings (docs/fault-tolerance.md; measured with benchmarks/faults_where.py on this machine)
+COMM_TIMEOUT = 3.0  # seconds a reduction (and the Manager) waits for a peer that hangs without closing its sockets
 HEARTBEAT_TIMEOUT_MS = 1500  # the lighthouse counts a replica dead after this long without a heartbeat
-JOIN_TIMEOUT_MS = 1000  # a quorum waits this long for heartbeating replicas that have not joined it
+JOIN_TIMEOUT_MS = 1000  # a new quorum waits this long for heartbeating replicas that have not joined it
 HEARTBEAT_INTERVAL_MS = 100  # each Manager heartbeats this often (torchft's default)
 
 
@@ -123,7 +123,7 @@ def summarise(cfg: faults_run.Config, result: dict) -> dict:
     }  # fmt: skip
 
 
-def main() -> None:
+def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--docs", type=int, default=1400)
     ap.add_argument("--every", type=int, default=20, help="committed steps between kills")
@@ -133,8 +133,48 @@ def main() -> None:
     ap.add_argument("--heartbeat-timeout-ms", type=int, default=HEARTBEAT_TIMEOUT_MS, help="lighthouse: dead after")
     ap.add_argument("--join-timeout-ms", type=int, default=JOIN_TIMEOUT_MS, help="lighthouse: wait for stragglers")
     ap.add_argument("--heartbeat-interval-ms", type=int, default=HEARTBEAT_INTERVAL_MS, help="Manager heartbeats")
+    ap.add_argument("--no-ablation", action="store_true", help="skip the faulty run without the abort line")
     ap.add_argument("--table", action="store_true", help="print the markdown table from the record and exit")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def run_all(args: argparse.Namespace, base: dict) -> dict:
+    """The runs in this order: failure-free, faulty, (faulty without the abort line), failure-free again: the
+    faulty runs sit between the two failure-free ones, so a drift of the machine's load shows as their spread."""
+    phases = ("forward", "reduce", "between")
+    kills = [[i % 4, args.every * (i + 1), phases[i % 3]] for i in range(12)]
+    order = [("failure_free", [], True), ("faulty", kills, True)]
+    order += [] if args.no_ablation else [("faulty_no_abort", kills, False)]
+    order += [("failure_free_repeat", [], True)]
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, k, abort in order:
+            cfg = faults_run.Config(out=f"{tmp}/{name}", kills=k, abort_failed=abort, **base)
+            result = faults_run.run(cfg)
+            runs[name] = summarise(cfg, result)
+            if k:
+                done = runs[name]["kills_done"] = sum(result["lives"].values())
+                runs[name]["where"] = faults_where.where_seconds_go(result["lines"], cfg.groups, done)
+            if name == "faulty":
+                committed = faults_run.committed_steps(result["lines"])
+                runs["torchft_sampler"] = torchft_sampler(cfg, committed, result["lines"])
+    return runs
+
+
+def goodput(runs: dict, name: str) -> dict:
+    """A faulty run's tokens per second over the failure-free runs' (their mean; each one's beside it) and its
+    groups' alive fraction over theirs (1: no group was down), per second of each run."""
+    ff = [runs[n]["tokens_per_second"] for n in ("failure_free", "failure_free_repeat")]
+    fy = runs[name]
+    return {
+        "goodput": fy["tokens_per_second"] / float(np.mean(ff)),
+        "goodput_each_baseline": [fy["tokens_per_second"] / x for x in ff],
+        "available": fy["alive_fraction"] / runs["failure_free"]["alive_fraction"],
+    }
+
+
+def main() -> None:
+    args = arguments()
     if args.table:
         print(table(json.loads(OUT.read_text())))
         return
@@ -142,21 +182,8 @@ def main() -> None:
     base = dict(groups=4, docs=args.docs, work=args.work, rejoin_seconds=args.rejoin, timeout_s=900.0,
                 comm_timeout_s=args.comm_timeout, heartbeat_timeout_ms=args.heartbeat_timeout_ms,
                 join_timeout_ms=args.join_timeout_ms, heartbeat_interval_ms=args.heartbeat_interval_ms)  # fmt: skip
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in ("failure_free", "failure_free_repeat", "faulty"):
-            phases = ("forward", "reduce", "between")
-            kills = [] if name != "faulty" else [[i % 4, args.every * (i + 1), phases[i % 3]]
-                                                        for i in range(12)]  # fmt: skip
-            cfg = faults_run.Config(out=f"{tmp}/{name}", kills=kills, **base)
-            result = faults_run.run(cfg)
-            runs[name] = summarise(cfg, result)
-            if name == "faulty":
-                runs[name]["kills_done"] = sum(result["lives"].values())
-                runs[name]["where"] = faults_where.where_seconds_go(result["lines"], cfg.groups,
-                                                                    runs[name]["kills_done"])  # fmt: skip
-                runs["torchft_sampler"] = torchft_sampler(cfg, faults_run.committed_steps(result["lines"]),
-                                                          result["lines"])  # fmt: skip
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    runs = run_all(args, base)
     ff, fy, rep = runs["failure_free"], runs["faulty"], runs["failure_free_repeat"]
     for c in fy["predicted_imbalance_after_changes"]:  # the same step (the same documents) without failures
         c["failure_free"] = ff["predicted_imbalance_per_step"].get(str(c["step"]))
@@ -165,11 +192,10 @@ def main() -> None:
         "question": "faults with torchft: exactly once, goodput and balance with a group killed every ~20 steps",
         "clock": "wall (time.time)", "machine": {"cores": os.cpu_count(), "load_start": load0,
                                                  "load_end": os.getloadavg()},
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]), "config": {**base, "every": args.every},
-        "runs": runs,
-        "goodput": fy["tokens_per_second"] / ff["tokens_per_second"],
-        "available": fy["alive_fraction"] / ff["alive_fraction"],
+        "commit": commit, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "config": {**base, "every": args.every, "abort_failed": True}, "runs": runs,
+        **goodput(runs, "faulty"),
+        "ablation_no_abort": None if args.no_ablation else goodput(runs, "faulty_no_abort"),
         "predicted_after_changes_minus_same_step_failure_free": max(diffs) if diffs else None,
         "measured_minus_failure_free": fy["measured_imbalance"] - ff["measured_imbalance"],
         "measured_noise_paired_repeat": abs(rep["measured_imbalance"] - ff["measured_imbalance"]),
@@ -179,10 +205,19 @@ def main() -> None:
     print(table(record))
 
 
+def where_text(where: dict | None) -> str:
+    """Where a faulty run's kill time went, in words (benchmarks/faults_where.py)."""
+    if where is None:
+        return ""
+    parts = ", ".join(f"{k.replace('_', ' ')} +{v:.2f} s" for k, v in where["excess_seconds_per_kill"].items())
+    steps, lost = where["uncommitted_steps_per_kill"], where["uncommitted_seconds_per_kill"]
+    return f"{steps:.1f} uncommitted group-steps ({lost:.2f} s), and in the committed steps it slowed {parts}"
+
+
 def table(r: dict) -> str:
     """The markdown table of docs/fault-tolerance.md from a record."""
     ff, fy, tf = r["runs"]["failure_free"], r["runs"]["faulty"], r["runs"]["torchft_sampler"]
-    rep = r["runs"]["failure_free_repeat"]
+    rep, ab = r["runs"]["failure_free_repeat"], r["runs"].get("faulty_no_abort")
     after = [c["predicted_imbalance"] for c in fy["predicted_imbalance_after_changes"]]
     mean, worst = (float(np.mean(after)), max(after)) if after else (float("nan"), float("nan"))
     same = r["predicted_after_changes_minus_same_step_failure_free"]
@@ -193,39 +228,42 @@ def table(r: dict) -> str:
             f"{x['alive_fraction']:.3f} | {x['predicted_imbalance_all_groups']:.4f} | {x['measured_imbalance']:.4f} |"
         )
 
-    where = fy.get("where")
-    seconds = (
-        ""
-        if where is None
-        else (
-            f" Where a kill's time goes (group-seconds over the groups, per kill; steps of "
-            f"{where['median_step_seconds']:.2f} s): {where['uncommitted_steps_per_kill']:.1f} uncommitted steps "
-            f"({where['uncommitted_seconds_per_kill']:.2f} s), and in the committed steps it slowed "
-            + ", ".join(f"{k.replace('_', ' ')} +{v:.2f} s" for k, v in where["excess_seconds_per_kill"].items())
-            + f"; timeouts: gloo/Manager {r['config'].get('comm_timeout_s', 3.0):g} s, lighthouse heartbeat "
-            f"{r['config'].get('heartbeat_timeout_ms', 1500)} ms, join {r['config'].get('join_timeout_ms', 1000)} ms."
-        )
-    )
+    c = r["config"]
+    each = ", ".join(f"{g:.3f}" for g in r["goodput_each_baseline"])
     rows = [
         "| run | committed steps | lost | duplicated | tokens/s | groups alive | predicted imbalance (all groups) "
         "| measured imbalance |",
         "|---|---|---|---|---|---|---|---|",
         row("failure-free", ff),
-        row("failure-free, repeat", rep),
         row("faulty, FaultTolerantBatches", fy),
+        *([row("faulty, without aborting the process group (ablation)", ab)] if ab else []),
+        row("failure-free, repeat", rep),
         f"| faulty, torchft DistributedSampler (same membership) | - | {tf['lost']} | {tf['duplicated']} "
         "| - | - | - | - |",
         "",
-        f"Goodput {r['goodput']:.3f} of the failure-free run's tokens per second with {r['available']:.3f} of its "
-        f"groups alive on average (goal: goodput >= 0.9 x that = {0.9 * r['available']:.3f}). Predicted imbalance "
-        f"in "
-        f"the {len(after)} steps right after a membership change: mean {mean:.4f}, worst {worst:.4f} "
-        f"(failure-free steps: {ff['predicted_imbalance_all_groups']:.4f}); the most any of them exceeds the same "
-        f"step's in the failure-free run: {same:+.4f}. "
-        f"Measured imbalance {fy['measured_imbalance']:.4f} against {ff['measured_imbalance']:.4f} failure-free; "
-        f"paired-repeat noise {r['measured_noise_paired_repeat']:.4f}. {r['machine']['cores']} cores, load "
+        f"Goodput {r['goodput']:.3f} of the failure-free runs' tokens per second (against each: {each}) with "
+        f"{r['available']:.3f} of their groups alive on average (goal: goodput >= 0.9 x that = "
+        f"{0.9 * r['available']:.3f}). Per kill ({fy.get('kills_done', 0)} kills; steps of "
+        f"{fy['where']['median_step_seconds']:.2f} s, group-seconds summed over the groups): "
+        f"{where_text(fy.get('where'))}."
+        + (
+            ""
+            if ab is None
+            else f" Without aborting the process group after a step that did not commit: goodput "
+            f"{r['ablation_no_abort']['goodput']:.3f} with {r['ablation_no_abort']['available']:.3f} alive; per kill "
+            f"{where_text(ab.get('where'))}."
+        )
+        + f" Settings: gloo/Manager timeout {c['comm_timeout_s']:g} s, lighthouse heartbeat timeout "
+        f"{c['heartbeat_timeout_ms']} ms, join timeout {c['join_timeout_ms']} ms, Manager heartbeat every "
+        f"{c['heartbeat_interval_ms']} ms.",
+        "",
+        f"Predicted imbalance in the {len(after)} steps right after a membership change: mean {mean:.4f}, worst "
+        f"{worst:.4f} (failure-free steps: {ff['predicted_imbalance_all_groups']:.4f}); the most any of them exceeds "
+        f"the same step's in the failure-free run: {same:+.4f}. Measured imbalance {fy['measured_imbalance']:.4f} "
+        f"against {ff['measured_imbalance']:.4f} failure-free; paired-repeat noise "
+        f"{r['measured_noise_paired_repeat']:.4f}. {r['machine']['cores']} cores, load "
         f"{r['machine']['load_start'][0]:.2f} at the start and {r['machine']['load_end'][0]:.2f} at the end; "
-        f"commit {r['commit'][:7]}; {r['date']}; `{r['command']}`." + seconds,
+        f"commit {r['commit'][:7]}; {r['date']}; `{r['command']}`.",
     ]
     return "\n".join(rows)
 

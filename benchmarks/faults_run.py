@@ -63,6 +63,7 @@ class Config:
     heartbeat_timeout_ms: int = 1500  # the lighthouse: a replica silent this long is dead (left out of quorums)
     join_timeout_ms: int = 1000  # the lighthouse: how long a quorum waits for heartbeating stragglers to join
     heartbeat_interval_ms: int = 100  # the Manager: how often a replica heartbeats to the lighthouse
+    abort_failed: bool = True  # abort the process group after a step that did not commit (the next quorum rebuilds it)
 
     @property
     def quorum_minimum(self) -> int:
@@ -152,11 +153,13 @@ def state_digest(state: dict) -> str:
 
 
 def make_manager(cfg: Config, group: int, rank: int, model, opt):
-    """torchft's Manager of this process: the lighthouse and the group's store from the driver's environment."""
+    """torchft's Manager of this process and its process group (the lighthouse and the group's store from the
+    driver's environment)."""
     from torchft import Manager, ProcessGroupGloo
 
-    return Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=cfg.comm_timeout_s)),
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=cfg.comm_timeout_s))
+    return pg, Manager(
+        pg=pg,
         min_replica_size=cfg.quorum_minimum,
         load_state_dict=lambda s: (model.load_state_dict(s["model"]), opt.load_state_dict(s["opt"])),
         state_dict=lambda: {"model": model.state_dict(), "opt": opt.state_dict()},
@@ -188,11 +191,12 @@ def worker(cfg: Config, group: int, life: int, rank: int) -> None:
     batches = FaultTolerantBatches(lengths, cfg.topology(), cost_model(), replica_id=f"g{group}", seed=cfg.seed,
                                    window_docs=cfg.window_docs or None, mode=cfg.mode)  # fmt: skip
     monitor = balancer.BalanceMonitor(batches, mode=cfg.monitor, cuda=False, warmup_steps=1) if cfg.monitor else None
-    manager = make_manager(cfg, group, rank, model, opt)
+    pg, manager = make_manager(cfg, group, rank, model, opt)
     manager.register_state_dict_fn("batches", batches.load_state_dict, batches.state_dict)
     if life == 0:
         barrier(Path(cfg.out), f"g{group}_r{rank}", cfg.groups * cfg.cp)
     loop = _Loop(cfg, lengths, model, opt, batches, manager, balancer.PackedCollator(cp_rank=rank, cp_size=cfg.cp))
+    loop.pg = pg
     loop.kill = [tuple(k[1:]) for k in cfg.kills if k[0] == group and life == 0 and rank == 0]
     loop.slow = cfg.slow.get(str(group))
     with open(Path(cfg.out) / f"g{group}_r{rank}_life{life}.jsonl", "a", buffering=1) as log:
@@ -219,7 +223,7 @@ class _Loop:
         self.cfg, self.lengths, self.model, self.opt = cfg, lengths, model, opt
         self.batches, self.manager, self.collate = batches, manager, collate
         self.data = balancer.SpanDataset(TokenDocs(lengths))
-        self.kill, self.slow = [], None
+        self.kill, self.slow, self.pg = [], None, None
 
     def step(self):
         """One step; its record, or None when the epoch is done."""
@@ -237,6 +241,8 @@ class _Loop:
         committed = manager.should_commit()
         if committed:
             self.opt.step()
+        elif self.cfg.abort_failed and self.pg is not None:
+            self.pg.abort()  # peers blocked on this group in the ring see it now, not after their timeout
         self.opt.zero_grad(set_to_none=False)
         plan = b.step_plan()
         b.end_step(committed)
