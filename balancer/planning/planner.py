@@ -322,6 +322,10 @@ def _pack_epoch(
     flat = np.concatenate(groups)
     ptr = np.concatenate([[0], np.cumsum([len(g) for g in groups])])
     fast_bin = pack_light_steps(flat, ptr, u_cost, u_tok, attn_heavy, topology)
+    if not len(fast_bin) or fast_bin.max() < 0:  # no step packed by the batched LPT (every step holds heavy units)
+        none = np.zeros(len(groups), dtype=bool)  # what steps_to_repack finds: every step incomplete, re-packed
+        batched = Batched(flat, ptr, np.zeros((len(groups), nb), dtype=np.int64), none, LazySteps(fast_bin, ptr, none))
+        return settle(groups, batched, Settling(u_cost, u_tok, attn_heavy, targets, topology, fixed), progress)
     repack, complete = steps_to_repack(fast_bin, u_cost[flat], u_tok[flat], ptr, topology)
     fast = LazySteps(fast_bin, ptr, complete)
     # the good steps' result, sorted by micro-batch in one go (the -1 of incomplete steps sorts first, unused)

@@ -123,6 +123,9 @@ def _place_heavy_marginal(
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
     rep = bins.replica_of_bin
     speed = bin_speeds(topology)
+    if topology.pp == 1 and speed is None:
+        _place_heavy_sums(heavy[bins.unit_bin[heavy] < 0], cost, tokens, bins, topology)
+        return
     for i in heavy:
         if bins.unit_bin[i] >= 0:
             continue
@@ -142,6 +145,38 @@ def _place_heavy_marginal(
         j = least_then_cheapest(new_time, bins.cost)
         if j >= 0:
             bins.place(i, j, cost[i], tokens[i])
+
+
+def _place_heavy_sums(heavy: np.ndarray, cost: np.ndarray, tokens: np.ndarray, bins: _Bins, topology: Topology) -> None:
+    """`_place_heavy_marginal` without stages or speeds, on Python floats (the same placement): a replica's time is
+    its sum, so each unit goes to the least-loaded replica with room (ties: the cheaper micro-batch with room, then
+    the first), as the per-micro-batch table picks. A replica's sum is re-read with NumPy's own reduction after each
+    placement, so the floats compared are the table's."""
+    dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
+    per_replica = bins.cost.reshape(dp, m)
+    rep_sum = per_replica.sum(axis=1).tolist()
+    rep_low = bins.tokens.reshape(dp, m).min(axis=1).tolist()  # a replica has room for t when its emptiest has
+    bin_cost, bin_tok = bins.cost.tolist(), bins.tokens.tolist()
+    for i, c, t in zip(heavy.tolist(), cost[heavy].tolist(), tokens[heavy].tolist()):
+        limit = cap - t
+        best, ties = float("inf"), []
+        for r, (low, total) in enumerate(zip(rep_low, rep_sum)):
+            if low <= limit:
+                if total + c < best:
+                    best, ties = total + c, [r]
+                elif total + c == best:
+                    ties.append(r)
+        j, cheapest = -1, float("inf")
+        for b in (b for r in ties for b in range(r * m, r * m + m)):
+            if bin_tok[b] <= limit and bin_cost[b] < cheapest:
+                j, cheapest = b, bin_cost[b]
+        if j < 0:
+            continue
+        bins.place(i, j, c, t)
+        r = j // m
+        bin_cost[j], bin_tok[j] = float(bins.cost[j]), int(bins.tokens[j])
+        rep_sum[r] = float(per_replica[r].sum())
+        rep_low[r] = min(bin_tok[r * m : r * m + m])
 
 
 def least_then_cheapest(time: np.ndarray, bin_cost: np.ndarray) -> int:
