@@ -58,3 +58,52 @@ def test_balance_batch_refuses_a_bad_seed_naming_it(seed):
     # old: True was taken as seed 1, the others reached numpy's generator ("SeedSequence expects int ...")
     with pytest.raises(ValueError, match="seed must be an integer"):
         balancer.balance_batch(_batch(64), balancer.Topology(dp=2, max_tokens=16384), COST, seed=seed)
+
+
+GRPO_COST = balancer.CostModel.from_model(
+    hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, intermediate_size=18944, vocab_size=152064
+)
+
+
+def _grpo(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(200, 1500, n // 8)
+    response = np.minimum(rng.lognormal(np.log(1500), 1.0, (n // 8, 8)), 14000).astype(np.int64) + 1
+    return (prompt[:, None] + response).ravel()
+
+
+@pytest.mark.parametrize("seed", [0, 2])
+def test_auto_on_a_token_bound_fast_rank_takes_the_even_count(seed):
+    # 16K GRPO rollouts at "auto" fill the micro-batches to 99.7%: the fast rank cannot hold its speed share. Old:
+    # LPT by finish time filled it to its last token with large rollouts only, which did not split into M
+    # micro-batches, so "auto" tried count after count (each with a spill) and took 411 / 410 where even ranks
+    # take 409 / 408, at imbalance 1.0275; now the dealt mix splits at the even count, at the token bound.
+    lengths = _grpo(16384, seed)
+    even = balancer.balance_batch(lengths, balancer.Topology(dp=8, max_tokens=16384), GRPO_COST, micro_batches="auto")
+    topo = balancer.Topology(dp=8, max_tokens=16384, rank_speeds=(1.2,) + (1.0,) * 7)
+    plan = balancer.balance_batch(lengths, topo, GRPO_COST, micro_batches="auto")
+    plan.validate()
+    assert plan.topology.micro_batches == even.topology.micro_batches
+    # every rank holds about the same tokens, so the slow ranks' time over the speed-weighted bound is 7/8 * 8.2/7
+    token_bound = (1 - 1 / 8) / 7 * 8.2
+    assert plan.metrics()["imbalance"] < token_bound + 2e-3 < 1.0275
+
+
+def test_equal_counts_start_changes_no_plan(monkeypatch):
+    # "auto" with equal_counts on uneven ranks starts looking where the uncapped assignment's fullest rank splits
+    # (16K rollouts: 484 at once, where the speed share's 478 took six more counts): the same count and plan as
+    # the search without that start
+    import balancer.planning.batch.balance as balance
+
+    lengths = _grpo(16384, 0)
+    topo = balancer.Topology(dp=8, max_tokens=16384, rank_speeds=(1.2,) + (1.0,) * 7)
+    tried: list[int] = []
+    real = balance._pack_by_ranks
+    monkeypatch.setattr(balance, "_pack_by_ranks", lambda *a: tried.append(a[6].micro_batches) or real(*a))
+    hinted = balancer.balance_batch(lengths, topo, GRPO_COST, micro_batches="auto", equal_counts=True)
+    hinted_tries = list(tried)
+    monkeypatch.setattr(balance, "_equal_count_start", lambda *a: 0)
+    plain = balancer.balance_batch(lengths, topo, GRPO_COST, micro_batches="auto", equal_counts=True)
+    assert hinted.topology.micro_batches == plain.topology.micro_batches
+    assert np.array_equal(hinted.doc, plain.doc) and np.array_equal(hinted.mb_ptr, plain.mb_ptr)
+    assert len(hinted_tries) < len(tried) - len(hinted_tries)

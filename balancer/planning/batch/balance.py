@@ -43,6 +43,7 @@ from balancer.planning.batch.pack import (
     pack_items,
     pack_ranks,
     restart_ranks,
+    timed_equal_counts_start,
 )
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
@@ -214,6 +215,8 @@ def balance_static(
         first = -(-_first_auto_m(most, g_tok, topology, options) // step) * step
         last = min(MAX_AUTO_MICRO_BATCHES, len(u_doc) // (topology.dp * k)) // step * step
         start = _speed_start(int(u_tok.sum()), k, topology, step) if rank_rules else None
+        if start is not None and options["equal_counts"]:
+            start = max(start, _equal_count_start(g_cost, g_tok, u_group, g_perm, topology, k, step))
         m, attempt = fewest_fitting(first, last, step, attempt_at, start)
         if attempt is None:
             raise ValueError(
@@ -402,6 +405,18 @@ def _speed_start(tokens: int, k: int, topology: Topology, step: int) -> Optional
         return None
     share = tokens / k * float(speeds.max()) / float(speeds.sum())
     return -(-int(np.ceil(share / topology.micro_batch_tokens)) // step) * step
+
+
+def _equal_count_start(g_cost, g_tok, u_group, g_perm, topology: Topology, k: int, step: int) -> int:
+    """Where "auto" starts looking with `equal_counts` on uneven ranks: where the joint (step, rank) assignment is
+    made without its token cap binding, an estimate of the count whose micro-batches hold its fullest rank
+    (`timed_equal_counts_start`; fewer rarely fit); 0 where that assignment is not the one made."""
+    speeds = replica_speeds(topology)
+    assert speeds is not None
+    count = np.bincount(u_group, minlength=len(g_cost))
+    cap = topology.micro_batch_tokens
+    start = timed_equal_counts_start(g_cost[g_perm], g_tok[g_perm], count[g_perm], np.tile(speeds, k), cap)
+    return 0 if start is None else -(-start // step) * step
 
 
 def _first_auto_m(most: int, g_tok, topology: Topology, options) -> int:

@@ -15,10 +15,14 @@ batch of 16K rollouts. With that many units the balance is easy to reach without
    headroom); with `pp > 1` the largest micro-batch also counts, so costs are balanced (LPT on cost within the cap).
    Where the cap defeats LPT, first-fit decreasing on tokens is tried before giving up.
 
-Uneven ranks (`speeds`, one per replica): a replica's time is its work over its speed. Level 1 then runs LPT by
-finish time (each unit to the replica that would finish it first, the snake deal knows no speeds) and the pair
-search between the slowest and the fastest replica by time, aiming each exchange at the cost that equalises the two
-times; level 2 is unchanged (within a replica the speed scales every micro-batch alike).
+Uneven ranks (`speeds`, one per replica): a replica's time is its work over its speed. Level 1 then deals the
+units back and forth to virtual bins, each replica holding bins in proportion to its speed (a fast replica whose
+speed share of the tokens exceeds its token room: in proportion to that room), so every replica holds a mix of
+sizes, then runs the pair search between the slowest and the fastest replica by time, aiming each exchange at the
+cost that equalises the two times. Where a replica filled to its room does not split into M micro-batches, its room
+is lowered to what first-fit decreasing placed of it and level 1 redone (at most CAP_TRIES times). Level 2 is
+unchanged (within a replica the speed scales every micro-batch alike). (LPT by finish time filled a fast replica
+to its last token with large units only, which then did not split: "auto" took extra counts, each costing a spill.)
 
 Every micro-batch gets at least one unit (LPT fills the empty ones first). The result is a deterministic function
 of the inputs (stable sorts, ties to the lower index).
@@ -34,6 +38,8 @@ from balancer.planning.topology import Topology
 
 LARGE_UNITS = 2048  # steps with at least this many units take this path (smaller ones keep the exact search)
 PAIR_ROUNDS = 256  # most improving moves/swaps between the slowest and the fastest replica
+SPEED_BINS = 20  # uneven ranks: virtual bins of the smallest share in the weighted deal (rounding within 2.5%)
+CAP_TRIES = 3  # uneven ranks: pair searches under a lowered token cap before the step is given up
 LPT_GAP = 1e-3  # the deal's slowest replica this far above the bound also tries LPT
 
 
@@ -48,17 +54,15 @@ def pack_large(
     if dp == 1:
         return _micro_batches(np.zeros(len(cost), dtype=np.int64), cost, tokens, topology)
     room = m * topology.micro_batch_tokens
-    speed = np.ones(dp) if speeds is None else speeds
-    # no replica assignment has a faster slowest replica
-    bound = max(float(cost.max()) / float(speed.max()), float(cost.sum()) / float(speed.sum()))
-    rep = _replicas(cost, tokens, dp, room, m, lpt=speeds is not None, speeds=speeds)
+    if speeds is not None:
+        return _pack_timed(cost, tokens, topology, speeds)
+    bound = max(float(cost.max()), float(cost.sum()) / dp)  # no replica assignment has a faster slowest replica
+    rep = _replicas(cost, tokens, dp, room, m, lpt=False)
     best = None if rep is None else _micro_batches(rep, cost, tokens, topology)
-    if best is None and rep is not None and speeds is not None:  # the fast replicas' tokens fill their room
-        best = _spill(rep, cost, tokens, topology, speeds)
     if best is None:  # the step does not fit this way (the caller may try more micro-batches): as it was
         return None
-    top = float((np.bincount(best // m, weights=cost, minlength=dp) / speed).max())
-    if top <= bound * (1 + LPT_GAP) or speeds is not None:
+    top = float(np.bincount(best // m, weights=cost, minlength=dp).max())
+    if top <= bound * (1 + LPT_GAP):
         return best
     # a unit outweighs a replica's share: LPT, whose token-tighter replicas may need some units spilled
     rep = _replicas(cost, tokens, dp, room, m, lpt=True)
@@ -72,13 +76,82 @@ def pack_large(
     return best
 
 
-def _spill(
-    rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology, speeds: np.ndarray | None = None
-) -> np.ndarray | None:
+def _pack_timed(cost: np.ndarray, tokens: np.ndarray, topology: Topology, speeds: np.ndarray) -> np.ndarray | None:
+    """Uneven ranks: the units dealt back and forth to virtual bins, each replica holding bins in proportion to its
+    share of the work (`_weighted_deal`: its speed's share, lowered to what `cap` tokens hold where that is less),
+    then the pair search by time (moves and swaps from the slowest to the fastest replica, within `cap` tokens a
+    replica), then the micro-batches. Where a replica filled to `cap` does not split into M micro-batches, `cap` is
+    lowered to the tokens first-fit decreasing placed of it and the deal redone (at most CAP_TRIES times). Every
+    replica's units are a mix of sizes (dealt, not filled largest first), so they split as well as on even ranks.
+    None when the step does not fit."""
+    dp, m = topology.dp, topology.micro_batches
+    cap = m * topology.micro_batch_tokens
+    room = cap
+    for _ in range(CAP_TRIES):
+        rep = _weighted_deal(cost, tokens, speeds, cap, room)
+        if rep is None:
+            rep = _deal(cost, tokens, dp, room)
+        if rep is None:
+            return None
+        _balance_pairs(rep, cost, tokens, dp, cap, m, speeds=speeds)
+        bins, placed = _micro_batches_or_placed(rep, cost, tokens, topology)
+        if bins is not None or not 0 < placed < cap:
+            return bins
+        cap = placed
+    return None
+
+
+def _weighted_deal(cost: np.ndarray, tokens: np.ndarray, speeds: np.ndarray, cap: int, room: int) -> np.ndarray | None:
+    """Replica of every unit dealt back and forth, largest cost first, to virtual bins, replica r holding bins in
+    proportion to its share of the work: its speed's share, or where that share of the tokens is over `cap` the
+    share that fills it, the rest shared by speed among the others (SPEED_BINS bins for the smallest share). None
+    when a replica's tokens then break `room` or there are fewer units than bins."""
+    total = float(tokens.sum())
+    share, fixed = np.asarray(speeds, dtype=np.float64), np.zeros(len(speeds), dtype=bool)
+    while True:  # water-filling: replicas whose share of the tokens is over the cap hold the cap
+        free = ~fixed
+        share = np.where(fixed, cap / total, (1 - fixed.sum() * cap / total) * speeds / speeds[free].sum())
+        over = free & (share * total > cap)
+        if not over.any() or over.sum() == free.sum():
+            break
+        fixed |= over
+    if share.min() <= 0:
+        return None
+    bins = np.maximum(np.rint(SPEED_BINS * share / share.min()), 1).astype(np.int64)
+    if len(cost) < bins.sum():
+        return None
+    owner = np.repeat(np.arange(len(speeds)), bins)  # interleaved: replica r's j-th bin at (j + 1/2) / bins[r]
+    owner = owner[
+        np.argsort((np.arange(len(owner)) - np.repeat(np.cumsum(bins) - bins, bins) + 0.5) / bins[owner], kind="stable")
+    ]
+    rep = owner[_snake(np.argsort(-np.asarray(cost, dtype=np.float64), kind="stable"), len(owner))]
+    return rep if np.bincount(rep, weights=tokens, minlength=len(speeds)).max() <= room else None
+
+
+def _micro_batches_or_placed(rep, cost, tokens, topology: Topology) -> tuple[np.ndarray | None, int]:
+    """(`_micro_batches(rep, ...)`, 0), or where a replica's units do not split: (None, the tokens first-fit
+    decreasing places of the first such replica's units; 0 when it has fewer units than micro-batches)."""
+    m, cap = topology.micro_batches, topology.micro_batch_tokens
+    bins = np.empty(len(cost), dtype=np.int64)
+    for r in range(topology.dp):
+        mine = np.flatnonzero(rep == r)
+        if len(mine) < m:
+            return None, 0
+        local = _deal(tokens[mine] if topology.pp == 1 else cost[mine], tokens[mine], m, cap)
+        if local is None:  # first-fit decreasing, where a unit that fits nowhere gets -1 (the rest as without)
+            local = _first_fit(tokens[mine], m, cap, partial=True)
+            if local is None:
+                return None, 0
+            if (local < 0).any():
+                return None, int(tokens[mine][local >= 0].sum())
+        bins[mine] = r * m + local
+    return bins, 0
+
+
+def _spill(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology) -> np.ndarray | None:
     """Micro-batches of the replica assignment `rep` when some replica's units do not split within the cap: each
     replica first-fit decreasing on tokens, and what does not fit goes, largest first, to the micro-batch with the
-    most room on the replica that would finish it first (even ranks: the least loaded) that has room for it. None
-    when a unit fits nowhere."""
+    most room on the least loaded replica that has room for it. None when a unit fits nowhere."""
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
     bins = np.full(len(cost), -1, dtype=np.int64)
     left = np.full(dp * m, cap, dtype=np.int64)
@@ -101,7 +174,7 @@ def _spill(
         if not fits.any():
             return None
         ok_rep = fits.reshape(dp, m).any(axis=1)
-        r = int(np.argmin(np.where(ok_rep, load if speeds is None else (load + cost[i]) / speeds, np.inf)))
+        r = int(np.argmin(np.where(ok_rep, load, np.inf)))
         b = r * m + int(np.argmax(np.where(fits[r * m : (r + 1) * m], left[r * m : (r + 1) * m], -1)))
         bins[i] = b
         left[b] -= tokens[i]
@@ -135,19 +208,13 @@ def _micro_batches(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topolo
     return bins
 
 
-def _replicas(
-    cost: np.ndarray, tokens: np.ndarray, dp: int, room: int, keep: int, lpt: bool, speeds: np.ndarray | None = None
-) -> np.ndarray | None:
+def _replicas(cost: np.ndarray, tokens: np.ndarray, dp: int, room: int, keep: int, lpt: bool) -> np.ndarray | None:
     """Replica of every unit: the back-and-forth deal, or with `lpt` LPT (each replica keeping `keep` units), then
     the pair search. The deal alone fails where one unit outweighs a replica's share: its replica also gets every
-    k-th unit after it, more than the pair search's rounds move off again; LPT gives that replica nothing more.
-    With `speeds`: LPT by finish time, then the pair search by time."""
-    if speeds is not None:
-        rep = lpt_timed(cost, tokens, speeds, room, keep=keep)
-    else:
-        rep = _lpt(cost, tokens, dp, room, keep=keep) if lpt else _deal(cost, tokens, dp, room)
+    k-th unit after it, more than the pair search's rounds move off again; LPT gives that replica nothing more."""
+    rep = _lpt(cost, tokens, dp, room, keep=keep) if lpt else _deal(cost, tokens, dp, room)
     if rep is not None:
-        _balance_pairs(rep, cost, tokens, dp, room, keep, speeds=speeds)
+        _balance_pairs(rep, cost, tokens, dp, room, keep)
     return rep
 
 
@@ -257,6 +324,14 @@ def _lpt(weight: np.ndarray, tokens: np.ndarray, k: int, room: int, keep: int = 
         for entry in skipped:
             heapq.heappush(heap, entry)
     return out
+
+
+def placed_tokens(tokens: np.ndarray, k: int, room: int) -> int:
+    """The tokens first-fit decreasing places into `k` bins of `room` tokens (an item that fits no bin left out;
+    `_first_fit`); 0 with fewer items than bins or where one of the k largest overflows a bin."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    local = _first_fit(tokens, k, room, partial=True)
+    return 0 if local is None else int(tokens[local >= 0].sum())
 
 
 def _first_fit(tokens: np.ndarray, k: int, room: int, partial: bool = False) -> np.ndarray | None:

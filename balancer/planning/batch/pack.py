@@ -17,6 +17,7 @@ from balancer.planning.batch.large import (
     lpt_timed,
     pack_large,
     pack_replica,
+    placed_tokens,
 )
 from balancer.planning.batch.repartition import repartition_pairs
 from balancer.planning.packing.search import polish
@@ -64,6 +65,8 @@ def pack_ranks(
     out = []
     for r, units in enumerate(rank_units):
         bins = pack_large(u_cost[units], u_tok[units], one_rank) if large and keep == "rank" else None
+        if bins is None and large and keep == "rank" and len(units) >= LARGE_UNITS:
+            return None  # pack_complete would ask pack_large the same again
         bins = bins if bins is not None else (
             pack_complete(u_cost[units], u_tok[units], one_rank)
             if keep == "rank"
@@ -112,7 +115,7 @@ def assign_replicas(
     rank_cap = m * topology.micro_batch_tokens
     speeds = replica_speeds(topology)
     large = len(cost) >= LARGE_UNITS  # the near-linear large-batch paths
-    uniform = large and np.all(count == count[0]) and (count[0] == 1 or len(cost) % dp == 0)
+    uniform = large and _like_items(count, dp)
     if equal_counts and uniform and speeds is None:  # dealing whole items keeps the document counts within one
         rep = deal_equal_counts(cost, tokens, dp, rank_cap)
         if rep is None:
@@ -134,29 +137,61 @@ def assign_replicas(
 _UNCAPPED: dict = {}  # the last batch's assignment without a token cap (below), and the most tokens a rank held
 
 
-def _timed_equal_counts(cost: np.ndarray, tokens: np.ndarray, speeds: np.ndarray, rank_cap: int) -> np.ndarray | None:
-    """Equal counts on uneven ranks (the fastest ranks take the one more): LPT by finish time, then swaps (which
-    keep the counts), within `rank_cap` tokens a rank. "auto" asks this of the same items at several caps: the
-    assignment without a cap is kept with the most tokens any rank held while it was made, and where that is
-    within `rank_cap` the cap never bound, so it is this cap's assignment too (the same items, decisions, ties)."""
+def _like_items(count: np.ndarray, dp: int) -> bool:
+    """Every item holds as many documents, and whole items can keep `dp` ranks' counts within one."""
+    return bool(np.all(count == count[0]) and (count[0] == 1 or len(count) % dp == 0))
+
+
+def timed_equal_counts_start(
+    cost: np.ndarray, tokens: np.ndarray, count: np.ndarray, speeds: np.ndarray, cap: int
+) -> int | None:
+    """Where `assign_replicas` with `equal_counts` on ranks of `speeds` takes the uncapped path (a large batch of
+    like items; at every rank cap at least the most tokens a rank holds in it, that assignment is the one made): a
+    micro-batch count of `cap` tokens to start looking from, the fewest that hold the fullest rank's tokens scaled
+    by the share of them first-fit decreasing places at that count. None elsewhere."""
+    if len(cost) < LARGE_UNITS or not _like_items(count, len(speeds)):
+        return None
+    rep, peak = _uncapped(cost, tokens, speeds)
+    full = np.asarray(tokens, dtype=np.int64)[rep == np.argmax(np.bincount(rep, weights=tokens, minlength=len(speeds)))]
+    m = max(-(-peak // cap), 1)
+    placed = placed_tokens(full, m, cap)
+    return m if placed <= 0 else max(m, int(np.ceil(m * full.sum() / placed)))
+
+
+def _uncapped(cost: np.ndarray, tokens: np.ndarray, speeds: np.ndarray) -> tuple[np.ndarray, int]:
+    """(the equal-count assignment on uneven ranks without a token cap, the most tokens a rank held while it was
+    made), kept for the last batch asked."""
     dp = len(speeds)
-    low, extra = divmod(len(cost), dp)
-    most = np.full(dp, low, dtype=np.int64)
-    most[np.argsort(-speeds, kind="stable")[:extra]] += 1
     key = (cost.tobytes(), np.asarray(tokens, dtype=np.int64).tobytes(), speeds.tobytes())
     if key not in _UNCAPPED:
         free = int(np.sum(tokens))  # no rank can exceed it
-        rep = lpt_timed(cost, tokens, speeds, free, most=most)
+        rep = lpt_timed(cost, tokens, speeds, free, most=_most(len(cost), speeds))
         assert rep is not None  # uncapped (room for every token on any rank): it always places every item
         peak = max(
             int(np.bincount(rep, weights=tokens, minlength=dp).max()), balance_swaps(rep, cost, tokens, free, speeds)
         )
         _UNCAPPED.clear()
         _UNCAPPED[key] = (rep, peak)
-    rep, peak = _UNCAPPED[key]
+    return _UNCAPPED[key]
+
+
+def _most(n: int, speeds: np.ndarray) -> np.ndarray:
+    """Items per rank when `n` are counted out evenly and the fastest ranks take the one more."""
+    low, extra = divmod(n, len(speeds))
+    most = np.full(len(speeds), low, dtype=np.int64)
+    most[np.argsort(-speeds, kind="stable")[:extra]] += 1
+    return most
+
+
+def _timed_equal_counts(cost: np.ndarray, tokens: np.ndarray, speeds: np.ndarray, rank_cap: int) -> np.ndarray | None:
+    """Equal counts on uneven ranks (the fastest ranks take the one more): LPT by finish time, then swaps (which
+    keep the counts), within `rank_cap` tokens a rank. "auto" asks this of the same items at several caps: the
+    assignment without a cap is kept with the most tokens any rank held while it was made, and where that is
+    within `rank_cap` the cap never bound, so it is this cap's assignment too (the same items, decisions, ties)."""
+    uncapped, peak = _uncapped(cost, tokens, speeds)
     if peak <= rank_cap:
-        return rep.copy()
-    rep = lpt_timed(cost, tokens, speeds, rank_cap, most=most)
+        return uncapped.copy()
+    rep = lpt_timed(cost, tokens, speeds, rank_cap, most=_most(len(cost), speeds))
     if rep is not None:  # swaps keep the counts
         balance_swaps(rep, cost, tokens, rank_cap, speeds)
     return rep
