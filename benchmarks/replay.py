@@ -295,6 +295,13 @@ def print_table(name: str, result: dict) -> None:
 # ---- the tables this benchmark states (rendered into docs/ by benchmarks/tables.py) ----
 
 
+def _speedup_cell(row: dict, clock: str) -> str:
+    """A measured speedup: the median of the per-repetition ratios, with their min-max where repetitions ran."""
+    cell = tb.fmt(row.get(f"measured_speedup_{clock}"), ".3f") + "x"
+    spread = row.get(f"measured_speedup_{clock}_spread")
+    return cell + (f" ({spread[0]:.3f}-{spread[1]:.3f}x)" if spread else "")
+
+
 def _replay_table(data: dict, run: dict) -> str:
     """One run's plans: the epoch by wall clock and by CPU time (each step the slowest rank's), the speedups over
     the baseline on both clocks, the prediction and its error (on the figures' clock), then how it was measured."""
@@ -310,8 +317,8 @@ def _replay_table(data: dict, run: dict) -> str:
                 tb.fmt(row["mean_tokens_per_step"], ",.0f"),
                 tb.fmt(row["epoch_wall_seconds"], ".1f"),
                 tb.fmt(row["epoch_cpu_seconds"], ".1f"),
-                tb.fmt(row.get("measured_speedup_wall"), ".3f") + "x",
-                tb.fmt(row.get("measured_speedup_cpu"), ".3f") + "x",
+                _speedup_cell(row, "wall"),
+                _speedup_cell(row, "cpu"),
                 tb.fmt(row["predicted_speedup"], ".3f") + "x",
                 tb.fmt(row["all_reduce_seconds"] + row["optimizer_seconds"], ".2f"),
                 tb.fmt(error.get("median_abs_error"), ".1%"),
@@ -325,7 +332,9 @@ def _replay_table(data: dict, run: dict) -> str:
     ranking = (
         f"dp {topo['dp']} x cp {topo['cp']}, M = {topo['micro_batches']}, {run['processes']} processes at once on "
         f"{run.get('cores', '?')} cores; load average {run['load_before'][0]} before, {run['load_after'][0]} after; "
-        f"{run['seconds']:.0f} s wall. Measured ranking ({clock}): {', '.join(run['ranking_measured'])}; by wall "
+        f"{run['seconds']:.0f} s wall, {run.get('reps', 1)} repetitions (epoch times and speedups: medians; "
+        f"speedups of the paired per-repetition ratios, min-max in brackets). Measured ranking ({clock}): "
+        f"{', '.join(run['ranking_measured'])}; by wall "
         f"clock: {', '.join(run.get('ranking_measured_wall', ['not recorded']))}; predicted: "
         f"{', '.join(run['ranking_predicted'])} (ranking_correct, {clock}: {str(run['ranking_correct']).lower()})."
     )
@@ -344,9 +353,26 @@ def table_replay_layout() -> str:
     return _replay_table(data, data["runs"]["layout"])
 
 
+def table_replay_pairs() -> str:
+    """Every pair of plans of both runs on both clocks: the median of the per-repetition ratios of their epochs, the
+    spread, and what holds (one faster in every repetition, or within noise)."""
+    data = tb.load("replay")
+    rows = []
+    for run_name, run in data["runs"].items():
+        for pair, clocks in run.get("pairs", {}).items():
+            for clock, r in clocks.items():
+                a, b = pair.split(" vs ")
+                rows.append([run_name, a, b, {"cpu": "CPU", "wall": "wall"}[clock], f"{r['median']:.3f}x",
+                             f"{r['min']:.3f}-{r['max']:.3f}x", str(r["reps"]), r["verdict"]])  # fmt: skip
+    header = ["run", "plan a", "plan b", "clock", "b's epoch / a's: median", "min-max", "repetitions", "what holds"]
+    commit = (data.get("git") or {}).get("commit")
+    return tb.markdown(header, rows) + tb.record_line(data)[:-1] + (f"; commit {commit[:10]}." if commit else ".")
+
+
 TABLES = {  # docs/ marker name -> the table, from the record
     "replay": table_replay,
     "replay_layout": table_replay_layout,
+    "replay_pairs": table_replay_pairs,
 }
 
 

@@ -1,5 +1,5 @@
-"""benchmarks/tables.py renders only records that name their commit and the machine's load at start (the records
-measured before that rule are listed by name in UNMEASURED), and every benchmark declares its own tables."""
+"""benchmarks/tables.py renders only records that name their commit and the machine's load at start (no exemption:
+tests/docs/test_figure_records.py runs its main() on such a record), and every benchmark declares its own tables."""
 
 from __future__ import annotations
 
@@ -27,16 +27,6 @@ def test_a_record_without_commit_or_load_is_refused(tables):
     tables.LOADED["other"] = {"git": {"commit": "abc"}, "machine": {}}
     tables.LOADED["fine"] = {"git": {"commit": "abc"}, "machine": {"load_average_start": [0.5, 0.5, 0.5]}}
     assert tables.unnamed_records() == ["new_benchmark (no commit)", "other (no load at start)"]
-
-
-def test_unmeasured_records_pass_until_they_name_both(tables, monkeypatch):
-    name = "old_benchmark"  # the set empties as records are re-measured: the rule is checked on a name of its own
-    monkeypatch.setattr(tables, "UNMEASURED", {name})
-    tables.LOADED[name] = {"machine": {"load_average_start": [1.0, 1.0, 1.0]}}
-    tables.LOADED[f"{name}@abc1234"] = {}
-    assert tables.unnamed_records() == []
-    tables.LOADED[name] = {"commit": "abc", "machine": {"load_start": [1.0, 1.0, 1.0]}}
-    assert tables.unnamed_records() == [f"{name} (names its commit and load now: take it off UNMEASURED)"]
 
 
 def test_every_declared_table_renders_from_its_record(tables):
