@@ -175,8 +175,39 @@ def table_balance_batch_speed() -> str:
     )
 
 
+def table_balance_batch_speeds() -> str:
+    data = tb.load("balance_batch_speeds")
+    rows = []
+    for row in data["rows"]:
+        after, even, before = row["after"] or {}, row["even"] or {}, row["before"] or {}
+        rows.append(
+            [
+                row["option"],
+                f"{row['rollouts']:,}",
+                tb.fmt(after.get("cpu_seconds"), ".3f"),
+                tb.fmt(even.get("cpu_seconds"), ".3f"),
+                tb.fmt(row.get("after_over_even"), ".2f"),
+                tb.fmt(before.get("cpu_seconds"), ".3f") if before else "not run",
+                tb.fmt(after.get("imbalance") and after["imbalance"] - 1, ".1e"),
+                f"{after.get('micro_batches', '-')} / {even.get('micro_batches', '-')}",
+            ]
+        )
+    header = ["option", "rollouts", "CPU s (speeds)", "CPU s (even)", "speeds / even", "CPU s before (speeds)"]
+    header += ["imbalance - 1 (speeds)", "micro-batches per rank (speeds / even)"]
+    goals = "; ".join(
+        f"{name}: " + ", ".join(f"{option} {'met' if ok else 'missed'}" for option, ok in by_option.items())
+        for name, by_option in data["goals"].items()
+    )
+    speeds = data["rows"][0]["speeds"]
+    return (
+        f"{tb.markdown(header, rows)}\n\nAt commit {data.get('commit', '?')[:10]}; rank speeds {speeds}; before: git "
+        f"revision {data['ref']}; best of {data['repeat']} paired runs. Goals: {goals}.{tb.record_line(data)}"
+    )
+
+
 TABLES = {  # docs/ marker name -> the table, from the record
     "balance_batch_speed": table_balance_batch_speed,
+    "balance_batch_speeds": table_balance_batch_speeds,
 }
 
 
