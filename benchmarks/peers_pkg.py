@@ -207,6 +207,8 @@ def score_row(row: dict) -> None:
     row["slices_best_peer_excess"], row["slices_best_peer"] = best([p for p in SLICE_PEERS if p in row["peers"]])
     row["slices_ratio"] = _ratio(row["peers"].get("balancer_slices", {}).get("excess_epoch"),
                                  row["slices_best_peer_excess"])  # fmt: skip
+    row["slices_floor_excess"] = slices_floor(row["peers"].get("balancer_slices", {}))
+    row["slices_floor_ratio"] = _ratio(row["slices_floor_excess"], row["slices_best_peer_excess"])
     # the part of the epoch excess no plan with the project's steps can remove (whole documents at cp = 1)
     b = row["peers"]["balancer"]
     row["step_bound_excess"] = (
@@ -214,6 +216,15 @@ def score_row(row: dict) -> None:
     )
     row["goal_met"] = row["ratio"] is not None and row["ratio"] <= GOAL_RATIO
     row["zero_drop"] = all(r.get("dropped_tokens", 1) == 0 for r in row["peers"].values() if r.get("status") == "ok")
+
+
+def slices_floor(rec: dict) -> float | None:
+    """The excess over the epoch bound that no plan of the same fixed slices goes under: every step at its own
+    lower bound (`max(W / dp, the heaviest document)` at cp = pp = 1), from a slice plan's record (its summed step
+    time over its `imbalance` is the sum of those bounds); None where it made no plan."""
+    if rec.get("status") != "ok":
+        return None
+    return rec["step_time_total"] / rec["imbalance"] / rec["lower_bound_epoch"] - 1.0
 
 
 def _ratio(mine, theirs):
@@ -277,10 +288,22 @@ def seed_summary(runs: list[dict]) -> list[dict]:
                 ratios=ratios,
                 mean=float(np.mean(known)) if known else None,
                 worst=max(known) if len(known) == len(ratios) and known else None,
+                **floor_summary(mine),
             )
         )
         rows[-1]["goal_met"] = rows[-1]["worst"] is not None and rows[-1]["worst"] <= GOAL_RATIO
     return rows
+
+
+def floor_summary(runs: list[dict]) -> dict:
+    """Per seed of one row: the slices' floor (`slices_floor`) and its ratio to the best slice peer's excess; the
+    worst such ratio, and whether the goal is reachable at all (that worst within GOAL_RATIO)."""
+    floors = [slices_floor(r["peers"].get("balancer_slices", {})) for r in runs]
+    ratios = [_ratio(f, r["slices_best_peer_excess"]) for f, r in zip(floors, runs)]
+    known = [x for x in ratios if x is not None]
+    worst = max(known) if known and len(known) == len(ratios) else None
+    return dict(floor_excess=floors, floor_ratios=ratios, floor_worst=worst,
+                goal_reachable=worst is not None and worst <= GOAL_RATIO)  # fmt: skip
 
 
 def seeds_markdown(rows: list[dict]) -> str:
