@@ -17,6 +17,7 @@ import numpy as np
 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.dynamic.plan import largest_group_topology
+from balancer.planning.packing.bestfit import SMALL_CLASSES, best_fit_count, class_of, class_sums, fit_bound
 from balancer.planning.planner import plan
 from balancer.planning.plans.plan import Plan
 from balancer.planning.shuffle import EpochShuffle, WindowInfo, num_windows, window_ids, window_range
@@ -172,8 +173,9 @@ def rows_per_step(length: int, topology: Topology) -> int:
 
 def step_count(stats: tuple, topology: Topology) -> int:
     """A window's step count (`fixed_step_count`) from its planning units' token total, number, number over half a
-    unit's cap and common length (None when they have several); a ValueError naming `window_docs` when no count
-    fits them (too few documents for a step, or more than the steps that many documents can fill hold)."""
+    unit's cap, common length (None when they have several) and tokens per small class (`class_sums`); a ValueError
+    naming `window_docs` when no count fits them (too few documents for a step, or more than the steps that many
+    documents can fill hold). The count before `packed_cut` (which may raise it where the units fragment)."""
     return step_cut(stats, topology)[0]
 
 
@@ -184,7 +186,7 @@ def step_cut(stats: tuple, topology: Topology) -> tuple[int, int]:
     try:
         return _step_count(stats, topology), topology.micro_batches
     except ValueError:
-        total, units, big, common = stats
+        total, units, big, common = stats[:4]
         if common is None or topology.dynamic or units < count_topology(topology).bins_per_step:
             raise  # a window with fewer units than a step's micro-batches: refused (check_window_docs names it)
         rows, m_last = equal_row_cut(units, common, topology)
@@ -192,7 +194,7 @@ def step_cut(stats: tuple, topology: Topology) -> tuple[int, int]:
 
 
 def _step_count(stats: tuple, topology: Topology) -> int:
-    total, units, big, common = stats
+    total, units, big, common = stats[:4]
     counted = count_topology(topology)
     nb = counted.bins_per_step
     if units < nb:
@@ -220,11 +222,42 @@ def window_step_count(lengths: np.ndarray, topology: Topology, overflow: str = "
 
 def window_cut(lengths: np.ndarray, topology: Topology, overflow: str = "error") -> tuple[int, int]:
     """(`window_step_count`, micro-batches of the window's last step: M, or M' < M when its fixed-length rows
-    cannot fill it; `step_cut`)."""
+    cannot fill it; `step_cut`, then `packed_cut`)."""
     lengths = validate_lengths(lengths)
     _, u_start, u_end = planning_units(lengths, unit_cap(topology), overflow, topology)
-    total, units, big, low, high = unit_stats(u_end - u_start, unit_cap(topology))
-    return step_cut((total, units, big, low if low == high else None), topology)
+    u_tok = u_end - u_start
+    total, units, big, low, high = unit_stats(u_tok, unit_cap(topology))
+    stats = (total, units, big, low if low == high else None, class_sums(u_tok, unit_cap(topology)))
+    return packed_cut(stats, step_cut(stats, topology), topology, u_tok)
+
+
+def may_fragment(stats: tuple, cut: tuple[int, int], topology: Topology) -> bool:
+    """Whether `fit_bound` cannot prove that best-fit-decreasing packs the window's units into the micro-batches of
+    `cut` (static CP, units of several lengths: fixed-length rows are dealt exactly, dynamic CP is left as counted)."""
+    total, units, big, common, small = stats
+    if topology.dynamic or common is not None:
+        return False
+    return fit_bound(total, units, big, small, unit_cap(topology)) > cut[0] * topology.bins_per_step
+
+
+def packed_cut(stats: tuple, cut: tuple[int, int], topology: Topology, u_tok: np.ndarray) -> tuple[int, int]:
+    """`cut` (from `step_cut`), raised to the steps whose micro-batches best-fit-decreasing fills where the units
+    may fragment (`may_fragment`: units near the micro-batch size leave room no other unit fits, so the tokens
+    alone undercount): every window then has a count its units provably fit (the planner's settling falls back on
+    that packing); a ValueError naming `window_docs` when that count has more micro-batches than units."""
+    if not may_fragment(stats, cut, topology):
+        return cut
+    nb = topology.bins_per_step
+    steps = -(-best_fit_count(u_tok, unit_cap(topology)) // nb)
+    if steps <= cut[0]:
+        return cut
+    if steps * nb > len(u_tok):
+        raise ValueError(
+            f"a window of {len(u_tok)} documents cannot be planned: they fragment the micro-batches of "
+            f"max_tokens*cp = {unit_cap(topology)} tokens so that {steps} steps of dp*micro_batches = {nb} are needed, "
+            "more micro-batches than documents; raise window_docs"
+        )
+    return steps, topology.micro_batches
 
 
 def window_step_counts(
@@ -239,10 +272,11 @@ def window_step_counts(
     last_micro_batches: np.ndarray | None = None,
 ) -> np.ndarray:
     """Every window's `window_step_count` in one chunked pass over `lengths` (read in order, never gathered): each
-    document's window from the inverse of the epoch's shuffle, its units' statistics summed per window. O(n) time,
-    O(chunk + windows) memory; the same counts as planning each window's documents would give. `last_micro_batches`
-    (an int array of one entry per window), when given, receives each window's last-step micro-batches
-    (`step_cut`)."""
+    document's window from the inverse of the epoch's shuffle, its units' statistics summed per window; a window
+    whose units may fragment (`may_fragment`) is then gathered and counted by `window_cut`. O(n) time, O(chunk +
+    windows) memory (O(window_docs) more for a gathered window); the same counts as planning each window's documents
+    would give. `last_micro_batches` (an int array of one entry per window), when given, receives each window's
+    last-step micro-batches (`step_cut`)."""
     n = len(lengths)
     window_docs = min(int(window_docs), n)
     k = num_windows(n, window_docs)
@@ -260,7 +294,12 @@ def window_step_counts(
     for w in range(k):
         first, stop = window_range(n, window_docs, w)
         try:
-            counts[w], last = step_cut(acc.window(w, stop - first), topology)
+            stats = acc.window(w, stop - first)
+            counts[w], last = cut = step_cut(stats, topology)
+            if may_fragment(stats, cut, topology):
+                ids = window_ids(n, seed, epoch, w, window_docs) if k > 1 else np.arange(n)
+                units = "truncate" if overflow == "error" else overflow  # as counted above: cut to a unit
+                counts[w], last = window_cut(np.asarray(lengths[ids], dtype=np.int64), topology, units)
             if last_micro_batches is not None:
                 last_micro_batches[w] = last
         except ValueError as e:
@@ -271,13 +310,15 @@ def window_step_counts(
 class _WindowStats:
     """What `step_count` needs of every window's planning units, summed batch by batch from documents' raw lengths
     (a document longer than `cap` is its split pieces with `split`, otherwise cut to `cap`): token totals, pieces
-    beyond one per document, units over half of `cap`, and whether all of a window's units have one length (tracked
-    only until every window is known to have two)."""
+    beyond one per document, units over half of `cap`, tokens per class of the units of at most half of `cap`
+    (`class_sums`), and whether all of a window's units have one length (tracked only until every window is known
+    to have two)."""
 
     def __init__(self, k: int, cap: int, split: bool) -> None:
         self.k, self.cap, self.split = k, cap, split
         self.total, self.extra, self.big = (np.zeros(k, dtype=np.int64) for _ in range(3))
         self.common, self.mixed = np.full(k, -1, dtype=np.int64), np.zeros(k, dtype=bool)
+        self.small = np.zeros(k * SMALL_CLASSES, dtype=np.int64)
         self.all_mixed = False
 
     def add(self, win: np.ndarray, raw: np.ndarray) -> None:
@@ -289,12 +330,14 @@ class _WindowStats:
         tok = raw if over is None else np.minimum(raw, cap)
         self.total += _sums(win, raw if self.split else tok, k)
         self.big += np.bincount(win.take(np.flatnonzero(2 * tok > cap)), minlength=k)
+        self._add_small(win, tok)
         if self.split and over is not None:  # full pieces and a rest: one unit was counted, one big unit too
             r, w = raw.take(over), win.take(over)
             rest = r % cap
             self.extra += _sums(w, -(-r // cap) - 1, k)
             self.big += _sums(w, r // cap + (2 * rest > cap) - 1, k)
             self.mixed[w[rest > 0]] = True
+            self._add_small(w[rest > 0], rest[rest > 0])
         if not self.all_mixed:
             common = self.common.take(win)
             new = common < 0
@@ -304,10 +347,17 @@ class _WindowStats:
             self.mixed[win[tok != common]] = True
             self.all_mixed = bool(self.mixed.all())
 
-    def window(self, w: int, docs: int) -> tuple[int, int, int, int | None]:
+    def _add_small(self, win: np.ndarray, tok: np.ndarray) -> None:
+        small = np.flatnonzero(2 * tok <= self.cap)
+        if len(small):
+            slot = win.take(small) * SMALL_CLASSES + class_of(tok.take(small), self.cap)
+            self.small += _sums(slot, tok.take(small), len(self.small))
+
+    def window(self, w: int, docs: int) -> tuple[int, int, int, int | None, np.ndarray]:
         """`step_count`'s statistics of window `w`, which holds `docs` documents."""
         common = None if self.mixed[w] else int(self.common[w])
-        return int(self.total[w]), docs + int(self.extra[w]), int(self.big[w]), common
+        small = self.small[w * SMALL_CLASSES : (w + 1) * SMALL_CLASSES]
+        return int(self.total[w]), docs + int(self.extra[w]), int(self.big[w]), common, small
 
 
 def _sums(win: np.ndarray, values: np.ndarray, k: int) -> np.ndarray:

@@ -167,6 +167,7 @@ class BalancedStream(torch.utils.data.IterableDataset):
         if int(epoch) != self.epoch:  # a new pass: every window of it is planned with the latest model
             if self._iter is not None:  # the old pass's iterator ends: its windows would take the new epoch's seeds
                 self._iter.stale = f"set_epoch({int(epoch)}) was called while this pass (epoch {self.epoch}) was read"
+                self._iter.pipeline.meter.close()  # its buffered rows are no longer held for this stream
             # no iterator of the new pass yet: its state is the pass's start (the old one's end lost the new pass)
             self._setup, self._submitted, self._iter = None, -1, None
             self.schedule.new_pass(int(epoch))
@@ -184,6 +185,8 @@ class BalancedStream(torch.utils.data.IterableDataset):
         self._teardown.start_worker()  # refuses a closed stream
         setup, self._setup = self._setup or self._fresh_setup(), None
         self._submitted = setup["window"] - 1  # a new pass: nothing of it handed to the thread yet
+        if self._iter is not None:  # the pass before is left: its buffered rows are no longer held for this stream
+            self._iter.pipeline.meter.close()
         self._iter = _StreamIter(self, setup)
         return self._iter
 
@@ -332,7 +335,7 @@ class _StreamIter:
         items = self._items(self.local)
         for d in self.release.get(self.local, ()):
             row = self._current().rows.pop(d)
-            s.meter.add(-len(row["input_ids"]))
+            self.pipeline.meter.add(-len(row["input_ids"]))
         self.local += 1
         return items
 
@@ -358,7 +361,7 @@ class _StreamIter:
             )
         for j in range(self.local):  # a resumed window: what was consumed before is dropped
             for d in self.release.get(j, ()):
-                s.meter.add(-len(win.rows.pop(d)["input_ids"]))
+                self.pipeline.meter.add(-len(win.rows.pop(d)["input_ids"]))
         s.bytes_sent += win.bytes_sent
 
     def _current(self) -> Window:
@@ -369,7 +372,7 @@ class _StreamIter:
     def _leave(self) -> None:
         s = self.stream
         for row in self._current().rows.values():  # documents of other ranks' micro-batches never stay (none expected)
-            s.meter.add(-len(row["input_ids"]))
+            self.pipeline.meter.add(-len(row["input_ids"]))
         s.windows_done += 1
         self.first_step += self._current().segment.num_steps
         self.win, self.index = None, self.index + 1

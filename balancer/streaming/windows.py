@@ -62,6 +62,28 @@ class Meter:
             self.peak = max(self.peak, self.now)
 
 
+class PassMeter:
+    """The tokens one pass holds, counted on the stream's `Meter` too; `close()` (the pass is left: set_epoch or a
+    new iter() mid-pass) gives what it still holds back, and a window job of it still in flight counts nothing."""
+
+    def __init__(self, meter: Meter) -> None:
+        self.meter, self.now, self.closed = meter, 0, False
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            if not self.closed:
+                self.now += int(n)
+                self.meter.add(n)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                self.meter.add(-self.now)
+                self.now = 0
+
+
 @dataclass
 class Window:
     """A planned window as this process sees it."""
@@ -145,7 +167,8 @@ class Pipeline:
         self._forced_digest = None if forced is None else forced[2]
         self.history = list(history)
         self.resplit = resplit  # (world) the streams are re-cut for after the resumed window
-        self.reader = Reader(stream.source, stream.meter)
+        self.meter = PassMeter(stream.meter)  # this pass's tokens (given back when the pass is left)
+        self.reader = Reader(stream.source, self.meter)
 
     def prepare(self, index: int) -> Optional[Window]:
         """Window `index` (the next one): read, gather, plan, exchange; None at the end of the stream. A collective
@@ -229,5 +252,5 @@ class Pipeline:
         held = sum(len(r["input_ids"]) for r in win.rows.values())
         kept_own = sum(len(r["input_ids"]) for d, r in outgoing[s.grank])
         read = sum(len(r["input_ids"]) for r in rows)
-        s.meter.add(held - kept_own)  # received from others: held alongside what was read until it is dropped
-        s.meter.add(-(read - kept_own))
+        self.meter.add(held - kept_own)  # received from others: held alongside what was read until it is dropped
+        self.meter.add(-(read - kept_own))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from balancer.planning.metrics import one_f_one_b
+from balancer.planning.packing.bestfit import best_fit_steps
 from balancer.planning.packing.epoch import LazySteps
 from balancer.planning.packing.step import fill_empty, pack_step, place_rest, step_time
 from balancer.planning.speeds import bin_speeds, replica_speeds
@@ -300,7 +301,11 @@ def spread_leftovers(
         placed_mb[u] = k
         tok[k] += t
         load.reshape(-1)[k] += c
-    if pending:
+    if pending:  # a count the windows prove by best-fit-decreasing packing (balancer.planning.window.packed_cut)
+        everything = np.concatenate([units, carry]) if len(carry) else units
+        fallback = best_fit_steps(np.unique(everything), u_tok, u_cost, topology, len(sizes) // nb)
+        if fallback is not None:
+            return fallback
         raise RuntimeError(
             f"the planner could not place {len(pending)} documents in the fixed {len(sizes) // nb} steps (no "
             f"micro-batch of max_tokens*cp = {cap} tokens has room): lower Topology.tokens_per_step"
