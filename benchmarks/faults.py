@@ -4,12 +4,17 @@ again `--rejoin` seconds later, against the same run without failures; one comma
     .venv/bin/python benchmarks/faults.py            # writes benchmarks/results/faults.json
     .venv/bin/python benchmarks/faults.py --table    # the table of docs/fault-tolerance.md (benchmarks/tables.py)
 
-Figures: documents lost / duplicated over the committed steps (this project's FaultTolerantBatches, and torchft's
-own DistributedSampler dealt over the same run's membership: each group takes its shard's next batch in every
-committed step it contributed to, a killed group restarts its shard from the start, as torchft's example loop
-does without a data checkpoint); goodput (tokens of committed steps per second of the faulty run over the
-failure-free run's) against the replica-seconds available (group-seconds alive over the failure-free run's);
-the plans' predicted imbalance in steps with a group missing against the failure-free steps'.
+Runs, in this order in one invocation: failure-free, faulty, faulty without the loop's `pg.abort()` after a step
+that did not commit (the ablation; `--no-ablation` skips it), failure-free again (the two bracket the faulty runs:
+their spread is the load's drift and the run-to-run noise). Figures: documents lost / duplicated over the
+committed steps (this project's FaultTolerantBatches, and torchft's own DistributedSampler dealt over the same
+run's membership: each group takes its shard's next batch in every committed step it contributed to, a killed
+group restarts its shard from the start, as torchft's example loop does without a data checkpoint); goodput, as
+the goal states it: tokens of committed steps per second of the faulty run (first quorum to last commit) over
+the failure-free runs' (their mean, and each), against the replica-seconds available per second of each run
+(group-seconds alive over groups x wall, faulty over failure-free; a killed group is down from its last step to
+its next life's first); the plans' predicted imbalance in steps with a group missing against the failure-free
+steps'; where each kill's seconds went (benchmarks/faults_where.py).
 Wall clock (time.time); the machine's load is recorded at start and end.
 """
 
@@ -205,6 +210,10 @@ def main() -> None:
     print(table(record))
 
 
+def verdict(met: bool) -> str:
+    return "met" if met else "missed"
+
+
 def where_text(where: dict | None) -> str:
     """Where a faulty run's kill time went, in words (benchmarks/faults_where.py)."""
     if where is None:
@@ -230,6 +239,7 @@ def table(r: dict) -> str:
 
     c = r["config"]
     each = ", ".join(f"{g:.3f}" for g in r["goodput_each_baseline"])
+    each_verdict = ", ".join(verdict(g >= 0.9 * r["available"]) for g in r["goodput_each_baseline"])
     rows = [
         "| run | committed steps | lost | duplicated | tokens/s | groups alive | predicted imbalance (all groups) "
         "| measured imbalance |",
@@ -243,7 +253,8 @@ def table(r: dict) -> str:
         "",
         f"Goodput {r['goodput']:.3f} of the failure-free runs' tokens per second (against each: {each}) with "
         f"{r['available']:.3f} of their groups alive on average (goal: goodput >= 0.9 x that = "
-        f"{0.9 * r['available']:.3f}). Per kill ({fy.get('kills_done', 0)} kills; steps of "
+        f"{0.9 * r['available']:.3f}: {verdict(r['goodput'] >= 0.9 * r['available'])} against their mean; against "
+        f"each: {each_verdict}). Per kill ({fy.get('kills_done', 0)} kills; steps of "
         f"{fy['where']['median_step_seconds']:.2f} s, group-seconds summed over the groups): "
         f"{where_text(fy.get('where'))}."
         + (
@@ -259,9 +270,11 @@ def table(r: dict) -> str:
         "",
         f"Predicted imbalance in the {len(after)} steps right after a membership change: mean {mean:.4f}, worst "
         f"{worst:.4f} (failure-free steps: {ff['predicted_imbalance_all_groups']:.4f}); the most any of them exceeds "
-        f"the same step's in the failure-free run: {same:+.4f}. Measured imbalance {fy['measured_imbalance']:.4f} "
-        f"against {ff['measured_imbalance']:.4f} failure-free; paired-repeat noise "
-        f"{r['measured_noise_paired_repeat']:.4f}. {r['machine']['cores']} cores, load "
+        f"the same step's in the failure-free run: {same:+.4f} (goal within 0.02: {verdict(same <= 0.02)}). "
+        f"Measured imbalance {fy['measured_imbalance']:.4f} against {ff['measured_imbalance']:.4f} failure-free; "
+        f"paired-repeat noise {r['measured_noise_paired_repeat']:.4f} (goal within it: "
+        f"{verdict(abs(r['measured_minus_failure_free']) <= r['measured_noise_paired_repeat'])}). "
+        f"{r['machine']['cores']} cores, load "
         f"{r['machine']['load_start'][0]:.2f} at the start and {r['machine']['load_end'][0]:.2f} at the end; "
         f"commit {r['commit'][:7]}; {r['date']}; `{r['command']}`.",
     ]
