@@ -278,5 +278,28 @@ def report(args, commits: dict[str, str], shapes: list[dict], runs: dict[str, li
     sys.exit(1 if failed else 0)
 
 
+def table_plan_guard() -> str:
+    """The record's comparison with every REF (docs/benchmarks.md): one table per REF, then how it was measured."""
+    import _render as tb
+
+    data = tb.load("plan_guard")
+    here = data["here"]
+    where = f"{here['commit'][:7]}{' + uncommitted changes' if here.get('dirty') else ''}"
+    if here.get("only"):
+        where += f" (working tree's {', '.join(here['only'])} only)"
+    out = []
+    for against in data["against"]:
+        verdict = "passed" if against["passed"] else "failed"
+        out.append(
+            f"{where} against {against['ref']} ({against['commit'][:7]}), {data['reps']} paired repetitions, "
+            f"tolerance {data['tolerance']:.0%} (CPU) / {data['quality_tolerance']:.0%} (excess): {verdict}.\n\n"
+            + tb.markdown(COLUMNS, table_rows(against["rows"]))
+        )
+    return "\n\n".join(out) + tb.record_line(data)
+
+
+TABLES = {"plan_guard": table_plan_guard}  # docs/ marker name -> the table, from the record
+
+
 if __name__ == "__main__":
     main()
