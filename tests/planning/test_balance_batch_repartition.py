@@ -120,3 +120,25 @@ def test_equal_counts_on_uneven_ranks_reuses_the_uncapped_assignment_only_where_
         assert (got is None) == (direct is None)
         if got is not None:
             assert np.array_equal(got, direct)
+
+
+def test_a_token_full_replica_of_short_documents_takes_a_long_one_for_short_ones(monkeypatch):
+    # heavy slices: one replica full to the last token of short documents (cheap per token), the slowest holding
+    # long ones. Splitting a few dozen of the pair's cheapest items (all short) moves no work; trading a long
+    # document for short ones of as many tokens does. Old: the slowest stayed 22% over the bound; now within 2%.
+    import balancer.planning.batch.repartition as repartition
+
+    cost_model = balancer.CostModel(attn_coef=1 / 500, linear_coef=1.0)
+    tokens = np.array([800, 700, 300, 150] + [10] * 200, dtype=np.int64)
+    cost = cost_model.cost(tokens)
+    topo = balancer.Topology(dp=2, micro_batches=2, max_tokens=1000)
+    bins = np.array([0, 1, 1, 0] + [2] * 100 + [3] * 100, dtype=np.int64)  # replica 1 holds 2000 of 2000 tokens
+    bound, slowest = cost.sum() / 2, _replica_times(bins, cost, topo).max()
+    assert slowest > bound * 1.2
+    after = repartition_pairs(bins, cost, tokens, topo, pack_replica)
+    assert _replica_times(after, cost, topo).max() < bound * 1.02
+    nb = topo.bins_per_step
+    assert np.bincount(after, weights=tokens, minlength=nb).max() <= topo.micro_batch_tokens
+    assert np.bincount(after, minlength=nb).min() >= 1
+    monkeypatch.setattr(repartition, "_trade", lambda *a: False)  # the pair splits alone
+    assert _replica_times(repartition_pairs(bins, cost, tokens, topo, pack_replica), cost, topo).max() == slowest

@@ -19,7 +19,8 @@ dynamic CP regroups the ranks of a static plan exactly as `balancer.plan` does. 
    Whatever `pack_step` leaves unplaced (it would move it to a later step; a fixed batch has none) goes where it
    raises its rank's 1F1B time least.
    A small step (under 2,048 items) without rank rules at pp = 1 is then refined by pair repartition
-   (`repartition.py`): the slowest rank's and another rank's items split anew by meet in the middle, bounded.
+   (`repartition.py`): the slowest rank's and another rank's items split anew by meet in the middle, or one long
+   item traded for short ones of as many tokens, bounded.
 4. *Pipeline order.* With `pp > 1` each rank's micro-batches are ordered small at both ends, large in the middle,
    which shortens the 1F1B warm-up and cool-down (section-3 metrics do not depend on the order; `pipeline_times`
    simulates the schedule and measures the saving).

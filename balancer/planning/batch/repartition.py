@@ -8,7 +8,10 @@ splits the items of both anew, exactly: every subset of their items (at most `MA
 rest stay where they are) is scored by meet in the middle (two halves of 2^12 subset sums, each subset of one half
 matched by binary search to the sums of the other), the best splits within each replica's token room and item
 count are tried in order, and the first whose two replicas pack into their M micro-batches (`pack_complete` on one
-replica) replaces the pair. Repeated while it lowers the slowest replica, at most `ROUNDS` times.
+replica) replaces the pair. Where no split does, one item of the slowest replica is traded for the fewest of the
+other's items, cheapest per token first, that make room for it (`_trade`: a replica full of short documents takes a
+long one for short ones of as many tokens, which moves work without moving tokens; heavy-tailed slices end with
+such a replica). Repeated while it lowers the slowest replica, at most `ROUNDS` times.
 
 The result is never slower than its input (a split is taken only when the larger of the pair's two new times is
 below the slowest replica's), is deterministic, and keeps every rule of the input: each micro-batch within
@@ -25,7 +28,7 @@ from balancer.planning.speeds import replica_speeds, with_speeds
 from balancer.planning.topology import Topology
 
 MAX_UNION = 24  # items of a pair split anew (the smallest ones; more stay put): 2 x 2^12 subsets
-ROUNDS = 16  # most pair splits per step
+ROUNDS = 48  # most pair splits or trades per step
 TRIES = 6  # best splits tried per pair, in order, until one packs into both replicas' micro-batches
 AT_BOUND = 1e-5  # the slowest replica this close to the bound: done
 NEIGHBOURS = 6  # matches of a half's subset looked at on each side of its binary-search position
@@ -58,7 +61,11 @@ def repartition_pairs(
             break
         faster = [q for q in np.argsort(time, kind="stable").tolist() if time[q] < time[r] * (1 - 1e-12)]
         pair = (r, speed[r], float(time[r]), room)
-        if not any(_split_pair(bins, cost, tokens, pair, q, float(speed[q]), one, pack_one) for q in faster):
+        if not any(
+            _split_pair(bins, cost, tokens, pair, q, float(speed[q]), one, pack_one)
+            or _trade(bins, cost, tokens, pair, q, float(speed[q]), one, pack_one)
+            for q in faster
+        ):
             break
     return bins
 
@@ -77,6 +84,37 @@ def _split_pair(bins, cost, tokens, pair: tuple, q: int, s_q: float, one: Topolo
     for mask in _best_splits(cost[free], tokens[free], base, rest, (s_r, s_q), slowest, room, m):
         a = np.concatenate([on_r, free[mask]])
         b = np.setdiff1d(both, a, assume_unique=True)
+        packed_a = pack_one(cost[a], tokens[a], one)
+        packed_b = None if packed_a is None else pack_one(cost[b], tokens[b], one)
+        if packed_b is not None:
+            bins[a] = r * m + packed_a
+            bins[b] = q * m + packed_b
+            return True
+    return False
+
+
+def _trade(bins, cost, tokens, pair: tuple, q: int, s_q: float, one: Topology, pack_one) -> bool:
+    """One item of the slowest replica r for the fewest of q's items, cheapest per token first, that make room for
+    it in q's tokens (in place on `bins`): where q is full of short documents, a long one of r goes to q for short
+    ones holding as many tokens, which moves work without moving tokens (the pair splits change a few dozen of the
+    cheapest items, too few tokens for that). The trades that lower the larger of the two times most are tried in
+    order (TRIES) until both replicas pack; False when none does."""
+    r, s_r, slowest, room = pair
+    m = one.micro_batches
+    mine, theirs = np.flatnonzero(bins // m == r), np.flatnonzero(bins // m == q)
+    offer = theirs[np.lexsort((theirs, cost[theirs] / np.maximum(tokens[theirs], 1)))]
+    cum_tok = np.concatenate([[0], np.cumsum(tokens[offer])])
+    cum_cost = np.concatenate([[0.0], np.cumsum(cost[offer])])
+    used_r, used_q = int(tokens[mine].sum()), int(tokens[theirs].sum())
+    k = np.searchsorted(cum_tok, tokens[mine] - (room - used_q), side="left")  # q's items given for each of r's
+    k = np.minimum(k, len(offer))
+    delta = cost[mine] - cum_cost[k]  # work moved from r to q
+    worst = np.maximum((cost[mine].sum() - delta) / s_r, (cost[theirs].sum() + delta) / s_q)
+    ok = (delta > 0) & (worst < slowest * (1 - 1e-12)) & (k >= 1) & (cum_tok[k] + room - used_q >= tokens[mine])
+    ok &= (used_r - tokens[mine] + cum_tok[k] <= room) & (len(theirs) - k + 1 >= m) & (len(mine) - 1 + k >= m)
+    for c in np.flatnonzero(ok)[np.argsort(worst[ok], kind="stable")][:TRIES].tolist():
+        a = np.concatenate([np.setdiff1d(mine, mine[c : c + 1], assume_unique=True), offer[: k[c]]])
+        b = np.concatenate([offer[k[c] :], mine[c : c + 1]])
         packed_a = pack_one(cost[a], tokens[a], one)
         packed_b = None if packed_a is None else pack_one(cost[b], tokens[b], one)
         if packed_b is not None:
