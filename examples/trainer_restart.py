@@ -3,6 +3,14 @@
     torchrun --nproc-per-node 3 examples/trainer_restart.py --out run/                  # dies, or is stopped
     torchrun --nproc-per-node 2 examples/trainer_restart.py --out run/ --resume         # from run/checkpoint-K
 
+    torchrun --nnodes 1:3 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --max-restarts 3 \
+        examples/trainer_restart.py --out run/ --resume-if-any     # elastic: the same command on every node
+
+Under torchrun's elastic agents every (re)start runs the same command: `--resume-if-any` resumes from the last
+complete checkpoint when there is one and starts the run otherwise. A checkpoint is complete when its
+`trainer_state.json` is there (the Trainer writes it last; the balanced sampler's state is written before the
+Trainer's own files), so a folder left half-written by a process killed while saving is skipped.
+
 The topology follows the world size (`dp = WORLD_SIZE`) and keeps `tokens_per_step`, so the relaunched job trains
 the same global batch with more micro-batches per rank; `trainer.train(resume_from_checkpoint=...)` loads the
 Trainer's checkpoint and the balanced sampler's state in it (`balancer_sampler.json`), which plans the rest of the
@@ -44,14 +52,15 @@ def tiny_model(vocab: int):
     return LlamaForCausalLM(cfg)
 
 
-def last_checkpoint(out: Path) -> str:
-    found = sorted(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    if not found:
-        raise FileNotFoundError(f"--resume: no checkpoint-* in {out}")
-    return str(found[-1])
+def last_checkpoint(out: Path) -> str | None:
+    """The last complete checkpoint-K folder in `out` (its trainer_state.json written), None when there is none."""
+    found = [
+        p for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit() and (p / "trainer_state.json").exists()
+    ]
+    return str(max(found, key=lambda p: int(p.name.split("-")[1]))) if found else None
 
 
-def build(args, rank: int, world: int):
+def build(args, rank: int, world: int, resumed: str | None):
     """The trainer of this world size, recording each optimizer step's tokens per document when tracing."""
     import datasets
     import transformers
@@ -73,7 +82,7 @@ def build(args, rank: int, world: int):
                 with open(Path(args.trace) / f"rank{rank}_world{world}.jsonl", "a") as f:
                     f.write(json.dumps(line) + "\n")
             trainer.seen.clear()
-            if state.global_step == args.die_at and not args.resume and rank == world - 1:
+            if state.global_step == args.die_at and resumed is None and rank == world - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     rows = rows_of(args.docs)
@@ -95,11 +104,15 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=2)
     ap.add_argument("--trace", default=None)
     ap.add_argument("--die-at", type=int, default=-1)
-    ap.add_argument("--resume", action="store_true", help="resume from the last checkpoint-* in --out")
+    ap.add_argument("--resume", action="store_true", help="resume from the last complete checkpoint-* in --out")
+    ap.add_argument("--resume-if-any", action="store_true", help="resume if there is one, else start (elastic)")
     args = ap.parse_args()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    trainer = build(args, rank, world)
-    trainer.train(resume_from_checkpoint=last_checkpoint(Path(args.out)) if args.resume else None)
+    resumed = last_checkpoint(Path(args.out)) if (args.resume or args.resume_if_any) else None
+    if args.resume and resumed is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint-* (with trainer_state.json) in {args.out}")
+    trainer = build(args, rank, world, resumed)
+    trainer.train(resume_from_checkpoint=resumed)
 
 
 if __name__ == "__main__":

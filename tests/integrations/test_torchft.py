@@ -5,49 +5,20 @@ state resumed onto another topology.dp. The multi-process runs with kill -9 are 
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from datetime import timedelta
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.restarts import token_coverage
+from support.torchft_fixtures import COST, lengths_of, solo_manager
 
 import balancer
 from balancer.integrations.torchft import FaultTolerantBatches, ReplicaSpeeds, StepPieces, plan_step
 from balancer.training.indices import Span
 
 torchft = pytest.importorskip("torchft", reason="torchft is installed by the test extras (tools/setup.sh test)")
-COST = balancer.CostModel(attn_coef=1.0, linear_coef=64.0)
-
-
-def lengths_of(n: int, seed: int = 0, top: int = 300) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return np.minimum(rng.lognormal(3.5, 1.0, n).astype(np.int64) + 2, top)
-
-
-@contextlib.contextmanager
-def solo_manager(async_quorum: bool = False):
-    """A real torchft Manager of one replica group with torchft's lighthouse in this process."""
-    import torch.distributed as dist
-    from torchft import Manager, ProcessGroupGloo
-    from torchft._torchft import LighthouseServer
-
-    lh = LighthouseServer(bind="[::]:0", min_replicas=1)
-    store = dist.TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    fns = {}
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1, load_state_dict=lambda s: None,
-        state_dict=lambda: {}, replica_id="solo", store_addr="localhost", store_port=store.port, rank=0,
-        world_size=1, lighthouse_addr=lh.address(), use_async_quorum=async_quorum,
-        timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=20),
-    )  # fmt: skip
-    try:
-        yield manager, fns
-    finally:
-        manager.shutdown(wait=False)
-        lh.shutdown()
 
 
 def walk(batches: FaultTolerantBatches, manager, steps=None, commit=lambda i: True) -> list:
@@ -67,14 +38,7 @@ def walk(batches: FaultTolerantBatches, manager, steps=None, commit=lambda i: Tr
 
 
 def covered(steps: list, lengths) -> np.ndarray:
-    offset = np.concatenate([[0], np.cumsum(lengths)])
-    seen = np.zeros(int(offset[-1]), dtype=np.int64)
-    for items, _ in steps:
-        for mb in items:
-            for x in mb:
-                d, a, b = (x.doc, x.start, x.end) if isinstance(x, Span) else (int(x), 0, int(lengths[int(x)]))
-                seen[offset[d] + a : offset[d] + b] += 1
-    return seen
+    return token_coverage((x for items, _ in steps for mb in items for x in mb), lengths)
 
 
 def test_an_epoch_comes_exactly_once_over_a_real_manager():
@@ -110,6 +74,35 @@ def test_an_uncommitted_step_is_served_again_and_nothing_is_lost():
         assert b.next_step(manager) == first
         b.end_step(manager.should_commit())
         rest = walk(b, manager, commit=lambda i: i % 3 != 1)
+    seen = covered([(first, 0)] + rest, lengths)
+    assert seen.min() == 1 and seen.max() == 1
+
+
+def test_a_process_group_aborted_after_a_failed_step_is_rebuilt_by_the_next_quorum():
+    """The recommended loop line `pg.abort()` after a step that did not commit (docs/fault-tolerance.md): torchft
+    makes a new quorum id after a failed commit and rebuilds the process group, so the next step reduces and
+    commits, and the uncommitted step's documents come again."""
+    import torch
+    from torch.distributed import ReduceOp
+
+    lengths = lengths_of(200, seed=4)
+    topo = balancer.Topology(dp=2, micro_batches=2, max_tokens=128, tokens_per_step=400)
+    b = FaultTolerantBatches(lengths, topo, COST, replica_id="solo", window_docs=200, overflow="split")
+    with solo_manager(async_quorum=True) as (manager, pg):
+        manager.start_quorum()
+        first = b.next_step(manager)
+        manager.report_error(RuntimeError("a peer failed"))  # as a failed reduction reports it
+        assert not manager.should_commit()
+        pg.abort()
+        b.end_step(False)
+        manager.start_quorum()
+        assert b.next_step(manager) == first
+        grad = torch.ones(3)
+        manager.allreduce(grad, reduce_op=ReduceOp.SUM).wait()
+        assert manager.errored() is None and grad.tolist() == [1.0, 1.0, 1.0]
+        assert manager.should_commit()
+        b.end_step(True)
+        rest = walk(b, manager)
     seen = covered([(first, 0)] + rest, lengths)
     assert seen.min() == 1 and seen.max() == 1
 

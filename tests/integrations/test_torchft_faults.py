@@ -9,14 +9,13 @@ group get the same micro-batches and the collator's loss tokens over the groups 
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
 import pytest
+from support.torchft_fixtures import faults_run as load_faults_run
 
 pytest.importorskip("torchft", reason="torchft is installed by the test extras (tools/setup.sh test)")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import faults_run  # noqa: E402
+faults_run = load_faults_run()
 
 pytestmark = pytest.mark.slow
 

@@ -19,7 +19,7 @@ from balancer.measured import BalanceMonitor, StepSource
 from balancer.measured.source import STEP_SOURCE_MEMBERS
 
 pytest.importorskip("torchft", reason="torchft is installed by the test extras (tools/setup.sh test)")
-from test_torchft import COST, lengths_of, solo_manager  # noqa: E402
+from support.torchft_fixtures import COST, lengths_of, solo_manager  # noqa: E402
 
 TOPO = balancer.Topology(dp=3, micro_batches=2, max_tokens=128, tokens_per_step=600)
 

@@ -8,27 +8,12 @@ tests/training/test_trainer_resume.py."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
-from pathlib import Path
 
-import numpy as np
 import pytest
+from support.restarts import ROOT, kill_then_relaunch, token_coverage
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _launch(tmp_path: Path, nproc: int, *extra: str) -> tuple[int, str]:
-    """Run the example under torchrun (standalone) on `nproc` processes: (exit code, the end of its output)."""
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "0",
-           str(ROOT / "examples" / "elastic_restart.py"), "--ckpt", str(tmp_path / "ckpt"),
-           "--trace", str(tmp_path / "log"), *extra]  # fmt: skip
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    return out.returncode, (out.stdout + out.stderr)[-3000:]
 
 
 def test_restart_from_3_to_2_processes_every_document_once(tmp_path):
@@ -37,22 +22,11 @@ def test_restart_from_3_to_2_processes_every_document_once(tmp_path):
 
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "log").mkdir()
-    code, tail = _launch(tmp_path, 3, "--die-at", "5", "--die-alone")
-    assert code != 0, tail  # the job stopped with its worker
-    code, tail = _launch(tmp_path, 2)
-    assert code == 0, tail
-    lines = [json.loads(x) for f in sorted((tmp_path / "log").glob("*.jsonl")) for x in f.read_text().splitlines()]
-    first = [r for r in lines if r["world"] == 3]
-    second = [r for r in lines if r["world"] == 2]
-    assert first and second and len(first) + len(second) == len(lines)
+    common = ["--ckpt", str(tmp_path / "ckpt"), "--trace", str(tmp_path / "log")]
+    first, second = kill_then_relaunch("elastic_restart.py", tmp_path / "log",
+                                       (3, [*common, "--die-at", "5", "--die-alone"]), (2, common))  # fmt: skip
     resumed_at = min(r["step"] for r in second) - 1  # the checkpoint's step
     assert resumed_at == 4 and max(r["step"] for r in first if r["rank"] == 2) == 5  # step 5 ran, was lost, re-done
-    lengths = lengths_of(400)
-    offset = np.concatenate([[0], np.cumsum(lengths)])
-    seen = np.zeros(int(offset[-1]), dtype=np.int64)
-    for r in [r for r in first if r["step"] <= resumed_at] + second:
-        for mb in r["mbs"]:
-            for p in mb:
-                d, a, b = (p[0], 0, int(lengths[p[0]])) if len(p) == 1 else p
-                seen[offset[d] + a : offset[d] + b] += 1
+    trained = [r for r in first if r["step"] <= resumed_at] + second
+    seen = token_coverage((p for r in trained for mb in r["mbs"] for p in mb), lengths_of(400))
     assert seen.min() == 1 and seen.max() == 1
