@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from _common import DEFAULT_COST, git_commit, table, write_result
+from _common import COMMIT_AT_START, DEFAULT_COST, table, write_result
 
 from balancer.data.traces import load_trace
 
@@ -264,7 +264,7 @@ def report(args, commits: dict[str, str], shapes: list[dict], runs: dict[str, li
         for row in tables[title]["rows"]:
             print("| " + " | ".join(str(c) for c in row) + " |")
     payload = {
-        "here": git_commit() | {"only": args.only},
+        "here": COMMIT_AT_START | {"only": args.only},  # at the start: the run's own record must not make it dirty
         "reps": args.reps,
         "tolerance": args.tolerance,
         "quality_tolerance": args.quality_tolerance,
@@ -283,7 +283,7 @@ def table_plan_guard() -> str:
     import _render as tb
 
     data = tb.load("plan_guard")
-    here = data["here"]
+    here = data["git"] | {"only": data["here"].get("only")}  # the checkout at the start of the run
     where = f"{here['commit'][:7]}{' + uncommitted changes' if here.get('dirty') else ''}"
     if here.get("only"):
         where += f" (working tree's {', '.join(here['only'])} only)"
