@@ -696,9 +696,9 @@ def _mean_pct(values: list) -> str:
     return "-" if not values or any(v is None for v in values) else tb.pct(float(np.mean(values)))
 
 
-def table_compare_peers_seeds() -> str:
-    """--seeds: the equal-slices comparison per row, mean and worst over the seeds."""
-    data = tb.load("compare_peers_seeds")
+def table_compare_peers_seeds(record: str = "compare_peers_seeds") -> str:
+    """--seeds: the equal-slices comparison per row, mean and worst over the seeds (from `record`)."""
+    data = tb.load(record)
     rows = []
     for r in data["rows"]:
         per_seed = ", ".join("-" if x is None else f"{x:.0%}" for x in r["ratios"])
@@ -732,6 +732,7 @@ TABLES = {  # docs/ marker name -> the table, from the record
     "compare_all": table_compare_all,
     "compare_peers": table_compare_peers,
     "compare_peers_seeds": table_compare_peers_seeds,
+    "compare_heavy_seeds": lambda: table_compare_peers_seeds("compare_heavy_seeds"),  # --dists heavy --name
 }
 
 
