@@ -107,3 +107,18 @@ def test_equal_counts_start_changes_no_plan(monkeypatch):
     assert hinted.topology.micro_batches == plain.topology.micro_batches
     assert np.array_equal(hinted.doc, plain.doc) and np.array_equal(hinted.mb_ptr, plain.mb_ptr)
     assert len(hinted_tries) < len(tried) - len(hinted_tries)
+
+
+def test_uneven_large_path_falls_back_to_the_even_plan_where_its_deals_do_not_split():
+    # 1,024 rollouts, two ranks 1.5x as fast, 31 micro-batches a rank: the fast ranks cannot hold their share and
+    # no speed-weighted deal splits into the micro-batches. Old (this commit's first form): None, though the even
+    # deal splits; now the even plan
+    from balancer.planning.batch.large import pack_large
+
+    lengths = _grpo(1024, 0)
+    topo = balancer.Topology(dp=8, max_tokens=16384, micro_batches=31)
+    bins = pack_large(GRPO_COST.cost(lengths), lengths, topo, np.array([1.5, 1.5] + [1.0] * 6))
+    assert bins is not None
+    nb = topo.bins_per_step
+    assert np.bincount(bins, weights=lengths, minlength=nb).max() <= topo.micro_batch_tokens
+    assert np.bincount(bins, minlength=nb).min() >= 1

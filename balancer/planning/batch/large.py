@@ -82,8 +82,8 @@ def _pack_timed(cost: np.ndarray, tokens: np.ndarray, topology: Topology, speeds
     then the pair search by time (moves and swaps from the slowest to the fastest replica, within `cap` tokens a
     replica), then the micro-batches. Where a replica filled to `cap` does not split into M micro-batches, `cap` is
     lowered to the tokens first-fit decreasing placed of it and the deal redone (at most CAP_TRIES times). Every
-    replica's units are a mix of sizes (dealt, not filled largest first), so they split as well as on even ranks.
-    None when the step does not fit."""
+    replica's units are a mix of sizes (dealt, not filled largest first), so they split as well as on even ranks;
+    where none of those splits, the even-ranks plan is taken if it does. None when the step does not fit."""
     dp, m = topology.dp, topology.micro_batches
     cap = m * topology.micro_batch_tokens
     room = cap
@@ -95,10 +95,13 @@ def _pack_timed(cost: np.ndarray, tokens: np.ndarray, topology: Topology, speeds
             return None
         _balance_pairs(rep, cost, tokens, dp, cap, m, speeds=speeds)
         bins, placed = _micro_batches_or_placed(rep, cost, tokens, topology)
-        if bins is not None or not 0 < placed < cap:
+        if bins is not None:
             return bins
+        if not 0 < placed < cap:
+            break
         cap = placed
-    return None
+    rep = _replicas(cost, tokens, dp, room, m, lpt=False)  # the speed-blind plan where it splits and these did not
+    return None if rep is None else _micro_batches(rep, cost, tokens, topology)
 
 
 def _weighted_deal(cost: np.ndarray, tokens: np.ndarray, speeds: np.ndarray, cap: int, room: int) -> np.ndarray | None:
