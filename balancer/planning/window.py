@@ -17,7 +17,7 @@ import numpy as np
 
 from balancer.planning.cost.model import CostModel
 from balancer.planning.dynamic.plan import largest_group_topology
-from balancer.planning.packing.bestfit import SMALL_CLASSES, best_fit_count, class_of, class_sums, fit_bound
+from balancer.planning.packing.bestfit import SMALL_CLASSES, best_fit_count, class_sums, fit_bound
 from balancer.planning.planner import plan
 from balancer.planning.plans.plan import Plan
 from balancer.planning.shuffle import EpochShuffle, WindowInfo, num_windows, window_ids, window_range
@@ -318,7 +318,7 @@ class _WindowStats:
         self.k, self.cap, self.split = k, cap, split
         self.total, self.extra, self.big = (np.zeros(k, dtype=np.int64) for _ in range(3))
         self.common, self.mixed = np.full(k, -1, dtype=np.int64), np.zeros(k, dtype=bool)
-        self.small = np.zeros(k * SMALL_CLASSES, dtype=np.int64)
+        self.small = np.zeros(k * (SMALL_CLASSES + 1), dtype=np.int64)  # per window: the classes, then units over cap/2
         self.all_mixed = False
 
     def add(self, win: np.ndarray, raw: np.ndarray) -> None:
@@ -348,15 +348,14 @@ class _WindowStats:
             self.all_mixed = bool(self.mixed.all())
 
     def _add_small(self, win: np.ndarray, tok: np.ndarray) -> None:
-        small = np.flatnonzero(2 * tok <= self.cap)
-        if len(small):
-            slot = win.take(small) * SMALL_CLASSES + class_of(tok.take(small), self.cap)
-            self.small += _sums(slot, tok.take(small), len(self.small))
+        # `class_of` for units of at most cap/2 tokens, SMALL_CLASSES for larger ones (left out): one bincount
+        j = np.clip((tok * (2 * SMALL_CLASSES) - 1) // self.cap, 0, SMALL_CLASSES)
+        self.small += _sums(win * (SMALL_CLASSES + 1) + j, tok, len(self.small))
 
     def window(self, w: int, docs: int) -> tuple[int, int, int, int | None, np.ndarray]:
         """`step_count`'s statistics of window `w`, which holds `docs` documents."""
         common = None if self.mixed[w] else int(self.common[w])
-        small = self.small[w * SMALL_CLASSES : (w + 1) * SMALL_CLASSES]
+        small = self.small[w * (SMALL_CLASSES + 1) : w * (SMALL_CLASSES + 1) + SMALL_CLASSES]
         return int(self.total[w]), docs + int(self.extra[w]), int(self.big[w]), common, small
 
 
