@@ -99,3 +99,13 @@ def machine_line(data: dict) -> str:
 def record_line(data: dict) -> str:
     """How a record was measured, from the record: date, clock, cores, load at start and end, command."""
     return f"\n\nMeasured {data['date']} UTC: {machine_line(data)}; `{data['command']}`."
+
+
+def paired_ratio(run: dict, a: str, b: str) -> dict:
+    """From a replay run's `pairs` (benchmarks/replay.py), how much faster `a`'s epoch was than `b`'s on each clock:
+    {"wall"|"cpu": {median, min, max, reps, verdict}}, whichever order the pair was stored in (the verdict names the
+    faster plan, so it holds either way round)."""
+    if f"{a} vs {b}" in run["pairs"]:
+        return run["pairs"][f"{a} vs {b}"]
+    stored = run["pairs"][f"{b} vs {a}"]
+    return {c: {**p, "median": 1 / p["median"], "min": 1 / p["max"], "max": 1 / p["min"]} for c, p in stored.items()}

@@ -7,10 +7,12 @@ with its commit, clock and the machine's load at start and end (benchmarks/_comm
 running them; `--only NAME ...` runs those entries. Hours in all on a 2-core machine (the measured-balance and trainer
 runs dominate): run it on a quiet one.
 
-README.md's figure paragraphs (planner, replay, dynamic CP) sit between `<!-- figure:NAME -->` and
-`<!-- /figure:NAME -->` and are written from the records alone, each figure with its conditions (script, commit,
-clock, load at start and end, machine, date): `--render` rewrites them without measuring, `--check` exits 1 when one
-is out of date (tests/docs/test_readme_figures.py runs it).
+Every figure in README.md's Results section sits in a paragraph between `<!-- figure:NAME -->` and
+`<!-- /figure:NAME -->` (TEXTS: balance_batch, planner, compare, replay, calibration, dynamic_cp, trainer,
+measured_balance) written from the records alone, each figure with its conditions (script, commit, clock, load at
+start and end, machine, date): `--render` rewrites them without measuring, `--check` exits 1 when one is out of
+date (tests/docs/test_readme_figures.py runs it; tests/docs/test_figure_records.py checks that no figure stands
+outside them). A record that names no commit or no load at start is refused, naming the entry that re-measures it.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ ROOT = HERE.parent
 README = ROOT / "README.md"
 sys.path.insert(0, str(HERE))
 
-from _render import load  # noqa: E402
+import numpy as np  # noqa: E402
+from _render import commit_and_load, load, paired_ratio  # noqa: E402
 
 # name: (the README claim it backs, the command's arguments after `python`)
 FIGURES: dict[str, tuple[str, list[str]]] = {
@@ -44,8 +47,6 @@ FIGURES: dict[str, tuple[str, list[str]]] = {
     "compare_peers": ("the 2026 built-ins' planners, peers re-run in the same run",
                       ["benchmarks/compare.py", "--suite", "peers2026"]),
     "replay": ("whole epochs measured on 2 replica processes against TRL packing", ["benchmarks/replay.py"]),
-    "hybrid_layout": ("the hybrid layout against zigzag at CP 2",
-                      ["benchmarks/hybrid_layout.py", "--reps", "3", "--sweep-batches", "few_long"]),
     "calibration": ("the calibrated model's held-out error", ["benchmarks/calibration.py"]),
     "dynamic_cp": ("dynamic CP on a memory-tight heavy-tail pipeline", ["benchmarks/dynamic_cp.py"]),
     "trainer_compare": ("BalancedTrainer against the built-in trainers",
@@ -53,9 +54,12 @@ FIGURES: dict[str, tuple[str, list[str]]] = {
     "measured_balance_interleaved": ("measured balance on uneven and equal ranks",
                                      ["benchmarks/measured_balance.py", "--configs", "uneven,equal", "--windows", "10",
                                       "--interleave", "--pairs", "5", "--output", "measured_balance_interleaved"]),
-    "measured_balance_dynamic": ("measured balance with dynamic CP",
-                                 ["benchmarks/measured_balance.py", "--configs", "dynamic", "--pairs", "5",
-                                  "--output", "measured_balance_dynamic"]),
+    "measured_balance_interleaved_cp": ("measured balance at CP 2 and with dynamic CP",
+                                        ["benchmarks/measured_balance.py", "--configs", "cp2,dynamic", "--windows",
+                                         "10", "--interleave", "--pairs", "3",
+                                         "--output", "measured_balance_interleaved_cp"]),
+    "compare_peers_seeds": ("the peers' own batches planned as given, 3 seeds, every column re-run",
+                            ["benchmarks/compare.py", "--suite", "peers2026", "--seeds", "0,1,2", "--tokens", "50e6"]),
 }  # fmt: skip
 
 
@@ -63,7 +67,7 @@ def conditions(data: dict) -> str:
     """How a record was measured, for a README figure: script, commit, clock, load at start and end, machine, date."""
     script = data["command"].split()[1] if len(data["command"].split()) > 1 else data["command"]
     git = data.get("git") or {}
-    commit = git["commit"][:7] if git.get("commit") else "no recorded commit"
+    commit = (git.get("commit") or data.get("commit") or "no recorded commit")[:7]
     commit += " + uncommitted changes" if git.get("dirty") else ""
     m = data["machine"]
     clock = {"process_cpu": "process CPU", "wall+process_cpu": "wall and process CPU"}.get(data["clock"], data["clock"])
@@ -100,33 +104,45 @@ def figure_planner() -> str:
     )
 
 
+def _replay_ratio(pair: dict, faster: str) -> str:
+    """One paired comparison of the replay on one clock: median ratio, the per-repetition spread and what holds."""
+    verdict = pair["verdict"]
+    holds = (
+        "within noise: each faster in some repetition"
+        if verdict == "within noise"
+        else f"faster in all {pair['reps']} repetitions"
+        if verdict == f"{faster} faster"
+        else f"slower in all {pair['reps']} repetitions"
+    )
+    return f"{pair['median']:.2f}x ({pair['min']:.2f}-{pair['max']:.2f}x, {holds})"
+
+
 def figure_replay() -> str:
-    """The replay paragraph: whole epochs trained on real processes, by wall clock and by CPU time."""
+    """The replay paragraph: whole epochs trained on real processes in paired repetitions, on each clock what holds
+    (faster in every repetition, or within noise) with the spread of the per-repetition ratios."""
     data = load("replay")
     dp2, layout = data["runs"]["dp2"], data["runs"]["layout"]
-    ours, hybrid = dp2["rows"]["balancer"], layout["rows"]["balancer+hybrid"]
-    tokens = dp2["rows"]["token-count"]
-    for run, row in (
-        (dp2, ours),
-        (dp2, tokens),
-        (layout, hybrid),
-    ):  # the speedups on both clocks, from the epochs themselves
-        base = run["rows"][run["baseline"]]
-        for clock in ("wall", "cpu"):
-            row[f"measured_speedup_{clock}"] = base[f"epoch_{clock}_seconds"] / row[f"epoch_{clock}_seconds"]
+    rows = dp2["rows"]
+    ours, tokens = rows["balancer"], rows["token-count"]
+    trl_wall, trl_cpu = (paired_ratio(dp2, "balancer", "trl-bfd")[c] for c in ("wall", "cpu"))
+    tc_wall, tc_cpu = (paired_ratio(dp2, "token-count", "trl-bfd")[c] for c in ("wall", "cpu"))
+    vs_wall, vs_cpu = (paired_ratio(dp2, "balancer", "token-count")[c] for c in ("wall", "cpu"))
+    hy_wall, hy_cpu = (paired_ratio(layout, "balancer+hybrid", "balancer+zigzag")[c] for c in ("wall", "cpu"))
     return (
         f"- Measured, not only predicted (tiny Llama of about 70K parameters, {data['documents']:,} documents): whole "
-        f"epochs trained on 2 concurrent replica processes (dp 2, all-reduce and optimizer steps included) took "
-        f"{ours['measured_speedup_wall']:.2f}x less wall-clock time with this planner than with TRL's BFD packing on "
-        f"the same documents and {ours['measured_speedup_cpu']:.2f}x less CPU time (each step's slowest rank; "
-        f"predicted {ours['predicted_speedup']:.2f}x), with wall time {ours['wall_over_cpu']:.1f}x the CPU time as "
-        f"the processes waited for a core; token-count packing, in the same run, "
-        f"{tokens['measured_speedup_wall']:.2f}x by wall clock and {tokens['measured_speedup_cpu']:.2f}x by CPU time "
-        f"(predicted {tokens['predicted_speedup']:.2f}x; measured ranking by CPU time: "
-        f"{', '.join(dp2['ranking_measured'])}); the hybrid layout ran the same micro-batches "
-        f"{hybrid['measured_speedup_wall']:.2f}x faster than zigzag at CP 2 by wall clock and "
-        f"{hybrid['measured_speedup_cpu']:.2f}x by CPU time (predicted {hybrid['predicted_speedup']:.2f}x) "
-        f"({conditions(data)}; [cost-model.md](docs/cost-model.md#predicted-vs-measured-training-the-replay)).\n"
+        f"epochs trained on 2 concurrent replica processes (dp 2, all-reduce and optimizer steps included), "
+        f"{dp2['reps']} paired repetitions (a fresh world each, the plans' steps interleaved). By CPU time (each "
+        f"step's slowest rank) this planner's epoch was {_replay_ratio(trl_cpu, 'balancer')} faster than with TRL's "
+        f"BFD packing on the same documents (predicted {ours['predicted_speedup']:.2f}x); by wall clock "
+        f"{_replay_ratio(trl_wall, 'balancer')}, wall time {ours['wall_over_cpu']:.1f}x the CPU time as the "
+        f"processes waited for a core. Token-count packing against TRL: {_replay_ratio(tc_cpu, 'token-count')} by "
+        f"CPU time (predicted {tokens['predicted_speedup']:.2f}x), {_replay_ratio(tc_wall, 'token-count')} by wall "
+        f"clock; this planner against token-count packing: {_replay_ratio(vs_cpu, 'balancer')} by CPU time, "
+        f"{_replay_ratio(vs_wall, 'balancer')} by wall clock. The hybrid layout ran the same micro-batches "
+        f"{_replay_ratio(hy_cpu, 'balancer+hybrid')} faster than zigzag at CP 2 by CPU time and "
+        f"{_replay_ratio(hy_wall, 'balancer+hybrid')} by wall clock (predicted "
+        f"{layout['rows']['balancer+hybrid']['predicted_speedup']:.2f}x) ({conditions(data)}; "
+        f"[cost-model.md](docs/cost-model.md#predicted-vs-measured-training-the-replay)).\n"
     )
 
 
@@ -142,11 +158,150 @@ def figure_dynamic_cp() -> str:
     )
 
 
+def figure_balance_batch() -> str:
+    """The post-training line: balance_batch's CPU time on 16K and 128K rollouts over its options, and its distance
+    from the bound."""
+    data = load("balance_batch_speed")
+    rows = data["rows"]
+
+    def spread(rollouts: int) -> str:
+        times = [r["after"]["cpu_seconds"] for r in rows if r["rollouts"] == rollouts]
+        return f"{min(times):.2f}-{max(times):.2f} s" if len(times) > 1 else f"{times[0]:.2f} s"
+
+    big = [r for r in rows if r["rollouts"] >= 16_384]
+    worst = max(r["after"]["imbalance"] for r in big) - 1
+    options = sorted({r["option"] for r in big})
+    return (
+        f"- Post-training batches: `balance_batch` plans 16K GRPO rollouts in {spread(16_384)} and 128K in "
+        f"{spread(131_072)} of CPU time (each its best of {data['repeat']} runs; options {', '.join(options)}), "
+        f"within {worst:.0e} of the bound ({conditions(data)}; "
+        f"[docs/post-training.md](docs/post-training.md#large-batches-benchmarksbalance_batch_speedpy)).\n"
+    )
+
+
+def figure_compare() -> str:
+    """The peers on the same documents: rows where the planner is first or tied-first on imbalance, the predicted
+    speedups over TRL's packing (largest; smallest on the trace and heavy-tail rows with CP or PP)."""
+    data = load("compare")
+    rows = data["rows"]
+    first = sum(bool(r.get("balancer_first_imbalance")) for r in rows)
+    speedups = [r["peers"]["balancer"].get("speedup_vs_trl") or 0.0 for r in rows]
+    goal = data["goal"]
+    return (
+        f"- Against TRL BFD packing, multipack, verl and WLB on the same documents (predicted by the cost model, "
+        f"{len(rows)} distribution x topology rows): first or tied-first on imbalance in {first} of {len(rows)} rows; "
+        f"predicted speedup over TRL up to {max(speedups):.2f}x, at least {goal['speedup_min']:.2f}x on the "
+        f"{goal['speedup_rows']} trace and heavy-tail rows with CP or PP ({conditions(data)}; "
+        f"[docs/benchmarks.md](docs/benchmarks.md)).\n"
+    )
+
+
+def figure_calibration() -> str:
+    """`balancer calibrate`'s error on fresh micro-batches in each of the record's runs (load, busy loops), and its
+    held-out error over the splits, beside the targets."""
+    data = load("calibration")
+    runs = data["runs"]
+    first = next(iter(runs.values()))["report"]
+    fresh = "; ".join(
+        f"{name} (load {r['load_at_start'][0]:.1f}, {r['busy_loops'] or 'no'} busy loops beside it, the command "
+        f"{r['seconds'] / 60:.0f} min): {r['report']['fresh']['median_abs_error']:.1%} median / "
+        f"{r['report']['fresh']['p90_abs_error']:.1%} p90"
+        for name, r in runs.items()
+    )
+    medians = [r["report"]["splits"]["median_abs_error"] for r in runs.values()]
+    p90s = [r["report"]["splits"]["worst_p90_abs_error"] for r in runs.values()]
+    ft, ht = first["fresh_targets"], first["targets"]
+    return (
+        f"- `balancer calibrate` with its defaults predicts fresh micro-batches (other documents and budgets, timed "
+        f"after the fit, {CLOCKS.get(first['clock'], first['clock'])} time): {fresh}; target "
+        f"{ft['median_abs_error']:.0%} / {ft['p90_abs_error']:.0%}. Its held-out "
+        f"error (split by micro-batch, {first['splits']['count']} splits): {min(medians):.1%}-{max(medians):.1%} "
+        f"median, {min(p90s):.1%}-{max(p90s):.1%} worst-split p90 against the {ht['median_abs_error']:.0%} / "
+        f"{ht['p90_abs_error']:.0%} held-out targets ({conditions(data)}; "
+        f"[cost-model.md](docs/cost-model.md#measured-here)).\n"
+    )
+
+
+CLOCKS = {"cpu": "process CPU", "wall": "wall-clock"}
+MIXES = {"sft": "an SFT mix", "longtail": "a long-tail mix"}
+BUILTIN = {
+    "hf_rebalance": "transformers' `batch_rebalance`",
+    "hf_group": "transformers' `group_by_length`",
+    "trl_bfd": "TRL's BFD packing",
+}
+
+
+def _trainer_mix(summary: dict, mix: str) -> str:
+    """One mix of trainer_compare: speedup over the best built-in on both clocks and the paired repetitions."""
+    s = summary[mix]
+    wall, cpu = s["paired_wall"], s["paired_cpu"]
+    ahead = sum(w > 1 and c > 1 for w, c in zip(wall, cpu))
+    best_wall, best_cpu = BUILTIN[s["best_builtin_wall"]], BUILTIN[s["best_builtin_cpu"]]
+    cpu_name = "" if best_cpu == best_wall else f" ({best_cpu})"
+    return (
+        f"{MIXES.get(mix, mix)} {s['speedup_wall']:.2f}x faster by wall clock than the best built-in ({best_wall}) and "
+        f"{s['speedup_cpu']:.2f}x by process CPU{cpu_name}, ahead on both clocks in {ahead} of {len(wall)} paired "
+        f"repetitions (paired ratios {min(wall):.2f}-{max(wall):.2f}x wall, {min(cpu):.2f}-{max(cpu):.2f}x CPU)"
+    )
+
+
+def figure_trainer() -> str:
+    """BalancedTrainer against the stock trainers (both mixes), then against the 2026 built-ins' planners: the whole
+    epoch (one seed) and the peers' own batches planned as given (three seeds), each with its record."""
+    data, peers, seeds = load("trainer_compare"), load("compare_peers"), load("compare_peers_seeds")
+    mixes = " and ".join(_trainer_mix(data["summary"], m) for m in data["summary"])
+    goal, sgoal = peers["goal"], seeds["goal"]
+    reused = peers.get("reused")
+    source = (
+        f"the peers' columns from the run of {reused['date'][:10]} at load "
+        f"{reused['machine']['load_average_start'][0]:g}, "
+        f"{', '.join(reused['run_now'])} from this one; "
+        if reused
+        else "every column from this run; "
+    )
+    met = sgoal["rows"] - len(sgoal["not_met"])
+    return (
+        f"- In the user's own trainer (2 gloo ranks, a tiny Llama, one epoch): `BalancedTrainer` trained "
+        f"{mixes} ({conditions(data)}).\n"
+        f"- Against the 2026 built-ins' planners (transformers, TRL, verl, multipack, WLB): planning the whole epoch "
+        f"(documents may move between steps) its excess over the epoch bound is at most {goal['worst_ratio']:.0%} of "
+        f"the best peer's on {goal['rows']} rows, one seed ({source}{conditions(peers)}); planning the peers' own "
+        f"global batches as given (`balancer_slices`), at most {sgoal['goal_ratio']:.0%} of the best such peer's on "
+        f"{met} of {sgoal['rows']} rows over seeds {', '.join(map(str, seeds['config']['seeds']))}, worst "
+        f"{sgoal['worst_ratio']:.0%} ({conditions(seeds)}; [docs/choosing.md](docs/choosing.md)).\n"
+    )
+
+
+def figure_measured_balance() -> str:
+    """BalanceMonitor(mode="adapt") against the static plan on uneven and equal ranks and with dynamic CP."""
+    data, cp = load("measured_balance_interleaved"), load("measured_balance_interleaved_cp")
+    conf = {c["config"]: c for c in data["configs"]} | {c["config"]: c for c in cp["configs"]}
+    uneven, equal, dynamic = conf["uneven"], conf["equal"], conf["dynamic"]
+    attainable = sorted(p["attainable_speedup"] for p in uneven["pairs"] if p.get("attainable_speedup"))
+    return (
+        f"- Uneven ranks (`Topology(rank_speeds=...)`): work in proportion to each replica's speed, see "
+        f'[docs/planner.md](docs/planner.md#uneven-ranks). `BalanceMonitor(mode="adapt")` measures every rank and '
+        f"fits the speeds itself: with one rank alone on a core and three sharing the other, "
+        f"{uneven['speedup_median']:.2f}x faster than the static plan (median of {len(uneven['pairs'])} "
+        f"step-interleaved pairs, every pair at least {uneven['speedup_min']:.2f}x, of an attainable "
+        f"{float(np.median(attainable)):.2f}x) and {equal['speedup_median']:.2f}x on equal ranks (median of "
+        f"{len(equal['pairs'])}, lowest pair {equal['speedup_min']:.2f}x) ({conditions(data)}); with dynamic CP "
+        f"{dynamic['speedup_median']:.2f}x (median of {len(dynamic['pairs'])}, lowest "
+        f"{dynamic['speedup_min']:.2f}x; {conditions(cp)}; "
+        f"[docs/measured-balance.md](docs/measured-balance.md#measured)).\n"
+    )
+
+
 # README figure marker: (the records it reads, each an entry of FIGURES that re-measures it; the paragraph)
 TEXTS: dict[str, tuple[tuple[str, ...], Callable[[], str]]] = {
+    "balance_batch": (("balance_batch_speed",), figure_balance_batch),
     "planner": (("planner_quality", "planner_speed", "plan_guard"), figure_planner),
+    "compare": (("compare",), figure_compare),
     "replay": (("replay",), figure_replay),
+    "calibration": (("calibration",), figure_calibration),
     "dynamic_cp": (("dynamic_cp",), figure_dynamic_cp),
+    "trainer": (("trainer_compare", "compare_peers", "compare_peers_seeds"), figure_trainer),
+    "measured_balance": (("measured_balance_interleaved", "measured_balance_interleaved_cp"), figure_measured_balance),
 }
 MARKER = re.compile(r"(<!-- figure:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /figure:(?P=name) -->)", re.S)
 
@@ -160,9 +315,26 @@ def wrapped(text: str) -> str:
     return "\n".join(fill) + "\n"
 
 
+def unnamed(records: tuple[str, ...]) -> list[str]:
+    """The records among `records` that name no commit or no machine load at start, each with what it lacks."""
+    bad = []
+    for record in records:
+        commit, start_load = commit_and_load(load(record))
+        if commit is None or start_load is None:
+            bad.append(f"{record} (no {'commit' if commit is None else 'load at start'})")
+    return bad
+
+
 def paragraph(name: str) -> str:
-    """The README paragraph `name` from its records; a record whose layout it does not know is one clear error."""
+    """The README paragraph `name` from its records; a record that names no commit or load, or whose layout it does
+    not know, is one clear error."""
     records, build = TEXTS[name]
+    bad = unnamed(records)
+    if bad:
+        raise SystemExit(
+            f"README figure {name!r}: records without their commit or load at start: {', '.join(bad)}; re-measure "
+            f"them (python benchmarks/readme_figures.py --only {' '.join(b.split()[0] for b in bad)})"
+        )
     try:
         return build()
     except (KeyError, StopIteration, TypeError) as e:

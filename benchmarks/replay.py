@@ -338,9 +338,7 @@ def _replay_table(data: dict, run: dict) -> str:
         f"clock: {', '.join(run.get('ranking_measured_wall', ['not recorded']))}; predicted: "
         f"{', '.join(run['ranking_predicted'])} (ranking_correct, {clock}: {str(run['ranking_correct']).lower()})."
     )
-    commit = (data.get("git") or {}).get("commit")
-    line = tb.record_line(data)[:-1] + (f"; commit {commit[:10]}." if commit else ".")
-    return tb.markdown(header, rows) + "\n\n" + ranking + line
+    return tb.markdown(header, rows) + "\n\n" + ranking + _measured_line(data)
 
 
 def table_replay() -> str:
@@ -365,14 +363,70 @@ def table_replay_pairs() -> str:
                 rows.append([run_name, a, b, {"cpu": "CPU", "wall": "wall"}[clock], f"{r['median']:.3f}x",
                              f"{r['min']:.3f}-{r['max']:.3f}x", str(r["reps"]), r["verdict"]])  # fmt: skip
     header = ["run", "plan a", "plan b", "clock", "b's epoch / a's: median", "min-max", "repetitions", "what holds"]
+    return tb.markdown(header, rows) + _measured_line(data)
+
+
+def _measured_line(data: dict) -> str:
+    """The record's measuring line with its commit, as every replay table ends."""
     commit = (data.get("git") or {}).get("commit")
-    return tb.markdown(header, rows) + tb.record_line(data)[:-1] + (f"; commit {commit[:10]}." if commit else ".")
+    return tb.record_line(data)[:-1] + (f"; commit {commit[:10]}." if commit else ".")
+
+
+def _held(pair: dict, faster: str) -> str:
+    """A paired ratio on one clock, as "1.084x (1.02-1.11x): a faster in every repetition" or "within noise"."""
+    verdict = pair["verdict"]
+    holds = "within noise" if verdict == "within noise" else f"{verdict} in all {pair['reps']} repetitions"
+    return f"{pair['median']:.3f}x ({pair['min']:.3f}-{pair['max']:.3f}x; {holds})"
+
+
+def table_replay_summary() -> str:
+    """What the replay says, from the record: the paired comparisons on each clock, step counts, the layout gain
+    and the K/V tokens it moves, the prediction's absolute error (docs/cost-model.md)."""
+    data = tb.load("replay")
+    dp2, layout = data["runs"]["dp2"], data["runs"]["layout"]
+    rows, lrows = dp2["rows"], layout["rows"]
+    every = [*rows.values(), *lrows.values()]
+    ratio = [r["wall_over_cpu"] for r in every]
+    loads = [x for run in (dp2, layout) for x in (run["load_before"][0], run["load_after"][0])]
+    ours, trl, tc = rows["balancer"], rows["trl-bfd"], rows["token-count"]
+    overhead = [r["all_reduce_seconds"] + r["optimizer_seconds"] for r in rows.values()]
+    zig, hyb = lrows["balancer+zigzag"], lrows["balancer+hybrid"]
+    mean_err = [r["micro_batch_error"]["mean_error"] for r in every]
+    mb_err = [r["micro_batch_error"]["median_abs_error"] for r in every]
+    step_err = [r["step_compute_error"]["median_abs_error"] for r in every]
+    clock = data["clock_of_figures"]
+    vs_trl, vs_tc = tb.paired_ratio(dp2, "balancer", "trl-bfd"), tb.paired_ratio(dp2, "balancer", "token-count")
+    vs_zig = tb.paired_ratio(layout, "balancer+hybrid", "balancer+zigzag")
+    return (
+        f"What the replay says ({dp2.get('reps', 1)} paired repetitions of each run; wall time was "
+        f"{min(ratio):.1f}-{max(ratio):.1f} times the CPU time, load average {min(loads):g}-{max(loads):g} on "
+        f"{dp2['cores']} cores; the figures' clock: {clock}):\n\n"
+        f"- Equal layouts, this planner against TRL BFD packing: by CPU time "
+        f"{_held(vs_trl['cpu'], 'balancer')}, by wall clock "
+        f"{_held(vs_trl['wall'], 'balancer')}; predicted {ours['predicted_speedup']:.3f}x. "
+        f"It made {ours['num_steps']} steps of about {ours['mean_tokens_per_step'] / 1e3:.0f}K tokens against TRL's "
+        f"{trl['num_steps']} of about {trl['mean_tokens_per_step'] / 1e3:.0f}K. Against token-count packing "
+        f"(predicted {ours['predicted_speedup'] / tc['predicted_speedup']:.3f}x): by CPU time "
+        f"{_held(vs_tc['cpu'], 'balancer')}, by wall clock "
+        f"{_held(vs_tc['wall'], 'balancer')}. Ranking of the median epochs by "
+        f"{clock}: {', '.join(dp2['ranking_measured'])}; predicted: {', '.join(dp2['ranking_predicted'])}. The "
+        f"all-reduce and optimizer steps cost {min(overhead):.2f}-{max(overhead):.2f} s per epoch.\n"
+        f"- Layout gain, separately: the hybrid layout against zigzag at CP 2 on the same micro-batches, by CPU time "
+        f"{_held(vs_zig['cpu'], 'balancer+hybrid')}, by wall clock "
+        f"{_held(vs_zig['wall'], 'balancer+hybrid')}; predicted "
+        f"{hyb['predicted_speedup']:.3f}x, moving {zig['kv_tokens_moved'] / max(hyb['kv_tokens_moved'], 1):.1f}x "
+        f"fewer K/V tokens ({hyb['kv_tokens_moved']:,.0f} against {zig['kv_tokens_moved']:,.0f} token-hops).\n"
+        f"- Absolute times ({clock}): mean micro-batch error {min(mean_err):+.0%} to {max(mean_err):+.0%} (negative: "
+        f"the model predicts less than was measured); median |error| {min(mb_err):.0%}-{max(mb_err):.0%} per "
+        f"micro-batch, {min(step_err):.0%}-{max(step_err):.0%} per step." + _measured_line(data)
+    )
 
 
 TABLES = {  # docs/ marker name -> the table, from the record
     "replay": table_replay,
     "replay_layout": table_replay_layout,
     "replay_pairs": table_replay_pairs,
+    "replay_summary": table_replay_summary,
 }
 
 

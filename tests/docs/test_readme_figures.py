@@ -49,13 +49,13 @@ def test_each_figure_states_its_conditions_from_the_record(figures):
 def test_a_changed_record_changes_the_paragraph(figures, monkeypatch):
     real = figures.load
     replay = copy.deepcopy(real("replay"))
-    replay["runs"]["dp2"]["rows"]["trl-bfd"]["epoch_wall_seconds"] = (
-        3 * replay["runs"]["dp2"]["rows"]["balancer"]["epoch_wall_seconds"]
-    )
+    pair = replay["runs"]["dp2"]["pairs"]["balancer vs trl-bfd"]
+    pair["wall"] = {"median": 3.0, "min": 2.5, "max": 3.5, "reps": 7, "verdict": "balancer faster"}
     replay["git"] = {"commit": "abcdef0123456789", "dirty": False}
     monkeypatch.setattr(figures, "load", lambda name: replay if name == "replay" else real(name))
     text = figures.figure_replay()
-    assert "took 3.00x less wall-clock time" in text and "at abcdef0," in text and "uncommitted" not in text
+    assert "by wall clock 3.00x (2.50-3.50x, faster in all 7 repetitions)" in text
+    assert "at abcdef0," in text and "uncommitted" not in text
 
 
 def test_a_record_of_another_layout_is_one_error_naming_the_figure(figures, monkeypatch):
