@@ -75,7 +75,7 @@ def figures(monkeypatch):
     return importlib.import_module("readme_figures")
 
 
-@pytest.mark.parametrize("name", ["compare", "trainer", "measured_balance", "calibration", "balance_batch"])
+@pytest.mark.parametrize("name", ["compare", "trainer", "peers", "measured_balance", "calibration", "balance_batch"])
 def test_readme_figures_refuse_a_record_without_commit(figures, monkeypatch, name):
     real = figures.load
     record = figures.TEXTS[name][0][-1]
