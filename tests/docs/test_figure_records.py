@@ -15,6 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "benchmarks"
+FIGURE = re.compile(r"\d+(?:\.\d+)?(?:x\b|%| s\b| ms\b| min\b)")  # a speedup, share or time quoted in prose
 NAMED = {"git": {"commit": "abc1234def"}, "machine": {"load_average_start": [0.5, 0.5, 0.5]}}
 
 
@@ -96,13 +97,18 @@ def test_readme_figures_refuse_a_record_without_load(figures, monkeypatch):
         figures.render_readme(check=True)
 
 
-def test_results_section_quotes_no_figure_outside_the_generated_paragraphs(figures):
+def test_readme_quotes_no_figure_outside_the_generated_paragraphs(figures):
     readme = (ROOT / "README.md").read_text()
+    outside = figures.MARKER.sub("", readme)
+    quoted = FIGURE.findall(outside)
+    assert quoted == [], f"README.md quotes {quoted} outside the generated figures"
     results = readme.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
-    outside = figures.MARKER.sub("", results)
-    quoted = re.findall(r"\d+(?:\.\d+)?(?:x\b|%| s\b| ms\b)", outside)
-    assert quoted == [], f"README.md Results quotes {quoted} outside the generated figures"
-    assert len(list(figures.MARKER.finditer(results))) == len(figures.TEXTS)
+    assert len(list(figures.MARKER.finditer(results))) == len(figures.TEXTS)  # every generated paragraph in Results
+
+
+def test_the_figure_guard_sees_a_hand_typed_figure(figures):
+    page = "<!-- figure:a -->\n- 1.5x faster\n<!-- /figure:a -->\n- and 12% less by hand\n"
+    assert FIGURE.findall(figures.MARKER.sub("", page)) == ["12%"]
 
 
 def test_a_changed_measured_record_changes_its_figure(figures, monkeypatch):
