@@ -74,3 +74,16 @@ def test_the_readme_paragraph_states_what_holds_on_each_clock(modules, monkeypat
     assert "by wall clock 1.08x (0.91-1.10x, within noise: each faster in some repetition)" in text
     assert "this planner against token-count packing: 1.02x (0.95-1.05x, within noise" in text
     assert "1.25x (1.25-1.25x, faster in all 3 repetitions) faster than zigzag" in text
+
+
+def test_the_docs_summary_states_each_pair_as_the_record_has_it(modules):
+    replay, _ = modules
+    data = replay.tb.load("replay")
+    text = replay.table_replay_summary()
+    for run, a, b in (("dp2", "balancer", "trl-bfd"), ("dp2", "balancer", "token-count")):
+        pair = replay.tb.paired_ratio(data["runs"][run], a, b)
+        for clock, label in (("cpu", "by CPU time"), ("wall", "by wall clock")):
+            p = pair[clock]
+            holds = "within noise" if p["verdict"] == "within noise" else f"{p['verdict']} in all {p['reps']}"
+            assert f"{label} {p['median']:.3f}x ({p['min']:.3f}-{p['max']:.3f}x; {holds}" in text, (a, b, clock)
+    assert f"commit {data['git']['commit'][:10]}." in text
