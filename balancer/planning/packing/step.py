@@ -151,25 +151,31 @@ def _place_heavy_sums(heavy: np.ndarray, cost: np.ndarray, tokens: np.ndarray, b
     """`_place_heavy_marginal` without stages or speeds, on Python floats (the same placement): a replica's time is
     its sum, so each unit goes to the least-loaded replica with room (ties: the cheaper micro-batch with room, then
     the first), as the per-micro-batch table picks. A replica's sum is re-read with NumPy's own reduction after each
-    placement, so the floats compared are the table's."""
+    placement, so the floats compared are the table's. With no negative cost the scan of tied replicas stops at an
+    empty-cost micro-batch with room (none is cheaper): at a step's start every replica ties at zero."""
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
+    if not len(heavy):
+        return
     per_replica = bins.cost.reshape(dp, m)
     rep_sum = per_replica.sum(axis=1).tolist()
     rep_low = bins.tokens.reshape(dp, m).min(axis=1).tolist()  # a replica has room for t when its emptiest has
     bin_cost, bin_tok = bins.cost.tolist(), bins.tokens.tolist()
+    floor = 0.0 if min(bin_cost) >= 0 and float(cost[heavy].min()) >= 0 else -float("inf")  # nothing is cheaper
+    inf = float("inf")
     for i, c, t in zip(heavy.tolist(), cost[heavy].tolist(), tokens[heavy].tolist()):
         limit = cap - t
-        best, ties = float("inf"), []
-        for r, (low, total) in enumerate(zip(rep_low, rep_sum)):
-            if low <= limit:
-                if total + c < best:
-                    best, ties = total + c, [r]
-                elif total + c == best:
-                    ties.append(r)
-        j, cheapest = -1, float("inf")
-        for b in (b for r in ties for b in range(r * m, r * m + m)):
-            if bin_tok[b] <= limit and bin_cost[b] < cheapest:
-                j, cheapest = b, bin_cost[b]
+        open_sum = [total if low <= limit else inf for low, total in zip(rep_low, rep_sum)]
+        least = min(open_sum)
+        if least == inf:
+            continue
+        best = least + c  # the least new time (adding c keeps the order of the sums)
+        j, cheapest = -1, inf
+        for r in [r for r, total in enumerate(open_sum) if total + c == best]:
+            for b in range(r * m, r * m + m):
+                if bin_tok[b] <= limit and bin_cost[b] < cheapest:
+                    j, cheapest = b, bin_cost[b]
+            if cheapest <= floor:
+                break
         if j < 0:
             continue
         bins.place(i, j, c, t)
