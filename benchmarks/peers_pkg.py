@@ -221,8 +221,9 @@ def score_row(row: dict) -> None:
 def slices_floor(rec: dict) -> float | None:
     """The excess over the epoch bound that no plan of the same fixed slices goes under: every step at its own
     lower bound (`max(W / dp, the heaviest document)` at cp = pp = 1), from a slice plan's record (its summed step
-    time over its `imbalance` is the sum of those bounds); None where it made no plan."""
-    if rec.get("status") != "ok":
+    time over its `imbalance` is the sum of those bounds); None where it made no plan or its record predates the
+    step times."""
+    if rec.get("status") != "ok" or "step_time_total" not in rec:
         return None
     return rec["step_time_total"] / rec["imbalance"] / rec["lower_bound_epoch"] - 1.0
 
