@@ -17,7 +17,10 @@ Trainer's checkpoint and the balanced sampler's state in it (`balancer_sampler.j
 window for the new DP size: nothing lost, nothing repeated (docs/fault-tolerance.md). The model is a tiny Llama
 built from its config (no download). `--trace DIR` writes what every rank trained, one JSON line per optimizer step
 (tests/integrations/test_trainer_restart.py checks it: document d's tokens are all `d + 1`, so a step's tokens name
-its documents); `--die-at STEP` kills the last rank (SIGKILL) at the end of that step of a first launch.
+its documents, with the elastic restart count and the checkpoint resumed from); `--die-at STEP` kills the last rank
+(SIGKILL) at the end of that step of a first launch; `--hold-at STEP` makes every rank given it write
+`held-rank<R>` into the trace folder at the end of that step of a first start and wait there, to be killed from
+outside with its node (tests/integrations/test_elastic_trainer.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import collections
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -78,12 +82,18 @@ def build(args, rank: int, world: int, resumed: str | None):
     class Trace(transformers.TrainerCallback):
         def on_step_end(self, targs, state, control, **kwargs):
             if args.trace:
-                line = {"rank": rank, "world": world, "step": state.global_step, "tokens": dict(trainer.seen)}
+                restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's elastic agent's
+                line = {"rank": rank, "world": world, "step": state.global_step, "tokens": dict(trainer.seen),
+                        "restart": restarts, "resumed": resumed}  # fmt: skip
                 with open(Path(args.trace) / f"rank{rank}_world{world}.jsonl", "a") as f:
                     f.write(json.dumps(line) + "\n")
             trainer.seen.clear()
             if state.global_step == args.die_at and resumed is None and rank == world - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if state.global_step == args.hold_at and resumed is None:
+                (Path(args.trace) / f"held-rank{rank}").touch()
+                while True:  # until killed from outside, with the node (the peers wait in the next reduction)
+                    time.sleep(1)
 
     rows = rows_of(args.docs)
     topo = balancer.Topology(dp=world, micro_batches=-(-6 // world), max_tokens=128, tokens_per_step=600)
@@ -104,6 +114,7 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=2)
     ap.add_argument("--trace", default=None)
     ap.add_argument("--die-at", type=int, default=-1)
+    ap.add_argument("--hold-at", type=int, default=-1, help="after tracing this step of a first start, wait (tests)")
     ap.add_argument("--resume", action="store_true", help="resume from the last complete checkpoint-* in --out")
     ap.add_argument("--resume-if-any", action="store_true", help="resume if there is one, else start (elastic)")
     args = ap.parse_args()

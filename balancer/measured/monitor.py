@@ -41,6 +41,7 @@ from balancer.measured.arguments import check_monitor_options, checked_position,
 from balancer.measured.ledger import Ledger, Model, slowest_of_groups
 from balancer.measured.refit import refit
 from balancer.measured.report import _errors, build_report, headline, measured_steps, timed_rows, token_room
+from balancer.measured.resized import saved_units, without_replicas
 from balancer.measured.settings import check_settings_agree, plan_settings
 from balancer.measured.source import STEP_SOURCE_MEMBERS, StepSource
 from balancer.planning.cost.fit import TERMS
@@ -361,6 +362,7 @@ class BalanceMonitor:
         return {
             "format": STATE_FORMAT,
             "mode": self.mode,
+            "units": self.units,
             "epoch": self._epoch,
             "models": models,
             "refits": self.refits,
@@ -376,6 +378,14 @@ class BalanceMonitor:
             raise ValueError("not a BalanceMonitor state (no 'format': 'balancer.monitor')")
         if state["mode"] != self.mode:
             raise ValueError(f"the monitor state is from mode={state['mode']!r}, this monitor has mode={self.mode!r}")
+        saved = saved_units(state)
+        if saved is not None and saved != self.units:  # another DP size (balancer.measured.resized)
+            if self.rank == 0:
+                logger.warning(
+                    "BalanceMonitor: the state is from %d replicas, this run has %d: the fitted cost models are kept, "
+                    "the replica speeds and the measured steps are not", saved, self.units,
+                )  # fmt: skip
+            state = without_replicas(state, self.models[0].to_dict())
         try:
             self.models = [Model.from_dict(m) for m in state["models"]]
             self.ledger.load_state_dict(state["ledger"])
