@@ -8,6 +8,7 @@ be the one imported (refused otherwise, so a side never silently measures the in
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import io
 import json
@@ -45,7 +46,21 @@ def _plan_shape(balancer, shape: dict, data: Path) -> dict:
         plan = balancer.plan(lengths, topo, cost, seed=shape.get("seed", 0))
     cpu = (time.process_time() - t0) / calls
     m = plan.metrics()
-    return {"cpu_s": cpu, "imbalance": m["imbalance"], "epoch_efficiency": m["epoch_efficiency"], "steps": m["steps"]}
+    return {
+        "cpu_s": cpu,
+        "imbalance": m["imbalance"],
+        "epoch_efficiency": m["epoch_efficiency"],
+        "steps": m["steps"],
+    } | {"digest": _digest(plan.doc, plan.start, plan.end, plan.mb_ptr)}
+
+
+def _digest(*arrays: np.ndarray) -> str:
+    """SHA-1 of the placements (documents, spans, micro-batch boundaries): equal exactly when the plans are."""
+    h = hashlib.sha1()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+        h.update(b"|")
+    return h.hexdigest()
 
 
 def _pack_step_shape(balancer, shape: dict, data: Path) -> dict:
@@ -68,7 +83,8 @@ def _pack_step_shape(balancer, shape: dict, data: Path) -> dict:
         raise SystemExit(f"_guard_worker: pack_step left {int(np.sum(unit_bin < 0))} of {len(c)} units unplaced")
     mb = np.bincount(unit_bin, weights=c, minlength=topo.bins_per_step).reshape(1, topo.dp, topo.micro_batches)
     ratio = float(step_times(mb, topo)[0]) / float(lower_bound(c.sum(), c.max(), topo))
-    return {"cpu_s": cpu, "imbalance": float(ratio), "epoch_efficiency": float(1 / ratio), "steps": 1}
+    out = {"cpu_s": cpu, "imbalance": float(ratio), "epoch_efficiency": float(1 / ratio), "steps": 1}
+    return out | {"digest": _digest(unit_bin)}
 
 
 def _cli_shape(balancer, shape: dict, data: Path) -> dict:

@@ -19,7 +19,11 @@ Shapes (`--full` adds the whole `balancer plan sft` commands of the README, ~5-2
 - prolong_pp: the ProLong trace on dp4 x cp2 x pp4 (M8), a planner_quality row with long documents;
 - global_batch: `balancer.plan` of one global batch of 1,927 WLB-LLM documents (0.85 of the capacity) on dp8 x M4
   x 262,144 (mean of 20 calls); global_batch_pack_step: `pack_step` of the same documents, as a sampler packs one
-  step (mean of 20 calls).
+  step (mean of 20 calls);
+- `--million` adds the 1M-document epochs of benchmarks/planner_speed.py (wlbllm_1m: 1M WLB-LLM documents on dp64 x
+  cp4 x M8 x 32,768; sft_1m: 1M SFT-like documents on dp4 x cp2 x M4 x 2,048), ~1 s each per side.
+"same plan": the placements (documents, spans, micro-batch boundaries) of the two sides hash alike (the `cli_*`
+shapes are not hashed).
 Writes benchmarks/results/plan_guard.json (or `--name`) and prints one table per REF.
 """
 
@@ -43,7 +47,10 @@ REPO = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).resolve().parent / "_guard_worker.py"
 COST = {"attn_coef": DEFAULT_COST.attn_coef, "linear_coef": DEFAULT_COST.linear_coef}
 GLOBAL_BATCH = {"dp": 8, "cp": 1, "pp": 1, "micro_batches": 4, "max_tokens": 262144}
-COLUMNS = ["shape", "CPU here", "CPU at REF", "ratio (median, range)", "imbalance here", "imbalance at REF", "verdict"]
+COLUMNS = [
+    "shape", "CPU here", "CPU at REF", "ratio (median, range)", "imbalance here", "imbalance at REF", "same plan",
+    "verdict",
+]  # fmt: skip
 
 
 def sft_like(n: int, seed: int = 1) -> np.ndarray:
@@ -66,7 +73,7 @@ def global_batch() -> np.ndarray:
     return lengths[: int(np.sum(np.cumsum(lengths) <= budget))]
 
 
-def make_shapes(data: Path, full: bool) -> list[dict]:
+def make_shapes(data: Path, full: bool, million: bool = False) -> list[dict]:
     """Write each shape's lengths under `data` and return the shapes the workers run."""
     arrays = {
         "sft_short": sft_like(50_000),
@@ -75,6 +82,8 @@ def make_shapes(data: Path, full: bool) -> list[dict]:
         "prolong": load_trace("prolong", seed=0),
         "wlbllm_batch": global_batch(),
     }
+    if million:
+        arrays |= {"wlbllm_1m": load_trace("wlbllm", n=1_000_000, seed=1), "sft_1m": sft_like(1_000_000)}
     for name, lengths in arrays.items():
         np.save(data / f"{name}.npy", np.asarray(lengths, dtype=np.int64))
     a = arrays
@@ -87,6 +96,11 @@ def make_shapes(data: Path, full: bool) -> list[dict]:
         ("global_batch", "plan", "wlbllm_batch", GLOBAL_BATCH),
         ("global_batch_pack_step", "pack_step", "wlbllm_batch", GLOBAL_BATCH),
     ]
+    if million:
+        shapes += [
+            ("wlbllm_1m", "plan", "wlbllm_1m", auto_topology(a["wlbllm_1m"], 64, 4, 1, 8, max_tokens=32768)),
+            ("sft_1m", "plan", "sft_1m", auto_topology(a["sft_1m"], 4, 2, 1, 4, max_tokens=2048)),
+        ]
     out = [{"name": n, "kind": k, "data": d, "topology": t, "cost": COST, "seed": 0} for n, k, d, t in shapes]
     for shape in out:
         if shape["data"] == "wlbllm_batch":
@@ -175,10 +189,16 @@ def compare(here: list[dict], there: list[dict], shape: str, tol: float, qtol: f
         "efficiency_ref": there[0][shape]["epoch_efficiency"],
         "steps_here": here[0][shape]["steps"],
         "steps_ref": there[0][shape]["steps"],
+        "same_plan": _same(here[0][shape].get("digest"), there[0][shape].get("digest")),
         "slower": slower,
         "worse": worse,
         "verdict": verdict,
     }
+
+
+def _same(digest_here: str | None, digest_ref: str | None) -> bool | None:
+    """Whether both sides placed every document alike (None where a side records no digest)."""
+    return None if digest_here is None or digest_ref is None else digest_here == digest_ref
 
 
 def table_rows(rows: list[dict]) -> list[list]:
@@ -194,6 +214,7 @@ def table_rows(rows: list[dict]) -> list[list]:
             f"{r['ratio_median']:.3f}x ({r['ratio_min']:.3f}-{r['ratio_max']:.3f})",
             f"{r['imbalance_here']:.4f}",
             f"{r['imbalance_ref']:.4f}",
+            {True: "yes", False: "no", None: "-"}[r.get("same_plan")],
             r["verdict"],
         ]
         for r in rows
@@ -217,6 +238,7 @@ def main() -> None:
     ap.add_argument("--quality-tolerance", type=float, default=0.01, help="allowed relative excess growth (0.01)")
     ap.add_argument("--shapes", nargs="+", help="run only these shapes (names as in the table)")
     ap.add_argument("--full", action="store_true", help="also time the whole `balancer plan sft` commands")
+    ap.add_argument("--million", action="store_true", help="also the 1M-document epochs (wlbllm_1m, sft_1m)")
     ap.add_argument(
         "--only", nargs="+", metavar="PATH", help="here = HEAD plus the working tree's version of these paths only"
     )
@@ -227,7 +249,7 @@ def main() -> None:
     commits = {ref: resolve(ref) for ref in args.against}
     with tempfile.TemporaryDirectory(prefix="plan_guard_", dir="/tmp") as tmp:
         tmp_path = Path(tmp)
-        shapes = make_shapes(tmp_path, args.full)
+        shapes = make_shapes(tmp_path, args.full, args.million)
         if args.shapes:
             unknown = set(args.shapes) - {s["name"] for s in shapes}
             if unknown:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from balancer.planning.packing.refine_small import SmallState, improve_small
 from balancer.planning.speeds import uneven
 from balancer.planning.topology import Topology
 
@@ -18,6 +19,7 @@ MAX_STEPS_SHARE = 1 / 32  # at most this share of the steps (the furthest above 
 MIN_STEPS = 64
 MAX_ROUNDS = 48  # moves or swaps per step
 ROUND_BUDGET = 1024  # moves or swaps per epoch (or window), steps taken furthest above their bound first
+SMALL_STEP = 256  # steps of at most this many units search on Python lists (refine_small: the same changes)
 
 
 def refine_packed(packed: list, u_cost: np.ndarray, u_tok: np.ndarray, topology: Topology) -> list:
@@ -85,15 +87,26 @@ def _refine_step(units, sizes, u_cost, u_tok, dp: int, m: int, cap: int, budget:
     with nothing left to change)."""
     mb = np.repeat(np.arange(dp * m), sizes)
     cost, tok = u_cost[units].astype(np.float64), u_tok[units].astype(np.int64)
-    state = _State(mb, cost, tok, dp, m)
-    stuck = False
+    if not trade and len(units) <= SMALL_STEP:  # the same search on lists (refine_small)
+        small = SmallState(mb, cost, tok, dp, m)
+        stuck = _search(lambda: improve_small(small, cap), budget)
+        mb = np.array(small.mb, dtype=np.int64)
+    else:
+        state = _State(mb, cost, tok, dp, m)
+        stuck = _search(lambda: _improve(state, cap, trade), budget)
+        mb = state.mb
+    order = np.argsort(mb, kind="stable")
+    return units[order], np.bincount(mb, minlength=dp * m), stuck
+
+
+def _search(improve, budget: list) -> bool:
+    """Rounds of `improve()` (up to MAX_ROUNDS, each counted off `budget[0]`); whether one found nothing to
+    change."""
     for _ in range(min(MAX_ROUNDS, budget[0])):
         budget[0] -= 1
-        if not _improve(state, cap, trade):
-            stuck = True
-            break
-    order = np.argsort(state.mb, kind="stable")
-    return units[order], np.bincount(state.mb, minlength=dp * m), stuck
+        if not improve():
+            return True
+    return False
 
 
 class _State:
