@@ -51,11 +51,17 @@ def _plan_shape(balancer, shape: dict, data: Path) -> dict:
         "imbalance": m["imbalance"],
         "epoch_efficiency": m["epoch_efficiency"],
         "steps": m["steps"],
-    } | {"digest": _digest(plan.doc, plan.start, plan.end, plan.mb_ptr)}
+    } | {"digest": _digest(plan.doc, plan.start, plan.end, plan.mb_ptr, _natural(plan))}
+
+
+def _natural(plan) -> np.ndarray:
+    """The plan's natural steps (where each document would land without balancing), empty where it has none."""
+    return np.zeros(0, dtype=np.int64) if getattr(plan, "natural_step", None) is None else plan.natural_step
 
 
 def _digest(*arrays: np.ndarray) -> str:
-    """SHA-1 of the placements (documents, spans, micro-batch boundaries): equal exactly when the plans are."""
+    """SHA-1 of the placements (documents, spans, micro-batch boundaries, natural steps): equal exactly when the
+    plans are."""
     h = hashlib.sha1()
     for a in arrays:
         h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())

@@ -115,13 +115,18 @@ def dynamic_step_times(
     return one_f_one_b(largest, finish, topology.pp).reshape(steps, pool).max(axis=1)
 
 
-def natural_steps(order: np.ndarray, lengths: np.ndarray, tokens_per_step: int) -> np.ndarray:
+def natural_steps(
+    order: np.ndarray, lengths: np.ndarray, tokens_per_step: int, in_order: np.ndarray | None = None
+) -> np.ndarray:
     """Step each document would land in if the shuffled `order` were cut every `tokens_per_step` tokens.
 
-    Returns an int64 array indexed by document id; `mean_delay_steps` measures moves away from it.
+    Returns an int64 array indexed by document id; `mean_delay_steps` measures moves away from it. `in_order`:
+    `lengths[order]` where the caller has it already (the same result, one gather less).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
-    before = np.cumsum(lengths[order]) - lengths[order]
+    in_order = lengths[order] if in_order is None else np.asarray(in_order, dtype=np.int64)
+    before = np.cumsum(in_order)
+    before -= in_order
     natural = np.empty(len(order), dtype=np.int64)
     natural[order] = before // int(tokens_per_step)
     return natural

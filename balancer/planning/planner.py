@@ -129,7 +129,7 @@ def plan(
         packed = refine_packed(packed, u_cost, u_tok, topology)
         packed = move_across(packed, u_cost, u_tok, topology)
         packed = permute_replicas(packed, topology, np.random.default_rng([seed, 2]))
-    units = (u_doc, u_start, u_end, shuffled, doc_order)
+    units = (u_doc, u_start, u_end, shuffled, doc_order, u_tok)
     return _assemble(lengths, topology, cost, seed, packed, units, targets, m_last, started)
 
 
@@ -152,7 +152,7 @@ def _filler_units(shuffled: np.ndarray, fillers: int, units: tuple, lengths) -> 
 def _assemble(lengths, topology: Topology, cost, seed, packed: list, units: tuple, targets, m_last, started) -> Plan:
     """The Plan of a packed epoch: placements in micro-batch order, inside a micro-batch whole documents first, then
     spans, then filler rows (units at shuffled positions past the real ones)."""
-    u_doc, u_start, u_end, shuffled, doc_order = units
+    u_doc, u_start, u_end, shuffled, doc_order, shuffled_tokens = units
     sizes = np.concatenate([mb_sizes.ravel() for _, mb_sizes in packed])
     position = np.concatenate([positions for positions, _ in packed])
     unit = shuffled[position]
@@ -180,7 +180,9 @@ def _assemble(lengths, topology: Topology, cost, seed, packed: list, units: tupl
         end,
         np.concatenate([[0], np.cumsum(sizes)]),
         seed=seed,
-        natural_step=natural_steps(doc_order, placed_tokens, int(round(float(np.mean(targets))))),
+        natural_step=natural_steps(
+            doc_order, placed_tokens, int(round(float(np.mean(targets)))), shuffled_tokens if one_each else None
+        ),
         plan_seconds=time.perf_counter() - started,
         last_micro_batches=m_last,
         filler=filler if filler.any() else None,
