@@ -242,13 +242,16 @@ def _rounds(light, cost, tokens, bins: _Bins, deficit: np.ndarray, cap: int, spi
             k = _round_size(deficit[targets], cost[chunk])
             done += k - len(chunk)
             chunk, targets = chunk[:k], targets[:k]
-        fits = bins.tokens[targets] + tokens[chunk] <= cap
-        ok_units, ok_bins = chunk[fits], targets[fits]
+        chunk_tok = tokens[chunk]
+        fits = bins.tokens[targets] + chunk_tok <= cap
+        every = bool(fits.all())  # the usual round: no copies of the chunk
+        ok_units, ok_bins = (chunk, targets) if every else (chunk[fits], targets[fits])
+        ok_cost = cost[ok_units]
         bins.unit_bin[ok_units] = ok_bins  # micro-batches are distinct within a round
-        deficit[ok_bins] -= cost[ok_units]
-        bins.cost[ok_bins] += cost[ok_units]
-        bins.tokens[ok_bins] += tokens[ok_units]
-        for i in chunk[~fits]:  # the matched micro-batch is full; take the neediest one that fits
+        deficit[ok_bins] -= ok_cost
+        bins.cost[ok_bins] += ok_cost
+        bins.tokens[ok_bins] += chunk_tok if every else chunk_tok[fits]
+        for i in () if every else chunk[~fits]:  # the matched micro-batch is full; take the neediest one that fits
             _misfit(i, cost, tokens, bins, deficit, cap, spill)
     return done
 
