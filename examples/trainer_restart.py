@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 2 examples/trainer_restart.py --out run/ --resume         # from run/checkpoint-K
 
     torchrun --nnodes 1:2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint NODE0:29500 --rdzv-id run1 \
-        --rdzv-conf is_host=1,join_timeout=180,last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5 \
+        --rdzv-conf is_host=1,join_timeout=180,last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=5 \
         --max-restarts 1 examples/trainer_restart.py --out run/ --resume-if-any   # elastic: every node, is_host=0
                                                                                    # on all but the store's
 
