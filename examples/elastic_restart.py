@@ -10,7 +10,9 @@ the step and the sampler's state at a step boundary, which `load_state_dict` res
 the window is planned again for the new topology (docs/fault-tolerance.md). `--trace DIR` writes what every rank
 trained, one JSON line per step (tests/integrations/test_torchft_restart.py checks it); `--die-at STEP` makes the
 last rank's node die (its agent and itself, SIGKILL) after that step of the first run; with `--die-alone` only the
-worker dies (a job whose launcher then stops, restarted by hand or by a scheduler on fewer processes).
+worker dies (a job whose launcher then stops, restarted by hand or by a scheduler on fewer processes);
+`--hold-at STEP` makes every rank given it write `held-rank<R>` into the trace folder at the end of that step of the
+first start and wait there, to be killed from outside with its node (tests/integrations/test_elastic_restart.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +51,7 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=2)
     ap.add_argument("--trace", default=None)
     ap.add_argument("--die-at", type=int, default=-1)
+    ap.add_argument("--hold-at", type=int, default=-1, help="after tracing this step of a first start, wait (tests)")
     ap.add_argument("--die-alone", action="store_true", help="with --die-at: only the worker dies, not its agent")
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -89,6 +93,10 @@ def main() -> None:
             if not args.die_alone:
                 os.kill(os.getppid(), signal.SIGKILL)  # this node's agent dies, then the node's worker
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.hold_at and restart == 0 and args.trace:
+            (Path(args.trace) / f"held-rank{rank}").touch()
+            while True:  # until killed from outside, with its node (the peers wait in the next reduction)
+                time.sleep(1)
     if rank == 0:
         save(ckpt, step, model, opt, sampler)
     dist.destroy_process_group()

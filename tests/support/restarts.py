@@ -83,12 +83,12 @@ def free_port() -> int:
 
 
 def elastic_agent(script: str, args: list[str], log: Path, rdzv: dict, nnodes: str = "1:2",
-                  max_restarts: int = 1) -> subprocess.Popen:  # fmt: skip
-    """One torchrun elastic agent (one "node", one worker) running `examples/<script> args` in the c10d rendezvous
+                  max_restarts: int = 1, nproc: int = 1) -> subprocess.Popen:  # fmt: skip
+    """One torchrun elastic agent (one "node", `nproc` workers) running `examples/<script> args` in the c10d rendezvous
     `rdzv` (`endpoint`, `id`, then the `--rdzv-conf` settings: `is_host`, timeouts, ...) on the loopback. Its log
     (the agent's at INFO level: each rendezvous' result and restart count; and its worker's) goes to `log`."""
     conf = ",".join(f"{k}={v}" for k, v in rdzv.items() if k not in ("endpoint", "id"))
-    cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nnodes={nnodes}", "--nproc-per-node=1",
+    cmd = [str(Path(sys.executable).parent / "torchrun"), f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv['endpoint']}", f"--rdzv-id={rdzv['id']}",
            f"--rdzv-conf={conf}", "--local-addr=127.0.0.1", f"--max-restarts={max_restarts}",
            "--monitor-interval=0.5", str(ROOT / "examples" / script), *args]  # fmt: skip
