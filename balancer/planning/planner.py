@@ -33,7 +33,7 @@ from balancer.planning.cost.model import CostModel
 from balancer.planning.dynamic.plan import plan_dynamic
 from balancer.planning.metrics import natural_steps, step_times
 from balancer.planning.packing.across import move_across
-from balancer.planning.packing.epoch import LazySteps, pack_light_steps, steps_to_repack
+from balancer.planning.packing.epoch import LazySteps, by_micro_batch, pack_light_steps, steps_to_repack
 from balancer.planning.packing.refine import refine_packed
 from balancer.planning.packing.replicas import permute_replicas
 from balancer.planning.packing.settle import Batched, Settling, hold_step_tokens, settle
@@ -330,14 +330,8 @@ def _pack_epoch(
         return settle(groups, batched, Settling(u_cost, u_tok, attn_heavy, targets, topology, fixed), progress)
     repack, complete = steps_to_repack(fast_bin, u_cost[flat], u_tok[flat], ptr, topology)
     fast = LazySteps(fast_bin, ptr, complete)
-    # the good steps' result, sorted by micro-batch in one go (the -1 of incomplete steps sorts first, unused)
-    step = np.repeat(np.arange(len(groups)), np.diff(ptr))
-    slot = step * (nb + 1) + fast_bin + 1
-    if len(groups) * (nb + 1) < 2**62 // max(len(u_cost), 1):  # by micro-batch, shuffled order inside (unique keys)
-        by_bin = flat[np.argsort(slot * len(u_cost) + flat)]
-    else:
-        by_bin = flat[np.lexsort((flat, slot))]
-    sizes = np.bincount(slot, minlength=len(groups) * (nb + 1)).reshape(len(groups), nb + 1)[:, 1:]
+    # the good steps' result, sorted by micro-batch (the -1 of incomplete steps sorts first, unused)
+    by_bin, sizes = by_micro_batch(flat, ptr, fast_bin, nb)
     batched = Batched(by_bin, ptr, sizes, ready=~repack, fast=fast)
     return settle(groups, batched, Settling(u_cost, u_tok, attn_heavy, targets, topology, fixed), progress)
 

@@ -132,8 +132,15 @@ def assign_steps(
     budget = np.maximum(targets - heavy_tokens, 0.0)
     light_tokens = unit_tokens[~heavy].astype(np.float64)
     middle = np.cumsum(light_tokens) - light_tokens / 2  # a unit goes to the step that holds most of it
-    step[~heavy] = np.minimum(np.searchsorted(np.cumsum(budget), middle, side="right"), num_steps - 1)
+    step[~heavy] = np.minimum(_steps_passed(np.cumsum(budget), middle), num_steps - 1)
     return step
+
+
+def _steps_passed(ends: np.ndarray, middle: np.ndarray) -> np.ndarray:
+    """`np.searchsorted(ends, middle, side="right")` (how many step ends are at or below each unit's middle) for a
+    non-decreasing `middle` (tokens are never negative): the few ends are searched among the many units instead."""
+    first = np.searchsorted(middle, ends, side="left")  # the first unit at or past each end
+    return np.cumsum(np.bincount(first, minlength=len(middle) + 1)[: len(middle)])
 
 
 def _windows(idx: np.ndarray, unit_tokens: np.ndarray, targets: np.ndarray, window: int):

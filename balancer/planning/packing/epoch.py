@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from balancer.planning.metrics import lower_bound, one_f_one_b, step_times
+from balancer.planning.packing.lanes import pack_even_steps
 from balancer.planning.packing.rowops import argmin_last, last_axis
 from balancer.planning.packing.search import polish_steps
 from balancer.planning.packing.step import POLISH_ABOVE, POLISH_MAX_UNITS, pack_step, step_time
@@ -45,25 +46,7 @@ def pack_steps(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: 
     s); -1 for a unit that fits no micro-batch of its step."""
     if replica_speeds(topology) is not None:
         return _pack_steps_uneven(cost, tokens, ptr, topology)
-    nb, cap, m = topology.bins_per_step, topology.micro_batch_tokens, topology.micro_batches
-    steps = len(ptr) - 1
-    counts = np.diff(ptr)
-    grid = by_step_grid(-cost, ptr)  # [step, rank] -> unit, largest first; -1 past the step's units
-    width = grid.shape[1]
-    load = np.zeros((steps, nb))
-    used = np.zeros((steps, nb), dtype=np.int64)
-    unit_bin = np.full(len(cost), -1, dtype=np.int64)
-    for first in range(0, width, nb):
-        chunk = grid[:, first : first + nb]
-        in_rounds = counts - first >= TAIL_ROUNDS * nb  # steps with many units left: a round at once
-        if in_rounds.any():
-            _round(chunk[in_rounds], np.flatnonzero(in_rounds), cost, tokens, load, used, unit_bin, cap, m)
-        rest = np.flatnonzero(~in_rounds & (counts > first))
-        for col in range(chunk.shape[1]):  # the last units of a step: one at a time, where they cost least
-            live = rest[chunk[rest, col] >= 0]
-            if len(live):
-                _greedy(chunk[live, col], live, cost, tokens, load, used, unit_bin, topology)
-    return unit_bin
+    return pack_even_steps(by_step_grid(-cost, ptr, tokens), cost, tokens, topology, TAIL_ROUNDS)
 
 
 def _pack_steps_uneven(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: Topology) -> np.ndarray:
@@ -73,7 +56,7 @@ def _pack_steps_uneven(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, to
     speed = bin_speeds(topology)
     assert speed is not None, "the uneven path: rank speeds are set"
     steps, counts = len(ptr) - 1, np.diff(ptr)
-    grid = by_step_grid(-cost, ptr)
+    grid = by_step_grid(-cost, ptr, tokens)
     width = grid.shape[1]
     work = np.bincount(np.repeat(np.arange(steps), counts), weights=cost, minlength=steps)
     deficit = work[:, None] * (speed / speed.sum())[None, :]  # [steps, nb] each micro-batch's share of its step
@@ -114,39 +97,52 @@ def _pack_steps_uneven(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, to
     return unit_bin
 
 
-def by_step_grid(key: np.ndarray, ptr: np.ndarray) -> np.ndarray:
+def by_step_grid(key: np.ndarray, ptr: np.ndarray, tokens: np.ndarray | None = None) -> np.ndarray:
     """[steps, most units of a step]: each step's units (`ptr[s]:ptr[s + 1]`) in ascending order of `key`, ties in
     their given order (a stable sort, row by row: the same on every machine), -1 past the step's units. The grid is
-    padded to the largest step: callers keep the steps' sizes comparable (`pack_light_steps`)."""
+    padded to the largest step: callers keep the steps' sizes comparable (`pack_light_steps`). `tokens`: the units'
+    token counts; where `key` is a function of them (a cost model's cost), the rows are sorted as small integers
+    (`_rank_by_tokens`), the same order."""
     steps, counts = len(ptr) - 1, np.diff(ptr)
     width = int(counts.max()) if steps else 0
     at = np.arange(len(key)) + np.repeat(np.arange(steps) * width - ptr[:-1], counts)  # each unit's cell
-    keys = np.full(steps * width, np.inf)
-    keys[at] = key
-    grid = np.argsort(keys.reshape(steps, width), axis=1, kind="stable") + ptr[:-1, None]
+    bits = max(1, (width - 1).bit_length())  # a unit's place in its step takes the low bits of its sort key
+    rank = _rank_by_tokens(key, tokens, bits) if steps and tokens is not None else None
+    if rank is not None:  # unique integer keys (rank, then the given order): an unstable sort gives the stable order
+        cells = np.full(steps * width, np.iinfo(np.int32).max, dtype=np.int32)
+        local = np.arange(len(key), dtype=np.int32) - np.repeat(ptr[:-1].astype(np.int32), counts)
+        cells[at] = (rank << bits) | local
+        grid = (np.sort(cells.reshape(steps, width), axis=1) & ((1 << bits) - 1)) + ptr[:-1, None]
+    else:
+        keys = np.full(steps * width, np.inf)
+        keys[at] = key
+        grid = np.argsort(keys.reshape(steps, width), axis=1, kind="stable") + ptr[:-1, None]
     grid[np.arange(width)[None, :] >= counts[:, None]] = -1
     return grid
 
 
-def _round(chunk, rows, cost, tokens, load, used, unit_bin, cap, m) -> None:
-    """One round: the chunk's units (largest first) to their steps' micro-batches, least loaded first; a unit that
-    overflows its micro-batch goes to the least-loaded one with room, or stays unplaced."""
-    bins = load.shape[1]
-    spread = np.broadcast_to((np.arange(bins) % m) * (bins // m) + np.arange(bins) // m, (len(rows), bins))
-    target = np.lexsort((spread, load[rows]), axis=1)[:, : chunk.shape[1]]  # ties: across replicas first
-    unit = np.maximum(chunk, 0)
-    fits = (chunk >= 0) & (np.take_along_axis(used[rows], target, axis=1) + tokens[unit] <= cap)
-    r, c = np.nonzero(fits)
-    _place(chunk[r, c], rows[r], target[r, c], cost, tokens, load, used, unit_bin)
-    misfit = (chunk >= 0) & ~fits
-    ranks = np.cumsum(misfit, axis=1) - 1
-    for k in range(int(misfit.sum(axis=1).max()) if misfit.any() else 0):
-        r, c = np.nonzero(misfit & (ranks == k))
-        units, step_rows = chunk[r, c], rows[r]
-        room = used[step_rows] + tokens[units][:, None] <= cap
-        choice = np.argmin(np.where(room, load[step_rows], np.inf), axis=1)
-        ok = room[np.arange(len(units)), choice]
-        _place(units[ok], step_rows[ok], choice[ok], cost, tokens, load, used, unit_bin)
+RANK_TOKENS = 1 << 20  # token counts up to this are ranked through a table indexed by tokens
+
+
+def _rank_by_tokens(key: np.ndarray, tokens: np.ndarray, bits: int) -> np.ndarray | None:
+    """Dense rank of every unit's `key` (equal keys, equal ranks) as int32, or None where `key` is not a function of
+    `tokens` (two units with the same tokens and different keys) or the ranks shifted by `bits` overflow int32."""
+    if len(key) >= 1 << 31 or tokens.min() < 0 or tokens.max() >= RANK_TOKENS:
+        return None
+    table = np.zeros(int(tokens.max()) + 1)
+    table[tokens] = key
+    if not np.array_equal(table[tokens], key):
+        return None
+    present = np.zeros(len(table), dtype=bool)
+    present[tokens] = True
+    values = np.flatnonzero(present)
+    by_key = values[np.argsort(table[values], kind="stable")]
+    dense = np.concatenate([[0], np.cumsum(np.diff(table[by_key]) != 0)])
+    if (int(dense[-1]) + 2) << bits >= np.iinfo(np.int32).max:
+        return None
+    ranks = np.zeros(len(table), dtype=np.int32)
+    ranks[by_key] = dense
+    return ranks[tokens]
 
 
 def _greedy(units, rows, cost, tokens, load, used, unit_bin, topology: Topology) -> None:
@@ -278,6 +274,29 @@ def pack_light_steps(
         units = flat[light]
         out[light] = pack_steps(u_cost[units], u_tok[units], np.concatenate([[0], np.cumsum(sizes[batched])]), topology)
     return out
+
+
+def by_micro_batch(flat: np.ndarray, ptr: np.ndarray, unit_bin: np.ndarray, nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the units `flat` sorted by step, then micro-batch `unit_bin` (-1 first), then unit; [steps, nb] sizes) for
+    steps `ptr[s]:ptr[s + 1]`. Where every step's units are in ascending order (as steps are cut from the shuffled
+    order), each step is sorted on its own as small integers; otherwise one sort of the whole epoch."""
+    steps, counts = len(ptr) - 1, np.diff(ptr)
+    slot = np.repeat(np.arange(steps) * (nb + 1), counts) + unit_bin + 1
+    sizes = np.bincount(slot, minlength=steps * (nb + 1)).reshape(steps, nb + 1)[:, 1:]
+    width = int(counts.max()) if steps else 0
+    bits = max(1, (width - 1).bit_length())
+    inner = np.ones(max(len(flat) - 1, 0), dtype=bool)
+    inner[ptr[1:-1][(ptr[1:-1] > 0) & (ptr[1:-1] < len(flat))] - 1] = False  # pairs across a step boundary
+    if not width or (nb + 2) << bits >= np.iinfo(np.int32).max or not np.all(np.diff(flat)[inner] > 0):
+        n = max(len(flat), int(flat.max()) + 1 if len(flat) else 1)
+        if steps * (nb + 1) < 2**62 // n:
+            return flat[np.argsort(slot * n + flat)], sizes
+        return flat[np.lexsort((flat, slot))], sizes
+    local = np.arange(len(flat), dtype=np.int32) - np.repeat(ptr[:-1].astype(np.int32), counts)
+    cells = np.full(steps * width, np.iinfo(np.int32).max, dtype=np.int32)
+    cells[local + np.repeat(np.arange(steps) * width, counts)] = ((unit_bin + 1).astype(np.int32) << bits) | local
+    ordered = np.sort(cells.reshape(steps, width), axis=1)[np.arange(width)[None, :] < counts[:, None]]
+    return flat[(ordered & ((1 << bits) - 1)) + np.repeat(ptr[:-1], counts)], sizes
 
 
 class LazySteps:
