@@ -49,7 +49,7 @@ from balancer.planning.batch.pack import (
 from balancer.planning.cost.model import CostModel
 from balancer.planning.plans.plan import Plan
 from balancer.planning.schedule import check_seed
-from balancer.planning.speeds import planning_view, replica_speeds
+from balancer.planning.speeds import even, planning_view, replica_speeds
 from balancer.planning.topology import Topology
 from balancer.planning.units import OVERFLOW_POLICIES, check_topology_and_cost, planning_units, validate_lengths
 
@@ -195,16 +195,22 @@ def balance_static(
         most = -(-int(u_tok.sum()) // k)
     step = options.get("multiple", 1)
 
-    def attempt_at(m: int):
-        topo = replace(topology, micro_batches=m, tokens_per_step=None)
+    def attempt_at(m: int, ranks: Topology = topology):
+        topo = replace(ranks, micro_batches=m, tokens_per_step=None)
         if rank_rules:
             return _pack_by_ranks(g_cost, g_tok, u_group, u_cost, u_tok, g_perm, topo, options)
         step_units = steps_for(m)
         packed = [pack_items(units, u_cost, u_tok, u_group, topo) for units in step_units]
         return None if any(p is None for p in packed) else (step_units, packed)
 
+    # where no count's speed-weighted rank assignment splits into the micro-batches (a fast rank's token room
+    # filled to the last token by the largest documents, which with equal_counts it must take), the even ranks' plan
+    # is taken where it does: a batch even ranks plan is never refused for the speeds (the plan records them)
+    uneven_fallback = rank_rules and replica_speeds(topology) is not None
     if fixed_m is not None:
         m, attempt = fixed_m, attempt_at(fixed_m)
+        if attempt is None and uneven_fallback:
+            attempt = attempt_at(fixed_m, even(topology))
         if attempt is None:
             raise ValueError(
                 f"the batch ({len(u_doc)} documents, {int(u_tok.sum())} tokens) does not fit {k} step(s) of "
@@ -219,6 +225,8 @@ def balance_static(
         if start is not None and options["equal_counts"]:
             start = max(start, _equal_count_start(g_cost, g_tok, u_group, g_perm, topology, k, step))
         m, attempt = fewest_fitting(first, last, step, attempt_at, start)
+        if attempt is None and uneven_fallback:
+            m, attempt = fewest_fitting(first, last, step, lambda m: attempt_at(m, even(topology)))
         if attempt is None:
             raise ValueError(
                 f"micro_batches='auto' found no count that fits: {len(u_doc)} documents cannot fill "
