@@ -3,9 +3,24 @@ per surviving replica group, each step's wall span (from the end of its previous
 into quorum + the step exchange (`next_step`), this group's compute, and the gradient reduction + `should_commit`;
 a step's excess is its span over the group's median span, in steps more than 1.5x that median (the steps a kill
 disturbs), and an uncommitted step's whole span is lost work. Totals over the surviving groups, per kill.
+
+Run as a script, it measures the part of a rejoin the other groups wait for that is the data layer's (short, no
+torchft run): the rejoining group's `load_state_dict` of the transferred data state and its first step's pieces,
+before its first step exchange, with the state as sent (carrying the current window's plan) against the same state
+without the plan (the group plans the window itself, as it did before the plan travelled with the state), and the
+sender's `state_dict()` (torchft calls it while the step waits on the transfer) with and without a plan at hand.
+Process CPU time, paired alternating repetitions; the record is benchmarks/results/faults_where_rejoin.json.
+
+    .venv/bin/python benchmarks/faults_where.py [--reps 9] [--docs 1400]
 """
 
 from __future__ import annotations
+
+import argparse
+import pickle
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 
@@ -51,3 +66,75 @@ def where_seconds_go(lines: list, groups: int, kills: int) -> dict:
         "median_step_seconds": float(np.median(medians)) if medians else None,
         "note": "group-seconds summed over the groups (rank 0), divided by the kills",
     }
+
+
+def _timed(fn) -> tuple[float, object]:
+    t0 = time.process_time()
+    out = fn()
+    return time.process_time() - t0, out
+
+
+def rejoin_work(docs: int, reps: int) -> dict:
+    """Process CPU seconds per repetition (paired, alternating the order) of the rejoiner's work before its first
+    step exchange, with and without the window's plan in the state, and of the sender's `state_dict()`; the
+    pickled state's bytes. faults.py's corpus and topology (4 groups)."""
+    import faults_run
+
+    from balancer.integrations.torchft import FaultTolerantBatches
+
+    cfg = faults_run.Config(out="", groups=4, docs=docs)
+    lengths, topo, cost = cfg.lengths(), cfg.topology(), faults_run.cost_model()
+
+    def fresh(name: str) -> FaultTolerantBatches:
+        return FaultTolerantBatches(lengths, topo, cost, replica_id=name, seed=cfg.seed)
+
+    sender = fresh("g0")
+    sender.pieces()  # the sender planned its window (a live contributor has)
+    state = sender.state_dict()
+    if state["plan"] is None:
+        raise RuntimeError("the sender's state carries no plan of its window")
+    variants = {"with_plan": state, "without_plan": {**state, "plan": None}}
+    times: dict[str, list[float]] = {k: [] for k in (*variants, "sender_with_plan", "sender_without_plan")}
+    for r in range(reps):
+        order = list(variants) if r % 2 == 0 else list(variants)[::-1]
+        got = {}
+        for name in order:
+            receiver = fresh("g1")
+            seconds, got[name] = _timed(lambda: (receiver.load_state_dict(variants[name]), receiver.pieces())[1])
+            times[name].append(seconds)
+        a, b = got["with_plan"], got["without_plan"]
+        if not all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("doc", "start", "end", "full")):
+            raise RuntimeError("the received plan's step differs from the one the receiver plans itself")
+        unplanned = fresh("g2")
+        unplanned.load_state_dict({**state, "plan": None})  # the same position, its window not planned here
+        pair = [("sender_with_plan", sender), ("sender_without_plan", unplanned)]
+        for name, who in pair if r % 2 == 0 else pair[::-1]:
+            times[name].append(_timed(who.state_dict)[0])
+    median = {k: float(np.median(v)) for k, v in times.items()}
+    ratios = [w / o for w, o in zip(times["with_plan"], times["without_plan"])]
+    return {
+        "docs": docs, "groups": cfg.groups, "window_steps": state["plan"]["steps"],
+        "plan_pieces": len(state["plan"]["doc"]), "reps": reps, "seconds": times, "median_seconds": median,
+        "rejoin_ratio_with_over_without": {"median": float(np.median(ratios)), "min": min(ratios), "max": max(ratios)},
+        "state_bytes": {k: len(pickle.dumps(v)) for k, v in variants.items()},
+    }  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--docs", type=int, default=1400)
+    args = ap.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _common import write_result
+
+    result = rejoin_work(args.docs, args.reps)
+    path = write_result("faults_where_rejoin", result, clock="process_cpu")
+    m = result["median_seconds"]
+    print(f"rejoiner before its first exchange: {m['without_plan']:.4f} s CPU planning the window itself, "
+          f"{m['with_plan']:.4f} s with the plan in the state; sender state_dict {m['sender_without_plan']:.4f} -> "
+          f"{m['sender_with_plan']:.4f} s; state {result['state_bytes']} bytes; {path}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -208,3 +208,60 @@ def test_bad_arguments_are_refused_naming_them():
         FaultTolerantBatches(lengths, topo, COST, replica_id="a", mode="fast")
     with pytest.raises(ValueError, match="document"):
         FaultTolerantBatches(lengths_of(100, top=5000) + 600, topo, COST, replica_id="a")
+
+
+def test_a_rejoiner_takes_the_window_s_plan_from_the_state_and_plans_nothing(monkeypatch):
+    """A group that heals loads the sender's data state, which carries the current window's plan from the step on:
+    the rejoiner's first step pieces come from it without planning the window (the others would wait for that),
+    equal to the sender's; its data state equals the sender's; the epoch's documents once over both."""
+    from balancer.training import segments
+
+    lengths = lengths_of(900, seed=2)
+    topo = balancer.Topology(dp=3, micro_batches=2, max_tokens=128, tokens_per_step=700)
+
+    def fresh() -> FaultTolerantBatches:
+        return FaultTolerantBatches(lengths, topo, COST, replica_id="solo", window_docs=300, overflow="split", seed=5)
+
+    sender = fresh()
+    with solo_manager() as (manager, _):
+        before = walk(sender, manager, steps=1)
+    state = sender.state_dict()
+    assert state["plan"] is not None and state["plan"]["first"] == 1 and state["plan"]["steps"] > 2  # first half
+    planned = []
+    real = segments.plan_units
+    monkeypatch.setattr(segments, "plan_units", lambda *a, **k: planned.append(1) or real(*a, **k))
+    rejoiner = fresh()
+    rejoiner.load_state_dict(state)
+    mine, theirs = rejoiner.pieces(), sender.pieces()
+    assert planned == []  # the window was not planned again
+    assert all(np.array_equal(getattr(mine, f), getattr(theirs, f)) for f in ("doc", "start", "end", "full"))
+    assert mine.micro_batches == theirs.micro_batches and rejoiner.state_dict() == state
+    with solo_manager() as (manager, _):
+        after = walk(rejoiner, manager)
+    seen = covered(before + after, lengths)
+    assert seen.min() == 1 and seen.max() == 1
+    assert planned  # the next windows were planned as usual
+
+
+def test_a_state_s_plan_is_used_only_where_it_is_the_receiver_s_window(monkeypatch):
+    """Onto another topology the window is planned again (the received plan is not this topology's); a state
+    without a plan (an older one) loads and plans; a malformed plan is refused naming it."""
+    from balancer.training import segments
+
+    lengths = lengths_of(900, seed=2)
+    t3 = balancer.Topology(dp=3, micro_batches=2, max_tokens=128, tokens_per_step=700)
+    t2 = balancer.Topology(dp=2, micro_batches=3, max_tokens=128, tokens_per_step=700)
+    sender = FaultTolerantBatches(lengths, t3, COST, replica_id="solo", window_docs=300, overflow="split", seed=5)
+    state = sender.state_dict()
+    planned = []
+    real = segments.plan_units
+    monkeypatch.setattr(segments, "plan_units", lambda *a, **k: planned.append(1) or real(*a, **k))
+    for topo, given in ((t2, state), (t3, {**state, "plan": None})):
+        planned.clear()
+        other = FaultTolerantBatches(lengths, topo, COST, replica_id="solo", window_docs=300, overflow="split", seed=5)
+        other.load_state_dict(given)
+        other.pieces()
+        assert planned, topo
+    bad = {**state, "plan": {**state["plan"], "ptr": state["plan"]["ptr"][:-1]}}
+    with pytest.raises(ValueError, match="'plan'"):
+        sender.load_state_dict(bad)

@@ -27,8 +27,10 @@ that contribute to it (`plan_step`): one `manager.allreduce` of a small tensor t
 are (a group healing under async quorum has its tensor zeroed, as its gradients are: it gets no work), their data
 positions (which must agree), speeds and `replica_id`s. Every contributor computes the same plan from the same
 rows. A step that does not commit leaves the data state where it was: the same step is planned again, over the
-groups of the next quorum. The data state (`state_dict`) is the committed position and the speeds; it changes only
-in `end_step`, so the state torchft sends a healing group during a step is the sender's at the start of the step.
+groups of the next quorum. The data state (`state_dict`) is the committed position, the speeds and the current
+window's plan from that position on (`WindowPieces`: a group that heals takes it instead of planning the window while
+the others wait for its first step); it changes only in `end_step`, so the state torchft sends a healing group
+during a step is the sender's at the start of the step.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from balancer.integrations.torchft.exchange import Row, exchange
 from balancer.integrations.torchft.monitored import MonitoredSteps, piece_lengths, plan_cost
 from balancer.integrations.torchft.speeds import ReplicaSpeeds, plan_speeds
 from balancer.integrations.torchft.step_plan import StepPieces, StepPlan, plan_step
+from balancer.integrations.torchft.window_pieces import WindowPieces, window_key
 from balancer.planning.cost.model import CostModel
 from balancer.planning.schedule import StepPlace, check_seed
 from balancer.planning.shuffle import num_windows
@@ -128,6 +131,9 @@ class FaultTolerantBatches(MonitoredSteps):
         self._origin, self._epoch_window_docs = 0, self.window_docs
         self._history: list = []
         self._windows: Optional[EpochWindows] = None
+        self._seg: Optional[tuple[str, Any]] = None  # (window key, its plan segment) once this group planned it
+        self._shared: Optional[WindowPieces] = None  # the window's plan received with a data state (a rejoin)
+        self._plan_cache: Optional[tuple[str, int, dict]] = None  # (key, step, the plan's state) last sent
         self._pending: Optional[_Pending] = None
         self._seconds: list[float] = []  # this process's measured micro-batches in the step handed out
         self._last: Optional[tuple[float, float]] = None  # (seconds, predicted) of its last committed step
@@ -156,15 +162,45 @@ class FaultTolerantBatches(MonitoredSteps):
     def _done(self) -> bool:
         return self.window >= self.windows.count
 
+    def _key(self) -> str:
+        return window_key(self.epoch, self.window, self._epoch_window_docs, self._digest(), self.run_topology,
+                          self.cost)  # fmt: skip
+
     def pieces(self) -> StepPieces:
         """The pieces of the step at this group's data position (the failure-free run's step)."""
-        ew = self.windows
-        seg = ew.segment(self.window)
-        if 2 * self.step >= ew.steps(self.window):
-            ew.plan_ahead(self.window + 1)
-        sl = seg.step_slice(self.step)
-        assert seg.full is not None, "EpochWindows._build sets each placement's document length"
-        return StepPieces(seg.doc[sl], seg.start[sl], seg.end[sl], seg.full[sl], seg.step_micro_batches(self.step))
+        if 2 * self.step >= self._window_steps():
+            self.windows.plan_ahead(self.window + 1)
+        key = self._key()
+        if self._shared is not None and self._shared.holds(key, self.step):
+            return self._shared.pieces(self.step)
+        seg = self.windows.segment(self.window)
+        self._seg = (key, seg)
+        return _segment_step(seg, self.step)
+
+    def _window_steps(self) -> int:
+        """The current window's step count (from the received plan when it is the window's: no planning)."""
+        if self._shared is not None and self._shared.key == self._key():
+            return self._shared.steps
+        return self.windows.steps(self.window)
+
+    def _plan_state(self) -> Optional[dict]:
+        """The current window's steps from this one on (None past the epoch's last): the same on every group at
+        the same position, whether it planned the window or received its plan; kept until the position moves."""
+        if self._done():
+            return None
+        key, cached = self._key(), self._plan_cache
+        if cached is not None and cached[:2] == (key, self.step):
+            return cached[2]
+        shared = self._shared
+        if shared is not None and shared.holds(key, self.step):
+            steps, count = [shared.pieces(k) for k in range(self.step, shared.steps)], shared.steps
+        else:
+            seg = self.windows.segment(self.window)
+            self._seg = (key, seg)
+            steps, count = [_segment_step(seg, k) for k in range(self.step, seg.num_steps)], seg.num_steps
+        state = WindowPieces.of_steps(key, self.step, steps, count).to_state()
+        self._plan_cache = (key, self.step, state)
+        return state
 
     def _digest(self) -> int:
         """48-bit digest of the re-planned window's history (0 past it or without one): groups compare it."""
@@ -288,7 +324,7 @@ class FaultTolerantBatches(MonitoredSteps):
         self.speeds.members_at(self.committed_steps, [r.replica_id for r in p.rows])
         items = [] if p.mine is None or p.plan is None else p.plan.items[p.mine]
         self._last = self._measured_step(items)
-        last = self.step == self.windows.steps(self.window) - 1
+        last = self.step == self._window_steps() - 1
         self.measure(StepPlace(self.window, last, self.topology.micro_batches), items, self._seconds)
         self._advance()
 
@@ -305,8 +341,9 @@ class FaultTolerantBatches(MonitoredSteps):
         self.step += 1
         self.committed_steps += 1
         self.epoch_steps += 1
-        if self.step >= self.windows.steps(self.window):
+        if self.step >= self._window_steps():
             self.window, self.step = self.window + 1, 0
+            self._seg = self._shared = None
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch `epoch` from its beginning (setting the epoch the state is in keeps its position)."""
@@ -315,17 +352,26 @@ class FaultTolerantBatches(MonitoredSteps):
             return
         self.epoch, self.window, self.step, self.epoch_steps = epoch, 0, 0, 0
         self._origin, self._history, self._epoch_window_docs = 0, [], self.window_docs
-        self._windows = None
+        self._windows, self._seg, self._shared = None, None, None
 
     def report(self) -> dict:
         """Speeds per replica_id, slowdowns, stalls, departures and arrivals (`ReplicaSpeeds.report`), the
         committed steps and this group's stale flag."""
         return {"committed_steps": self.committed_steps, "stale": self.stale, **self.speeds.report()}
 
+    def _received_plan(self, plan: Optional[dict]) -> Optional[WindowPieces]:
+        """The window's plan a data state carries, when it is this group's window from this step on (else None:
+        this group plans the window itself)."""
+        shared = WindowPieces.from_state(plan, self.lengths)
+        if shared is None or not shared.holds(self._key(), self.step):
+            return None
+        self._guard.check(f"window {self.window} of epoch {self.epoch} (received plan)")
+        return shared
+
     # ---- state ------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The committed data position and the speeds (plain Python values: torchft's transfer and checkpoints
-        take it as is)."""
+        """The committed data position, the speeds and the current window's plan from the position on, planned now
+        if it is not yet (plain Python values: torchft's transfer and checkpoints take it as is)."""
         here = [{"topology": self.run_topology.to_dict(), "cost": self.cost.to_dict(), "steps": None}]
         past = self._history if self.window == self._origin else []
         return {
@@ -346,6 +392,7 @@ class FaultTolerantBatches(MonitoredSteps):
             + here,
             "speeds": self.speeds.state_dict(),
             "fit": self.fit_state(),
+            "plan": self._plan_state(),
             **({} if self.monitor is None else {"monitor": self.monitor.state_dict()}),
         }
 
@@ -366,13 +413,14 @@ class FaultTolerantBatches(MonitoredSteps):
         self.epoch, self.window, self.step = int(state["epoch"]), window, step
         self.committed_steps = int(state["committed_steps"])
         self._epoch_window_docs = int(state["window_docs"])
-        self._origin, self._history, self._windows = window, history, None
+        self._origin, self._history, self._windows, self._seg = window, history, None, None
         if window >= num_windows(len(self.lengths), self._epoch_window_docs):  # a state at the epoch's end
             self._origin, self._history = 0, []
-        if window < self.windows.count and step > self.windows.steps(window):
-            raise ValueError(f"the state's step {step} is past window {window}'s {self.windows.steps(window)} steps")
-        if window < self.windows.count and step == self.windows.steps(window):
-            self.window, self.step = window + 1, 0
+        self._shared = self._received_plan(state.get("plan"))
+        if window < self.windows.count and step > self._window_steps():
+            raise ValueError(f"the state's step {step} is past window {window}'s {self._window_steps()} steps")
+        if window < self.windows.count and step == self._window_steps():
+            self.window, self.step, self._shared = window + 1, 0, None
         self.speeds.load_state_dict(state["speeds"])
         self.epoch_steps = int(state["epoch_steps"])
         self.load_fit_state(state["fit"])
@@ -380,6 +428,13 @@ class FaultTolerantBatches(MonitoredSteps):
         if self.monitor is not None:
             self.monitor.resume(state)
             self.monitor.on_sampler_load()
+
+
+def _segment_step(seg: Any, step: int) -> StepPieces:
+    """Step `step`'s pieces in a window's plan segment."""
+    sl = seg.step_slice(step)
+    assert seg.full is not None, "EpochWindows._build sets each placement's document length"
+    return StepPieces(seg.doc[sl], seg.start[sl], seg.end[sl], seg.full[sl], seg.step_micro_batches(step))
 
 
 def _check_args(topology, cost, replica_id, seed, overflow, mode) -> None:
