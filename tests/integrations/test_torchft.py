@@ -256,10 +256,10 @@ def test_a_state_s_plan_is_used_only_where_it_is_the_receiver_s_window(monkeypat
     planned = []
     real = segments.plan_units
     monkeypatch.setattr(segments, "plan_units", lambda *a, **k: planned.append(1) or real(*a, **k))
-    for topo, given in ((t2, state), (t3, {**state, "plan": None})):
+    for topo, sent in ((t2, state), (t3, {**state, "plan": None})):
         planned.clear()
         other = FaultTolerantBatches(lengths, topo, COST, replica_id="solo", window_docs=300, overflow="split", seed=5)
-        other.load_state_dict(given)
+        other.load_state_dict(sent)
         other.pieces()
         assert planned, topo
     bad = {**state, "plan": {**state["plan"], "ptr": state["plan"]["ptr"][:-1]}}
