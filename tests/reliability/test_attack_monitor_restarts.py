@@ -1,0 +1,69 @@
+"""Hostile restarts of an adapting monitor: a second and a third run over the same sampler (what a second and third
+`Trainer.train()` do: `restart()`, then the sampler read from the start of its epoch again), a run stopped mid-pass
+and restarted, and an old state (saved before the replica count was recorded, with no step measured) resumed. Every
+run must give every document once, count its steps from the start of the pass, and keep the refits consistent with
+the plans the sampler yields."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from support.coverage import covered_tokens
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "measured"))
+from test_monitor import FLOPS, LENGTHS, TOPO, WINDOW, fake_seconds  # noqa: E402
+
+import balancer  # noqa: E402
+from balancer.measured import BalanceMonitor  # noqa: E402
+
+ALL = covered_tokens(range(len(LENGTHS)), LENGTHS)
+
+
+def _sampler():
+    return balancer.BalancedBatchSampler(LENGTHS, TOPO, FLOPS, dp_rank=0, seed=0, window_docs=WINDOW)
+
+
+def _run(sampler, monitor, stop=None) -> tuple[list, list]:
+    """One pass from the sampler's start (or `stop` micro-batches of it): the micro-batches and the steps closed."""
+    seen, m, closed = [], TOPO.micro_batches, []
+    for i, mb in enumerate(sampler):
+        seen.append(mb)
+        monitor.record(fake_seconds(mb, LENGTHS))
+        if i % m == m - 1:
+            monitor.end_step()
+            closed.append((monitor.ledger.steps[-1]["epoch"], monitor.ledger.steps[-1]["step"]))
+        if stop is not None and len(seen) == stop:
+            break
+    return seen, closed
+
+
+@pytest.mark.parametrize("stop_first", [None, 7])  # the first run reads the whole pass / stops at 7 micro-batches
+def test_three_runs_in_adapt_mode_each_cover_the_pass(stop_first):
+    s = _sampler()
+    mon = BalanceMonitor(s, mode="adapt")
+    seen, _ = _run(s, mon, stop_first)
+    for run in (2, 3):
+        mon.restart()
+        seen, closed = _run(s, mon)
+        assert covered_tokens([i for mb in seen for i in mb], LENGTHS) == ALL, f"run {run} lost or repeated tokens"
+        assert [k for _, k in closed] == list(range(len(closed))), f"run {run}'s steps do not count from 0"
+    assert any(r["accepted"] for r in mon.refits)
+    report = mon.report()
+    assert report["steps"] == len(mon.ledger.steps)
+
+
+def test_an_old_state_without_replica_count_or_steps_resumes():
+    s = _sampler()
+    mon = BalanceMonitor(s, mode="adapt")
+    state = json.loads(json.dumps(s.state_dict()))  # at the start: no step measured yet
+    del state["monitor"]["units"]
+    fresh = _sampler()
+    mon2 = BalanceMonitor(fresh, mode="adapt")
+    fresh.load_state_dict(state)
+    seen, closed = _run(fresh, mon2)
+    assert covered_tokens([i for mb in seen for i in mb], LENGTHS) == ALL
+    assert [k for _, k in closed] == list(range(len(closed)))
+    assert mon.units == mon2.units
