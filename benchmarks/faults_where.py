@@ -121,6 +121,30 @@ def rejoin_work(docs: int, reps: int) -> dict:
     }  # fmt: skip
 
 
+def rejoin_table(result: dict) -> dict:
+    """The record's table (docs/fault-tolerance.md renders it with benchmarks/tables.py)."""
+    from _common import table
+
+    t, ratio, size = result["seconds"], result["rejoin_ratio_with_over_without"], result["state_bytes"]
+
+    def row(name: str, key: str) -> list:
+        return [name, f"{np.median(t[key]):.4f}", f"{min(t[key]):.4f} - {max(t[key]):.4f}"]
+
+    return table(
+        ["process CPU seconds", "median", "min - max"],
+        [
+            row("rejoining group, planning the window itself (the state without the plan)", "without_plan"),
+            row("rejoining group, the window's plan in the state", "with_plan"),
+            ["rejoining group, with / without the plan (paired)", f"{ratio['median']:.4f}",
+             f"{ratio['min']:.4f} - {ratio['max']:.4f}"],
+            row("sending group's state_dict, first call at a position", "sender_first_call"),
+            row("sending group's state_dict, again at the same position", "sender_again"),
+            ["data state, pickled bytes (without / with the plan)", f"{size['without_plan']} / {size['with_plan']}",
+             "-"],
+        ],
+    )  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=9)
@@ -130,7 +154,8 @@ def main() -> None:
     from _common import write_result
 
     result = rejoin_work(args.docs, args.reps)
-    path = write_result("faults_where_rejoin", result, clock="process_cpu")
+    path = write_result("faults_where_rejoin", {**result, "tables": {"rejoin": rejoin_table(result)}},
+                        clock="process_cpu")  # fmt: skip
     m = result["median_seconds"]
     print(f"rejoiner before its first exchange: {m['without_plan']:.4f} s CPU planning the window itself, "
           f"{m['with_plan']:.4f} s with the plan in the state; sender state_dict {m['sender_first_call']:.4f} s "
