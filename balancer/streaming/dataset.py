@@ -102,6 +102,7 @@ class BalancedStream(torch.utils.data.IterableDataset):
         self.windows_done = 0
         self.schedule = WindowSchedule(topology, cost)  # which model plans each window of this pass
         self._submitted = -1  # the highest window handed to the thread
+        self._pass_changes = 0  # schedule.changes[this:] are this pass's (a pass before may have had later ones)
         self._setup: Optional[dict] = None  # a loaded state waiting for the next iter()
         self._iter: Optional[_StreamIter] = None
         self._teardown = Teardown(self, self.group, close_timeout)  # close(), with, GC and exit: thread, group released
@@ -124,7 +125,7 @@ class BalancedStream(torch.utils.data.IterableDataset):
         check_topology_and_cost(self.topology, cost)
         if isinstance(first_window, bool) or not isinstance(first_window, (int, np.integer)) or first_window < 0:
             raise ValueError(f"first_window must be a non-negative integer, got {first_window!r}")
-        changes = self.schedule.changes
+        changes = self.schedule.changes[self._pass_changes :]  # a new pass of the same epoch starts over
         if first_window < self.next_unplanned_window:
             raise ValueError(
                 f"first_window={first_window}: windows up to {self.next_unplanned_window - 1} are already planned "
@@ -183,6 +184,8 @@ class BalancedStream(torch.utils.data.IterableDataset):
         if torch.utils.data.get_worker_info() is not None or self.meter is None:
             raise RuntimeError(WORKERS_REFUSED)
         self._teardown.start_worker()  # refuses a closed stream
+        if self._setup is None:  # a fresh pass (a second train() reads the epoch again): its own changes from here
+            self._pass_changes = len(self.schedule.changes)
         setup, self._setup = self._setup or self._fresh_setup(), None
         self._submitted = setup["window"] - 1  # a new pass: nothing of it handed to the thread yet
         if self._iter is not None:  # the pass before is left: its buffered rows are no longer held for this stream
@@ -269,6 +272,7 @@ class BalancedStream(torch.utils.data.IterableDataset):
         st = state_mod.check_state(state)
         state_mod.check_match(st, self)
         self.schedule.load_changes(st["models"], st["epoch"], state_mod.WHERE)
+        self._pass_changes = len(self.schedule.changes)
         specs = [StreamSpec(p, s, o) for p, s, o, _, _ in st["streams"]]
         cursor = Cursor(specs, [r[3] for r in st["streams"]], [bool(r[4]) for r in st["streams"]])
         window, position, step = st["window"], st["position"], st.get("step", 0)

@@ -10,11 +10,15 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from support.coverage import covered_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "measured"))
 from test_monitor import FLOPS, LENGTHS, TOPO, WINDOW, fake_seconds  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "streaming"))
+from stream_cases import doc_rows  # noqa: E402
 
 import balancer  # noqa: E402
 from balancer.measured import BalanceMonitor  # noqa: E402
@@ -67,3 +71,39 @@ def test_an_old_state_without_replica_count_or_steps_resumes():
     assert covered_tokens([i for mb in seen for i in mb], LENGTHS) == ALL
     assert [k for _, k in closed] == list(range(len(closed)))
     assert mon.units == mon2.units
+
+
+def _stream_seconds(mb: list) -> float:
+    n = np.array([len(r["input_ids"]) for r in mb], dtype=np.float64)
+    return float(1e-3 + 2e-5 * n.sum() + 4e-8 * (n * n).sum())
+
+
+@pytest.mark.parametrize("stops", [(9, None, None, 5, None), (None, None, None)])
+def test_three_runs_in_adapt_mode_on_a_stream(stops):
+    # a second and third train() on the stream path: restart(), then a new iter() of the same epoch. Old: the third
+    # run's first accepted refit raised ValueError "first_window=2 is before an earlier update's (4)" from the
+    # stream (the changes of the run before, for later windows of the same epoch, were taken as this pass's)
+    from balancer.measured import StreamSteps
+    from balancer.streaming import BalancedStream
+
+    topo = balancer.Topology(dp=1, micro_batches=2, max_tokens=512)
+    with BalancedStream(doc_rows(120, 0), topo, balancer.CostModel(1.0, 50.0), window_docs=24) as s:
+        mon = BalanceMonitor(StreamSteps(s), mode="adapt", warmup_steps=0, min_samples=8, cuda=False)
+        for run, stop in enumerate(stops):
+            if run:
+                mon.restart()
+            docs, steps = [], []
+            for i, mb in enumerate(s):
+                docs += [r["doc"] for r in mb]
+                mon.record(_stream_seconds(mb))
+                if i % 2 == 1:
+                    mon.end_step()
+                    steps.append(mon.ledger.steps[-1]["step"])
+                if stop is not None and i + 1 == stop:
+                    break
+            if stop is None:
+                assert sorted(docs) == list(range(120)), f"run {run} lost or repeated documents"
+            assert steps == list(range(len(steps))), f"run {run}'s steps do not count from 0"
+            for w, (_, seg) in s.window_plans.items():  # the monitor and the stream agree on each window's model
+                assert seg.cost == mon.model_for(s.epoch, w)[1]
+        assert sum(r["accepted"] for r in mon.refits) >= 2
