@@ -4,11 +4,15 @@ NumPy call on contiguous memory.
 Steps are ordered by their number of units, most first, so the steps still taking a round and the steps still
 taking one tail unit are always one contiguous range of rows (no gathered copies of the load arrays), and the load
 arrays are kept micro-batch-major, [micro-batch, step], so that a reduction over a replica's micro-batches adds a
-few long contiguous rows. Each step's packing is the one `pack_steps` defines (rounds, then the tail unit by unit);
-only the memory layout and the order of the steps in it differ.
+few long contiguous rows. The units' costs and tokens are gathered into the grid's layout once, [column, step], and
+placements are recorded there, so no call reaches into the unit arrays at random. Each step's packing is the one
+`pack_steps` defines (rounds, then the tail unit by unit); only the memory layout and the order of the steps in it
+differ.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,61 +29,82 @@ def pack_even_steps(
     nb, cap, m = topology.bins_per_step, topology.micro_batch_tokens, topology.micro_batches
     counts = (grid >= 0).sum(axis=1)
     order = np.argsort(-counts, kind="stable")  # most units first: live steps are a prefix of the rows
-    grid, counts = grid[order], counts[order]
-    steps, width = grid.shape
+    units, counts = np.ascontiguousarray(grid[order].T), counts[order]  # [column, step]
+    width, steps = units.shape
+    safe = np.maximum(units, 0)
     load = np.zeros((nb, steps))
     used = np.zeros((nb, steps), dtype=np.int64)
-    unit_bin = np.full(len(cost), -1, dtype=np.int64)
+    lanes = Lanes(units >= 0, cost[safe], tokens[safe], np.full((width, steps), -1, dtype=np.int64), load, used)
     falling = -counts  # ascending: searchsorted finds how many steps hold more than n units
-    state = (cost, tokens, load, used, unit_bin)
     for first in range(0, width, nb):
         in_rounds = int(np.searchsorted(falling, -(first + tail * nb), side="right"))  # counts >= first + tail*nb
         if in_rounds:
-            _round(grid[:in_rounds, first : first + nb], state, cap, m)
+            _round(first, min(first + nb, width), in_rounds, lanes, cap, m)
         for col in range(first, min(first + nb, width)):
             live = int(np.searchsorted(falling, -col, side="left"))  # counts > col
             if live > in_rounds:
-                _tail_unit(grid[in_rounds:live, col], in_rounds, state, topology)
+                _tail_unit(col, in_rounds, live, lanes, topology)
+    unit_bin = np.full(len(cost), -1, dtype=np.int64)
+    unit_bin[units[lanes.valid]] = lanes.bin[lanes.valid]
     return unit_bin
 
 
-def _round(chunk: np.ndarray, state: tuple, cap: int, m: int) -> None:
-    """One round for steps 0..len(chunk): the chunk's units (largest first) to their steps' micro-batches, least
-    loaded first (ties across replicas first); a unit that overflows its micro-batch goes to the least-loaded one
-    with room, or stays unplaced."""
-    cost, tokens, load, used, unit_bin = state
-    bins, k = load.shape[0], len(chunk)
+@dataclass
+class Lanes:
+    """The packing's state: per grid cell [column, step] whether it holds a unit, its cost, tokens and micro-batch
+    (-1: not placed); per [micro-batch, step] the cost and tokens placed."""
+
+    valid: np.ndarray
+    cost: np.ndarray
+    tokens: np.ndarray
+    bin: np.ndarray
+    load: np.ndarray
+    used: np.ndarray
+
+    def place(self, cols, rows: np.ndarray, bins: np.ndarray) -> None:
+        """The units of cells (cols, rows) (`cols` an array or one column) to micro-batches `bins` of their steps,
+        each (step, micro-batch) pair at most once per call."""
+        self.bin[cols, rows] = bins
+        cell = bins * self.load.shape[1] + rows
+        self.load.reshape(-1)[cell] += self.cost[cols, rows]
+        self.used.reshape(-1)[cell] += self.tokens[cols, rows]
+
+
+def _round(first: int, end: int, k: int, lanes: Lanes, cap: int, m: int) -> None:
+    """One round for steps 0..k: the units of grid columns first..end (largest first) to their steps' micro-batches,
+    least loaded first (ties across replicas first); a unit that overflows its micro-batch goes to the least-loaded
+    one with room, or stays unplaced."""
+    load, used = lanes.load, lanes.used
+    bins = load.shape[0]
+    valid, tok = lanes.valid[first:end, :k].T, lanes.tokens[first:end, :k].T  # [step, column]
     spread = np.broadcast_to((np.arange(bins) % m) * (bins // m) + np.arange(bins) // m, (k, bins))
-    target = np.lexsort((spread, load[:, :k].T), axis=1)[:, : chunk.shape[1]]
-    rows = np.arange(k)[:, None]
-    unit = np.maximum(chunk, 0)
-    fits = (chunk >= 0) & (used[target, rows] + tokens[unit] <= cap)
+    target = np.lexsort((spread, load[:, :k].T), axis=1)[:, : end - first]
+    fits = valid & (used[target, np.arange(k)[:, None]] + tok <= cap)
     r, c = np.nonzero(fits)
-    _place(chunk[r, c], r, target[r, c], state)
-    misfit = (chunk >= 0) & ~fits
+    lanes.place(first + c, r, target[r, c])
+    misfit = valid & ~fits
     if not misfit.any():
         return
     ranks = np.cumsum(misfit, axis=1) - 1
     for j in range(int(misfit.sum(axis=1).max())):
         r, c = np.nonzero(misfit & (ranks == j))
-        units = chunk[r, c]
-        room = used[:, r].T + tokens[units][:, None] <= cap
+        room = used[:, r].T + tok[r, c][:, None] <= cap
         choice = np.argmin(np.where(room, load[:, r].T, np.inf), axis=1)
-        ok = room[np.arange(len(units)), choice]
-        _place(units[ok], r[ok], choice[ok], state)
+        ok = room[np.arange(len(r)), choice]
+        lanes.place(first + c[ok], r[ok], choice[ok])
 
 
-def _tail_unit(units: np.ndarray, lo: int, state: tuple, topology: Topology) -> None:
-    """One unit per step for steps lo..lo+len(units), each to the micro-batch that least raises its replica's 1F1B
-    time `(P-1) * max_m t_m + sum_m t_m` (ties: the cheaper micro-batch), among those with room."""
-    cost, tokens, load, used, unit_bin = state
+def _tail_unit(col: int, lo: int, hi: int, lanes: Lanes, topology: Topology) -> None:
+    """The units of grid column `col` of steps lo..hi, one per step, each to the micro-batch that least raises its
+    replica's 1F1B time `(P-1) * max_m t_m + sum_m t_m` (ties: the cheaper micro-batch), among those with room."""
+    load, used = lanes.load, lanes.used
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
-    k = len(units)
-    rows = np.arange(lo, lo + k)
+    k, rows = hi - lo, np.arange(lo, hi)
+    need = cap - lanes.tokens[col, lo:hi]
     if topology.pp > 1:
-        per_replica = load[:, lo : lo + k].T.reshape(k, dp, m)
-        room = used[:, lo : lo + k].T <= (cap - tokens[units])[:, None]
-        c = cost[units][:, None, None]
+        per_replica = load[:, lo:hi].T.reshape(k, dp, m)
+        room = used[:, lo:hi].T <= need[:, None]
+        c = lanes.cost[col, lo:hi][:, None, None]
         new_time = one_f_one_b(
             np.maximum(per_replica.max(axis=2, keepdims=True), per_replica + c),
             per_replica.sum(axis=2, keepdims=True) + c,
@@ -89,12 +114,11 @@ def _tail_unit(units: np.ndarray, lo: int, state: tuple, topology: Topology) -> 
         best = new_time.min(axis=1, keepdims=True)
         choice = np.argmin(np.where(new_time <= best * (1 + 1e-12), per_replica.reshape(k, dp * m), np.inf), axis=1)
         ok = np.isfinite(best[:, 0])
-        _place(units[ok], rows[ok], choice[ok], state)
+        lanes.place(col, rows[ok], choice[ok])
         return
     # the replica time is its sum: the least-loaded replica with room, its cheapest micro-batch with room
-    need = cap - tokens[units]
-    step_load = load[:, lo : lo + k].reshape(dp, m, k)
-    step_used = used[:, lo : lo + k].reshape(dp, m, k)
+    step_load = load[:, lo:hi].reshape(dp, m, k)
+    step_used = used[:, lo:hi].reshape(dp, m, k)
     total = step_load[:, 0].copy()
     fullest = step_used[:, 0].copy()
     for j in range(1, m):
@@ -109,7 +133,7 @@ def _tail_unit(units: np.ndarray, lo: int, state: tuple, topology: Topology) -> 
     room = np.stack([flat_used[cell + j * load.shape[1]] for j in range(m)]) <= need
     inside[~room] = np.inf
     ok = np.isfinite(best)
-    _place(units[ok], rows[ok], bins[ok] + _argmin_rows(inside)[0][ok], state)
+    lanes.place(col, rows[ok], bins[ok] + _argmin_rows(inside)[0][ok])
 
 
 def _argmin_rows(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -121,12 +145,3 @@ def _argmin_rows(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         np.copyto(best, values[j], where=lower)
         index[lower] = j
     return index, best
-
-
-def _place(units: np.ndarray, rows: np.ndarray, bins: np.ndarray, state: tuple) -> None:
-    """Units to (step row, micro-batch) pairs, each pair at most once per call (in place)."""
-    cost, tokens, load, used, unit_bin = state
-    unit_bin[units] = bins
-    cell = bins * load.shape[1] + rows
-    load.reshape(-1)[cell] += cost[units]
-    used.reshape(-1)[cell] += tokens[units]
