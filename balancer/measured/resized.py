@@ -13,9 +13,15 @@ def saved_units(state: dict) -> Optional[int]:
     """The number of replicas (timed units) a monitor state was saved with: its `units`, or for a state saved
     before that was recorded the width of its measured steps; None when it cannot tell (no step measured)."""
     if "units" in state:
-        return int(state["units"])
+        units = state["units"]
+        if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+            raise ValueError(f'monitor state: "units" must be a positive integer (replicas), got {units!r}')
+        return units
     steps = state.get("ledger", {}).get("steps", [])
-    return len(steps[0]["measured"]) if steps else None
+    widths = {len(s["measured"]) if isinstance(s, dict) and isinstance(s.get("measured"), list) else 0 for s in steps}
+    if 0 in widths or len(widths) > 1:
+        raise ValueError("monitor state: a malformed record (its measured steps are not one time per replica each)")
+    return widths.pop() if widths else None
 
 
 def without_replicas(state: dict, own: dict) -> dict:

@@ -107,3 +107,38 @@ def test_three_runs_in_adapt_mode_on_a_stream(stops):
             for w, (_, seg) in s.window_plans.items():  # the monitor and the stream agree on each window's model
                 assert seg.cost == mon.model_for(s.epoch, w)[1]
         assert sum(r["accepted"] for r in mon.refits) >= 2
+
+
+def _state_after(steps: int) -> dict:
+    s = _sampler()
+    mon = BalanceMonitor(s, mode="adapt")
+    it = iter(s)
+    for i in range(2 * steps):
+        next(it)
+        mon.record(0.01)
+        if i % 2:
+            mon.end_step()
+    return json.loads(json.dumps(s.state_dict()))
+
+
+@pytest.mark.parametrize("units", ["x", "2", -1, 0, True, 2.5, None, [1]])
+def test_a_tampered_replica_count_is_refused_naming_it(units):
+    # old: "2", -1, 0, True and 2.5 were accepted (a wrong count drops the run's measured steps and speeds with a
+    # warning naming "0 replicas"), "x", None and [1] gave int()'s own ValueError / TypeError
+    state = _state_after(4)
+    state["monitor"]["units"] = units
+    fresh = _sampler()
+    BalanceMonitor(fresh, mode="adapt")
+    with pytest.raises(ValueError, match='"units" must be a positive integer'):
+        fresh.load_state_dict(state)
+
+
+def test_an_old_state_with_malformed_measured_steps_is_refused():
+    # old: a state without "units" whose first measured step has no times was taken as saved on 0 replicas
+    state = _state_after(4)
+    del state["monitor"]["units"]
+    state["monitor"]["ledger"]["steps"][0]["measured"] = []
+    fresh = _sampler()
+    BalanceMonitor(fresh, mode="adapt")
+    with pytest.raises(ValueError, match="malformed record"):
+        fresh.load_state_dict(state)
