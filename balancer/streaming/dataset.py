@@ -208,6 +208,11 @@ class BalancedStream(torch.utils.data.IterableDataset):
         if self._teardown is not None:
             self._teardown.close(wait)
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` ran (the stream yields nothing more)."""
+        return self._teardown is not None and self._teardown.closed
+
     def __enter__(self) -> BalancedStream:
         return self
 

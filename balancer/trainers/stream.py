@@ -94,7 +94,16 @@ class StreamTrainingMixin(TrainerHost):
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """The stock `train`; a streaming run then closes its stream (`BalancedStream.close()`: its thread and
         process group released, so a run stopped at `max_steps` mid-pass exits cleanly), also when training
-        raises. A stream trains once: build a new one (and resume from a checkpoint) to go on."""
+        raises. A stream trains once: build a new one (and resume from a checkpoint) to go on; a second `train()`
+        on the closed stream is refused up front, before any set-up."""
+        stream = self.balanced_stream
+        if stream is not None and stream.closed:
+            from balancer.streaming.teardown import StreamClosed
+
+            raise StreamClosed(
+                "BalancedTrainer.train() on a BalancedStream runs once (it closes the stream when it returns): to go "
+                "on, build a new BalancedStream and BalancedTrainer and pass train(resume_from_checkpoint=...)"
+            )
         try:
             return super().train(*args, **kwargs)
         finally:
