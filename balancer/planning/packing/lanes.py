@@ -61,7 +61,7 @@ class Lanes:
     load: np.ndarray
     used: np.ndarray
 
-    def place(self, cols, rows: np.ndarray, bins: np.ndarray) -> None:
+    def place(self, cols: np.ndarray | int, rows: np.ndarray, bins: np.ndarray) -> None:
         """The units of cells (cols, rows) (`cols` an array or one column) to micro-batches `bins` of their steps,
         each (step, micro-batch) pair at most once per call."""
         self.bin[cols, rows] = bins
