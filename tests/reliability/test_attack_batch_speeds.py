@@ -70,3 +70,38 @@ def test_uneven_ranks_plan_every_count_even_ranks_plan(case):
     _check(_plan(lengths, dp, speeds, m, equal_counts), lengths, dp, equal_counts)
     auto = _plan(lengths, dp, speeds, "auto", equal_counts)
     _check(auto, lengths, dp, equal_counts)
+
+
+def _count_bound(lengths, speeds, m) -> float:
+    """A lower bound on the imbalance of one step on ranks of `speeds` with `m` micro-batches each: the slowest rank
+    holds at least the `m` cheapest documents (no micro-batch is empty), the others at most all the rest."""
+    c = np.sort(COST.cost(lengths))
+    slow = int(np.argmin(speeds))
+    least = c[:m].sum() / speeds[slow]
+    rest = (c.sum() - c[:m].sum()) / (sum(speeds) - speeds[slow])
+    return max(least, rest) / (c.sum() / sum(speeds))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the large path (>= LARGE_UNITS documents) deals each replica a mix of sizes in proportion to its "
+    "micro-batch count, so a rank 100x slower that must hold M micro-batches gets M typical documents (about M/n "
+    "of the work) where the M smallest would do; the pair search by time does not trade them down. The small path "
+    "reaches the bound (1,500 documents: 2.583 at M=200, bound 2.583). Not fixed in this round.",
+)
+def test_a_100x_slow_rank_on_the_large_path_gets_near_the_count_bound():
+    lengths = np.random.default_rng(3).integers(1, 9000, 5000)
+    speeds = (0.01, 1.0, 1.0, 1.0)
+    plan = _plan(lengths, 4, speeds, 500, False)
+    _check(plan, lengths, 4, False)
+    # measured here: imbalance 41.25 against a bound of 1.32
+    assert plan.metrics()["imbalance"] < 4 * _count_bound(lengths, speeds, 500)
+
+
+def test_a_100x_slow_rank_on_the_small_path_reaches_the_count_bound():
+    lengths = np.random.default_rng(3).integers(1, 9000, 1500)
+    speeds = (0.01, 1.0, 1.0, 1.0)
+    for m in (200, 300):
+        plan = _plan(lengths, 4, speeds, m, False)
+        _check(plan, lengths, 4, False)
+        assert plan.metrics()["imbalance"] < 1.01 * _count_bound(lengths, speeds, m)
