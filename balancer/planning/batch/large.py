@@ -89,6 +89,8 @@ def _pack_timed(cost: np.ndarray, tokens: np.ndarray, topology: Topology, speeds
     room = cap
     for _ in range(CAP_TRIES):
         rep = _weighted_deal(cost, tokens, speeds, cap, room)
+        if rep is not None:
+            _fill_short(rep, cost, tokens, m, room)
         if rep is None:
             rep = _deal(cost, tokens, dp, room)
         if rep is None:
@@ -121,6 +123,8 @@ def _weighted_deal(cost: np.ndarray, tokens: np.ndarray, speeds: np.ndarray, cap
     if share.min() <= 0:
         return None
     bins = np.maximum(np.rint(SPEED_BINS * share / share.min()), 1).astype(np.int64)
+    if len(cost) < bins.sum():  # a share far below the others' (a rank 100x slower): one unit a bin at most
+        bins = np.maximum(np.floor(len(cost) * share / share.sum()), 1).astype(np.int64)
     if len(cost) < bins.sum():
         return None
     owner = np.repeat(np.arange(len(speeds)), bins)  # interleaved: replica r's j-th bin at (j + 1/2) / bins[r]
@@ -129,6 +133,31 @@ def _weighted_deal(cost: np.ndarray, tokens: np.ndarray, speeds: np.ndarray, cap
     ]
     rep = owner[_snake(np.argsort(-np.asarray(cost, dtype=np.float64), kind="stable"), len(owner))]
     return rep if np.bincount(rep, weights=tokens, minlength=len(speeds)).max() <= room else None
+
+
+def _fill_short(rep: np.ndarray, cost: np.ndarray, tokens: np.ndarray, m: int, room: int) -> None:
+    """Give every replica at least `m` units (in place): a replica whose speed share is fewer units than its
+    micro-batches (a rank far slower than the others) takes the cheapest units of the replicas above `m`, within
+    `room` tokens, so that the pair search starts from a split where it holds the cheapest units, not none."""
+    dp = int(rep.max()) + 1 if len(rep) else 0
+    count = np.bincount(rep, minlength=dp)
+    short = np.flatnonzero(count < m)
+    if not len(short):
+        return
+    load = np.bincount(rep, weights=tokens, minlength=dp)
+    for u in np.argsort(cost, kind="stable").tolist():
+        if not len(short):
+            return
+        src, r = int(rep[u]), int(short[0])
+        if count[src] <= m or load[r] + tokens[u] > room:
+            continue
+        rep[u] = r
+        count[src] -= 1
+        count[r] += 1
+        load[src] -= tokens[u]
+        load[r] += tokens[u]
+        if count[r] >= m:
+            short = short[1:]
 
 
 def _micro_batches_or_placed(rep, cost, tokens, topology: Topology) -> tuple[np.ndarray | None, int]:
