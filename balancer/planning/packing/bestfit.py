@@ -62,18 +62,55 @@ def best_fit(tokens: np.ndarray, cap: int) -> tuple[np.ndarray, int]:
     bin_of = np.empty(len(tokens), dtype=np.int64)
     big = int(np.count_nonzero(2 * tokens > cap))  # each alone: no two share a micro-batch
     bin_of[order[:big]] = np.arange(big)
-    free = sorted(zip((cap - tokens[order[:big]]).tolist(), range(big)))  # (room, micro-batch), least room first
+    scale = len(tokens) + 1  # a micro-batch as one key: room * scale + its index (least room, then index, first)
+    free = _Keys(sorted(((cap - tokens[order[:big]]) * scale + np.arange(big)).tolist()))
     opened = big
     for u, t in zip(order[big:].tolist(), tokens[order[big:]].tolist()):
-        i = bisect_left(free, (t, -1))
-        if i == len(free):
+        key = free.pop_from(t * scale)
+        if key is None:
             b, room = opened, cap
             opened += 1
         else:
-            room, b = free.pop(i)
+            room, b = divmod(key, scale)
         bin_of[u] = b
-        insort(free, (room - t, b))
+        free.add((room - t) * scale + b)
     return bin_of, opened
+
+
+class _Keys:
+    """A sorted multiset of ints in chunks of at most 2 * CHUNK (O(log n + CHUNK) a call, where one sorted list
+    costs O(n) an insertion: best-fit of a million units near half the micro-batch took minutes)."""
+
+    CHUNK = 256
+
+    def __init__(self, keys: list) -> None:
+        self.chunks = [keys[i : i + self.CHUNK] for i in range(0, len(keys), self.CHUNK)]
+        self.tops = [c[-1] for c in self.chunks]
+
+    def pop_from(self, low: int):
+        """Remove and return the least key >= `low` (None when there is none)."""
+        i = bisect_left(self.tops, low)
+        if i == len(self.tops):
+            return None
+        chunk = self.chunks[i]
+        key = chunk.pop(bisect_left(chunk, low))
+        if chunk:
+            self.tops[i] = chunk[-1]
+        else:
+            del self.chunks[i], self.tops[i]
+        return key
+
+    def add(self, key: int) -> None:
+        if not self.chunks:
+            self.chunks, self.tops = [[key]], [key]
+            return
+        i = min(bisect_left(self.tops, key), len(self.tops) - 1)
+        chunk = self.chunks[i]
+        insort(chunk, key)
+        self.tops[i] = chunk[-1]
+        if len(chunk) > 2 * self.CHUNK:
+            self.chunks[i : i + 1] = [chunk[: self.CHUNK], chunk[self.CHUNK :]]
+            self.tops[i : i + 1] = [chunk[self.CHUNK - 1], chunk[-1]]
 
 
 def best_fit_count(tokens: np.ndarray, cap: int) -> int:
