@@ -83,12 +83,7 @@ def _split_pair(bins, cost, tokens, pair: tuple, q: int, s_q: float, one: Topolo
     rest = np.array([cost[fixed].sum(), tokens[fixed].sum(), len(fixed)], dtype=np.float64) - base
     for mask in _best_splits(cost[free], tokens[free], base, rest, (s_r, s_q), slowest, room, m):
         a = np.concatenate([on_r, free[mask]])
-        b = np.setdiff1d(both, a, assume_unique=True)
-        packed_a = pack_one(cost[a], tokens[a], one)
-        packed_b = None if packed_a is None else pack_one(cost[b], tokens[b], one)
-        if packed_b is not None:
-            bins[a] = r * m + packed_a
-            bins[b] = q * m + packed_b
+        if _place_pair(bins, cost, tokens, (r, a), (q, np.setdiff1d(both, a, assume_unique=True)), one, pack_one):
             return True
     return False
 
@@ -115,13 +110,23 @@ def _trade(bins, cost, tokens, pair: tuple, q: int, s_q: float, one: Topology, p
     for c in np.flatnonzero(ok)[np.argsort(worst[ok], kind="stable")][:TRIES].tolist():
         a = np.concatenate([np.setdiff1d(mine, mine[c : c + 1], assume_unique=True), offer[: k[c]]])
         b = np.concatenate([offer[k[c] :], mine[c : c + 1]])
-        packed_a = pack_one(cost[a], tokens[a], one)
-        packed_b = None if packed_a is None else pack_one(cost[b], tokens[b], one)
-        if packed_b is not None:
-            bins[a] = r * m + packed_a
-            bins[b] = q * m + packed_b
+        if _place_pair(bins, cost, tokens, (r, a), (q, b), one, pack_one):
             return True
     return False
+
+
+def _place_pair(bins, cost, tokens, side_a: tuple, side_b: tuple, one: Topology, pack_one) -> bool:
+    """Pack each side's items (`(replica, items)`) into its replica's micro-batches and write them to `bins`; nothing
+    written and False when either side does not pack."""
+    (r, a), (q, b) = side_a, side_b
+    packed_a = pack_one(cost[a], tokens[a], one)
+    packed_b = None if packed_a is None else pack_one(cost[b], tokens[b], one)
+    if packed_b is None:
+        return False
+    m = one.micro_batches
+    bins[a] = r * m + packed_a
+    bins[b] = q * m + packed_b
+    return True
 
 
 def _best_splits(cost, tokens, base, rest, speeds, slowest: float, room: int, m: int) -> list[np.ndarray]:
