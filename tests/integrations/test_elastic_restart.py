@@ -13,33 +13,15 @@ from __future__ import annotations
 
 import re
 import sys
-import time
-import uuid
 from pathlib import Path
 
 import pytest
-from support.restarts import ROOT, elastic_agent, free_port, kill_tree, read_trace, token_coverage
+from support.restarts import ROOT, lose_node, read_trace, token_coverage
 
 pytestmark = pytest.mark.slow
 
-# the same rendezvous settings as test_elastic_trainer.py (docs/fault-tolerance.md says what each does)
-RDZV = {"join_timeout": 180, "last_call_timeout": 8, "keep_alive_interval": 1, "keep_alive_max_attempt": 5}
 HOLD = 5  # the lost node's last step; a checkpoint every 2 steps: step 4's is the last one
 DOCS = 400
-
-
-def _wait_held(trace: Path, agents: dict, count: int, timeout: float = 300) -> list[int]:
-    """The ranks whose `held-rank<R>` files the lost node's `count` workers write at the end of step HOLD; fails early
-    if an agent ends."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        held = sorted(int(f.name.removeprefix("held-rank")) for f in trace.glob("held-rank*"))
-        if len(held) == count:
-            return held
-        for name, (proc, log) in agents.items():
-            assert proc.poll() is None, f"the {name} agent ended ({proc.returncode}) early: {log.read_text()[-4000:]}"
-        time.sleep(0.2)
-    raise AssertionError(f"the lost node's {count} workers did not all reach the end of step {HOLD} in {timeout} s")
 
 
 def _run(tmp_path: Path, nproc: int) -> tuple[str, list[int], list[dict]]:
@@ -48,23 +30,7 @@ def _run(tmp_path: Path, nproc: int) -> tuple[str, list[int], list[dict]]:
     trace.mkdir()
     ckpt.mkdir()
     args = ["--ckpt", str(ckpt), "--trace", str(trace), "--docs", str(DOCS)]
-    rdzv = {"endpoint": f"127.0.0.1:{free_port()}", "id": f"elastic-{uuid.uuid4().hex[:8]}", **RDZV}
-    logs = {name: tmp_path / f"{name}.log" for name in ("lost", "host")}
-    # the lost node first: its agent waits for the host's store, so both join the first round together
-    lost = elastic_agent("elastic_restart.py", [*args, "--hold-at", str(HOLD)], logs["lost"],
-                         {**rdzv, "is_host": 0}, nproc=nproc)  # fmt: skip
-    host = elastic_agent("elastic_restart.py", args, logs["host"], {**rdzv, "is_host": 1}, nproc=nproc)
-    try:
-        held = _wait_held(trace, {"lost": (lost, logs["lost"]), "host": (host, logs["host"])}, nproc)
-        kill_tree(lost.pid)  # the node is lost: its agent and its workers, SIGKILL
-        code = host.wait(timeout=400)
-    finally:
-        for proc in (lost, host):
-            if proc.poll() is None:
-                kill_tree(proc.pid)
-            proc.wait()
-    log = logs["host"].read_text()
-    assert code == 0, log[-4000:]
+    log, held = lose_node("elastic_restart.py", args, HOLD, tmp_path, trace, nproc)
     return log, held, read_trace(trace)
 
 

@@ -13,35 +13,16 @@ from __future__ import annotations
 
 import re
 import sys
-import time
-import uuid
 from pathlib import Path
 
 import pytest
-from support.restarts import ROOT, elastic_agent, free_port, kill_tree, read_trace, traced_tokens
+from support.restarts import ROOT, lose_node, read_trace, traced_tokens
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
 
-# heartbeats every second, a node dead after 5 missed; a round completes 8 s after its first node joins unless both
-# are in (max nodes reached: at once): the second agent's store client retries its connection every ~2 s until the
-# host's store is up, so both join the first round; generous join timeout for a loaded machine
-RDZV = {"join_timeout": 180, "last_call_timeout": 8, "keep_alive_interval": 1, "keep_alive_max_attempt": 5}
 HOLD = 5  # the lost node's last step; checkpoints every 2 steps: checkpoint-4 is the last complete one
-
-
-def _wait_held(trace: Path, agents: dict, timeout: float = 300) -> Path:
-    """The `held-rank<R>` file the lost node's worker writes at the end of step HOLD; fails early if an agent ends."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        held = sorted(trace.glob("held-rank*"))
-        if held:
-            return held[0]
-        for name, (proc, log) in agents.items():
-            assert proc.poll() is None, f"the {name} agent ended ({proc.returncode}) early: {log.read_text()[-4000:]}"
-        time.sleep(0.2)
-    raise AssertionError(f"no worker reached the end of step {HOLD} in {timeout} s")
 
 
 def test_torchrun_elastic_restart_from_2_nodes_to_1_every_document_once(tmp_path):
@@ -51,27 +32,12 @@ def test_torchrun_elastic_restart_from_2_nodes_to_1_every_document_once(tmp_path
     trace, run = tmp_path / "trace", tmp_path / "run"
     trace.mkdir()
     args = ["--out", str(run), "--trace", str(trace), "--resume-if-any"]
-    rdzv = {"endpoint": f"127.0.0.1:{free_port()}", "id": f"elastic-{uuid.uuid4().hex[:8]}", **RDZV}
-    logs = {name: tmp_path / f"{name}.log" for name in ("lost", "host")}
-    # the lost node first: its agent waits for the host's store, so both join the first round together
-    lost = elastic_agent("trainer_restart.py", [*args, "--hold-at", str(HOLD)], logs["lost"], {**rdzv, "is_host": 0})
-    host = elastic_agent("trainer_restart.py", args, logs["host"], {**rdzv, "is_host": 1})
-    try:
-        held = _wait_held(trace, {"lost": (lost, logs["lost"]), "host": (host, logs["host"])})
-        kill_tree(lost.pid)  # the node is lost: its agent and its worker, SIGKILL
-        code = host.wait(timeout=400)
-    finally:
-        for proc in (lost, host):
-            if proc.poll() is None:
-                kill_tree(proc.pid)
-            proc.wait()
-    log = logs["host"].read_text()
-    assert code == 0, log[-4000:]
+    log, held = lose_node("trainer_restart.py", args, HOLD, tmp_path, trace)
     # the agent's own account: the first rendezvous made a world of 2, the restart (1 of 1 allowed) a world of 1
     worlds = re.findall(r"group_world_size=(\d+)", log)
     assert worlds[:1] == ["2"], f"the first rendezvous did not take both nodes (one later than the last call): {worlds}"
     assert worlds == ["2", "1"] and re.findall(r"restart_count=(\d+)", log) == ["0", "1"], log[-4000:]
-    _check_trace(read_trace(trace), int(held.name.removeprefix("held-rank")), run, lengths_of(240))
+    _check_trace(read_trace(trace), held[0], run, lengths_of(240))
 
 
 def _check_trace(lines: list[dict], held: int, run: Path, lengths) -> None:

@@ -12,6 +12,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -19,6 +21,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
+# the elastic tests' rendezvous: heartbeats every second, a node dead after 5 missed; a round completes 8 s after its
+# first node joins unless both are in (max nodes reached: at once): the second agent's store client retries its
+# connection every ~2 s until the host's store is up, so both join the first round; generous join timeout for a
+# loaded machine (docs/fault-tolerance.md says what each does)
+ELASTIC_RDZV = {"join_timeout": 180, "last_call_timeout": 8, "keep_alive_interval": 1, "keep_alive_max_attempt": 5}
 
 
 def launch(script: str, nproc: int, *args: str, timeout: float = 420) -> tuple[int, str]:
@@ -113,6 +120,46 @@ def process_tree(pid: int) -> list[int]:
         tree.append(todo.pop())
         todo += children.get(tree[-1], [])
     return tree
+
+
+def lose_node(
+    script: str, args: list[str], hold: int, tmp_path: Path, trace: Path, nproc: int = 1
+) -> tuple[str, list[int]]:
+    """Two elastic agents on the loopback (`elastic_agent`, ELASTIC_RDZV, the surviving one hosting the store) run
+    `examples/<script> args`; the other node's `nproc` workers stop at the end of step `hold` (`--hold-at`), then that
+    node, its agent and its workers, is SIGKILLed; the survivor must end with exit code 0. (the surviving agent's
+    log, the held ranks)."""
+    rdzv = {"endpoint": f"127.0.0.1:{free_port()}", "id": f"elastic-{uuid.uuid4().hex[:8]}", **ELASTIC_RDZV}
+    logs = {name: tmp_path / f"{name}.log" for name in ("lost", "host")}
+    # the lost node first: its agent waits for the host's store, so both join the first round together
+    lost = elastic_agent(script, [*args, "--hold-at", str(hold)], logs["lost"], {**rdzv, "is_host": 0}, nproc=nproc)
+    host = elastic_agent(script, args, logs["host"], {**rdzv, "is_host": 1}, nproc=nproc)
+    try:
+        held = _wait_held(trace, {"lost": (lost, logs["lost"]), "host": (host, logs["host"])}, nproc, hold)
+        kill_tree(lost.pid)  # the node is lost: its agent and its workers, SIGKILL
+        code = host.wait(timeout=400)
+    finally:
+        for proc in (lost, host):
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+            proc.wait()
+    log = logs["host"].read_text()
+    assert code == 0, log[-4000:]
+    return log, held
+
+
+def _wait_held(trace: Path, agents: dict, count: int, hold: int, timeout: float = 300) -> list[int]:
+    """The ranks whose `held-rank<R>` files the lost node's `count` workers write at the end of step `hold`; fails
+    early if an agent ends."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        held = sorted(int(f.name.removeprefix("held-rank")) for f in trace.glob("held-rank*"))
+        if len(held) == count:
+            return held
+        for name, (proc, log) in agents.items():
+            assert proc.poll() is None, f"the {name} agent ended ({proc.returncode}) early: {log.read_text()[-4000:]}"
+        time.sleep(0.2)
+    raise AssertionError(f"the lost node's {count} workers did not all reach the end of step {hold} in {timeout} s")
 
 
 def kill_tree(pid: int) -> list[int]:
