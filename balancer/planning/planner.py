@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 
@@ -180,9 +181,13 @@ def _assemble(lengths, topology: Topology, cost, seed, packed: list, units: tupl
         end,
         np.concatenate([[0], np.cumsum(sizes)]),
         seed=seed,
-        natural_step=natural_steps(
-            doc_order, placed_tokens, int(round(float(np.mean(targets)))), shuffled_tokens if one_each else None
-        ),
+        natural_step=partial(
+            natural_steps,
+            doc_order,
+            placed_tokens,
+            int(round(float(np.mean(targets)))),
+            shuffled_tokens if one_each else None,
+        ),  # computed on first use
         plan_seconds=time.perf_counter() - started,
         last_micro_batches=m_last,
         filler=filler if filler.any() else None,
@@ -360,9 +365,10 @@ def _cut_steps(
     step_target = targets[np.minimum(np.arange(len(groups)), len(targets) - 1)]
     off = np.flatnonzero(np.abs(totals - step_target) > 0.02 * step_target)
     s = int(off[0]) if len(off) else len(groups)
+    tradable = attn_heavy if attn_heavy.any() else None  # None: every unit may be traded
     while s < len(groups) - 1:  # the steps off their target, and each step the one before traded units with
         before = groups[s + 1]
-        groups[s] = hold_step_tokens(groups[s], groups, s, float(step_target[s]), u_tok, attn_heavy, nb)
+        groups[s] = hold_step_tokens(groups[s], groups, s, float(step_target[s]), u_tok, tradable, nb)
         if groups[s + 1] is not before:
             s += 1
         else:

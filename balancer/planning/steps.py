@@ -99,7 +99,9 @@ def effective_step_tokens(unit_cost: np.ndarray, unit_tokens: np.ndarray, topolo
         if not light_cost_per_token > 0:  # the light units' cost vanishes beside the heavy ones (float rounding)
             return tps
         excess = (heavy_cost / light_cost_per_token - heavy_tokens) / steps
-        target = float(np.clip(0.98 * capacity - excess, STEP_BAND[0] * tps, tps))
+        before, target = target, float(np.clip(0.98 * capacity - excess, STEP_BAND[0] * tps, tps))
+        if target == before:  # a fixed point: the next round would repeat this one
+            break
     return max(1, int(round(target)))
 
 
@@ -122,6 +124,9 @@ def assign_steps(
     num_steps = len(targets)
     if num_steps == 1:
         return np.zeros(len(unit_cost), dtype=np.int64)
+    if not attn_heavy.any():  # every unit fills the steps by tokens (no heavy unit to spread)
+        middle = np.cumsum(unit_tokens, dtype=np.float64) - unit_tokens / 2
+        return np.minimum(_steps_passed(np.cumsum(targets, dtype=np.float64), middle), num_steps - 1)
     heavy = (unit_cost > HEAVY_STEP * unit_cost.sum() / (num_steps * bins)) & attn_heavy
     step = np.empty(len(unit_cost), dtype=np.int64)
     if heavy.any() and grouped:

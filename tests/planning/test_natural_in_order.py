@@ -41,3 +41,30 @@ def test_plan_natural_steps(seed, overflow):
     later = in_order > 0
     tps = int((before[later] // in_order[later]).min()) if later.any() else int(before.max()) + 1  # the largest fit
     np.testing.assert_array_equal(natural_steps(order, placed, tps), steps)
+
+
+def test_natural_steps_are_computed_on_first_use_and_kept():
+    """The planner hands the plan how to compute its natural steps: the same array on every read (computed once),
+    and a plan whose natural steps were set to None reports no delay."""
+    import balancer.planning.metrics as metrics
+
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 1024, 500)
+    topo = balancer.Topology(dp=2, micro_batches=2, max_tokens=1024)
+    calls = []
+    real = metrics.natural_steps
+    try:
+        import balancer.planning.planner as planner
+
+        planner.natural_steps = lambda *a: calls.append(1) or real(*a)
+        plan = balancer.plan(lengths, topo, balancer.CostModel(attn_coef=1e-4, linear_coef=1.0), seed=3)
+        assert calls == []  # not computed while planning
+        first = plan.natural_step
+        assert first is plan.natural_step and calls == [1]  # computed once, then kept
+    finally:
+        planner.natural_steps = real
+    order = np.random.default_rng(3).permutation(len(lengths))
+    assert first is not None and np.all(np.diff(first[order]) >= 0) and first.dtype == np.int64
+    assert np.isfinite(plan.metrics()["mean_delay_steps"])
+    plan.natural_step = None
+    assert plan.natural_step is None and np.isnan(plan.metrics()["mean_delay_steps"])

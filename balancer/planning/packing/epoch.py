@@ -264,10 +264,13 @@ def pack_light_steps(
     steps with over 4x the median number of units (the padded arrays stay within 4x the units)."""
     sizes = np.diff(ptr)
     heavy = np.zeros(len(sizes), dtype=np.int64)
-    heavy[sizes > 0] = np.add.reduceat(attn_heavy[flat].astype(np.int64), ptr[:-1][sizes > 0])
+    if attn_heavy.any():
+        heavy[sizes > 0] = np.add.reduceat(attn_heavy[flat].astype(np.int64), ptr[:-1][sizes > 0])
     batched = heavy == 0
     if batched.any():  # padded arrays: a step far larger than the others (tiny documents) goes to pack_step
         batched &= sizes <= max(4 * topology.bins_per_step, 4 * int(np.median(sizes[batched])))
+    if batched.all():  # every step: no gathers of the light steps' units
+        return pack_steps(u_cost[flat], u_tok[flat], ptr, topology)
     light = np.repeat(batched, sizes)
     out = np.full(len(flat), -1, dtype=np.int64)
     if light.any():

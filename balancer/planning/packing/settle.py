@@ -145,22 +145,24 @@ def _faster(fast: np.ndarray | None, packed: np.ndarray, cost: np.ndarray, topol
 
 
 def hold_step_tokens(
-    units: np.ndarray, groups: list, s: int, target: float, u_tok: np.ndarray, attn_heavy: np.ndarray, nb: int
+    units: np.ndarray, groups: list, s: int, target: float, u_tok: np.ndarray, attn_heavy: np.ndarray | None, nb: int
 ) -> np.ndarray:
     """Keep step `s` within 2% of its token target by trading light units with the next step (in place on
     `groups[s + 1]`): trailing light units move on when the step is too big, leading light units of the next step
     come forward when it is too small. Units larger than what is left to trade are skipped; when
-    the step is still off then, one unit that overshoots the target but lands closer to it is traded."""
+    the step is still off then, one unit that overshoots the target but lands closer to it is traded.
+    `attn_heavy` None: no unit of the epoch is attention-heavy (every unit may be traded)."""
     total = float(u_tok[units].sum())
     tol = 0.01 * target
     if abs(total - target) <= 2 * tol:
         return units
     nxt = groups[s + 1]
-    if total > target:
-        pool, budget, room = np.flatnonzero(~attn_heavy[units])[::-1], total - target, len(units) - nb
-    else:
-        pool, budget, room = np.flatnonzero(~attn_heavy[nxt]), target - total, len(nxt) - nb
     src = units if total > target else nxt
+    pool = np.arange(len(src)) if attn_heavy is None else np.flatnonzero(~attn_heavy[src])
+    if total > target:
+        pool, budget, room = pool[::-1], total - target, len(units) - nb
+    else:
+        budget, room = target - total, len(nxt) - nb
     chosen: list[int] = []
     for k, t in zip(pool.tolist(), u_tok[src[pool]].tolist()):
         if budget <= tol or len(chosen) >= room:

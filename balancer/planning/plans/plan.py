@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -126,7 +126,7 @@ class Plan:
         mb_ptr: np.ndarray,
         *,
         seed: int | None = None,
-        natural_step: np.ndarray | None = None,
+        natural_step: np.ndarray | Callable[[], np.ndarray] | None = None,
         plan_seconds: float = float("nan"),
         dropped_tokens: int | None = None,
         groups: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
@@ -143,7 +143,7 @@ class Plan:
         self.end = np.asarray(end, dtype=np.int64)
         self.mb_ptr = np.asarray(mb_ptr, dtype=np.int64)
         self.seed = seed
-        self.natural_step = None if natural_step is None else np.asarray(natural_step, dtype=np.int64)
+        self._natural_step = natural_step  # an array, or how to compute it on first use (`natural_step`)
         self.plan_seconds = plan_seconds
         self.last_micro_batches = check_last(topology, last_micro_batches)
         if topology.dynamic != (groups is not None):
@@ -405,6 +405,21 @@ class Plan:
         if self.dynamic:
             return _metrics.dynamic_step_times(self._mb_cost_flat(), *self.group_arrays, self.topology)
         return _metrics.step_times(self.micro_batch_costs(), self.topology)
+
+    @property
+    def natural_step(self) -> np.ndarray | None:
+        """Step each document would land in if the shuffled order were cut every `tokens_per_step` tokens (int64,
+        indexed by document id; None when unknown). A planner may pass how to compute it: it is computed on first
+        use, as only `mean_delay_steps` and saved plans read it."""
+        if callable(self._natural_step):
+            self._natural_step = self._natural_step()
+        if self._natural_step is not None:
+            self._natural_step = np.asarray(self._natural_step, dtype=np.int64)
+        return self._natural_step
+
+    @natural_step.setter
+    def natural_step(self, value: np.ndarray | None) -> None:
+        self._natural_step = value
 
     def metrics(self) -> dict:
         """The balance metrics of docs/design.md (see balancer.planning.metrics for the definitions)."""
