@@ -46,7 +46,7 @@ def pack_steps(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: 
     s); -1 for a unit that fits no micro-batch of its step."""
     if replica_speeds(topology) is not None:
         return _pack_steps_uneven(cost, tokens, ptr, topology)
-    return pack_even_steps(by_step_grid(-cost, ptr, tokens), cost, tokens, topology, TAIL_ROUNDS)
+    return pack_even_steps(by_step_grid(-cost, ptr, tokens), cost, tokens, topology, TAIL_ROUNDS, np.diff(ptr))
 
 
 def _pack_steps_uneven(cost: np.ndarray, tokens: np.ndarray, ptr: np.ndarray, topology: Topology) -> np.ndarray:

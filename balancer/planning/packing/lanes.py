@@ -21,13 +21,12 @@ from balancer.planning.topology import Topology
 
 
 def pack_even_steps(
-    grid: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology, tail: int
+    grid: np.ndarray, cost: np.ndarray, tokens: np.ndarray, topology: Topology, tail: int, counts: np.ndarray
 ) -> np.ndarray:
     """Micro-batch of every unit (-1: fits none of its step's micro-batches). `grid[s]`: step s's units, largest
     first, -1 past its units (`epoch.by_step_grid`); a step takes rounds of one unit per micro-batch while it has at
-    least `tail` rounds of units left, then its units one at a time."""
+    least `tail` rounds of units left, then its units one at a time. `counts[s]`: step s's number of units."""
     nb, cap, m = topology.bins_per_step, topology.micro_batch_tokens, topology.micro_batches
-    counts = (grid >= 0).sum(axis=1)
     order = np.argsort(-counts, kind="stable")  # most units first: live steps are a prefix of the rows
     units, counts = np.ascontiguousarray(grid[order].T), counts[order]  # [column, step]
     width, steps = units.shape
@@ -44,9 +43,9 @@ def pack_even_steps(
             live = int(np.searchsorted(falling, -col, side="left"))  # counts > col
             if live > in_rounds:
                 _tail_unit(col, in_rounds, live, lanes, topology)
-    unit_bin = np.full(len(cost), -1, dtype=np.int64)
-    unit_bin[units[lanes.valid]] = lanes.bin[lanes.valid]
-    return unit_bin
+    unit_bin = np.full(len(cost) + 1, -1, dtype=np.int64)
+    unit_bin[units.ravel()] = lanes.bin.ravel()  # the padding's -1 cells all write the spare last entry
+    return unit_bin[:-1]
 
 
 @dataclass
@@ -77,8 +76,11 @@ def _round(first: int, end: int, k: int, lanes: Lanes, cap: int, m: int) -> None
     load, used = lanes.load, lanes.used
     bins = load.shape[0]
     valid, tok = lanes.valid[first:end, :k].T, lanes.tokens[first:end, :k].T  # [step, column]
-    spread = np.broadcast_to((np.arange(bins) % m) * (bins // m) + np.arange(bins) // m, (k, bins))
-    target = np.lexsort((spread, load[:, :k].T), axis=1)[:, : end - first]
+    spread = (np.arange(bins) % m) * (bins // m) + np.arange(bins) // m
+    if first == 0:  # nothing placed yet: every load ties, the order is the spread's
+        target = np.broadcast_to(np.argsort(spread)[: end - first], (k, end - first))
+    else:
+        target = np.lexsort((np.broadcast_to(spread, (k, bins)), load[:, :k].T), axis=1)[:, : end - first]
     fits = valid & (used[target, np.arange(k)[:, None]] + tok <= cap)
     r, c = np.nonzero(fits)
     lanes.place(first + c, r, target[r, c])

@@ -56,24 +56,11 @@ def improve_small(st: SmallState, cap: int) -> bool:
     return True
 
 
-def _better(cells, now: float):
-    """Of (new, pair, change) cells in order, the first of least (new, pair) that lowers the slowest replica
-    (`pair` < now) without raising the step time (`refine._better`); None if no cell does."""
-    limit = now * (1 - 1e-12)
-    best = None
-    for cell in cells:
-        if cell[1] < limit and cell[0] <= now and (best is None or cell[:2] < best[:2]):
-            best = cell
-    return best
-
-
 def _best_move(st: SmallState, a: list, hi: int, now: float, rest: float, cap: int):
     """`refine._best_move`: a unit of the slowest replica to the roomiest micro-batch of the fastest replica with
-    room for it, then the lowest replica that does as well."""
-    dp, m, times, cost, tok = st.dp, st.m, st.times, st.cost, st.tok
-    movable = [u for u in a if st.mb_n[st.mb[u]] > 1]
-    if not movable:
-        return None
+    room for it, then the lowest replica that does as well. Of the units in order, the first of least (new step
+    time, pair time) that lowers the slowest replica without raising the step time (`refine._better`)."""
+    dp, m, times, cost, tok, mb, mb_n = st.dp, st.m, st.times, st.cost, st.tok, st.mb, st.mb_n
     room = [cap - t for t in st.mb_tok]
     widest = [max(room[r * m : r * m + m]) for r in range(dp)]
     by_time = [r for r in sorted(range(dp), key=times.__getitem__) if r != hi]
@@ -81,16 +68,19 @@ def _best_move(st: SmallState, a: list, hi: int, now: float, rest: float, cap: i
     for r in by_time:
         top = max(top, widest[r])
         reach.append(top)
-    cells = []
-    for u in movable:
+    limit, count, best = now * (1 - 1e-12), len(by_time), None
+    for u in a:
+        if mb_n[mb[u]] <= 1:
+            continue
         k = bisect_left(reach, tok[u])
-        if k < len(by_time):
+        if k < count:
             pair = max(now - cost[u], times[by_time[k]] + cost[u])
-            cells.append((max(rest, pair), pair, u))
-    found = _better(cells, now)
-    if found is None:
+            new = max(rest, pair)
+            if pair < limit and new <= now and (best is None or (new, pair) < best[:2]):
+                best = (new, pair, u)
+    if best is None:
         return None
-    new, pair, u = found
+    new, pair, u = best
     for r in range(dp):
         if r != hi and tok[u] <= widest[r]:
             row = max(now - cost[u], times[r] + cost[u])
@@ -101,8 +91,9 @@ def _best_move(st: SmallState, a: list, hi: int, now: float, rest: float, cap: i
 
 
 def _best_swap(st: SmallState, a: list, hi: int, now: float, rest: float, cap: int):
-    """`refine._best_swap`: a <-> b with the fastest replica, for each a the b nearest the ideal cost (either
-    side), lowering the slowest replica by the difference."""
+    """`refine._best_swap`: a <-> b with the fastest replica, for each a the b nearest the ideal cost (the one at
+    or above it for every a, then the one below), lowering the slowest replica by the difference; the first of
+    least (new step time, pair time) as `refine._better` takes it."""
     mb, cost, tok, times, mb_tok = st.mb, st.cost, st.tok, st.times, st.mb_tok
     lo = times.index(min(times))
     b = [u for u, r in enumerate(st.rep) if r == lo]
@@ -110,17 +101,18 @@ def _best_swap(st: SmallState, a: list, hi: int, now: float, rest: float, cap: i
         return None
     b.sort(key=cost.__getitem__)
     b_cost = [cost[u] for u in b]
-    half, fastest = (now - times[lo]) / 2, times[lo]
+    half, fastest, last = (now - times[lo]) / 2, times[lo], len(b) - 1
     at = [bisect_left(b_cost, cost[u] - half) for u in a]
-    pairs = [(u, b[min(k, len(b) - 1)]) for u, k in zip(a, at)] + [(u, b[max(k - 1, 0)]) for u, k in zip(a, at)]
-    cells = []
-    for u, v in pairs:
-        delta = cost[u] - cost[v]
-        if delta > 0 and mb_tok[mb[u]] - tok[u] + tok[v] <= cap and mb_tok[mb[v]] - tok[v] + tok[u] <= cap:
-            pair = max(now - delta, fastest + delta)
-            cells.append((max(rest, pair), pair, (u, v)))
-    found = _better(cells, now)
-    if found is None:
+    limit, best = now * (1 - 1e-12), None
+    for partner in ([b[min(k, last)] for k in at], [b[max(k - 1, 0)] for k in at]):
+        for u, v in zip(a, partner):
+            delta = cost[u] - cost[v]
+            if delta > 0 and mb_tok[mb[u]] - tok[u] + tok[v] <= cap and mb_tok[mb[v]] - tok[v] + tok[u] <= cap:
+                pair = max(now - delta, fastest + delta)
+                new = max(rest, pair)
+                if pair < limit and new <= now and (best is None or (new, pair) < best[:2]):
+                    best = (new, pair, u, v)
+    if best is None:
         return None
-    u, v = found[2]
-    return found[0], found[1], [(u, mb[v]), (v, mb[u])]
+    new, pair, u, v = best
+    return new, pair, [(u, mb[v]), (v, mb[u])]
