@@ -355,12 +355,12 @@ def _cut_steps(
     between neighbours so that steps hold their token targets (`hold_step_tokens`, only where a step is off)."""
     step_of = assign_steps(u_cost, u_tok, targets, nb, rng, grouped=grouped, attn_heavy=attn_heavy)
     if np.all(step_of[1:] >= step_of[:-1]):  # steps cut from the shuffled order as it is (no heavy unit moved)
-        by_step = np.arange(len(step_of))
-        bounds = np.searchsorted(step_of, np.arange(len(targets) + 1))
+        by_step, in_step_order = np.arange(len(step_of)), step_of
     else:
         key = step_of.astype(np.int16) if len(targets) < 2**15 else step_of  # 16-bit keys sort by radix
         by_step = np.argsort(key, kind="stable")  # shuffled order kept inside a step
-        bounds = np.searchsorted(step_of[by_step], np.arange(len(targets) + 1))
+        in_step_order = step_of[by_step]
+    bounds = np.searchsorted(in_step_order, np.arange(len(targets) + 1))
     groups = [by_step[bounds[s] : bounds[s + 1]] for s in range(len(targets))]
     borrow_for_small_steps(groups, u_cost, nb, merge=not fixed)
     sizes = np.array([len(g) for g in groups])

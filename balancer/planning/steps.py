@@ -124,10 +124,9 @@ def assign_steps(
     num_steps = len(targets)
     if num_steps == 1:
         return np.zeros(len(unit_cost), dtype=np.int64)
-    if not attn_heavy.any():  # every unit fills the steps by tokens (no heavy unit to spread)
-        middle = np.cumsum(unit_tokens, dtype=np.float64) - unit_tokens / 2
-        return np.minimum(_steps_passed(np.cumsum(targets, dtype=np.float64), middle), num_steps - 1)
-    heavy = (unit_cost > HEAVY_STEP * unit_cost.sum() / (num_steps * bins)) & attn_heavy
+    heavy = (unit_cost > HEAVY_STEP * unit_cost.sum() / (num_steps * bins)) & attn_heavy if attn_heavy.any() else None
+    if heavy is None or not heavy.any():  # every unit fills the steps by tokens, in shuffled order
+        return _fill_by_tokens(unit_tokens, targets)
     step = np.empty(len(unit_cost), dtype=np.int64)
     if heavy.any() and grouped:
         step[heavy] = _group_heavy(np.flatnonzero(heavy), unit_cost, unit_tokens, targets, bins, rng)
@@ -135,10 +134,15 @@ def assign_steps(
         step[heavy] = _spread_heavy(np.flatnonzero(heavy), unit_cost, unit_tokens, targets)
     heavy_tokens = np.bincount(step[heavy], weights=unit_tokens[heavy], minlength=num_steps)
     budget = np.maximum(targets - heavy_tokens, 0.0)
-    light_tokens = unit_tokens[~heavy].astype(np.float64)
-    middle = np.cumsum(light_tokens) - light_tokens / 2  # a unit goes to the step that holds most of it
-    step[~heavy] = np.minimum(_steps_passed(np.cumsum(budget), middle), num_steps - 1)
+    step[~heavy] = _fill_by_tokens(unit_tokens[~heavy], budget)
     return step
+
+
+def _fill_by_tokens(tokens: np.ndarray, budget: np.ndarray) -> np.ndarray:
+    """Step of each unit (in the given order) when steps take `budget[s]` tokens one after another: a unit goes to
+    the step that holds most of it (its middle), the last step taking the rest."""
+    middle = np.cumsum(tokens, dtype=np.float64) - tokens / 2
+    return np.minimum(_steps_passed(np.cumsum(budget, dtype=np.float64), middle), len(budget) - 1)
 
 
 def _steps_passed(ends: np.ndarray, middle: np.ndarray) -> np.ndarray:
