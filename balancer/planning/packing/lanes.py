@@ -60,11 +60,11 @@ class Lanes:
     load: np.ndarray
     used: np.ndarray
 
-    def place(self, cols: np.ndarray | int, rows: np.ndarray, bins: np.ndarray) -> None:
-        """The units of cells (cols, rows) (`cols` an array or one column) to micro-batches `bins` of their steps,
-        each (step, micro-batch) pair at most once per call."""
+    def place(self, cols: np.ndarray | int, rows: np.ndarray | slice, bins: np.ndarray) -> None:
+        """The units of cells (cols, rows) (`cols` an array or one column; `rows` an array or, with one column, a
+        slice of steps) to micro-batches `bins` of their steps, each (step, micro-batch) pair at most once per call."""
         self.bin[cols, rows] = bins
-        cell = bins * self.load.shape[1] + rows
+        cell = bins * self.load.shape[1] + (np.arange(rows.start, rows.stop) if isinstance(rows, slice) else rows)
         self.load.reshape(-1)[cell] += self.cost[cols, rows]
         self.used.reshape(-1)[cell] += self.tokens[cols, rows]
 
@@ -72,28 +72,43 @@ class Lanes:
 def _round(first: int, end: int, k: int, lanes: Lanes, cap: int, m: int) -> None:
     """One round for steps 0..k: the units of grid columns first..end (largest first) to their steps' micro-batches,
     least loaded first (ties across replicas first); a unit that overflows its micro-batch goes to the least-loaded
-    one with room, or stays unplaced."""
+    one with room, or stays unplaced. Every array is [column, step]: each step's target micro-batches are distinct,
+    so whole columns are placed at once."""
     load, used = lanes.load, lanes.used
-    bins = load.shape[0]
-    valid, tok = lanes.valid[first:end, :k].T, lanes.tokens[first:end, :k].T  # [step, column]
-    spread = (np.arange(bins) % m) * (bins // m) + np.arange(bins) // m
-    if first == 0:  # nothing placed yet: every load ties, the order is the spread's
-        target = np.broadcast_to(np.argsort(spread)[: end - first], (k, end - first))
-    else:
-        target = np.lexsort((np.broadcast_to(spread, (k, bins)), load[:, :k].T), axis=1)[:, : end - first]
-    fits = valid & (used[target, np.arange(k)[:, None]] + tok <= cap)
-    r, c = np.nonzero(fits)
-    lanes.place(first + c, r, target[r, c])
+    bins, steps = load.shape
+    valid, tok = lanes.valid[first:end, :k], lanes.tokens[first:end, :k]
+    spread_order = np.argsort((np.arange(bins) % m) * (bins // m) + np.arange(bins) // m)
+    if first == 0:  # nothing placed yet: every load ties, column c goes to the c-th micro-batch of the spread
+        target = spread_order[: end - first]
+        fits = valid & (tok <= cap)
+        lanes.bin[first:end, :k] = np.where(fits, target[:, None], -1)
+        load[target, :k] = np.where(fits, lanes.cost[first:end, :k], 0.0)
+        used[target, :k] = np.where(fits, tok, 0)
+    else:  # least loaded first; a stable sort of the spread-ordered loads breaks ties in the spread's order
+        target = spread_order[np.argsort(load[spread_order, :k].T, axis=1, kind="stable")[:, : end - first]].T
+        cell = target * steps + np.arange(k)
+        fits = valid & (used.reshape(-1)[cell] + tok <= cap)
+        lanes.bin[first:end, :k] = np.where(fits, target, -1)
+        load.reshape(-1)[cell] += np.where(fits, lanes.cost[first:end, :k], 0.0)
+        used.reshape(-1)[cell] += np.where(fits, tok, 0)
     misfit = valid & ~fits
-    if not misfit.any():
-        return
-    ranks = np.cumsum(misfit, axis=1) - 1
-    for j in range(int(misfit.sum(axis=1).max())):
-        r, c = np.nonzero(misfit & (ranks == j))
-        room = used[:, r].T + tok[r, c][:, None] <= cap
+    if misfit.any():
+        rows, cols = np.nonzero(misfit.T)  # by step, then column
+        _misfits(rows, cols + first, lanes, cap)
+
+
+def _misfits(rows: np.ndarray, cols: np.ndarray, lanes: Lanes, cap: int) -> None:
+    """The round's units that overflow their micro-batch, cells (rows, cols) in step order: each step's first such
+    unit, then its second..., each to the least-loaded micro-batch of its step with room (or left unplaced)."""
+    load, used = lanes.load, lanes.used
+    starts = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]])
+    rank = np.arange(len(rows)) - np.repeat(starts, np.diff(np.r_[starts, len(rows)]))
+    for j in range(int(rank.max()) + 1):
+        r, c = rows[rank == j], cols[rank == j]
+        room = used[:, r].T + lanes.tokens[c, r][:, None] <= cap
         choice = np.argmin(np.where(room, load[:, r].T, np.inf), axis=1)
         ok = room[np.arange(len(r)), choice]
-        lanes.place(first + c[ok], r[ok], choice[ok])
+        lanes.place(c[ok], r[ok], choice[ok])
 
 
 def _tail_unit(col: int, lo: int, hi: int, lanes: Lanes, topology: Topology) -> None:
@@ -119,31 +134,39 @@ def _tail_unit(col: int, lo: int, hi: int, lanes: Lanes, topology: Topology) -> 
         lanes.place(col, rows[ok], choice[ok])
         return
     # the replica time is its sum: the least-loaded replica with room, its cheapest micro-batch with room
+    steps = load.shape[1]
     step_load = load[:, lo:hi].reshape(dp, m, k)
-    step_used = used[:, lo:hi].reshape(dp, m, k)
     total = step_load[:, 0].copy()
-    fullest = step_used[:, 0].copy()
     for j in range(1, m):
         np.add(total, step_load[:, j], out=total)
-        np.minimum(fullest, step_used[:, j], out=fullest)
-    total[fullest > need] = np.inf
     replica, best = _argmin_rows(total)
-    bins = replica * m
-    flat_load, flat_used = load.reshape(-1), used.reshape(-1)
-    cell = bins * load.shape[1] + rows
-    inside = np.stack([flat_load[cell + j * load.shape[1]] for j in range(m)])
-    room = np.stack([flat_used[cell + j * load.shape[1]] for j in range(m)]) <= need
+    cells = replica * m * steps + rows + (np.arange(m) * steps)[:, None]  # [m, k]: the replica's micro-batches
+    room = used.reshape(-1)[cells] <= need
+    full = np.flatnonzero(~room.any(axis=0))
+    if len(full):  # the least-loaded replica has no room: the least-loaded one with room (rare)
+        fullest = used[:, lo:hi].reshape(dp, m, k)[:, :, full].min(axis=1)
+        total = total[:, full]
+        total[fullest > need[full]] = np.inf
+        replica[full], best[full] = _argmin_rows(total)
+        cells[:, full] = replica[full] * m * steps + rows[full] + (np.arange(m) * steps)[:, None]
+        room[:, full] = used.reshape(-1)[cells[:, full]] <= need[full]
+    inside = load.reshape(-1)[cells]
     inside[~room] = np.inf
-    ok = np.isfinite(best)
-    lanes.place(col, rows[ok], bins[ok] + _argmin_rows(inside)[0][ok])
+    choice = replica * m + _argmin_rows(inside)[0]
+    if np.isfinite(best).all():
+        lanes.place(col, slice(lo, hi), choice)
+    else:
+        ok = np.isfinite(best)
+        lanes.place(col, rows[ok], choice[ok])
 
 
 def _argmin_rows(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(index of the first least row of `values` [rows, n] in every column, that least value)."""
+    """(index of the first least row of `values` [rows, n] in every column, that least value): a running minimum over
+    the few rows, without boolean-mask writes (an index moves by `(j - index) * lower`)."""
     best = values[0].copy()
     index = np.zeros(values.shape[1], dtype=np.int64)
     for j in range(1, len(values)):
         lower = values[j] < best
-        np.copyto(best, values[j], where=lower)
-        index[lower] = j
+        np.minimum(best, values[j], out=best)
+        index += (j - index) * lower
     return index, best
