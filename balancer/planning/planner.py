@@ -37,7 +37,7 @@ from balancer.planning.packing.across import move_across
 from balancer.planning.packing.epoch import LazySteps, by_micro_batch, pack_light_steps, steps_to_repack
 from balancer.planning.packing.refine import refine_packed
 from balancer.planning.packing.replicas import permute_replicas
-from balancer.planning.packing.settle import Batched, Settling, hold_step_tokens, settle
+from balancer.planning.packing.settle import Batched, Settling, settle, trade_step_tokens
 from balancer.planning.plans.plan import Plan
 from balancer.planning.speeds import even, planning_view, token_bound
 from balancer.planning.steps import (
@@ -352,7 +352,7 @@ def _cut_steps(
     fixed: bool = False,
 ) -> list[np.ndarray]:
     """The units of every step (`assign_steps`), each step with at least `nb` units, then light units traded
-    between neighbours so that steps hold their token targets (`hold_step_tokens`, only where a step is off)."""
+    between neighbours so that steps hold their token targets (`trade_step_tokens`, only where a step is off)."""
     step_of = assign_steps(u_cost, u_tok, targets, nb, rng, grouped=grouped, attn_heavy=attn_heavy)
     if np.all(step_of[1:] >= step_of[:-1]):  # steps cut from the shuffled order as it is (no heavy unit moved)
         by_step, in_step_order = np.arange(len(step_of)), step_of
@@ -370,14 +370,18 @@ def _cut_steps(
     off = np.flatnonzero(np.abs(totals - step_target) > 0.02 * step_target)
     s = int(off[0]) if len(off) else len(groups)
     tradable = attn_heavy if attn_heavy.any() else None  # None: every unit may be traded
+    total = float(totals[s]) if s < len(groups) else 0.0
     while s < len(groups) - 1:  # the steps off their target, and each step the one before traded units with
         before = groups[s + 1]
-        groups[s] = hold_step_tokens(groups[s], groups, s, float(step_target[s]), u_tok, tradable, nb)
+        groups[s], moved = trade_step_tokens(
+            groups[s], groups, s, total, float(step_target[s]), u_tok, tradable, nb
+        )  # fmt: skip
         if groups[s + 1] is not before:
-            s += 1
+            s, total = s + 1, float(totals[s + 1]) + moved
         else:
             k = int(np.searchsorted(off, s + 1))
             s = int(off[k]) if k < len(off) else len(groups)
+            total = float(totals[s]) if s < len(groups) else 0.0
     return groups
 
 

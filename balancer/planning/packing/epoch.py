@@ -199,8 +199,9 @@ def step_quality(
     steps, nb = len(ptr) - 1, topology.bins_per_step
     step = np.repeat(np.arange(steps), np.diff(ptr))
     placed = unit_bin >= 0
-    slot = step[placed] * nb + unit_bin[placed]
-    mb = np.bincount(slot, weights=cost[placed], minlength=steps * nb)
+    every = bool(placed.all())  # the usual case: no masked copies
+    slot = step * nb + unit_bin if every else step[placed] * nb + unit_bin[placed]
+    mb = np.bincount(slot, weights=cost if every else cost[placed], minlength=steps * nb)
     times = step_times(mb.reshape(steps, topology.dp, topology.micro_batches), topology)
     work = np.bincount(step, weights=cost, minlength=steps)
     heaviest = np.zeros(steps)
@@ -208,8 +209,10 @@ def step_quality(
     heaviest[filled_steps] = np.maximum.reduceat(cost, ptr[:-1][filled_steps]) if len(cost) else 0.0
     bound = lower_bound(work, heaviest, topology)
     filled = np.bincount(slot, minlength=steps * nb).reshape(steps, nb) > 0
-    complete = (np.bincount(step[~placed], minlength=steps) == 0) & filled.all(axis=1)
-    return times, bound, complete
+    complete = filled.all(axis=1)
+    if not every:
+        complete = complete & (np.bincount(step[~placed], minlength=steps) == 0)
+    return times, bound, np.asarray(complete)
 
 
 def steps_to_repack(

@@ -68,19 +68,21 @@ def _best_move(st: SmallState, a: list, hi: int, now: float, rest: float, cap: i
     for r in by_time:
         top = max(top, widest[r])
         reach.append(top)
-    limit, count, best = now * (1 - 1e-12), len(by_time), None
+    limit, count, best, best_new, best_pair = now * (1 - 1e-12), len(by_time), None, INF, INF
     for u in a:
         if mb_n[mb[u]] <= 1:
             continue
         k = bisect_left(reach, tok[u])
         if k < count:
-            pair = max(now - cost[u], times[by_time[k]] + cost[u])
-            new = max(rest, pair)
-            if pair < limit and new <= now and (best is None or (new, pair) < best[:2]):
-                best = (new, pair, u)
+            c = cost[u]
+            down, up = now - c, times[by_time[k]] + c
+            pair = down if down >= up else up  # max(), inline: the loop runs a few hundred times a round
+            new = rest if rest >= pair else pair
+            if pair < limit and new <= now and (new < best_new or (new == best_new and pair < best_pair)):
+                best, best_new, best_pair = u, new, pair
     if best is None:
         return None
-    new, pair, u = best
+    new, pair, u = best_new, best_pair, best
     for r in range(dp):
         if r != hi and tok[u] <= widest[r]:
             row = max(now - cost[u], times[r] + cost[u])
@@ -103,16 +105,24 @@ def _best_swap(st: SmallState, a: list, hi: int, now: float, rest: float, cap: i
     b_cost = [cost[u] for u in b]
     half, fastest, last = (now - times[lo]) / 2, times[lo], len(b) - 1
     at = [bisect_left(b_cost, cost[u] - half) for u in a]
-    limit, best = now * (1 - 1e-12), None
+    limit, best, best_new, best_pair = now * (1 - 1e-12), None, INF, INF
     for partner in ([b[min(k, last)] for k in at], [b[max(k - 1, 0)] for k in at]):
         for u, v in zip(a, partner):
             delta = cost[u] - cost[v]
-            if delta > 0 and mb_tok[mb[u]] - tok[u] + tok[v] <= cap and mb_tok[mb[v]] - tok[v] + tok[u] <= cap:
-                pair = max(now - delta, fastest + delta)
-                new = max(rest, pair)
-                if pair < limit and new <= now and (best is None or (new, pair) < best[:2]):
-                    best = (new, pair, u, v)
+            if delta <= 0:
+                continue
+            down, up = now - delta, fastest + delta
+            pair = down if down >= up else up  # max(), inline: the loop runs a few hundred times a round
+            new = rest if rest >= pair else pair
+            if (
+                pair < limit
+                and new <= now
+                and (new < best_new or (new == best_new and pair < best_pair))
+                and mb_tok[mb[u]] - tok[u] + tok[v] <= cap
+                and mb_tok[mb[v]] - tok[v] + tok[u] <= cap
+            ):
+                best, best_new, best_pair = (u, v), new, pair
     if best is None:
         return None
-    new, pair, u, v = best
-    return new, pair, [(u, mb[v]), (v, mb[u])]
+    u, v = best
+    return best_new, best_pair, [(u, mb[v]), (v, mb[u])]

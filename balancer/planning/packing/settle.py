@@ -152,24 +152,41 @@ def hold_step_tokens(
     come forward when it is too small. Units larger than what is left to trade are skipped; when
     the step is still off then, one unit that overshoots the target but lands closer to it is traded.
     `attn_heavy` None: no unit of the epoch is attention-heavy (every unit may be traded)."""
-    total = float(u_tok[units].sum())
+    return trade_step_tokens(units, groups, s, float(u_tok[units].sum()), target, u_tok, attn_heavy, nb)[0]
+
+
+def trade_step_tokens(
+    units: np.ndarray,
+    groups: list,
+    s: int,
+    total: float,
+    target: float,
+    u_tok: np.ndarray,
+    attn_heavy: np.ndarray | None,
+    nb: int,
+) -> tuple[np.ndarray, float]:
+    """`hold_step_tokens` for a step whose units hold `total` tokens: (its units, the tokens it passed to the next
+    step, negative where it took some)."""
     tol = 0.01 * target
     if abs(total - target) <= 2 * tol:
-        return units
+        return units, 0.0
     nxt = groups[s + 1]
-    src = units if total > target else nxt
+    down = total > target  # too big: trailing units move on; too small: leading units of the next step come
+    src = units if down else nxt
     pool = np.arange(len(src)) if attn_heavy is None else np.flatnonzero(~attn_heavy[src])
-    if total > target:
+    if down:
         pool, budget, room = pool[::-1], total - target, len(units) - nb
     else:
         budget, room = target - total, len(nxt) - nb
     chosen: list[int] = []
+    moved = 0
     for k, t in zip(pool.tolist(), u_tok[src[pool]].tolist()):
         if budget <= tol or len(chosen) >= room:
             break
         if t <= budget + tol:
             chosen.append(k)
             budget -= t
+            moved += t
     if budget > 2 * tol and len(chosen) < room:
         # every unit left is larger than the gap (e.g. a step of heavy documents and a few large light ones): trade
         # the one that brings the step closest to its target, overshooting it, when that is closer than now
@@ -179,15 +196,23 @@ def hold_step_tokens(
             best = int(np.argmin(miss))
             if miss[best] < budget:
                 chosen.append(int(rest[best]))
+                moved += int(u_tok[src[rest[best]]])
     if not chosen:
-        return units
-    mask = np.zeros(len(src), dtype=bool)
+        return units, 0.0
+    n, j = len(src), len(chosen)
+    if down and min(chosen) == n - j:  # the trailing units (the usual trade): slices, no masks
+        groups[s + 1] = np.concatenate([units[n - j :], nxt])
+        return units[: n - j], float(moved)
+    if not down and max(chosen) == j - 1:  # the next step's leading units
+        groups[s + 1] = nxt[j:]
+        return np.concatenate([units, nxt[:j]]), -float(moved)
+    mask = np.zeros(n, dtype=bool)
     mask[chosen] = True
-    if total > target:
+    if down:
         groups[s + 1] = np.concatenate([units[mask], nxt])
-        return units[~mask]
+        return units[~mask], float(moved)
     groups[s + 1] = nxt[~mask]
-    return np.concatenate([units, nxt[mask]])
+    return np.concatenate([units, nxt[mask]]), -float(moved)
 
 
 def _backfill(
