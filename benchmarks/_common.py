@@ -46,12 +46,27 @@ CLOCKS = ("wall", "process_cpu", "wall+process_cpu", "cuda_events", "none")  # "
 LOAD_AT_START = os.getloadavg()  # measured when the benchmark imports this module, before any work
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name as the kernel reports it (/proc/cpuinfo), None where it says none: ratios to a baseline
+    move with it (a NumPy-heavy plan against a Python-loop greedy gains more on some CPUs than on others)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip() or None
+    except OSError:
+        pass
+    return None
+
+
 def machine_record() -> dict:
-    """The machine as measured now: cores, 1/5/15-minute load averages at start (import) and now, Python."""
+    """The machine as measured now: cores, CPU model, 1/5/15-minute load averages at start (import) and now,
+    Python."""
     return {
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "load_average_start": [round(x, 2) for x in LOAD_AT_START],
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
     }

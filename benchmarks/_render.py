@@ -72,7 +72,7 @@ def measured_on(data: dict) -> str:
     start, end = m["load_average_start"][0], m["load_average_end"][0]
     reps = data["config"].get("reps")
     return (
-        f"Measured {data['date']} UTC on {m['cpus']} cores ({m['processor']}), 1-minute load average {start:.1f} at "
+        f"Measured {data['date']} UTC on {cores(m)} ({m['processor']}), 1-minute load average {start:.1f} at "
         f"start, {end:.1f} at end; clock: {data['clock']}" + (f"; {reps} repetitions." if reps else ".")
     )
 
@@ -90,10 +90,16 @@ def ratio_spread(ratio: dict) -> str:
     return f"{ratio['median']:.2f}x ({ratio['min']:.2f}-{ratio['max']:.2f})"
 
 
+def cores(machine: dict) -> str:
+    """ "2 cores", with the CPU's model where the record names it ("2 cores of AMD EPYC")."""
+    model = machine.get("cpu_model")
+    return f"{machine['cpus']} cores" + (f" of {model}" if model else "")
+
+
 def machine_line(data: dict) -> str:
     m = data["machine"]
     load_start, load_end = m["load_average_start"][0], m["load_average_end"][0]
-    return f"{data['clock']} clock, {m['cpus']} cores, 1-minute load {load_start} at start and {load_end} at end"
+    return f"{data['clock']} clock, {cores(m)}, 1-minute load {load_start} at start and {load_end} at end"
 
 
 def record_line(data: dict) -> str:

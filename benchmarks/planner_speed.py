@@ -254,7 +254,7 @@ def table_planner_speed() -> str:
         out += "\n\nOne step (mean of 20 calls, best of 5):\n\n" + tb.markdown(["call", "time"], rows)
     if load_avg.get("load_average_start"):
         out += (
-            f"\n\nMachine: {load_avg.get('cpus')} cores, load average (1/5/15 min) "
+            f"\n\nMachine: {tb.cores(load_avg)}, {tb.commit_note(data)}, load average (1/5/15 min) "
             f"{load_avg['load_average_start']} at start, {load_avg['load_average_end']} at end."
         )
     return out

@@ -32,7 +32,7 @@ README = ROOT / "README.md"
 sys.path.insert(0, str(HERE))
 
 import numpy as np  # noqa: E402
-from _render import commit_and_load, load, paired_ratio  # noqa: E402
+from _render import commit_and_load, cores, load, paired_ratio  # noqa: E402
 
 # name: (the README claim it backs, the command's arguments after `python`)
 FIGURES: dict[str, tuple[str, list[str]]] = {
@@ -73,7 +73,7 @@ def conditions(data: dict) -> str:
     clock = {"process_cpu": "process CPU", "wall+process_cpu": "wall and process CPU"}.get(data["clock"], data["clock"])
     return (
         f"`{script}` at {commit}, {clock} time, load {m['load_average_start'][0]:g} at start and "
-        f"{m['load_average_end'][0]:g} at end on {m['cpus']} {m['processor']} cores, {data['date'][:10]}"
+        f"{m['load_average_end'][0]:g} at end on {cores(m)} ({m['processor']}), {data['date'][:10]}"
     )
 
 
