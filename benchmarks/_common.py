@@ -73,11 +73,14 @@ def machine_record() -> dict:
 
 
 def git_commit() -> dict:
-    """The commit the benchmark ran on and whether the working tree had changes (None outside a git checkout)."""
+    """The commit the benchmark ran on and whether the working tree had changes (None outside a git checkout).
+    Records under benchmarks/results/ do not count as changes: they are what benchmarks write, not what they run, so
+    the second of several benchmarks run in a row (`readme_figures.py`) still names a clean commit."""
     root = Path(__file__).resolve().parents[1]
+    status = ["git", "status", "--porcelain", "--", ".", ":(exclude)benchmarks/results"]
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=30)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=30)
+        dirty = subprocess.run(status, cwd=root, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return {"commit": None, "dirty": None}
     if head.returncode != 0:
