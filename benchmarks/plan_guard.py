@@ -77,8 +77,8 @@ def global_batch() -> np.ndarray:
 
 
 def make_shapes(data: Path, full: bool, million: bool = False, best_of: int = 1) -> list[dict]:
-    """Write each shape's lengths under `data` and return the shapes the workers run (each `plan` shape planned
-    `best_of` times per repetition, its least CPU kept)."""
+    """Write each shape's lengths under `data` and return the shapes the workers run (each `balancer.plan` shape
+    planned `best_of` times per repetition, its least CPU kept; the command shapes run once)."""
     arrays = {
         "sft_short": sft_like(50_000),
         "sft_trace": load_trace("sft")[:25_000],
@@ -107,7 +107,8 @@ def make_shapes(data: Path, full: bool, million: bool = False, best_of: int = 1)
         ]
     out = [{"name": n, "kind": k, "data": d, "topology": t, "cost": COST, "seed": 0} for n, k, d, t in shapes]
     for shape in out:
-        shape["best_of"] = best_of
+        if shape["kind"] == "plan":  # the pack_step shapes are means of 20 calls already
+            shape["best_of"] = best_of
         if shape["data"] == "wlbllm_batch":
             shape["calls"] = 20  # milliseconds each: the mean of 20 calls
     if full:
@@ -245,7 +246,11 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="also time the whole `balancer plan sft` commands")
     ap.add_argument("--million", action="store_true", help="also the 1M-document epochs (wlbllm_1m, sft_1m)")
     ap.add_argument(
-        "--best-of", type=int, default=1, metavar="K", help="plan each shape K times per repetition, keep the least CPU"
+        "--best-of",
+        type=int,
+        default=1,
+        metavar="K",
+        help="plan each balancer.plan shape K times per repetition, keep the least CPU",
     )
     ap.add_argument(
         "--only", nargs="+", metavar="PATH", help="here = HEAD plus the working tree's version of these paths only"
@@ -323,7 +328,11 @@ def table_plan_guard() -> str:
         verdict = "passed" if against["passed"] else "failed"
         out.append(
             f"{where} against {against['ref']} ({against['commit'][:7]}), {data['reps']} paired repetitions"
-            + (f" (each the least CPU of {data['best_of']} plans)" if data.get("best_of", 1) > 1 else "")
+            + (
+                f" (each `balancer.plan` shape the least CPU of {data['best_of']} plans)"
+                if data.get("best_of", 1) > 1
+                else ""
+            )
             + ", "
             f"tolerance {data['tolerance']:.0%} (CPU) / {data['quality_tolerance']:.0%} (excess): {verdict}.\n\n"
             + tb.markdown(COLUMNS, table_rows(against["rows"]))

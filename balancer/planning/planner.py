@@ -370,6 +370,8 @@ def _cut_steps(
     off = np.flatnonzero(np.abs(totals - step_target) > 0.02 * step_target)
     s = int(off[0]) if len(off) else len(groups)
     tradable = attn_heavy if attn_heavy.any() else None  # None: every unit may be traded
+    # step s's token total, kept as units move: exact, since tokens are integers (u_tok is int64) and only the trade
+    # at step s changes groups[s + 1], whose total is then its cut's plus what step s passed on
     total = float(totals[s]) if s < len(groups) else 0.0
     while s < len(groups) - 1:  # the steps off their target, and each step the one before traded units with
         before = groups[s + 1]

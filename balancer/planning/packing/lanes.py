@@ -72,13 +72,14 @@ class Lanes:
 def _round(first: int, end: int, k: int, lanes: Lanes, cap: int, m: int) -> None:
     """One round for steps 0..k: the units of grid columns first..end (largest first) to their steps' micro-batches,
     least loaded first (ties across replicas first); a unit that overflows its micro-batch goes to the least-loaded
-    one with room, or stays unplaced. Every array is [column, step]: each step's target micro-batches are distinct,
-    so whole columns are placed at once."""
+    one with room, or stays unplaced. The units' arrays are [column, step], the loads [micro-batch, step]: each
+    step's target micro-batches are distinct, so whole columns are placed at once."""
     load, used = lanes.load, lanes.used
     bins, steps = load.shape
     valid, tok = lanes.valid[first:end, :k], lanes.tokens[first:end, :k]
     spread_order = np.argsort((np.arange(bins) % m) * (bins // m) + np.arange(bins) // m)
-    if first == 0:  # nothing placed yet: every load ties, column c goes to the c-th micro-batch of the spread
+    if first == 0:  # the first round runs before any tail unit (pack_even_steps), so every load is still 0: it ties,
+        # column c goes to the c-th micro-batch of the spread, and the loads are written, not added to
         target = spread_order[: end - first]
         fits = valid & (tok <= cap)
         lanes.bin[first:end, :k] = np.where(fits, target[:, None], -1)
@@ -114,41 +115,55 @@ def _misfits(rows: np.ndarray, cols: np.ndarray, lanes: Lanes, cap: int) -> None
 def _tail_unit(col: int, lo: int, hi: int, lanes: Lanes, topology: Topology) -> None:
     """The units of grid column `col` of steps lo..hi, one per step, each to the micro-batch that least raises its
     replica's 1F1B time `(P-1) * max_m t_m + sum_m t_m` (ties: the cheaper micro-batch), among those with room."""
+    if topology.pp > 1:
+        _tail_unit_pipelined(col, lo, hi, lanes, topology)
+    else:
+        _tail_unit_summed(col, lo, hi, lanes, topology)
+
+
+def _tail_unit_pipelined(col: int, lo: int, hi: int, lanes: Lanes, topology: Topology) -> None:
+    """`_tail_unit` with pipeline stages: every micro-batch with room is scored by its replica's new 1F1B time."""
     load, used = lanes.load, lanes.used
     dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
     k, rows = hi - lo, np.arange(lo, hi)
     need = cap - lanes.tokens[col, lo:hi]
-    if topology.pp > 1:
-        per_replica = load[:, lo:hi].T.reshape(k, dp, m)
-        room = used[:, lo:hi].T <= need[:, None]
-        c = lanes.cost[col, lo:hi][:, None, None]
-        new_time = one_f_one_b(
-            np.maximum(per_replica.max(axis=2, keepdims=True), per_replica + c),
-            per_replica.sum(axis=2, keepdims=True) + c,
-            topology.pp,
-        )
-        new_time = np.where(room.reshape(k, dp, m), new_time, np.inf).reshape(k, dp * m)
-        best = new_time.min(axis=1, keepdims=True)
-        choice = np.argmin(np.where(new_time <= best * (1 + 1e-12), per_replica.reshape(k, dp * m), np.inf), axis=1)
-        ok = np.isfinite(best[:, 0])
-        lanes.place(col, rows[ok], choice[ok])
-        return
-    # the replica time is its sum: the least-loaded replica with room, its cheapest micro-batch with room
-    steps = load.shape[1]
+    per_replica = load[:, lo:hi].T.reshape(k, dp, m)
+    room = used[:, lo:hi].T <= need[:, None]
+    c = lanes.cost[col, lo:hi][:, None, None]
+    new_time = one_f_one_b(
+        np.maximum(per_replica.max(axis=2, keepdims=True), per_replica + c),
+        per_replica.sum(axis=2, keepdims=True) + c,
+        topology.pp,
+    )
+    new_time = np.where(room.reshape(k, dp, m), new_time, np.inf).reshape(k, dp * m)
+    best = new_time.min(axis=1, keepdims=True)
+    choice = np.argmin(np.where(new_time <= best * (1 + 1e-12), per_replica.reshape(k, dp * m), np.inf), axis=1)
+    ok = np.isfinite(best[:, 0])
+    lanes.place(col, rows[ok], choice[ok])
+
+
+def _tail_unit_summed(col: int, lo: int, hi: int, lanes: Lanes, topology: Topology) -> None:
+    """`_tail_unit` without pipeline stages, where a replica's time is its sum: the least-loaded replica with room,
+    its cheapest micro-batch with room. Room is checked at the least-loaded replica first; the search over replicas
+    with room runs only for the steps where that one has none (rare)."""
+    load, used = lanes.load, lanes.used
+    dp, m, cap = topology.dp, topology.micro_batches, topology.micro_batch_tokens
+    k, rows, steps = hi - lo, np.arange(lo, hi), load.shape[1]
+    need = cap - lanes.tokens[col, lo:hi]
     step_load = load[:, lo:hi].reshape(dp, m, k)
     total = step_load[:, 0].copy()
     for j in range(1, m):
         np.add(total, step_load[:, j], out=total)
     replica, best = _argmin_rows(total)
-    cells = replica * m * steps + rows + (np.arange(m) * steps)[:, None]  # [m, k]: the replica's micro-batches
+    cells = _replica_cells(replica, rows, m, steps)
     room = used.reshape(-1)[cells] <= need
     full = np.flatnonzero(~room.any(axis=0))
-    if len(full):  # the least-loaded replica has no room: the least-loaded one with room (rare)
+    if len(full):
         fullest = used[:, lo:hi].reshape(dp, m, k)[:, :, full].min(axis=1)
         total = total[:, full]
         total[fullest > need[full]] = np.inf
         replica[full], best[full] = _argmin_rows(total)
-        cells[:, full] = replica[full] * m * steps + rows[full] + (np.arange(m) * steps)[:, None]
+        cells[:, full] = _replica_cells(replica[full], rows[full], m, steps)
         room[:, full] = used.reshape(-1)[cells[:, full]] <= need[full]
     inside = load.reshape(-1)[cells]
     inside[~room] = np.inf
@@ -158,6 +173,12 @@ def _tail_unit(col: int, lo: int, hi: int, lanes: Lanes, topology: Topology) -> 
     else:
         ok = np.isfinite(best)
         lanes.place(col, rows[ok], choice[ok])
+
+
+def _replica_cells(replica: np.ndarray, rows: np.ndarray, m: int, steps: int) -> np.ndarray:
+    """[m, len(rows)]: the flat indices into a [micro-batch, step] array of replica `replica[i]`'s m micro-batches
+    in step `rows[i]`."""
+    return replica * m * steps + rows + (np.arange(m) * steps)[:, None]
 
 
 def _argmin_rows(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -147,11 +147,7 @@ def _faster(fast: np.ndarray | None, packed: np.ndarray, cost: np.ndarray, topol
 def hold_step_tokens(
     units: np.ndarray, groups: list, s: int, target: float, u_tok: np.ndarray, attn_heavy: np.ndarray | None, nb: int
 ) -> np.ndarray:
-    """Keep step `s` within 2% of its token target by trading light units with the next step (in place on
-    `groups[s + 1]`): trailing light units move on when the step is too big, leading light units of the next step
-    come forward when it is too small. Units larger than what is left to trade are skipped; when
-    the step is still off then, one unit that overshoots the target but lands closer to it is traded.
-    `attn_heavy` None: no unit of the epoch is attention-heavy (every unit may be traded)."""
+    """Step `s`'s units after `trade_step_tokens`, its token total summed here."""
     return trade_step_tokens(units, groups, s, float(u_tok[units].sum()), target, u_tok, attn_heavy, nb)[0]
 
 
@@ -165,8 +161,12 @@ def trade_step_tokens(
     attn_heavy: np.ndarray | None,
     nb: int,
 ) -> tuple[np.ndarray, float]:
-    """`hold_step_tokens` for a step whose units hold `total` tokens: (its units, the tokens it passed to the next
-    step, negative where it took some)."""
+    """Keep step `s` (its `units`, holding `total` tokens) within 2% of its token target by trading light units with
+    the next step (in place on `groups[s + 1]`): trailing light units move on when the step is too big, leading
+    light units of the next step come forward when it is too small. Units larger than what is left to trade are
+    skipped; when the step is still off then, one unit that overshoots the target but lands closer to it is traded.
+    Every step keeps at least `nb` units. `attn_heavy` None: no unit of the epoch is attention-heavy (every unit may
+    be traded). Returns (step s's units, the tokens it passed on; negative where it took some)."""
     tol = 0.01 * target
     if abs(total - target) <= 2 * tol:
         return units, 0.0
@@ -199,8 +199,8 @@ def trade_step_tokens(
                 moved += int(u_tok[src[rest[best]]])
     if not chosen:
         return units, 0.0
-    n, j = len(src), len(chosen)
-    if down and min(chosen) == n - j:  # the trailing units (the usual trade): slices, no masks
+    n, j = len(src), len(chosen)  # `chosen` holds no index twice (the overshoot comes from the rest)
+    if down and min(chosen) == n - j:  # so these are exactly the trailing units (the usual trade): slices, no masks
         groups[s + 1] = np.concatenate([units[n - j :], nxt])
         return units[: n - j], float(moved)
     if not down and max(chosen) == j - 1:  # the next step's leading units
