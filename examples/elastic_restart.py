@@ -99,6 +99,7 @@ def main() -> None:
                 time.sleep(1)
     if rank == 0:
         save(ckpt, step, model, opt, sampler)
+    dist.barrier()  # no rank tears its gloo connections down while a peer still works (a loaded machine aborted one)
     dist.destroy_process_group()
 
 
