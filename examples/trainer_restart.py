@@ -126,6 +126,11 @@ def main() -> None:
         raise FileNotFoundError(f"--resume: no complete checkpoint-* (with trainer_state.json) in {args.out}")
     trainer = build(args, rank, world, resumed)
     trainer.train(resume_from_checkpoint=resumed)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # every rank tears the process group down together, none while a peer works
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
